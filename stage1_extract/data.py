@@ -1,0 +1,173 @@
+"""Reading conversations: JSONL or Parquet of chat `messages`, or prompt/completion pairs.
+
+Every row becomes a `Conversation` (row index in its file, list of {role, content}). A malformed
+row, an unknown role or an empty conversation raises a ValueError naming the file and row, or is
+skipped and counted with `data.on_bad_row=skip`. Rows are never silently dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from shared.config import Section
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(kw_only=True)
+class DataConfig(Section):
+    section: ClassVar[str] = "data"
+    # Conversations to regenerate and extract. None = the embedded default prompt set,
+    # built under run_dir. A .jsonl/.parquet file or a folder of .parquet parts.
+    path: str | None = None
+    # True: extract the target's regenerated answers (run `generate` first), as the recipe does.
+    # False: extract data.path as it is (its answers must already come from the target).
+    regenerate: bool = True
+    max_samples: int | None = None
+    on_bad_row: Literal["raise", "skip"] = "raise"
+    # Tokens per sample, after the chat template; longer samples are truncated or skipped (counted).
+    max_length: int = 3072
+    on_long: Literal["truncate", "skip"] = "truncate"
+    # Size of the embedded default prompt set.
+    num_default_prompts: int = 384
+
+    def validate(self) -> None:
+        self.require(self.max_samples is None or self.max_samples > 0, "max_samples", "must be > 0")
+        self.require(self.max_length >= 16, "max_length", "must be >= 16")
+        self.require(self.num_default_prompts > 0, "num_default_prompts", "must be > 0")
+
+
+@dataclass
+class Conversation:
+    row: int  # index of the row in its file (stable id of the sample)
+    messages: list[dict[str, str]]
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def row_hash(self) -> str:
+        """Identity of the input row: re-extraction is needed exactly when this changes."""
+        text = json.dumps(self.messages, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass
+class ReadStats:
+    rows: int = 0
+    bad_rows: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+
+
+def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    if path.suffix == ".jsonl" or path.suffix == ".json":
+        with path.open(encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                try:
+                    yield i, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield i, ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})")
+        return
+    if path.suffix == ".parquet" or path.is_dir():
+        import pyarrow.parquet as pq
+
+        files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+        if not files:
+            raise FileNotFoundError(f"{path}: folder holds no .parquet files")
+        row = 0
+        for file in files:
+            for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
+                for record in batch.to_pylist():
+                    yield row, record
+                    row += 1
+        return
+    raise ValueError(f"{path}: unsupported data file type {path.suffix!r} (use .jsonl or .parquet)")
+
+
+def parse_row(record: Any) -> list[dict[str, str]]:
+    """One raw row -> validated messages. Raises ValueError saying what is wrong."""
+    if isinstance(record, Exception):
+        raise record
+    if not isinstance(record, dict):
+        raise ValueError(f"row must be an object, got {type(record).__name__}")
+    if record.get("messages") is not None:
+        messages = record["messages"]
+        if not isinstance(messages, list):
+            raise ValueError("'messages' must be a list")
+        out = []
+        for j, msg in enumerate(messages):
+            if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+                raise ValueError(f"messages[{j}] must have 'role' and 'content'")
+            role, content = msg["role"], msg["content"]
+            if role not in ROLES:
+                raise ValueError(f"messages[{j}] has unknown role {role!r} (known: {', '.join(ROLES)})")
+            if not isinstance(content, str):
+                raise ValueError(f"messages[{j}].content must be a string")
+            out.append({"role": role, "content": content})
+    elif "prompt" in record:
+        prompt, completion = record["prompt"], record.get("completion")
+        if not isinstance(prompt, str) or (completion is not None and not isinstance(completion, str)):
+            raise ValueError("'prompt' and 'completion' must be strings")
+        out = [{"role": "user", "content": prompt}]
+        if completion is not None:
+            out.append({"role": "assistant", "content": completion})
+    else:
+        raise ValueError("row has neither 'messages' nor 'prompt'")
+    if not any(m["role"] == "user" and m["content"].strip() for m in out):
+        raise ValueError("empty conversation (no non-empty user turn)")
+    return out
+
+
+def read_conversations(
+    path: str | Path, *, on_bad_row: str = "raise", max_samples: int | None = None, stats: ReadStats | None = None
+) -> Iterator[Conversation]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data file not found: {path}")
+    stats = stats if stats is not None else ReadStats()
+    kept = 0
+    for row, record in _raw_rows(path):
+        if max_samples is not None and kept >= max_samples:
+            return
+        stats.rows += 1
+        try:
+            messages = parse_row(record)
+        except ValueError as exc:
+            message = f"{path}: row {row}: {exc}"
+            if on_bad_row == "raise":
+                raise ValueError(message + " (set data.on_bad_row=skip to skip and count bad rows)") from None
+            stats.bad_rows += 1
+            if len(stats.bad_examples) < 5:
+                stats.bad_examples.append(message)
+            log.warning("skipping %s", message)
+            continue
+        kept += 1
+        yield Conversation(row=row, messages=messages, source=str(path))
+
+
+def write_conversations_parquet(conversations: list[Conversation], path: Path) -> None:
+    """Atomic Parquet write of `messages` rows (plus `source_row` so edits can be traced)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(
+        [{"messages": c.messages, "source_row": c.row} for c in conversations],
+        schema=pa.schema(
+            [
+                ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+                ("source_row", pa.int64()),
+            ]
+        ),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)

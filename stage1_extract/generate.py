@@ -1,0 +1,229 @@
+"""Regenerate the assistant turns with the target, as the DFlash recipe does.
+
+    python -m stage1_extract generate --config configs/default.yaml
+
+A drafter learns to predict the target's own continuations, so every assistant turn is rewritten
+by the target (temperature 0.7, top-p 0.8 by default). Backends: vllm on GPU, transformers
+(batched, left-padded) on CPU. Work is done in chunks of conversations, each written as its own
+Parquet part; a rerun skips finished parts, so a killed run resumes. The parts are merged into
+`run_dir/data/generated.parquet` at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from shared.config import Section
+from stage1_extract.data import Conversation, write_conversations_parquet
+from stage1_extract.template import prompt_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(Section):
+    section: ClassVar[str] = "generate"
+    backend: Literal["auto", "transformers", "vllm"] = "auto"
+    temperature: float = 0.7
+    top_p: float = 0.8
+    max_new_tokens: int = 512
+    batch_size: int = 32  # sequences per transformers generate call
+    chunk_size: int = 128  # conversations per resumable Parquet part
+    device: str = "auto"
+
+    def validate(self) -> None:
+        self.require(self.temperature >= 0, "temperature", "must be >= 0")
+        self.require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        self.require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
+        self.require(self.batch_size > 0, "batch_size", "must be > 0")
+        self.require(self.chunk_size > 0, "chunk_size", "must be > 0")
+
+    def recipe_warnings(self) -> list[str]:
+        if (self.temperature, self.top_p) != (0.7, 0.8):
+            return [
+                f"generate: temperature={self.temperature}, top_p={self.top_p} differ from the DFlash recipe "
+                f"(0.7, 0.8, SpecForge PR #578)"
+            ]
+        return []
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    if backend != "auto":
+        return backend
+    import importlib.util
+
+    if device.startswith("cuda") and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return "transformers"
+
+
+# A backend turns a list of prompt token-id lists into completions (text), one per prompt.
+Backend = Callable[[list[list[int]], int], list[str]]
+
+
+def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: int) -> Backend:
+    import torch
+
+    device = next(model.parameters()).device
+    stop_ids = sorted({i for i in (tokenizer.eos_token_id, model.generation_config.eos_token_id) if isinstance(i, int)})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+
+    def run(prompts: list[list[int]], call_seed: int) -> list[str]:
+        texts: list[str] = [""] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding
+        for start in range(0, len(order), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            ids_BT = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            attn_BT = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids_BT[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                attn_BT[row, width - len(prompts[i]) :] = 1
+            # Seeded by chunk and batch, so a resumed run regenerates exactly what it lost.
+            torch.manual_seed(hash((seed, call_seed, start)) & 0x7FFFFFFF)
+            with torch.inference_mode():
+                out_BT = model.generate(
+                    input_ids=ids_BT.to(device),
+                    attention_mask=attn_BT.to(device),
+                    do_sample=cfg.temperature > 0,
+                    temperature=cfg.temperature if cfg.temperature > 0 else None,
+                    top_p=cfg.top_p if cfg.temperature > 0 else None,
+                    top_k=None,
+                    max_new_tokens=cfg.max_new_tokens,
+                    eos_token_id=stop_ids,
+                    pad_token_id=pad_id,
+                )
+            for row, i in enumerate(idx):
+                texts[i] = tokenizer.decode(out_BT[row, width:], skip_special_tokens=True).strip()
+        return texts
+
+    return run
+
+
+def vllm_backend(model_dir: str, cfg: GenerateConfig, seed: int, dtype: str) -> Backend:
+    from vllm import LLM, SamplingParams  # GPU only: imported here so CPU installs never need it
+
+    from shared.target import TORCH_DTYPES
+
+    llm = LLM(model=model_dir, dtype=TORCH_DTYPES[dtype], seed=seed)
+
+    def run(prompts: list[list[int]], call_seed: int) -> list[str]:
+        params = SamplingParams(
+            temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=seed + call_seed
+        )
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].text.strip() for o in outputs]
+
+    return run
+
+
+def assistant_slots(messages: list[dict[str, str]]) -> list[int]:
+    """Indices of the turns to (re)write: every assistant turn, plus one after a trailing user turn."""
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if messages[-1]["role"] != "assistant":
+        slots.append(len(messages))
+    return slots
+
+
+def regenerate(conversations: list[Conversation], tokenizer: Any, backend: Backend, chunk_seed: int) -> list[Conversation]:
+    """Rewrite every assistant turn in order; turn r of all conversations is one batched round."""
+    current = [list(c.messages) for c in conversations]
+    slots = [assistant_slots(c.messages) for c in conversations]
+    for round_index in range(max(len(s) for s in slots)):
+        todo = [i for i, s in enumerate(slots) if round_index < len(s)]
+        prompts = [prompt_ids(tokenizer, current[i][: slots[i][round_index]]) for i in todo]
+        texts = backend(prompts, chunk_seed * 1000 + round_index)
+        for i, text in zip(todo, texts):
+            reply = {"role": "assistant", "content": text}
+            at = slots[i][round_index]
+            current[i] = current[i][:at] + [reply] + current[i][at + 1 :]
+    return [Conversation(row=c.row, messages=m, source=c.source) for c, m in zip(conversations, current)]
+
+
+@dataclass
+class GenerateResult:
+    path: Path
+    num_conversations: int
+    num_generated_tokens: int
+    seconds: float
+    parts_reused: int
+
+
+def settings_key(cfg: GenerateConfig, target_fingerprint: str, inputs: list[Conversation], seed: int) -> str:
+    payload = {
+        "generate": {k: v for k, v in cfg.to_dict().items() if k not in ("batch_size", "device", "chunk_size")},
+        "chunk_size": cfg.chunk_size,
+        "target": target_fingerprint,
+        "seed": seed,
+        "inputs": hashlib.sha256("".join(c.row_hash() for c in inputs).encode()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def generate_all(
+    conversations: list[Conversation],
+    tokenizer: Any,
+    make_backend: Callable[[], Backend],
+    out_path: Path,
+    cfg: GenerateConfig,
+    key: str,
+    progress: bool = True,
+) -> GenerateResult:
+    from tqdm import tqdm
+
+    from stage1_extract.data import read_conversations
+
+    parts_dir = out_path.with_name(out_path.stem + ".parts")
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = parts_dir / "settings.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()).get("key") != key:
+        raise ValueError(
+            f"{parts_dir} holds parts made with other generate settings, target or inputs; "
+            f"delete it (or choose another run_dir) to regenerate"
+        )
+    meta_path.write_text(json.dumps({"key": key}))
+    started = time.perf_counter()
+    generated_tokens = reused = 0
+    chunks = [conversations[i : i + cfg.chunk_size] for i in range(0, len(conversations), cfg.chunk_size)]
+    bar = tqdm(total=len(conversations), desc="generate", unit="conv", disable=not progress)
+    backend: Backend | None = None  # the model loads only when a part is left to write
+    for number, chunk in enumerate(chunks):
+        part = parts_dir / f"part-{number:06d}.parquet"
+        if part.exists():
+            reused += 1
+            bar.update(len(chunk))
+            continue
+        backend = backend or make_backend()
+        done = regenerate(chunk, tokenizer, backend, chunk_seed=number)
+        generated_tokens += sum(
+            len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+            for c in done
+            for m in c.messages
+            if m["role"] == "assistant"
+        )
+        write_conversations_parquet(done, part)
+        bar.update(len(chunk))
+        elapsed = time.perf_counter() - started
+        bar.set_postfix(tok_s=f"{generated_tokens / max(elapsed, 1e-9):.0f}")
+    bar.close()
+    merged = [
+        Conversation(row=i, messages=c.messages, source=str(out_path))
+        for i, c in enumerate(read_conversations(parts_dir))
+    ]
+    write_conversations_parquet(merged, out_path)
+    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused)

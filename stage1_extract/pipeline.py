@@ -1,0 +1,375 @@
+"""Stage 1 commands: generate, plan, extract, status, verify.
+
+Each takes the composed RunConfig and returns a JSON-able dict; `__main__` only parses and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.config import RunConfig
+from shared.store import StoreConfig, StoreFiles, read_manifest, read_shard_arrays, content_checksum
+from shared.target import (
+    TargetArch,
+    TargetConfig,
+    load_target_model,
+    load_tokenizer,
+    resolve_layer_ids,
+    resolve_dtype,
+    resolve_target_dir,
+    tokenizer_fingerprints,
+    weights_fingerprint,
+)
+from stage1_extract.data import DataConfig, ReadStats, read_conversations
+from stage1_extract.extract import (
+    ExtractConfig,
+    TokenizedRow,
+    choose_samples_per_shard,
+    estimate,
+    header_key,
+    load_or_pin_plan,
+    merge_manifest,
+    plan_shards,
+    run_shards,
+    settings_header,
+)
+from stage1_extract.generate import (
+    GenerateConfig,
+    generate_all,
+    resolve_backend,
+    resolve_device,
+    settings_key,
+    transformers_backend,
+    vllm_backend,
+)
+from stage1_extract.template import tokenize_conversation
+
+log = logging.getLogger(__name__)
+
+SECTIONS = {
+    "target": TargetConfig,
+    "data": DataConfig,
+    "generate": GenerateConfig,
+    "extract": ExtractConfig,
+    "store": StoreConfig,
+}
+
+
+def store_url(cfg: RunConfig) -> str:
+    return cfg.store.path or str(Path(cfg.run_dir) / "store")
+
+
+def prompts_path(cfg: RunConfig) -> Path:
+    """The conversations `generate` reads: data.path, or the embedded default prompt set."""
+    if cfg.data.path is not None:
+        return Path(cfg.data.path)
+    from stage1_extract.corpus import write_default_prompts
+
+    path = Path(cfg.run_dir) / "data" / f"default_prompts_{cfg.data.num_default_prompts}.parquet"
+    if not path.exists():
+        write_default_prompts(path, cfg.data.num_default_prompts)
+    return path
+
+
+def generated_path(cfg: RunConfig) -> Path:
+    return Path(cfg.run_dir) / "data" / "generated.parquet"
+
+
+def extraction_input(cfg: RunConfig) -> Path:
+    """Extraction reads the target's regenerated conversations (the recipe), or data.path as is."""
+    if cfg.data.regenerate:
+        path = generated_path(cfg)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} does not exist: run `python -m stage1_extract generate` first "
+                f"(or set data.regenerate=false to extract data.path as it is)"
+            )
+        return path
+    if cfg.data.path is None:
+        raise ValueError("data.regenerate=false needs data.path: the default prompts have no answers")
+    return Path(cfg.data.path)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
+    source = prompts_path(cfg)
+    stats = ReadStats()
+    conversations = list(
+        read_conversations(source, on_bad_row=cfg.data.on_bad_row, max_samples=cfg.data.max_samples, stats=stats)
+    )
+    out = generated_path(cfg)
+    cfg.write_resolved(out.with_name("generate_config.yaml"))
+    device = resolve_device(cfg.generate.device)
+    backend_name = resolve_backend(cfg.generate.backend, device)
+    tokenizer = load_tokenizer(cfg.target)
+    model_dir = resolve_target_dir(cfg.target)
+    key = settings_key(cfg.generate, weights_fingerprint(model_dir), conversations, cfg.seed)
+
+    def make_backend():
+        if backend_name == "vllm":
+            return vllm_backend(str(model_dir), cfg.generate, cfg.seed, resolve_dtype(cfg.target.dtype, device))
+        return transformers_backend(load_target_model(cfg.target, device), tokenizer, cfg.generate, cfg.seed)
+
+    result = generate_all(conversations, tokenizer, make_backend, out, cfg.generate, key, progress=progress)
+    return {
+        "output": str(result.path),
+        "conversations": result.num_conversations,
+        "bad_rows_skipped": stats.bad_rows,
+        "generated_tokens": result.num_generated_tokens,
+        "seconds": round(result.seconds, 1),
+        "parts_reused": result.parts_reused,
+        "backend": backend_name,
+    }
+
+
+@dataclass
+class Prepared:
+    header: dict[str, Any]
+    rows: list[TokenizedRow]
+    files: StoreFiles
+    layer_ids: list[int]
+    stats: ReadStats
+    source: Path
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Tokenize the input and compute the identity header of the store (no model weights loaded)."""
+    model_dir = resolve_target_dir(cfg.target)
+    arch = TargetArch.from_dir(model_dir)
+    layer_ids = resolve_layer_ids(cfg.target, arch)
+    tokenizer = load_tokenizer(cfg.target)
+    source = extraction_input(cfg)
+    stats = ReadStats()
+    rows = []
+    for conv in read_conversations(source, on_bad_row=cfg.data.on_bad_row, max_samples=cfg.data.max_samples, stats=stats):
+        try:
+            sample = tokenize_conversation(tokenizer, conv.messages, cfg.data.max_length)
+        except ValueError as exc:
+            raise ValueError(f"{source}: row {conv.row}: {exc}") from None
+        skipped = sample.truncated and cfg.data.on_long == "skip"
+        if not sample.loss_mask.any() and not skipped:
+            raise ValueError(f"{source}: row {conv.row}: no assistant tokens to supervise after templating")
+        rows.append(
+            TokenizedRow(
+                sample_id=conv.row,
+                row_hash=conv.row_hash(),
+                input_ids=sample.input_ids,
+                loss_mask=sample.loss_mask,
+                truncated=sample.truncated and not skipped,
+                skipped=skipped,
+            )
+        )
+    if not rows:
+        raise ValueError(f"{source}: no usable rows")
+    header = settings_header(
+        target_path=cfg.target.path,
+        weights_sha256=weights_fingerprint(model_dir),
+        arch=arch,
+        tokenizer_hashes=tokenizer_fingerprints(tokenizer),
+        layer_ids=layer_ids,
+        top_k=cfg.extract.top_k,
+        store=cfg.store,
+        max_length=cfg.data.max_length,
+        on_long=cfg.data.on_long,
+    )
+    return Prepared(header, rows, StoreFiles(store_url(cfg)), layer_ids, stats, source)
+
+
+def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
+    prepared = prepared or prepare(cfg)
+    plan = estimate(prepared.rows, prepared.header, cfg.store)
+    free = prepared.files.free_bytes()
+    plan.update(
+        {
+            "store": prepared.files.url,
+            "storage": f"{cfg.store.dtype}+{cfg.store.compression}",
+            "free_bytes": free,
+            "fits": None if free is None else plan["total_bytes"] <= free,
+            "bad_rows_skipped": prepared.stats.bad_rows,
+        }
+    )
+    return plan
+
+
+def distributed_context() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun / accelerate launch variables."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True) -> dict[str, Any]:
+    rank, world, local_rank = distributed_context()
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # only barriers travel; gloo works on CPU and GPU nodes
+    try:
+        return _extract(cfg, force, progress and rank == 0, rank, world, local_rank)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _extract(cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int) -> dict[str, Any]:
+    prepared = prepare(cfg)
+    files = prepared.files
+    plan = cmd_plan(cfg, prepared)
+    if plan["fits"] is False and not force:
+        raise OSError(
+            f"extraction needs about {plan['total_gib']} GiB but {files.url} has "
+            f"{plan['free_bytes'] / 2**30:.2f} GiB free; free space, change store.dtype/compression, or pass --force"
+        )
+    key = header_key(prepared.header)
+    if rank == 0:
+        from shared.store import bytes_per_token
+
+        token_bytes = bytes_per_token(cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k)
+        load_or_pin_plan(files, prepared.header, choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes), len(prepared.rows))
+        cfg.write_resolved(Path(cfg.run_dir) / "extract_config.yaml") if "://" not in files.url else None
+    _barrier(world)
+    samples_per_shard = load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
+    shards = plan_shards(prepared.rows, samples_per_shard, key)
+    done = set()
+    for shard in shards:
+        rel = f"parts/shard-{shard.index:06d}.json"
+        if files.exists(rel) and files.read_json(rel).get("rows_sha256") == shard.rows_sha256:
+            done.add(shard.index)
+    mine = [s for s in shards if s.index % world == rank and s.index not in done]
+    device = resolve_device(cfg.extract.device)
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    result = None
+    if mine:
+        model = load_target_model(cfg.target, device)
+        packed = cfg.extract.packed == "on" or (
+            cfg.extract.packed == "auto" and model.config._attn_implementation == "flash_attention_2"
+        )
+        result = run_shards(model, mine, files.url, cfg.store, cfg.extract, prepared.layer_ids, packed, progress)
+    _barrier(world)
+    summary: dict[str, Any] = {
+        "store": files.url,
+        "rank": rank,
+        "world_size": world,
+        "shards_total": len(shards),
+        "shards_already_done": len(done),
+        "shards_extracted_here": len(mine),
+    }
+    if result is not None:
+        summary.update(
+            {
+                "tokens": result.tokens,
+                "seconds": round(result.seconds, 2),
+                "forward_seconds": round(result.forward_seconds, 2),
+                "tok_per_s": round(result.tokens / max(result.seconds, 1e-9), 1),
+                "writer_queue_wait_s": round(result.writer.queue_wait_seconds, 3),
+                "writer_seconds": round(result.writer.write_seconds, 2),
+            }
+        )
+    if rank == 0:
+        extra = {
+            "data": {"source": str(prepared.source), "num_rows": len(prepared.rows), "bad_rows_skipped": prepared.stats.bad_rows},
+            "samples_per_shard": samples_per_shard,
+            "created_unix": int(time.time()),
+        }
+        manifest = merge_manifest(files, prepared.header, shards, extra)
+        summary.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped")})
+    _barrier(world)
+    return summary
+
+
+def cmd_status(cfg: RunConfig) -> dict[str, Any]:
+    """What is done and what remains, from the part records and the manifest."""
+    prepared = prepare(cfg)
+    files = prepared.files
+    key = header_key(prepared.header)
+    if files.exists("plan.json"):
+        samples_per_shard = int(files.read_json("plan.json")["samples_per_shard"])
+    else:
+        from shared.store import bytes_per_token
+
+        token_bytes = bytes_per_token(cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k)
+        samples_per_shard = choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
+    shards = plan_shards(prepared.rows, samples_per_shard, key)
+    done_tokens = total_tokens = done = 0
+    for shard in shards:
+        tokens = sum(len(r.input_ids) for r in shard.kept)
+        total_tokens += tokens
+        rel = f"parts/shard-{shard.index:06d}.json"
+        if files.exists(rel) and files.read_json(rel).get("rows_sha256") == shard.rows_sha256:
+            done += 1
+            done_tokens += tokens
+    return {
+        "store": files.url,
+        "manifest": files.exists("manifest.json"),
+        "shards_done": done,
+        "shards_total": len(shards),
+        "tokens_done": done_tokens,
+        "tokens_total": total_tokens,
+        "complete": files.exists("manifest.json") and done == len(shards),
+    }
+
+
+def cmd_verify(cfg: RunConfig) -> dict[str, Any]:
+    """Every shard against the manifest: readable, counts, shapes, dtypes, finite values, checksum."""
+    import numpy as np
+
+    url = store_url(cfg)
+    manifest = read_manifest(url)
+    layers, hidden, top_k = len(manifest["layer_ids"]), manifest["target"]["hidden_size"], manifest["top_k"]
+    bad: list[dict[str, str]] = []
+    for record in manifest["shards"]:
+        if not record["name"]:
+            continue
+        try:
+            arrays = read_shard_arrays(url, record["name"])
+            tokens = record["num_tokens"]
+            expect = {
+                "hidden": ((tokens, layers, hidden), np.uint16 if manifest["storage"]["dtype"] == "bf16" else np.uint8),
+                "topk_logprobs": ((tokens, top_k), np.float16),
+                "topk_ids": ((tokens, top_k), np.int32),
+                "input_ids": ((tokens,), np.int32),
+                "loss_mask": ((tokens,), np.bool_),
+                "offsets": ((record["num_samples"] + 1,), np.int64),
+            }
+            for name, (shape, dtype) in expect.items():
+                if name not in arrays:
+                    raise ValueError(f"array {name} missing")
+                if arrays[name].shape != shape or arrays[name].dtype != dtype:
+                    raise ValueError(f"{name} is {arrays[name].dtype}{arrays[name].shape}, expected {np.dtype(dtype)}{shape}")
+            bits = arrays["hidden"]
+            nonfinite = ((bits & 0x7F80) == 0x7F80) if bits.dtype == np.uint16 else ((bits & 0x7F) == 0x7F)
+            if nonfinite.any():
+                raise ValueError(f"{int(nonfinite.sum())} non-finite hidden values")
+            if not np.isfinite(arrays["topk_logprobs"]).all():
+                raise ValueError("non-finite top-k log-probs")
+            if content_checksum(arrays) != record["checksum"]:
+                raise ValueError("checksum mismatch")
+        except Exception as exc:  # noqa: BLE001 - every failure is reported per shard
+            bad.append({"shard": record["name"], "error": str(exc)[:300]})
+    return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad}
+
+
+def to_json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=1, default=str)

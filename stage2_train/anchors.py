@@ -1,0 +1,58 @@
+"""DFlash anchor sampling: which blocks of a sample are trained on in a given epoch.
+
+Anchor t of a sample with T tokens is valid when
+    loss_mask[t] and loss_mask[t + 1]     (the anchor and the first drafted token are supervised)
+    t + block_size <= T                   (the whole block t .. t+B-1 lies inside the sample: an
+                                           anchor is never within block_size of the end, as in SpecForge)
+Each epoch draws up to `sampler.max_anchors_per_seq` of them without replacement (all of them when
+there are fewer), from a generator seeded by (seed, epoch, sample_id): no state, so resume is
+exact by construction and two ranks never disagree. A sample with no valid anchor yields zero
+blocks; the loader counts such samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from stage2_train.sampler import SamplerConfig
+
+
+def valid_anchor_positions(loss_mask_T: torch.Tensor, block_size: int) -> np.ndarray:
+    """Positions t with loss_mask[t] & loss_mask[t+1] & t + block_size <= T, ascending (int64)."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {block_size}")
+    mask = np.asarray(loss_mask_T.cpu().numpy(), dtype=bool)
+    last = len(mask) - block_size  # largest valid anchor
+    if last < 0:
+        return np.zeros(0, dtype=np.int64)
+    ok = mask[: last + 1] & mask[1 : last + 2]
+    return np.flatnonzero(ok).astype(np.int64)
+
+
+class AnchorSampler:
+    def __init__(self, cfg: SamplerConfig, *, block_size: int, seed: int):
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {block_size}")
+        self.max_anchors = cfg.max_anchors_per_seq
+        self.block_size = block_size
+        self.seed = seed
+
+    def anchors(self, loss_mask_T: torch.Tensor, *, sample_id: int, epoch: int) -> torch.Tensor:
+        """Sorted anchor positions (long) of one sample for one epoch; may be empty."""
+        valid = valid_anchor_positions(loss_mask_T, self.block_size)
+        if len(valid) > self.max_anchors:
+            rng = np.random.default_rng([self.seed, epoch, sample_id])
+            valid = np.sort(rng.choice(valid, size=self.max_anchors, replace=False))
+        return torch.from_numpy(valid)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "max_anchors_per_seq": self.max_anchors, "block_size": self.block_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing moves; a saved run drawn with other settings cannot be resumed exactly."""
+        for key, value in self.state_dict().items():
+            if state.get(key) != value:
+                raise ValueError(f"anchor state: {key} was {state.get(key)!r} when saved, is {value!r} now")

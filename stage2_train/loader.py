@@ -1,0 +1,270 @@
+"""From the feature store to packed DrafterBatches, prepared in background threads.
+
+Shape legend: T = tokens of a sample (or of a packed micro-batch), L = stored layers, H = hidden,
+F = L * H, K = stored top-k, N = blocks (anchors), B = block size.
+
+    loader = PrefetchLoader(reader, sampler, anchor_sampler, mask_token_id=151669)
+    for loaded in loader:             # the rest of the current epoch, in the sampler's exact order
+        train_on(loaded.batch)        # a DrafterBatch; loaded.epoch / step_in_epoch say where we are
+    loader.data_wait_s                # seconds the consumer spent blocked on data
+
+Threads read samples and collate whole micro-batches ahead of the consumer (at most `prefetch`
+in flight). The sampler only advances when a micro-batch is handed to the consumer, so
+`sampler.state_dict()` (also `loader.state_dict()`) never counts prefetched batches. A failure in
+a worker reaches the consumer as DataLoadError naming the sample index; breaking out of the loop,
+an exception, or `close()` cancels what is queued and joins the threads.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from stage2_train.anchors import AnchorSampler
+from stage2_train.batch import DrafterBatch
+from stage2_train.sampler import LengthMixedSampler, MicroBatchRef
+
+IGNORE_INDEX = -100
+
+
+class SampleReader(Protocol):
+    """What the loader needs from the feature store reader (shared/store.py)."""
+
+    lengths: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+class DataLoadError(RuntimeError):
+    def __init__(self, message: str, sample_index: int | None):
+        super().__init__(message)
+        self.sample_index = sample_index
+
+
+@dataclass
+class LoadedBatch:
+    batch: DrafterBatch
+    epoch: int
+    step_in_epoch: int
+    micro_step: int
+    sample_indices: list[int]
+    num_samples_without_anchor: int  # samples of this micro-batch that yield no block this epoch
+    data_wait_s: float  # time the consumer was blocked waiting for this micro-batch
+
+
+def check_sample(sample: dict[str, Any], anchors_A: torch.Tensor, expected_length: int | None = None) -> None:
+    """ValueError when a sample's tensors disagree with each other, the store index, or its anchors."""
+    num_tokens = sample["input_ids_T"].shape[0]
+    if expected_length is not None and num_tokens != expected_length:
+        raise ValueError(f"has {num_tokens} tokens but the store's lengths say {expected_length}")
+    shapes = {
+        "input_ids_T": (num_tokens,),
+        "loss_mask_T": (num_tokens,),
+        "hidden_TLH": (num_tokens, None, None),
+        "topk_logprobs_TK": (num_tokens, None),
+        "topk_ids_TK": (num_tokens, None),
+    }
+    for name, want in shapes.items():
+        got = tuple(sample[name].shape)
+        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+            raise ValueError(f"{name} has shape {list(got)}, expected {num_tokens} tokens x {len(want)} dims")
+    if len(anchors_A) and (int(anchors_A.min()) < 0 or int(anchors_A.max()) >= num_tokens):
+        raise ValueError(f"anchors {anchors_A.tolist()[:8]}... fall outside [0, {num_tokens})")
+
+
+def collate(
+    samples: Sequence[dict[str, Any]],
+    anchors_per_sample: Sequence[torch.Tensor],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    gather_topk: bool = True,
+) -> DrafterBatch:
+    """Pack samples (no padding) and build their blocks, labels and target top-k.
+
+    Block n of sample s anchored at a: slots a+0 .. a+B-1. labels[n, k] = input_ids[a+k] when
+    k >= 1, a+k < T and loss_mask[a+k]; else -100. Top-k for slot k comes from position a+k-1 (the
+    target's prediction of token a+k) and is zero where the label is -100.
+    """
+    if len(samples) != len(anchors_per_sample):
+        raise ValueError(f"{len(samples)} samples but {len(anchors_per_sample)} anchor lists")
+    k_B = torch.arange(block_size)
+    context, positions, seqs = [], [], []
+    block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids = [], [], [], [], [], []
+    for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
+        ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
+        num_tokens = ids_T.shape[0]
+        hidden_TLH = sample["hidden_TLH"]
+        context.append(hidden_TLH.reshape(num_tokens, -1))
+        positions.append(torch.arange(num_tokens))
+        seqs.append(torch.full((num_tokens,), s, dtype=torch.long))
+        anchors_A = anchors_A.long()
+        pos_AB = anchors_A[:, None] + k_B[None, :]
+        inside_AB = pos_AB < num_tokens
+        pos_AB = pos_AB.clamp(max=num_tokens - 1)
+        scored_AB = inside_AB & mask_T[pos_AB]
+        scored_AB[:, 0] = False
+        labels.append(torch.where(scored_AB, ids_T[pos_AB], IGNORE_INDEX))
+        blocks_AB = torch.full_like(pos_AB, mask_token_id)
+        blocks_AB[:, 0] = ids_T[anchors_A]
+        block_ids.append(blocks_AB)
+        block_seq.append(torch.full((len(anchors_A),), s, dtype=torch.long))
+        anchor_pos.append(anchors_A)
+        if gather_topk:
+            prev_AB = (pos_AB - 1).clamp(min=0)
+            keep_AB1 = scored_AB[..., None]
+            topk_lp.append(torch.where(keep_AB1, sample["topk_logprobs_TK"][prev_AB].float(), 0.0))
+            topk_ids.append(torch.where(keep_AB1, sample["topk_ids_TK"][prev_AB].long(), 0))
+    context_TF = torch.cat(context)
+    return DrafterBatch(
+        context_TF=context_TF,
+        context_pos_T=torch.cat(positions),
+        context_seq_T=torch.cat(seqs),
+        block_ids_NB=torch.cat(block_ids),
+        block_seq_N=torch.cat(block_seq),
+        anchor_pos_N=torch.cat(anchor_pos),
+        labels_NB=torch.cat(labels),
+        topk_logprobs_NBK=torch.cat(topk_lp) if gather_topk else None,
+        topk_ids_NBK=torch.cat(topk_ids) if gather_topk else None,
+        num_samples=len(samples),
+        num_tokens=context_TF.shape[0],
+    )
+
+
+class PrefetchLoader:
+    def __init__(
+        self,
+        reader: SampleReader,
+        sampler: LengthMixedSampler,
+        anchor_sampler: AnchorSampler,
+        *,
+        mask_token_id: int,
+        num_threads: int = 2,
+        prefetch: int = 4,
+        gather_topk: bool = True,
+    ):
+        if num_threads < 1 or prefetch < 1:
+            raise ValueError(f"num_threads and prefetch must be >= 1, got {num_threads} and {prefetch}")
+        if len(reader) != len(sampler.lengths):
+            raise ValueError(
+                f"reader has {len(reader)} samples but the sampler was built for {len(sampler.lengths)}"
+            )
+        self.reader = reader
+        self.sampler = sampler
+        self.anchor_sampler = anchor_sampler
+        self.mask_token_id = mask_token_id
+        self.num_threads = num_threads
+        self.prefetch = prefetch
+        self.gather_topk = gather_topk
+        self.data_wait_s = 0.0  # total time the consumer spent blocked on data
+        self.num_batches = 0
+        self.num_samples = 0
+        self.num_samples_without_anchor = 0
+        # A weak reference: a pass the consumer dropped (break) is finalized at once, joining its threads.
+        self._active: weakref.ref | None = None
+
+    def __iter__(self) -> Iterator[LoadedBatch]:
+        self.close()  # one pass at a time: a new pass starts from the sampler's consumed position
+        run = self._run()
+        self._active = weakref.ref(run)
+        return run
+
+    def close(self) -> None:
+        """Cancel queued work and join the threads of the current pass, if any."""
+        run = self._active() if self._active is not None else None
+        if run is not None:
+            run.close()
+        self._active = None
+
+    def __enter__(self) -> PrefetchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()
+        self.sampler.load_state_dict(state)
+
+    def _run(self) -> Iterator[LoadedBatch]:
+        refs = iter(self.sampler.remaining())
+        pending: deque[tuple[MicroBatchRef, Future]] = deque()
+        executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="dflash-data")
+
+        def top_up() -> None:
+            while len(pending) < self.prefetch:
+                ref = next(refs, None)
+                if ref is None:
+                    return
+                pending.append((ref, executor.submit(self._load, ref)))
+
+        try:
+            top_up()
+            while pending:
+                ref, future = pending.popleft()
+                start = time.perf_counter()
+                loaded = future.result()
+                loaded.data_wait_s = time.perf_counter() - start
+                top_up()
+                self.sampler.mark_consumed(ref)
+                self.data_wait_s += loaded.data_wait_s
+                self.num_batches += 1
+                self.num_samples += len(ref.indices)
+                self.num_samples_without_anchor += loaded.num_samples_without_anchor
+                yield loaded
+        finally:
+            for _, future in pending:
+                future.cancel()
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def _load(self, ref: MicroBatchRef) -> LoadedBatch:
+        samples, anchors = [], []
+        where = f"epoch {ref.epoch}, step {ref.step_in_epoch}, micro-batch {ref.micro_step}"
+        for index in ref.indices:
+            try:
+                sample = self.reader[index]
+                anchors_A = self.anchor_sampler.anchors(
+                    sample["loss_mask_T"], sample_id=int(sample["sample_id"]), epoch=ref.epoch
+                )
+                check_sample(sample, anchors_A, int(self.sampler.lengths[index]))
+            except Exception as exc:
+                raise DataLoadError(
+                    f"data loader: sample {index} ({where}) failed: {type(exc).__name__}: {exc}", index
+                ) from exc
+            samples.append(sample)
+            anchors.append(anchors_A)
+        try:
+            batch = collate(
+                samples,
+                anchors,
+                block_size=self.anchor_sampler.block_size,
+                mask_token_id=self.mask_token_id,
+                gather_topk=self.gather_topk,
+            )
+        except Exception as exc:
+            raise DataLoadError(
+                f"data loader: collating samples {ref.indices} ({where}) failed: {type(exc).__name__}: {exc}",
+                None,
+            ) from exc
+        return LoadedBatch(
+            batch=batch,
+            epoch=ref.epoch,
+            step_in_epoch=ref.step_in_epoch,
+            micro_step=ref.micro_step,
+            sample_indices=ref.indices,
+            num_samples_without_anchor=sum(1 for a in anchors if len(a) == 0),
+            data_wait_s=0.0,
+        )

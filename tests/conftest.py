@@ -1,0 +1,99 @@
+"""Shared fixtures: a tiny random target with the real SmolLM2 tokenizer, and small data files.
+
+Tests never touch the network. The tokenizer comes from the embedded default target (converted
+once by `make setup`; converted here on first use otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# Two cores: one torch thread per test process keeps tiny models fast and runs reproducible.
+torch.set_num_threads(1)
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and chat template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from shared.target import default_target_dir
+
+    out = tmp_path_factory.mktemp("tiny_target")
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def chat_rows(count: int, seed: int = 0) -> list[dict]:
+    """Conversations of varied length (so batching and sharding have something to do)."""
+    import random
+
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over a lazy dog while python lists and dicts grow".split()
+    rows = []
+    for i in range(count):
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(5, 60)))
+        rows.append({"messages": [{"role": "user", "content": f"{i}: {question}"}, {"role": "assistant", "content": answer}]})
+    return rows
+
+
+@pytest.fixture
+def chat_file(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+
+
+def stage1_overrides(target_dir: Path, data_path: Path, run_dir: Path, **extra) -> list[str]:
+    base = {
+        "run_dir": str(run_dir),
+        "target.path": str(target_dir),
+        "target.num_feature_layers": 3,
+        "target.dtype": "fp32",
+        "data.path": str(data_path),
+        "data.regenerate": False,
+        "data.max_length": 256,
+        "extract.top_k": 8,
+        "extract.token_budget": 512,
+        "store.shard_mb": 1,
+    }
+    base.update(extra)
+    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def copy_tree():
+    def copy(src: Path, dst: Path) -> Path:
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

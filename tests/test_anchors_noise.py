@@ -1,0 +1,133 @@
+"""Anchor sampling (validity, cap, per-epoch redraw, determinism) and the noise schedule (it moves)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stage2_train.anchors import AnchorSampler, valid_anchor_positions
+from stage2_train.noise import NoiseConfig, NoiseSchedule, noise_generator
+from stage2_train.sampler import SamplerConfig
+
+BLOCK = 4
+
+
+def chat_mask(num_tokens: int) -> torch.Tensor:
+    """Prompt (10 tokens), answer, a second prompt at 40..49, answer to the end."""
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    mask[:10] = False
+    mask[40:50] = False
+    return mask
+
+
+def test_valid_positions_follow_the_rule_exactly():
+    mask = chat_mask(60)
+    got = valid_anchor_positions(mask, BLOCK).tolist()
+    want = [t for t in range(60) if t + BLOCK <= 60 and mask[t] and mask[t + 1]]
+    assert got == want
+    assert got[0] == 10 and 38 in got and 39 not in got and 50 in got and got[-1] == 60 - BLOCK
+    assert valid_anchor_positions(torch.ones(BLOCK - 1, dtype=torch.bool), BLOCK).tolist() == []
+    assert valid_anchor_positions(torch.ones(BLOCK, dtype=torch.bool), BLOCK).tolist() == [0]
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        AnchorSampler(SamplerConfig(), block_size=1, seed=0)
+
+
+def test_anchors_capped_inside_supervision_and_deterministic():
+    mask = chat_mask(400)
+    sampler = AnchorSampler(SamplerConfig(max_anchors_per_seq=32), block_size=BLOCK, seed=7)
+    anchors = sampler.anchors(mask, sample_id=5, epoch=0)
+    assert anchors.dtype == torch.long and len(anchors) == 32
+    assert torch.equal(anchors, anchors.sort().values) and len(set(anchors.tolist())) == 32
+    for t in anchors.tolist():
+        assert mask[t] and mask[t + 1] and t + BLOCK <= 400
+    again = AnchorSampler(SamplerConfig(max_anchors_per_seq=32), block_size=BLOCK, seed=7)
+    assert torch.equal(again.anchors(mask, sample_id=5, epoch=0), anchors)
+    assert not torch.equal(sampler.anchors(mask, sample_id=5, epoch=1), anchors)  # redrawn per epoch
+    assert not torch.equal(sampler.anchors(mask, sample_id=6, epoch=0), anchors)
+    # Over epochs every valid position gets drawn: the draw covers the whole supervised range.
+    drawn = set()
+    for epoch in range(200):
+        drawn.update(sampler.anchors(mask, sample_id=5, epoch=epoch).tolist())
+    assert drawn == set(valid_anchor_positions(mask, BLOCK).tolist())
+
+
+def test_few_or_no_valid_anchors():
+    sampler = AnchorSampler(SamplerConfig(), block_size=BLOCK, seed=0)
+    mask = chat_mask(60)
+    assert (
+        sampler.anchors(mask, sample_id=0, epoch=3).tolist() == valid_anchor_positions(mask, BLOCK).tolist()
+    )
+    assert len(sampler.anchors(torch.zeros(50, dtype=torch.bool), sample_id=0, epoch=0)) == 0
+    alternating = torch.arange(50) % 2 == 0  # never two supervised tokens in a row
+    assert len(sampler.anchors(alternating, sample_id=0, epoch=0)) == 0
+
+
+def test_anchor_state_refuses_other_settings():
+    sampler = AnchorSampler(SamplerConfig(), block_size=16, seed=0)
+    state = sampler.state_dict()
+    sampler.load_state_dict(state)
+    with pytest.raises(ValueError, match="block_size was 16 when saved, is 8 now"):
+        AnchorSampler(SamplerConfig(), block_size=8, seed=0).load_state_dict(state)
+
+
+def test_noise_config_validation():
+    with pytest.raises(ValueError, match=r"noise\.std must be"):
+        NoiseConfig(std=-0.1)
+    with pytest.raises(ValueError, match=r"noise\.warmup_steps"):
+        NoiseConfig.from_dict({"warmup_steps": -1})
+    with pytest.raises(ValueError, match=r"noise\.kind must be one of"):
+        NoiseConfig.from_dict({"kind": "laplace"})
+
+
+def test_noise_schedule_moves():
+    schedule = NoiseSchedule(NoiseConfig(std=0.08, warmup_steps=100))
+    assert schedule.std_at(0) == 0.0
+    assert schedule.std_at(25) == pytest.approx(0.02)
+    assert schedule.std_at(50) == pytest.approx(0.04)
+    assert schedule.std_at(100) == pytest.approx(0.08)
+    assert schedule.std_at(10_000) == pytest.approx(0.08)
+    values = [schedule.std_at(s) for s in range(0, 101, 10)]
+    assert all(b > a for a, b in zip(values, values[1:]))  # strictly increasing through warmup
+    assert NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=0)).std_at(0) == 0.05
+
+
+def test_zero_std_is_exactly_off():
+    schedule = NoiseSchedule(NoiseConfig(std=0.0, warmup_steps=10))
+    context = torch.randn(8, 6)
+    for step in (0, 5, 10, 1000):
+        assert schedule.std_at(step) == 0.0
+        assert schedule.apply(context, step, noise_generator(0, step, 0)) is context
+
+
+@pytest.mark.parametrize("kind", ["uniform", "gaussian"])
+def test_applied_noise_has_the_scheduled_std(kind):
+    schedule = NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=100, kind=kind))
+    context = torch.zeros(400, 500)
+    for step in (30, 100):
+        noise = schedule.apply(context, step, noise_generator(1, step, 0))
+        want = schedule.std_at(step)
+        assert noise.std().item() == pytest.approx(want, rel=0.02)
+        assert abs(noise.mean().item()) < 0.01 * want
+        if kind == "uniform":
+            assert noise.abs().max().item() <= want * math.sqrt(3) + 1e-7
+            assert noise.abs().max().item() > 0.99 * want * math.sqrt(3)
+    assert torch.equal(schedule.apply(context, 0, noise_generator(1, 0, 0)), context)
+
+
+def test_noise_is_reproducible_per_step_and_rank():
+    schedule = NoiseSchedule(NoiseConfig(std=0.05))
+    context = torch.zeros(4, 16, dtype=torch.bfloat16)
+    a = schedule.apply(context, 3, noise_generator(0, 3, 0))
+    assert a.dtype == torch.bfloat16
+    assert torch.equal(a, schedule.apply(context, 3, noise_generator(0, 3, 0)))
+    assert not torch.equal(a, schedule.apply(context, 3, noise_generator(0, 3, 1)))
+    assert not torch.equal(a, schedule.apply(context, 4, noise_generator(0, 4, 0)))
+
+
+def test_noise_state_refuses_another_schedule():
+    state = NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=10)).state_dict()
+    NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=10)).load_state_dict(state)
+    with pytest.raises(ValueError, match="noise.warmup_steps was 10 when saved, is 0 now"):
+        NoiseSchedule(NoiseConfig(std=0.05)).load_state_dict(state)

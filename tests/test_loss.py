@@ -1,0 +1,265 @@
+"""The DFlash loss: position weights, hand-computed values, top-k KL, chunking, metric sums, overfit.
+
+.venv/bin/python -m pytest tests/test_loss.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stage2_train.batch import DrafterBatch
+from stage2_train.loss import (
+    COUNT_KEYS,
+    LossConfig,
+    dflash_loss,
+    finalize_metrics,
+    loss_weights,
+    position_weights,
+    recipe_gamma,
+    sum_counts,
+)
+from tests.test_model import MASK_ID, make_packed_batch, tiny_arch, tiny_drafter
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two OpenMP threads on a shared 2-core box spin-wait: a tiny step takes 1.2 s instead of 13 ms."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def labels_only_batch(labels_NB, topk_lp=None, topk_ids=None) -> DrafterBatch:
+    N, B = labels_NB.shape
+    return DrafterBatch(
+        context_TF=torch.zeros(0, 1),
+        context_pos_T=torch.zeros(0, dtype=torch.long),
+        context_seq_T=torch.zeros(0, dtype=torch.long),
+        block_ids_NB=torch.zeros(N, B, dtype=torch.long),
+        block_seq_N=torch.zeros(N, dtype=torch.long),
+        anchor_pos_N=torch.zeros(N, dtype=torch.long),
+        labels_NB=labels_NB,
+        topk_logprobs_NBK=topk_lp,
+        topk_ids_NBK=topk_ids,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and recipe
+
+
+def test_config_validation_and_recipe_warnings():
+    with pytest.raises(ValueError, match=r"loss\.gamma must be a finite number > 0, got 0"):
+        LossConfig.from_dict({"gamma": 0})
+    with pytest.raises(ValueError, match=r"loss\.ce_chunk"):
+        LossConfig.from_dict({"ce_chunk": 0})
+    with pytest.raises(ValueError, match=r"loss\.ce_weight and loss\.kl_weight must not both be 0"):
+        LossConfig.from_dict({"ce_weight": 0})
+    with pytest.raises(ValueError, match=r"loss\.decay: unknown key"):
+        LossConfig.from_dict({"decay": 7})
+    assert (recipe_gamma(16), recipe_gamma(10), recipe_gamma(8), recipe_gamma(12)) == (7.0, 5.0, 4.0, None)
+    assert LossConfig().recipe_warnings(block_size=16) == []
+    assert LossConfig(gamma=5).recipe_warnings(block_size=10) == []
+    assert LossConfig(gamma=4).recipe_warnings(block_size=8) == []
+    (warning,) = LossConfig(gamma=4).recipe_warnings(block_size=16)
+    assert "loss.gamma=4" in warning and "7" in warning
+    assert "no published gamma" in LossConfig().recipe_warnings(block_size=12)[0]
+    assert "CE only" in LossConfig(kl_weight=0.5).recipe_warnings()[0]
+
+
+def test_position_weights_are_the_exponential_decay():
+    w = position_weights(16, 7.0)
+    assert w[0] == 0
+    expected = torch.tensor([math.exp(-(k - 1) / 7.0) for k in range(1, 16)])
+    torch.testing.assert_close(w[1:], expected)
+    assert w[1] == 1.0
+    labels = torch.tensor([[-100, 3, -100, 5], [-100, -100, 2, -100]])
+    w_NB = loss_weights(labels, 2.0)
+    torch.testing.assert_close(w_NB, torch.tensor([[0, 1, 0, math.exp(-1.0)], [0, 0, math.exp(-0.5), 0]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-computed values
+
+
+def test_loss_and_metrics_match_hand_computation():
+    """lm_head = identity, so hidden == logits. Slot k is scored against labels[:, k], no shift."""
+    gamma = 2.0
+    hidden = torch.tensor(
+        [
+            [[9.0, 9.0, 9.0, 9.0], [0.0, 2.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.5]],  # slot1 right, slot2 wrong
+            [[9.0, 9.0, 9.0, 9.0], [0.0, 0.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0]],  # slot1 right, slot2 unscored
+        ],
+        requires_grad=True,
+    )
+    labels = torch.tensor([[-100, 1, 2], [-100, 3, -100]])
+    loss, m = dflash_loss(hidden, torch.eye(4), labels_only_batch(labels), LossConfig(gamma=gamma))
+
+    def ce(row, label):
+        return math.log(sum(math.exp(x) for x in row)) - row[label]
+
+    w1, w2 = 1.0, math.exp(-1 / gamma)
+    ce01, ce02, ce11 = ce([0, 2, 0, 0], 1), ce([1, 0, 0, 0.5], 2), ce([0, 0, 0, 3], 3)
+    expected = (w1 * ce01 + w2 * ce02 + w1 * ce11) / (w1 + w2 + w1)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["loss"].item() == pytest.approx(expected, rel=1e-6)
+    assert m["num_valid"].item() == 3
+    assert m["accuracy"].item() == pytest.approx(2 / 3)
+    assert m["correct_per_pos"].tolist() == [2, 0] and m["valid_per_pos"].tolist() == [2, 1]
+    assert m["acc_per_pos"].tolist() == [1.0, 0.0]
+    assert m["avg_streak"].item() == 1.0  # both blocks: slot 1 right, then wrong / unscored
+    assert m["eal"].item() == 1.0  # 1 + 1*0
+    loss.backward()
+    assert hidden.grad[:, 0].abs().sum() == 0 and hidden.grad[1, 2].abs().sum() == 0  # unscored slots
+    # The same logits judged against labels shifted by one slot give a different loss.
+    shifted = torch.tensor([[-100, 2, -100], [-100, -100, -100]])
+    assert dflash_loss(hidden, torch.eye(4), labels_only_batch(shifted), LossConfig(gamma=gamma))[0] != loss
+
+
+def test_eal_and_streak_from_counts():
+    counts = {k: torch.tensor(0.0) for k in COUNT_KEYS}
+    counts.update(correct_per_pos=torch.tensor([8.0, 4.0, 1.0]), valid_per_pos=torch.tensor([10.0, 8.0, 4.0]))
+    m = finalize_metrics(counts, LossConfig())
+    torch.testing.assert_close(m["acc_per_pos"], torch.tensor([0.8, 0.5, 0.25]))
+    assert m["eal"].item() == pytest.approx(0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.25)
+
+
+def test_streak_counts_consecutive_hits_from_slot_one():
+    V = 5
+    labels = torch.tensor([[-100, 1, 2, 3, 4], [-100, 1, 2, 3, 4], [-100, -100, -100, -100, -100]])
+    preds = torch.tensor([[0, 1, 2, 0, 4], [0, 0, 2, 3, 4], [0, 1, 2, 3, 4]])
+    hidden = torch.nn.functional.one_hot(preds, V).float() * 10
+    _, m = dflash_loss(hidden, torch.eye(V), labels_only_batch(labels), LossConfig())
+    assert m["streak_sum"].item() == 2 + 0
+    assert m["num_blocks"].item() == 2  # the block with nothing scored does not count
+    assert m["avg_streak"].item() == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-k KL
+
+
+def test_topk_kl_definition():
+    gen = torch.Generator().manual_seed(0)
+    N, B, V, K = 3, 4, 11, 5
+    hidden = torch.randn(N, B, V, generator=gen)
+    labels = torch.randint(0, V, (N, B), generator=gen)
+    labels[:, 0] = -100
+    labels[2, 3] = -100
+    target_logits = torch.randn(N, B, V, generator=gen)
+    lp, ids = target_logits.log_softmax(-1).topk(K, dim=-1)
+    lp[2, 3] = float("nan")  # an unscored slot may hold anything
+    ids[2, 3] = 10_000
+    cfg = LossConfig(ce_weight=0.0, kl_weight=1.0, gamma=3.0)
+    loss, m = dflash_loss(hidden, torch.eye(V), labels_only_batch(labels, lp, ids), cfg)
+    assert torch.isfinite(loss)
+    expected_num = expected_den = 0.0
+    for n in range(N):
+        for k in range(1, B):
+            if labels[n, k] < 0:
+                continue
+            p = lp[n, k].softmax(-1)
+            logq = hidden[n, k].log_softmax(-1)[ids[n, k]]
+            kl = (p * (p.log() - logq)).sum().item()
+            assert kl >= 0
+            w = math.exp(-(k - 1) / 3.0)
+            expected_num += w * kl
+            expected_den += w
+    assert loss.item() == pytest.approx(expected_num / expected_den, rel=1e-5)
+    assert m["kl"].item() == pytest.approx(expected_num / expected_den, rel=1e-5)
+    # Drafter == target over the full vocabulary with K == V: zero KL.
+    lp_full, ids_full = target_logits.log_softmax(-1).topk(V, dim=-1)
+    zero, _ = dflash_loss(target_logits, torch.eye(V), labels_only_batch(labels, lp_full, ids_full), cfg)
+    assert abs(zero.item()) < 1e-6
+    with pytest.raises(ValueError, match="kl_weight"):
+        dflash_loss(hidden, torch.eye(V), labels_only_batch(labels), cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunking, normalisation, aggregation
+
+
+def _random_case(N=10, B=4, H=8, V=50, K=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, B, H, generator=gen)
+    head = torch.randn(V, H, generator=gen)
+    labels = torch.randint(0, V, (N, B), generator=gen)
+    labels[:, 0] = -100
+    labels[torch.rand(N, B, generator=gen) < 0.2] = -100
+    lp = torch.randn(N, B, K, generator=gen).log_softmax(-1)
+    ids = torch.randint(0, V, (N, B, K), generator=gen)
+    return hidden, head, labels_only_batch(labels, lp, ids)
+
+
+def test_chunked_lm_head_gives_the_same_loss_and_gradients():
+    hidden, head, batch = _random_case()
+    results = []
+    for chunk in (1, 3, 1000):
+        h = hidden.clone().requires_grad_(True)
+        loss, m = dflash_loss(h, head, batch, LossConfig(kl_weight=0.3, ce_chunk=chunk))
+        loss.backward()
+        results.append((loss.detach(), h.grad, m["correct_per_pos"]))
+    for loss, grad, correct in results[:2]:
+        torch.testing.assert_close(loss, results[-1][0])
+        torch.testing.assert_close(grad, results[-1][1])
+        assert torch.equal(correct, results[-1][2])
+
+
+def test_summed_counts_equal_the_whole_batch():
+    hidden, head, batch = _random_case(N=12)
+    cfg = LossConfig(kl_weight=0.5)
+    _, whole = dflash_loss(hidden, head, batch, cfg)
+    parts = []
+    for sl in (slice(0, 5), slice(5, 12)):
+        part = labels_only_batch(batch.labels_NB[sl], batch.topk_logprobs_NBK[sl], batch.topk_ids_NBK[sl])
+        parts.append(dflash_loss(hidden[sl], head, part, cfg)[1])
+    merged = finalize_metrics(sum_counts(parts), cfg)
+    for key in ("loss", "ce", "kl", "accuracy", "acc_per_pos", "avg_streak", "eal"):
+        torch.testing.assert_close(merged[key], whole[key], msg=key)
+
+
+def test_global_normalizer_and_empty_batch():
+    hidden, head, batch = _random_case()
+    cfg = LossConfig()
+    loss, m = dflash_loss(hidden, head, batch, cfg)
+    scaled, _ = dflash_loss(hidden, head, batch, cfg, normalizer=2 * m["weight_sum"])
+    torch.testing.assert_close(scaled, loss / 2)
+    h = hidden.clone().requires_grad_(True)
+    empty = labels_only_batch(torch.full_like(batch.labels_NB, -100))
+    loss0, m0 = dflash_loss(h, head, empty, cfg)
+    loss0.backward()
+    assert loss0.item() == 0 and m0["num_valid"].item() == 0 and torch.isfinite(m0["eal"])
+    assert h.grad.abs().sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the drafter learns
+
+
+def test_tiny_drafter_overfits_fixed_samples():
+    arch = tiny_arch(hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=100)
+    model = tiny_drafter(arch, num_layers=2, block_size=4, attention="sdpa", seed=0)
+    for p in model.parameters():  # the default init (0.02) trains faster than the tests' 0.2
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)
+    gen = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, MASK_ID, (n,), generator=gen).tolist() for n in (20, 14, 26)]
+    anchors = [[0, 4, 9, 15], [1, 6, 10], [0, 3, 8, 12, 19, 22]]
+    batch = make_packed_batch(tokens, anchors, 4, 2 * 64, seed=1)
+    cfg = LossConfig(gamma=4.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    _, first = dflash_loss(model(batch), model.lm_head_VH, batch, cfg)
+    for _ in range(150):
+        loss, m = dflash_loss(model(batch), model.lm_head_VH, batch, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _, last = dflash_loss(model(batch), model.lm_head_VH, batch, cfg)
+    assert first["accuracy"] < 0.2
+    assert last["accuracy"] >= 0.98, last["accuracy"]
+    assert last["loss"] < 0.1 * first["loss"]
+    assert last["eal"] > 2.8  # 3 scored slots per block

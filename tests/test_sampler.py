@@ -1,0 +1,211 @@
+"""LengthMixedSampler: exactly-once coverage, equal steps per rank, budget, mixing, exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stage2_train.sampler import LengthMixedSampler, SamplerConfig, describe_steps
+
+
+def lognormal_lengths(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(6.3, 0.8, n), 64, 3072).astype(np.int64)
+
+
+def skewed_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """85% short (64-256 tokens), 15% long (1500-3000 tokens): about 72% of the tokens are long."""
+    rng = np.random.default_rng(seed)
+    long = rng.random(n) < 0.15
+    return np.where(long, rng.integers(1500, 3001, n), rng.integers(64, 257, n)).astype(np.int64)
+
+
+def rank_batches(cfg: SamplerConfig, lengths: np.ndarray, world_size: int, seed: int = 0, epoch: int = 0):
+    out = []
+    for rank in range(world_size):
+        sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+def test_config_validation_names_the_key():
+    with pytest.raises(ValueError, match=r"sampler\.token_budget must be > 0, got 0"):
+        SamplerConfig(token_budget=0)
+    with pytest.raises(ValueError, match=r"sampler\.grad_accum"):
+        SamplerConfig.from_dict({"grad_accum": 0})
+    with pytest.raises(ValueError, match=r"sampler\.budget: unknown key"):
+        SamplerConfig.from_dict({"budget": 10})
+    assert SamplerConfig(max_anchors_per_seq=256).recipe_warnings()
+    assert not SamplerConfig().recipe_warnings()
+
+
+def test_sample_longer_than_budget_is_named():
+    lengths = np.array([100, 200, 300, 5000, 100])
+    with pytest.raises(ValueError, match=r"sample 3 has 5000 tokens, more than sampler.token_budget=4096"):
+        LengthMixedSampler(SamplerConfig(token_budget=4096), lengths, seed=0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_sample_exactly_once_per_epoch_and_equal_steps(world_size):
+    lengths = lognormal_lengths(3000)
+    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    for epoch in (0, 1):
+        per_rank = rank_batches(cfg, lengths, world_size, epoch=epoch)
+        seen = [i for batches in per_rank for batch in batches for i in batch]
+        assert sorted(seen) == list(range(len(lengths)))  # nothing dropped, nothing repeated
+        counts = {len(batches) for batches in per_rank}
+        assert len(counts) == 1 and counts.pop() % cfg.grad_accum == 0  # same micro-batches on every rank
+        for batches in per_rank:
+            assert all(batch for batch in batches)  # no empty micro-batch
+            assert max(int(lengths[b].sum()) for b in batches) <= cfg.token_budget
+
+
+def test_max_samples_cap():
+    lengths = np.full(500, 64)
+    cfg = SamplerConfig(token_budget=8192, max_samples_per_batch=10)
+    batches = rank_batches(cfg, lengths, 1)[0]
+    assert max(len(b) for b in batches) == 10
+    assert sorted(i for b in batches for i in b) == list(range(500))
+
+
+def test_tiny_data_set_is_an_error_not_a_hang():
+    with pytest.raises(ValueError, match="cannot fill world_size \\* grad_accum = 8"):
+        LengthMixedSampler(SamplerConfig(grad_accum=4), np.full(5, 100), seed=0, world_size=2)
+
+
+def test_small_random_data_sets_plan_correctly_or_refuse():
+    """Awkward tails (few samples, near-budget lengths) still give exactly-once, non-empty plans."""
+    rng = np.random.default_rng(0)
+    planned = refused = 0
+    for _ in range(300):
+        budget = int(rng.integers(50, 400))
+        lengths = rng.integers(1, budget + 1, int(rng.integers(4, 40)))
+        world_size, grad_accum = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        cfg = SamplerConfig(
+            token_budget=budget, grad_accum=grad_accum, window_slack=float(rng.random() * 0.2)
+        )
+        try:
+            sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=world_size)
+        except ValueError as exc:
+            assert "cannot fill" in str(exc) or "too few samples" in str(exc)
+            refused += 1
+            continue
+        plan = sampler.plan_epoch(0)
+        assert sorted(i for step in plan for b in step for i in b) == list(range(len(lengths)))
+        assert all(len(step) == world_size * grad_accum for step in plan)
+        assert all(b and lengths[b].sum() <= budget for step in plan for b in step)
+        planned += 1
+    assert planned > 150 and refused > 0
+
+
+def test_packing_is_dense_and_ranks_balanced():
+    lengths = lognormal_lengths(6000)
+    cfg = SamplerConfig(token_budget=16384)
+    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=4)
+    plan = sampler.plan_epoch(0)
+    efficiency = lengths.sum() / (sum(len(step) for step in plan) * cfg.token_budget)
+    assert efficiency >= 0.98
+    for step in plan:
+        rank_tokens = np.array([lengths[b].sum() for b in step])
+        assert rank_tokens.max() / rank_tokens.mean() <= 1.05
+
+
+def test_epochs_differ_and_are_reproducible():
+    lengths = lognormal_lengths(1000)
+    cfg = SamplerConfig(token_budget=8192)
+    a = LengthMixedSampler(cfg, lengths, seed=3)
+    b = LengthMixedSampler(cfg, lengths, seed=3)
+    assert a.plan_epoch(0) == b.plan_epoch(0)
+    assert a.plan_epoch(1) == b.plan_epoch(1)
+    assert a.plan_epoch(0) != a.plan_epoch(1)
+    assert a.plan_epoch(0) != LengthMixedSampler(cfg, lengths, seed=4).plan_epoch(0)
+
+
+def test_iteration_rolls_over_to_the_next_epoch():
+    lengths = lognormal_lengths(400)
+    sampler = LengthMixedSampler(SamplerConfig(token_budget=8192, grad_accum=2), lengths, seed=0)
+    first = list(sampler)
+    assert len(first) == 2 * len(sampler.plan_epoch(0))
+    assert (sampler.epoch, sampler.step_in_epoch, sampler.micro_step) == (1, 0, 0)
+    second = list(sampler)
+    assert sorted(i for b in second for i in b) == list(range(400)) and second != first
+
+
+@pytest.mark.parametrize("consumed", [0, 5, 7, "epoch+3"])
+def test_resume_mid_epoch_replays_exactly(consumed):
+    lengths = lognormal_lengths(1500)
+    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    reference = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2)
+    expected = list(reference) + list(reference)  # two uninterrupted epochs
+
+    first = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2)
+    n = len(first.remaining()) + 3 if consumed == "epoch+3" else consumed
+    got = []
+    while len(got) < n:
+        for batch in first:
+            got.append(batch)
+            if len(got) == n:
+                break
+    state = first.state_dict()
+    assert state["seed"] == 1 and "epoch" in state and "step_in_epoch" in state
+
+    resumed = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    while len(got) < len(expected):
+        got.extend(resumed)
+    assert got == expected
+
+
+def test_resume_refuses_another_plan():
+    lengths = lognormal_lengths(500)
+    state = LengthMixedSampler(SamplerConfig(token_budget=8192), lengths, seed=0, world_size=2).state_dict()
+    other = LengthMixedSampler(SamplerConfig(token_budget=8192), lengths, seed=0, world_size=1)
+    with pytest.raises(ValueError, match="world_size was 2 when saved, is 1 now"):
+        other.load_state_dict(state)
+    shorter = LengthMixedSampler(SamplerConfig(token_budget=8192), lengths[:-1], seed=0, world_size=2)
+    with pytest.raises(ValueError, match="num_samples"):
+        shorter.load_state_dict(state)
+
+
+def long_token_share(lengths: np.ndarray, indices: list[int]) -> float:
+    step = lengths[indices]
+    return float(step[step >= 1500].sum() / step.sum())
+
+
+def test_every_step_mixes_lengths_unlike_buckets():
+    lengths = skewed_lengths(4000)
+    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2)
+    data_share = long_token_share(lengths, list(range(len(lengths))))
+    ours = []
+    for step in sampler.plan_epoch(0):
+        indices = [i for b in step for i in b]
+        assert (lengths[indices] >= 1500).any() and (lengths[indices] < 1500).any()
+        ours.append(abs(long_token_share(lengths, indices) - data_share))
+    # The tail steps (where a greedy packer leaves the leftovers) mix as well as the rest.
+    assert max(ours) < 0.15 and max(ours[-3:]) < 0.15 and np.median(ours) < 0.06
+
+    # Two homogeneous buckets, as many steps, 4 micro-batches a step drawn from one bucket.
+    rng = np.random.default_rng(0)
+    bucket_devs = []
+    for bucket in (np.flatnonzero(lengths < 1500), np.flatnonzero(lengths >= 1500)):
+        for chunk in np.array_split(rng.permutation(bucket), max(1, int(lengths[bucket].sum() // 32768))):
+            bucket_devs.append(abs(long_token_share(lengths, chunk.tolist()) - data_share))
+    assert np.median(bucket_devs) > 3 * np.median(ours)
+
+
+def test_describe_steps_reports_each_step():
+    lengths = lognormal_lengths(800)
+    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2)
+    steps_epoch0 = len(sampler.plan_epoch(0))
+    rows = describe_steps(sampler, steps_epoch0 + 2)
+    assert len(rows) == steps_epoch0 + 2
+    assert [r["epoch"] for r in rows[-3:]] == [0, 1, 1] and rows[-1]["step_in_epoch"] == 1
+    assert sum(r["tokens"] for r in rows[:steps_epoch0]) == lengths.sum()
+    first = rows[0]
+    assert sum(first["rank_tokens"]) == first["tokens"]
+    assert first["padding_fraction"] == pytest.approx(1 - first["tokens"] / (8192 * 4))
+    assert first["length_p10"] <= first["length_p50"] <= first["length_p90"] <= first["length_max"]
+    assert (sampler.epoch, sampler.step_in_epoch) == (0, 0)  # describing moves nothing
