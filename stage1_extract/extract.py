@@ -404,9 +404,22 @@ class ExtractResult:
     writer: WriterStats = field(default_factory=WriterStats)
 
 
+def windows_for_rank(shards: list[ShardPlan], window_shards: int, rank: int, world: int) -> list[list[ShardPlan]]:
+    """Consecutive shards, `window_shards` at a time, dealt to ranks whole.
+
+    The batches of a window depend only on the data and the config, never on the number of
+    processes or on what an earlier run finished, so every sample goes through the target in the
+    same batch (same padding, same kernels) and a resumed or multi-process store is bit-identical
+    to a single uninterrupted run.
+    """
+    windows = [shards[i : i + window_shards] for i in range(0, len(shards), window_shards)]
+    return [w for number, w in enumerate(windows) if number % world == rank]
+
+
 def run_shards(
     model: Any,
-    shards: list[ShardPlan],
+    windows: list[list[ShardPlan]],
+    done: set[int],
     url: str,
     store_cfg: StoreConfig,
     cfg: ExtractConfig,
@@ -414,20 +427,24 @@ def run_shards(
     packed: bool,
     progress: bool = True,
 ) -> ExtractResult:
-    """Extract the given shards (this rank's unfinished ones) and write them."""
+    """Extract this rank's unfinished shards, window by window, and write them."""
     import torch
     from tqdm import tqdm
 
     result = ExtractResult()
-    total_tokens = sum(len(r.input_ids) for s in shards for r in s.kept)
+    todo = [s for w in windows for s in w if s.index not in done]
+    todo_ids = {r.sample_id for s in todo for r in s.kept}
+    total_tokens = sum(len(r.input_ids) for s in todo for r in s.kept)
     started = time.perf_counter()
     capture = LayerCapture(model, layer_ids)
-    writer = ShardWriterThread(url, store_cfg, shards, cfg.queue_batches)
+    writer = ShardWriterThread(url, store_cfg, todo, cfg.queue_batches)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:
-        for start in range(0, len(shards), cfg.window_shards):
-            window = [r for s in shards[start : start + cfg.window_shards] for r in s.kept]
-            for batch in token_budget_batches(window, cfg.token_budget, cfg.max_batch_samples):
+        for window in windows:
+            rows = [r for s in window for r in s.kept]
+            for batch in token_budget_batches(rows, cfg.token_budget, cfg.max_batch_samples):
+                if not any(r.sample_id in todo_ids for r in batch):
+                    continue  # finished by an earlier run
                 forward_started = time.perf_counter()
                 outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk, packed)
                 samples = [
@@ -440,12 +457,13 @@ def run_shards(
                         topk_ids_TK=ids.to("cpu", non_blocking=True),
                     )
                     for row, (hidden, values, ids) in zip(batch, outputs)
+                    if row.sample_id in todo_ids
                 ]
-                if samples and samples[0].hidden_TLH.device.type == "cpu" and next(model.parameters()).is_cuda:
+                if next(model.parameters()).is_cuda:
                     torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
                 result.forward_seconds += time.perf_counter() - forward_started
                 writer.put(samples)
-                tokens = sum(len(r.input_ids) for r in batch)
+                tokens = sum(len(s.input_ids_T) for s in samples)
                 result.tokens += tokens
                 bar.update(tokens)
         result.writer = writer.finish()
@@ -455,7 +473,7 @@ def run_shards(
     finally:
         capture.close()
         bar.close()
-    result.shards_done = len(shards)
+    result.shards_done = len(todo)
     result.seconds = time.perf_counter() - started
     return result
 

@@ -38,6 +38,7 @@ from stage1_extract.extract import (
     plan_shards,
     run_shards,
     settings_header,
+    windows_for_rank,
 )
 from stage1_extract.generate import (
     GenerateConfig,
@@ -256,7 +257,8 @@ def _extract(cfg: RunConfig, force: bool, progress: bool, rank: int, world: int,
         rel = f"parts/shard-{shard.index:06d}.json"
         if files.exists(rel) and files.read_json(rel).get("rows_sha256") == shard.rows_sha256:
             done.add(shard.index)
-    mine = [s for s in shards if s.index % world == rank and s.index not in done]
+    windows = windows_for_rank(shards, cfg.extract.window_shards, rank, world)
+    mine = [s for w in windows for s in w if s.index not in done]
     device = resolve_device(cfg.extract.device)
     if device == "cuda":
         device = f"cuda:{local_rank}"
@@ -266,7 +268,7 @@ def _extract(cfg: RunConfig, force: bool, progress: bool, rank: int, world: int,
         packed = cfg.extract.packed == "on" or (
             cfg.extract.packed == "auto" and model.config._attn_implementation == "flash_attention_2"
         )
-        result = run_shards(model, mine, files.url, cfg.store, cfg.extract, prepared.layer_ids, packed, progress)
+        result = run_shards(model, windows, done, files.url, cfg.store, cfg.extract, prepared.layer_ids, packed, progress)
     _barrier(world)
     summary: dict[str, Any] = {
         "store": files.url,

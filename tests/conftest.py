@@ -85,6 +85,7 @@ def stage1_overrides(target_dir: Path, data_path: Path, run_dir: Path, **extra) 
         "extract.top_k": 8,
         "extract.token_budget": 512,
         "store.shard_mb": 1,
+        "extract.window_shards": 1,
     }
     base.update(extra)
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()]

@@ -1,0 +1,105 @@
+"""Config system: unknown keys, bad values, overrides, presets, the resolved copy, recipe checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.config import apply_overrides, load_run_config, parse_override
+from stage1_extract.pipeline import SECTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_load_and_sections_are_typed():
+    cfg = load_run_config(ROOT / "configs/default.yaml", [], SECTIONS)
+    assert cfg.run_dir == "runs/default"
+    assert cfg.extract.top_k == 64
+    assert cfg.store.dtype == "bf16"
+    assert cfg.target.num_feature_layers == 3
+
+
+@pytest.mark.parametrize("preset", ["default.yaml", "qwen3-8b.yaml", "llama-3.1-8b.yaml"])
+def test_every_preset_validates(preset):
+    cfg = load_run_config(ROOT / "configs" / preset, [], SECTIONS)
+    assert cfg.store.dtype in ("bf16", "fp8")
+
+
+def test_presets_inherit_and_differ_in_few_fields():
+    qwen = load_run_config(ROOT / "configs/qwen3-8b.yaml", [], SECTIONS)
+    assert qwen.target.mask_token_id == 151669
+    assert qwen.extract.top_k == 64  # inherited from default.yaml
+
+
+def test_unknown_key_is_rejected_with_dotted_name():
+    with pytest.raises(ValueError, match=r"extract\.topk: unknown key"):
+        load_run_config(ROOT / "configs/default.yaml", ["extract.topk=5"], SECTIONS)
+
+
+def test_unknown_section_is_rejected():
+    with pytest.raises(ValueError, match=r"trian: unknown top-level key"):
+        load_run_config(None, ["trian.lr=1"], SECTIONS)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("extract.top_k=0", r"extract\.top_k must be in 1\.\.1024, got 0"),
+        ("extract.top_k=abc", r"extract\.top_k must be an integer, got 'abc'"),
+        ("store.dtype=fp4", r"store\.dtype must be one of \['bf16', 'fp8'\], got 'fp4'"),
+        ("generate.top_p=1.5", r"generate\.top_p must be in \(0, 1\], got 1\.5"),
+        ("data.on_bad_row=ignore", r"data\.on_bad_row must be one of"),
+        ("target.layer_ids=[3,1]", r"target\.layer_ids must be distinct, ascending"),
+        ("data.regenerate=yes please", r"data\.regenerate must be true or false"),
+    ],
+)
+def test_bad_values_name_key_and_value(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_run_config(ROOT / "configs/default.yaml", [override], SECTIONS)
+
+
+def test_override_parsing():
+    assert parse_override("generate.temperature=1e-4") == (["generate", "temperature"], "1e-4")
+    assert parse_override("target.layer_ids=[1, 5]") == (["target", "layer_ids"], [1, 5])
+    assert parse_override("run_dir=/tmp/x") == (["run_dir"], "/tmp/x")
+    with pytest.raises(ValueError, match="must look like key=value"):
+        parse_override("extract.top_k")
+    with pytest.raises(ValueError, match="top-level key or section.key"):
+        parse_override("a.b.c=1")
+    data = apply_overrides({"extract": {"top_k": 3}}, ["extract.top_k=5", "seed=7"])
+    assert data == {"extract": {"top_k": 5}, "seed": 7}
+
+
+def test_float_fields_accept_yaml_exponent_strings():
+    cfg = load_run_config(ROOT / "configs/default.yaml", ["generate.temperature=1e-1"], SECTIONS)
+    assert cfg.generate.temperature == pytest.approx(0.1)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_run_config(ROOT / "configs/default.yaml", ["extract.top_k=7"], SECTIONS)
+    path = cfg.write_resolved(tmp_path / "resolved.yaml")
+    again = load_run_config(path, [], SECTIONS)
+    assert again.to_dict() == cfg.to_dict()
+    assert yaml.safe_load(path.read_text())["extract"]["top_k"] == 7
+
+
+def test_check_command_warns_on_recipe_departures():
+    out = subprocess.run(
+        [sys.executable, "-m", "stage1_extract", "check", "generate.temperature=1.0"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )
+    assert "top_k: 64" in out.stdout
+    assert "WARNING: generate: temperature=1.0" in out.stderr
+
+
+def test_cli_reports_config_errors_without_traceback():
+    out = subprocess.run(
+        [sys.executable, "-m", "stage1_extract", "plan", "extract.top_k=-1"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert "error: extract.top_k must be in 1..1024, got -1" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,133 @@
+"""Reading conversations, chat templates and loss masks, bad rows, the default corpus, generation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from shared.target import default_target_dir
+from stage1_extract.corpus import default_conversations
+from stage1_extract.data import ReadStats, read_conversations, write_conversations_parquet
+from stage1_extract.template import tokenize_conversation
+
+from .conftest import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_target_dir())
+
+
+def decoded_supervised(tokenizer, sample) -> str:
+    return tokenizer.decode(sample.input_ids[sample.loss_mask])
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "Hello there"},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "Hi again"},
+    ]
+    sample = tokenize_conversation(tokenizer, messages, max_length=512)
+    text = tokenizer.decode(sample.input_ids)
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False)
+    # Each answer and its end-of-turn marker are supervised; nothing of the prompt is.
+    assert decoded_supervised(tokenizer, sample) == "Hello there<|im_end|>\nHi again<|im_end|>\n"
+    assert not sample.truncated
+    assert sample.input_ids.dtype == np.int32 and sample.loss_mask.dtype == bool
+
+
+def test_prompt_completion_rows_become_chats(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2?", "completion": "4"}])
+    (conv,) = read_conversations(path)
+    assert conv.messages == [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    sample = tokenize_conversation(tokenizer, conv.messages, 512)
+    assert decoded_supervised(tokenizer, sample) == "4<|im_end|>\n"
+
+
+def test_truncation_is_reported(tokenizer):
+    messages = [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y " * 200}]
+    sample = tokenize_conversation(tokenizer, messages, max_length=64)
+    assert sample.truncated and len(sample.input_ids) == 64 and len(sample.loss_mask) == 64
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ('{"messages": [{"role": "robot", "content": "x"}]}', r"row 1: messages\[0\] has unknown role 'robot'"),
+        ('{"messages": []}', r"row 1: empty conversation"),
+        ('{"text": "x"}', r"row 1: row has neither 'messages' nor 'prompt'"),
+        ('{"messages": [{"role": "user"}]}', r"row 1: messages\[0\] must have 'role' and 'content'"),
+        ("{not json", r"row 1: not valid JSON"),
+        ('{"prompt": 5}', r"row 1: 'prompt' and 'completion' must be strings"),
+    ],
+)
+def test_bad_rows_name_file_and_row(tmp_path, row, message):
+    good = json.dumps({"prompt": "ok"})
+    path = tmp_path / "bad.jsonl"
+    path.write_text(good + "\n" + row + "\n" + good + "\n")
+    with pytest.raises(ValueError, match=message) as info:
+        list(read_conversations(path))
+    assert str(path) in str(info.value)
+    stats = ReadStats()
+    kept = list(read_conversations(path, on_bad_row="skip", stats=stats))
+    assert [c.row for c in kept] == [0, 2]
+    assert stats.bad_rows == 1 and stats.rows == 3 and "row 1" in stats.bad_examples[0]
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        list(read_conversations(tmp_path / "nope.jsonl"))
+
+
+def test_parquet_round_trip_and_max_samples(tmp_path):
+    convs = default_conversations(10)
+    write_conversations_parquet(convs, tmp_path / "c.parquet")
+    assert pq.read_table(tmp_path / "c.parquet").num_rows == 10
+    back = list(read_conversations(tmp_path / "c.parquet", max_samples=4))
+    assert [c.messages for c in back] == [c.messages for c in convs[:4]]
+
+
+def test_default_corpus_is_deterministic_and_varied():
+    a, b = default_conversations(64), default_conversations(64)
+    assert [c.messages for c in a] == [c.messages for c in b]
+    lengths = [len(c.messages[0]["content"]) for c in a]
+    assert min(lengths) < 100 < 600 < max(lengths)
+    assert len({c.messages[0]["content"] for c in a}) == 64
+
+
+def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_path):
+    from shared.config import load_run_config
+    from stage1_extract import pipeline
+
+    rows = [
+        {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "OLD ANSWER"}]},
+        {"prompt": "second"},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "OLD"}, {"role": "user", "content": "b"}]},
+    ]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    overrides = [
+        f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32",
+        f"data.path={data}", "generate.max_new_tokens=6", "generate.chunk_size=2", "generate.device=cpu",
+    ]
+    cfg = load_run_config("configs/default.yaml", overrides, pipeline.SECTIONS)
+    first = pipeline.cmd_generate(cfg, progress=False)
+    assert first["conversations"] == 3 and first["parts_reused"] == 0
+    out = list(read_conversations(first["output"]))
+    roles = [[m["role"] for m in c.messages] for c in out]
+    assert roles == [["user", "assistant"], ["user", "assistant"], ["user", "assistant", "user", "assistant"]]
+    assert all(m["content"] not in ("OLD ANSWER", "OLD") for c in out for m in c.messages)
+    # A rerun (as after a kill) reuses every finished part and changes nothing.
+    second = pipeline.cmd_generate(cfg, progress=False)
+    assert second["parts_reused"] == 2
+    assert [c.messages for c in read_conversations(second["output"])] == [c.messages for c in out]
+    # Other settings must not silently mix with old parts.
+    changed = load_run_config("configs/default.yaml", overrides + ["generate.temperature=0.2"], pipeline.SECTIONS)
+    with pytest.raises(ValueError, match="other generate settings"):
+        pipeline.cmd_generate(changed, progress=False)

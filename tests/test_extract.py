@@ -1,0 +1,270 @@
+"""Stage 1 extraction: layer capture, top-k, store contents, resume, multi-process, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shared.config import load_run_config
+from shared.store import StoreReader, read_manifest, read_shard_arrays
+from stage1_extract import extract as extract_mod
+from stage1_extract import pipeline
+from stage1_extract.extract import LayerCapture
+
+from .conftest import chat_rows, stage1_overrides, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = [1, 2, 3]  # the DFlash rule on the 6-layer tiny target with 3 feature layers
+
+
+def config(tiny_target_dir, data, run_dir, **extra):
+    return load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra), pipeline.SECTIONS)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", chat_rows(30))
+
+
+@pytest.fixture(scope="module")
+def store(tiny_target_dir, data_file, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    cfg = config(tiny_target_dir, data_file, run_dir)
+    summary = pipeline.cmd_extract(cfg, progress=False)
+    return cfg, summary, StoreReader(pipeline.store_url(cfg))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+def test_layer_capture_equals_hf_hidden_states_plus_one(target):
+    ids_1T = torch.randint(0, 1000, (1, 20))
+    capture = LayerCapture(target, [0, 2, 4, 5])
+    with torch.inference_mode():
+        out = target(ids_1T, output_hidden_states=True)
+    captured_1TLH = capture.stacked()
+    capture.close()
+    for j, layer in enumerate([0, 2, 4]):
+        # The output of decoder layer i is HF hidden_states[i + 1] (index i would be off by one).
+        torch.testing.assert_close(captured_1TLH[0, :, j], out.hidden_states[layer + 1][0], rtol=0, atol=0)
+        assert not torch.allclose(captured_1TLH[0, :, j], out.hidden_states[layer][0])
+    # HF's last entry is after the final norm, not the last layer's output: the hooks are right there too.
+    with torch.inference_mode():
+        normed_TH = target.model.norm(captured_1TLH[0, :, 3])
+    torch.testing.assert_close(normed_TH, out.hidden_states[6][0])
+    assert not torch.allclose(captured_1TLH[0, :, 3], out.hidden_states[6][0])
+
+
+def test_store_sample_equals_a_direct_forward(store, target, tiny_target_dir):
+    cfg, _, reader = store
+    prepared = pipeline.prepare(cfg)
+    rows = {r.sample_id: r for r in prepared.rows}
+    for index in (0, 7, len(reader) - 1):
+        sample = reader[index]
+        row = rows[sample["sample_id"]]
+        np.testing.assert_array_equal(sample["input_ids_T"].numpy(), row.input_ids)
+        np.testing.assert_array_equal(sample["loss_mask_T"].numpy(), row.loss_mask)
+        with torch.inference_mode():
+            out = target(torch.from_numpy(row.input_ids.astype(np.int64))[None], output_hidden_states=True)
+        expected_TLH = torch.stack([out.hidden_states[i + 1][0] for i in LAYERS], dim=1)
+        torch.testing.assert_close(sample["hidden_TLH"], expected_TLH.to(torch.bfloat16), rtol=0, atol=0)
+        full_TV = torch.log_softmax(out.logits[0].float(), dim=-1)
+        top = torch.topk(full_TV, 8, dim=-1)
+        # Top-k of the full log-softmax (after the final norm and LM head), stored in float16.
+        torch.testing.assert_close(sample["topk_logprobs_TK"], top.values.half().float(), rtol=0, atol=0)
+        assert torch.equal(sample["topk_ids_TK"], top.indices)
+
+
+def test_manifest_records_what_made_the_store(store, tiny_target_dir):
+    cfg, summary, reader = store
+    manifest = reader.manifest
+    assert manifest["schema_version"] == 1
+    assert manifest["layer_ids"] == LAYERS and manifest["top_k"] == 8
+    assert manifest["target"]["path"] == str(tiny_target_dir)
+    assert len(manifest["target"]["weights_sha256"]) == 64
+    assert len(manifest["tokenizer_sha256"]) == 64 and len(manifest["chat_template_sha256"]) == 64
+    assert manifest["storage"] == {"dtype": "bf16", "compression": "zstd", "zstd_level": 3, "chunk_tokens": 1024}
+    assert manifest["num_samples"] == 30 == len(reader)
+    assert manifest["num_tokens"] == int(reader.lengths.sum()) == summary["tokens"]
+    assert sorted(reader.sample_ids.tolist()) == list(range(30))
+    for record in manifest["shards"]:
+        assert record["sample_end"] - record["sample_start"] == record["num_samples"]
+        assert record["bytes"] > 0 and len(record["checksum"]) == 64 and len(record["rows_sha256"]) == 64
+    assert len(manifest["shards"]) == summary["shards_total"] >= 2
+
+
+def test_padding_is_never_stored(store):
+    _, _, reader = store
+    for record in reader.manifest["shards"]:
+        arrays = read_shard_arrays(reader.url, record["name"])
+        assert arrays["hidden"].shape[0] == record["num_tokens"] == arrays["offsets"][-1]
+        assert list(np.diff(arrays["offsets"])) == record["lengths"]
+
+
+def test_rerun_is_a_no_op_and_status_is_complete(store):
+    cfg, _, reader = store
+    before = read_manifest(reader.url)["shards"]
+    summary = pipeline.cmd_extract(cfg, progress=False)
+    assert summary["shards_already_done"] == summary["shards_total"] and summary["shards_extracted_here"] == 0
+    assert read_manifest(reader.url)["shards"] == before
+    status = pipeline.cmd_status(cfg)
+    assert status["complete"] and status["shards_done"] == status["shards_total"]
+    assert pipeline.cmd_verify(cfg)["ok"]
+
+
+def store_contents(url: str) -> list:
+    manifest = read_manifest(url)
+    return [(r["name"], r["checksum"], r["sample_ids"]) for r in manifest["shards"]]
+
+
+def test_crash_then_resume_equals_an_uninterrupted_run(tiny_target_dir, data_file, tmp_path, store, monkeypatch):
+    cfg = config(tiny_target_dir, data_file, tmp_path)
+    real_write = extract_mod.write_shard
+    calls = []
+
+    def failing_write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated crash mid-run")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(extract_mod, "write_shard", failing_write)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        pipeline.cmd_extract(cfg, progress=False)
+    assert not (tmp_path / "store" / "manifest.json").exists()
+    assert pipeline.cmd_status(cfg)["shards_done"] == 1
+    monkeypatch.setattr(extract_mod, "write_shard", real_write)
+    summary = pipeline.cmd_extract(cfg, progress=False)
+    assert summary["shards_already_done"] == 1
+    assert store_contents(pipeline.store_url(cfg)) == store_contents(store[2].url)
+
+
+def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_file, tmp_path, store):
+    overrides = stage1_overrides(tiny_target_dir, data_file, tmp_path, **{"extract.window_shards": 1})
+    command = [sys.executable, "-m", "stage1_extract", "extract", "--no-progress", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parts = tmp_path / "store" / "parts"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (parts.exists() and any(parts.iterdir())):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "store" / "manifest.json").exists()
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+    assert store_contents(str(tmp_path / "store")) == store_contents(store[2].url)
+
+
+def test_truncate_and_skip_are_counted(tiny_target_dir, tmp_path):
+    rows = chat_rows(6) + [{"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "word " * 400}]}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = config(tiny_target_dir, data, tmp_path / "t", **{"data.max_length": 128})
+    pipeline.cmd_extract(cfg, progress=False)
+    manifest = read_manifest(pipeline.store_url(cfg))
+    assert (manifest["num_truncated"], manifest["num_skipped"], manifest["num_samples"]) == (1, 0, 7)
+    assert StoreReader(pipeline.store_url(cfg)).lengths.max() == 128
+    cfg = config(tiny_target_dir, data, tmp_path / "s", **{"data.max_length": 128, "data.on_long": "skip"})
+    pipeline.cmd_extract(cfg, progress=False)
+    manifest = read_manifest(pipeline.store_url(cfg))
+    assert (manifest["num_truncated"], manifest["num_skipped"], manifest["num_samples"]) == (0, 1, 6)
+    assert 6 not in StoreReader(pipeline.store_url(cfg)).sample_ids.tolist()
+
+
+def test_non_finite_features_name_the_sample(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    real_forward = extract_mod.forward_batch
+
+    def poisoned(model, capture, rows, *args):
+        outputs = [tuple(t.clone() for t in out) for out in real_forward(model, capture, rows, *args)]
+        for row, out in zip(rows, outputs):
+            if row.sample_id == 11:
+                out[0][3, 0, 0] = float("nan")
+        return outputs
+
+    monkeypatch.setattr(extract_mod, "forward_batch", poisoned)
+    cfg = config(tiny_target_dir, data_file, tmp_path)
+    with pytest.raises(RuntimeError, match=r"sample 11: 1 non-finite values \(NaN/inf\) in hidden"):
+        pipeline.cmd_extract(cfg, progress=False)
+
+
+def test_full_disk_keeps_earlier_shards(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    real_write = extract_mod.write_shard
+    calls = []
+
+    def disk_full(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(extract_mod, "write_shard", disk_full)
+    cfg = config(tiny_target_dir, data_file, tmp_path)
+    with pytest.raises(RuntimeError, match="No space left on device.*intact, rerun `extract` after freeing space"):
+        pipeline.cmd_extract(cfg, progress=False)
+    assert pipeline.cmd_status(cfg)["shards_done"] == 1
+
+
+def test_plan_refuses_a_store_that_will_not_fit(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    from shared.store import StoreFiles
+
+    monkeypatch.setattr(StoreFiles, "free_bytes", lambda self: 1000)
+    cfg = config(tiny_target_dir, data_file, tmp_path)
+    plan = pipeline.cmd_plan(cfg)
+    assert plan["fits"] is False and plan["tokens"] > 0 and plan["bytes_per_token"] == 3 * 64 * 2 + 8 * 6 + 5
+    with pytest.raises(OSError, match="needs about .* GiB but .* has 0.00 GiB free.*--force"):
+        pipeline.cmd_extract(cfg, progress=False)
+    assert pipeline.cmd_extract(cfg, force=True, progress=False)["num_samples"] == 30
+
+
+def test_changed_settings_are_refused_by_name(store, tiny_target_dir, data_file):
+    cfg, _, _ = store
+    changed = config(tiny_target_dir, data_file, Path(cfg.run_dir), **{"extract.top_k": 4})
+    with pytest.raises(ValueError, match=r"started with top_k=8, the config now gives 4"):
+        pipeline.cmd_extract(changed, progress=False)
+
+
+def test_fsspec_url_store(tiny_target_dir, data_file, tmp_path, store):
+    url = f"memory://stores/{tmp_path.name}"
+    cfg = config(tiny_target_dir, data_file, tmp_path, **{"store.path": url})
+    pipeline.cmd_extract(cfg, progress=False)
+    assert store_contents(url) == store_contents(store[2].url)
+    reader = StoreReader(url)
+    assert torch.equal(reader[3]["hidden_TLH"], store[2][3]["hidden_TLH"])
+    assert pipeline.cmd_verify(cfg)["ok"]
+
+
+def test_fp8_storage_halves_bytes_with_small_error(tiny_target_dir, data_file, tmp_path, store):
+    cfg = config(tiny_target_dir, data_file, tmp_path, **{"store.dtype": "fp8", "store.compression": "none"})
+    pipeline.cmd_extract(cfg, progress=False)
+    fp8, bf16 = StoreReader(pipeline.store_url(cfg)), store[2]
+    a, b = fp8[5]["hidden_TLH"].float(), bf16[5]["hidden_TLH"].float()
+    relative = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()
+    assert relative < 0.06  # e4m3 keeps 3 mantissa bits; per-token scale keeps the range
+    assert torch.equal(fp8[5]["topk_ids_TK"], bf16[5]["topk_ids_TK"])
+
+
+def test_two_processes_split_shards_and_equal_one_process(tiny_target_dir, data_file, tmp_path, store):
+    overrides = stage1_overrides(tiny_target_dir, data_file, tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "stage1_extract", "extract", "--no-progress", *overrides,
+    ]
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ranks = [json.loads(chunk) for chunk in out.stdout.replace("}\n{", "}\x00{").split("\x00") if chunk.strip()]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert all(r["shards_extracted_here"] >= 1 for r in ranks)
+    assert store_contents(str(tmp_path / "store")) == store_contents(store[2].url)

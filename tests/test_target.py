@@ -1,0 +1,70 @@
+"""The embedded default target, its GGUF conversion, and the DFlash layer rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.target import (
+    TargetArch,
+    TargetConfig,
+    default_mask_token_id,
+    default_target_dir,
+    dflash_layer_ids,
+    embedded_gguf_path,
+    load_tokenizer,
+    resolve_layer_ids,
+)
+
+
+def test_layer_rule_matches_published_drafters():
+    assert dflash_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B DFlash drafter
+    assert dflash_layer_ids(30, 3) == [1, 14, 27]
+    assert dflash_layer_ids(30, 1) == [1]
+    with pytest.raises(ValueError, match="num_feature_layers=40"):
+        dflash_layer_ids(30, 40)
+
+
+def test_explicit_layer_ids_are_checked_against_the_target():
+    arch = TargetArch.from_dir(default_target_dir())
+    assert resolve_layer_ids(TargetConfig(layer_ids=[2, 4]), arch) == [2, 4]
+    with pytest.raises(ValueError, match="names layer 30, but the target has 30 layers"):
+        resolve_layer_ids(TargetConfig(layer_ids=[2, 30]), arch)
+
+
+def test_default_target_is_smollm2_with_a_mask_token():
+    arch = TargetArch.from_dir(default_target_dir())
+    assert (arch.model_type, arch.num_hidden_layers, arch.hidden_size, arch.vocab_size) == ("llama", 30, 576, 49152)
+    cfg = TargetConfig()
+    tokenizer = load_tokenizer(cfg)
+    mask_id = default_mask_token_id(cfg, arch, tokenizer)
+    assert tokenizer.convert_ids_to_tokens(mask_id) == "<empty_output>"
+
+
+def test_missing_target_folder_is_a_clear_error(tmp_path):
+    from shared.target import resolve_target_dir
+
+    with pytest.raises(FileNotFoundError, match="never downloaded"):
+        resolve_target_dir(TargetConfig(path=str(tmp_path / "Qwen3-8B")))
+
+
+def test_converted_checkpoint_matches_the_gguf_model():
+    """The bf16 safetensors conversion predicts what the GGUF-loaded model predicts."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = embedded_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    converted = AutoModelForCausalLM.from_pretrained(default_target_dir(), dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(TargetConfig())
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is a Python list?"}], add_generation_prompt=True, return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    with torch.inference_mode():
+        ref_TV = reference(ids).logits[0].float()
+        out_TV = converted(ids).logits[0].float()
+    # Weights differ only by bf16 rounding of the dequantized values.
+    assert (ref_TV.argmax(-1) == out_TV.argmax(-1)).float().mean() >= 0.9
+    assert (ref_TV - out_TV).abs().max() < 0.05 * ref_TV.abs().max()
+    for name, tensor in converted.state_dict().items():
+        assert torch.isfinite(tensor).all(), name
