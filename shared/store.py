@@ -231,8 +231,10 @@ def write_shard(url: str, name: str, samples: list[SampleFeatures], cfg: StoreCo
     group.attrs.update({"schema_version": SCHEMA_VERSION, "hidden_dtype": cfg.dtype, "num_tokens": num_tokens})
     for key, data in arrays.items():
         token_major = key not in ("offsets", "sample_ids")
-        rows = cfg.chunk_tokens if token_major else max(len(data), 1)
-        chunks = (min(rows, len(data)),) + data.shape[1:]
+        # Equal chunks of at most chunk_tokens: an uncompressed partial tail chunk would be stored
+        # padded to full size, which costs up to a chunk of padding per shard.
+        num_chunks = -(-len(data) // cfg.chunk_tokens) if token_major else 1
+        chunks = (max(1, -(-len(data) // num_chunks)),) + data.shape[1:]
         # One Zarr shard per array, written in one call: partial shard writes rewrite the file.
         shards = (-(-len(data) // chunks[0]) * chunks[0],) + data.shape[1:]
         array = group.create_array(
@@ -313,15 +315,27 @@ class StoreReader:
         self._shards = shards
         self.lengths = np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
         self.sample_ids = np.concatenate([np.asarray(s["sample_ids"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
+        self._check_listing()
         self._store = _zarr_store(url, read_only=True)
-        self._groups: OrderedDict[int, tuple[Any, np.ndarray]] = OrderedDict()
+        self._groups: OrderedDict[int, tuple[dict[str, Any], np.ndarray]] = OrderedDict()
         self._cache_shards = cache_shards
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return int(self._shard_start[-1])
 
-    def _group(self, shard: int) -> tuple[Any, np.ndarray]:
+    def _check_listing(self) -> None:
+        """Cheap open-time check (one listing): every shard the manifest lists is there."""
+        present = set(StoreFiles(self.url).list("shards"))
+        missing = [s["name"] for s in self._shards if s["name"] and s["name"] not in present]
+        if missing:
+            raise StoreError(
+                f"{self.url}: {len(missing)} shard(s) listed in manifest.json are missing, first {missing[0]}; "
+                f"run `python -m stage1_extract verify --repair` or `reprocess`"
+            )
+
+    def _group(self, shard: int) -> tuple[dict[str, Any], np.ndarray]:
+        """The shard's array handles (metadata read once) and its offsets."""
         with self._lock:
             if shard in self._groups:
                 self._groups.move_to_end(shard)
@@ -329,7 +343,8 @@ class StoreReader:
         info = self._shards[shard]
         try:
             group = self._zarr.open_group(store=self._store, path=f"shards/{info['name']}", mode="r")
-            offsets = group["offsets"][...]
+            arrays = {name: array for name, array in group.arrays()}
+            offsets = arrays["offsets"][...]
         except Exception as exc:  # noqa: BLE001 - any failure here means a damaged or missing shard
             raise StoreError(
                 f"{self.url}: shard {info['name']} cannot be opened ({exc}); run `python -m stage1_extract verify`"
@@ -340,7 +355,7 @@ class StoreReader:
                 f"the manifest says {info['num_samples']} / {info['num_tokens']}; run `python -m stage1_extract reprocess`"
             )
         with self._lock:
-            self._groups[shard] = (group, offsets)
+            self._groups[shard] = (arrays, offsets)
             while len(self._groups) > self._cache_shards:
                 self._groups.popitem(last=False)
         return group, offsets

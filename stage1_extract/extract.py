@@ -82,6 +82,7 @@ class ShardPlan:
     index: int
     rows: list[TokenizedRow]
     tag: str
+    key: str  # header key of the settings that produce it
 
     @property
     def name(self) -> str:
@@ -152,20 +153,38 @@ def plan_shards(rows: list[TokenizedRow], samples_per_shard: int, key: str) -> l
     for index, start in enumerate(range(0, len(rows), samples_per_shard)):
         chunk = rows[start : start + samples_per_shard]
         tag = hashlib.sha256((key + "".join(r.row_hash for r in chunk)).encode()).hexdigest()[:10]
-        shards.append(ShardPlan(index=index, rows=chunk, tag=tag))
+        shards.append(ShardPlan(index=index, rows=chunk, tag=tag, key=key))
     return shards
 
 
-def load_or_pin_plan(files: StoreFiles, header: dict[str, Any], samples_per_shard: int, num_rows: int) -> int:
-    """The first run pins samples_per_shard; later runs must agree on the header (or reprocess)."""
+def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted names of the identity fields that differ ('target.weights_sha256', 'top_k', ...)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{key}.{sub}" for sub in header_differences(a, b)]
+        elif a != b:
+            out.append(key)
+    return out
+
+
+def load_or_pin_plan(
+    files: StoreFiles, header: dict[str, Any], samples_per_shard: int, num_rows: int, repin: bool = False
+) -> int:
+    """The first run pins samples_per_shard; later runs must agree on the header, or reprocess
+    (repin=True), which adopts the new header and keeps the shard boundaries."""
     if files.exists("plan.json"):
         plan = files.read_json("plan.json")
+        if repin and plan["header"] != header:
+            plan.update({"header": header, "num_rows": num_rows})
+            files.write_json("plan.json", plan)
         for field_name, value in header.items():
             if plan["header"].get(field_name) != value:
                 raise ValueError(
                     f"{files.url}/plan.json: this store was started with {field_name}="
                     f"{plan['header'].get(field_name)!r}, the config now gives {value!r}. "
-                    f"Use `python -m stage1_extract reprocess` to update it, or another store.path"
+                    f"Run `python -m stage1_extract reprocess` to update the stale shards, or use another store.path"
                 )
         return int(plan["samples_per_shard"])
     files.write_json("plan.json", {"header": header, "samples_per_shard": samples_per_shard, "num_rows": num_rows})
@@ -352,6 +371,7 @@ class ShardWriterThread:
                 "sample_start": shard.rows[0].sample_id,
                 "sample_end": shard.rows[-1].sample_id + 1,
                 "rows_sha256": shard.rows_sha256,
+                "header_key": shard.key,
                 "sample_ids": [r.sample_id for r in shard.kept],
                 "lengths": [len(r.input_ids) for r in shard.kept],
                 "num_truncated": sum(r.truncated for r in shard.rows),
@@ -478,17 +498,27 @@ def run_shards(
     return result
 
 
+def part_path(index: int) -> str:
+    return f"parts/shard-{index:06d}.json"
+
+
+def shard_is_done(files: StoreFiles, shard: ShardPlan) -> bool:
+    """A shard is done when its part record matches both its input rows and the settings."""
+    if not files.exists(part_path(shard.index)):
+        return False
+    record = files.read_json(part_path(shard.index))
+    return record.get("rows_sha256") == shard.rows_sha256 and record.get("header_key") == shard.key
+
+
 def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[ShardPlan], extra: dict[str, Any]) -> dict[str, Any]:
     """Build manifest.json from the part records (all ranks), then drop unlisted shard groups."""
     records = []
     for shard in shards:
-        rel = f"parts/shard-{shard.index:06d}.json"
-        if not files.exists(rel):
-            raise RuntimeError(f"{files.url}/{rel} is missing: shard {shard.index} was not extracted")
-        record = files.read_json(rel)
-        if record["rows_sha256"] != shard.rows_sha256:
-            raise RuntimeError(f"{files.url}/{rel} belongs to other input rows than the plan; rerun extract")
-        records.append(record)
+        if not shard_is_done(files, shard):
+            raise RuntimeError(
+                f"{files.url}/{part_path(shard.index)} is missing or belongs to other rows or settings; rerun extract"
+            )
+        records.append(files.read_json(part_path(shard.index)))
     manifest = dict(header)
     manifest.update(extra)
     manifest.update(
@@ -502,11 +532,18 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
         }
     )
     files.write_json("manifest.json", manifest)
-    listed = {r["name"] for r in records if r["name"]}
-    for name in files.list("shards"):
-        if name.startswith("shard-") and name not in listed:
-            files.remove(f"shards/{name}")  # leftovers of a crash or of a replaced shard
+    for name in orphans(files, records):
+        files.remove(name)  # leftovers of a crash, of a replaced shard, or of rows no longer in the data
     return manifest
+
+
+def orphans(files: StoreFiles, records: list[dict[str, Any]]) -> list[str]:
+    """Store paths that no manifest record refers to: unlisted shard groups and part records."""
+    listed = {r["name"] for r in records if r["name"]}
+    parts = {part_path(r["index"]).split("/")[1] for r in records}
+    out = [f"shards/{n}" for n in files.list("shards") if n.startswith("shard-") and n not in listed]
+    out += [f"parts/{n}" for n in files.list("parts") if n.startswith("shard-") and n not in parts]
+    return out
 
 
 def estimate(rows: list[TokenizedRow], header: dict[str, Any], store_cfg: StoreConfig) -> dict[str, Any]:

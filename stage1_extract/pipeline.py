@@ -14,14 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
-from shared.store import StoreConfig, StoreFiles, read_manifest, read_shard_arrays, content_checksum
+from shared.store import (
+    StoreConfig,
+    StoreFiles,
+    bytes_per_token,
+    content_checksum,
+    read_manifest,
+    read_shard_arrays,
+)
 from shared.target import (
     TargetArch,
     TargetConfig,
     load_target_model,
     load_tokenizer,
-    resolve_layer_ids,
     resolve_dtype,
+    resolve_layer_ids,
     resolve_target_dir,
     tokenizer_fingerprints,
     weights_fingerprint,
@@ -29,15 +36,19 @@ from shared.target import (
 from stage1_extract.data import DataConfig, ReadStats, read_conversations
 from stage1_extract.extract import (
     ExtractConfig,
+    ShardPlan,
     TokenizedRow,
     choose_samples_per_shard,
     estimate,
+    header_differences,
     header_key,
     load_or_pin_plan,
     merge_manifest,
+    part_path,
     plan_shards,
     run_shards,
     settings_header,
+    shard_is_done,
     windows_for_rank,
 )
 from stage1_extract.generate import (
@@ -216,7 +227,7 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True) -> dict[str, Any]:
+def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
     if world > 1:
         import torch.distributed as dist
@@ -224,7 +235,7 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True) -> d
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # only barriers travel; gloo works on CPU and GPU nodes
     try:
-        return _extract(cfg, force, progress and rank == 0, rank, world, local_rank)
+        return _extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess)
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -233,7 +244,22 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True) -> d
                 dist.destroy_process_group()
 
 
-def _extract(cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int) -> dict[str, Any]:
+def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
+    """The shards of the current config and data, with the boundaries pinned in plan.json."""
+    files = prepared.files
+    if files.exists("plan.json"):
+        samples_per_shard = int(files.read_json("plan.json")["samples_per_shard"])
+    else:
+        token_bytes = bytes_per_token(
+            cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
+        )
+        samples_per_shard = choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
+    return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header))
+
+
+def _extract(
+    cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int, reprocess: bool
+) -> dict[str, Any]:
     prepared = prepare(cfg)
     files = prepared.files
     plan = cmd_plan(cfg, prepared)
@@ -242,21 +268,16 @@ def _extract(cfg: RunConfig, force: bool, progress: bool, rank: int, world: int,
             f"extraction needs about {plan['total_gib']} GiB but {files.url} has "
             f"{plan['free_bytes'] / 2**30:.2f} GiB free; free space, change store.dtype/compression, or pass --force"
         )
-    key = header_key(prepared.header)
     if rank == 0:
-        from shared.store import bytes_per_token
-
-        token_bytes = bytes_per_token(cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k)
-        load_or_pin_plan(files, prepared.header, choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes), len(prepared.rows))
-        cfg.write_resolved(Path(cfg.run_dir) / "extract_config.yaml") if "://" not in files.url else None
+        shards = planned_shards(cfg, prepared)
+        samples_per_shard = len(shards[0].rows)
+        load_or_pin_plan(files, prepared.header, samples_per_shard, len(prepared.rows), repin=reprocess)
+        if "://" not in files.url:
+            cfg.write_resolved(Path(files.url) / "extract_config.yaml")
     _barrier(world)
-    samples_per_shard = load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
-    shards = plan_shards(prepared.rows, samples_per_shard, key)
-    done = set()
-    for shard in shards:
-        rel = f"parts/shard-{shard.index:06d}.json"
-        if files.exists(rel) and files.read_json(rel).get("rows_sha256") == shard.rows_sha256:
-            done.add(shard.index)
+    load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))  # every rank checks the pinned header
+    shards = planned_shards(cfg, prepared)
+    done = {s.index for s in shards if shard_is_done(files, s)}
     windows = windows_for_rank(shards, cfg.extract.window_shards, rank, world)
     mine = [s for w in windows for s in w if s.index not in done]
     device = resolve_device(cfg.extract.device)
@@ -292,7 +313,7 @@ def _extract(cfg: RunConfig, force: bool, progress: bool, rank: int, world: int,
     if rank == 0:
         extra = {
             "data": {"source": str(prepared.source), "num_rows": len(prepared.rows), "bad_rows_skipped": prepared.stats.bad_rows},
-            "samples_per_shard": samples_per_shard,
+            "samples_per_shard": len(shards[0].rows),
             "created_unix": int(time.time()),
         }
         manifest = merge_manifest(files, prepared.header, shards, extra)
@@ -301,50 +322,99 @@ def _extract(cfg: RunConfig, force: bool, progress: bool, rank: int, world: int,
     return summary
 
 
-def cmd_status(cfg: RunConfig) -> dict[str, Any]:
-    """What is done and what remains, from the part records and the manifest."""
-    prepared = prepare(cfg)
+def shard_report(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
+    """Per shard of the current config and data: current, stale (and why), missing; plus orphans."""
+    prepared = prepared or prepare(cfg)
     files = prepared.files
-    key = header_key(prepared.header)
-    if files.exists("plan.json"):
-        samples_per_shard = int(files.read_json("plan.json")["samples_per_shard"])
-    else:
-        from shared.store import bytes_per_token
-
-        token_bytes = bytes_per_token(cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k)
-        samples_per_shard = choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
-    shards = plan_shards(prepared.rows, samples_per_shard, key)
-    done_tokens = total_tokens = done = 0
+    shards = planned_shards(cfg, prepared)
+    manifest = files.read_json("manifest.json") if files.exists("manifest.json") else None
+    listed = {r["index"]: r for r in manifest["shards"]} if manifest else {}
+    header_changes = header_differences({k: manifest.get(k) for k in prepared.header}, prepared.header) if manifest else []
+    rows: list[dict[str, Any]] = []
     for shard in shards:
-        tokens = sum(len(r.input_ids) for r in shard.kept)
-        total_tokens += tokens
-        rel = f"parts/shard-{shard.index:06d}.json"
-        if files.exists(rel) and files.read_json(rel).get("rows_sha256") == shard.rows_sha256:
-            done += 1
-            done_tokens += tokens
+        record = listed.get(shard.index)
+        if record is None:
+            state, why = "missing", ("extracted, manifest not yet merged" if shard_is_done(files, shard) else "not extracted")
+        elif record.get("header_key") != shard.key:
+            state, why = "stale", "settings changed: " + ", ".join(header_changes or ["schema"])
+        elif record["rows_sha256"] != shard.rows_sha256:
+            state, why = "stale", "input rows changed"
+        else:
+            state, why = "current", ""
+        rows.append({"index": shard.index, "state": state, "why": why, "samples": len(shard.rows)})
+    orphaned = [r["name"] or f"index {r['index']}" for i, r in listed.items() if i >= len(shards)]
+    counts = {state: sum(r["state"] == state for r in rows) for state in ("current", "stale", "missing")}
     return {
         "store": files.url,
-        "manifest": files.exists("manifest.json"),
-        "shards_done": done,
-        "shards_total": len(shards),
-        "tokens_done": done_tokens,
-        "tokens_total": total_tokens,
-        "complete": files.exists("manifest.json") and done == len(shards),
+        "manifest": manifest is not None,
+        "settings_changed": header_changes,
+        "counts": {**counts, "orphaned": len(orphaned)},
+        "orphaned": orphaned,
+        "shards": rows,
+        "complete": manifest is not None and counts["current"] == len(shards) and not orphaned,
     }
 
 
-def cmd_verify(cfg: RunConfig) -> dict[str, Any]:
-    """Every shard against the manifest: readable, counts, shapes, dtypes, finite values, checksum."""
+def cmd_status(cfg: RunConfig) -> dict[str, Any]:
+    prepared = prepare(cfg)
+    report = shard_report(cfg, prepared)
+    shards = planned_shards(cfg, prepared)
+    done = [s for s in shards if shard_is_done(prepared.files, s)]
+    report.update(
+        {
+            "shards_done": len(done),
+            "shards_total": len(shards),
+            "tokens_done": sum(len(r.input_ids) for s in done for r in s.kept),
+            "tokens_total": sum(len(r.input_ids) for s in shards for r in s.kept),
+        }
+    )
+    return report
+
+
+def cmd_reprocess(cfg: RunConfig, force: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Re-extract only stale and missing shards, drop orphans, rewrite the manifest last."""
+    rank, _, _ = distributed_context()
+    before = shard_report(cfg) if rank == 0 else None
+    summary = cmd_extract(cfg, force=force, progress=progress, reprocess=True)
+    if rank == 0:
+        summary["before"] = before["counts"]
+        summary["settings_changed"] = before["settings_changed"]
+        summary["reextracted"] = [r["index"] for r in before["shards"] if r["state"] != "current"]
+        summary["orphans_removed"] = before["orphaned"]
+    return summary
+
+
+def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Every shard against the manifest: readable, counts, shapes, dtypes, finite values, checksum.
+    With repair, bad shards are deleted with their part records and extracted again."""
+    url = store_url(cfg)
+    report = verify_store(url)
+    if repair and report["bad_shards"]:
+        files = StoreFiles(url)
+        for bad in report["bad_shards"]:
+            files.remove(f"shards/{bad['shard']}")
+            files.remove(part_path(bad["index"]))
+        cmd_extract(cfg, progress=progress)
+        after = verify_store(url)
+        after["repaired"] = [b["shard"] for b in report["bad_shards"]]
+        return after
+    return report
+
+
+def verify_store(url: str) -> dict[str, Any]:
     import numpy as np
 
-    url = store_url(cfg)
     manifest = read_manifest(url)
     layers, hidden, top_k = len(manifest["layer_ids"]), manifest["target"]["hidden_size"], manifest["top_k"]
-    bad: list[dict[str, str]] = []
+    files = StoreFiles(url)
+    present = set(files.list("shards"))
+    bad: list[dict[str, Any]] = []
     for record in manifest["shards"]:
         if not record["name"]:
             continue
         try:
+            if record["name"] not in present:
+                raise ValueError("shard group is missing")
             arrays = read_shard_arrays(url, record["name"])
             tokens = record["num_tokens"]
             expect = {
@@ -354,12 +424,15 @@ def cmd_verify(cfg: RunConfig) -> dict[str, Any]:
                 "input_ids": ((tokens,), np.int32),
                 "loss_mask": ((tokens,), np.bool_),
                 "offsets": ((record["num_samples"] + 1,), np.int64),
+                "sample_ids": ((record["num_samples"],), np.int64),
             }
             for name, (shape, dtype) in expect.items():
                 if name not in arrays:
                     raise ValueError(f"array {name} missing")
                 if arrays[name].shape != shape or arrays[name].dtype != dtype:
                     raise ValueError(f"{name} is {arrays[name].dtype}{arrays[name].shape}, expected {np.dtype(dtype)}{shape}")
+            if arrays["sample_ids"].tolist() != record["sample_ids"]:
+                raise ValueError("sample ids differ from the manifest")
             bits = arrays["hidden"]
             nonfinite = ((bits & 0x7F80) == 0x7F80) if bits.dtype == np.uint16 else ((bits & 0x7F) == 0x7F)
             if nonfinite.any():
@@ -369,7 +442,7 @@ def cmd_verify(cfg: RunConfig) -> dict[str, Any]:
             if content_checksum(arrays) != record["checksum"]:
                 raise ValueError("checksum mismatch")
         except Exception as exc:  # noqa: BLE001 - every failure is reported per shard
-            bad.append({"shard": record["name"], "error": str(exc)[:300]})
+            bad.append({"shard": record["name"], "index": record["index"], "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
     return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad}
 
 

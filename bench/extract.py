@@ -1,0 +1,161 @@
+"""Stage-1 benchmark: extraction overhead, bytes per token per storage option, random read speed.
+
+    .venv/bin/python bench/extract.py [--samples 48] [--json bench/results_extract.json]
+
+Runs the embedded default target (SmolLM2-135M, the real model) over default prompts paired with
+documentation paragraphs as answers, so the stored features are real activations. Figures:
+- extraction wall time / pure forward time on the same batches (goal <= 1.15);
+- bytes per token for bf16, bf16+zstd, fp8, fp8+zstd and the peers' format (one torch.save file
+  per sample with the stacked layers in bf16, as SpecForge stores it), fp8 at most 0.55 of bf16,
+  with fp8's reconstruction error;
+- random sample-window reads from the store (windows/s and MB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shared.config import load_run_config  # noqa: E402
+from shared.store import StoreConfig, StoreReader, read_manifest, write_shard  # noqa: E402
+from stage1_extract import pipeline  # noqa: E402
+from stage1_extract.corpus import default_conversations  # noqa: E402
+from stage1_extract.data import Conversation, write_conversations_parquet  # noqa: E402
+from stage1_extract.extract import LayerCapture, forward_batch, token_budget_batches  # noqa: E402
+from shared.store import SampleFeatures, decode_hidden, encode_hidden  # noqa: E402
+from shared.target import load_target_model  # noqa: E402
+
+
+def build_data(path: Path, count: int) -> Path:
+    from pydoc_data.topics import topics
+
+    paragraphs = [p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if 300 < len(p.strip()) < 1500]
+    rng = random.Random(1)
+    convs = [
+        Conversation(row=i, messages=[*c.messages, {"role": "assistant", "content": rng.choice(paragraphs)}])
+        for i, c in enumerate(default_conversations(count))
+    ]
+    write_conversations_parquet(convs, path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=48)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
+    data = build_data(work / "data.parquet", args.samples)
+    overrides = [f"run_dir={work}", f"data.path={data}", "data.regenerate=false", "store.shard_mb=16", "extract.device=cpu"]
+    cfg = load_run_config("configs/default.yaml", overrides, pipeline.SECTIONS)
+    prepared = pipeline.prepare(cfg)
+    model = load_target_model(cfg.target, "cpu")
+    rows = [r for r in prepared.rows if not r.skipped]
+    tokens = sum(len(r.input_ids) for r in rows)
+
+    # 1. Pure forward over the same batches extraction will use, features kept in memory.
+    batches = list(token_budget_batches(rows, cfg.extract.token_budget, cfg.extract.max_batch_samples))
+    capture = LayerCapture(model, prepared.layer_ids)
+    forward_batch(model, capture, batches[0][:1], cfg.extract.top_k, cfg.extract.lm_head_chunk, False)  # warm-up
+    started = time.perf_counter()
+    features = []
+    for batch in batches:
+        for row, (hidden, values, ids) in zip(batch, forward_batch(model, capture, batch, cfg.extract.top_k, cfg.extract.lm_head_chunk, False)):
+            features.append(SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids))
+    forward_s = time.perf_counter() - started
+    capture.close()
+    del model
+
+    # 2. The real extraction (bf16 + zstd, background writer), from scratch.
+    started = time.perf_counter()
+    summary = pipeline.cmd_extract(cfg, progress=False)
+    extract_total_s = time.perf_counter() - started
+    extract_loop_s = summary["seconds"]
+
+    # 3. Bytes per token per storage option, from the same features.
+    features.sort(key=lambda f: f.sample_id)
+    sizes = {}
+    for dtype in ("bf16", "fp8"):
+        for compression in ("none", "zstd"):
+            url = str(work / f"store_{dtype}_{compression}")
+            record = write_shard(url, "shard-000000-bench", features, StoreConfig(dtype=dtype, compression=compression))
+            sizes[f"{dtype}+{compression}"] = record["bytes"] / tokens
+    peers = work / "torch_save"
+    peers.mkdir()
+    for f in features:
+        torch.save(
+            {"input_ids": torch.from_numpy(f.input_ids_T), "loss_mask": torch.from_numpy(f.loss_mask_T),
+             "hidden_state": f.hidden_TLH.reshape(len(f.input_ids_T), -1).to(torch.bfloat16)},
+            peers / f"data_{f.sample_id}.ckpt",
+        )
+    sizes["torch.save per sample (SpecForge-style, no top-k)"] = sum(p.stat().st_size for p in peers.iterdir()) / tokens
+
+    # fp8 reconstruction error against the fp32 features.
+    errors = []
+    for f in features:
+        bits, scale = encode_hidden(f.hidden_TLH, "fp8")
+        back = decode_hidden(bits, scale, "fp8").float()
+        ref = f.hidden_TLH.float()
+        errors.append(((back - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).flatten())
+    rel = torch.cat(errors)
+    bf16_rel = torch.cat([
+        ((f.hidden_TLH.to(torch.bfloat16).float() - f.hidden_TLH.float()).norm(dim=-1) / f.hidden_TLH.float().norm(dim=-1).clamp_min(1e-6)).flatten()
+        for f in features
+    ])
+
+    # 4. Random window reads (what the trainer does).
+    reader = StoreReader(pipeline.store_url(cfg))
+    rng = random.Random(0)
+    window = 256
+    count, nbytes = 0, 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < 5.0:
+        i = rng.randrange(len(reader))
+        length = int(reader.lengths[i])
+        start = rng.randrange(max(1, length - window))
+        sample = reader.read(i, start, start + window)
+        nbytes += sum(v.numel() * v.element_size() for v in sample.values() if isinstance(v, torch.Tensor))
+        count += 1
+    read_s = time.perf_counter() - started
+
+    manifest = read_manifest(pipeline.store_url(cfg))
+    results = {
+        "samples": len(rows),
+        "tokens": tokens,
+        "layers": prepared.layer_ids,
+        "forward_s": round(forward_s, 2),
+        "extract_loop_s": round(extract_loop_s, 2),
+        "extract_total_s": round(extract_total_s, 2),
+        "extract_over_forward": round(extract_loop_s / forward_s, 3),
+        "extract_total_over_forward": round(extract_total_s / forward_s, 3),
+        "writer_queue_wait_s": summary["writer_queue_wait_s"],
+        "forward_tok_per_s": round(tokens / forward_s, 1),
+        "bytes_per_token": {k: round(v, 1) for k, v in sizes.items()},
+        "fp8_over_bf16": round(sizes["fp8+none"] / sizes["bf16+none"], 3),
+        "fp8+zstd_over_bf16": round(sizes["fp8+zstd"] / sizes["bf16+none"], 3),
+        "fp8_rel_error_mean": round(float(rel.mean()), 4),
+        "fp8_rel_error_p99": round(float(rel.quantile(0.99)), 4),
+        "bf16_rel_error_mean": round(float(bf16_rel.mean()), 5),
+        "read_windows_per_s": round(count / read_s, 1),
+        "read_mb_per_s": round(nbytes / read_s / 2**20, 1),
+        "read_window_tokens": window,
+        "store_shards": len(manifest["shards"]),
+    }
+    print(json.dumps(results, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

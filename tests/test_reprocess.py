@@ -1,0 +1,143 @@
+"""Reprocessing after the target or the data change, and integrity checks that catch corruption."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.config import load_run_config
+from shared.store import read_manifest
+from stage1_extract import pipeline
+
+from .conftest import chat_rows, stage1_overrides, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config(target, data, run_dir, **extra):
+    return load_run_config(ROOT / "configs/default.yaml", stage1_overrides(target, data, run_dir, **extra), pipeline.SECTIONS)
+
+
+def contents(cfg) -> list:
+    return [(r["index"], r["checksum"], r["sample_ids"]) for r in read_manifest(pipeline.store_url(cfg))["shards"]]
+
+
+@pytest.fixture
+def built(tiny_target_dir, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    cfg = config(tiny_target_dir, data, tmp_path / "run")
+    pipeline.cmd_extract(cfg, progress=False)
+    return cfg, data
+
+
+def test_unchanged_store_is_current_and_reprocess_does_nothing(built):
+    cfg, _ = built
+    report = pipeline.cmd_status(cfg)
+    assert report["complete"] and report["counts"] == {"current": 2, "stale": 0, "missing": 0, "orphaned": 0}
+    before = contents(cfg)
+    out = pipeline.cmd_reprocess(cfg, progress=False)
+    assert out["reextracted"] == [] and out["shards_extracted_here"] == 0
+    assert contents(cfg) == before
+
+
+def test_edited_row_reextracts_exactly_its_shard(built, tiny_target_dir, tmp_path):
+    cfg, data = built
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[27]["messages"][1]["content"] = "an edited answer that is entirely new"
+    write_jsonl(data, rows)
+    report = pipeline.cmd_status(cfg)
+    assert [(r["index"], r["state"], r["why"]) for r in report["shards"]] == [
+        (0, "current", ""), (1, "stale", "input rows changed")
+    ]
+    out = pipeline.cmd_reprocess(cfg, progress=False)
+    assert out["reextracted"] == [1] and out["shards_extracted_here"] == 1
+    assert pipeline.cmd_status(cfg)["complete"]
+    fresh = config(tiny_target_dir, data, tmp_path / "fresh")
+    pipeline.cmd_extract(fresh, progress=False)
+    assert contents(cfg) == contents(fresh)  # bit-identical to a full fresh extraction
+    # The replaced shard's old group is gone; only listed groups remain.
+    listed = {r["name"] for r in read_manifest(pipeline.store_url(cfg))["shards"]}
+    assert set(p.name for p in (Path(pipeline.store_url(cfg)) / "shards").iterdir() if p.name.startswith("shard-")) == listed
+
+
+def test_changed_target_marks_every_shard_stale(built, tiny_target_dir, tmp_path):
+    cfg, data = built
+    new_target = tmp_path / "retuned"
+    shutil.copytree(tiny_target_dir, new_target)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(new_target, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    model.save_pretrained(new_target)
+    changed = config(new_target, data, Path(cfg.run_dir))
+    with pytest.raises(ValueError, match="reprocess"):
+        pipeline.cmd_extract(changed, progress=False)
+    report = pipeline.cmd_status(changed)
+    assert report["counts"]["stale"] == 2
+    assert "target.weights_sha256" in report["shards"][0]["why"] and "target.path" in report["settings_changed"]
+    out = pipeline.cmd_reprocess(changed, progress=False)
+    assert out["reextracted"] == [0, 1]
+    fresh = config(new_target, data, tmp_path / "fresh")
+    pipeline.cmd_extract(fresh, progress=False)
+    assert contents(changed) == contents(fresh)
+
+
+def test_appended_and_removed_rows(built, tiny_target_dir):
+    cfg, data = built
+    sps = read_manifest(pipeline.store_url(cfg))["samples_per_shard"]
+    write_jsonl(data, chat_rows(30) + chat_rows(2 * sps, seed=5)[:sps])
+    report = pipeline.cmd_status(cfg)
+    assert report["counts"]["missing"] >= 1 and report["counts"]["current"] >= 1
+    pipeline.cmd_reprocess(cfg, progress=False)
+    assert pipeline.cmd_status(cfg)["complete"]
+    write_jsonl(data, chat_rows(10))
+    report = pipeline.cmd_status(cfg)
+    assert report["orphaned"] and report["counts"]["stale"] == 1
+    out = pipeline.cmd_reprocess(cfg, progress=False)
+    assert out["orphans_removed"]
+    assert pipeline.cmd_status(cfg)["complete"] and read_manifest(pipeline.store_url(cfg))["num_samples"] == 10
+
+
+def chunk_file(cfg, array: str) -> Path:
+    record = read_manifest(pipeline.store_url(cfg))["shards"][1]
+    (path,) = [p for p in (Path(pipeline.store_url(cfg)) / "shards" / record["name"] / array / "c").rglob("*") if p.is_file()]
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_shard"])
+def test_verify_catches_damage_and_repair_fixes_it(built, damage):
+    cfg, _ = built
+    good = contents(cfg)
+    name = read_manifest(pipeline.store_url(cfg))["shards"][1]["name"]
+    if damage == "flip_byte":
+        path = chunk_file(cfg, "topk_ids")
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 3] ^= 0x10
+        path.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        path = chunk_file(cfg, "hidden")
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        shutil.rmtree(Path(pipeline.store_url(cfg)) / "shards" / name)
+    report = pipeline.cmd_verify(cfg)
+    assert not report["ok"] and [b["shard"] for b in report["bad_shards"]] == [name]
+    repaired = pipeline.cmd_verify(cfg, repair=True, progress=False)
+    assert repaired["ok"] and repaired["repaired"] == [name]
+    assert contents(cfg) == good
+
+
+def test_verify_cli_exits_nonzero_naming_the_shard(built):
+    import subprocess
+    import sys
+
+    cfg, data = built
+    name = read_manifest(pipeline.store_url(cfg))["shards"][0]["name"]
+    shutil.rmtree(Path(pipeline.store_url(cfg)) / "shards" / name)
+    overrides = stage1_overrides(Path(cfg.target.path), data, Path(cfg.run_dir))
+    out = subprocess.run([sys.executable, "-m", "stage1_extract", "verify", *overrides], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1 and name in out.stdout
