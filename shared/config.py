@@ -44,6 +44,7 @@ ALL_SECTIONS = (
     "checkpoint",
     "eval",
     "log",
+    "doctor",
 )
 TOP_LEVEL_SCALARS = {"run_dir": str, "seed": int}
 

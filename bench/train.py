@@ -1,0 +1,154 @@
+"""Training benchmark: CPU throughput, the step-time split, and 1 vs 2 processes (< 3 min).
+
+    .venv/bin/python bench/train.py [--json out.json]                      # a tiny store it builds
+    .venv/bin/python bench/train.py --store runs/default/store --anchors 4  # the default SmolLM2 store
+
+Reports, from the run's own train_log.jsonl (steps after the first two):
+  tok_per_s / blocks_per_s   context tokens and drafted blocks trained per second (median)
+  split                      mean seconds and share of a step in data, forward, backward, optimizer
+  ddp                        1 process x 2 micro-batches vs 2 processes (torchrun, gloo) x 1 micro-batch,
+                             same global batch: the largest per-step loss difference (goal: < 1e-5 rel)
+Every run is a real `python -m stage2_train train` subprocess with train.cpu_threads=--threads.
+On CPU the step is dominated by the frozen LM head (rows = blocks x (B-1), times the vocab): blocks/s,
+not tokens/s, is the figure to size a CPU run with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stage2_train.metrics import read_log  # noqa: E402
+
+
+def build_tiny_store(root: Path) -> tuple[Path, Path]:
+    """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer, and a 60-chat store of it (stage 1)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from shared.config import load_run_config
+    from shared.target import default_target_dir
+    from stage1_extract import pipeline as stage1
+    from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    target = root / "target"
+    LlamaForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    data = write_jsonl(root / "chat.jsonl", chat_rows(60))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "stage1"), stage1.SECTIONS)
+    stage1.cmd_extract(cfg, progress=False)
+    return target, root / "stage1" / "store"
+
+
+def train(overrides: list[str], run_dir: Path, threads: int, nproc: int = 1) -> float:
+    """One training run as a subprocess; returns its wall time."""
+    launcher = [sys.executable, "-m", "stage2_train"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                    "-m", "stage2_train"]
+    cmd = launcher + ["train", "--no-progress", f"run_dir={run_dir}", f"train.cpu_threads={threads}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:8])}... failed:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def throughput(rows: list[dict], block_size: int) -> dict:
+    steady = rows[2:] if len(rows) > 3 else rows
+    phases = ("data_s", "forward_s", "backward_s", "optim_s")
+    step_s = statistics.mean(r["step_s"] for r in steady)
+    return {
+        "steps_measured": len(steady),
+        "tok_per_s": round(statistics.median(r["tokens"] / r["step_s"] for r in steady), 1),
+        "blocks_per_s": round(statistics.median(r["blocks"] / r["step_s"] for r in steady), 2),
+        "scored_rows_per_s": round(statistics.median(r["blocks"] * (block_size - 1) / r["step_s"] for r in steady), 1),
+        "tokens_per_step": round(statistics.mean(r["tokens"] for r in steady), 1),
+        "blocks_per_step": round(statistics.mean(r["blocks"] for r in steady), 1),
+        "step_s": round(step_s, 4),
+        "split_s": {p: round(statistics.mean(r[p] for r in steady), 4) for p in phases},
+        "split_share": {p: round(statistics.mean(r[p] for r in steady) / step_s, 3) for p in phases},
+        "data_wait_frac": round(statistics.mean(r["data_wait_frac"] for r in steady), 4),
+        "loss_first_last": [round(rows[0]["loss"], 4), round(rows[-1]["loss"], 4)],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--store", help="an existing store (default: build a tiny one)")
+    parser.add_argument("--config", default="configs/default.yaml", help="preset for --store runs")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--token-budget", type=int, default=1024)
+    parser.add_argument("--anchors", type=int, default=8, help="sampler.max_anchors_per_seq")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-ddp", action="store_true")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="bench_train_"))
+    t0 = time.perf_counter()
+    base = [f"--config={args.config}", "log.wandb=disabled", "train.resume=never", "eval.holdout_fraction=0.05",
+            f"sampler.max_anchors_per_seq={args.anchors}", f"model.block_size={args.block_size}",
+            f"loss.gamma={ {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, 7.0) }", "model.num_layers=1"]
+    if args.store:
+        base += [f"store.path={args.store}"]
+        store_desc = args.store
+    else:
+        target, store = build_tiny_store(root)
+        base += [f"store.path={store}", f"target.path={target}", "target.num_feature_layers=3",
+                 "target.dtype=fp32", "extract.top_k=8"]
+        store_desc = "tiny (6 layers x 64 wide, vocab 49152, 60 chats)"
+    build_s = time.perf_counter() - t0
+    results: dict = {"store": store_desc, "threads": args.threads, "build_store_s": round(build_s, 1)}
+
+    run = root / "throughput"
+    wall = train(base + [f"sampler.token_budget={args.token_budget}", f"train.max_steps={args.steps}"], run, args.threads)
+    rows = read_log(run / "train_log.jsonl", "train")
+    results["throughput"] = {"token_budget": args.token_budget, "wall_s": round(wall, 1), **throughput(rows, args.block_size)}
+
+    if not args.skip_ddp:
+        small = base + [f"sampler.token_budget={args.token_budget // 2}", "train.max_steps=4"]
+        wall_one = train(small + ["sampler.grad_accum=2"], root / "one", args.threads)
+        wall_two = train(small + ["sampler.grad_accum=1"], root / "two", args.threads, nproc=2)
+        one = read_log(root / "one" / "train_log.jsonl", "train")
+        two = read_log(root / "two" / "train_log.jsonl", "train")
+        diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]
+        results["ddp"] = {
+            "steps": len(diffs),
+            "losses_1proc": [r["loss"] for r in one],
+            "losses_2proc": [r["loss"] for r in two],
+            "max_abs_loss_diff": max(diffs),
+            "max_rel_loss_diff": max(d / abs(a["loss"]) for d, a in zip(diffs, one)),
+            "max_rel_grad_norm_diff": max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(one, two)),
+            "wall_s_1proc": round(wall_one, 1),
+            "wall_s_2proc": round(wall_two, 1),
+        }
+    results["total_s"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Stage 2 entry point.
+
+    python -m stage2_train {batches,train,eval,export,doctor,report,check} --config configs/default.yaml [key=value ...]
+    python -m stage2_train batches --steps 20 --json          # one JSON object per optimizer step
+    python -m stage2_train doctor [runs/default/train_log.jsonl] [--json]   # default: run_dir's log
+    torchrun --standalone --nproc_per_node 2 -m stage2_train train train.max_steps=50
+
+Parses the config, runs one command, prints its JSON summary. Logic lives in `pipeline.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from shared.cli import add_common_args, load_config, report_error
+from stage2_train import pipeline
+
+COMMANDS = ("batches", "train", "eval", "export", "doctor", "report", "check")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stage2_train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=COMMANDS)
+    add_common_args(parser)
+    parser.add_argument("--json", action="store_true", help="batches: one JSON object per line; doctor: JSON")
+    parser.add_argument("--steps", type=int, default=20, help="batches: optimizer steps to describe")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="batches: plan for this many ranks (default: $WORLD_SIZE or 1)",
+    )
+    parser.add_argument("--checkpoint", default=None, help="eval/export: checkpoint to read (default: latest)")
+    parser.add_argument("--out", default=None, help="export, report: output folder")
+    args = parser.parse_intermixed_args(argv)  # overrides may follow options (make batches ARGS=...)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command in ("doctor", "report"):
+            return log_command(args)
+        cfg = load_config(args, pipeline.SECTIONS)
+        if args.command == "check":
+            pipeline.cmd_check(cfg)
+            return 0
+        if args.command == "batches":
+            if args.steps < 1 or args.world_size < 1:
+                raise ValueError(f"--steps and --world-size must be >= 1, got {args.steps} and {args.world_size}")
+            steps = pipeline.cmd_batches(cfg, args.steps, args.world_size)
+            for row in steps:
+                print(json.dumps(row) if args.json else format_step(row))
+            return 0
+        if args.command == "train":
+            out = pipeline.cmd_train(cfg, progress=not args.no_progress)
+            if out["rank"] == 0:
+                print(pipeline.to_json(out))
+            return 0
+        print(pipeline.to_json(pipeline.command_function(args.command)(cfg, args)))
+        return 0
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyError) as exc:
+        return report_error(exc)
+
+
+def log_command(args: argparse.Namespace) -> int:
+    """doctor/report read a training log: a path given as the first argument, else run_dir's."""
+    paths = [o for o in args.overrides if "=" not in o]
+    if len(paths) > 1:
+        raise ValueError(f"{args.command} takes one log path (or run directory), got {paths}")
+    if paths:
+        log_path = Path(paths[0])
+    else:
+        args.overrides = [o for o in args.overrides if "=" in o]
+        log_path = Path(load_config(args, pipeline.SECTIONS).run_dir)
+    function = pipeline.command_function(args.command)
+    if args.command == "doctor":
+        text, code = function(log_path, args.json)
+        print(text)
+        return code
+    print(pipeline.to_json(function(log_path, Path(args.out) if args.out else None)))
+    return 0
+
+
+def format_step(row: dict) -> str:
+    return (
+        f"epoch {row['epoch']} step {row['step_in_epoch']:>5}: {row['tokens']:>7} tokens, "
+        f"{row['num_samples']:>4} samples, lengths p10/p50/p90/max "
+        f"{row['length_p10']:.0f}/{row['length_p50']:.0f}/{row['length_p90']:.0f}/{row['length_max']}, "
+        f"unused budget {row['padding_fraction']:.3f}, rank tokens {row['rank_tokens']}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""Detectors that turn a training log into events: stalls, step gaps, loss spikes, accuracy cliffs,
+non-finite values and throughput drops. One code path serves the offline doctor and the live trainer.
+
+    .venv/bin/python -m pytest tests/test_doctor.py -q
+
+    events = detect(rows)                    # offline: every record of a train_log.jsonl, in order
+    live = LiveDetectors()                   # live: feed each record as it is written
+    for ev in live.update({"kind": "train", "step": step, **row}):
+        sink.event("warning", ev["step"], **as_warning(ev))
+    live.state_dict() / live.load_state_dict(state)     # JSON-able; a resume keeps the history
+
+An event is `{"kind", "step", "size", "details"}`; `size` by kind: stall -> gap seconds, step_gap ->
+steps skipped, loss_spike -> loss / level before, accuracy_cliff -> accuracy drop (absolute),
+throughput_drop -> fraction of tokens/s lost, nan -> None. Every judgement is robust: a value is
+compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of accepted values, and
+must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
+a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
+`min_history_rows` values; pace and throughput also skip `warmup_rows` rows at the start and after a
+resume (first steps are slow). Windows hold (step, value): when the steps go backwards (a resume from
+an older checkpoint, a restart), entries from the abandoned future are dropped.
+
+Records are normalised leniently (`normalize`): kind is inferred when missing, and field aliases
+(tok_per_sec, acc, elapsed, ...) and "nan" strings (how MetricsSink writes non-finite numbers) are read.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from shared.config import Section
+
+EVENT_KINDS = ("stall", "step_gap", "loss_spike", "accuracy_cliff", "nan", "throughput_drop")
+
+# Canonical field -> the names other trainers use for it, tried in order.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "step": ("step", "global_step", "iteration", "iter", "train/step"),
+    # elapsed_s first: it excludes the start-up of a resumed run; `time` is MetricsSink's wall clock.
+    "t": ("elapsed_s", "elapsed", "wall_s", "time_s", "time", "timestamp"),
+    "loss": ("loss", "train_loss", "train/loss"),
+    "accuracy": ("accuracy", "acc", "train_acc", "train/accuracy"),
+    "eal": ("eal", "acceptance_length", "expected_acceptance_length", "tau"),
+    "lr": ("lr", "learning_rate", "train/lr"),
+    "noise_std": ("noise_std", "noise"),
+    "grad_norm": ("grad_norm", "gnorm", "grad-norm", "total_norm"),
+    "tok_per_s": ("tok_per_s", "tok_per_sec", "tokens_per_s", "tokens_per_sec", "throughput"),
+    "epoch": ("epoch",),
+    "data_wait_frac": ("data_wait_frac",),
+    "eval_s": ("eval_s",),
+    "blocked_s": ("blocked_s",),
+    "write_s": ("write_s",),
+}
+RESET_EVENTS = ("resume", "run_start")  # run_start at step 0 after earlier rows: a fresh run
+
+
+@dataclass(kw_only=True)
+class DetectorConfig(Section):
+    section: ClassVar[str] = "doctor"
+    window_rows: int = 50  # trailing window of accepted values, in logged rows
+    min_history_rows: int = 20  # values in the window before anything is judged
+    warmup_rows: int = 10  # pace/throughput rows ignored at the start and after a resume
+    sustain_rows: int = 5  # consecutive low rows that make a cliff or a throughput drop
+    spike_k: float = 6.0  # loss spike: above median + k*sigma ...
+    spike_min_ratio: float = 2.5  # ... and above ratio * median
+    recovery_tol: float = 0.15  # recovered: loss <= max(median * (1 + tol), median + 3 sigma)
+    stall_k: float = 6.0  # stall: seconds per step above median + k*sigma ...
+    stall_min_ratio: float = 3.0  # ... and the gap above ratio * expected ...
+    stall_min_s: float = 1.0  # ... and at least this many seconds lost
+    step_gap_ratio: float = 4.0  # step gap: step delta above ratio * usual delta (90th percentile)
+    cliff_k: float = 6.0  # accuracy cliff: below median - k*sigma ...
+    cliff_min_drop: float = 0.03  # ... and at least this much below (absolute) ...
+    cliff_min_rel: float = 0.3  # ... and at least this fraction below
+    throughput_k: float = 6.0
+    throughput_min_rel: float = 0.4  # tokens/s at least this fraction below its median
+
+    def validate(self) -> None:
+        for key in ("window_rows", "min_history_rows", "sustain_rows"):
+            self.require(getattr(self, key) >= 1, key, "must be >= 1")
+        self.require(self.min_history_rows <= self.window_rows, "min_history_rows", "must be <= window_rows")
+        self.require(self.warmup_rows >= 0, "warmup_rows", "must be >= 0")
+        for key in (
+            "spike_k",
+            "stall_k",
+            "cliff_k",
+            "throughput_k",
+            "recovery_tol",
+            "stall_min_s",
+            "cliff_min_drop",
+        ):
+            self.require(getattr(self, key) >= 0, key, "must be >= 0")
+        for key in ("spike_min_ratio", "stall_min_ratio", "step_gap_ratio"):
+            self.require(getattr(self, key) > 1, key, "must be > 1")
+        for key in ("cliff_min_rel", "throughput_min_rel"):
+            self.require(0 < getattr(self, key) < 1, key, "must be in (0, 1)")
+
+
+# ---- records ---------------------------------------------------------------------------------------
+def number(value: Any) -> float | None:
+    """A float from a logged value ("nan" and "inf" strings included); None when absent or not a number."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def record_kind(record: dict[str, Any]) -> str:
+    """train, eval or event; a record without `kind` is an event if it names one, else a train row."""
+    kind = record.get("kind")
+    if kind in ("train", "eval", "event"):
+        return kind
+    if isinstance(record.get("event"), str):
+        return "event"
+    if kind in ("val", "valid", "validation", "test"):
+        return "eval"
+    return "train" if kind is None else str(kind)
+
+
+def normalize(record: dict[str, Any]) -> dict[str, Any]:
+    """Canonical view of one record: kind, event name, and every ALIASES field (None when missing)."""
+    out: dict[str, Any] = {"kind": record_kind(record), "event": record.get("event")}
+    for name, aliases in ALIASES.items():
+        out[name] = next((number(record[a]) for a in aliases if a in record), None)
+    if out["step"] is not None and finite(out["step"]):
+        out["step"] = int(out["step"])
+    else:
+        out["step"] = None
+    if finite(out["epoch"]):
+        out["epoch"] = int(out["epoch"])
+    return out
+
+
+def as_warning(event: dict[str, Any]) -> dict[str, Any]:
+    """Fields for `sink.event("warning", event["step"], **as_warning(event))`."""
+    return {"detector": event["kind"], "size": event["size"], "details": event["details"]}
+
+
+def robust(values: list[float]) -> tuple[float, float]:
+    """(median, sigma) with sigma = 1.4826 * median absolute deviation."""
+    ordered = sorted(values)
+    med = _median(ordered)
+    return med, 1.4826 * _median(sorted(abs(v - med) for v in ordered))
+
+
+def _median(ordered: list[float]) -> float:
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _event(kind: str, step: int, size: float | None, **details: Any) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "step": int(step),
+        "size": None if size is None else round(size, 4),
+        "details": details,
+    }
+
+
+def _r(value: float) -> float:
+    return round(value, 6)
+
+
+# ---- one detector per signal -----------------------------------------------------------------------
+class _Window:
+    """Trailing (step, value) pairs plus the bookkeeping every detector shares."""
+
+    def __init__(self, size: int):
+        self.pairs: deque[list[float]] = deque(maxlen=size)
+
+    def values(self) -> list[float]:
+        return [v for _, v in self.pairs]
+
+    def append(self, step: int, value: float) -> None:
+        self.pairs.append([step, value])
+
+    def truncate(self, step: int) -> None:
+        """Drop entries logged at `step` or later (the steps went back to before them)."""
+        kept = [p for p in self.pairs if p[0] < step]
+        self.pairs.clear()
+        self.pairs.extend(kept)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+class _Spike:
+    """Loss above its recent level; tracks how many steps it takes to come back."""
+
+    def __init__(self, cfg: DetectorConfig):
+        self.cfg = cfg
+        self.window = _Window(cfg.window_rows)
+        self.episode: dict[str, Any] | None = None  # a spike in progress: no new event, no window updates
+        self.recovering: list[dict[str, Any]] = []  # {"level", "event"}: until the loss is back
+
+    def update(self, step: int, value: float) -> dict[str, Any] | None:
+        cfg = self.cfg
+        for rec in list(self.recovering):
+            if value <= rec["level"]:
+                rec["event"]["details"]["recovery_steps"] = step - rec["event"]["step"]
+                self.recovering.remove(rec)
+        if self.episode is not None:
+            self.episode["rows"] += 1
+            if value <= self.episode["release"]:
+                self.episode = None
+            elif self.episode["rows"] >= cfg.window_rows:  # a new level: judge against it from now on
+                self.episode = None
+                self.window.pairs.clear()
+            else:
+                return None
+            self.window.append(step, value)
+            return None
+        if len(self.window) >= cfg.min_history_rows:
+            med, sigma = robust(self.window.values())
+            threshold = max(med + cfg.spike_k * sigma, med * cfg.spike_min_ratio)
+            if value > threshold and med > 0:
+                ev = _event(
+                    "loss_spike",
+                    step,
+                    value / med,
+                    loss=_r(value),
+                    before=_r(med),
+                    threshold=_r(threshold),
+                    recovery_steps=None,
+                )
+                level = max(med * (1 + cfg.recovery_tol), med + 3 * sigma)
+                self.episode = {"rows": 0, "release": 0.5 * (med + threshold)}
+                self.recovering = (self.recovering + [{"level": level, "event": ev}])[-16:]
+                return ev
+        self.window.append(step, value)
+        return None
+
+    def truncate(self, step: int) -> None:
+        self.window.truncate(step)
+        self.episode = None
+        self.recovering = [r for r in self.recovering if r["event"]["step"] < step]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": list(self.window.pairs), "episode": self.episode, "recovering": self.recovering}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window.pairs.clear()
+        self.window.pairs.extend(state["window"])
+        self.episode, self.recovering = state["episode"], state["recovering"]
+
+
+class _Drop:
+    """A value (accuracy, tokens/s) that falls far below its recent level and stays there."""
+
+    def __init__(self, cfg: DetectorConfig, kind: str, k: float, min_abs: float, min_rel: float):
+        self.cfg, self.kind, self.k, self.min_abs, self.min_rel = cfg, kind, k, min_abs, min_rel
+        self.window = _Window(cfg.window_rows)
+        self.pending: list[list[float]] = []  # low rows not yet sustained
+        self.episode: dict[str, Any] | None = None
+        self.recovering: list[dict[str, Any]] = []
+
+    def update(self, step: int, value: float) -> dict[str, Any] | None:
+        cfg = self.cfg
+        for rec in list(self.recovering):
+            if value >= rec["level"]:
+                rec["event"]["details"]["recovery_steps"] = step - rec["event"]["step"]
+                self.recovering.remove(rec)
+        if self.episode is not None:
+            self.episode["rows"] += 1
+            if value >= self.episode["release"]:
+                self.episode = None
+            elif self.episode["rows"] >= cfg.window_rows:
+                self.episode = None
+                self.window.pairs.clear()
+            else:
+                return None
+            self.window.append(step, value)
+            return None
+        if len(self.window) < cfg.min_history_rows:
+            self.window.append(step, value)
+            return None
+        med, sigma = robust(self.window.values())
+        threshold = min(med - self.k * sigma, med - self.min_abs, med * (1 - self.min_rel))
+        if value >= threshold:  # a dip that did not last is ordinary noise
+            for s, v in self.pending:
+                self.window.append(s, v)
+            self.pending = []
+            self.window.append(step, value)
+            return None
+        self.pending.append([step, value])
+        if len(self.pending) < cfg.sustain_rows:
+            return None
+        low = sorted(v for _, v in self.pending)
+        after = _median(low)
+        size = med - after if self.kind == "accuracy_cliff" else (1 - after / med if med > 0 else None)
+        first_step, first_value = self.pending[0]
+        ev = _event(
+            self.kind,
+            first_step,
+            size,
+            before=_r(med),
+            after=_r(after),
+            first_value=_r(first_value),
+            threshold=_r(threshold),
+            confirmed_step=int(step),
+            recovery_steps=None,
+        )
+        release = 0.5 * (med + threshold)
+        self.episode = {"rows": len(self.pending), "release": release}
+        self.recovering = (self.recovering + [{"level": release, "event": ev}])[-16:]
+        self.pending = []
+        return ev
+
+    def truncate(self, step: int) -> None:
+        self.window.truncate(step)
+        self.pending, self.episode = [], None
+        self.recovering = [r for r in self.recovering if r["event"]["step"] < step]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "window": list(self.window.pairs),
+            "pending": self.pending,
+            "episode": self.episode,
+            "recovering": self.recovering,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window.pairs.clear()
+        self.window.pairs.extend(state["window"])
+        self.pending, self.episode, self.recovering = state["pending"], state["episode"], state["recovering"]
+
+
+class _Pace:
+    """Wall time and step deltas between consecutive train rows: stalls and step gaps."""
+
+    def __init__(self, cfg: DetectorConfig):
+        self.cfg = cfg
+        self.sec_per_step = _Window(cfg.window_rows)
+        self.step_deltas = _Window(cfg.window_rows)
+        self.prev: list[float] | None = None  # [step, t] of the previous train row
+        self.paused_s = 0.0  # intended pauses (eval) since the previous row, not counted as stalls
+        self.warmup_left = cfg.warmup_rows
+        self.outliers = 0  # consecutive stalls: past sustain_rows the pace itself changed
+
+    def restart(self, step: int | None) -> None:
+        if step is not None:
+            self.sec_per_step.truncate(step + 1)
+            self.step_deltas.truncate(step + 1)
+        self.prev, self.paused_s, self.warmup_left, self.outliers = None, 0.0, self.cfg.warmup_rows, 0
+
+    def update(self, step: int, t: float | None) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        prev, paused = self.prev, self.paused_s
+        self.prev, self.paused_s = [step, t], 0.0
+        if prev is None:
+            return []
+        delta = step - prev[0]
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+            return []
+        events = []
+        if len(self.step_deltas) >= cfg.min_history_rows:
+            deltas = sorted(self.step_deltas.values())
+            usual = max(deltas[int(0.9 * (len(deltas) - 1))], 1)
+            if delta > cfg.step_gap_ratio * usual:
+                gap_s = None if t is None or prev[1] is None else _r(t - prev[1])
+                events.append(
+                    _event(
+                        "step_gap", step, delta, from_step=int(prev[0]), usual_delta=int(usual), gap_s=gap_s
+                    )
+                )
+        if not events:
+            self.step_deltas.append(step, delta)
+        if t is None or prev[1] is None:
+            return events
+        gap = t - prev[1] - paused
+        if gap < 0:  # the clock went back: a new process without a continuous elapsed_s
+            self.restart(None)
+            self.prev = [step, t]
+            return events
+        stalled = False
+        if len(self.sec_per_step) >= cfg.min_history_rows:
+            med, sigma = robust(self.sec_per_step.values())
+            expected = delta * med
+            lost = gap - expected
+            if gap > cfg.stall_min_ratio * expected and lost > max(
+                cfg.stall_min_s, cfg.stall_k * sigma * delta
+            ):
+                stalled = True
+                events.append(
+                    _event(
+                        "stall",
+                        step,
+                        gap,
+                        from_step=int(prev[0]),
+                        expected_s=_r(expected),
+                        lost_s=_r(lost),
+                        sec_per_step=_r(med),
+                        paused_s=_r(paused),
+                    )
+                )
+        self.outliers = self.outliers + 1 if stalled else 0
+        if not stalled or self.outliers >= cfg.sustain_rows:
+            self.sec_per_step.append(step, gap / delta)
+        return events
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sec_per_step": list(self.sec_per_step.pairs),
+            "step_deltas": list(self.step_deltas.pairs),
+            "prev": self.prev,
+            "paused_s": self.paused_s,
+            "warmup_left": self.warmup_left,
+            "outliers": self.outliers,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("sec_per_step", "step_deltas"):
+            window = getattr(self, name)
+            window.pairs.clear()
+            window.pairs.extend(state[name])
+        self.prev, self.paused_s = state["prev"], state["paused_s"]
+        self.warmup_left, self.outliers = state["warmup_left"], state["outliers"]
+
+
+# ---- all of them -----------------------------------------------------------------------------------
+class LiveDetectors:
+    """Every detector, fed one record at a time; `update` returns the events that record revealed.
+
+    Feed train rows (required), eval rows (their eval_s is an intended pause, not a stall) and event
+    rows (a `resume` or `run_start` restarts the pace warm-up). An event's step is where the trouble
+    began: a cliff is returned at the row that confirms it (`details.confirmed_step`), but carries the
+    step of its first low row. `recovery_steps` is filled in later, in place, on the returned dict.
+    """
+
+    def __init__(self, cfg: DetectorConfig | None = None):
+        self.cfg = cfg or DetectorConfig()
+        self.events: list[dict[str, Any]] = []  # every event returned by this object, in order
+        self.pace = _Pace(self.cfg)
+        self.loss = _Spike(self.cfg)
+        self.accuracy = _Drop(
+            self.cfg, "accuracy_cliff", self.cfg.cliff_k, self.cfg.cliff_min_drop, self.cfg.cliff_min_rel
+        )
+        self.throughput = _Drop(
+            self.cfg, "throughput_drop", self.cfg.throughput_k, 0.0, self.cfg.throughput_min_rel
+        )
+        self.throughput_warmup = self.cfg.warmup_rows
+        self.in_nan = False
+        self.last_step: int | None = None
+        self.rows = 0
+
+    def update(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        row = normalize(record)
+        if row["kind"] == "event":
+            if row["event"] in RESET_EVENTS and (self.rows > 0 or (row["step"] or 0) > 0):
+                self._resumed(row["step"])
+            return []
+        if row["kind"] == "eval":
+            if finite(row["eval_s"]):
+                self.pace.paused_s += row["eval_s"]
+            return []
+        if row["kind"] != "train" or row["step"] is None:
+            return []
+        step = row["step"]
+        if self.last_step is not None and step <= self.last_step:  # the steps went back: resumed earlier
+            self._resumed(step - 1)
+        self.last_step = step
+        self.rows += 1
+        events = self._nan(step, row)
+        events += self.pace.update(step, row["t"] if finite(row["t"]) else None)
+        if finite(row["loss"]) and (ev := self.loss.update(step, row["loss"])):
+            events.append(ev)
+        if finite(row["accuracy"]) and (ev := self.accuracy.update(step, row["accuracy"])):
+            events.append(ev)
+        if finite(row["tok_per_s"]):
+            if self.throughput_warmup > 0:
+                self.throughput_warmup -= 1
+            elif ev := self.throughput.update(step, row["tok_per_s"]):
+                events.append(ev)
+        self.events.extend(events)
+        return events
+
+    def _nan(self, step: int, row: dict[str, Any]) -> list[dict[str, Any]]:
+        bad = {
+            k: str(row[k]) for k in ("loss", "grad_norm") if row[k] is not None and not math.isfinite(row[k])
+        }
+        fired = bool(bad) and not self.in_nan
+        self.in_nan = bool(bad)
+        return [_event("nan", step, None, fields=bad)] if fired else []
+
+    def _resumed(self, step: int | None) -> None:
+        """A resume at `step` (or a restart): forget what came later, warm the pace up again."""
+        self.pace.restart(step)
+        self.throughput_warmup = self.cfg.warmup_rows
+        if step is not None:
+            for detector in (self.loss, self.accuracy, self.throughput):
+                detector.truncate(step + 1)
+            self.throughput.window.pairs.clear()  # throughput after a restart is another machine's
+            self.last_step = step
+        self.in_nan = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able history (bounded by window_rows), for the trainer's checkpoint."""
+        return copy.deepcopy(
+            {
+                "version": 1,
+                "pace": self.pace.state_dict(),
+                "loss": self.loss.state_dict(),
+                "accuracy": self.accuracy.state_dict(),
+                "throughput": self.throughput.state_dict(),
+                "throughput_warmup": self.throughput_warmup,
+                "in_nan": self.in_nan,
+                "last_step": self.last_step,
+                "rows": self.rows,
+            }
+        )
+
+    def load_state_dict(self, state: dict[str, Any], *, resumed: bool = True) -> None:
+        """Restore the history; `resumed` (the default) also warms the pace up again, as a resume does."""
+        if state.get("version") != 1:
+            raise ValueError(f"detector state: unknown version {state.get('version')!r} (expected 1)")
+        state = copy.deepcopy(state)
+        self.pace.load_state_dict(state["pace"])
+        self.loss.load_state_dict(state["loss"])
+        self.accuracy.load_state_dict(state["accuracy"])
+        self.throughput.load_state_dict(state["throughput"])
+        self.throughput_warmup, self.in_nan = state["throughput_warmup"], state["in_nan"]
+        self.last_step, self.rows = state["last_step"], state["rows"]
+        if resumed:
+            self.pace.restart(None)
+            self.throughput_warmup = self.cfg.warmup_rows
+
+
+def detect(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -> list[dict[str, Any]]:
+    """Every event of a whole log (records in file order), recovery filled in."""
+    live = LiveDetectors(cfg)
+    for record in records:
+        live.update(record)
+    return live.events

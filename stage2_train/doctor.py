@@ -1,0 +1,398 @@
+"""The training doctor: every stall, spike, cliff, NaN and slowdown of a run, with its likely cause.
+
+    python -m stage2_train doctor runs/default/train_log.jsonl          # text; exit 0 healthy, 1 events
+    python -m stage2_train doctor runs/default/train_log.jsonl --json   # {"events": [...], "summary": {...}}
+
+`diagnose(records)` runs the detectors of `detectors.py` over the log, then explains each event
+from what the log says happened near it: a checkpoint save, a resume, an eval, an epoch boundary
+(epoch field or epoch events), a stall, a non-finite loss, an lr or noise schedule change (warmup
+ending, a jump), a starved data loader. Each event gets `likely_cause` (one string) and `near`
+(everything found in its window). Logs of other trainers work too: kind is inferred, field
+aliases are read, and what the log cannot tell is listed in `summary.cannot_tell`; a log without
+event rows has its stalls taken for probable checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from stage2_train.detectors import DetectorConfig, detect, finite, normalize
+
+# Strongest explanation first, by kind of event; `stall` covers stall and step_gap found by the detectors.
+CAUSES_OF_PAUSE = ("checkpoint", "eval", "resume", "epoch")
+CAUSES_OF_CHANGE = ("nan", "checkpoint", "resume", "stall", "epoch", "lr", "noise", "data")
+CAUSES_OF_SLOWDOWN = ("data", "checkpoint", "resume", "stall", "epoch", "eval")
+
+
+def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(records, number of unreadable lines): a crash may leave a torn last line."""
+    records, bad = [], 0
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
+
+
+def resolve_log(path: Path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "train_log.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no training log at {path}")
+    return path
+
+
+# ---- what the log says happened ------------------------------------------------------------------
+def context_points(rows: list[dict[str, Any]], train: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Everything that may explain an event, each {"what", "step", "text", ...}, sorted by step."""
+    points: list[dict[str, Any]] = []
+    saves: dict[int, dict[str, Any]] = {}
+    epochs_from_events: set[int] = set()
+    seen_start = False
+    for r, raw in rows:
+        step = r["step"]
+        if r["kind"] == "eval" and step is not None:
+            took = f" ({r['eval_s']:.1f} s)" if finite(r["eval_s"]) else ""
+            points.append({"what": "eval", "step": step, "text": f"eval at step {step}{took}"})
+        if r["kind"] != "event" or step is None:
+            continue
+        name = str(r["event"])
+        if "checkpoint" in name or "save" in name:
+            save = saves.setdefault(step, {"what": "checkpoint", "step": step})
+            for key in ("blocked_s", "write_s"):
+                if finite(r[key]):
+                    save[key] = r[key]
+            if raw.get("mode"):
+                save["mode"] = raw["mode"]
+        elif name == "resume":
+            where = f" from {raw['path']}" if raw.get("path") else ""
+            points.append({"what": "resume", "step": step, "text": f"resume at step {step}{where}"})
+        elif name == "run_start":
+            if seen_start or step > 0:
+                points.append({"what": "resume", "step": step, "text": f"restart at step {step}"})
+            seen_start = True
+        elif name in ("epoch_start", "epoch_end") and r["epoch"] is not None:
+            if name == "epoch_end" and any(x["event"] == "epoch_start" for x, _ in rows):
+                continue  # the last epoch_end is not followed by an epoch
+            epoch = r["epoch"] + (1 if name == "epoch_end" else 0)
+            if epoch not in epochs_from_events:
+                epochs_from_events.add(epoch)
+                points.append(
+                    {
+                        "what": "epoch",
+                        "step": step,
+                        "epoch": epoch,
+                        "text": f"epoch {epoch} began at step {step}",
+                    }
+                )
+    for save in saves.values():
+        timing = [
+            f"{k.removesuffix('_s')} {seconds(save[k])} s" for k in ("blocked_s", "write_s") if k in save
+        ]
+        mode = [save["mode"]] if "mode" in save else []
+        extra = f" ({', '.join(timing + mode)})" if timing or mode else ""
+        points.append({**save, "text": f"checkpoint save at step {save['step']}{extra}"})
+    for prev, cur in zip(train, train[1:]):
+        if prev["epoch"] is not None and cur["epoch"] is not None and cur["epoch"] > prev["epoch"]:
+            if cur["epoch"] not in epochs_from_events:
+                epochs_from_events.add(cur["epoch"])
+                points.append(
+                    {
+                        "what": "epoch",
+                        "step": cur["step"],
+                        "epoch": cur["epoch"],
+                        "text": f"epoch {cur['epoch']} began at step {cur['step']}",
+                    }
+                )
+    points += schedule_points(train, "lr") + schedule_points(train, "noise_std")
+    return sorted(points, key=lambda p: p["step"])
+
+
+def seconds(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.2g}"
+
+
+def schedule_points(train: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:
+    """Where a schedule's warmup ended (the value first reached its peak) and where it jumped."""
+    series = [(r["step"], r[field]) for r in train if finite(r[field])]
+    if len(series) < 2:
+        return []
+    what = "lr" if field == "lr" else "noise"
+    peak = max(v for _, v in series)
+    at_peak = next(i for i, (_, v) in enumerate(series) if v >= 0.999 * peak)
+    points = []
+    if at_peak > 0 and series[0][1] < 0.9 * peak:
+        step = series[at_peak][0]
+        points.append(
+            {"what": what, "step": step, "text": f"{field} warmup ended at step {step} ({field} {peak:.3g})"}
+        )
+    for (_, a), (step, b) in zip(series[at_peak:], series[at_peak + 1 :]):
+        if max(a, b) > 0 and abs(a - b) / max(a, b) > 0.2:
+            points.append(
+                {"what": what, "step": step, "text": f"{field} jumped {a:.3g} -> {b:.3g} at step {step}"}
+            )
+    return points
+
+
+def round_step_note(step: int, interval: int) -> str:
+    for every in (10000, 5000, 2000, 1000, 500, 250, 100):
+        nearest = round(step / every) * every
+        if nearest > 0 and abs(step - nearest) <= max(interval, 1):
+            return f", near step {nearest} (a multiple of {every})"
+    return ""
+
+
+# ---- explaining one event ------------------------------------------------------------------------
+def explain(
+    ev: dict[str, Any], points: list[dict[str, Any]], events: list[dict[str, Any]], info: dict[str, Any]
+) -> tuple[str, list[dict[str, Any]]]:
+    interval = info["interval"]
+    pause = ev["kind"] in ("stall", "step_gap")
+    start = ev["details"].get("from_step", ev["step"])
+    if pause:
+        lo, hi = start - interval, ev["step"]
+        order = CAUSES_OF_PAUSE
+    else:
+        lo, hi = ev["step"] - max(10 * interval, 10), ev["step"] + interval
+        order = CAUSES_OF_SLOWDOWN if ev["kind"] == "throughput_drop" else CAUSES_OF_CHANGE
+    near = [p for p in points if lo <= p["step"] <= hi]
+    for other in events:
+        if (
+            other is not ev
+            and lo <= other["step"] <= hi
+            and not (pause and other["kind"] in ("stall", "step_gap"))
+        ):
+            what = "stall" if other["kind"] in ("stall", "step_gap") else other["kind"]
+            near.append({"what": what, "step": other["step"], "text": describe(other, info)})
+    if ev["kind"] == "throughput_drop" and info["data_wait"].get(ev["step"]):
+        near.append({"what": "data", "step": ev["step"], "text": info["data_wait"][ev["step"]]})
+    near.sort(key=lambda p: p["step"])
+    found = [p for what in order for p in near if p["what"] == what]
+    if found:
+        primary = found[0]
+        cause = primary["text"]
+        if primary["what"] == "stall" and not pause:
+            cause = "follows the " + cause
+            if not info["has_events"]:
+                cause += " (likely a checkpoint save: no event rows in this log)"
+        elif primary["what"] == "checkpoint" and not pause:
+            cause = "follows the " + cause + ": a save must leave training state unchanged"
+        elif primary["what"] == "resume" and not pause:
+            cause = "follows the " + cause + ": check that the resume is exact"
+        others = sorted({p["what"] for p in found} - {primary["what"]})
+        if others:
+            cause += f" (also near: {', '.join(others)})"
+        return cause, near
+    if pause and not info["has_events"]:
+        gap_s = ev["size"] if ev["kind"] == "stall" else ev["details"].get("gap_s")
+        if gap_s is not None and gap_s >= 600:
+            return (
+                f"likely a restart or preemption ({gap_s / 60:.0f} min away; no event rows in this log)",
+                near,
+            )
+        return "likely checkpoint save (no event rows in this log)" + round_step_note(start, interval), near
+    window = f"steps {lo}-{hi}"
+    relevant = (
+        "epoch boundaries",
+        "checkpoint saves and resumes",
+        "lr schedule changes",
+        "noise schedule changes",
+    )
+    if ev["kind"] == "throughput_drop":
+        relevant += ("data-loader starvation",)
+    blind = [c.split(":")[0] for c in info["cannot_tell"] if c.split(":")[0] in relevant]
+    unseen = f"; this log cannot tell {', '.join(blind)}" if blind else ""
+    if pause:
+        return (
+            f"no logged cause in {window} (no checkpoint, eval, resume or epoch boundary): look at the host{unseen}",
+            near,
+        )
+    return (
+        f"no logged cause in {window} (no save, resume, stall, epoch boundary or schedule change){unseen}",
+        near,
+    )
+
+
+def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
+    d, kind, size = ev["details"], ev["kind"], ev["size"]
+    if kind == "stall":
+        return f"stall at step {ev['step']}: {size:.1f} s since step {d['from_step']} (expected {d['expected_s']:.1f} s)"
+    if kind == "step_gap":
+        took = f" in {d['gap_s']:.1f} s" if d.get("gap_s") is not None else ""
+        return f"step gap at step {ev['step']}: {d['from_step']} -> {ev['step']}{took} (usually {d['usual_delta']} steps)"
+    if kind == "loss_spike":
+        back = d["recovery_steps"]
+        rec = f"back in {back} steps" if back is not None else "never back"
+        return f"loss spike at step {ev['step']}: {d['before']:.3g} -> {d['loss']:.3g} (x{size:.1f}), {rec}"
+    if kind == "accuracy_cliff":
+        back = d["recovery_steps"]
+        rec = f"back in {back} steps" if back is not None else "never back"
+        return f"accuracy cliff at step {ev['step']}: {d['before']:.3g} -> {d['after']:.3g}, {rec}"
+    if kind == "throughput_drop":
+        return f"throughput drop at step {ev['step']}: {d['before']:.0f} -> {d['after']:.0f} tok/s (-{100 * size:.0f}%)"
+    if kind == "nan":
+        return f"non-finite {', '.join(f'{k}={v}' for k, v in d['fields'].items())} at step {ev['step']}"
+    return f"{kind} at step {ev['step']}"
+
+
+# ---- the whole log -------------------------------------------------------------------------------
+def cannot_tell(
+    train: list[dict[str, Any]], has_events: bool, has_epoch_events: bool, cfg: DetectorConfig
+) -> list[str]:
+    def present(field: str) -> bool:
+        return any(r[field] is not None for r in train)
+
+    out = []
+    needed = cfg.warmup_rows + cfg.min_history_rows + 1
+    if len(train) < needed:
+        out.append(
+            f"most events: only {len(train)} train rows, and the detectors judge a row only after "
+            f"{cfg.min_history_rows} earlier ones ({needed - 1} for stalls and throughput)"
+        )
+    if not present("epoch") and not has_epoch_events:
+        out.append("epoch boundaries: no epoch field and no epoch events")
+    if not has_events:
+        out.append("checkpoint saves and resumes: no event rows (stalls are taken for probable saves)")
+    for field, what in (
+        ("t", "stalls: no elapsed_s or time field"),
+        ("loss", "loss spikes: no loss field"),
+        ("accuracy", "accuracy cliffs: no accuracy field"),
+        ("tok_per_s", "throughput drops: no tok_per_s field"),
+        ("grad_norm", "non-finite gradients: no grad_norm field"),
+        ("lr", "lr schedule changes: no lr field"),
+        ("noise_std", "noise schedule changes: no noise_std field"),
+        ("data_wait_frac", "data-loader starvation: no data_wait_frac field"),
+    ):
+        if not present(field):
+            out.append(what)
+    return out
+
+
+def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -> dict[str, Any]:
+    """{"events": [...], "summary": {...}} for the records of one log, in file order."""
+    cfg = cfg or DetectorConfig()
+    rows = [(normalize(r), r) for r in records]
+    train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
+    if not train:
+        raise ValueError("the log has no train rows with a step: nothing to diagnose")
+    event_rows = [(r, raw) for r, raw in rows if r["kind"] == "event"]
+    has_events = any(r["event"] != "warning" for r, _ in event_rows)
+    has_epoch_events = any(str(r["event"]).startswith("epoch") for r, _ in event_rows)
+    deltas = [b["step"] - a["step"] for a, b in zip(train, train[1:]) if b["step"] > a["step"]]
+    interval = int(statistics.median(deltas)) if deltas else 1
+    pace = [
+        (b["t"] - a["t"]) / (b["step"] - a["step"])
+        for a, b in zip(train, train[1:])
+        if b["step"] > a["step"] and finite(a["t"]) and finite(b["t"]) and b["t"] >= a["t"]
+    ]
+    info = {
+        "interval": interval,
+        "has_events": has_events,
+        "cannot_tell": cannot_tell(train, has_events, has_epoch_events, cfg),
+        "data_wait": {},
+    }
+    events = [dict(ev) for ev in detect(records, cfg)]
+    for ev in events:
+        if ev["kind"] == "throughput_drop":
+            info["data_wait"][ev["step"]] = data_wait_note(train, ev)
+    points = context_points(rows, train)
+    for ev in events:
+        ev["likely_cause"], ev["near"] = explain(ev, points, events, info)
+    counts: dict[str, int] = {}
+    for ev in events:
+        counts[ev["kind"]] = counts.get(ev["kind"], 0) + 1
+    last = train[-1]
+    epochs = [r["epoch"] for r in train if r["epoch"] is not None]
+    summary = {
+        "healthy": not events,
+        "num_events": len(events),
+        "events_by_kind": counts,
+        "rows": len(records),
+        "train_rows": len(train),
+        "eval_rows": sum(1 for r, _ in rows if r["kind"] == "eval"),
+        "event_rows": len(event_rows),
+        "live_warnings": sum(1 for r, _ in event_rows if r["event"] == "warning"),
+        "steps": [train[0]["step"], last["step"]],
+        "log_every_steps": interval,
+        "sec_per_step": round(statistics.median(pace), 4) if pace else None,
+        "epochs": [min(epochs), max(epochs)] if epochs else None,
+        "final": {
+            k: last[k] if math.isfinite(last[k]) else str(last[k])
+            for k in ("loss", "accuracy", "eal")
+            if last[k] is not None
+        },
+        "cannot_tell": info["cannot_tell"],
+    }
+    return {"events": events, "summary": summary}
+
+
+def data_wait_note(train: list[dict[str, Any]], ev: dict[str, Any]) -> str | None:
+    """'data loader starved ...' when the waiting fraction rose with the drop."""
+    before = [r["data_wait_frac"] for r in train if r["step"] < ev["step"] and finite(r["data_wait_frac"])][
+        -20:
+    ]
+    after = [
+        r["data_wait_frac"]
+        for r in train
+        if ev["step"] <= r["step"] <= ev["details"]["confirmed_step"] and finite(r["data_wait_frac"])
+    ]
+    if not before or not after:
+        return None
+    b, a = statistics.median(before), statistics.median(after)
+    if a > 0.2 and a > 2 * b:
+        return f"data loader starved: data_wait_frac {b:.2f} -> {a:.2f}"
+    return None
+
+
+def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
+    s = diagnosis["summary"]
+    pace = f", {s['sec_per_step']:.3g} s/step" if s["sec_per_step"] is not None else ""
+    lines = [
+        f"{log_path}: {s['train_rows']} train rows, steps {s['steps'][0]}-{s['steps'][1]}, "
+        f"logged every {s['log_every_steps']} step(s){pace}; {s['event_rows']} event rows"
+    ]
+    for ev in diagnosis["events"]:
+        lines.append(f"  {describe(ev)}")
+        lines.append(f"      likely cause: {ev['likely_cause']}")
+    if s["cannot_tell"]:
+        lines.append("cannot tell:")
+        lines += [f"  {c}" for c in s["cannot_tell"]]
+    final = ", ".join(
+        f"{k} {v:.4g}" for k, v in s["final"].items() if isinstance(v, float) and math.isfinite(v)
+    )
+    verdict = (
+        "healthy: no events"
+        if s["healthy"]
+        else f"{s['num_events']} event(s): " + ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
+    )
+    lines.append(f"{verdict}" + (f" (final {final})" if final else ""))
+    return "\n".join(lines)
+
+
+def cmd_doctor(log_path: Path, as_json: bool) -> tuple[str, int]:
+    """(text to print, exit code): 0 when the log shows no event, 1 when it shows any.
+
+    `log_path` may be a run directory (its train_log.jsonl is read). A missing or empty log raises
+    FileNotFoundError / ValueError, which the CLI reports with its error exit code."""
+    path = resolve_log(log_path)
+    records, unreadable = read_log(path)
+    diagnosis = diagnose(records)
+    diagnosis["summary"]["unreadable_lines"] = unreadable
+    diagnosis["summary"]["log"] = str(path)
+    code = 0 if diagnosis["summary"]["healthy"] else 1
+    if as_json:
+        return json.dumps(diagnosis, indent=1, allow_nan=False, default=str), code
+    return format_text(diagnosis, path), code

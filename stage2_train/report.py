@@ -1,0 +1,290 @@
+"""The training report: plots of a run with the doctor's events marked, and a Markdown summary.
+
+    python -m stage2_train report runs/default/train_log.jsonl [--out DIR]   # default DIR: <log dir>/doctor
+
+Writes overview.png (every metric stacked) and one PNG per metric the log has (loss, accuracy, eal,
+lr, noise_std, throughput) against step: events are red/orange/... vertical lines labelled by kind,
+with a marker on the curve they concern; checkpoint saves, resumes and epoch boundaries are thin
+grey lines; eval rows are dots. report.md lists the events with their likely causes and embeds the
+PNGs. When a wandb run is active in this process the images are logged to it as doctor/<name>.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from stage2_train.detectors import finite, normalize
+from stage2_train.doctor import context_points, describe, diagnose, read_log, resolve_log
+
+PANELS = (  # (field, file stem, axis label)
+    ("loss", "loss", "loss"),
+    ("accuracy", "accuracy", "accuracy"),
+    ("eal", "eal", "eal (tokens)"),
+    ("lr", "lr", "lr"),
+    ("noise_std", "noise_std", "noise_std"),
+    ("tok_per_s", "throughput", "tokens / s"),
+)
+COLORS = {
+    "stall": "tab:red",
+    "step_gap": "tab:brown",
+    "loss_spike": "tab:orange",
+    "accuracy_cliff": "tab:purple",
+    "nan": "black",
+    "throughput_drop": "tab:blue",
+}
+MARKED_ON = {
+    "loss_spike": "loss",
+    "accuracy_cliff": "accuracy",
+    "throughput_drop": "tok_per_s",
+    "nan": "loss",
+    "stall": "pace",  # seconds per step, in the event zooms only
+    "step_gap": "pace",
+}
+CONTEXT_STYLE = {"checkpoint": ":", "resume": "-.", "epoch": "--"}
+
+
+def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
+    """Write the PNGs and report.md; returns where they are and what the doctor found."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = resolve_log(log_path)
+    out_dir = Path(out_dir) if out_dir is not None else path.parent / "doctor"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records, unreadable = read_log(path)
+    diagnosis = diagnose(records)
+    rows = [(normalize(r), r) for r in records]
+    train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
+    evals = [r for r, _ in rows if r["kind"] == "eval" and r["step"] is not None]
+    context = [p for p in context_points(rows, train) if p["what"] in CONTEXT_STYLE and p["step"] > 0]
+    panels = [p for p in PANELS if any(finite(r[p[0]]) for r in train)]
+    missing = [p[1] for p in PANELS if p not in panels]
+
+    plots: dict[str, Path] = {}
+    fig, axes = plt.subplots(
+        len(panels), 1, sharex=True, figsize=(11, 2.1 * len(panels) + 0.8), squeeze=False
+    )
+    for ax, panel in zip(axes[:, 0], panels):
+        draw_panel(ax, panel, train, evals, diagnosis["events"], context)
+    axes[-1, 0].set_xlabel("step")
+    add_legend(fig, diagnosis["events"], context)
+    fig.suptitle(f"{path.parent.name}/{path.name}: {verdict(diagnosis)}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / fig.get_figheight()))
+    plots["overview"] = save(fig, out_dir / "overview.png", plt)
+    if diagnosis["events"]:
+        plots["events"] = draw_zooms(plt, diagnosis["events"], train, context, out_dir / "events.png")
+    for panel in panels:
+        fig, ax = plt.subplots(figsize=(11, 3.6))
+        draw_panel(ax, panel, train, evals, diagnosis["events"], context, labels=True)
+        ax.set_xlabel("step")
+        add_legend(fig, diagnosis["events"], context)
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+        plots[panel[1]] = save(fig, out_dir / f"{panel[1]}.png", plt)
+
+    report = out_dir / "report.md"
+    report.write_text(markdown(diagnosis, path, plots, missing, unreadable))
+    logged = log_to_wandb(plots)
+    return {
+        "out_dir": str(out_dir),
+        "report": str(report),
+        "plots": [str(p) for p in plots.values()],
+        "not_in_log": missing,
+        "num_events": diagnosis["summary"]["num_events"],
+        "healthy": diagnosis["summary"]["healthy"],
+        "wandb": logged,
+    }
+
+
+def draw_panel(ax, panel, train, evals, events, context, labels: bool = False) -> None:
+    field, stem, label = panel
+    points = [(r["step"], r[field]) for r in train if r[field] is not None]
+    steps = [s for s, _ in points]
+    values = [v if finite(v) else float("nan") for _, v in points]
+    ax.plot(
+        steps, values, lw=0.8, color="tab:gray" if field in ("lr", "noise_std") else "tab:green", label=stem
+    )
+    eval_points = [(r["step"], r[field]) for r in evals if finite(r[field])]
+    if eval_points:
+        ax.plot(*zip(*eval_points), "o", ms=3, color="black", label="eval")
+    good = [v for v in values if finite(v)]
+    if field == "loss" and good and min(good) > 0 and max(good) / min(good) > 20:
+        ax.set_yscale("log")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.25)
+    for p in context:
+        ax.axvline(p["step"], color="0.55", lw=0.6, ls=CONTEXT_STYLE[p["what"]], zorder=0)
+    if field in ("lr", "noise_std"):
+        ax.set_ylim(bottom=0)
+    mark_events(ax, events, dict(points), field, labels)
+
+
+def mark_events(ax, events, by_step, field, labels: bool) -> None:
+    """A line per event (dashed for pauses), a marker on the curve it concerns, one label per cluster."""
+    top = ax.get_ylim()[1]
+    for ev in events:
+        color = COLORS[ev["kind"]]
+        ls = "--" if ev["kind"] in ("stall", "step_gap") else "-"
+        ax.axvline(ev["step"], color=color, lw=1.1, ls=ls, alpha=0.85)
+        if MARKED_ON.get(ev["kind"]) == field:
+            y = by_step.get(ev["step"])
+            if finite(y):
+                ax.plot([ev["step"]], [y], "v", color=color, ms=8, mec="white", zorder=5)
+    if not labels:
+        return
+    lo, hi = ax.get_xlim()
+    clusters: list[list[dict[str, Any]]] = []
+    for ev in sorted(events, key=lambda e: e["step"]):
+        if clusters and ev["step"] - clusters[-1][-1]["step"] < 0.02 * (hi - lo):
+            clusters[-1].append(ev)
+        else:
+            clusters.append([ev])
+    for group in clusters:
+        text = " + ".join(f"{ev['kind']} @{ev['step']}" for ev in group)
+        ax.text(
+            group[0]["step"],
+            top,
+            f" {text}",
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color=COLORS[group[0]["kind"]],
+        )
+
+
+def draw_zooms(plt, events, train, context, path: Path) -> Path:
+    """One small panel per event (12 at most): the series it concerns, around it; pace for pauses."""
+    shown = events[:12]
+    cols = min(len(shown), 3)
+    nrows = -(-len(shown) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.0 * nrows), squeeze=False)
+    pace = [
+        (b["step"], (b["t"] - a["t"]) / (b["step"] - a["step"]))
+        for a, b in zip(train, train[1:])
+        if b["step"] > a["step"] and finite(a["t"]) and finite(b["t"])
+    ]
+    deltas = sorted(b["step"] - a["step"] for a, b in zip(train, train[1:]) if b["step"] > a["step"])
+    interval = deltas[len(deltas) // 2] if deltas else 1
+    for ax, ev in zip(axes.flat, shown):
+        field = MARKED_ON[ev["kind"]]
+        if field == "pace":
+            series, label = pace, "seconds / step"
+        else:
+            series = [
+                (r["step"], r[field] if finite(r[field]) else float("nan"))
+                for r in train
+                if r[field] is not None
+            ]
+            label = field
+        start = ev["details"].get("from_step", ev["step"])
+        after = ev["details"].get("recovery_steps") or 0
+        lo = start - 40 * interval
+        hi = max(ev["step"] + 40 * interval, ev["step"] + int(1.3 * after))
+        window = [(s, v) for s, v in series if lo <= s <= hi]
+        if window:
+            ax.plot(*zip(*window), lw=0.9, color="tab:green", marker=".", ms=2)
+        for p in context:
+            if lo <= p["step"] <= hi:
+                ax.axvline(p["step"], color="0.55", lw=0.8, ls=CONTEXT_STYLE[p["what"]], zorder=0)
+        nearby = [e for e in events if lo <= e["step"] <= hi]
+        mark_events(ax, nearby, dict(window), field, labels=False)
+        ax.set_xlim(lo, hi)
+        ax.set_ylabel(label, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.25)
+        ax.set_title(
+            fill(describe(ev)) + "\n" + fill("cause: " + ev["likely_cause"], 2), fontsize=7, loc="left"
+        )
+    for ax in list(axes.flat)[len(shown) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    return save(fig, path, plt)
+
+
+def fill(text: str, max_lines: int = 1, width: int = 70) -> str:
+    import textwrap
+
+    lines = textwrap.wrap(text, width)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] = lines[-1][: width - 3] + "..."
+    return "\n".join(lines)
+
+
+def add_legend(fig, events, context) -> None:
+    from matplotlib.lines import Line2D
+
+    kinds = sorted({ev["kind"] for ev in events})
+    handles = [Line2D([], [], color=COLORS[k], lw=1.5, label=k) for k in kinds]
+    handles += [
+        Line2D([], [], color="0.55", lw=0.8, ls=CONTEXT_STYLE[w], label=w)
+        for w in sorted({p["what"] for p in context})
+    ]
+    if handles:
+        fig.legend(
+            handles=handles,
+            loc="upper center",
+            ncol=min(len(handles), 8),
+            fontsize=8,
+            frameon=False,
+            bbox_to_anchor=(0.5, 0.975),
+        )
+
+
+def save(fig, path: Path, plt) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def verdict(diagnosis: dict[str, Any]) -> str:
+    s = diagnosis["summary"]
+    if s["healthy"]:
+        return "healthy, no events"
+    return ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
+
+
+def markdown(
+    diagnosis: dict[str, Any], path: Path, plots: dict[str, Path], missing: list[str], unreadable: int
+) -> str:
+    s = diagnosis["summary"]
+    pace = f", {s['sec_per_step']:.3g} s/step" if s["sec_per_step"] is not None else ""
+    lines = [
+        f"# Training report: `{path}`",
+        "",
+        f"{s['train_rows']} train rows, steps {s['steps'][0]}-{s['steps'][1]}, logged every "
+        f"{s['log_every_steps']} step(s){pace}; {s['event_rows']} event rows, {s['eval_rows']} eval rows"
+        + (f", {unreadable} unreadable lines" if unreadable else "")
+        + f". **{verdict(diagnosis)}**.",
+        "",
+        "## Events",
+        "",
+    ]
+    if diagnosis["events"]:
+        lines += ["| step | kind | what | likely cause |", "|---:|---|---|---|"]
+        for ev in diagnosis["events"]:
+            lines.append(f"| {ev['step']} | {ev['kind']} | {describe(ev)} | {ev['likely_cause']} |")
+    else:
+        lines.append(
+            "None: no stall, step gap, loss spike, accuracy cliff, non-finite value or throughput drop."
+        )
+    if s["cannot_tell"]:
+        lines += ["", "## What this log cannot tell", ""] + [f"- {c}" for c in s["cannot_tell"]]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{name}]({p.name})" for name, p in plots.items()]
+    if missing:
+        lines += ["", f"Not in this log, so not plotted: {', '.join(missing)}."]
+    return "\n".join(lines) + "\n"
+
+
+def log_to_wandb(plots: dict[str, Path]) -> bool:
+    """Log the PNGs to the active wandb run, if this process has one (wandb is never imported here)."""
+    wandb = sys.modules.get("wandb")  # not imported yet: then no run can be active in this process
+    if wandb is None or getattr(wandb, "run", None) is None:
+        return False
+    wandb.log({f"doctor/{name}": wandb.Image(str(p)) for name, p in plots.items()})
+    return True

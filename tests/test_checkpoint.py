@@ -1,0 +1,495 @@
+"""Checkpointer: exact round trip, bit-exact resume, non-blocking saves, atomicity, pruning, refusals.
+
+.venv/bin/python -m pytest tests/test_checkpoint.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from stage2_train import checkpoint as ckpt_mod
+from stage2_train.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    check_compatible,
+    latest_checkpoint,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class RecordingSink:
+    def __init__(self):
+        self.events: list[tuple[str, int, dict]] = []
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        self.events.append((kind, step, fields))
+
+    def of(self, kind: str) -> list[tuple[int, dict]]:
+        return [(step, fields) for k, step, fields in self.events if k == kind]
+
+
+def make_checkpointer(path: Path, sink=None, **cfg) -> Checkpointer:
+    return Checkpointer(CheckpointConfig(**cfg), path, sink)
+
+
+# ---- a tiny training loop that uses all three RNGs ----------------------------------------------
+class Run:
+    def __init__(self, seed: int):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1.0 + 0.1 * s))
+        self.step = 0
+
+    def train_step(self) -> float:
+        x = torch.from_numpy(np.random.randn(4, 8).astype(np.float32)) * random.uniform(0.5, 1.5)
+        y = torch.randn(4, 4)
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return loss.item()
+
+    def state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+            "trainer": {"step": self.step, "epoch": 0},
+            "config": {"model": {"block_size": 16}, "loss": {"gamma": 7.0}},
+        }
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.step = state["trainer"]["step"]
+
+
+def assert_same(a, b, path="state"):
+    """Equal values and equal types all the way down (a state dict's OrderedDict comes back a dict)."""
+    if isinstance(a, OrderedDict):
+        assert type(b) is dict, path
+    else:
+        assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and b.device.type == "cpu", path
+        assert torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+def test_round_trip_is_exact(tmp_path):
+    run = Run(0)
+    for _ in range(3):
+        run.train_step()
+    state = run.state()
+    state["extra"] = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "int64": torch.arange(6).view(2, 3).t(),  # not contiguous
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+        "bools": torch.tensor([True, False]),
+        "tuple": (1, 2.0, "x", None, (True, [3])),
+        "int_keys": {0: "a", 7: (1, 2)},
+        "tag_like": {"__tuple__": 1},
+        "np_scalar": np.float32(1.25),
+        "np_array": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "floats": [0.1, -0.0, 1e-310, float("inf"), float("nan"), 2**70],
+        "none": None,
+    }
+    sink = RecordingSink()
+    ckpt = make_checkpointer(tmp_path, sink)
+    assert ckpt.save(3, lambda: state, blocking=True)
+    path = tmp_path / "step_000003"
+    assert ckpt.latest() == path
+    assert (tmp_path / "latest").read_text() == "step_000003\n"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "meta.json",
+        "model.safetensors",
+        "rank_00000.json",
+        "rank_00000.safetensors",
+        "shared.json",
+        "shared.safetensors",
+    ]
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["world_size"] == 1 and meta["keys"] == list(state)
+
+    loaded = ckpt.load(path)
+    assert_same(state, loaded)
+    # the drafter weights under the model's own names, readable by any safetensors loader
+    model_file = load_file(path / "model.safetensors")
+    assert sorted(model_file) == sorted(state["model"])
+    assert_same(dict(state["model"]), {name: model_file[name] for name in state["model"]})
+    ((step, end),) = sink.of("checkpoint_end")
+    assert step == 3 and end["mode"] == "sync" and end["path"] == str(path)
+    assert end["bytes"] == sum(p.stat().st_size for p in path.iterdir())
+    assert sink.of("checkpoint_start") == [(3, {"waited_s": 0.0})]
+
+
+def test_resume_is_bit_exact_and_saving_changes_nothing(tmp_path):
+    reference = Run(0)
+    ref_losses = [reference.train_step() for _ in range(12)]
+
+    first = Run(0)
+    ckpt = make_checkpointer(tmp_path, every_steps=3)
+    losses = []
+    for _ in range(6):
+        losses.append(first.train_step())
+        ckpt.maybe_save(first.step, first.state)  # async: training goes on while it writes
+    ckpt.finalize()
+    assert losses == ref_losses[:6]
+
+    resumed = Run(123)  # other seeds, other weights: everything must come from the checkpoint
+    path = ckpt.latest()
+    assert path.name == "step_000006"
+    resumed.load(ckpt.load(path))
+    assert [resumed.train_step() for _ in range(6)] == ref_losses[6:]
+    for (name, a), b in zip(reference.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def big_state(num_mb: int) -> dict:
+    weight = torch.arange(num_mb * 2**18, dtype=torch.float32)
+    return {"model": {"w": weight}, "optimizer": {"state": {0: {"exp_avg": weight * 2}}, "param_groups": []}}
+
+
+def test_async_save_returns_before_the_write_and_snapshots_a_copy(tmp_path, monkeypatch):
+    state = big_state(32)  # 64 MB of tensors
+    release = threading.Event()
+    real_write = ckpt_mod.write_part
+
+    def held_write(*args):
+        assert release.wait(20)
+        return real_write(*args)
+
+    monkeypatch.setattr(ckpt_mod, "write_part", held_write)
+    sink = RecordingSink()
+    ckpt = make_checkpointer(tmp_path, sink, every_steps=1)
+    assert ckpt.maybe_save(1, lambda: state)
+    assert ckpt.busy  # returned while the writer is still held
+    state["model"]["w"].fill_(-1.0)  # the loop changes its tensors at once
+    state["optimizer"]["state"][0]["exp_avg"].zero_()
+    release.set()
+    ckpt.finalize()
+    loaded = ckpt.load(ckpt.latest())
+    expected = big_state(32)
+    assert torch.equal(loaded["model"]["w"], expected["model"]["w"])
+    assert torch.equal(
+        loaded["optimizer"]["state"][0]["exp_avg"], expected["optimizer"]["state"][0]["exp_avg"]
+    )
+    ((_, end),) = sink.of("checkpoint_end")
+    assert end["mode"] == "async" and end["blocked_s"] < end["write_s"]
+
+
+def test_async_save_blocks_much_less_than_a_sync_save(tmp_path):
+    state = big_state(48)
+    sink = RecordingSink()
+    ckpt = make_checkpointer(tmp_path, sink, every_steps=1)
+    for step in (1, 2, 3):  # step 1 allocates the snapshot buffers; 2 and 3 reuse them
+        ckpt.maybe_save(step, lambda: state)
+        ckpt.finalize()
+    ckpt.save(4, lambda: state, blocking=True)
+    ends = {step: fields for step, fields in sink.of("checkpoint_end")}
+    async_blocked = min(ends[2]["blocked_s"], ends[3]["blocked_s"])
+    assert ends[4]["mode"] == "sync"
+    assert async_blocked < 0.5 * ends[4]["blocked_s"], ends
+
+
+def test_buffers_are_allocated_in_the_background_before_the_first_save(tmp_path):
+    state = big_state(4)
+    sink = RecordingSink()
+    ckpt = make_checkpointer(tmp_path, sink, every_steps=3)
+    assert not ckpt.maybe_save(1, lambda: state)  # allocates, off the loop
+    ckpt.finalize()
+    buffers = dict(ckpt._buffers)
+    assert sorted(buffers) == ["model/w", "shared/optimizer/state/0/exp_avg"]
+    assert ckpt.maybe_save(3, lambda: state)
+    ckpt.finalize()
+    assert all(ckpt._buffers[k] is buffers[k] for k in buffers)  # the snapshot used them
+    assert torch.equal(ckpt.load(ckpt.latest())["model"]["w"], state["model"]["w"])
+    assert [kind for kind, _, _ in sink.events] == ["checkpoint_start", "checkpoint_end"]
+
+
+def test_due_save_waits_for_the_one_in_flight_and_logs_it(tmp_path, monkeypatch):
+    real_write = ckpt_mod.write_part
+
+    def slow_write(*args):
+        time.sleep(0.3)
+        return real_write(*args)
+
+    monkeypatch.setattr(ckpt_mod, "write_part", slow_write)
+    sink = RecordingSink()
+    ckpt = make_checkpointer(tmp_path, sink, every_steps=1)
+    state = big_state(1)
+    assert ckpt.maybe_save(1, lambda: state)
+    assert ckpt.maybe_save(2, lambda: state)  # due while step 1 writes: waits, never skips
+    ckpt.finalize()
+    kinds = [(kind, step) for kind, step, _ in sink.events]
+    assert kinds == [
+        ("checkpoint_start", 1),
+        ("checkpoint_end", 1),
+        ("checkpoint_start", 2),
+        ("checkpoint_end", 2),
+    ]
+    waited = sink.of("checkpoint_start")[1][1]["waited_s"]
+    assert waited > 0.1 and sink.of("checkpoint_end")[1][1]["blocked_s"] >= waited
+    assert [p.name for p in ckpt_mod.complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
+    assert not ckpt.save(2, lambda: state)  # the final save of an already saved step is skipped
+
+
+def test_writer_error_surfaces_on_the_next_call_naming_the_path(tmp_path, monkeypatch):
+    ckpt = make_checkpointer(tmp_path, every_steps=2)
+    state = big_state(1)
+    ckpt.maybe_save(2, lambda: state)
+    ckpt.finalize()
+
+    def failing_write(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt_mod, "write_part", failing_write)
+    assert ckpt.maybe_save(4, lambda: state)
+    while ckpt.busy:
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError, match="step_000004") as info:
+        ckpt.maybe_save(5, lambda: state)
+    assert isinstance(info.value.__cause__, OSError)
+    assert ckpt.latest().name == "step_000002"
+    assert (tmp_path / ".tmp-step_000004").is_dir()
+    make_checkpointer(tmp_path)  # start-up removes the leftover
+    assert not (tmp_path / ".tmp-step_000004").exists()
+    assert ckpt.latest().name == "step_000002"
+
+
+def test_finalize_reraises_a_writer_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt_mod, "write_part", lambda *a: 1 / 0)
+    ckpt = make_checkpointer(tmp_path)
+    ckpt.save(7, lambda: big_state(1))
+    with pytest.raises(CheckpointError, match="step_000007"):
+        ckpt.finalize()
+
+
+CRASH_SCRIPT = """
+import os, sys, time, torch
+from stage2_train import checkpoint as ckpt_mod
+ckpt = ckpt_mod.Checkpointer(ckpt_mod.CheckpointConfig(every_steps=5), sys.argv[1])
+state = {"model": {"w": torch.arange(1000.0)}, "optimizer": {"step": 5}, "trainer": {"step": 5}}
+ckpt.maybe_save(5, lambda: state)
+ckpt.finalize()
+real_write = ckpt_mod.write_part
+def dying_write(directory, stem, *rest):
+    if stem == "model":
+        return real_write(directory, stem, *rest)
+    with open(directory / (stem + ".safetensors"), "wb") as f:
+        f.write(b"half a file")
+    print("WRITING", flush=True)
+    time.sleep(60)
+ckpt_mod.write_part = dying_write
+state["trainer"]["step"] = 10
+ckpt.maybe_save(10, lambda: state)
+time.sleep(60)
+"""
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert proc.stdout.readline() == b"WRITING\n"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    assert (tmp_path / ".tmp-step_000010" / "model.safetensors").exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000005"
+    ckpt = make_checkpointer(tmp_path)
+    assert not list(tmp_path.glob(".tmp-*"))
+    state = ckpt.load(ckpt.latest())
+    assert state["trainer"] == {"step": 5} and torch.equal(state["model"]["w"], torch.arange(1000.0))
+
+
+def test_keep_latest_k_prunes_and_latest_falls_back(tmp_path):
+    ckpt = make_checkpointer(tmp_path, every_steps=1, keep_latest_k=2)
+    for step in range(1, 6):
+        ckpt.maybe_save(step, lambda: big_state(1))
+    ckpt.finalize()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004", "step_000005"]
+
+    (tmp_path / "step_000005" / "rank_00000.json").unlink()  # damaged: latest falls back
+    assert ckpt.latest().name == "step_000004"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ckpt.load(tmp_path / "step_000005")
+    (tmp_path / "latest").write_text("step_000004\n")
+    ckpt.save(6, lambda: big_state(1), blocking=True)
+    ckpt.save(7, lambda: big_state(1), blocking=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step_000005",
+        "step_000006",
+        "step_000007",
+    ]
+    (tmp_path / "latest").write_text("step_000006\n")  # a newer directory than the pointer is not trusted
+    assert ckpt.latest().name == "step_000006"
+
+
+def test_resuming_from_an_older_step_prunes_nothing_newer(tmp_path):
+    ckpt = make_checkpointer(tmp_path, every_steps=1, keep_latest_k=2)
+    for step in (10, 20, 30, 21):  # 21: a run resumed from step 20
+        ckpt.save(step, lambda: big_state(1), blocking=True)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000020", "step_000021", "step_000030"]
+    assert ckpt.latest().name == "step_000021"
+    ckpt.save(22, lambda: big_state(1), blocking=True)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000021", "step_000022", "step_000030"]
+
+
+def test_compatibility_refusal_names_the_field_and_both_values():
+    saved = {
+        "model": {"block_size": 16},
+        "loss": {"gamma": 7.0},
+        "sampler": {"token_budget": 8192, "grad_accum": 4},
+        "target": {"layer_ids": None},
+        "resolved": {"layer_ids": [1, 14, 27], "world_size": 8},
+    }
+    assert check_compatible(saved, json.loads(json.dumps(saved)), force=False) == []
+    current = json.loads(json.dumps(saved))
+    current["model"]["block_size"] = 8
+    current["resolved"]["world_size"] = 2
+    with pytest.raises(
+        ValueError, match=r"model\.block_size: saved 16, now 8.*resolved\.world_size: saved 8, now 2"
+    ):
+        check_compatible(saved, current, force=False)
+    assert len(Checkpointer.check_compatible(saved, current, force=True)) == 2
+    # tuples and lists compare equal; the fingerprint is compared only when both runs recorded one
+    current = json.loads(json.dumps(saved))
+    current["resolved"]["layer_ids"] = (1, 14, 27)
+    current["resolved"]["target_fingerprint"] = "abc"
+    assert check_compatible(saved, current) == []
+    saved["resolved"]["target_fingerprint"] = "def"
+    with pytest.raises(ValueError, match="resolved.target_fingerprint: saved 'def', now 'abc'"):
+        check_compatible(saved, current)
+    del current["sampler"]["grad_accum"]
+    with pytest.raises(ValueError, match="sampler.grad_accum: saved 4, now <absent>"):
+        check_compatible(saved, current, force=False)
+
+
+def test_config_is_validated_and_state_is_plain_data(tmp_path):
+    with pytest.raises(ValueError, match=r"checkpoint\.keep_latest_k must be >= 2"):
+        CheckpointConfig(keep_latest_k=1)
+    with pytest.raises(ValueError, match=r"checkpoint\.every_steps"):
+        CheckpointConfig.from_dict({"every_steps": -1})
+    with pytest.raises(ValueError, match=r"checkpoint\.every: unknown key"):
+        CheckpointConfig.from_dict({"every": 5})
+    assert CheckpointConfig().resolve_dir("runs/x") == Path("runs/x/checkpoints")
+    ckpt = make_checkpointer(tmp_path)
+    with pytest.raises(TypeError, match=r"sampler/obj: cannot store a object"):
+        ckpt.save(1, lambda: {"sampler": {"obj": object()}}, blocking=True)
+    assert not ckpt.maybe_save(1, lambda: {})  # every_steps=0: only the trainer's final save
+
+
+DDP_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from stage2_train import checkpoint as ckpt_mod
+rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+ckpt = ckpt_mod.Checkpointer(ckpt_mod.CheckpointConfig(every_steps=1), path, None, rank, 2)
+def state(step):
+    return {"model": {"w": torch.full((4,), float(step))}, "optimizer": {"lr": 0.1},
+            "rng": {"torch": torch.full((3,), 10 * rank + step, dtype=torch.uint8)}, "trainer": {"step": step}}
+for step in (1, 2):
+    ckpt.maybe_save(step, lambda: state(step))
+ckpt.finalize()
+loaded = ckpt.load(ckpt.latest())
+assert loaded["rng"]["torch"].tolist() == [10 * rank + 2] * 3 and loaded["model"]["w"].tolist() == [2.0] * 4
+if rank == 1:
+    ckpt_mod.write_part = lambda *a: 1 / 0
+ckpt.maybe_save(3, lambda: state(3))
+try:
+    ckpt.finalize()
+except ckpt_mod.CheckpointError as exc:
+    print("FAILED", rank, exc.__cause__, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two fresh interpreters importing torch on 2 shared cores: ~12 s
+def test_two_ranks_write_their_own_state_and_agree_before_commit(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DDP_SCRIPT, str(rank), str(port), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err.decode()[-2000:] for _, err in outs]
+    assert outs[0][0].decode() == "FAILED 0 another rank failed to write its part\n"
+    assert outs[1][0].decode() == "FAILED 1 division by zero\n"
+    path = latest_checkpoint(tmp_path)
+    assert path.name == "step_000002"  # step 3 was never committed
+    assert sorted(p.name for p in path.iterdir()) == [
+        "meta.json",
+        "model.safetensors",
+        "rank_00000.json",
+        "rank_00000.safetensors",
+        "rank_00001.json",
+        "rank_00001.safetensors",
+        "shared.json",
+        "shared.safetensors",
+    ]
+    for rank in (0, 1):
+        state = ckpt_mod.load_checkpoint(path, rank)
+        assert state["rng"]["torch"].tolist() == [10 * rank + 2] * 3
+        assert state["optimizer"] == {"lr": 0.1} and state["trainer"] == {"step": 2}
+    with pytest.raises(ValueError, match="saved by 2 rank"):
+        ckpt_mod.load_checkpoint(path, 2)

@@ -1,0 +1,436 @@
+"""The training doctor: detectors, causes, the live path, the report.
+
+    .venv/bin/python -m pytest tests/test_doctor.py -q
+
+Every log here is built by the test: the failed run of BRIEF section 1 (no kind, no epoch, no event
+rows, logged every 1-2 steps), and logs in our trainer's format with one planted trouble each.
+Each test asserts the exact (kind, step) of every event found, so a missed event and a false
+positive both fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from stage2_train.detectors import DetectorConfig, LiveDetectors, as_warning, detect, normalize
+from stage2_train.doctor import cmd_doctor, diagnose
+from stage2_train.report import cmd_report
+
+
+def found(diagnosis_or_events) -> list[tuple[str, int]]:
+    events = diagnosis_or_events["events"] if isinstance(diagnosis_or_events, dict) else diagnosis_or_events
+    return [(ev["kind"], ev["step"]) for ev in events]
+
+
+def write_log(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def walk(rng: random.Random, start: int, end: int) -> list[int]:
+    """Steps after `start` up to exactly `end`, 1 or 2 apart (the failed run's logging)."""
+    steps, step = [], start
+    while step < end:
+        step = min(step + rng.choice((1, 2)), end)
+        steps.append(step)
+    return steps
+
+
+# ---- the failed run (BRIEF section 1) ------------------------------------------------------------
+def failed_run_records() -> list[dict]:
+    """5 s/step logged every 1-2 steps; a 167.2 s stall 2000->2002 then loss 0.8 -> 13 with a slow
+    recovery; an unlogged stretch 4001->4019 (112 s) then loss 0.7 -> 7.2; an accuracy cliff
+    0.1606 -> 0.0916 -> 0.0371 -> 0.0356 -> ~0 from step 4230 with no stall."""
+    rng = random.Random(0)
+    steps = walk(rng, 0, 2000) + [2002, 2004] + walk(rng, 2004, 4001) + [4019, 4021]
+    steps += walk(rng, 4021, 4229) + [4230, 4232, 4233] + walk(rng, 4233, 4600)
+    cliff = {4229: 0.1606, 4230: 0.0916, 4232: 0.0371, 4233: 0.0356}
+    records, elapsed, prev = [], 0.0, 0
+    for step in steps:
+        delta = step - prev
+        took = {2002: 167.2, 4019: 112.0}.get(step, 5.0 * delta * rng.uniform(0.97, 1.03))
+        elapsed += took
+        loss = 0.65 + 0.25 * math.exp(-step / 3000) + 6 * math.exp(-step / 250)
+        loss *= rng.uniform(0.95, 1.05)
+        if step >= 2004:
+            loss += 12.2 * math.exp(-(step - 2004) / 40)
+        if step >= 4021:
+            loss += 6.5 * math.exp(-(step - 4021) / 30)
+        acc = 0.17 * (1 - math.exp(-step / 300)) * rng.uniform(0.97, 1.03)
+        acc = cliff.get(step, acc if step < 4229 else rng.uniform(0.0, 0.004))
+        lr = (
+            6e-4
+            * min(step / 200, 1.0)
+            * (0.5 * (1 + math.cos(math.pi * max(step - 200, 0) / 4400)) if step > 200 else 1.0)
+        )
+        records.append(
+            {
+                "step": step,
+                "loss": round(loss, 5),
+                "accuracy": round(acc, 5),
+                "avg_streak": round(acc * 2, 4),
+                "lr": lr,
+                "noise_std": 0.05,
+                "tgt_batch_rate": 1.0,
+                "dft_batch_rate": 1.0,
+                "tok_per_sec": 26000.0 * 5.0 * delta / took,
+                "hs_queue_depth": rng.randint(0, 4),
+                "elapsed_s": round(elapsed, 3),
+            }
+        )
+        prev = step
+    return records
+
+
+FAILED_RUN_EVENTS = [
+    ("stall", 2002),
+    ("loss_spike", 2004),
+    ("step_gap", 4019),
+    ("loss_spike", 4021),
+    ("accuracy_cliff", 4230),
+]
+
+
+# ---- our trainer's format ------------------------------------------------------------------------
+def trainer_records(
+    num_steps: int,
+    *,
+    seed: int = 1,
+    steps_per_epoch: int = 1000,
+    save_every: int = 400,
+    eval_every: int = 0,
+    noise_warmup: int = 0,
+    change=None,
+) -> list[dict]:
+    """Rows as MetricsSink writes them (kind, epoch, events), 0.5 s/step, logged every step.
+
+    `change(step, row)` may edit a row (and its "dt") to plant trouble."""
+    rng = random.Random(seed)
+    records = [{"kind": "event", "event": "run_start", "step": 0, "time": 1e9}]
+    elapsed = 0.0
+    for step in range(1, num_steps + 1):
+        epoch, step_in_epoch = divmod(step - 1, steps_per_epoch)
+        if step_in_epoch == 0:
+            records.append({"kind": "event", "event": "epoch_start", "step": step - 1, "epoch": epoch})
+        lr = 6e-4 * min(step / 120, 1.0)
+        row = {
+            "kind": "train",
+            "step": step,
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "loss": (1.0 + 5 * math.exp(-step / 150)) * rng.uniform(0.95, 1.05),
+            "accuracy": 0.45 * (1 - math.exp(-step / 150)) + rng.gauss(0, 0.01),
+            "eal": 3.0 * (1 - math.exp(-step / 150)) + rng.gauss(0, 0.05),
+            "lr": lr,
+            "noise_std": 0.05 * min(step / noise_warmup, 1.0) if noise_warmup else 0.05,
+            "grad_norm": rng.uniform(0.5, 1.5),
+            "tokens": 13000,
+            "tok_per_s": 26000 * rng.uniform(0.95, 1.05),
+            "data_wait_frac": rng.uniform(0.01, 0.05),
+            "dt": 0.5 * rng.uniform(0.9, 1.1),
+        }
+        if change is not None:
+            change(step, row)
+        elapsed += row.pop("dt")
+        row["elapsed_s"] = round(elapsed, 4)
+        row["time"] = 1e9 + elapsed
+        records.append(row)
+        if eval_every and step % eval_every == 0:
+            records.append(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "loss": row["loss"],
+                    "accuracy": row["accuracy"],
+                    "eval_s": 15.0,
+                }
+            )
+            elapsed += 15.0
+        if step_in_epoch == steps_per_epoch - 1:
+            records.append({"kind": "event", "event": "epoch_end", "step": step, "epoch": epoch})
+        if step % save_every == 0:
+            records.append({"kind": "event", "event": "checkpoint_start", "step": step, "waited_s": 0.0})
+            records.append(
+                {
+                    "kind": "event",
+                    "event": "checkpoint_end",
+                    "step": step,
+                    "blocked_s": 0.05,
+                    "write_s": 2.0,
+                    "mode": "async",
+                }
+            )
+            elapsed += 0.05
+    return records
+
+
+def noisy_healthy_records() -> list[dict]:
+    """Heavy but healthy noise, slow first steps, evals, epoch boundaries, a crash and a resume."""
+    rng = random.Random(7)
+
+    def change(step, row):
+        row["loss"] *= rng.lognormvariate(0, 0.08) * (1.5 if rng.random() < 0.02 else 1.0)
+        row["accuracy"] += rng.gauss(0, 0.015) - (0.06 if rng.random() < 0.03 else 0.0)
+        row["tok_per_s"] *= rng.lognormvariate(0, 0.05) * (0.6 if rng.random() < 0.03 else 1.0)
+        row["dt"] *= rng.lognormvariate(0, 0.1) * (2.0 if rng.random() < 0.02 else 1.0)
+        row["grad_norm"] *= rng.lognormvariate(0, 0.5)
+        if step <= 3:
+            row["dt"] = 20.0  # compilation and warm caches
+        if step_in_epoch_start(step):
+            row["accuracy"] -= 0.05  # one-row dip at each epoch boundary
+
+    def step_in_epoch_start(step):
+        return step > 1 and (step - 1) % 1000 == 0
+
+    records = trainer_records(3000, seed=3, eval_every=500, noise_warmup=300, change=change)
+    # A crash after step 1530 and a resume from the checkpoint at 1200 (save_every=400): the log
+    # keeps steps 1201-1530 of the lost run, then replays them; the first step back is slow.
+    cut = next(i for i, r in enumerate(records) if r.get("kind") == "train" and r["step"] == 1530) + 1
+    saved = (
+        next(i for i, r in enumerate(records) if r.get("event") == "checkpoint_end" and r["step"] == 1200) + 1
+    )
+    replay = [dict(r) for r in records[saved:]]
+    for r in replay:
+        if r["kind"] == "train":  # elapsed_s goes on from the checkpoint, 30 s later (slow first step)
+            r["elapsed_s"] = round(r["elapsed_s"] + 30.0, 4)
+    resume = [
+        {"kind": "event", "event": "resume", "step": 1200, "path": "ckpt/step_001200"},
+        {"kind": "event", "event": "run_start", "step": 1200},
+    ]
+    return records[:cut] + resume + replay
+
+
+# ---- detectors and causes ------------------------------------------------------------------------
+def test_failed_run_stall_then_slow_recovery():
+    diagnosis = diagnose(failed_run_records())
+    assert found(diagnosis) == FAILED_RUN_EVENTS
+    events = {(ev["kind"], ev["step"]): ev for ev in diagnosis["events"]}
+    stall = events["stall", 2002]
+    assert stall["size"] == pytest.approx(167.2, abs=0.01) and stall["details"]["from_step"] == 2000
+    assert stall["details"]["expected_s"] == pytest.approx(10.0, rel=0.05)
+    assert "likely checkpoint save (no event rows in this log)" in stall["likely_cause"]
+    assert "step 2000" in stall["likely_cause"]  # a round step: saves come every N steps
+    gap = events["step_gap", 4019]
+    assert gap["size"] == 18 and gap["details"]["gap_s"] == pytest.approx(112.0)
+    assert "likely checkpoint save" in gap["likely_cause"]
+    spike = events["loss_spike", 2004]
+    assert spike["details"]["before"] == pytest.approx(0.78, abs=0.05) and spike["size"] > 14
+    assert 150 <= spike["details"]["recovery_steps"] <= 230  # slow: exp(-t/40) back to within 15%
+    assert (
+        spike["likely_cause"].startswith("follows the stall at step 2002")
+        and "likely a checkpoint save" in spike["likely_cause"]
+    )
+    second = events["loss_spike", 4021]
+    assert second["size"] == pytest.approx(7.2 / 0.72, rel=0.15)
+    assert second["likely_cause"].startswith("follows the step gap at step 4019")
+    cliff = events["accuracy_cliff", 4230]
+    assert cliff["details"]["first_value"] == 0.0916 and cliff["details"]["before"] == pytest.approx(
+        0.165, abs=0.01
+    )
+    assert cliff["details"]["recovery_steps"] is None  # it never came back
+    assert cliff["likely_cause"] == (
+        "no logged cause in steps 4210-4232 (no save, resume, stall, epoch boundary or schedule change); "
+        "this log cannot tell epoch boundaries, checkpoint saves and resumes"
+    )
+
+
+def test_log_without_event_rows_or_epoch_says_what_it_cannot_tell():
+    records = failed_run_records()
+    assert all("kind" not in r and "epoch" not in r for r in records)
+    summary = diagnose(records)["summary"]
+    blind = [c.split(":")[0] for c in summary["cannot_tell"]]
+    assert blind == [
+        "epoch boundaries",
+        "checkpoint saves and resumes",
+        "non-finite gradients",
+        "data-loader starvation",
+    ]
+    assert summary["epochs"] is None and summary["steps"] == [2, 4600] and summary["event_rows"] == 0
+    assert summary["log_every_steps"] in (1, 2) and summary["sec_per_step"] == pytest.approx(5.0, rel=0.05)
+    assert summary["final"].keys() == {"loss", "accuracy"}  # no eal in that log
+
+
+def test_noisy_but_healthy_run_reports_nothing():
+    records = noisy_healthy_records()
+    diagnosis = diagnose(records)
+    assert found(diagnosis) == []
+    assert diagnosis["summary"]["healthy"] and diagnosis["summary"]["cannot_tell"] == []
+    assert diagnosis["summary"]["epochs"] == [0, 2]
+
+
+def test_cliff_without_stall():
+    def change(step, row):
+        if step >= 1500:
+            row["accuracy"] = 0.05 + (row["accuracy"] - 0.45)
+            row["loss"] *= 1.3
+
+    diagnosis = diagnose(trainer_records(2500, change=change))
+    assert found(diagnosis) == [("accuracy_cliff", 1500)]
+    cliff = diagnosis["events"][0]
+    assert cliff["size"] == pytest.approx(0.40, abs=0.02) and cliff["details"]["confirmed_step"] == 1504
+    assert cliff["likely_cause"].startswith("no logged cause in steps 1490-1501")
+    assert [p["what"] for p in cliff["near"]] == []
+
+
+def test_epoch_boundary_drop_names_the_epoch():
+    def change(step, row):
+        if 1001 <= step <= 1020:
+            row["accuracy"] -= 0.23  # dips when epoch 1 starts (steps 1000 done), then comes back
+
+    diagnosis = diagnose(trainer_records(1600, save_every=300, change=change))
+    assert found(diagnosis) == [("accuracy_cliff", 1001)]
+    cliff = diagnosis["events"][0]
+    assert cliff["likely_cause"] == "epoch 1 began at step 1000"
+    assert cliff["details"]["recovery_steps"] == 20
+
+
+def test_nan_and_the_cliff_it_causes():
+    def change(step, row):
+        if step >= 850:
+            row.update(loss="nan", grad_norm="inf", accuracy=0.0, eal=0.0)  # as MetricsSink writes them
+
+    diagnosis = diagnose(trainer_records(1000, change=change))
+    assert found(diagnosis) == [("nan", 850), ("accuracy_cliff", 850)]
+    nan, cliff = diagnosis["events"]
+    assert nan["details"]["fields"] == {"loss": "nan", "grad_norm": "inf"} and nan["size"] is None
+    assert cliff["likely_cause"] == "non-finite loss=nan, grad_norm=inf at step 850"
+    assert diagnosis["summary"]["final"]["loss"] == "nan"
+
+
+def test_throughput_drop_from_a_starved_loader():
+    def change(step, row):
+        if step >= 1200:
+            row["tok_per_s"] *= 11 / 26
+            row["dt"] *= 26 / 11  # slower steps, but a new pace rather than a stall
+            row["data_wait_frac"] = 0.6
+
+    diagnosis = diagnose(trainer_records(1600, change=change))
+    assert found(diagnosis) == [("throughput_drop", 1200)]
+    drop = diagnosis["events"][0]
+    assert drop["size"] == pytest.approx(1 - 11 / 26, abs=0.03)
+    # A save at step 1200 too, but the loader's waiting says more.
+    assert drop["likely_cause"] == "data loader starved: data_wait_frac 0.03 -> 0.60 (also near: checkpoint)"
+
+
+def test_spike_at_the_end_of_noise_warmup_and_a_blocking_save():
+    def change(step, row):
+        if step in (402, 403):
+            row["loss"] *= 3.0
+        if step == 901:
+            row["dt"] = 40.0  # the save at step 900 blocked the loop
+        if step == 1205:
+            row["loss"] *= 4.0
+
+    records = trainer_records(1400, noise_warmup=400, save_every=300, change=change)
+    for r in records:  # the save at 900 was synchronous
+        if r.get("event") == "checkpoint_end" and r["step"] == 900:
+            r.update(blocked_s=39.5, mode="sync")
+    diagnosis = diagnose(records)
+    assert found(diagnosis) == [("loss_spike", 402), ("stall", 901), ("loss_spike", 1205)]
+    noise, stall, after_save = diagnosis["events"]
+    assert noise["likely_cause"] == "noise_std warmup ended at step 400 (noise_std 0.05)"
+    assert noise["details"]["recovery_steps"] == 2
+    assert stall["likely_cause"] == "checkpoint save at step 900 (blocked 39.5 s, write 2.0 s, sync)"
+    assert after_save["likely_cause"].startswith("follows the checkpoint save at step 1200")
+
+
+# ---- the live path -------------------------------------------------------------------------------
+def nan_records() -> list[dict]:
+    return trainer_records(1000, change=lambda step, row: row.update(loss="nan") if step >= 800 else None)
+
+
+@pytest.mark.parametrize("build", [failed_run_records, noisy_healthy_records, nan_records])
+def test_live_detectors_fire_on_the_same_rows_as_the_offline_pass(build):
+    records = build()
+    offline = detect(records)
+    live, fired = LiveDetectors(), []
+    for i, record in enumerate(records):
+        for ev in live.update(record):
+            assert ev["details"].get("confirmed_step", ev["step"]) == normalize(record)["step"]  # at once
+            fired.append(ev)
+            warning = as_warning(ev)
+            assert warning["detector"] == ev["kind"] and "step" not in warning and json.dumps(warning)
+        if i % 97 == 0:  # a checkpoint and a restore: the history goes through JSON
+            state = json.loads(json.dumps(live.state_dict(), allow_nan=False))
+            live = LiveDetectors()
+            live.load_state_dict(state, resumed=False)
+    assert [(e["kind"], e["step"], e["size"]) for e in fired] == [
+        (e["kind"], e["step"], e["size"]) for e in offline
+    ]
+
+
+def test_resume_warms_the_pace_up_again():
+    records = [r for r in trainer_records(500) if r["kind"] == "train"]
+    slow = dict(records[-1], step=501, elapsed_s=records[-1]["elapsed_s"] + 30.0)
+    for resumed, expected in ((True, []), (False, [("stall", 501)])):
+        live = LiveDetectors()
+        for r in records:
+            assert live.update(r) == []
+        restored = LiveDetectors()
+        restored.load_state_dict(live.state_dict(), resumed=resumed)
+        assert found(restored.update(slow)) == expected
+    with pytest.raises(ValueError, match="unknown version"):
+        LiveDetectors().load_state_dict({"version": 9})
+    with pytest.raises(ValueError, match="doctor.min_history_rows must be <= window_rows"):
+        DetectorConfig(min_history_rows=80)
+
+
+# ---- the commands --------------------------------------------------------------------------------
+def test_cmd_doctor_text_json_and_exit_codes(tmp_path):
+    write_log(tmp_path / "train_log.jsonl", failed_run_records())
+    with (tmp_path / "train_log.jsonl").open("a") as f:
+        f.write('{"step": 4601, "loss": 0.7')  # a torn last line
+    text, code = cmd_doctor(tmp_path, as_json=False)  # a run directory works too
+    assert code == 1
+    assert (
+        "stall at step 2002: 167.2 s since step 2000" in text
+        and "likely cause: likely checkpoint save" in text
+    )
+    assert "cannot tell:" in text and text.splitlines()[-1].startswith("5 event(s): 1 stall, 2 loss_spike")
+    out, code = cmd_doctor(tmp_path / "train_log.jsonl", as_json=True)
+    diagnosis = json.loads(out)
+    assert code == 1 and found(diagnosis) == FAILED_RUN_EVENTS
+    assert set(diagnosis["events"][0]) == {"kind", "step", "size", "details", "likely_cause", "near"}
+    assert diagnosis["summary"]["unreadable_lines"] == 1
+    write_log(tmp_path / "healthy.jsonl", noisy_healthy_records())
+    text, code = cmd_doctor(tmp_path / "healthy.jsonl", as_json=False)
+    assert code == 0 and text.splitlines()[-1].startswith("healthy: no events")
+    with pytest.raises(FileNotFoundError):
+        cmd_doctor(tmp_path / "missing.jsonl", as_json=False)
+
+
+def test_cmd_report_writes_pngs_and_markdown(tmp_path):
+    log = tmp_path / "run" / "train_log.jsonl"
+    log.parent.mkdir()
+    write_log(log, failed_run_records())
+    out = cmd_report(log, None)
+    folder = tmp_path / "run" / "doctor"
+    names = ["overview", "events", "loss", "accuracy", "lr", "noise_std", "throughput"]
+    assert out["out_dir"] == str(folder) and out["not_in_log"] == ["eal"] and out["wandb"] is False
+    assert out["plots"] == [str(folder / f"{n}.png") for n in names] and out["num_events"] == 5
+    for name in names:
+        data = (folder / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    md = (folder / "report.md").read_text()
+    for name in names:
+        assert f"![{name}]({name}.png)" in md
+    for kind, step in FAILED_RUN_EVENTS:
+        assert f"| {step} | {kind} |" in md
+    assert "Not in this log, so not plotted: eal." in md and "## What this log cannot tell" in md
+
+
+def test_cmd_report_logs_to_an_active_wandb_run(tmp_path, monkeypatch):
+    logged = []
+    fake = types.SimpleNamespace(run=object(), Image=lambda path: ("image", path), log=logged.append)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    write_log(tmp_path / "train_log.jsonl", trainer_records(300))
+    out = cmd_report(tmp_path / "train_log.jsonl", tmp_path / "out")
+    assert out["wandb"] is True and out["healthy"] and "events" not in [Path(p).stem for p in out["plots"]]
+    names = ["overview", "loss", "accuracy", "eal", "lr", "noise_std", "throughput"]
+    assert logged == [{f"doctor/{n}": ("image", str(tmp_path / "out" / f"{n}.png")) for n in names}]

@@ -1,0 +1,260 @@
+"""The exported folder is what DFlash loaders read, and it reloads into the same drafter.
+
+.venv/bin/python -m pytest tests/test_export.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shared.config import build_run_config
+from shared.target import TargetArch, TargetConfig
+from stage2_train.batch import DrafterBatch
+from stage2_train.export import (
+    cmd_export,
+    export_drafter,
+    find_checkpoint,
+    load_exported,
+    read_checkpoint_weights,
+)
+from stage2_train.model import DFlashDrafter, DrafterConfig
+
+MASK_ID = 99
+LAYER_IDS = [1, 3, 5]
+
+
+def arch_8_layers() -> TargetArch:
+    return TargetArch(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+def make_drafter(arch, cfg, seed=0):
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg, arch, len(LAYER_IDS), MASK_ID)
+    embed, head = (
+        torch.randn(arch.vocab_size, arch.hidden_size),
+        torch.randn(arch.vocab_size, arch.hidden_size),
+    )
+    model.set_frozen_parts(embed, head)
+    return model.eval(), embed, head
+
+
+def one_sample_batch(arch, block_size, seed=1) -> DrafterBatch:
+    gen = torch.Generator().manual_seed(seed)
+    T, anchors = 20, [3, 9, 14]
+    ids = torch.randint(0, MASK_ID, (T,), generator=gen)
+    blocks = torch.full((len(anchors), block_size), MASK_ID)
+    blocks[:, 0] = ids[anchors]
+    return DrafterBatch(
+        context_TF=torch.randn(T, len(LAYER_IDS) * arch.hidden_size, generator=gen),
+        context_pos_T=torch.arange(T),
+        context_seq_T=torch.zeros(T, dtype=torch.long),
+        block_ids_NB=blocks,
+        block_seq_N=torch.zeros(len(anchors), dtype=torch.long),
+        anchor_pos_N=torch.tensor(anchors),
+        labels_NB=torch.full((len(anchors), block_size), -100),
+        num_samples=1,
+        num_tokens=T,
+    )
+
+
+def reference_tensor_names(num_layers: int) -> set[str]:
+    """The names the public DFlash drafters ship (z-lab/dflash DFlashDraftModel's parameters)."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for n in range(num_layers):
+        names |= {f"layers.{n}.input_layernorm.weight", f"layers.{n}.post_attention_layernorm.weight"}
+        names |= {f"layers.{n}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        names |= {f"layers.{n}.self_attn.{p}_norm.weight" for p in "qk"}
+        names |= {f"layers.{n}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    return names
+
+
+TARGET_INFO = {"path": "/models/target", "weights_sha256": "ab" * 32, "mask_token": "<|MASK|>"}
+
+
+@pytest.fixture
+def exported(tmp_path):
+    arch = arch_8_layers()
+    cfg = DrafterConfig(num_layers=2, block_size=8, init_std=0.2)
+    drafter, embed, head = make_drafter(arch, cfg)
+    out = export_drafter(drafter, cfg, arch, LAYER_IDS, MASK_ID, TARGET_INFO, tmp_path / "export")
+    return out, drafter, embed, head, arch, cfg
+
+
+def test_config_has_the_dflash_fields_the_loaders_read(exported):
+    out, _, _, _, arch, cfg = exported
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == 8
+    # The TARGET's layer count (reference: build_target_layer_ids(num_target_layers, num_draft_layers)),
+    # not the number of feature layers (3) nor the drafter's (2).
+    assert config["num_target_layers"] == 8
+    assert config["num_hidden_layers"] == 2
+    assert config["dflash_config"] == {
+        "target_layer_ids": LAYER_IDS,
+        "mask_token_id": MASK_ID,
+        "mask_token": "<|MASK|>",
+    }
+    expected = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "max_position_embeddings": 512,
+        "vocab_size": 128,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "layer_types": ["full_attention", "full_attention"],
+    }
+    assert {k: config[k] for k in expected} == expected
+    target = config["dflash_pipeline"]["target"]
+    assert target["path"] == "/models/target" and target["weights_sha256"] == "ab" * 32
+    assert target["num_hidden_layers"] == 8 and config["dflash_pipeline"]["format_version"] == 1
+
+
+def test_weights_have_the_reference_names_and_no_embedding_or_head(exported):
+    out = exported[0]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+        assert fh.metadata() == {"format": "pt"}
+        dtypes = {fh.get_tensor(n).dtype for n in names}
+        fc_shape = tuple(fh.get_tensor("fc.weight").shape)
+    assert names == reference_tensor_names(2)
+    assert dtypes == {torch.bfloat16}
+    assert fc_shape == (64, 3 * 64)
+
+
+def test_layers_load_into_transformers_qwen3_modules(exported):
+    """transformers' own Qwen3Config reads the file, and its Qwen3DecoderLayer (whose parameter
+    names the reference's DFlash layer reuses) takes our layer tensors strictly, shapes included."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    out = exported[0]
+    config = Qwen3Config.from_pretrained(out)
+    assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (2, 64, 16)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (4, 2, 96)
+    assert (
+        config.rope_parameters["rope_theta"] == 1_000_000.0
+        and config.rope_parameters["rope_type"] == "default"
+    )
+    assert config.block_size == 8 and config.num_target_layers == 8
+    assert config.dflash_config["target_layer_ids"] == LAYER_IDS and config.tie_word_embeddings is False
+    weights = read_checkpoint_weights(out)
+    for n in range(config.num_hidden_layers):
+        layer = Qwen3DecoderLayer(config, n)
+        prefix = f"layers.{n}."
+        layer.load_state_dict(
+            {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}, strict=True
+        )
+
+
+def test_reload_gives_identical_logits(exported, tmp_path):
+    out, drafter, embed, head, arch, cfg = exported
+    batch = one_sample_batch(arch, cfg.block_size)
+    with torch.no_grad():
+        # float32 export: bit-identical.
+        exact = export_drafter(
+            drafter, cfg, arch, LAYER_IDS, MASK_ID, TARGET_INFO, tmp_path / "fp32", dtype="float32"
+        )
+        reloaded = load_exported(exact, embed, head)
+        assert torch.equal(reloaded.logits(reloaded(batch)), drafter.logits(drafter(batch)))
+        # bf16 export (the default): identical to the drafter cast to bf16.
+        reloaded = load_exported(out, embed, head)
+        assert reloaded.fc.weight.dtype == torch.bfloat16
+        cast = DFlashDrafter(cfg, arch, len(LAYER_IDS), MASK_ID)
+        cast.load_state_dict(drafter.state_dict())
+        cast.to(torch.bfloat16).set_frozen_parts(embed, head)
+        assert torch.equal(reloaded.logits(reloaded(batch)), cast.eval().logits(cast(batch)))
+
+
+def test_export_refuses_a_config_that_does_not_describe_the_drafter(exported, tmp_path):
+    _, drafter, _, _, arch, cfg = exported
+    with pytest.raises(ValueError, match="feature layers"):
+        export_drafter(drafter, cfg, arch, [1, 3], MASK_ID, TARGET_INFO, tmp_path / "x")
+    with pytest.raises(ValueError, match="block_size"):
+        export_drafter(
+            drafter,
+            DrafterConfig(num_layers=2, block_size=16),
+            arch,
+            LAYER_IDS,
+            MASK_ID,
+            TARGET_INFO,
+            tmp_path / "x",
+        )
+    with pytest.raises(ValueError, match="mask_token_id"):
+        export_drafter(drafter, cfg, arch, LAYER_IDS, 7, TARGET_INFO, tmp_path / "x")
+
+
+def test_find_checkpoint_follows_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in ("step_000100", "step_000200"):
+        (root / step).mkdir(parents=True)
+        save_file({"w": torch.zeros(1)}, str(root / step / "model.safetensors"))
+    assert find_checkpoint(root) == root / "step_000200" / "model.safetensors"  # no `latest`: last step
+    (root / "latest").write_text("step_000100\n")
+    assert find_checkpoint(root) == root / "step_000100" / "model.safetensors"
+    assert find_checkpoint(root / "latest") == root / "step_000100" / "model.safetensors"
+    assert find_checkpoint(root / "step_000200") == root / "step_000200" / "model.safetensors"
+    with pytest.raises(FileNotFoundError):
+        find_checkpoint(tmp_path / "missing")
+
+
+def test_cmd_export_end_to_end(tmp_path, tiny_target_dir):
+    """From a run's latest checkpoint with the tiny 6-layer Llama target (SmolLM2 tokenizer)."""
+    from shared.target_parts import load_embed_and_head
+
+    arch = TargetArch.from_dir(tiny_target_dir)
+    cfg_model = DrafterConfig(num_layers=1, block_size=4, init_std=0.2)
+    torch.manual_seed(5)
+    trained = DFlashDrafter(cfg_model, arch, 3, 16)
+    step = tmp_path / "run" / "checkpoints" / "step_000050"
+    step.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(step / "model.safetensors"))
+    (step.parent / "latest").write_text("step_000050")
+    data = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"path": str(tiny_target_dir), "num_feature_layers": 3},
+        "model": {"num_layers": 1, "block_size": 4, "init_std": 0.2},
+    }
+    cfg = build_run_config(data, {"target": TargetConfig, "model": DrafterConfig})
+    result = cmd_export(cfg, type("Args", (), {"checkpoint": None, "out": None})())
+    out = tmp_path / "run" / "export"
+    assert result["out_dir"] == str(out) and result["checkpoint"] == str(step / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_target_layers"] == 6 and config["block_size"] == 4 and config["num_hidden_layers"] == 1
+    assert config["dflash_config"] == {
+        "target_layer_ids": [1, 2, 3],
+        "mask_token_id": 16,
+        "mask_token": "<empty_output>",
+    }
+    assert config["dflash_pipeline"]["target"]["source_checkpoint"] == str(step / "model.safetensors")
+    assert len(config["dflash_pipeline"]["target"]["weights_sha256"]) == 64
+    assert (out / "dflash_pipeline_config.yaml").is_file()
+    reloaded = load_exported(out, *load_embed_and_head(tiny_target_dir))
+    for name, value in trained.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name].float(), value.to(torch.bfloat16).float()), name

@@ -1,0 +1,358 @@
+"""Speculative decoding is exact, tau means what it says, and offline block metrics match decoding.
+
+.venv/bin/python -m pytest tests/test_speculative.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from shared.config import build_run_config
+from shared.store import StoreConfig
+from shared.target import TargetArch, TargetConfig, resolve_layer_ids
+from shared.target_parts import load_embed_and_head
+from stage2_train.evaluate import decode_walk, heldout_prompts, offline_eval, online_eval, score_blocks
+from stage2_train.loader import collate
+from stage2_train.model import DFlashDrafter, DrafterConfig
+from stage2_train.speculative import (
+    DFlashProposer,
+    NgramProposer,
+    capture_features,
+    speculative_generate,
+    target_greedy,
+)
+
+BLOCK = 4
+MASK_ID = 16  # <empty_output> in the SmolLM2 tokenizer the tiny target uses
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def layer_ids(tiny_target_dir):
+    return resolve_layer_ids(
+        TargetConfig(path=str(tiny_target_dir), num_feature_layers=3), TargetArch.from_dir(tiny_target_dir)
+    )
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_target_dir, layer_ids):
+    arch = TargetArch.from_dir(tiny_target_dir)
+    torch.manual_seed(0)
+    model = DFlashDrafter(
+        DrafterConfig(num_layers=1, block_size=BLOCK, init_std=0.2), arch, len(layer_ids), MASK_ID
+    )
+    model.set_frozen_parts(*load_embed_and_head(tiny_target_dir))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(100, 40000, (n,), generator=gen).tolist() for n in (7, 12)]
+
+
+class OracleProposer:
+    """Knows the target's greedy continuation; `wrong=True` proposes a different token every time."""
+
+    feature_layer_ids = None
+
+    def __init__(self, full_tokens: list[int], max_draft: int, wrong: bool = False, vocab: int = 49152):
+        self.full, self.max_draft, self.wrong, self.vocab = full_tokens, max_draft, wrong, vocab
+        self.name = "never" if wrong else "oracle"
+
+    def propose(self, tokens, context_TF):
+        assert tokens == self.full[: len(tokens)]
+        nxt = self.full[len(tokens) : len(tokens) + self.max_draft]
+        return [(t + 1) % self.vocab for t in nxt] if self.wrong else nxt
+
+
+def test_dflash_untrained_output_equals_target_greedy(target, drafter, layer_ids, prompts):
+    for prompt in prompts:
+        greedy = target_greedy(target, prompt, max_new_tokens=21, eos_token_ids=None)
+        spec = speculative_generate(
+            target, DFlashProposer(drafter, layer_ids), prompt, max_new_tokens=21, eos_token_ids=None
+        )
+        assert spec.tokens == greedy.tokens and len(spec.tokens) == 21
+        assert sum(spec.acceptance_lengths) == 20  # everything after the prefill token
+        assert all(1 <= a <= BLOCK for a in spec.acceptance_lengths)
+        assert spec.tau == 20 / spec.num_target_forwards
+
+
+def test_oracle_gets_tau_block_size_and_never_agreeing_gets_one(target, prompts):
+    prompt = prompts[0]
+    num_iters = 5
+    max_new = 1 + num_iters * BLOCK
+    greedy = target_greedy(target, prompt, max_new_tokens=max_new, eos_token_ids=None)
+    full = prompt + greedy.tokens
+    oracle = speculative_generate(
+        target, OracleProposer(full, BLOCK - 1), prompt, max_new_tokens=max_new, eos_token_ids=None
+    )
+    assert oracle.tokens == greedy.tokens
+    assert oracle.acceptance_lengths == [BLOCK] * num_iters and oracle.tau == BLOCK
+    never = speculative_generate(
+        target,
+        OracleProposer(full, BLOCK - 1, wrong=True),
+        prompt,
+        max_new_tokens=max_new,
+        eos_token_ids=None,
+    )
+    assert never.tokens == greedy.tokens
+    assert never.acceptance_lengths == [1] * (max_new - 1) and never.tau == 1.0
+
+
+def test_eos_stops_both_decoders_at_the_same_token(target, drafter, layer_ids, prompts):
+    prompt = prompts[1]
+    free = target_greedy(target, prompt, max_new_tokens=16, eos_token_ids=None).tokens
+    eos = free[9]
+    stop = free.index(eos)
+    greedy = target_greedy(target, prompt, max_new_tokens=16, eos_token_ids=[eos])
+    assert greedy.tokens == free[: stop + 1]
+    oracle = OracleProposer(prompt + free, BLOCK - 1)
+    for proposer in (oracle, DFlashProposer(drafter, layer_ids)):
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens=16, eos_token_ids=eos)
+        assert spec.tokens == greedy.tokens
+
+
+def test_ngram_proposer_continues_the_latest_match():
+    ngram = NgramProposer(3)
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3]) == [9, 1, 2]
+    assert ngram.propose([5, 7, 5, 8, 7]) == [5, 8, 7]  # "7" last seen at index 1
+    assert ngram.propose([4, 5, 6]) == []
+    assert NgramProposer(2, max_ngram=2).propose([1, 2, 1, 3, 1, 2]) == [1, 3]
+    # The latest match of "7 7" (position 5) continues with one token only; position 0 has a full continuation.
+    assert NgramProposer(3, max_ngram=2).propose([7, 7, 1, 2, 3, 7, 7, 7]) == [1, 2, 3]
+
+
+def test_ngram_baseline_is_exact_and_accepts_repeats(target, prompts):
+    prompt = prompts[0] * 3  # repetition makes the target's continuation predictable from the prompt
+    greedy = target_greedy(target, prompt, max_new_tokens=24, eos_token_ids=None)
+    spec = speculative_generate(
+        target, NgramProposer(BLOCK - 1), prompt, max_new_tokens=24, eos_token_ids=None
+    )
+    assert spec.tokens == greedy.tokens
+    assert spec.tau > 1.5  # the tiny target repeats itself; the n-gram drafter sees it
+
+
+def test_incremental_context_equals_full_sequence_features(target, drafter, layer_ids, prompts):
+    """The features the decoder accumulates (prefill + accepted rows of each verify, cache cropped)
+    equal one forward over the final sequence: every recorded draft is reproduced from them."""
+    prompt = prompts[0]
+    spec = speculative_generate(
+        target, DFlashProposer(drafter, layer_ids), prompt, max_new_tokens=17, eos_token_ids=None, record=True
+    )
+    full = prompt + spec.tokens
+    features_TF = capture_features(target, full, layer_ids).flatten(1)
+    proposer = DFlashProposer(drafter, layer_ids)
+    assert spec.proposals and spec.proposals[0][0] == len(prompt)
+    for anchor_pos, drafts in spec.proposals:
+        redo = proposer.propose(full[: anchor_pos + 1], features_TF[:anchor_pos])
+        assert redo[: len(drafts)] == drafts
+
+
+class MemoryReader:
+    """What offline_eval and heldout_prompts need from a StoreReader, in memory."""
+
+    def __init__(self, samples: list[dict]):
+        self.samples = samples
+        self.lengths = np.array([len(s["input_ids_T"]) for s in samples])
+        self.sample_ids = np.array([s["sample_id"] for s in samples])
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+
+def greedy_sample(target, prompt, layer_ids, max_new, sample_id):
+    tokens = prompt + target_greedy(target, prompt, max_new_tokens=max_new, eos_token_ids=None).tokens
+    return {
+        "sample_id": sample_id,
+        "input_ids_T": torch.tensor(tokens),
+        "loss_mask_T": torch.tensor([False] * len(prompt) + [True] * max_new),
+        "hidden_TLH": capture_features(target, tokens, layer_ids),
+    }
+
+
+def test_offline_blocks_predict_online_decoding(target, drafter, layer_ids, prompts):
+    """On the target's own greedy continuation, the offline path (store sample -> collate -> drafter)
+    drafts exactly what online decoding drafts at the same anchors, and accepts as much."""
+    prompt = prompts[1]
+    sample = greedy_sample(target, prompt, layer_ids, max_new=20, sample_id=0)
+    spec = speculative_generate(
+        target, DFlashProposer(drafter, layer_ids), prompt, max_new_tokens=20, eos_token_ids=None, record=True
+    )
+    assert spec.tokens == sample["input_ids_T"][len(prompt) :].tolist()
+    anchors = torch.arange(len(prompt), len(sample["input_ids_T"]) - BLOCK + 1)
+    batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=MASK_ID, gather_topk=False)
+    _, accept_N, pred_NB = score_blocks(drafter, batch, gamma=4.0)
+    offline = {int(a): (pred_NB[n, 1:].tolist(), int(accept_N[n])) for n, a in enumerate(anchors)}
+    compared = 0
+    for (anchor_pos, drafts), accepted in zip(spec.proposals, spec.acceptance_lengths):
+        if anchor_pos in offline and len(drafts) == BLOCK - 1:
+            assert offline[anchor_pos] == (drafts, accepted)
+            compared += 1
+    assert compared >= 3
+
+
+def test_decode_walk_visits_what_decoding_visits():
+    accept = {10: 1, 11: 3, 12: 1, 13: 1, 14: 2, 15: 1, 16: 4, 17: 1, 20: 1}
+    assert decode_walk(accept) == [(10, 1), (11, 3), (14, 2), (16, 4), (20, 1)]
+    assert decode_walk({0: 2, 1: 1, 5: 1, 6: 3}) == [(0, 2), (5, 1), (6, 3)]  # 2 is unsupervised: resume at 5
+
+
+class PartlyRightDrafter(torch.nn.Module):
+    """A stand-in drafter that knows the target's greedy text and is wrong exactly where
+    (anchor + k) % 5 == 0. It encodes its prediction in a 1-wide hidden state, so the online
+    proposer and the offline scorer both read it through forward() and logits()."""
+
+    def __init__(self, full_tokens, block_size=BLOCK, vocab=49152):
+        super().__init__()
+        self.full, self.block_size, self.vocab = full_tokens, block_size, vocab
+        self.mask_token_id, self.num_feature_layers = MASK_ID, 3
+        self.fc = torch.nn.Linear(1, 1)
+
+    def forward(self, batch):
+        pos_NB = batch.anchor_pos_N[:, None] + torch.arange(self.block_size)
+        full = torch.tensor(self.full + [0] * self.block_size)
+        pred_NB = torch.where(pos_NB % 5 == 0, (full[pos_NB] + 1) % self.vocab, full[pos_NB])
+        return pred_NB[..., None].float()
+
+    def logits(self, hidden):
+        return torch.nn.functional.one_hot(hidden[..., 0].long(), self.vocab).float()
+
+
+def test_offline_walk_tau_equals_online_tau_on_the_same_text(target, layer_ids, prompts):
+    prompt = prompts[1]
+    sample = greedy_sample(target, prompt, layer_ids, max_new=30, sample_id=0)
+    full = sample["input_ids_T"].tolist()
+    stub = PartlyRightDrafter(full)
+    spec = speculative_generate(
+        target, DFlashProposer(stub, layer_ids), prompt, max_new_tokens=30, eos_token_ids=None, record=True
+    )
+    assert spec.tokens == full[len(prompt) :]
+    offline = offline_eval(stub, MemoryReader([sample]), [0], max_anchors_per_seq=None)
+    assert offline["accept_hist"][1:] != [0] * (BLOCK - 1)  # some blocks accept drafts, some do not
+    last_anchor = len(full) - BLOCK  # offline anchors stop where a whole block still fits
+    online = [(a, n) for (a, _), n in zip(spec.proposals, spec.acceptance_lengths) if a <= last_anchor]
+    anchors = torch.arange(len(prompt), last_anchor + 1)
+    batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=MASK_ID, gather_topk=False)
+    _, accept_N, _ = score_blocks(stub, batch, gamma=4.0)
+    walk = decode_walk(dict(zip(anchors.tolist(), accept_N.tolist())))
+    assert walk == online
+    assert offline["walk_tau"] == pytest.approx(sum(n for _, n in walk) / len(walk))
+    assert offline["walk_tau"] < offline["tau"]  # the block mean over-weights the easy stretches
+
+
+def test_offline_eval_counts_every_block_and_matches_its_histogram(target, drafter, layer_ids, prompts):
+    samples = [greedy_sample(target, p, layer_ids, max_new=14, sample_id=i) for i, p in enumerate(prompts)]
+    reader = MemoryReader(samples)
+    result = offline_eval(drafter, reader, [0, 1], max_anchors_per_seq=None, token_budget=24)
+    expected_blocks = sum(14 - BLOCK + 1 for _ in prompts)  # anchors: every supervised t with t + B <= T
+    assert result["num_samples"] == 2 and result["num_blocks"] == expected_blocks
+    assert sum(result["accept_hist"]) == expected_blocks and len(result["accept_hist"]) == BLOCK
+    mean_accept = sum((j + 1) * c for j, c in enumerate(result["accept_hist"])) / expected_blocks
+    assert result["tau"] == pytest.approx(mean_accept)
+    acc = result["acc_per_pos"]
+    assert result["eal"] == pytest.approx(acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2], abs=1e-5)
+    assert drafter.training is False
+    assert offline_eval(drafter, reader, [0, 1], max_anchors_per_seq=3)["num_blocks"] == 6
+    assert offline_eval(drafter, reader, [0, 1], max_anchors_per_seq=3)["walk_tau"] is None
+
+
+def test_online_eval_reports_tau_and_exactness(target, prompts):
+    max_new = 1 + 3 * BLOCK
+    fulls = [p + target_greedy(target, p, max_new_tokens=max_new, eos_token_ids=None).tokens for p in prompts]
+
+    class PerPrompt:
+        feature_layer_ids = None
+        max_draft = BLOCK - 1
+
+        def __init__(self, wrong):
+            self.wrong, self.name = wrong, str(wrong)
+
+        def propose(self, tokens, context_TF):
+            full = next(f for f in fulls if f[: len(tokens)] == tokens)
+            return OracleProposer(full, BLOCK - 1, wrong=self.wrong).propose(tokens, context_TF)
+
+    result = online_eval(
+        target,
+        {"oracle": PerPrompt(False), "never": PerPrompt(True)},
+        prompts,
+        max_new_tokens=max_new,
+        eos_token_ids=None,
+    )
+    assert result["num_prompts"] == 2
+    assert result["proposers"]["oracle"]["tau"] == BLOCK and result["proposers"]["oracle"]["exact"]
+    assert result["proposers"]["oracle"]["accept_hist"] == [0, 0, 0, 6]
+    assert result["proposers"]["never"]["tau"] == 1.0 and result["proposers"]["never"]["num_exact"] == 2
+
+
+def test_heldout_prompts_are_the_tokens_before_the_first_supervised_one():
+    def sample(sid, mask):
+        return {
+            "sample_id": sid,
+            "input_ids_T": torch.arange(10, 10 + len(mask)),
+            "loss_mask_T": torch.tensor(mask, dtype=torch.bool),
+        }
+
+    reader = MemoryReader(
+        [sample(5, [0, 0, 0, 1, 1, 0, 1]), sample(6, [0, 0]), sample(7, [1, 1]), sample(8, [0, 1])]
+    )
+    assert heldout_prompts(reader, [0, 1, 2, 3], 8) == [(5, [10, 11, 12]), (8, [10])]
+    assert heldout_prompts(reader, [0, 1, 2, 3], 1) == [(5, [10, 11, 12])]
+
+
+def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
+    """Stage 1 extracts a store from the tiny target; cmd_eval evaluates a checkpoint on its held-out split."""
+    from safetensors.torch import save_file
+
+    from shared.config import load_run_config
+    from stage1_extract.pipeline import SECTIONS as STAGE1_SECTIONS
+    from stage1_extract.pipeline import cmd_extract
+    from stage2_train.evaluate import cmd_eval
+    from tests.conftest import stage1_overrides
+
+    run_dir = tmp_path / "run"
+    cfg1 = load_run_config(None, stage1_overrides(tiny_target_dir, chat_file, run_dir), STAGE1_SECTIONS)
+    cmd_extract(cfg1, progress=False)
+    step = run_dir / "checkpoints" / "step_000010"
+    step.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(step / "model.safetensors"))
+    (run_dir / "checkpoints" / "latest").write_text("step_000010\n")
+
+    data = {
+        "run_dir": str(run_dir),
+        "seed": 0,
+        "target": {"path": str(tiny_target_dir), "num_feature_layers": 3, "dtype": "fp32"},
+        "store": {"shard_mb": 1},
+        "model": {"num_layers": 1, "block_size": BLOCK, "init_std": 0.2},
+        "eval": {
+            "holdout_fraction": 0.3,
+            "online_num_prompts": 2,
+            "online_max_new_tokens": 9,
+            "offline_max_samples": 4,
+        },
+    }
+    cfg = build_run_config(data, {"target": TargetConfig, "store": StoreConfig, "model": DrafterConfig})
+    result = cmd_eval(cfg, type("Args", (), {"checkpoint": None})())
+    assert result["checkpoint"].endswith("step_000010/model.safetensors")
+    assert (
+        result["offline"]["num_samples"] == min(4, result["num_heldout"])
+        and result["offline"]["num_blocks"] > 0
+    )
+    online = result["online"]["proposers"]
+    assert set(online) == {"trained", "untrained", "ngram"}
+    assert all(p["exact"] for p in online.values())
+    assert result["gap"]["online_tau"] == online["trained"]["tau"]
+    assert json.loads((run_dir / "eval" / "step_000010.json").read_text())["gap"] == result["gap"]

@@ -1,0 +1,329 @@
+"""The stage-2 trainer on a tiny real store: the log, the schedules, learning, the store checks,
+the held-out split, exact resume, the dry run, and 1 vs 2 processes.
+
+    .venv/bin/python -m pytest tests/test_trainer.py -q            # ~30 s
+    .venv/bin/python -m pytest tests/test_trainer.py -q -m slow    # + torchrun with 2 processes
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.config import load_run_config
+from shared.store import StoreError
+from stage2_train import pipeline
+from stage2_train.__main__ import main
+from stage2_train.data import open_store, open_train_data, resolve_target
+from stage2_train.metrics import read_log
+from stage2_train.trainer import OptimConfig, lr_factor
+from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_STEPS = 10
+NOISE_WARMUP = 4
+
+
+@pytest.fixture(scope="module")
+def store(tiny_target_dir, tmp_path_factory) -> Path:
+    """A 40-sample feature store of the tiny target (stage 1, run in-process)."""
+    from stage1_extract import pipeline as stage1
+
+    root = tmp_path_factory.mktemp("stage1")
+    data = write_jsonl(root / "chat.jsonl", chat_rows(40))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, root / "run"), stage1.SECTIONS)
+    stage1.cmd_extract(cfg, progress=False)
+    return root / "run" / "store"
+
+
+def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str]:
+    """A small, fast stage-2 run: ~7 optimizer steps per epoch, lr high enough to move in 10 steps."""
+    base = {
+        "run_dir": str(run_dir),
+        "store.path": str(store),
+        "target.path": str(target_dir),
+        "target.num_feature_layers": 3,
+        "target.dtype": "fp32",
+        "extract.top_k": 8,
+        "sampler.token_budget": 512,
+        "sampler.grad_accum": 1,
+        "sampler.max_anchors_per_seq": 4,
+        "model.num_layers": 1,
+        "model.block_size": 8,
+        "loss.gamma": 4.0,
+        "optim.lr": 3e-3,
+        "optim.warmup_ratio": 0.25,
+        "noise.std": 0.05,
+        "noise.warmup_steps": NOISE_WARMUP,
+        "train.max_steps": MAX_STEPS,
+        "train.num_data_threads": 1,
+        "train.resume": "never",
+        "checkpoint.every_steps": 0,
+        "eval.holdout_fraction": 0.1,
+        "eval.offline_max_samples": 4,
+        "log.wandb": "disabled",
+    }
+    base.update(extra)
+    return [f"{k}={json.dumps(v)}" for k, v in base.items()]
+
+
+def config(target_dir, store, run_dir, **extra):
+    return load_run_config("configs/default.yaml", overrides(target_dir, store, run_dir, **extra), pipeline.SECTIONS)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_target_dir, store, tmp_path_factory) -> tuple[Path, dict]:
+    """One 10-step training run (into the second epoch), shared by the log tests."""
+    run_dir = tmp_path_factory.mktemp("train")
+    summary = pipeline.cmd_train(config(tiny_target_dir, store, run_dir), progress=False)
+    return run_dir, summary
+
+
+# ---- the log ---------------------------------------------------------------------------------------
+TRAIN_FIELDS = {
+    "step": int, "epoch": int, "step_in_epoch": int, "steps_in_epoch": int, "loss": float, "ce": float,
+    "kl": float, "accuracy": float, "acc_per_pos": list, "avg_streak": float, "eal": float, "lr": float,
+    "noise_std": float, "grad_norm": float, "tokens": int, "samples": int, "blocks": int, "tok_per_s": float,
+    "data_wait_frac": float, "data_s": float, "forward_s": float, "backward_s": float, "optim_s": float,
+    "step_s": float, "elapsed_s": float, "time": float,
+}
+
+
+def test_every_train_row_has_every_field_with_its_type(run):
+    run_dir, summary = run
+    rows = read_log(run_dir / "train_log.jsonl", "train")
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+    for row in rows:
+        for key, kind in TRAIN_FIELDS.items():
+            value = row[key]
+            assert isinstance(value, kind) and not isinstance(value, bool), (key, value)
+            if kind is float:
+                assert math.isfinite(value), (key, value)
+        assert len(row["acc_per_pos"]) == 7 and all(0.0 <= a <= 1.0 for a in row["acc_per_pos"])
+        assert row["kind"] == "train" and row["ce"] == row["loss"] and row["kl"] == 0.0
+        assert 0.0 <= row["data_wait_frac"] <= 1.0 and row["tokens"] > 0 and row["blocks"] > 0
+        assert row["step_s"] == pytest.approx(row["data_s"] + row["forward_s"] + row["backward_s"] + row["optim_s"], abs=1e-5)
+    assert summary["steps"] == MAX_STEPS and summary["tokens_seen"] == sum(r["tokens"] for r in rows)
+
+
+def test_epochs_and_data_position_are_logged_with_events(run):
+    run_dir, _ = run
+    log = read_log(run_dir / "train_log.jsonl")
+    train = [r for r in log if r["kind"] == "train"]
+    per_epoch = train[0]["steps_in_epoch"]
+    assert 3 <= per_epoch < MAX_STEPS  # the run crosses epoch boundaries
+    for row in train:  # the position moves one step at a time, rolling over at the epoch end
+        assert 0 <= row["step_in_epoch"] < row["steps_in_epoch"]
+    positions = [(r["epoch"], r["step_in_epoch"]) for r in train]
+    assert positions[:per_epoch + 1] == [(0, i) for i in range(per_epoch)] + [(1, 0)]
+    events = [(r["event"], r["step"], r.get("epoch")) for r in log if r["kind"] == "event" and "epoch" in r["event"]]
+    assert events[:3] == [("epoch_start", 0, 0), ("epoch_end", per_epoch, 0), ("epoch_start", per_epoch, 1)]
+    kinds = [r["kind"] if r["kind"] != "event" else r["event"] for r in log]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end" and kinds.count("eval") == 1
+
+
+def test_run_start_holds_the_resolved_config_and_hyperparameters(run, tiny_target_dir, store):
+    run_dir, _ = run
+    start = read_log(run_dir / "train_log.jsonl", "event")[0]
+    assert start["event"] == "run_start" and start["step"] == 0
+    saved = yaml.safe_load((run_dir / "train_config.yaml").read_text())
+    expected = config(tiny_target_dir, store, run_dir).to_dict()
+    assert saved == expected
+    assert {k: v for k, v in start["config"].items() if k != "resolved"} == expected
+    assert start["config"]["resolved"]["layer_ids"] == [1, 2, 3]
+    hp = start["hyperparameters"]
+    assert hp["optim.betas"] == [0.9, 0.999] and hp["optim.lr"] == 3e-3 and hp["total_steps"] == MAX_STEPS
+    assert hp["warmup_steps"] == 3 and hp["grad_accum"] == 1 and hp["loss.gamma"] == 4.0
+    assert any("optim.lr" in w for w in hp["recipe_warnings"])
+    assert start["world_size"] == 1 and start["num_params"] > 0 and start["num_heldout_samples"] >= 1
+
+
+def test_lr_warms_up_then_decays_by_cosine_and_noise_warms_up(run):
+    run_dir, _ = run
+    rows = read_log(run_dir / "train_log.jsonl", "train")
+    lrs = [r["lr"] for r in rows]
+    cfg = OptimConfig(lr=3e-3, warmup_ratio=0.25)
+    assert lrs == pytest.approx([3e-3 * lr_factor(s, MAX_STEPS, cfg) for s in range(MAX_STEPS)], rel=1e-9)
+    assert lrs[:3] == pytest.approx([1e-3, 2e-3, 3e-3])  # warmup: ceil(0.25 * 10) = 3 steps
+    assert lrs[3] == 3e-3 and all(a > b for a, b in zip(lrs[3:], lrs[4:]))  # then strictly down
+    assert lrs[-1] < 0.05 * 3e-3
+    mid = 3 + (MAX_STEPS - 3) // 2
+    assert lrs[mid] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * (mid - 3) / (MAX_STEPS - 3))))
+    noise = [r["noise_std"] for r in rows]
+    assert noise == pytest.approx([0.05 * min(s, NOISE_WARMUP) / NOISE_WARMUP for s in range(MAX_STEPS)])
+    assert noise[0] == 0.0 and noise[NOISE_WARMUP] == 0.05
+
+
+def test_a_tiny_run_learns(run):
+    run_dir, summary = run
+    losses = [r["loss"] for r in read_log(run_dir / "train_log.jsonl", "train")]
+    assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.15, losses
+    assert summary["final_eval"]["ce"] < losses[0]
+
+
+def test_lr_factor_shapes():
+    cfg = OptimConfig(warmup_ratio=0.1, schedule="linear", min_lr_ratio=0.1)
+    factors = [lr_factor(s, 100, cfg) for s in range(100)]
+    assert factors[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert factors[10] == 1.0 and factors[-1] == pytest.approx(0.1 + 0.9 / 90)
+    assert [lr_factor(s, 10, OptimConfig(warmup_ratio=0.0, schedule="constant")) for s in range(10)] == [1.0] * 10
+
+
+# ---- the store contract -----------------------------------------------------------------------------
+def edited_store(store: Path, tmp_path: Path, edit) -> Path:
+    copy = shutil.copytree(store, tmp_path / "store")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "field, edit, extra",
+    [
+        ("target.hidden_size", lambda m: m["target"].update(hidden_size=128), {}),
+        ("target.weights_sha256", lambda m: m["target"].update(weights_sha256="0" * 64), {}),
+        ("layer_ids", lambda m: None, {"target.layer_ids": [1, 2, 4]}),
+        ("layer_ids", lambda m: None, {"target.num_feature_layers": 2}),
+        ("tokenizer_sha256", lambda m: m.update(tokenizer_sha256="f" * 64), {}),
+        ("top_k", lambda m: None, {"loss.kl_weight": 0.1, "extract.top_k": 16}),
+        ("schema_version", lambda m: m.update(schema_version=99), {}),
+    ],
+)
+def test_a_mismatched_store_is_refused_by_name(tiny_target_dir, store, tmp_path, field, edit, extra):
+    copy = edited_store(store, tmp_path, edit)
+    cfg = config(tiny_target_dir, copy, tmp_path / "run", **extra)
+    with pytest.raises(StoreError, match=field):
+        open_store(cfg, resolve_target(cfg))
+
+
+def test_kl_with_matching_top_k_is_accepted(tiny_target_dir, store, tmp_path):
+    cfg = config(tiny_target_dir, store, tmp_path, **{"loss.kl_weight": 0.1})
+    assert len(open_store(cfg, resolve_target(cfg))) == 40
+
+
+def test_heldout_samples_are_never_trained_on(tiny_target_dir, store, tmp_path):
+    cfg = config(tiny_target_dir, store, tmp_path, **{"eval.holdout_fraction": 0.2})
+    data = open_train_data(cfg, rank=0, world_size=1, num_threads=1)
+    heldout_ids = set(data.reader.sample_ids[data.heldout_indices].tolist())
+    assert 2 <= len(heldout_ids) <= 20
+    assert sorted(heldout_ids | set(data.train_reader.sample_ids.tolist())) == sorted(data.reader.sample_ids.tolist())
+    trained = []
+    for loaded in data.loader:  # a whole epoch through the real loader
+        trained += [int(data.train_reader[i]["sample_id"]) for i in loaded.sample_indices]
+    data.close()
+    assert not heldout_ids & set(trained)
+    assert sorted(trained) == sorted(data.train_reader.sample_ids.tolist())
+    other = open_train_data(cfg, rank=2, world_size=3, num_threads=1)  # the split ignores the rank count
+    assert set(other.reader.sample_ids[other.heldout_indices].tolist()) == heldout_ids
+
+
+def test_micro_batches_without_a_block_still_train(tiny_target_dir, store, tmp_path):
+    """Block size 48: most samples are too short for a block, so some micro-batches have none."""
+    extra = {"model.block_size": 48, "loss.gamma": 7.0, "sampler.token_budget": 128, "train.max_steps": 6}
+    pipeline.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    rows = read_log(tmp_path / "train_log.jsonl", "train")
+    assert len(rows) == 6 and any(r["blocks"] == 0 for r in rows) and any(r["blocks"] > 0 for r in rows)
+    for row in rows:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+        if row["blocks"] == 0:
+            assert row["loss"] == 0.0 and row["grad_norm"] == 0.0 and row["accuracy"] == 0.0
+
+
+# ---- resume ------------------------------------------------------------------------------------------
+def test_resume_continues_exactly(tiny_target_dir, store, tmp_path):
+    """Crash after step 5 of 6 (checkpoint at 3): the resumed run logs steps 4-6 exactly as before."""
+    extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto", "sampler.max_anchors_per_seq": 2}
+    cfg = config(tiny_target_dir, store, tmp_path, **extra)
+    pipeline.cmd_train(cfg, progress=False)
+    first = {r["step"]: r for r in read_log(tmp_path / "train_log.jsonl", "train")}
+    ckpt = tmp_path / "checkpoints"
+    shutil.rmtree(ckpt / "step_000006")
+    (ckpt / "latest").write_text("step_000003")
+    summary = pipeline.cmd_train(cfg, progress=False)
+    log = read_log(tmp_path / "train_log.jsonl")
+    resume = [r for r in log if r.get("event") == "resume"]
+    assert len(resume) == 1 and resume[0]["step"] == 3 and resume[0]["path"].endswith("step_000003")
+    assert resume[0]["config_changes"] == {}
+    again = [r for r in log if r["kind"] == "train"][6:]
+    assert [r["step"] for r in again] == [4, 5, 6] and summary["steps"] == 6
+    for row in again:
+        before = first[row["step"]]
+        for key in ("loss", "accuracy", "grad_norm", "lr", "noise_std", "epoch", "step_in_epoch", "tokens"):
+            assert row[key] == before[key], (row["step"], key)
+
+
+# ---- commands --------------------------------------------------------------------------------------
+def test_batches_json_lines_describe_the_steps(tiny_target_dir, store, tmp_path, capsys):
+    args = ["batches", "--json", "--steps", "7", "--world-size", "2"] + overrides(tiny_target_dir, store, tmp_path)
+    assert main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 7
+    rows = [json.loads(line) for line in lines]
+    for row in rows:
+        assert set(row) >= {"epoch", "step_in_epoch", "tokens", "num_samples", "length_p50", "length_max",
+                            "padding_fraction", "rank_tokens"}
+        assert len(row["rank_tokens"]) == 2 and sum(row["rank_tokens"]) == row["tokens"]
+        assert row["tokens"] <= 2 * 512
+    assert rows[0]["epoch"] == 0 and rows[-1]["epoch"] >= 1  # crosses into the next epoch
+    assert not (tmp_path / "train_log.jsonl").exists()  # a dry run trains and writes nothing
+
+
+def test_check_reports_gamma_and_betas(tiny_target_dir, store, tmp_path, capsys):
+    extra = {"loss.gamma": 7.0, "optim.betas": [0.9, 0.98]}
+    assert main(["check"] + overrides(tiny_target_dir, store, tmp_path, **extra)) == 0
+    out = capsys.readouterr()
+    assert yaml.safe_load(out.out)["optim"]["betas"] == [0.9, 0.98]
+    assert "loss.gamma=7 departs from the recipe: 4 for model.block_size=8" in out.err
+    assert "issue #115" in out.err
+
+
+def test_bad_values_and_unbuilt_commands_exit_2(tmp_path, capsys, monkeypatch):
+    assert main(["check", "optim.betas=[0.9, 1.5]"]) == 2
+    assert "optim.betas must both be in [0, 1)" in capsys.readouterr().err
+    assert main(["check", "train.epochs=0"]) == 2
+    monkeypatch.setitem(pipeline.COMMAND_MODULES, "doctor", "stage2_train.not_there")
+    assert main(["doctor", f"run_dir={tmp_path}"]) == 2
+    assert "`doctor` is not built yet" in capsys.readouterr().err
+
+
+def test_doctor_reads_the_run_log(run, capsys):
+    run_dir, _ = run
+    code = main(["doctor", "--json", f"run_dir={run_dir}"])
+    diagnosis = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and diagnosis["summary"]["log"] == str(run_dir / "train_log.jsonl")
+
+
+# ---- 1 process vs 2 ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
+    """Same global batch: 1 rank x 2 micro-batches vs 2 ranks (torchrun, gloo) x 1 micro-batch."""
+    extra = {"train.max_steps": 4, "sampler.token_budget": 256, "sampler.max_anchors_per_seq": 2}
+    one = tmp_path / "one"
+    pipeline.cmd_train(config(tiny_target_dir, store, one, **{**extra, "sampler.grad_accum": 2}), progress=False)
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "stage2_train", "train", "--no-progress"]
+    cmd += overrides(tiny_target_dir, store, two, **{**extra, "sampler.grad_accum": 1})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows_one = read_log(one / "train_log.jsonl", "train")
+    rows_two = read_log(two / "train_log.jsonl", "train")
+    assert [r["step"] for r in rows_two] == [1, 2, 3, 4]
+    for a, b in zip(rows_one, rows_two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["tokens"] == a["tokens"] and b["blocks"] == a["blocks"]
+    start = read_log(two / "train_log.jsonl", "event")[0]
+    assert start["world_size"] == 2
+    eval_one, eval_two = read_log(one / "train_log.jsonl", "eval"), read_log(two / "train_log.jsonl", "eval")
+    assert eval_two[0]["ce"] == pytest.approx(eval_one[0]["ce"], rel=1e-5)
