@@ -2,6 +2,7 @@
 PY      := .venv/bin/python
 CONFIG  ?= configs/default.yaml
 ARGS    ?=
+LOG     ?=
 STAMP   := .venv/.installed
 
 .PHONY: setup generate extract plan status verify reprocess train batches eval export doctor report test test-all bench lint clean
@@ -36,14 +37,22 @@ status: setup
 verify: setup
 	$(PY) -m stage1_extract verify --config $(CONFIG) $(ARGS)
 
+# Re-extract only the shards that went stale (target, settings or input rows changed) or are missing.
+reprocess: setup
+	$(PY) -m stage1_extract reprocess --config $(CONFIG) $(ARGS)
+
 train: extract
 	$(PY) -m stage2_train train --config $(CONFIG) $(ARGS)
 
 batches: setup
 	$(PY) -m stage2_train batches --config $(CONFIG) --steps 20 --json $(ARGS)
 
-eval export doctor report: setup
+eval export: setup
 	$(PY) -m stage2_train $@ --config $(CONFIG) $(ARGS)
+
+# make doctor LOG=path/to/train_log.jsonl (default: the config's run_dir)
+doctor report: setup
+	$(PY) -m stage2_train $@ --config $(CONFIG) $(LOG) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

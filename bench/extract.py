@@ -26,13 +26,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.config import load_run_config  # noqa: E402
-from shared.store import StoreConfig, StoreReader, read_manifest, write_shard  # noqa: E402
+from shared.store import (  # noqa: E402  # noqa: E402
+    SampleFeatures,
+    StoreConfig,
+    StoreReader,
+    bytes_per_token,
+    decode_hidden,
+    encode_hidden,
+    read_manifest,
+    write_shard,
+)
+from shared.target import load_target_model  # noqa: E402
 from stage1_extract import pipeline  # noqa: E402
 from stage1_extract.corpus import default_conversations  # noqa: E402
 from stage1_extract.data import Conversation, write_conversations_parquet  # noqa: E402
 from stage1_extract.extract import LayerCapture, forward_batch, token_budget_batches  # noqa: E402
-from shared.store import SampleFeatures, decode_hidden, encode_hidden  # noqa: E402
-from shared.target import load_target_model  # noqa: E402
 
 
 def build_data(path: Path, count: int) -> Path:
@@ -129,6 +137,7 @@ def main() -> None:
     read_s = time.perf_counter() - started
 
     manifest = read_manifest(pipeline.store_url(cfg))
+    hidden_size = manifest["target"]["hidden_size"]
     results = {
         "samples": len(rows),
         "tokens": tokens,
@@ -143,6 +152,10 @@ def main() -> None:
         "bytes_per_token": {k: round(v, 1) for k, v in sizes.items()},
         "fp8_over_bf16": round(sizes["fp8+none"] / sizes["bf16+none"], 3),
         "fp8+zstd_over_bf16": round(sizes["fp8+zstd"] / sizes["bf16+none"], 3),
+        # The top-k (64 x 6 bytes) and ids cost the same in both: the ratio of the hidden states
+        # alone, and the whole-store ratio at Qwen3-8B's size (5 layers x 4096), from the formula.
+        "fp8_hidden_over_bf16": round((hidden_size + 4) / (hidden_size * 2), 3),
+        "fp8_over_bf16_at_qwen3_8b": round(bytes_per_token("fp8", 5, 4096, 64) / bytes_per_token("bf16", 5, 4096, 64), 3),
         "fp8_rel_error_mean": round(float(rel.mean()), 4),
         "fp8_rel_error_p99": round(float(rel.quantile(0.99)), 4),
         "bf16_rel_error_mean": round(float(bf16_rel.mean()), 5),

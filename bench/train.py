@@ -91,6 +91,31 @@ def throughput(rows: list[dict], block_size: int) -> dict:
     }
 
 
+def loader_rate(overrides: list[str], trainer_step_s: float, seconds: float = 10.0) -> dict:
+    """Micro-batches per second the PrefetchLoader delivers alone (2 threads, as in training),
+    over the rate the trainer consumed them: the loader must keep ahead by a wide margin."""
+    from shared.config import load_run_config
+    from stage2_train.data import open_train_data
+    from stage2_train.pipeline import SECTIONS
+
+    config = next(o.split("=", 1)[1] for o in overrides if o.startswith("--config="))
+    cfg = load_run_config(config, [o for o in overrides if not o.startswith("--")], SECTIONS)
+    data = open_train_data(cfg, num_threads=2, prefetch=4)
+    count, started = 0, time.perf_counter()
+    with data.loader as loader:
+        while time.perf_counter() - started < seconds:
+            for _ in loader:
+                count += 1
+                if time.perf_counter() - started >= seconds:
+                    break
+    rate = count / (time.perf_counter() - started)
+    return {
+        "batches_per_s": round(rate, 2),
+        "trainer_batches_per_s": round(1 / trainer_step_s, 2),
+        "loader_over_trainer": round(rate * trainer_step_s, 1),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here too")
@@ -124,6 +149,8 @@ def main() -> int:
     wall = train(base + [f"sampler.token_budget={args.token_budget}", f"train.max_steps={args.steps}"], run, args.threads)
     rows = read_log(run / "train_log.jsonl", "train")
     results["throughput"] = {"token_budget": args.token_budget, "wall_s": round(wall, 1), **throughput(rows, args.block_size)}
+
+    results["loader"] = loader_rate(base + [f"sampler.token_budget={args.token_budget}", f"run_dir={run}"], results["throughput"]["step_s"])
 
     if not args.skip_ddp:
         small = base + [f"sampler.token_budget={args.token_budget // 2}", "train.max_steps=4"]

@@ -1,0 +1,167 @@
+"""Run every benchmark and write BENCHMARKS.md and bench/results.json from that one run.
+
+    make bench            # = .venv/bin/python bench/run_all.py [--only data,extract,...]
+
+Each figure is a ratio against a baseline measured in the same run (the machines are noisy).
+Each benchmark runs as its own subprocess, one after another (never two on 2 cores at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+BENCHES = {
+    "data": ["bench/data.py"],
+    "extract": ["bench/extract.py", "--samples", "48"],
+    "train": ["bench/train.py"],
+    "checkpoint": ["bench/checkpoint.py"],
+    "eval": ["bench/eval.py"],
+}
+
+
+def run(name: str, out_dir: Path) -> dict:
+    out = out_dir / f"{name}.json"
+    command = [PY, *BENCHES[name], "--json", str(out)]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-3000:], "seconds": round(seconds, 1), "command": " ".join(command[1:])}
+    result = json.loads(out.read_text())
+    return {"result": result, "seconds": round(seconds, 1), "command": ".venv/bin/python " + " ".join(BENCHES[name])}
+
+
+def fmt(value, digits=3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
+    """(figure, value, goal, baseline measured in the same run, met?)"""
+    rows = []
+    if name == "extract":
+        rows.append(("extraction wall time / pure target forward", fmt(r["extract_over_forward"]), "<= 1.15",
+                     f"forward {r['forward_s']} s on {r['tokens']} tokens", yes(r["extract_over_forward"] <= 1.15)))
+        bpt = r["bytes_per_token"]
+        peer = bpt["torch.save per sample (SpecForge-style, no top-k)"]
+        for key in ("bf16+none", "bf16+zstd", "fp8+none", "fp8+zstd"):
+            rows.append((f"bytes/token {key} (incl. top-64)", fmt(bpt[key]), "", f"torch.save per sample: {fmt(peer)} (no top-k)", ""))
+        rows.append(("fp8 / bf16 bytes (whole store)", fmt(r["fp8_over_bf16"]), "<= 0.55", "bf16 in the same run", yes(r["fp8_over_bf16"] <= 0.55)))
+        rows.append(("fp8 / bf16 bytes (hidden states only)", fmt(r.get("fp8_hidden_over_bf16")), "<= 0.55", "top-k costs the same in both",
+                     yes(r.get("fp8_hidden_over_bf16", 1) <= 0.55)))
+        rows.append(("fp8 / bf16 bytes at Qwen3-8B size (formula)", fmt(r.get("fp8_over_bf16_at_qwen3_8b")), "<= 0.55", "", yes(r.get("fp8_over_bf16_at_qwen3_8b", 1) <= 0.55)))
+        rows.append(("fp8 reconstruction error (relative L2, mean / p99)", f"{r['fp8_rel_error_mean']} / {r['fp8_rel_error_p99']}", "",
+                     f"bf16 rounding alone: {r['bf16_rel_error_mean']}", ""))
+        rows.append((f"random {r['read_window_tokens']}-token window reads", f"{r['read_windows_per_s']}/s ({r['read_mb_per_s']} MB/s)", "", "", ""))
+    elif name == "data":
+        res = r["results"]
+        ours, buckets, hf = res["ours@8x4"], res["six_buckets@8x4"], res["hf_group_by_length@8x4"]
+        rows.append((f"packing efficiency, budget {r['token_budget']} (8 ranks x 4 accum)", fmt(ours["efficiency"]), ">= 0.98",
+                     f"six buckets {fmt(buckets['efficiency'])}, HF group_by_length {fmt(hf['efficiency'])}", yes(ours["efficiency"] >= 0.98)))
+        one = res["ours@1x1"]
+        rows.append(("packing efficiency, 1 rank", fmt(one["efficiency"]), ">= 0.98", f"six buckets {fmt(res['six_buckets@1x1']['efficiency'])}", yes(one["efficiency"] >= 0.98)))
+        rows.append(("length mixing: TV distance per optimizer step, median / worst (8x4)",
+                     f"{fmt(ours['mixing_tv_median'])} / {fmt(ours['mixing_tv_worst'])}", "lower is better",
+                     f"six buckets {fmt(buckets['mixing_tv_median'])} / {fmt(buckets['mixing_tv_worst'])}", ""))
+        for ranks in (2, 8):
+            key = f"ours@{ranks}x1"
+            rows.append((f"token imbalance max/mean, {ranks} ranks (worst step)", fmt(res[key]["imbalance_worst"], 4), "<= 1.05",
+                         f"six buckets {fmt(res[f'six_buckets@{ranks}x1']['imbalance_worst'])}", yes(res[key]["imbalance_worst"] <= 1.05)))
+    elif name == "train":
+        t = r["throughput"]
+        rows.append(("training tokens/s on CPU (tiny store)", fmt(t["tok_per_s"]), "", f"{t['blocks_per_s']} blocks/s", ""))
+        split = ", ".join(f"{k.replace('_s', '')} {v:.0%}" for k, v in t["split_share"].items())
+        rows.append(("step time split", split, "", f"step {t['step_s']} s", ""))
+        rows.append(("data-wait fraction during training", fmt(t["data_wait_frac"]), "< 0.02", "", yes(t["data_wait_frac"] < 0.02)))
+        if "loader" in r:
+            rows.append(("loader delivery rate / trainer consumption", fmt(r["loader"]["loader_over_trainer"]), ">= 5",
+                         f"trainer {r['loader']['trainer_batches_per_s']} batches/s", yes(r["loader"]["loader_over_trainer"] >= 5)))
+        if "ddp" in r:
+            d = r["ddp"]
+            rows.append(("2 processes vs 1, same global batch: max rel. loss diff", fmt(d["max_rel_loss_diff"]), "float tolerance",
+                         f"{d['steps']} steps", yes(d["max_rel_loss_diff"] < 1e-5)))
+    elif name == "checkpoint":
+        a = next(x for x in r["results"] if x["mode"] == "async")
+        s = next(x for x in r["results"] if x["mode"] == "sync")
+        rows.append((f"loop blocked by a save / median step ({a['checkpoint_mb']} MB state)", f"{a['blocked_over_step_median']} (max {a['blocked_over_step_max']})",
+                     "<= 0.5", f"sync save: {s['blocked_over_step_median']} (max {s['blocked_over_step_max']})", yes(a["blocked_over_step_max"] <= 0.5)))
+        rows.append(("step time during a save / median", f"{a['during_over_step_mean']} (max {a['during_over_step_max']})", "<= 1.5",
+                     "", yes(a["during_over_step_mean"] is not None and a["during_over_step_mean"] <= 1.5)))
+    elif name == "eval":
+        online = r["online"]["proposers"]
+        rows.append(("online tau (tokens per target forward): trained drafter", fmt(online["trained"]["tau"]), "",
+                     f"untrained {fmt(online['untrained']['tau'])}, n-gram {fmt(online['ngram']['tau'])}", ""))
+        rows.append(("speculative output == target greedy", str(all(p["exact"] for p in online.values())), "True", "", yes(all(p["exact"] for p in online.values()))))
+        gap = r["gap"]
+        estimate = "walk-tau" if gap.get("offline_walk_tau") is not None else "block-average tau"
+        block_gap = (gap["offline_block_tau"] - gap["online_tau"]) / gap["online_tau"] if gap.get("offline_block_tau") else None
+        rows.append((f"offline {estimate} vs online tau (relative gap)", fmt(gap["relative"]), "<= 0.15",
+                     f"plain block average: {fmt(block_gap)}; offline eal+1: {fmt(gap.get('offline_eal_plus_bonus'))}",
+                     yes(abs(gap["relative"]) <= 0.15)))
+        rows.append(("mode", r.get("mode", "?"), "", "", ""))
+    return rows
+
+
+def yes(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset")
+    args = parser.parse_args()
+    out_dir = REPO / "bench" / "results"
+    out_dir.mkdir(exist_ok=True)
+    names = [n for n in args.only.split(",") if n]
+    results_path = REPO / "bench" / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    for name in names:
+        print(f"== {name}", flush=True)
+        results[name] = run(name, out_dir)
+        print(f"   {results[name]['seconds']} s" + (" FAILED" if "error" in results[name] else ""), flush=True)
+    results["_machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    results_path.write_text(json.dumps(results, indent=1) + "\n")
+    write_markdown(results)
+
+
+def write_markdown(results: dict) -> None:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Written by `make bench` (`bench/run_all.py`) on {results['_machine']['date']}, "
+        f"{results['_machine']['cpus']} CPU cores, no GPU. Every figure below comes from that run; raw numbers are in "
+        "`bench/results.json`. Each figure is taken against a baseline measured in the same run.",
+        "",
+    ]
+    for name in BENCHES:
+        if name not in results:
+            continue
+        entry = results[name]
+        lines += [f"## {name}", "", f"Command: `{entry['command']}` ({entry['seconds']} s)", ""]
+        if "error" in entry:
+            lines += ["Failed:", "", "```", entry["error"][-1500:], "```", ""]
+            continue
+        lines += ["| figure | value | goal | baseline (same run) | met |", "|---|---|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows_for(name, entry["result"])]
+        lines.append("")
+    notes = REPO / "bench" / "NOTES.md"
+    if notes.exists():
+        lines += [notes.read_text()]
+    (REPO / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
