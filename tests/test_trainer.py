@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from shared.config import load_run_config
@@ -326,3 +327,32 @@ def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
     assert start["world_size"] == 2
     eval_one, eval_two = read_log(one / "train_log.jsonl", "eval"), read_log(two / "train_log.jsonl", "eval")
     assert eval_two[0]["ce"] == pytest.approx(eval_one[0]["ce"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
+    """2 ranks, saved at step 3 and resumed: steps 4-6 and the final weights equal the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto",
+             "sampler.token_budget": 256, "sampler.max_anchors_per_seq": 2}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "stage2_train", "train", "--no-progress", *overrides(tiny_target_dir, store, tmp_path, **extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = tmp_path / "checkpoints"
+    first = {r["step"]: r for r in read_log(tmp_path / "train_log.jsonl", "train")}
+    weights = load_file(ckpt / "step_000006" / "model.safetensors")
+    shutil.rmtree(ckpt / "step_000006")
+    (ckpt / "latest").write_text("step_000003")
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = [r for r in read_log(tmp_path / "train_log.jsonl", "train")][6:]
+    assert [r["step"] for r in again] == [4, 5, 6]
+    for row in again:
+        for key in ("loss", "grad_norm", "lr", "noise_std", "tokens", "blocks"):
+            assert row[key] == first[row["step"]][key], (row["step"], key)
+    resumed = load_file(ckpt / "step_000006" / "model.safetensors")
+    assert resumed.keys() == weights.keys()
+    assert all(torch.equal(resumed[k], weights[k]) for k in weights)
