@@ -130,7 +130,7 @@ def main() -> None:
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for name in names:
         print(f"== {name}", flush=True)
-        results[name] = run(name, out_dir)
+        results[name] = {**run(name, out_dir), "date": time.strftime("%Y-%m-%d %H:%M")}
         print(f"   {results[name]['seconds']} s" + (" FAILED" if "error" in results[name] else ""), flush=True)
     results["_machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
     results_path.write_text(json.dumps(results, indent=1) + "\n")
@@ -142,15 +142,17 @@ def write_markdown(results: dict) -> None:
         "# Benchmarks",
         "",
         f"Written by `make bench` (`bench/run_all.py`) on {results['_machine']['date']}, "
-        f"{results['_machine']['cpus']} CPU cores, no GPU. Every figure below comes from that run; raw numbers are in "
-        "`bench/results.json`. Each figure is taken against a baseline measured in the same run.",
+        f"{results['_machine']['cpus']} CPU cores, no GPU. Every figure below comes from a benchmark run, not a test; raw numbers are in "
+        "`bench/results.json`. Each figure is taken against a baseline measured in the same run "
+        "(`--only NAME` reruns one section and keeps the others).",
         "",
     ]
     for name in BENCHES:
         if name not in results:
             continue
         entry = results[name]
-        lines += [f"## {name}", "", f"Command: `{entry['command']}` ({entry['seconds']} s)", ""]
+        when = f", {entry['date']}" if "date" in entry else ""
+        lines += [f"## {name}", "", f"Command: `{entry['command']}` ({entry['seconds']} s{when})", ""]
         if "error" in entry:
             lines += ["Failed:", "", "```", entry["error"][-1500:], "```", ""]
             continue
