@@ -313,9 +313,6 @@ class ShardWriterThread:
         self.stats = WriterStats()
         self.thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self.thread.start()
-        for shard in shards:  # shards whose samples were all skipped finish at once
-            if not shard.kept:
-                self.queue.put([])
 
     def put(self, samples: list[SampleFeatures]) -> None:
         self._raise_if_failed()
@@ -334,15 +331,22 @@ class ShardWriterThread:
 
     def _run(self) -> None:
         try:
+            for shard in [s for s in self.pending.values() if not s.kept]:
+                self._write(self.pending.pop(shard.index))  # every sample skipped: a record, no data
             while self.pending:
                 samples = self.queue.get()
                 if samples is None:
                     return
+                touched = set()
                 for sample in samples:
                     check_finite(sample)
-                    self.received[self.shard_of[sample.sample_id]][sample.sample_id] = sample
-                for index in [i for i, s in self.pending.items() if len(self.received[i]) == len(s.kept)]:
-                    self._write(self.pending.pop(index))
+                    index = self.shard_of[sample.sample_id]
+                    self.received[index][sample.sample_id] = sample
+                    touched.add(index)
+                # Only the shards this batch touched can have completed (there may be 100Ks pending).
+                for index in sorted(touched):
+                    if len(self.received[index]) == len(self.pending[index].kept):
+                        self._write(self.pending.pop(index))
         except BaseException as exc:  # noqa: BLE001 - handed to the forward loop, which re-raises
             self.error = exc
 
