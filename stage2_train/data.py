@@ -102,7 +102,7 @@ class TargetInfo:
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer_and_hash(target_dir: str) -> tuple[Any, str]:
+def tokenizer_and_hash(target_dir: str) -> tuple[Any, str]:
     """Loading a tokenizer and hashing its vocabulary takes a second or two; do it once per folder."""
     tokenizer = load_tokenizer(TargetConfig(path=target_dir))
     return tokenizer, tokenizer_fingerprints(tokenizer)["tokenizer_sha256"]
@@ -111,7 +111,7 @@ def _tokenizer_and_hash(target_dir: str) -> tuple[Any, str]:
 def resolve_target(cfg: RunConfig) -> TargetInfo:
     target_dir = resolve_target_dir(cfg.target)
     arch = TargetArch.from_dir(target_dir)
-    tokenizer, tokenizer_sha256 = _tokenizer_and_hash(str(target_dir))
+    tokenizer, tokenizer_sha256 = tokenizer_and_hash(str(target_dir))
     return TargetInfo(
         target_dir=target_dir,
         arch=arch,

@@ -23,10 +23,8 @@ online tau. Offline blocks sit on the stored (sampled) continuations, online one
 greedy path, so some gap remains; a large one means training inputs differ from what decoding
 feeds the drafter.
 
-Settings read from the `eval` section (a dict or the trainer's EvalConfig; a key it lacks takes
-its default from EVAL_DEFAULTS): holdout_fraction 0.02 and split_seed 0 (the trainer's split),
-offline_max_samples 16, offline_max_anchors_per_seq None (every anchor), offline_token_budget 8192,
-online_num_prompts 8, online_max_new_tokens 64.
+Settings come from the `eval` section (`stage2_train.data.EvalConfig`, the trainer's own: the
+same held-out split, holdout_fraction and split_seed).
 
 Shape legend: N blocks, B block size, H hidden, V vocab, M rows scored in one chunk.
 """
@@ -59,22 +57,6 @@ from stage2_train.speculative import (
 )
 
 DENSE_ANCHORS = 1 << 30  # "every valid anchor" for AnchorSampler
-EVAL_DEFAULTS = {
-    "holdout_fraction": 0.02,  # holdout_fraction and split_seed: as the trainer's EvalConfig
-    "split_seed": 0,
-    "offline_max_samples": 16,
-    "offline_max_anchors_per_seq": None,  # None: every anchor, which gives walk_tau
-    "offline_token_budget": 8192,
-    "online_num_prompts": 8,
-    "online_max_new_tokens": 64,
-}
-
-
-def eval_setting(eval_cfg: Any, name: str) -> Any:
-    value = eval_cfg.get(name) if isinstance(eval_cfg, dict) else getattr(eval_cfg, name, None)
-    return EVAL_DEFAULTS[name] if value is None else value
-
-
 # ---------------------------------------------------------------------------------------------
 # Offline
 
@@ -348,17 +330,9 @@ def cmd_eval(cfg: RunConfig, args: Any) -> dict[str, Any]:
     """`python -m stage2_train eval [--checkpoint PATH]`: offline and online evaluation of the latest
     (or given) checkpoint on the held-out split; also written to run_dir/eval/<checkpoint>.json."""
     from shared.store import StoreConfig, StoreReader, check_manifest_matches
-    from shared.target import (
-        TargetArch,
-        TargetConfig,
-        default_mask_token_id,
-        load_target_model,
-        load_tokenizer,
-        resolve_layer_ids,
-        resolve_target_dir,
-        weights_fingerprint,
-    )
+    from shared.target import load_target_model
     from shared.target_parts import load_embed_and_head
+    from stage2_train.data import EvalConfig, resolve_target, tokenizer_and_hash
     from stage2_train.export import (
         build_drafter,
         checkpoints_dir,
@@ -369,45 +343,38 @@ def cmd_eval(cfg: RunConfig, args: Any) -> dict[str, Any]:
     from stage2_train.model import DrafterConfig
     from stage2_train.split import heldout_mask
 
-    target_cfg = section(cfg, "target", TargetConfig)
+    target = resolve_target(cfg)
     cfg_model = section(cfg, "model", DrafterConfig)
     store_cfg = section(cfg, "store", StoreConfig)
-    eval_cfg = getattr(cfg, "eval", None) or {}
-    model_dir = resolve_target_dir(target_cfg)
-    arch = TargetArch.from_dir(model_dir)
-    layer_ids = resolve_layer_ids(target_cfg, arch)
+    eval_cfg = section(cfg, "eval", EvalConfig)
+    layer_ids, mask_token_id = target.layer_ids, target.mask_token_id
     store_url = store_cfg.path or str(Path(cfg.run_dir) / "store")
     reader = StoreReader(store_url)
     check_manifest_matches(
-        reader.manifest,
-        {"layer_ids": layer_ids, "target.weights_sha256": weights_fingerprint(model_dir)},
-        store_url,
+        reader.manifest, {"layer_ids": layer_ids, "target.weights_sha256": target.weights_sha256}, store_url
     )
-    fraction = float(eval_setting(eval_cfg, "holdout_fraction"))
-    heldout = np.flatnonzero(
-        heldout_mask(reader.sample_ids, fraction, int(eval_setting(eval_cfg, "split_seed")))
-    )
+    fraction = eval_cfg.holdout_fraction
+    heldout = np.flatnonzero(heldout_mask(reader.sample_ids, fraction, eval_cfg.split_seed))
     if len(heldout) == 0:
         raise ValueError(f"eval.holdout_fraction={fraction} leaves no held-out sample among {len(reader)}")
 
-    tokenizer = load_tokenizer(target_cfg)
-    mask_token_id = default_mask_token_id(target_cfg, arch, tokenizer)
-    embed_VH, lm_head_VH = load_embed_and_head(model_dir)
+    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
     checkpoint = find_checkpoint(getattr(args, "checkpoint", None) or checkpoints_dir(cfg))
-    common = (cfg_model, arch, len(layer_ids), mask_token_id, embed_VH, lm_head_VH)
+    common = (cfg_model, target.arch, len(layer_ids), mask_token_id, embed_VH, lm_head_VH)
     trained = build_drafter(*common, weights=read_checkpoint_weights(checkpoint))
     untrained = build_drafter(*common, seed=cfg.seed)
 
     offline = offline_eval(
         trained,
         reader,
-        heldout[: int(eval_setting(eval_cfg, "offline_max_samples"))],
-        max_anchors_per_seq=eval_setting(eval_cfg, "offline_max_anchors_per_seq"),
-        token_budget=int(eval_setting(eval_cfg, "offline_token_budget")),
+        heldout[: eval_cfg.offline_max_samples],
+        max_anchors_per_seq=eval_cfg.offline_max_anchors_per_seq,
+        token_budget=eval_cfg.offline_token_budget,
         seed=cfg.seed,
     )
-    target = load_target_model(target_cfg)
-    prompts = heldout_prompts(reader, heldout, int(eval_setting(eval_cfg, "online_num_prompts")))
+    target_model = load_target_model(cfg.target)
+    prompts = heldout_prompts(reader, heldout, eval_cfg.online_num_prompts)
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
     proposers = {
         "trained": DFlashProposer(trained, layer_ids, feature_dtype=feature_dtype, name="trained"),
@@ -415,11 +382,11 @@ def cmd_eval(cfg: RunConfig, args: Any) -> dict[str, Any]:
         "ngram": NgramProposer(cfg_model.block_size - 1),
     }
     online = online_eval(
-        target,
+        target_model,
         proposers,
         [p for _, p in prompts],
-        max_new_tokens=int(eval_setting(eval_cfg, "online_max_new_tokens")),
-        eos_token_ids=_eos_ids(tokenizer, target),
+        max_new_tokens=eval_cfg.online_max_new_tokens,
+        eos_token_ids=_eos_ids(tokenizer, target_model),
     )
     online["sample_ids"] = [sid for sid, _ in prompts]
     result = {

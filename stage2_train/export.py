@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.config import RunConfig, Section
-from shared.target import TargetArch, TargetConfig
+from shared.target import TargetArch
 from stage2_train.model import DFlashDrafter, DrafterConfig
 
 EXPORT_FORMAT_VERSION = 1
@@ -282,38 +282,23 @@ def cmd_export(cfg: RunConfig, args: Any) -> dict[str, Any]:
     """`python -m stage2_train export [--checkpoint PATH] [--out DIR]`: the latest (or given)
     checkpoint of run_dir as a servable DFlash folder (default run_dir/export), weights in
     `args.dtype` when the CLI offers it (default bfloat16, as the published drafters)."""
-    from shared.target import (
-        default_mask_token_id,
-        load_tokenizer,
-        resolve_layer_ids,
-        resolve_target_dir,
-        weights_fingerprint,
-    )
     from shared.target_parts import load_embed_and_head
+    from stage2_train.data import resolve_target, tokenizer_and_hash
 
-    target_cfg = section(cfg, "target", TargetConfig)
+    target = resolve_target(cfg)
     cfg_model = section(cfg, "model", DrafterConfig)
-    model_dir = resolve_target_dir(target_cfg)
-    arch = TargetArch.from_dir(model_dir)
-    layer_ids = resolve_layer_ids(target_cfg, arch)
-    tokenizer = load_tokenizer(target_cfg)
-    mask_token_id = default_mask_token_id(target_cfg, arch, tokenizer)
+    arch, layer_ids, mask_token_id = target.arch, target.layer_ids, target.mask_token_id
+    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
     checkpoint = find_checkpoint(getattr(args, "checkpoint", None) or checkpoints_dir(cfg))
     out_dir = Path(getattr(args, "out", None) or Path(cfg.run_dir) / "export")
-    embed_VH, lm_head_VH = load_embed_and_head(model_dir)
+    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
     drafter = build_drafter(
-        cfg_model,
-        arch,
-        len(layer_ids),
-        mask_token_id,
-        embed_VH,
-        lm_head_VH,
-        read_checkpoint_weights(checkpoint),
+        cfg_model, arch, len(layer_ids), mask_token_id, embed_VH, lm_head_VH, read_checkpoint_weights(checkpoint)
     )
     target_info = {
-        "path": target_cfg.path,
-        "resolved_path": str(model_dir),
-        "weights_sha256": weights_fingerprint(model_dir),
+        "path": cfg.target.path,
+        "resolved_path": str(target.target_dir),
+        "weights_sha256": target.weights_sha256,
         "source_checkpoint": str(checkpoint),
         "mask_token": mask_token_string(tokenizer, mask_token_id),
     }

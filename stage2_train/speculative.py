@@ -237,15 +237,19 @@ def _new_cache(target: Any) -> tuple[Any, dict[str, Any]]:
     return cache, {name: cache, "use_cache": True}
 
 
+def _check_request(prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids or max_new_tokens < 1:
+        raise ValueError(
+            f"need a non-empty prompt and max_new_tokens >= 1, got {len(prompt_ids)}, {max_new_tokens}"
+        )
+
+
 @torch.no_grad()
 def target_greedy(
     target: Any, prompt_ids: list[int], *, max_new_tokens: int, eos_token_ids: int | list[int] | None
 ) -> GreedyResult:
     """The target alone, one token per forward with a KV cache: the reference output and time."""
-    if not prompt_ids or max_new_tokens < 1:
-        raise ValueError(
-            f"need a non-empty prompt and max_new_tokens >= 1, got {len(prompt_ids)}, {max_new_tokens}"
-        )
+    _check_request(prompt_ids, max_new_tokens)
     eos = _eos_set(eos_token_ids)
     device = target.device
     start = time.perf_counter()
@@ -269,10 +273,7 @@ def speculative_generate(
     record: bool = False,
 ) -> SpecResult:
     """Greedy speculative decoding; the output equals `target_greedy`'s token for token."""
-    if not prompt_ids or max_new_tokens < 1:
-        raise ValueError(
-            f"need a non-empty prompt and max_new_tokens >= 1, got {len(prompt_ids)}, {max_new_tokens}"
-        )
+    _check_request(prompt_ids, max_new_tokens)
     eos = _eos_set(eos_token_ids)
     device = target.device
     capture = FeatureCapture(target, proposer.feature_layer_ids) if proposer.feature_layer_ids else None
