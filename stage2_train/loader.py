@@ -6,6 +6,8 @@ F = L * H, K = stored top-k, N = blocks (anchors), B = block size.
     loader = PrefetchLoader(reader, sampler, anchor_sampler, mask_token_id=151669)
     for loaded in loader:             # the rest of the current epoch, in the sampler's exact order
         train_on(loaded.batch)        # a DrafterBatch; loaded.epoch / step_in_epoch say where we are
+    for loaded in loader.stream():    # from the current position on, across epochs, without end
+        ...                           # (the next epoch's first batches load while this one ends)
     loader.data_wait_s                # seconds the consumer spent blocked on data
 
 Threads read samples and collate whole micro-batches ahead of the consumer (at most `prefetch`
@@ -20,7 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -174,8 +176,17 @@ class PrefetchLoader:
         self._active: weakref.ref | None = None
 
     def __iter__(self) -> Iterator[LoadedBatch]:
+        """The rest of the current epoch."""
+        return self._start(self.sampler.remaining())
+
+    def stream(self) -> Iterator[LoadedBatch]:
+        """Every micro-batch from the current position on, across epoch boundaries, without end. A
+        training loop uses this: a pass per epoch would start each epoch with an empty queue."""
+        return self._start(self.sampler.upcoming())
+
+    def _start(self, refs: Iterable[MicroBatchRef]) -> Iterator[LoadedBatch]:
         self.close()  # one pass at a time: a new pass starts from the sampler's consumed position
-        run = self._run()
+        run = self._run(iter(refs))
         self._active = weakref.ref(run)
         return run
 
@@ -199,8 +210,7 @@ class PrefetchLoader:
         self.close()
         self.sampler.load_state_dict(state)
 
-    def _run(self) -> Iterator[LoadedBatch]:
-        refs = iter(self.sampler.remaining())
+    def _run(self, refs: Iterator[MicroBatchRef]) -> Iterator[LoadedBatch]:
         pending: deque[tuple[MicroBatchRef, Future]] = deque()
         executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="dflash-data")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -190,14 +191,26 @@ class LengthMixedSampler:
 
     def remaining(self) -> list[MicroBatchRef]:
         """This rank's micro-batches from the current position to the end of the epoch; moves nothing."""
-        plan = self.plan_epoch(self.epoch)
+        return list(self._epoch_refs(self.epoch, self.step_in_epoch, self.micro_step))
+
+    def upcoming(self) -> Iterator[MicroBatchRef]:
+        """This rank's micro-batches from the current position on, through every later epoch, without
+        end; moves nothing. The position is read now, not when the iterator is first advanced."""
+        epoch, step, micro = self.epoch, self.step_in_epoch, self.micro_step
+
+        def refs() -> Iterator[MicroBatchRef]:
+            yield from self._epoch_refs(epoch, step, micro)
+            for later in itertools.count(epoch + 1):
+                yield from self._epoch_refs(later, 0, 0)
+
+        return refs()
+
+    def _epoch_refs(self, epoch: int, from_step: int, from_micro: int) -> Iterator[MicroBatchRef]:
+        plan = self.plan_epoch(epoch)
         ga = self.cfg.grad_accum
-        out = []
-        for step in range(self.step_in_epoch, len(plan)):
-            first = self.micro_step if step == self.step_in_epoch else 0
-            for micro in range(first, ga):
-                out.append(MicroBatchRef(self.epoch, step, micro, list(plan[step][self.rank * ga + micro])))
-        return out
+        for step in range(from_step, len(plan)):
+            for micro in range(from_micro if step == from_step else 0, ga):
+                yield MicroBatchRef(epoch, step, micro, list(plan[step][self.rank * ga + micro]))
 
     def mark_consumed(self, ref: MicroBatchRef) -> None:
         """Advance past `ref`, which must be the micro-batch at the current position."""

@@ -510,12 +510,11 @@ class Trainer:
     def _step_batches(self):
         """Groups of grad_accum micro-batches, crossing epochs (the sampler rolls over by itself)."""
         group: list[LoadedBatch] = []
-        while True:
-            for loaded in self.data.loader:
-                group.append(loaded)
-                if len(group) == self.grad_accum:
-                    yield group
-                    group = []
+        for loaded in self.data.loader.stream():
+            group.append(loaded)
+            if len(group) == self.grad_accum:
+                yield group
+                group = []
 
     def _progress_bar(self):
         if not self.progress:

@@ -241,3 +241,33 @@ def test_data_wait_is_measured_when_the_reader_is_slow():
     # Each micro-batch reads several samples at 3 ms each and the consumer does nothing: it waits.
     assert loader.data_wait_s >= 0.5 * 0.003 * len(lengths)
     assert all(b.data_wait_s > 0 for b in got)
+
+
+def test_stream_crosses_epochs_in_order_and_prefetches_the_next_epoch():
+    lengths = lengths_for_tests(60)
+    per_epoch = build(lengths, seed=3)
+    expected = list(per_epoch) + list(per_epoch) + list(per_epoch)[:2]  # epochs 0, 1 and two of 2
+    assert [b.epoch for b in expected][-1] == 2
+
+    # Each sample takes 5 ms to read; the consumer works 0.3 s on the last batch of every epoch.
+    loader = build(lengths, seed=3, reader=FakeReader(lengths, delay_s=0.005), prefetch=3)
+    got = []
+    for loaded in loader.stream():
+        got.append(loaded)
+        if len(got) == len(expected):
+            break
+        if loaded.epoch != expected[len(got)].epoch:
+            time.sleep(0.3)
+    first_of_later_epochs = [b for i, b in enumerate(got) if i and b.epoch != got[i - 1].epoch]
+    assert len(first_of_later_epochs) == 2
+    for b in first_of_later_epochs:  # loaded while the previous epoch's last batch was being used
+        assert b.data_wait_s < 0.005 * len(b.sample_indices) / 2
+    assert [(b.epoch, b.step_in_epoch, b.micro_step) for b in got] == [
+        (b.epoch, b.step_in_epoch, b.micro_step) for b in expected
+    ]
+    assert [b.sample_indices for b in got] == [b.sample_indices for b in expected]
+    for a, b in zip(got, expected):
+        assert torch.equal(a.batch.anchor_pos_N, b.batch.anchor_pos_N)  # anchors drawn for their own epoch
+    state = loader.state_dict()
+    assert (state["epoch"], state["step_in_epoch"], state["micro_step"]) == (2, 1, 0)  # consumed only
+    assert not data_threads()
