@@ -38,11 +38,16 @@ class DataConfig(Section):
     on_long: Literal["truncate", "skip"] = "truncate"
     # Size of the embedded default prompt set.
     num_default_prompts: int = 384
+    # Processes that template and tokenize the rows on the first command (0 = min(16, CPUs));
+    # the result is cached under run_dir/cache/ for every later command and rank.
+    tokenize_workers: int = 0
+    token_cache: bool = True
 
     def validate(self) -> None:
         self.require(self.max_samples is None or self.max_samples > 0, "max_samples", "must be > 0")
         self.require(self.max_length >= 16, "max_length", "must be >= 16")
         self.require(self.num_default_prompts > 0, "num_default_prompts", "must be > 0")
+        self.require(self.tokenize_workers >= 0, "tokenize_workers", "must be >= 0 (0 = one per CPU, at most 16)")
 
 
 @dataclass

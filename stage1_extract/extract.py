@@ -224,15 +224,20 @@ class LayerCapture:
 
 
 def topk_logprobs(final_hidden_NH: Any, lm_head: Any, k: int, chunk: int) -> tuple[Any, Any]:
-    """Top-k of log_softmax(lm_head(h)) in fp32, chunked over tokens."""
+    """Top-k of log_softmax(lm_head(h)) in fp32, chunked over tokens.
+
+    log_softmax is monotone, so the top-k of the logits minus their logsumexp is the top-k of the
+    log-probs; the logsumexp is then taken in place, so no second [chunk, vocab] fp32 tensor is
+    made (at Qwen3's 152K vocab and 8K-token chunks that tensor is 5 GB)."""
     import torch
 
     values, indices = [], []
     for start in range(0, final_hidden_NH.shape[0], chunk):
         logits_CV = lm_head(final_hidden_NH[start : start + chunk]).float()
-        logprobs_CV = torch.log_softmax(logits_CV, dim=-1)
-        top = torch.topk(logprobs_CV, k, dim=-1)
-        values.append(top.values)
+        top = torch.topk(logits_CV, k, dim=-1)
+        max_C1 = logits_CV.amax(dim=-1, keepdim=True)
+        logsumexp_C1 = max_C1 + logits_CV.sub_(max_C1).exp_().sum(dim=-1, keepdim=True).log_()
+        values.append(top.values - logsumexp_C1)
         indices.append(top.indices.to(torch.int32))
     return torch.cat(values), torch.cat(indices)
 

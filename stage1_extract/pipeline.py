@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ from stage1_extract.generate import (
     transformers_backend,
     vllm_backend,
 )
-from stage1_extract.template import tokenize_conversation
+from stage1_extract.tokens import TokenCache, cache_key, resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
 
@@ -153,39 +154,20 @@ class Prepared:
 
 
 def prepare(cfg: RunConfig) -> Prepared:
-    """Tokenize the input and compute the identity header of the store (no model weights loaded)."""
+    """Tokenize the input (or read the token cache) and compute the identity header of the store
+    (no model weights loaded)."""
     model_dir = resolve_target_dir(cfg.target)
     arch = TargetArch.from_dir(model_dir)
     layer_ids = resolve_layer_ids(cfg.target, arch)
     tokenizer = load_tokenizer(cfg.target)
+    tokenizer_hashes = tokenizer_fingerprints(tokenizer)
     source = extraction_input(cfg)
-    stats = ReadStats()
-    rows = []
-    for conv in read_conversations(source, on_bad_row=cfg.data.on_bad_row, max_samples=cfg.data.max_samples, stats=stats):
-        try:
-            sample = tokenize_conversation(tokenizer, conv.messages, cfg.data.max_length)
-        except ValueError as exc:
-            raise ValueError(f"{source}: row {conv.row}: {exc}") from None
-        skipped = sample.truncated and cfg.data.on_long == "skip"
-        if not sample.loss_mask.any() and not skipped:
-            raise ValueError(f"{source}: row {conv.row}: no assistant tokens to supervise after templating")
-        rows.append(
-            TokenizedRow(
-                sample_id=conv.row,
-                row_hash=conv.row_hash(),
-                input_ids=sample.input_ids,
-                loss_mask=sample.loss_mask,
-                truncated=sample.truncated and not skipped,
-                skipped=skipped,
-            )
-        )
-    if not rows:
-        raise ValueError(f"{source}: no usable rows")
+    rows, stats = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source)
     header = settings_header(
         target_path=cfg.target.path,
         weights_sha256=weights_fingerprint(model_dir),
         arch=arch,
-        tokenizer_hashes=tokenizer_fingerprints(tokenizer),
+        tokenizer_hashes=tokenizer_hashes,
         layer_ids=layer_ids,
         top_k=cfg.extract.top_k,
         store=cfg.store,
@@ -227,13 +209,54 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+def tokenized_rows(
+    cfg: RunConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path
+) -> tuple[list[TokenizedRow], ReadStats]:
+    """Every row of `source`, templated and tokenized: from the token cache when it matches, else
+    by `data.tokenize_workers` processes (then cached). Bad rows raise naming the file and row."""
+    data = cfg.data
+    cache = None
+    if data.token_cache:
+        settings = {"max_length": data.max_length, "on_long": data.on_long, "on_bad_row": data.on_bad_row, "max_samples": data.max_samples}
+        key, inputs = cache_key(source, tokenizer_hashes, settings)
+        cache = TokenCache(Path(cfg.run_dir) / "cache", key, inputs)
+        if cache.exists():
+            cached, stats = cache.load()
+            return [TokenizedRow(**r) for r in cached], stats
+    stats = ReadStats()
+    conversations = list(read_conversations(source, on_bad_row=data.on_bad_row, max_samples=data.max_samples, stats=stats))
+    workers = resolve_workers(data.tokenize_workers)
+    rows = []
+    for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers)):
+        if isinstance(sample, str):
+            raise ValueError(f"{source}: row {row}: {sample}")
+        skipped = sample.truncated and data.on_long == "skip"
+        if not sample.loss_mask.any() and not skipped:
+            raise ValueError(f"{source}: row {row}: no assistant tokens to supervise after templating")
+        rows.append(
+            TokenizedRow(
+                sample_id=conv.row,
+                row_hash=conv.row_hash(),
+                input_ids=sample.input_ids,
+                loss_mask=sample.loss_mask,
+                truncated=sample.truncated and not skipped,
+                skipped=skipped,
+            )
+        )
+    if cache is not None and rows:
+        cache.save(rows, stats)
+    return rows, stats
+
+
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
     if world > 1:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo")  # only barriers travel; gloo works on CPU and GPU nodes
+            # Only barriers travel; gloo works on CPU and GPU nodes. They wait for the slowest rank's
+            # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
+            dist.init_process_group("gloo", timeout=timedelta(hours=6))
     try:
         return _extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess)
     finally:
@@ -260,7 +283,13 @@ def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
 def _extract(
     cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int, reprocess: bool
 ) -> dict[str, Any]:
+    started = time.perf_counter()
+    if rank != 0:
+        _barrier(world)  # rank 0 tokenizes first (in parallel) and caches; the others read its cache
     prepared = prepare(cfg)
+    if rank == 0:
+        _barrier(world)
+    prepare_seconds = time.perf_counter() - started
     files = prepared.files
     plan = cmd_plan(cfg, prepared)
     if plan["fits"] is False and not force:
@@ -298,6 +327,7 @@ def _extract(
         "shards_total": len(shards),
         "shards_already_done": len(done),
         "shards_extracted_here": len(mine),
+        "prepare_seconds": round(prepare_seconds, 2),  # read + tokenize every row (on every rank)
     }
     if result is not None:
         summary.update(
@@ -316,7 +346,9 @@ def _extract(
             "samples_per_shard": len(shards[0].rows),
             "created_unix": int(time.time()),
         }
+        started = time.perf_counter()
         manifest = merge_manifest(files, prepared.header, shards, extra)
+        summary["merge_seconds"] = round(time.perf_counter() - started, 2)
         summary.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped")})
     _barrier(world)
     return summary

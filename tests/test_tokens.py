@@ -1,0 +1,94 @@
+"""The token cache: tokenized once (in parallel), then read by every later command and rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from shared.config import load_run_config
+from stage1_extract import pipeline, tokens
+from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+
+
+def prepared(tiny_target_dir, data, run_dir, **extra):
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra), pipeline.SECTIONS)
+    return pipeline.prepare(cfg)
+
+
+def as_tuples(prep):
+    return [
+        (r.sample_id, r.row_hash, r.input_ids.tolist(), r.loss_mask.tolist(), r.truncated, r.skipped) for r in prep.rows
+    ]
+
+
+def test_second_prepare_reads_the_cache_and_equals_a_fresh_tokenization(tiny_target_dir, tmp_path, monkeypatch):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    first = prepared(tiny_target_dir, data, tmp_path / "run", **{"data.max_length": 96})
+    caches = list((tmp_path / "run" / "cache").glob("tokens-*"))
+    assert len(caches) == 1 and (caches[0] / "meta.json").is_file()
+    assert any(r.truncated for r in first.rows)  # the flags travel through the cache too
+
+    uncached = prepared(tiny_target_dir, data, tmp_path / "other", **{"data.max_length": 96, "data.token_cache": False})
+    assert as_tuples(uncached) == as_tuples(first)
+    assert not (tmp_path / "other" / "cache").exists()
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized again despite a matching cache")
+
+    monkeypatch.setattr(pipeline, "tokenize_all", no_tokenizing)
+    second = prepared(tiny_target_dir, data, tmp_path / "run", **{"data.max_length": 96})
+    assert as_tuples(second) == as_tuples(first)
+    assert vars(second.stats) == vars(first.stats) and second.header == first.header
+    assert not second.rows[0].input_ids.flags.writeable  # memory-mapped, read-only
+
+
+
+def test_a_changed_row_or_setting_tokenizes_again_and_replaces_the_cache(tiny_target_dir, tmp_path):
+    rows = chat_rows(12)
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    run = tmp_path / "run"
+    before = prepared(tiny_target_dir, data, run)
+    rows[5]["messages"][1]["content"] = "an edited answer"
+    write_jsonl(data, rows)
+    after = prepared(tiny_target_dir, data, run)
+    assert [r.row_hash for r in after.rows] != [r.row_hash for r in before.rows]
+    assert after.rows[5].row_hash != before.rows[5].row_hash and after.rows[4].row_hash == before.rows[4].row_hash
+    shorter = prepared(tiny_target_dir, data, run, **{"data.max_length": 96})
+    assert max(len(r.input_ids) for r in shorter.rows) == 96
+    assert len(list((run / "cache").glob("tokens-*"))) == 1  # only the latest key is kept
+
+
+def test_parallel_tokenizing_equals_serial(tiny_target_dir, tmp_path, monkeypatch):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40, seed=3))
+    serial = prepared(tiny_target_dir, data, tmp_path / "serial", **{"data.tokenize_workers": 1})
+    monkeypatch.setattr(tokens, "_PARALLEL_MIN_ROWS", 0)
+    parallel = prepared(tiny_target_dir, data, tmp_path / "parallel", **{"data.tokenize_workers": 2})
+    assert as_tuples(parallel) == as_tuples(serial)
+
+
+def test_a_bad_row_in_a_worker_names_the_file_and_row_and_caches_nothing(tiny_target_dir, tmp_path, monkeypatch):
+    rows = chat_rows(10)
+    rows[7] = {"messages": [{"role": "user", "content": "a question"}, {"role": "user", "content": "no answer"}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    monkeypatch.setattr(tokens, "_PARALLEL_MIN_ROWS", 0)
+    with pytest.raises(ValueError, match=r"chat\.jsonl: row 7: no assistant tokens"):
+        prepared(tiny_target_dir, data, tmp_path / "run", **{"data.tokenize_workers": 2})
+    assert not list((tmp_path / "run").glob("cache/tokens-*"))
+
+
+def test_tokenize_workers_is_validated(tiny_target_dir, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(2))
+    with pytest.raises(ValueError, match="data.tokenize_workers"):
+        prepared(tiny_target_dir, data, tmp_path / "run", **{"data.tokenize_workers": -1})
+
+
+def test_an_inconsistent_cache_is_refused_by_path(tiny_target_dir, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    prepared(tiny_target_dir, data, tmp_path / "run")
+    cache = next((tmp_path / "run" / "cache").glob("tokens-*"))
+    np.save(cache / "ids.npy", np.zeros(3, dtype=np.int32))
+    with pytest.raises(ValueError, match=rf"{cache.name}: token cache is inconsistent"):
+        prepared(tiny_target_dir, data, tmp_path / "run")
+    assert json.loads((cache / "meta.json").read_text())["inputs"]["version"] == tokens.TOKENS_VERSION
