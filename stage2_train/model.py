@@ -75,7 +75,11 @@ class DrafterConfig(Section):
 
 
 class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: normalise in fp32, scale in the input dtype."""
+    """Qwen3RMSNorm: normalise in fp32; the output keeps the input's dtype.
+
+    Under bf16 autocast the weight is an fp32 master copy, and `weight * x` would promote the
+    output to fp32: q and k would reach attention in fp32 beside a bf16 v (flex attention then
+    runs fp32 kernels or refuses mixed dtypes in backward)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -85,7 +89,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (self.weight * x32).to(x.dtype)
 
 
 class MLP(nn.Module):

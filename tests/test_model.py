@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from shared.target import TargetArch
 from shared.target_parts import load_embed_and_head
 from stage2_train.batch import DrafterBatch
+from stage2_train import model as model_module
 from stage2_train.model import DFlashDrafter, DrafterConfig, resolve_backend
 
 MASK_ID = 99
@@ -440,3 +441,23 @@ def test_load_embed_and_head_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
     with pytest.raises(KeyError, match="tie_word_embeddings=false"):
         load_embed_and_head(tmp_path)
+
+
+def test_bf16_autocast_gives_attention_one_dtype(monkeypatch):
+    """fp32 master weights under bf16 autocast: q/k (after RMSNorm) and v reach attention alike."""
+    norm = model_module.RMSNorm(8, 1e-6)
+    assert norm(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    arch = tiny_arch(kv_heads=2)
+    model = tiny_drafter(arch, num_layers=2, attention="sdpa")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(three_sample_batch(arch))
+    out.float().square().sum().backward()
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
