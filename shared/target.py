@@ -288,6 +288,8 @@ def load_target_model(cfg: TargetConfig, device: str = "cpu") -> Any:
         model_dir,
         dtype=getattr(torch, TORCH_DTYPES[resolve_dtype(cfg.dtype, device)]),
         attn_implementation=pick_attn_implementation(cfg.attn_implementation, device),
+        # Straight onto the GPU: an 8B target would otherwise pass 16 GB through host memory per rank.
+        device_map=device if device.startswith("cuda") else None,
     )
     model.to(device).eval().requires_grad_(False)
     return model

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shared.config import Section
 from shared.target import TargetArch
@@ -52,6 +53,9 @@ class DrafterConfig(Section):
     attention: Literal["auto", "sdpa", "flex", "eager"] = "auto"  # auto: flex on CUDA, else sdpa
     attention_chunk_blocks: int = 64  # sdpa/eager: blocks per attention call (bounds the mask size)
     init_std: float = 0.02  # Qwen3 initializer_range
+    # Keep only each layer's input for backward and recompute the rest: at 4096 wide a block row
+    # saves ~0.6 MB per layer otherwise, so a micro-batch of 16K tokens x 512 anchors needs it.
+    activation_checkpointing: bool = False
 
     def validate(self) -> None:
         self.require(self.num_layers >= 1, "num_layers", "must be >= 1")
@@ -464,8 +468,12 @@ class DFlashDrafter(nn.Module):
         pos_NB = batch.anchor_pos_N[:, None] + torch.arange(B, device=batch.anchor_pos_N.device)
         rope = (*rope_cos_sin(batch.context_pos_T, D, theta), *rope_cos_sin(pos_NB, D, theta))
         plan = self.plan_attention(batch)
+        recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            h_NBH = layer(h_NBH, ctx_TH, rope, plan)
+            if recompute:
+                h_NBH = checkpoint(layer, h_NBH, ctx_TH, rope, plan, use_reentrant=False)
+            else:
+                h_NBH = layer(h_NBH, ctx_TH, rope, plan)
         return self.norm(h_NBH)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from shared.target import TargetArch
 from shared.target_parts import load_embed_and_head
-from stage2_train.batch import DrafterBatch
 from stage2_train import model as model_module
+from stage2_train.batch import DrafterBatch
 from stage2_train.model import DFlashDrafter, DrafterConfig, resolve_backend
 
 MASK_ID = 99
@@ -461,3 +461,18 @@ def test_bf16_autocast_gives_attention_one_dtype(monkeypatch):
         out = model(three_sample_batch(arch))
     out.float().square().sum().backward()
     assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
+
+
+def test_activation_checkpointing_gives_identical_outputs_and_gradients():
+    arch = tiny_arch(kv_heads=2)
+    batch = three_sample_batch(arch)
+    results = []
+    for recompute in (False, True):
+        model = tiny_drafter(arch, num_layers=2, attention="sdpa", activation_checkpointing=recompute)
+        out = model(batch)
+        out.square().sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert len(results[0][1]) == len(results[1][1]) > 0
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
