@@ -92,12 +92,18 @@ def main() -> None:
 
     # 3. Bytes per token per storage option, from the same features.
     features.sort(key=lambda f: f.sample_id)
-    sizes = {}
+    sizes, by_array = {}, {}
     for dtype in ("bf16", "fp8"):
         for compression in ("none", "zstd"):
             url = str(work / f"store_{dtype}_{compression}")
             record = write_shard(url, "shard-000000-bench", features, StoreConfig(dtype=dtype, compression=compression))
             sizes[f"{dtype}+{compression}"] = record["bytes"] / tokens
+            if compression == "none":  # where the bytes go: per array, summed over its files
+                shard_dir = Path(url) / "shard-000000-bench"
+                by_array[dtype] = {
+                    a.name: round(sum(f.stat().st_size for f in a.rglob("*") if f.is_file()) / tokens, 1)
+                    for a in sorted(shard_dir.iterdir()) if a.is_dir()
+                }
     peers = work / "torch_save"
     peers.mkdir()
     for f in features:
@@ -150,6 +156,7 @@ def main() -> None:
         "writer_queue_wait_s": summary["writer_queue_wait_s"],
         "forward_tok_per_s": round(tokens / forward_s, 1),
         "bytes_per_token": {k: round(v, 1) for k, v in sizes.items()},
+        "bytes_per_token_by_array": by_array,
         "fp8_over_bf16": round(sizes["fp8+none"] / sizes["bf16+none"], 3),
         "fp8+zstd_over_bf16": round(sizes["fp8+zstd"] / sizes["bf16+none"], 3),
         # The top-k (64 x 6 bytes) and ids cost the same in both: the ratio of the hidden states

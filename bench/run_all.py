@@ -26,7 +26,9 @@ BENCHES = {
     "train": ["bench/train.py"],
     "checkpoint": ["bench/checkpoint.py"],
     "eval": ["bench/eval.py"],
+    "scaling": ["bench/scaling.py", "--base-samples", "16", "--length-tokens", "8192"],
 }
+GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
 
 def run(name: str, out_dir: Path) -> dict:
@@ -60,6 +62,10 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
         for key in ("bf16+none", "bf16+zstd", "fp8+none", "fp8+zstd"):
             rows.append((f"bytes/token {key} (incl. top-64)", fmt(bpt[key]), "", f"torch.save per sample: {fmt(peer)} (no top-k)", ""))
         rows.append(("fp8 / bf16 bytes (whole store)", fmt(r["fp8_over_bf16"]), "<= 0.55", "bf16 in the same run", yes(r["fp8_over_bf16"] <= 0.55)))
+        if "bytes_per_token_by_array" in r:
+            arrays = r["bytes_per_token_by_array"]
+            split = ", ".join(f"{k} {fmt(arrays['bf16'][k])} -> {fmt(arrays['fp8'].get(k, 0))}" for k in arrays["bf16"] if arrays["bf16"][k] >= 1)
+            rows.append(("where the bytes go (bytes/token per array, bf16 -> fp8, uncompressed)", split, "", "", ""))
         rows.append(("fp8 / bf16 bytes (hidden states only)", fmt(r.get("fp8_hidden_over_bf16")), "<= 0.55", "top-k costs the same in both",
                      yes(r.get("fp8_hidden_over_bf16", 1) <= 0.55)))
         rows.append(("fp8 / bf16 bytes at Qwen3-8B size (formula)", fmt(r.get("fp8_over_bf16_at_qwen3_8b")), "<= 0.55", "", yes(r.get("fp8_over_bf16_at_qwen3_8b", 1) <= 0.55)))
@@ -112,6 +118,28 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
                      f"plain block average: {fmt(block_gap)}; offline eal+1: {fmt(gap.get('offline_eal_plus_bonus'))}",
                      yes(abs(gap["relative"]) <= 0.15)))
         rows.append(("mode", r.get("mode", "?"), "", "", ""))
+    elif name == "scaling":
+        s, lin = r["samples"], r["samples_vs_linear"]
+        sizes = " / ".join(f"{p['multiple']}x" for p in s)
+        rows.append((f"extraction loop time per token, {sizes} samples (1.0 = linear)", " / ".join(fmt(x) for x in lin["loop_s"]), "~1",
+                     f"{' / '.join(fmt(p['tokens']) for p in s)} tokens in {' / '.join(str(p['shards']) for p in s)} shards", ""))
+        rows.append((f"extraction whole-command time per token, {sizes}", " / ".join(fmt(x) for x in lin["wall_s"]), "",
+                     f"fixed start-up {s[0]['prepare_s']} s (imports, tokenizer) amortised", ""))
+        rows.append((f"a later command on the done store (token cache + checks), {sizes}", " / ".join(f"{p['rerun_s']} s" for p in s), "flat",
+                     f"first extraction's prepare: {' / '.join(str(p['prepare_s']) for p in s)} s", ""))
+        rows.append((f"extraction peak RSS MiB, {sizes}", " / ".join(str(x) for x in r["samples_peak_rss_mib"]["extract"]), "flat", "", ""))
+        rows.append((f"training blocks/s, {sizes}", " / ".join(fmt(p["train"]["blocks_per_s"]) for p in s), "flat",
+                     f"tokens/s {' / '.join(fmt(p['train']['tok_per_s']) for p in s)}; start-up "
+                     f"{' / '.join(str(p['train']['startup_s']) for p in s)} s", ""))
+        rows.append((f"training peak RSS MiB, {sizes}", " / ".join(str(x) for x in r["samples_peak_rss_mib"]["train"]), "flat", "", ""))
+        lens = r["lengths"]
+        lengths = " / ".join(str(p["length"]) for p in lens)
+        t = r["length_tok_per_s"]
+        rows.append((f"extraction tokens/s at sample length {lengths}", " / ".join(fmt(x) for x in t["extract_loop"]), "", "same total tokens per point", ""))
+        rows.append((f"training tokens/s at sample length {lengths} ({lens[0]['train']['blocks_per_token']} -> "
+                     f"{lens[-1]['train']['blocks_per_token']} blocks per token)", " / ".join(fmt(x) for x in t["train"]), "",
+                     f"blocks/s {' / '.join(fmt(x) for x in t['train_blocks_per_s'])}", ""))
+        rows.append(("training peak RSS MiB by length", " / ".join(str(p["train"]["peak_rss_mib"]) for p in lens), "", "", ""))
     return rows
 
 
@@ -159,6 +187,24 @@ def write_markdown(results: dict) -> None:
         lines += ["| figure | value | goal | baseline (same run) | met |", "|---|---|---|---|---|"]
         lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows_for(name, entry["result"])]
         lines.append("")
+    lines += ["## gpu", ""]
+    if GPU_RESULT.exists():
+        sys.path.insert(0, str(REPO / "bench"))
+        from gpu_check import markdown_rows
+
+        gpu = json.loads(GPU_RESULT.read_text())
+        lines += [f"Command: `bash bench/gpu_check.sh` on a device machine ({gpu.get('date', '?')}); not part of `make bench`.", ""]
+        lines += ["| figure | value | goal | baseline (same run) | met |", "|---|---|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in markdown_rows(gpu)]
+    else:
+        lines += [
+            "`bench/gpu_check.sh` (one H200, < 8 min: flash-attn extraction on SmolLM2 and on a Qwen3-8B-shaped "
+            "target, a short bf16 drafter training run with MFU, a vllm generate) **has not run on a GPU yet**: "
+            "no GPU was lent to this project's sessions. Its plumbing runs on CPU "
+            "(`.venv/bin/python bench/gpu_check.py --cpu-smoke`, a slow test). When it runs, copy its "
+            "`gpu_check.json` to `bench/results/` and rerun `make bench`.",
+        ]
+    lines.append("")
     notes = REPO / "bench" / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text()]

