@@ -40,6 +40,7 @@ from stage1_extract.extract import (
     ShardPlan,
     TokenizedRow,
     choose_samples_per_shard,
+    done_shards,
     estimate,
     header_differences,
     header_key,
@@ -49,7 +50,6 @@ from stage1_extract.extract import (
     plan_shards,
     run_shards,
     settings_header,
-    shard_is_done,
     windows_for_rank,
 )
 from stage1_extract.generate import (
@@ -306,7 +306,7 @@ def _extract(
     _barrier(world)
     load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))  # every rank checks the pinned header
     shards = planned_shards(cfg, prepared)
-    done = {s.index for s in shards if shard_is_done(files, s)}
+    done = done_shards(files, shards)
     windows = windows_for_rank(shards, cfg.extract.window_shards, rank, world)
     mine = [s for w in windows for s in w if s.index not in done]
     device = resolve_device(cfg.extract.device)
@@ -363,10 +363,12 @@ def shard_report(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, 
     listed = {r["index"]: r for r in manifest["shards"]} if manifest else {}
     header_changes = header_differences({k: manifest.get(k) for k in prepared.header}, prepared.header) if manifest else []
     rows: list[dict[str, Any]] = []
+    unlisted = [s for s in shards if s.index not in listed]
+    merged_later = done_shards(files, unlisted) if unlisted else set()
     for shard in shards:
         record = listed.get(shard.index)
         if record is None:
-            state, why = "missing", ("extracted, manifest not yet merged" if shard_is_done(files, shard) else "not extracted")
+            state, why = "missing", ("extracted, manifest not yet merged" if shard.index in merged_later else "not extracted")
         elif record.get("header_key") != shard.key:
             state, why = "stale", "settings changed: " + ", ".join(header_changes or ["schema"])
         elif record["rows_sha256"] != shard.rows_sha256:
@@ -391,7 +393,8 @@ def cmd_status(cfg: RunConfig) -> dict[str, Any]:
     prepared = prepare(cfg)
     report = shard_report(cfg, prepared)
     shards = planned_shards(cfg, prepared)
-    done = [s for s in shards if shard_is_done(prepared.files, s)]
+    done_indices = done_shards(prepared.files, shards)
+    done = [s for s in shards if s.index in done_indices]
     report.update(
         {
             "shards_done": len(done),

@@ -141,3 +141,28 @@ def test_verify_cli_exits_nonzero_naming_the_shard(built):
     overrides = stage1_overrides(Path(cfg.target.path), data, Path(cfg.run_dir))
     out = subprocess.run([sys.executable, "-m", "stage1_extract", "verify", *overrides], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1 and name in out.stdout
+
+
+def test_part_records_are_listed_once_and_read_without_per_shard_exists(built, monkeypatch):
+    """On an object store every exists/read is a request: a finished store's rerun lists parts/
+    and reads each record (in parallel), with no per-shard existence checks."""
+    from shared.store import StoreFiles
+
+    cfg, _ = built
+    calls: list[tuple[str, str]] = []
+    for name in ("exists", "read_json", "list"):
+        original = getattr(StoreFiles, name)
+
+        def counting(self, rel, _original=original, _name=name):
+            calls.append((_name, rel))
+            return _original(self, rel)
+
+        monkeypatch.setattr(StoreFiles, name, counting)
+    shards = len(read_manifest(pipeline.store_url(cfg))["shards"])
+    out = pipeline.cmd_extract(cfg, progress=False)
+    assert out["shards_extracted_here"] == 0
+    part_reads = [rel for name, rel in calls if name == "read_json" and rel.startswith("parts/")]
+    assert sorted(set(part_reads)) == [f"parts/shard-{i:06d}.json" for i in range(shards)]
+    assert len(part_reads) == 2 * shards  # the done check and the manifest merge
+    assert not [rel for name, rel in calls if name == "exists" and rel.startswith("parts/")]
+    assert [rel for name, rel in calls if name == "list"].count("parts") == 3  # done check, merge, orphan sweep
