@@ -75,25 +75,15 @@ def default_run(args: argparse.Namespace) -> dict | None:
 
 
 def tiny_run(args: argparse.Namespace) -> dict:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    from shared.tiny_target import build_tiny_target
+
     rng = random.Random(0)
     tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
-    folder = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-    )
-    target = LlamaForCausalLM(config).eval()
-    target.save_pretrained(folder)
+    folder = build_tiny_target(Path(tempfile.mkdtemp(prefix="dflash-bench-")), init_std=0.1)
+    target = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    torch.manual_seed(0)
     arch = TargetArch.from_dir(folder)
     layer_ids = resolve_layer_ids(TargetConfig(path=str(folder), num_feature_layers=3), arch)
     mask_token_id = tokenizer.get_vocab()["<empty_output>"]

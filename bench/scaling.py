@@ -62,20 +62,9 @@ def mixed_lengths(count: int, seed: int) -> list[int]:
 
 
 def build_target(root: Path) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from shared.tiny_target import build_tiny_target
 
-    from shared.target import default_target_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    return root / "target"
+    return build_tiny_target(root / "target", max_positions=16384)
 
 
 def run_measured(cmd: list[str], log: Path) -> tuple[float, float, int, str]:

@@ -34,23 +34,14 @@ from stage2_train.metrics import read_log  # noqa: E402
 def build_tiny_store(root: Path) -> tuple[Path, Path]:
     """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer, and a 60-chat store of it (stage 1)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from shared.config import load_run_config
-    from shared.target import default_target_dir
+    from shared.tiny_target import build_tiny_target
     from stage1_extract import pipeline as stage1
     from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    target = root / "target"
-    LlamaForCausalLM(config).save_pretrained(target)
-    tokenizer.save_pretrained(target)
+    target = build_tiny_target(root / "target")
     data = write_jsonl(root / "chat.jsonl", chat_rows(60))
     cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "stage1"), stage1.SECTIONS)
     stage1.cmd_extract(cfg, progress=False)

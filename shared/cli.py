@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 
 import yaml
 
 from shared.config import RunConfig, Section, load_run_config
+
+# What a command may raise for bad input or a bad store: reported in one line, exit status 2.
+USER_ERRORS = (ValueError, FileNotFoundError, OSError, RuntimeError, KeyError)
+
+
+def command_parser(prog: str, doc: str, commands: Sequence[str]) -> argparse.ArgumentParser:
+    """`prog COMMAND [--config ...] [--no-progress] [key=value ...]`; the caller adds its options."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("command", choices=commands)
+    add_common_args(parser)
+    return parser
+
+
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None, run: Callable[[argparse.Namespace], int]) -> int:
+    """Parse (overrides may follow options: `make batches ARGS=...`), set up logging, run, and turn
+    user errors into one line on stderr (DFLASH_TRACEBACK=1 re-raises them)."""
+    args = parser.parse_intermixed_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except USER_ERRORS as exc:
+        return report_error(exc)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:

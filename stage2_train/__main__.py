@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
-from shared.cli import add_common_args, load_config, report_error
+from shared.cli import command_parser, load_config, run_command
 from stage2_train import pipeline
 
 COMMANDS = ("batches", "train", "eval", "export", "doctor", "report", "check")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stage2_train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=COMMANDS)
-    add_common_args(parser)
+    parser = command_parser("python -m stage2_train", __doc__, COMMANDS)
     parser.add_argument("--json", action="store_true", help="batches: one JSON object per line; doctor: JSON")
     parser.add_argument("--steps", type=int, default=20, help="batches: optimizer steps to describe")
     parser.add_argument(
@@ -37,31 +34,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint", default=None, help="eval/export: checkpoint to read (default: latest)")
     parser.add_argument("--out", default=None, help="export, report: output folder")
-    args = parser.parse_intermixed_args(argv)  # overrides may follow options (make batches ARGS=...)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        if args.command in ("doctor", "report"):
-            return log_command(args)
-        cfg = load_config(args, pipeline.SECTIONS)
-        if args.command == "check":
-            pipeline.cmd_check(cfg)
-            return 0
-        if args.command == "batches":
-            if args.steps < 1 or args.world_size < 1:
-                raise ValueError(f"--steps and --world-size must be >= 1, got {args.steps} and {args.world_size}")
-            steps = pipeline.cmd_batches(cfg, args.steps, args.world_size)
-            for row in steps:
-                print(json.dumps(row) if args.json else format_step(row))
-            return 0
-        if args.command == "train":
-            out = pipeline.cmd_train(cfg, progress=not args.no_progress)
-            if out["rank"] == 0:
-                print(pipeline.to_json(out))
-            return 0
-        print(pipeline.to_json(pipeline.command_function(args.command)(cfg, args)))
+    return run_command(parser, argv, run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command in ("doctor", "report"):
+        return log_command(args)
+    cfg = load_config(args, pipeline.SECTIONS)
+    if args.command == "check":
+        pipeline.cmd_check(cfg)
         return 0
-    except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyError) as exc:
-        return report_error(exc)
+    if args.command == "batches":
+        if args.steps < 1 or args.world_size < 1:
+            raise ValueError(f"--steps and --world-size must be >= 1, got {args.steps} and {args.world_size}")
+        steps = pipeline.cmd_batches(cfg, args.steps, args.world_size)
+        for row in steps:
+            print(json.dumps(row) if args.json else format_step(row))
+        return 0
+    if args.command == "train":
+        out = pipeline.cmd_train(cfg, progress=not args.no_progress)
+        if out["rank"] == 0:
+            print(pipeline.to_json(out))
+        return 0
+    print(pipeline.to_json(pipeline.command_function(args.command)(cfg, args)))
+    return 0
 
 
 def log_command(args: argparse.Namespace) -> int:

@@ -23,30 +23,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and chat template."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from shared.tiny_target import build_tiny_target
 
-    from shared.target import default_target_dir
-
-    out = tmp_path_factory.mktemp("tiny_target")
-    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"))
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
