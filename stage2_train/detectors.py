@@ -196,31 +196,73 @@ class _Window:
         return len(self.pairs)
 
 
-class _Spike:
+class _Episodes:
+    """What spikes (bad = up) and drops (bad = down) share: the events still recovering, and the
+    episode in progress, during which the window is frozen and no new event is raised."""
+
+    def __init__(self, cfg: DetectorConfig, bad_is_up: bool):
+        self.cfg, self.bad_is_up = cfg, bad_is_up
+        self.window = _Window(cfg.window_rows)
+        self.pending: list[list[float]] = []  # bad rows not yet sustained (drops only)
+        self.episode: dict[str, Any] | None = None
+        self.recovering: list[dict[str, Any]] = []  # {"level", "event"}: until the value is back
+
+    def _back(self, value: float, level: float) -> bool:
+        return value <= level if self.bad_is_up else value >= level
+
+    def _settle(self, step: int, value: float) -> bool:
+        """Close recovered events; True when the row belongs to an episode (and is handled here)."""
+        for rec in list(self.recovering):
+            if self._back(value, rec["level"]):
+                rec["event"]["details"]["recovery_steps"] = step - rec["event"]["step"]
+                self.recovering.remove(rec)
+        if self.episode is None:
+            return False
+        self.episode["rows"] += 1
+        if self._back(value, self.episode["release"]):
+            self.episode = None
+        elif self.episode["rows"] >= self.cfg.window_rows:  # a new level: judge against it from now on
+            self.episode = None
+            self.window.pairs.clear()
+        else:
+            return True
+        self.window.append(step, value)
+        return True
+
+    def _open(self, event: dict[str, Any], level: float, release: float, rows: int) -> dict[str, Any]:
+        self.episode = {"rows": rows, "release": release}
+        self.recovering = (self.recovering + [{"level": level, "event": event}])[-16:]
+        return event
+
+    def truncate(self, step: int) -> None:
+        self.window.truncate(step)
+        self.pending, self.episode = [], None
+        self.recovering = [r for r in self.recovering if r["event"]["step"] < step]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "window": list(self.window.pairs),
+            "pending": self.pending,
+            "episode": self.episode,
+            "recovering": self.recovering,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window.pairs.clear()
+        self.window.pairs.extend(state["window"])
+        self.pending = state.get("pending", [])  # checkpoints from before this field
+        self.episode, self.recovering = state["episode"], state["recovering"]
+
+
+class _Spike(_Episodes):
     """Loss above its recent level; tracks how many steps it takes to come back."""
 
     def __init__(self, cfg: DetectorConfig):
-        self.cfg = cfg
-        self.window = _Window(cfg.window_rows)
-        self.episode: dict[str, Any] | None = None  # a spike in progress: no new event, no window updates
-        self.recovering: list[dict[str, Any]] = []  # {"level", "event"}: until the loss is back
+        super().__init__(cfg, bad_is_up=True)
 
     def update(self, step: int, value: float) -> dict[str, Any] | None:
         cfg = self.cfg
-        for rec in list(self.recovering):
-            if value <= rec["level"]:
-                rec["event"]["details"]["recovery_steps"] = step - rec["event"]["step"]
-                self.recovering.remove(rec)
-        if self.episode is not None:
-            self.episode["rows"] += 1
-            if value <= self.episode["release"]:
-                self.episode = None
-            elif self.episode["rows"] >= cfg.window_rows:  # a new level: judge against it from now on
-                self.episode = None
-                self.window.pairs.clear()
-            else:
-                return None
-            self.window.append(step, value)
+        if self._settle(step, value):
             return None
         if len(self.window) >= cfg.min_history_rows:
             med, sigma = robust(self.window.values())
@@ -236,52 +278,21 @@ class _Spike:
                     recovery_steps=None,
                 )
                 level = max(med * (1 + cfg.recovery_tol), med + 3 * sigma)
-                self.episode = {"rows": 0, "release": 0.5 * (med + threshold)}
-                self.recovering = (self.recovering + [{"level": level, "event": ev}])[-16:]
-                return ev
+                return self._open(ev, level, release=0.5 * (med + threshold), rows=0)
         self.window.append(step, value)
         return None
 
-    def truncate(self, step: int) -> None:
-        self.window.truncate(step)
-        self.episode = None
-        self.recovering = [r for r in self.recovering if r["event"]["step"] < step]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"window": list(self.window.pairs), "episode": self.episode, "recovering": self.recovering}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window.pairs.clear()
-        self.window.pairs.extend(state["window"])
-        self.episode, self.recovering = state["episode"], state["recovering"]
-
-
-class _Drop:
+class _Drop(_Episodes):
     """A value (accuracy, tokens/s) that falls far below its recent level and stays there."""
 
     def __init__(self, cfg: DetectorConfig, kind: str, k: float, min_abs: float, min_rel: float):
-        self.cfg, self.kind, self.k, self.min_abs, self.min_rel = cfg, kind, k, min_abs, min_rel
-        self.window = _Window(cfg.window_rows)
-        self.pending: list[list[float]] = []  # low rows not yet sustained
-        self.episode: dict[str, Any] | None = None
-        self.recovering: list[dict[str, Any]] = []
+        super().__init__(cfg, bad_is_up=False)
+        self.kind, self.k, self.min_abs, self.min_rel = kind, k, min_abs, min_rel
 
     def update(self, step: int, value: float) -> dict[str, Any] | None:
         cfg = self.cfg
-        for rec in list(self.recovering):
-            if value >= rec["level"]:
-                rec["event"]["details"]["recovery_steps"] = step - rec["event"]["step"]
-                self.recovering.remove(rec)
-        if self.episode is not None:
-            self.episode["rows"] += 1
-            if value >= self.episode["release"]:
-                self.episode = None
-            elif self.episode["rows"] >= cfg.window_rows:
-                self.episode = None
-                self.window.pairs.clear()
-            else:
-                return None
-            self.window.append(step, value)
+        if self._settle(step, value):
             return None
         if len(self.window) < cfg.min_history_rows:
             self.window.append(step, value)
@@ -313,28 +324,8 @@ class _Drop:
             recovery_steps=None,
         )
         release = 0.5 * (med + threshold)
-        self.episode = {"rows": len(self.pending), "release": release}
-        self.recovering = (self.recovering + [{"level": release, "event": ev}])[-16:]
-        self.pending = []
-        return ev
-
-    def truncate(self, step: int) -> None:
-        self.window.truncate(step)
-        self.pending, self.episode = [], None
-        self.recovering = [r for r in self.recovering if r["event"]["step"] < step]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "window": list(self.window.pairs),
-            "pending": self.pending,
-            "episode": self.episode,
-            "recovering": self.recovering,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window.pairs.clear()
-        self.window.pairs.extend(state["window"])
-        self.pending, self.episode, self.recovering = state["pending"], state["episode"], state["recovering"]
+        rows, self.pending = len(self.pending), []
+        return self._open(ev, level=release, release=release, rows=rows)
 
 
 class _Pace:
