@@ -122,7 +122,7 @@ def resolve_target(cfg: RunConfig) -> TargetInfo:
     )
 
 
-def expected_manifest(cfg: RunConfig, target: TargetInfo) -> dict[str, Any]:
+def expected_manifest(cfg: RunConfig, target: TargetInfo, kl_weight: float = 0.0) -> dict[str, Any]:
     """Dotted manifest key -> the value this config needs (schema_version is checked on open)."""
     expected: dict[str, Any] = {
         "target.weights_sha256": target.weights_sha256,
@@ -133,17 +133,19 @@ def expected_manifest(cfg: RunConfig, target: TargetInfo) -> dict[str, Any]:
         "layer_ids": target.layer_ids,
     }
     extract = getattr(cfg, "extract", None)
-    if cfg.loss.kl_weight > 0 and isinstance(extract, dict) and "top_k" in extract:
+    if kl_weight > 0 and isinstance(extract, dict) and "top_k" in extract:
         expected["top_k"] = extract["top_k"]
     return expected
 
 
-def open_store(cfg: RunConfig, target: TargetInfo) -> StoreReader:
+def open_store(cfg: RunConfig, target: TargetInfo, kl_weight: float = 0.0) -> StoreReader:
+    """The store, refused by field name when it was made for another target, tokenizer or layers
+    (or, with a KL term, without top-k). Training and evaluation both open it here."""
     url = store_url(cfg)
     reader = StoreReader(url)  # refuses a missing manifest or another schema version
-    check_manifest_matches(reader.manifest, expected_manifest(cfg, target), url)
-    if cfg.loss.kl_weight > 0 and not reader.manifest.get("top_k"):
-        raise ValueError(f"loss.kl_weight={cfg.loss.kl_weight} needs stored top-k, but {url} has top_k=0")
+    check_manifest_matches(reader.manifest, expected_manifest(cfg, target, kl_weight), url)
+    if kl_weight > 0 and not reader.manifest.get("top_k"):
+        raise ValueError(f"loss.kl_weight={kl_weight} needs stored top-k, but {url} has top_k=0")
     if len(reader) == 0:
         raise ValueError(f"{url}: the store holds no samples")
     return reader
@@ -183,7 +185,7 @@ def open_train_data(
     prefetch: int = 4,
 ) -> TrainData:
     target = target or resolve_target(cfg)
-    reader = open_store(cfg, target)
+    reader = open_store(cfg, target, cfg.loss.kl_weight)
     train, heldout = split_indices(reader, cfg.eval)
     train_reader = SubsetReader(reader, train)
     sampler = LengthMixedSampler(cfg.sampler, train_reader.lengths, seed=cfg.seed, rank=rank, world_size=world_size)

@@ -329,10 +329,9 @@ def _eos_ids(tokenizer: Any, target: Any) -> list[int]:
 def cmd_eval(cfg: RunConfig, args: Any) -> dict[str, Any]:
     """`python -m stage2_train eval [--checkpoint PATH]`: offline and online evaluation of the latest
     (or given) checkpoint on the held-out split; also written to run_dir/eval/<checkpoint>.json."""
-    from shared.store import StoreConfig, StoreReader, check_manifest_matches
     from shared.target import load_target_model
     from shared.target_parts import load_embed_and_head
-    from stage2_train.data import EvalConfig, resolve_target, tokenizer_and_hash
+    from stage2_train.data import EvalConfig, open_store, resolve_target, tokenizer_and_hash
     from stage2_train.export import (
         build_drafter,
         checkpoints_dir,
@@ -345,14 +344,9 @@ def cmd_eval(cfg: RunConfig, args: Any) -> dict[str, Any]:
 
     target = resolve_target(cfg)
     cfg_model = section(cfg, "model", DrafterConfig)
-    store_cfg = section(cfg, "store", StoreConfig)
     eval_cfg = section(cfg, "eval", EvalConfig)
     layer_ids, mask_token_id = target.layer_ids, target.mask_token_id
-    store_url = store_cfg.path or str(Path(cfg.run_dir) / "store")
-    reader = StoreReader(store_url)
-    check_manifest_matches(
-        reader.manifest, {"layer_ids": layer_ids, "target.weights_sha256": target.weights_sha256}, store_url
-    )
+    reader = open_store(cfg, target)  # the trainer's checks: target, tokenizer, sizes, layers
     fraction = eval_cfg.holdout_fraction
     heldout = np.flatnonzero(heldout_mask(reader.sample_ids, fraction, eval_cfg.split_seed))
     if len(heldout) == 0:

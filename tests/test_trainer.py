@@ -203,12 +203,12 @@ def test_a_mismatched_store_is_refused_by_name(tiny_target_dir, store, tmp_path,
     copy = edited_store(store, tmp_path, edit)
     cfg = config(tiny_target_dir, copy, tmp_path / "run", **extra)
     with pytest.raises(StoreError, match=field):
-        open_store(cfg, resolve_target(cfg))
+        open_store(cfg, resolve_target(cfg), cfg.loss.kl_weight)
 
 
 def test_kl_with_matching_top_k_is_accepted(tiny_target_dir, store, tmp_path):
     cfg = config(tiny_target_dir, store, tmp_path, **{"loss.kl_weight": 0.1})
-    assert len(open_store(cfg, resolve_target(cfg))) == 40
+    assert len(open_store(cfg, resolve_target(cfg), cfg.loss.kl_weight)) == 40
 
 
 def test_heldout_samples_are_never_trained_on(tiny_target_dir, store, tmp_path):
