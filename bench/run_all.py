@@ -64,7 +64,8 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
         rows.append(("fp8 / bf16 bytes (whole store)", fmt(r["fp8_over_bf16"]), "<= 0.55", "bf16 in the same run", yes(r["fp8_over_bf16"] <= 0.55)))
         if "bytes_per_token_by_array" in r:
             arrays = r["bytes_per_token_by_array"]
-            split = ", ".join(f"{k} {fmt(arrays['bf16'][k])} -> {fmt(arrays['fp8'].get(k, 0))}" for k in arrays["bf16"] if arrays["bf16"][k] >= 1)
+            names = [k for k in dict.fromkeys([*arrays["bf16"], *arrays["fp8"]]) if max(arrays["bf16"].get(k, 0), arrays["fp8"].get(k, 0)) >= 1]
+            split = ", ".join(f"{k} {fmt(arrays['bf16'].get(k, 0))} -> {fmt(arrays['fp8'].get(k, 0))}" for k in names)
             rows.append(("where the bytes go (bytes/token per array, bf16 -> fp8, uncompressed)", split, "", "", ""))
         rows.append(("fp8 / bf16 bytes (hidden states only)", fmt(r.get("fp8_hidden_over_bf16")), "<= 0.55", "top-k costs the same in both",
                      yes(r.get("fp8_hidden_over_bf16", 1) <= 0.55)))
