@@ -40,7 +40,7 @@ from shared.target import load_target_model  # noqa: E402
 from stage1_extract import pipeline  # noqa: E402
 from stage1_extract.corpus import default_conversations  # noqa: E402
 from stage1_extract.data import Conversation, write_conversations_parquet  # noqa: E402
-from stage1_extract.extract import LayerCapture, forward_batch, token_budget_batches  # noqa: E402
+from stage1_extract.extract import LayerCapture, forward_batch, token_budget_batches, windows_for_rank  # noqa: E402
 
 
 def build_data(path: Path, count: int) -> Path:
@@ -71,8 +71,15 @@ def main() -> None:
     rows = [r for r in prepared.rows if not r.skipped]
     tokens = sum(len(r.input_ids) for r in rows)
 
-    # 1. Pure forward over the same batches extraction will use, features kept in memory.
-    batches = list(token_budget_batches(rows, cfg.extract.token_budget, cfg.extract.max_batch_samples))
+    # 1. Pure forward over the same batches extraction will use (formed per window of shards, as
+    # run_shards forms them), features kept in memory.
+    windows = windows_for_rank(pipeline.planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
+    batches = [
+        batch
+        for window in windows
+        for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.token_budget, cfg.extract.max_batch_samples)
+    ]
+    padded_tokens = sum(len(b) * max(len(r.input_ids) for r in b) for b in batches)
     capture = LayerCapture(model, prepared.layer_ids)
     forward_batch(model, capture, batches[0][:1], cfg.extract.top_k, cfg.extract.lm_head_chunk, False)  # warm-up
     started = time.perf_counter()
@@ -147,6 +154,7 @@ def main() -> None:
     results = {
         "samples": len(rows),
         "tokens": tokens,
+        "padded_tokens": padded_tokens,  # the padded batches of the SDPA path (flash-attn packs them)
         "layers": prepared.layer_ids,
         "forward_s": round(forward_s, 2),
         "extract_loop_s": round(extract_loop_s, 2),
