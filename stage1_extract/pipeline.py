@@ -244,7 +244,10 @@ def tokenized_rows(
             )
         )
     if cache is not None and rows:
-        cache.save(rows, stats)
+        try:
+            cache.save(rows, stats)
+        except OSError as exc:  # a read-only or full run_dir costs the next command a re-tokenize, not this one
+            log.warning("could not write the token cache under %s (%s): later commands tokenize again", cache.root, exc)
     return rows, stats
 
 

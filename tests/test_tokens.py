@@ -92,3 +92,14 @@ def test_an_inconsistent_cache_is_refused_by_path(tiny_target_dir, tmp_path):
     with pytest.raises(ValueError, match=rf"{cache.name}: token cache is inconsistent"):
         prepared(tiny_target_dir, data, tmp_path / "run")
     assert json.loads((cache / "meta.json").read_text())["inputs"]["version"] == tokens.TOKENS_VERSION
+
+
+def test_an_unwritable_cache_folder_only_costs_a_retokenize(tiny_target_dir, tmp_path, monkeypatch, caplog):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+
+    def full_disk(self, rows, stats):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tokens.TokenCache, "save", full_disk)
+    first = prepared(tiny_target_dir, data, tmp_path / "run")
+    assert len(first.rows) == 6 and "could not write the token cache" in caplog.text
