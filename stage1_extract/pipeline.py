@@ -163,6 +163,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     tokenizer_hashes = tokenizer_fingerprints(tokenizer)
     source = extraction_input(cfg)
     rows, stats = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source)
+    if not rows:
+        raise ValueError(f"{source}: no usable rows")
     header = settings_header(
         target_path=cfg.target.path,
         weights_sha256=weights_fingerprint(model_dir),
@@ -287,11 +289,14 @@ def _extract(
     cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int, reprocess: bool
 ) -> dict[str, Any]:
     started = time.perf_counter()
-    if rank != 0:
-        _barrier(world)  # rank 0 tokenizes first (in parallel) and caches; the others read its cache
-    prepared = prepare(cfg)
-    if rank == 0:
+    if rank == 0:  # rank 0 tokenizes first (in parallel) and caches; the others then read its cache
+        try:
+            prepared = prepare(cfg)
+        finally:
+            _barrier(world)  # also on bad input: the others then meet the same error themselves
+    else:
         _barrier(world)
+        prepared = prepare(cfg)
     prepare_seconds = time.perf_counter() - started
     files = prepared.files
     plan = cmd_plan(cfg, prepared)

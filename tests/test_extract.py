@@ -279,3 +279,17 @@ def test_two_processes_split_shards_and_equal_one_process(tiny_target_dir, data_
     assert sorted(r["rank"] for r in ranks) == [0, 1], repr(out.stdout)
     assert all(r["shards_extracted_here"] >= 1 for r in ranks)
     assert store_contents(str(tmp_path / "store")) == store_contents(store[2].url)
+
+
+def test_bad_input_under_two_processes_fails_on_every_rank_naming_the_row(tiny_target_dir, tmp_path):
+    """Rank 0 tokenizes first while the others wait; its error must not leave them waiting."""
+    rows = chat_rows(12)
+    rows[9] = {"messages": [{"role": "robot", "content": "beep"}]}
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "stage1_extract", "extract", "--no-progress", *stage1_overrides(tiny_target_dir, data, tmp_path / "run"),
+    ]
+    out = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0  # and within the timeout: no rank is left waiting at the barrier
+    assert "bad.jsonl: row 9: messages[0] has unknown role" in out.stderr, out.stderr[-2000:]

@@ -103,3 +103,9 @@ def test_an_unwritable_cache_folder_only_costs_a_retokenize(tiny_target_dir, tmp
     monkeypatch.setattr(tokens.TokenCache, "save", full_disk)
     first = prepared(tiny_target_dir, data, tmp_path / "run")
     assert len(first.rows) == 6 and "could not write the token cache" in caplog.text
+
+
+def test_a_file_without_usable_rows_is_refused_by_name(tiny_target_dir, tmp_path):
+    data = write_jsonl(tmp_path / "chat.jsonl", ["not json", "{also not json"])
+    with pytest.raises(ValueError, match=r"chat\.jsonl: no usable rows"):
+        prepared(tiny_target_dir, data, tmp_path / "run", **{"data.on_bad_row": "skip"})
