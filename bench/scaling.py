@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import emit  # noqa: E402
+
 WORDS = (
     "the of and to in is was for on that with as by at from his her an which you were are this be "
     "had not but what all when can there one so out if about up them some time could would into "
@@ -194,12 +196,7 @@ def main() -> int:
         "train": [p["train"]["tok_per_s"] for p in lens],
         "train_blocks_per_s": [p["train"]["blocks_per_s"] for p in lens],
     }
-    results["total_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
+    return emit(results, args.json, t0)
 
 
 if __name__ == "__main__":

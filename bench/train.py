@@ -16,7 +16,6 @@ not tokens/s, is the figure to size a CPU run with.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import emit  # noqa: E402
 from stage2_train.metrics import read_log  # noqa: E402
 
 
@@ -160,12 +160,7 @@ def main() -> int:
             "wall_s_1proc": round(wall_one, 1),
             "wall_s_2proc": round(wall_two, 1),
         }
-    results["total_s"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
+    return emit(results, args.json, t0)
 
 
 if __name__ == "__main__":
