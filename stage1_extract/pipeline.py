@@ -364,19 +364,23 @@ def _extract(
 
 def shard_report(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
     """Per shard of the current config and data: current, stale (and why), missing; plus orphans."""
-    prepared = prepared or prepare(cfg)
+    return _shard_states(cfg, prepared or prepare(cfg), every_record=False)[0]
+
+
+def _shard_states(cfg: RunConfig, prepared: Prepared, every_record: bool) -> tuple[dict[str, Any], list[ShardPlan], set[int]]:
+    """(the report, the planned shards, the done ones among those whose part record was read: every
+    shard's, or only the shards the manifest does not list). Part records are read once."""
     files = prepared.files
     shards = planned_shards(cfg, prepared)
     manifest = files.read_json("manifest.json") if files.exists("manifest.json") else None
     listed = {r["index"]: r for r in manifest["shards"]} if manifest else {}
     header_changes = header_differences({k: manifest.get(k) for k in prepared.header}, prepared.header) if manifest else []
     rows: list[dict[str, Any]] = []
-    unlisted = [s for s in shards if s.index not in listed]
-    merged_later = done_shards(files, unlisted) if unlisted else set()
+    done = done_shards(files, shards if every_record else [s for s in shards if s.index not in listed])
     for shard in shards:
         record = listed.get(shard.index)
         if record is None:
-            state, why = "missing", ("extracted, manifest not yet merged" if shard.index in merged_later else "not extracted")
+            state, why = "missing", ("extracted, manifest not yet merged" if shard.index in done else "not extracted")
         elif record.get("header_key") != shard.key:
             state, why = "stale", "settings changed: " + ", ".join(header_changes or ["schema"])
         elif record["rows_sha256"] != shard.rows_sha256:
@@ -386,7 +390,7 @@ def shard_report(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, 
         rows.append({"index": shard.index, "state": state, "why": why, "samples": len(shard.rows)})
     orphaned = [r["name"] or f"index {r['index']}" for i, r in listed.items() if i >= len(shards)]
     counts = {state: sum(r["state"] == state for r in rows) for state in ("current", "stale", "missing")}
-    return {
+    report = {
         "store": files.url,
         "manifest": manifest is not None,
         "settings_changed": header_changes,
@@ -395,13 +399,11 @@ def shard_report(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, 
         "shards": rows,
         "complete": manifest is not None and counts["current"] == len(shards) and not orphaned,
     }
+    return report, shards, done
 
 
 def cmd_status(cfg: RunConfig) -> dict[str, Any]:
-    prepared = prepare(cfg)
-    report = shard_report(cfg, prepared)
-    shards = planned_shards(cfg, prepared)
-    done_indices = done_shards(prepared.files, shards)
+    report, shards, done_indices = _shard_states(cfg, prepare(cfg), every_record=True)
     done = [s for s in shards if s.index in done_indices]
     report.update(
         {
