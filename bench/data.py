@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stage2_train.sampler import LengthMixedSampler, SamplerConfig  # noqa: E402
+from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig  # noqa: E402
 
 HIST_EDGES = np.array([0, 128, 256, 512, 1024, 2048, np.inf])  # token-length bins for mixing
 BUCKET_EDGES = np.array([0, 256, 512, 1024, 1536, 2048, np.inf])  # the six homogeneous buckets

@@ -30,14 +30,14 @@ from shared.config import load_run_config  # noqa: E402
 from shared.store import StoreConfig  # noqa: E402
 from shared.target import TargetArch, TargetConfig, default_target_dir, resolve_layer_ids  # noqa: E402
 from shared.target_parts import load_embed_and_head  # noqa: E402
-from stage2_train.anchors import AnchorSampler  # noqa: E402
-from stage2_train.evaluate import acceptance_gap, cmd_eval, offline_eval, online_eval  # noqa: E402
-from stage2_train.export import build_drafter  # noqa: E402
-from stage2_train.loader import collate  # noqa: E402
-from stage2_train.loss import LossConfig, dflash_loss  # noqa: E402
-from stage2_train.model import DrafterConfig  # noqa: E402
-from stage2_train.sampler import SamplerConfig  # noqa: E402
-from stage2_train.speculative import DFlashProposer, NgramProposer, capture_features, target_greedy  # noqa: E402
+from stage2_train.data.anchors import AnchorSampler  # noqa: E402
+from stage2_train.data.loader import collate  # noqa: E402
+from stage2_train.data.sampler import SamplerConfig  # noqa: E402
+from stage2_train.model.drafter import DrafterConfig  # noqa: E402
+from stage2_train.model.loss import LossConfig, dflash_loss  # noqa: E402
+from stage2_train.serve.export import build_drafter  # noqa: E402
+from stage2_train.serve.speculative import DFlashProposer, NgramProposer, capture_features, target_greedy  # noqa: E402
+from stage2_train.train.evaluate import acceptance_gap, cmd_eval, offline_eval, online_eval  # noqa: E402
 
 WORDS = (
     "list dict python tuple loop function class module file error string number sort key value print".split()

@@ -36,11 +36,14 @@ from shared.store import (  # noqa: E402  # noqa: E402
     read_manifest,
     write_shard,
 )
-from shared.target import load_target_model  # noqa: E402
+from shared.target import (
+    LayerCapture,  # noqa: E402
+    load_target_model,  # noqa: E402
+)
 from stage1_extract import pipeline  # noqa: E402
 from stage1_extract.corpus import default_conversations  # noqa: E402
 from stage1_extract.data import Conversation, write_conversations_parquet  # noqa: E402
-from stage1_extract.extract import LayerCapture, forward_batch, token_budget_batches, windows_for_rank  # noqa: E402
+from stage1_extract.extract import forward_batch, token_budget_batches, windows_for_rank  # noqa: E402
 
 
 def build_data(path: Path, count: int) -> Path:
@@ -65,7 +68,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     data = build_data(work / "data.parquet", args.samples)
     overrides = [f"run_dir={work}", f"data.path={data}", "data.regenerate=false", "store.shard_mb=16", "extract.device=cpu"]
-    cfg = load_run_config("configs/default.yaml", overrides, pipeline.SECTIONS)
+    cfg = load_run_config("configs/default.yaml", overrides)
     prepared = pipeline.prepare(cfg)
     model = load_target_model(cfg.target, "cpu")
     rows = [r for r in prepared.rows if not r.skipped]

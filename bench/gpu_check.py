@@ -353,7 +353,7 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
 
     from shared.target import pick_attn_implementation
     from stage1_extract.generate import resolve_backend as generate_backend
-    from stage2_train.model import resolve_backend as drafter_backend
+    from stage2_train.model.drafter import resolve_backend as drafter_backend
 
     device = ctx.sizes.device
     entry.update({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -401,8 +401,9 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
 
 def pure_forward(model: Any, cfg: Any, prepared: Any, device: str) -> dict[str, Any]:
     """The target's forward over exactly the batches extraction forms, features left on the device."""
+    from shared.target import LayerCapture
     from stage1_extract import pipeline
-    from stage1_extract.extract import LayerCapture, forward_batch, token_budget_batches, windows_for_rank
+    from stage1_extract.extract import forward_batch, token_budget_batches, windows_for_rank
 
     windows = windows_for_rank(pipeline.planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
     batches = [batch for window in windows
@@ -436,7 +437,7 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     from stage1_extract import pipeline
 
     device = ctx.sizes.device
-    cfg = load_run_config(config, overrides, pipeline.SECTIONS)
+    cfg = load_run_config(config, overrides)
     started = time.perf_counter()
     prepared = pipeline.prepare(cfg)  # tokenizes, and hashes the weights once (cached for the subprocesses)
     entry["prepare_s"] = round(time.perf_counter() - started, 1)
@@ -513,7 +514,7 @@ def recompiles(ctx: Context, name: str) -> int:
 
 def run_training(ctx: Context, attention: str, name: str) -> tuple[list[dict], Path, list[str], str | None]:
     """One `python -m stage2_train train`; returns its train rows even when it failed or timed out."""
-    from stage2_train.metrics import read_log
+    from stage2_train.observe.metrics import read_log
 
     sizes, big = ctx.sizes, ctx.big
     run_dir = ctx.work / name
@@ -545,7 +546,6 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
 
     from shared.config import load_run_config
     from shared.target import TargetArch, resolve_layer_ids
-    from stage2_train.pipeline import SECTIONS
 
     if not ctx.big:
         raise RuntimeError("no store to train on: extract_8b did not finish")
@@ -564,7 +564,7 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
                   f"!! retrying once with model.attention=sdpa", flush=True)
             retry_rows, _, _, retry_error = run_training(ctx, "sdpa", "train_sdpa")
     entry["gpu_memory_peak_gib"] = memory.gib
-    cfg = load_run_config("configs/qwen3-8b.yaml", overrides, SECTIONS)
+    cfg = load_run_config("configs/qwen3-8b.yaml", overrides)
     arch = TargetArch.from_dir(ctx.big["target"])
     shape = DrafterShape(arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
                          cfg.model.intermediate_size or arch.intermediate_size, arch.vocab_size, cfg.model.num_layers,

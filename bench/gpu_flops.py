@@ -85,9 +85,9 @@ def replay_step_work(cfg: Any, store_url: str, loss_masks: dict[int, Any], rows:
     import torch
 
     from shared.store import StoreReader
-    from stage2_train.anchors import AnchorSampler
-    from stage2_train.data import split_indices
-    from stage2_train.sampler import LengthMixedSampler
+    from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.sampler import LengthMixedSampler
+    from stage2_train.data.store import split_indices
 
     reader = StoreReader(store_url)
     train, _ = split_indices(reader, cfg.eval)

@@ -116,7 +116,7 @@ def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_l
 
 
 def train_point(root: Path, name: str, target: Path, store: str, steps: int, budget: int, anchors: int) -> dict:
-    from stage2_train.metrics import read_log
+    from stage2_train.observe.metrics import read_log
 
     run_dir = root / f"{name}.train"
     cmd = [

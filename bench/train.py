@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import emit  # noqa: E402
-from stage2_train.metrics import read_log  # noqa: E402
+from stage2_train.observe.metrics import read_log  # noqa: E402
 
 
 def build_tiny_store(root: Path) -> tuple[Path, Path]:
@@ -43,7 +43,7 @@ def build_tiny_store(root: Path) -> tuple[Path, Path]:
     torch.set_num_threads(1)
     target = build_tiny_target(root / "target")
     data = write_jsonl(root / "chat.jsonl", chat_rows(60))
-    cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "stage1"), stage1.SECTIONS)
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "stage1"))
     stage1.cmd_extract(cfg, progress=False)
     return target, root / "stage1" / "store"
 
@@ -86,11 +86,10 @@ def loader_rate(overrides: list[str], trainer_step_s: float, seconds: float = 10
     """Micro-batches per second the PrefetchLoader delivers alone (2 threads, as in training),
     over the rate the trainer consumed them: the loader must keep ahead by a wide margin."""
     from shared.config import load_run_config
-    from stage2_train.data import open_train_data
-    from stage2_train.pipeline import SECTIONS
+    from stage2_train.data.store import open_train_data
 
     config = next(o.split("=", 1)[1] for o in overrides if o.startswith("--config="))
-    cfg = load_run_config(config, [o for o in overrides if not o.startswith("--")], SECTIONS)
+    cfg = load_run_config(config, [o for o in overrides if not o.startswith("--")])
     data = open_train_data(cfg, num_threads=2, prefetch=4)
     count, started = 0, time.perf_counter()
     with data.loader as loader:

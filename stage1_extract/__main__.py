@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import command_parser, load_config, print_check, run_command
+from shared.cli import command_parser, load_config, print_check, run_command, to_json
 from stage1_extract import pipeline
 
 COMMANDS = ("generate", "plan", "extract", "status", "verify", "reprocess", "check")
@@ -24,9 +24,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args, pipeline.SECTIONS)
+    cfg = load_config(args)
     if args.command == "check":
-        print_check(cfg)
+        print_check(cfg, with_docs=args.explain)
         return 0
     progress = not args.no_progress
     if args.command == "generate":
@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
         out = pipeline.cmd_reprocess(cfg, force=args.force, progress=progress)
     else:
         out = pipeline.cmd_verify(cfg, repair=args.repair, progress=progress)
-        print(pipeline.to_json(out))
+        print(to_json(out))
         return 0 if out["ok"] else 1
-    print(pipeline.to_json(out))
+    print(to_json(out))
     return 0
 
 

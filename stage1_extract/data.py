@@ -22,25 +22,21 @@ log = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 
 
-@dataclass(kw_only=True)
 class DataConfig(Section):
     section: ClassVar[str] = "data"
-    # Conversations to regenerate and extract. None = the embedded default prompt set,
-    # built under run_dir. A .jsonl/.parquet file or a folder of .parquet parts.
     path: str | None = None
-    # True: extract the target's regenerated answers (run `generate` first), as the recipe does.
-    # False: extract data.path as it is (its answers must already come from the target).
+    """Conversations to regenerate and extract. None = the embedded default prompt set, built under run_dir. A .jsonl/.parquet file or a folder of .parquet parts."""
     regenerate: bool = True
+    """True: extract the target's regenerated answers (run `generate` first), as the recipe does. False: extract data.path as it is (its answers must already come from the target)."""
     max_samples: int | None = None
     on_bad_row: Literal["raise", "skip"] = "raise"
-    # Tokens per sample, after the chat template; longer samples are truncated or skipped (counted).
     max_length: int = 3072
+    """Tokens per sample, after the chat template; longer samples are truncated or skipped (counted)."""
     on_long: Literal["truncate", "skip"] = "truncate"
-    # Size of the embedded default prompt set.
     num_default_prompts: int = 384
-    # Processes that template and tokenize the rows on the first command (0 = min(16, CPUs));
-    # the result is cached under run_dir/cache/ for every later command and rank.
+    """Size of the embedded default prompt set."""
     tokenize_workers: int = 0
+    """Processes that template and tokenize the rows on the first command (0 = min(16, CPUs)); the result is cached under run_dir/cache/ for every later command and rank."""
     token_cache: bool = True
 
     def validate(self) -> None:

@@ -43,21 +43,26 @@ from shared.store import (
     shard_name,
     write_shard,
 )
+from shared.target import LayerCapture
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
 class ExtractConfig(Section):
     section: ClassVar[str] = "extract"
     top_k: int = 64
-    token_budget: int = 8192  # tokens per forward batch (padding included on the padded path)
+    token_budget: int = 8192
+    """Tokens per forward batch (padding included on the padded path)."""
     max_batch_samples: int = 64
-    window_shards: int = 4  # shards whose samples are length-sorted together
-    queue_batches: int = 8  # writer queue bound, in forward batches
-    lm_head_chunk: int = 2048  # tokens per LM-head + log-softmax chunk
+    window_shards: int = 4
+    """Shards whose samples are length-sorted together."""
+    queue_batches: int = 8
+    """Writer queue bound, in forward batches."""
+    lm_head_chunk: int = 2048
+    """Tokens per LM-head + log-softmax chunk."""
     device: str = "auto"
-    packed: Literal["auto", "on", "off"] = "auto"  # flash-attn varlen packing (GPU)
+    packed: Literal["auto", "on", "off"] = "auto"
+    """Flash-attn varlen packing (GPU)."""
 
     def validate(self) -> None:
         self.require(1 <= self.top_k <= 1024, "top_k", "must be in 1..1024")
@@ -194,34 +199,6 @@ def load_or_pin_plan(
 
 # ---------------------------------------------------------------------------------------------
 # The forward
-
-
-class LayerCapture:
-    """Forward hooks on the chosen decoder layers: their outputs, and nothing else, are kept."""
-
-    def __init__(self, model: Any, layer_ids: list[int]):
-        layers = model.get_decoder().layers
-        self.outputs: dict[int, Any] = {}
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in layer_ids]
-        self.layer_ids = list(layer_ids)
-
-    def _hook(self, layer_id: int):
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def stacked(self) -> Any:
-        """[..., L, H] in layer-id order."""
-        import torch
-
-        out = torch.stack([self.outputs[i] for i in self.layer_ids], dim=-2)
-        self.outputs.clear()
-        return out
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 def topk_logprobs(final_hidden_NH: Any, lm_head: Any, k: int, chunk: int) -> tuple[Any, Any]:

@@ -27,15 +27,16 @@ from stage1_extract.template import prompt_ids
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
 class GenerateConfig(Section):
     section: ClassVar[str] = "generate"
     backend: Literal["auto", "transformers", "vllm"] = "auto"
     temperature: float = 0.7
     top_p: float = 0.8
     max_new_tokens: int = 512
-    batch_size: int = 32  # sequences per transformers generate call
-    chunk_size: int = 128  # conversations per resumable Parquet part
+    batch_size: int = 32
+    """Sequences per transformers generate call."""
+    chunk_size: int = 128
+    """Conversations per resumable Parquet part."""
     device: str = "auto"
 
     def validate(self) -> None:

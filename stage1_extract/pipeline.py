@@ -5,7 +5,6 @@ Each takes the composed RunConfig and returns a JSON-able dict; `__main__` only 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -16,7 +15,6 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.store import (
-    StoreConfig,
     StoreFiles,
     bytes_per_token,
     content_checksum,
@@ -25,7 +23,6 @@ from shared.store import (
 )
 from shared.target import (
     TargetArch,
-    TargetConfig,
     load_target_model,
     load_tokenizer,
     resolve_dtype,
@@ -34,9 +31,8 @@ from shared.target import (
     tokenizer_fingerprints,
     weights_fingerprint,
 )
-from stage1_extract.data import DataConfig, ReadStats, read_conversations
+from stage1_extract.data import ReadStats, read_conversations
 from stage1_extract.extract import (
-    ExtractConfig,
     ShardPlan,
     TokenizedRow,
     choose_samples_per_shard,
@@ -53,7 +49,6 @@ from stage1_extract.extract import (
     windows_for_rank,
 )
 from stage1_extract.generate import (
-    GenerateConfig,
     generate_all,
     resolve_backend,
     resolve_device,
@@ -64,19 +59,6 @@ from stage1_extract.generate import (
 from stage1_extract.tokens import TokenCache, cache_key, resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
-
-SECTIONS = {
-    "target": TargetConfig,
-    "data": DataConfig,
-    "generate": GenerateConfig,
-    "extract": ExtractConfig,
-    "store": StoreConfig,
-}
-
-
-def store_url(cfg: RunConfig) -> str:
-    return cfg.store.path or str(Path(cfg.run_dir) / "store")
-
 
 def prompts_path(cfg: RunConfig) -> Path:
     """The conversations `generate` reads: data.path, or the embedded default prompt set."""
@@ -176,7 +158,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         max_length=cfg.data.max_length,
         on_long=cfg.data.on_long,
     )
-    return Prepared(header, rows, StoreFiles(store_url(cfg)), layer_ids, stats, source)
+    return Prepared(header, rows, StoreFiles(cfg.store.url(cfg.run_dir)), layer_ids, stats, source)
 
 
 def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
@@ -432,7 +414,7 @@ def cmd_reprocess(cfg: RunConfig, force: bool = False, progress: bool = True) ->
 def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True) -> dict[str, Any]:
     """Every shard against the manifest: readable, counts, shapes, dtypes, finite values, checksum.
     With repair, bad shards are deleted with their part records and extracted again."""
-    url = store_url(cfg)
+    url = cfg.store.url(cfg.run_dir)
     report = verify_store(url)
     if repair and report["bad_shards"]:
         files = StoreFiles(url)
@@ -489,7 +471,3 @@ def verify_store(url: str) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - every failure is reported per shard
             bad.append({"shard": record["name"], "index": record["index"], "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
     return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad}
-
-
-def to_json(data: dict[str, Any]) -> str:
-    return json.dumps(data, indent=1, default=str)

@@ -2,10 +2,11 @@
 
     python -m stage2_train {batches,train,eval,export,doctor,report,check} --config configs/default.yaml [key=value ...]
     python -m stage2_train batches --steps 20 --json          # one JSON object per optimizer step
+    python -m stage2_train check --explain                    # every key, its value, default and meaning
     python -m stage2_train doctor [runs/default/train_log.jsonl] [--json]   # default: run_dir's log
     torchrun --standalone --nproc_per_node 2 -m stage2_train train train.max_steps=50
 
-Parses the config, runs one command, prints its JSON summary. Logic lives in `pipeline.py`.
+Parses the config, runs one command from `commands.py`, prints its JSON summary.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from shared.cli import command_parser, load_config, run_command
-from stage2_train import pipeline
+from shared.cli import command_parser, load_config, print_check, run_command, to_json
+from shared.errors import ConfigError
+from stage2_train import commands
 
 COMMANDS = ("batches", "train", "eval", "export", "doctor", "report", "check")
 
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         default=int(os.environ.get("WORLD_SIZE", "1")),
         help="batches: plan for this many ranks (default: $WORLD_SIZE or 1)",
     )
-    parser.add_argument("--checkpoint", default=None, help="eval/export: checkpoint to read (default: latest)")
+    parser.add_argument("--checkpoint", default=None, help="eval/export: checkpoint to read (default: newest that verifies)")
     parser.add_argument("--out", default=None, help="export, report: output folder")
     return run_command(parser, argv, run)
 
@@ -40,23 +42,25 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.command in ("doctor", "report"):
         return log_command(args)
-    cfg = load_config(args, pipeline.SECTIONS)
+    cfg = load_config(args)
     if args.command == "check":
-        pipeline.cmd_check(cfg)
+        print_check(cfg, with_docs=args.explain)
         return 0
     if args.command == "batches":
         if args.steps < 1 or args.world_size < 1:
-            raise ValueError(f"--steps and --world-size must be >= 1, got {args.steps} and {args.world_size}")
-        steps = pipeline.cmd_batches(cfg, args.steps, args.world_size)
-        for row in steps:
+            raise ConfigError(f"--steps and --world-size must be >= 1, got {args.steps} and {args.world_size}")
+        for row in commands.cmd_batches(cfg, args.steps, args.world_size):
             print(json.dumps(row) if args.json else format_step(row))
         return 0
     if args.command == "train":
-        out = pipeline.cmd_train(cfg, progress=not args.no_progress)
+        out = commands.cmd_train(cfg, progress=not args.no_progress)
         if out["rank"] == 0:
-            print(pipeline.to_json(out))
+            print(to_json(out))
         return 0
-    print(pipeline.to_json(pipeline.command_function(args.command)(cfg, args)))
+    if args.command == "eval":
+        print(to_json(commands.cmd_eval(cfg, args.checkpoint)))
+        return 0
+    print(to_json(commands.cmd_export(cfg, args.checkpoint, args.out)))
     return 0
 
 
@@ -64,18 +68,15 @@ def log_command(args: argparse.Namespace) -> int:
     """doctor/report read a training log: a path given as the first argument, else run_dir's."""
     paths = [o for o in args.overrides if "=" not in o]
     if len(paths) > 1:
-        raise ValueError(f"{args.command} takes one log path (or run directory), got {paths}")
-    if paths:
-        log_path = Path(paths[0])
-    else:
-        args.overrides = [o for o in args.overrides if "=" in o]
-        log_path = Path(load_config(args, pipeline.SECTIONS).run_dir)
-    function = pipeline.command_function(args.command)
+        raise ConfigError(f"{args.command} takes one log path (or run directory), got {paths}")
+    args.overrides = [o for o in args.overrides if "=" in o]
+    cfg = load_config(args) if (not paths or args.overrides or args.config != "configs/default.yaml") else None
+    log_path = Path(paths[0]) if paths else Path(cfg.run_dir)
     if args.command == "doctor":
-        text, code = function(log_path, args.json)
+        text, code = commands.cmd_doctor(log_path, args.json, cfg)
         print(text)
         return code
-    print(pipeline.to_json(function(log_path, Path(args.out) if args.out else None)))
+    print(to_json(commands.cmd_report(log_path, Path(args.out) if args.out else None)))
     return 0
 
 

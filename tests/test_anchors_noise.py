@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from stage2_train.anchors import AnchorSampler, valid_anchor_positions
-from stage2_train.noise import NoiseConfig, NoiseSchedule, noise_generator
-from stage2_train.sampler import SamplerConfig
+from stage2_train.data.anchors import AnchorSampler, valid_anchor_positions
+from stage2_train.data.sampler import SamplerConfig
+from stage2_train.train.schedules import NoiseConfig, NoiseSchedule, noise_generator
 
 BLOCK = 4
 
@@ -25,11 +25,13 @@ def chat_mask(num_tokens: int) -> torch.Tensor:
 def test_valid_positions_follow_the_rule_exactly():
     mask = chat_mask(60)
     got = valid_anchor_positions(mask, BLOCK).tolist()
-    want = [t for t in range(60) if t + BLOCK <= 60 and mask[t] and mask[t + 1]]
+    want = [t for t in range(59) if mask[t] and mask[t + 1]]  # up to the response's end (SpecForge)
     assert got == want
-    assert got[0] == 10 and 38 in got and 39 not in got and 50 in got and got[-1] == 60 - BLOCK
-    assert valid_anchor_positions(torch.ones(BLOCK - 1, dtype=torch.bool), BLOCK).tolist() == []
-    assert valid_anchor_positions(torch.ones(BLOCK, dtype=torch.bool), BLOCK).tolist() == [0]
+    assert got[0] == 10 and 38 in got and 39 not in got and 50 in got and got[-1] == 58  # the last pair (58, 59)
+    # A sample shorter than a block still trains: its slots past the end carry no loss.
+    assert valid_anchor_positions(torch.ones(BLOCK - 1, dtype=torch.bool), BLOCK).tolist() == list(range(BLOCK - 2))
+    assert valid_anchor_positions(torch.ones(1, dtype=torch.bool), BLOCK).tolist() == []
+    assert valid_anchor_positions(torch.tensor([True, False, True]), BLOCK).tolist() == []
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         AnchorSampler(SamplerConfig(), block_size=1, seed=0)
 
@@ -131,3 +133,24 @@ def test_noise_state_refuses_another_schedule():
     NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=10)).load_state_dict(state)
     with pytest.raises(ValueError, match="noise.warmup_steps was 10 when saved, is 0 now"):
         NoiseSchedule(NoiseConfig(std=0.05)).load_state_dict(state)
+
+
+def test_blocks_at_the_end_of_a_response_score_only_the_tokens_that_exist():
+    """The end-of-turn token is learnt from slot 1: an anchor on the token before it is valid, and
+    the slots past the sample end are IGNORE (no loss), as in SpecForge's DFlash training."""
+    from stage2_train.data.batch import IGNORE, collate
+
+    T = 12
+    mask = torch.tensor([False] * 4 + [True] * (T - 4))
+    sample = {
+        "input_ids_T": torch.arange(100, 100 + T),
+        "loss_mask_T": mask,
+        "hidden_TLH": torch.zeros(T, 1, 2),
+        "topk_logprobs_TK": torch.zeros(T, 1),
+        "topk_ids_TK": torch.zeros(T, 1, dtype=torch.long),
+    }
+    anchors = torch.from_numpy(valid_anchor_positions(mask, BLOCK))
+    assert anchors.tolist() == list(range(4, T - 1))
+    batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=7, gather_topk=False)
+    last = batch.labels_NB[-1].tolist()  # anchor T-2: slot 1 is the last token (the end of turn)
+    assert last == [IGNORE, 100 + T - 1] + [IGNORE] * (BLOCK - 2)

@@ -10,13 +10,12 @@ import pytest
 import yaml
 
 from shared.config import apply_overrides, load_run_config, parse_override
-from stage1_extract.pipeline import SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_load_and_sections_are_typed():
-    cfg = load_run_config(ROOT / "configs/default.yaml", [], SECTIONS)
+    cfg = load_run_config(ROOT / "configs/default.yaml", [])
     assert cfg.run_dir == "runs/default"
     assert cfg.extract.top_k == 64
     assert cfg.store.dtype == "bf16"
@@ -25,24 +24,24 @@ def test_defaults_load_and_sections_are_typed():
 
 @pytest.mark.parametrize("preset", ["default.yaml", "qwen3-8b.yaml", "llama-3.1-8b.yaml"])
 def test_every_preset_validates(preset):
-    cfg = load_run_config(ROOT / "configs" / preset, [], SECTIONS)
+    cfg = load_run_config(ROOT / "configs" / preset, [])
     assert cfg.store.dtype in ("bf16", "fp8")
 
 
 def test_presets_inherit_and_differ_in_few_fields():
-    qwen = load_run_config(ROOT / "configs/qwen3-8b.yaml", [], SECTIONS)
+    qwen = load_run_config(ROOT / "configs/qwen3-8b.yaml", [])
     assert qwen.target.mask_token_id == 151669
     assert qwen.extract.top_k == 64  # inherited from default.yaml
 
 
 def test_unknown_key_is_rejected_with_dotted_name():
     with pytest.raises(ValueError, match=r"extract\.topk: unknown key"):
-        load_run_config(ROOT / "configs/default.yaml", ["extract.topk=5"], SECTIONS)
+        load_run_config(ROOT / "configs/default.yaml", ["extract.topk=5"])
 
 
 def test_unknown_section_is_rejected():
     with pytest.raises(ValueError, match=r"trian: unknown top-level key"):
-        load_run_config(None, ["trian.lr=1"], SECTIONS)
+        load_run_config(None, ["trian.lr=1"])
 
 
 @pytest.mark.parametrize(
@@ -59,7 +58,7 @@ def test_unknown_section_is_rejected():
 )
 def test_bad_values_name_key_and_value(override, message):
     with pytest.raises(ValueError, match=message):
-        load_run_config(ROOT / "configs/default.yaml", [override], SECTIONS)
+        load_run_config(ROOT / "configs/default.yaml", [override])
 
 
 def test_override_parsing():
@@ -75,14 +74,14 @@ def test_override_parsing():
 
 
 def test_float_fields_accept_yaml_exponent_strings():
-    cfg = load_run_config(ROOT / "configs/default.yaml", ["generate.temperature=1e-1"], SECTIONS)
+    cfg = load_run_config(ROOT / "configs/default.yaml", ["generate.temperature=1e-1"])
     assert cfg.generate.temperature == pytest.approx(0.1)
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_run_config(ROOT / "configs/default.yaml", ["extract.top_k=7"], SECTIONS)
+    cfg = load_run_config(ROOT / "configs/default.yaml", ["extract.top_k=7"])
     path = cfg.write_resolved(tmp_path / "resolved.yaml")
-    again = load_run_config(path, [], SECTIONS)
+    again = load_run_config(path, [])
     assert again.to_dict() == cfg.to_dict()
     assert yaml.safe_load(path.read_text())["extract"]["top_k"] == 7
 

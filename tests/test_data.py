@@ -116,7 +116,7 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
         f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32",
         f"data.path={data}", "generate.max_new_tokens=6", "generate.chunk_size=2", "generate.device=cpu",
     ]
-    cfg = load_run_config("configs/default.yaml", overrides, pipeline.SECTIONS)
+    cfg = load_run_config("configs/default.yaml", overrides)
     first = pipeline.cmd_generate(cfg, progress=False)
     assert first["conversations"] == 3 and first["parts_reused"] == 0
     out = list(read_conversations(first["output"]))
@@ -128,6 +128,6 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
     assert second["parts_reused"] == 2
     assert [c.messages for c in read_conversations(second["output"])] == [c.messages for c in out]
     # Other settings must not silently mix with old parts.
-    changed = load_run_config("configs/default.yaml", overrides + ["generate.temperature=0.2"], pipeline.SECTIONS)
+    changed = load_run_config("configs/default.yaml", overrides + ["generate.temperature=0.2"])
     with pytest.raises(ValueError, match="other generate settings"):
         pipeline.cmd_generate(changed, progress=False)

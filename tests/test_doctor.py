@@ -13,15 +13,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
-import types
-from pathlib import Path
 
 import pytest
 
-from stage2_train.detectors import DetectorConfig, LiveDetectors, as_warning, detect, normalize
-from stage2_train.doctor import cmd_doctor, diagnose
-from stage2_train.report import cmd_report
+from stage2_train.observe.detectors import DetectorConfig, LiveDetectors, as_warning, detect, normalize
+from stage2_train.observe.doctor import diagnose
+from stage2_train.observe.doctor import doctor as cmd_doctor
+from stage2_train.observe.report import report as cmd_report
 
 
 def found(diagnosis_or_events) -> list[tuple[str, int]]:
@@ -126,7 +124,7 @@ def trainer_records(
             "step_in_epoch": step_in_epoch,
             "loss": (1.0 + 5 * math.exp(-step / 150)) * rng.uniform(0.95, 1.05),
             "accuracy": 0.45 * (1 - math.exp(-step / 150)) + rng.gauss(0, 0.01),
-            "eal": 3.0 * (1 - math.exp(-step / 150)) + rng.gauss(0, 0.05),
+            "accept_len": 1 + 3.0 * (1 - math.exp(-step / 150)) + rng.gauss(0, 0.05),
             "lr": lr,
             "noise_std": 0.05 * min(step / noise_warmup, 1.0) if noise_warmup else 0.05,
             "grad_norm": rng.uniform(0.5, 1.5),
@@ -253,7 +251,7 @@ def test_log_without_event_rows_or_epoch_says_what_it_cannot_tell():
     ]
     assert summary["epochs"] is None and summary["steps"] == [2, 4600] and summary["event_rows"] == 0
     assert summary["log_every_steps"] in (1, 2) and summary["sec_per_step"] == pytest.approx(5.0, rel=0.05)
-    assert summary["final"].keys() == {"loss", "accuracy"}  # no eal in that log
+    assert summary["final"].keys() == {"loss", "accuracy"}  # no accept_len in that log
 
 
 def test_noisy_but_healthy_run_reports_nothing():
@@ -293,7 +291,7 @@ def test_epoch_boundary_drop_names_the_epoch():
 def test_nan_and_the_cliff_it_causes():
     def change(step, row):
         if step >= 850:
-            row.update(loss="nan", grad_norm="inf", accuracy=0.0, eal=0.0)  # as MetricsSink writes them
+            row.update(loss="nan", grad_norm="inf", accuracy=0.0, accept_len=1.0)  # as MetricsSink writes them
 
     diagnosis = diagnose(trainer_records(1000, change=change))
     assert found(diagnosis) == [("nan", 850), ("accuracy_cliff", 850)]
@@ -412,7 +410,7 @@ def test_cmd_report_writes_pngs_and_markdown(tmp_path):
     out = cmd_report(log, None)
     folder = tmp_path / "run" / "doctor"
     names = ["overview", "events", "loss", "accuracy", "lr", "noise_std", "throughput"]
-    assert out["out_dir"] == str(folder) and out["not_in_log"] == ["eal"] and out["wandb"] is False
+    assert out["out_dir"] == str(folder) and out["not_in_log"] == ["accept_len"]
     assert out["plots"] == [str(folder / f"{n}.png") for n in names] and out["num_events"] == 5
     for name in names:
         data = (folder / f"{name}.png").read_bytes()
@@ -422,15 +420,4 @@ def test_cmd_report_writes_pngs_and_markdown(tmp_path):
         assert f"![{name}]({name}.png)" in md
     for kind, step in FAILED_RUN_EVENTS:
         assert f"| {step} | {kind} |" in md
-    assert "Not in this log, so not plotted: eal." in md and "## What this log cannot tell" in md
-
-
-def test_cmd_report_logs_to_an_active_wandb_run(tmp_path, monkeypatch):
-    logged = []
-    fake = types.SimpleNamespace(run=object(), Image=lambda path: ("image", path), log=logged.append)
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    write_log(tmp_path / "train_log.jsonl", trainer_records(300))
-    out = cmd_report(tmp_path / "train_log.jsonl", tmp_path / "out")
-    assert out["wandb"] is True and out["healthy"] and "events" not in [Path(p).stem for p in out["plots"]]
-    names = ["overview", "loss", "accuracy", "eal", "lr", "noise_std", "throughput"]
-    assert logged == [{f"doctor/{n}": ("image", str(tmp_path / "out" / f"{n}.png")) for n in names}]
+    assert "Not in this log, so not plotted: accept_len." in md and "## What this log cannot tell" in md

@@ -10,19 +10,15 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from shared.config import build_run_config
-from shared.target import TargetArch, TargetConfig
-from stage2_train.batch import DrafterBatch
-from stage2_train.export import (
-    cmd_export,
-    export_drafter,
-    find_checkpoint,
-    load_exported,
-    read_checkpoint_weights,
-)
-from stage2_train.model import DFlashDrafter, DrafterConfig
+from shared.errors import CheckpointError
+from shared.target import TargetArch
+from stage2_train.commands import cmd_export
+from stage2_train.data.batch import DrafterBatch
+from stage2_train.model.drafter import DFlashDrafter, DrafterConfig
+from stage2_train.serve.export import drafter_spec, export_drafter, init_weights_for, load_exported
+from stage2_train.train.checkpoint import CheckpointConfig, Checkpointer, read_model_weights
 
 MASK_ID = 99
 LAYER_IDS = [1, 3, 5]
@@ -164,7 +160,7 @@ def test_layers_load_into_transformers_qwen3_modules(exported):
     )
     assert config.block_size == 8 and config.num_target_layers == 8
     assert config.dflash_config["target_layer_ids"] == LAYER_IDS and config.tie_word_embeddings is False
-    weights = read_checkpoint_weights(out)
+    weights, _ = read_model_weights(out)
     for n in range(config.num_hidden_layers):
         layer = Qwen3DecoderLayer(config, n)
         prefix = f"layers.{n}."
@@ -210,20 +206,6 @@ def test_export_refuses_a_config_that_does_not_describe_the_drafter(exported, tm
         export_drafter(drafter, cfg, arch, LAYER_IDS, 7, TARGET_INFO, tmp_path / "x")
 
 
-def test_find_checkpoint_follows_latest(tmp_path):
-    root = tmp_path / "checkpoints"
-    for step in ("step_000100", "step_000200"):
-        (root / step).mkdir(parents=True)
-        save_file({"w": torch.zeros(1)}, str(root / step / "model.safetensors"))
-    assert find_checkpoint(root) == root / "step_000200" / "model.safetensors"  # no `latest`: last step
-    (root / "latest").write_text("step_000100\n")
-    assert find_checkpoint(root) == root / "step_000100" / "model.safetensors"
-    assert find_checkpoint(root / "latest") == root / "step_000100" / "model.safetensors"
-    assert find_checkpoint(root / "step_000200") == root / "step_000200" / "model.safetensors"
-    with pytest.raises(FileNotFoundError):
-        find_checkpoint(tmp_path / "missing")
-
-
 def test_cmd_export_end_to_end(tmp_path, tiny_target_dir):
     """From a run's latest checkpoint with the tiny 6-layer Llama target (SmolLM2 tokenizer)."""
     from shared.target_parts import load_embed_and_head
@@ -232,17 +214,16 @@ def test_cmd_export_end_to_end(tmp_path, tiny_target_dir):
     cfg_model = DrafterConfig(num_layers=1, block_size=4, init_std=0.2)
     torch.manual_seed(5)
     trained = DFlashDrafter(cfg_model, arch, 3, 16)
+    ckpt = Checkpointer(CheckpointConfig(), tmp_path / "run" / "checkpoints")
+    ckpt.save(50, lambda: {"model": trained.state_dict(), "trainer": {"step": 50}}, blocking=True)
     step = tmp_path / "run" / "checkpoints" / "step_000050"
-    step.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(step / "model.safetensors"))
-    (step.parent / "latest").write_text("step_000050")
     data = {
         "run_dir": str(tmp_path / "run"),
         "target": {"path": str(tiny_target_dir), "num_feature_layers": 3},
         "model": {"num_layers": 1, "block_size": 4, "init_std": 0.2},
     }
-    cfg = build_run_config(data, {"target": TargetConfig, "model": DrafterConfig})
-    result = cmd_export(cfg, type("Args", (), {"checkpoint": None, "out": None})())
+    cfg = build_run_config(data)
+    result = cmd_export(cfg)
     out = tmp_path / "run" / "export"
     assert result["out_dir"] == str(out) and result["checkpoint"] == str(step / "model.safetensors")
     config = json.loads((out / "config.json").read_text())
@@ -258,3 +239,77 @@ def test_cmd_export_end_to_end(tmp_path, tiny_target_dir):
     reloaded = load_exported(out, *load_embed_and_head(tiny_target_dir))
     for name, value in trained.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name].float(), value.to(torch.bfloat16).float()), name
+
+
+# ---- reading published drafters (z-lab's two layouts) -------------------------------------------------
+def rewrite_config(folder, edit):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    return folder
+
+
+def test_the_newer_zlab_layout_with_dflash_fields_inside_dflash_config_loads(exported):
+    out, drafter, embed, head, arch, cfg = exported
+
+    def newer_layout(config):
+        block, num_target = config.pop("block_size"), config.pop("num_target_layers")
+        config["dflash_config"].update(block_size=block, num_target_layers=num_target)
+
+    rewrite_config(out, newer_layout)
+    spec = drafter_spec(out)
+    assert (spec.config.block_size, spec.layer_ids, spec.mask_token_id) == (8, LAYER_IDS, MASK_ID)
+    batch = one_sample_batch(arch, cfg.block_size)
+    with torch.no_grad():
+        cast = DFlashDrafter(cfg, arch, len(LAYER_IDS), MASK_ID)
+        cast.load_state_dict(drafter.state_dict())
+        cast.to(torch.bfloat16).set_frozen_parts(embed, head)
+        reloaded = load_exported(out, embed, head)
+        assert torch.equal(reloaded.logits(reloaded(batch)), cast.eval().logits(cast(batch)))
+
+
+def test_layer_ids_follow_zlab_rule_when_only_num_target_layers_is_given(exported):
+    out = exported[0]
+    rewrite_config(out, lambda c: c["dflash_config"].pop("target_layer_ids"))
+    assert drafter_spec(out).layer_ids == [1, 5]  # 2 draft layers over 8 target layers: 1 .. L-3
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c["dflash_config"].pop("mask_token_id"), r"dflash_config\.mask_token_id is missing"),
+        (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope type 'yarn'"),
+        (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}), r"rope type 'yarn'"),
+        (lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), r"layer_types \['sliding_attention'\]"),
+        (lambda c: c.update(use_sliding_window=True), r"use_sliding_window"),
+        (lambda c: c.update(is_causal=True), r"is_causal=true"),
+        (lambda c: c.update(attention_bias=True), r"attention_bias=true"),
+        (lambda c: c.pop("hidden_size"), r"`hidden_size` missing"),
+    ],
+)
+def test_what_the_drafter_cannot_compute_is_refused_naming_the_field(exported, edit, message):
+    out = rewrite_config(exported[0], edit)
+    with pytest.raises(CheckpointError, match=message):
+        drafter_spec(out)
+
+
+def test_init_from_checks_the_drafter_against_the_target_and_model_config(exported):
+    from stage2_train.data.store import TargetInfo
+
+    out, drafter, _, _, arch, cfg = exported
+    target = TargetInfo(out, arch, LAYER_IDS, MASK_ID, "0" * 64, "0" * 64)
+    weights = init_weights_for(out, cfg, target)
+    assert sorted(weights) == sorted(drafter.state_dict())
+    assert torch.equal(weights["fc.weight"].float(), drafter.fc.weight.to(torch.bfloat16).float())
+    for field, other, setting in (
+        ("target_layer_ids", TargetInfo(out, arch, [1, 2, 3], MASK_ID, "", ""), "target.layer_ids"),
+        ("mask_token_id", TargetInfo(out, arch, LAYER_IDS, 7, "", ""), "target.mask_token_id"),
+    ):
+        with pytest.raises(CheckpointError, match=rf"has {field}=.* \({setting}\); set {setting}="):
+            init_weights_for(out, cfg, other)
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=2 but this run has 1 \(model\.num_layers\)"):
+        init_weights_for(out, DrafterConfig(num_layers=1, block_size=8), target)
+    wide = TargetInfo(out, TargetArch(**{**arch.__dict__, "hidden_size": 128}), LAYER_IDS, MASK_ID, "", "")
+    with pytest.raises(CheckpointError, match=r"hidden_size=64 but this run has 128"):
+        init_weights_for(out, cfg, wide)

@@ -16,9 +16,9 @@ import torch
 
 from shared.config import load_run_config
 from shared.store import StoreReader, read_manifest, read_shard_arrays
+from shared.target import LayerCapture
 from stage1_extract import extract as extract_mod
 from stage1_extract import pipeline
-from stage1_extract.extract import LayerCapture
 
 from .conftest import chat_rows, stage1_overrides, write_jsonl
 
@@ -27,7 +27,7 @@ LAYERS = [1, 2, 3]  # the DFlash rule on the 6-layer tiny target with 3 feature 
 
 
 def config(tiny_target_dir, data, run_dir, **extra):
-    return load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra), pipeline.SECTIONS)
+    return load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def store(tiny_target_dir, data_file, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     cfg = config(tiny_target_dir, data_file, run_dir)
     summary = pipeline.cmd_extract(cfg, progress=False)
-    return cfg, summary, StoreReader(pipeline.store_url(cfg))
+    return cfg, summary, StoreReader(cfg.store.url(cfg.run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_crash_then_resume_equals_an_uninterrupted_run(tiny_target_dir, data_fil
     monkeypatch.setattr(extract_mod, "write_shard", real_write)
     summary = pipeline.cmd_extract(cfg, progress=False)
     assert summary["shards_already_done"] == 1
-    assert store_contents(pipeline.store_url(cfg)) == store_contents(store[2].url)
+    assert store_contents(cfg.store.url(cfg.run_dir)) == store_contents(store[2].url)
 
 
 def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_file, tmp_path, store):
@@ -175,14 +175,14 @@ def test_truncate_and_skip_are_counted(tiny_target_dir, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = config(tiny_target_dir, data, tmp_path / "t", **{"data.max_length": 128})
     pipeline.cmd_extract(cfg, progress=False)
-    manifest = read_manifest(pipeline.store_url(cfg))
+    manifest = read_manifest(cfg.store.url(cfg.run_dir))
     assert (manifest["num_truncated"], manifest["num_skipped"], manifest["num_samples"]) == (1, 0, 7)
-    assert StoreReader(pipeline.store_url(cfg)).lengths.max() == 128
+    assert StoreReader(cfg.store.url(cfg.run_dir)).lengths.max() == 128
     cfg = config(tiny_target_dir, data, tmp_path / "s", **{"data.max_length": 128, "data.on_long": "skip"})
     pipeline.cmd_extract(cfg, progress=False)
-    manifest = read_manifest(pipeline.store_url(cfg))
+    manifest = read_manifest(cfg.store.url(cfg.run_dir))
     assert (manifest["num_truncated"], manifest["num_skipped"], manifest["num_samples"]) == (0, 1, 6)
-    assert 6 not in StoreReader(pipeline.store_url(cfg)).sample_ids.tolist()
+    assert 6 not in StoreReader(cfg.store.url(cfg.run_dir)).sample_ids.tolist()
 
 
 def test_non_finite_features_name_the_sample(tiny_target_dir, data_file, tmp_path, monkeypatch):
@@ -250,7 +250,7 @@ def test_fsspec_url_store(tiny_target_dir, data_file, tmp_path, store):
 def test_fp8_storage_halves_bytes_with_small_error(tiny_target_dir, data_file, tmp_path, store):
     cfg = config(tiny_target_dir, data_file, tmp_path, **{"store.dtype": "fp8", "store.compression": "none"})
     pipeline.cmd_extract(cfg, progress=False)
-    fp8, bf16 = StoreReader(pipeline.store_url(cfg)), store[2]
+    fp8, bf16 = StoreReader(cfg.store.url(cfg.run_dir)), store[2]
     a, b = fp8[5]["hidden_TLH"].float(), bf16[5]["hidden_TLH"].float()
     relative = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()
     assert relative < 0.06  # e4m3 keeps 3 mantissa bits; per-token scale keeps the range

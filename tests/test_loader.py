@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from stage2_train.anchors import AnchorSampler, valid_anchor_positions
-from stage2_train.loader import DataLoadError, PrefetchLoader, collate
-from stage2_train.sampler import LengthMixedSampler, SamplerConfig
+from stage2_train.data.anchors import AnchorSampler, valid_anchor_positions
+from stage2_train.data.loader import DataLoadError, PrefetchLoader, collate
+from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
 
 LAYERS, HIDDEN, TOP_K, BLOCK, MASK_ID = 2, 3, 4, 4, 999
 
@@ -218,7 +218,7 @@ def test_resume_replays_exactly(stop_after):
 
 def test_anchorless_samples_are_counted():
     lengths = lengths_for_tests(60)
-    lengths[:3] = [5, 6, 100]  # too short for a block after the 3-token prompt, too short, fine
+    lengths[:3] = [4, 3, 100]  # one supervised token (no pair), none at all, fine
     reader = FakeReader(lengths, unsupervised={3, 4})
     anchorless = {
         i for i in range(len(lengths)) if not len(valid_anchor_positions(reader[i]["loss_mask_T"], BLOCK))

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from stage2_train.batch import DrafterBatch
-from stage2_train.loss import (
+from stage2_train.data.batch import DrafterBatch
+from stage2_train.model.loss import (
     COUNT_KEYS,
     LossConfig,
     dflash_loss,
@@ -111,8 +111,9 @@ def test_loss_and_metrics_match_hand_computation():
     assert m["accuracy"].item() == pytest.approx(2 / 3)
     assert m["correct_per_pos"].tolist() == [2, 0] and m["valid_per_pos"].tolist() == [2, 1]
     assert m["acc_per_pos"].tolist() == [1.0, 0.0]
-    assert m["avg_streak"].item() == 1.0  # both blocks: slot 1 right, then wrong / unscored
-    assert m["eal"].item() == 1.0  # 1 + 1*0
+    # Block 0: slot 1 right, slot 2 wrong -> 1 draft + the bonus = 2. Block 1: slot 1 right, then the
+    # response ends (slot 2 unscored) -> decoding stops there with no bonus = 1.
+    assert m["accept_len"].item() == 1.5
     loss.backward()
     assert hidden.grad[:, 0].abs().sum() == 0 and hidden.grad[1, 2].abs().sum() == 0  # unscored slots
     # The same logits judged against labels shifted by one slot give a different loss.
@@ -120,12 +121,17 @@ def test_loss_and_metrics_match_hand_computation():
     assert dflash_loss(hidden, torch.eye(4), labels_only_batch(shifted), LossConfig(gamma=gamma))[0] != loss
 
 
-def test_eal_and_streak_from_counts():
+def test_accept_len_and_accuracy_from_counts():
     counts = {k: torch.tensor(0.0) for k in COUNT_KEYS}
-    counts.update(correct_per_pos=torch.tensor([8.0, 4.0, 1.0]), valid_per_pos=torch.tensor([10.0, 8.0, 4.0]))
+    counts.update(
+        correct_per_pos=torch.tensor([8.0, 4.0, 1.0]),
+        valid_per_pos=torch.tensor([10.0, 8.0, 4.0]),
+        accept_sum=torch.tensor(21.0),
+        num_blocks=torch.tensor(10.0),
+    )
     m = finalize_metrics(counts, LossConfig())
     torch.testing.assert_close(m["acc_per_pos"], torch.tensor([0.8, 0.5, 0.25]))
-    assert m["eal"].item() == pytest.approx(0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.25)
+    assert m["accept_len"].item() == pytest.approx(2.1)  # per block: accepted drafts + the bonus token
 
 
 def test_streak_counts_consecutive_hits_from_slot_one():
@@ -134,9 +140,9 @@ def test_streak_counts_consecutive_hits_from_slot_one():
     preds = torch.tensor([[0, 1, 2, 0, 4], [0, 0, 2, 3, 4], [0, 1, 2, 3, 4]])
     hidden = torch.nn.functional.one_hot(preds, V).float() * 10
     _, m = dflash_loss(hidden, torch.eye(V), labels_only_batch(labels), LossConfig())
-    assert m["streak_sum"].item() == 2 + 0
+    assert m["accept_sum"].item() == (2 + 1) + (0 + 1)  # accepted run + the bonus, per scored block
     assert m["num_blocks"].item() == 2  # the block with nothing scored does not count
-    assert m["avg_streak"].item() == 1.0
+    assert m["accept_len"].item() == 2.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +224,7 @@ def test_summed_counts_equal_the_whole_batch():
         part = labels_only_batch(batch.labels_NB[sl], batch.topk_logprobs_NBK[sl], batch.topk_ids_NBK[sl])
         parts.append(dflash_loss(hidden[sl], head, part, cfg)[1])
     merged = finalize_metrics(sum_counts(parts), cfg)
-    for key in ("loss", "ce", "kl", "accuracy", "acc_per_pos", "avg_streak", "eal"):
+    for key in ("loss", "ce", "kl", "accuracy", "acc_per_pos", "accept_len"):
         torch.testing.assert_close(merged[key], whole[key], msg=key)
 
 
@@ -232,7 +238,7 @@ def test_global_normalizer_and_empty_batch():
     empty = labels_only_batch(torch.full_like(batch.labels_NB, -100))
     loss0, m0 = dflash_loss(h, head, empty, cfg)
     loss0.backward()
-    assert loss0.item() == 0 and m0["num_valid"].item() == 0 and torch.isfinite(m0["eal"])
+    assert loss0.item() == 0 and m0["num_valid"].item() == 0 and torch.isfinite(m0["accept_len"])
     assert h.grad.abs().sum() == 0
 
 
@@ -262,4 +268,4 @@ def test_tiny_drafter_overfits_fixed_samples():
     assert first["accuracy"] < 0.2
     assert last["accuracy"] >= 0.98, last["accuracy"]
     assert last["loss"] < 0.1 * first["loss"]
-    assert last["eal"] > 2.8  # 3 scored slots per block
+    assert last["accept_len"] > 3.8  # 3 scored slots per block, + the bonus

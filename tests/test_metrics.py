@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from stage2_train.metrics import (
+from stage2_train.observe.metrics import (
     LogConfig,
     MetricsSink,
     flatten_for_wandb,

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 from shared.target import TargetArch
 from shared.target_parts import load_embed_and_head
-from stage2_train import model as model_module
-from stage2_train.batch import DrafterBatch
-from stage2_train.model import DFlashDrafter, DrafterConfig, resolve_backend
+from stage2_train.data.batch import DrafterBatch
+from stage2_train.model import drafter as model_module
+from stage2_train.model.attention import resolve_backend
+from stage2_train.model.drafter import DFlashDrafter, DrafterConfig
 
 MASK_ID = 99
 

@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def config(target, data, run_dir, **extra):
-    return load_run_config(ROOT / "configs/default.yaml", stage1_overrides(target, data, run_dir, **extra), pipeline.SECTIONS)
+    return load_run_config(ROOT / "configs/default.yaml", stage1_overrides(target, data, run_dir, **extra))
 
 
 def contents(cfg) -> list:
-    return [(r["index"], r["checksum"], r["sample_ids"]) for r in read_manifest(pipeline.store_url(cfg))["shards"]]
+    return [(r["index"], r["checksum"], r["sample_ids"]) for r in read_manifest(cfg.store.url(cfg.run_dir))["shards"]]
 
 
 @pytest.fixture
@@ -60,8 +60,8 @@ def test_edited_row_reextracts_exactly_its_shard(built, tiny_target_dir, tmp_pat
     pipeline.cmd_extract(fresh, progress=False)
     assert contents(cfg) == contents(fresh)  # bit-identical to a full fresh extraction
     # The replaced shard's old group is gone; only listed groups remain.
-    listed = {r["name"] for r in read_manifest(pipeline.store_url(cfg))["shards"]}
-    assert set(p.name for p in (Path(pipeline.store_url(cfg)) / "shards").iterdir() if p.name.startswith("shard-")) == listed
+    listed = {r["name"] for r in read_manifest(cfg.store.url(cfg.run_dir))["shards"]}
+    assert set(p.name for p in (Path(cfg.store.url(cfg.run_dir)) / "shards").iterdir() if p.name.startswith("shard-")) == listed
 
 
 def test_changed_target_marks_every_shard_stale(built, tiny_target_dir, tmp_path):
@@ -89,7 +89,7 @@ def test_changed_target_marks_every_shard_stale(built, tiny_target_dir, tmp_path
 
 def test_appended_and_removed_rows(built, tiny_target_dir):
     cfg, data = built
-    sps = read_manifest(pipeline.store_url(cfg))["samples_per_shard"]
+    sps = read_manifest(cfg.store.url(cfg.run_dir))["samples_per_shard"]
     write_jsonl(data, chat_rows(30) + chat_rows(2 * sps, seed=5)[:sps])
     report = pipeline.cmd_status(cfg)
     assert report["counts"]["missing"] >= 1 and report["counts"]["current"] >= 1
@@ -100,12 +100,12 @@ def test_appended_and_removed_rows(built, tiny_target_dir):
     assert report["orphaned"] and report["counts"]["stale"] == 1
     out = pipeline.cmd_reprocess(cfg, progress=False)
     assert out["orphans_removed"]
-    assert pipeline.cmd_status(cfg)["complete"] and read_manifest(pipeline.store_url(cfg))["num_samples"] == 10
+    assert pipeline.cmd_status(cfg)["complete"] and read_manifest(cfg.store.url(cfg.run_dir))["num_samples"] == 10
 
 
 def chunk_file(cfg, array: str) -> Path:
-    record = read_manifest(pipeline.store_url(cfg))["shards"][1]
-    (path,) = [p for p in (Path(pipeline.store_url(cfg)) / "shards" / record["name"] / array / "c").rglob("*") if p.is_file()]
+    record = read_manifest(cfg.store.url(cfg.run_dir))["shards"][1]
+    (path,) = [p for p in (Path(cfg.store.url(cfg.run_dir)) / "shards" / record["name"] / array / "c").rglob("*") if p.is_file()]
     return path
 
 
@@ -113,7 +113,7 @@ def chunk_file(cfg, array: str) -> Path:
 def test_verify_catches_damage_and_repair_fixes_it(built, damage):
     cfg, _ = built
     good = contents(cfg)
-    name = read_manifest(pipeline.store_url(cfg))["shards"][1]["name"]
+    name = read_manifest(cfg.store.url(cfg.run_dir))["shards"][1]["name"]
     if damage == "flip_byte":
         path = chunk_file(cfg, "topk_ids")
         raw = bytearray(path.read_bytes())
@@ -123,7 +123,7 @@ def test_verify_catches_damage_and_repair_fixes_it(built, damage):
         path = chunk_file(cfg, "hidden")
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     else:
-        shutil.rmtree(Path(pipeline.store_url(cfg)) / "shards" / name)
+        shutil.rmtree(Path(cfg.store.url(cfg.run_dir)) / "shards" / name)
     report = pipeline.cmd_verify(cfg)
     assert not report["ok"] and [b["shard"] for b in report["bad_shards"]] == [name]
     repaired = pipeline.cmd_verify(cfg, repair=True, progress=False)
@@ -136,8 +136,8 @@ def test_verify_cli_exits_nonzero_naming_the_shard(built):
     import sys
 
     cfg, data = built
-    name = read_manifest(pipeline.store_url(cfg))["shards"][0]["name"]
-    shutil.rmtree(Path(pipeline.store_url(cfg)) / "shards" / name)
+    name = read_manifest(cfg.store.url(cfg.run_dir))["shards"][0]["name"]
+    shutil.rmtree(Path(cfg.store.url(cfg.run_dir)) / "shards" / name)
     overrides = stage1_overrides(Path(cfg.target.path), data, Path(cfg.run_dir))
     out = subprocess.run([sys.executable, "-m", "stage1_extract", "verify", *overrides], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 1 and name in out.stdout
@@ -158,7 +158,7 @@ def test_part_records_are_listed_once_and_read_without_per_shard_exists(built, m
             return _original(self, rel)
 
         monkeypatch.setattr(StoreFiles, name, counting)
-    shards = len(read_manifest(pipeline.store_url(cfg))["shards"])
+    shards = len(read_manifest(cfg.store.url(cfg.run_dir))["shards"])
     out = pipeline.cmd_extract(cfg, progress=False)
     assert out["shards_extracted_here"] == 0
     part_reads = [rel for name, rel in calls if name == "read_json" and rel.startswith("parts/")]

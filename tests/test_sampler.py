@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stage2_train.sampler import LengthMixedSampler, SamplerConfig, describe_steps
+from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig, describe_steps
 
 
 def lognormal_lengths(n: int, seed: int = 0) -> np.ndarray:

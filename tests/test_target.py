@@ -18,11 +18,35 @@ from shared.target import (
 
 
 def test_layer_rule_matches_published_drafters():
+    """z-lab's build_target_layer_ids exactly (dflash 0.1.0 `dflash/model.py`), rounding included."""
     assert dflash_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B DFlash drafter
     assert dflash_layer_ids(30, 3) == [1, 14, 27]
-    assert dflash_layer_ids(30, 1) == [1]
+    assert dflash_layer_ids(94, 5) == [1, 24, 46, 68, 91]  # round(23.5) = 24: not 1 + round(22.5) = 23
+    assert dflash_layer_ids(30, 1) == [15]  # one layer: the middle one
+    assert dflash_layer_ids(36, 1) == [18]
     with pytest.raises(ValueError, match="num_feature_layers=40"):
         dflash_layer_ids(30, 40)
+
+
+def zlab_rule(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published rule written out as z-lab writes it, for an exhaustive comparison."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + (i * (end - start)) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def test_layer_rule_equals_zlab_for_every_depth_and_count():
+    for layers in range(4, 129):
+        for count in range(1, min(layers - 3, 12) + 1):
+            assert dflash_layer_ids(layers, count) == zlab_rule(layers, count), (layers, count)
+
+
+def test_the_last_layer_is_refused():
+    arch = TargetArch.from_dir(default_target_dir())  # 30 layers
+    with pytest.raises(ValueError, match=r"includes the last layer \(29\).*serving engines never capture it"):
+        resolve_layer_ids(TargetConfig(layer_ids=[1, 14, 29]), arch)
+    assert resolve_layer_ids(TargetConfig(layer_ids=[1, 14, 28]), arch) == [1, 14, 28]
 
 
 def test_explicit_layer_ids_are_checked_against_the_target():

@@ -13,7 +13,7 @@ from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
 
 def prepared(tiny_target_dir, data, run_dir, **extra):
-    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra), pipeline.SECTIONS)
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra))
     return pipeline.prepare(cfg)
 
 

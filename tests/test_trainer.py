@@ -21,11 +21,11 @@ import yaml
 
 from shared.config import load_run_config
 from shared.store import StoreError
-from stage2_train import pipeline
+from stage2_train import commands
 from stage2_train.__main__ import main
-from stage2_train.data import open_store, open_train_data, resolve_target
-from stage2_train.metrics import read_log
-from stage2_train.trainer import OptimConfig, lr_factor
+from stage2_train.data.store import DataSettings, open_store, open_train_data, resolve_target
+from stage2_train.observe.metrics import read_log
+from stage2_train.train.schedules import OptimConfig, lr_factor
 from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def store(tiny_target_dir, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("stage1")
     data = write_jsonl(root / "chat.jsonl", chat_rows(40))
-    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, root / "run"), stage1.SECTIONS)
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, root / "run"))
     stage1.cmd_extract(cfg, progress=False)
     return root / "run" / "store"
 
@@ -77,21 +77,34 @@ def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str
 
 
 def config(target_dir, store, run_dir, **extra):
-    return load_run_config("configs/default.yaml", overrides(target_dir, store, run_dir, **extra), pipeline.SECTIONS)
+    return load_run_config("configs/default.yaml", overrides(target_dir, store, run_dir, **extra))
+
+
+def open_cfg_store(cfg):
+    return open_store(cfg.store.url(cfg.run_dir), resolve_target(cfg.target), need_topk=cfg.loss.kl_weight > 0)
+
+
+def open_cfg_data(cfg, rank=0, world_size=1):
+    settings = DataSettings(
+        block_size=cfg.model.block_size, seed=cfg.seed, holdout_fraction=cfg.eval.holdout_fraction,
+        split_seed=cfg.eval.split_seed, num_threads=1,
+    )
+    url = cfg.store.url(cfg.run_dir)
+    return open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
 
 
 @pytest.fixture(scope="module")
 def run(tiny_target_dir, store, tmp_path_factory) -> tuple[Path, dict]:
     """One 10-step training run (into the second epoch), shared by the log tests."""
     run_dir = tmp_path_factory.mktemp("train")
-    summary = pipeline.cmd_train(config(tiny_target_dir, store, run_dir), progress=False)
+    summary = commands.cmd_train(config(tiny_target_dir, store, run_dir), progress=False)
     return run_dir, summary
 
 
 # ---- the log ---------------------------------------------------------------------------------------
 TRAIN_FIELDS = {
     "step": int, "epoch": int, "step_in_epoch": int, "steps_in_epoch": int, "loss": float, "ce": float,
-    "kl": float, "accuracy": float, "acc_per_pos": list, "avg_streak": float, "eal": float, "lr": float,
+    "kl": float, "accuracy": float, "acc_per_pos": list, "accept_len": float, "lr": float,
     "noise_std": float, "grad_norm": float, "tokens": int, "samples": int, "blocks": int, "tok_per_s": float,
     "data_wait_frac": float, "data_s": float, "forward_s": float, "backward_s": float, "optim_s": float,
     "step_s": float, "elapsed_s": float, "time": float,
@@ -144,7 +157,8 @@ def test_run_start_holds_the_resolved_config_and_hyperparameters(run, tiny_targe
     assert hp["optim.betas"] == [0.9, 0.999] and hp["optim.lr"] == 3e-3 and hp["total_steps"] == MAX_STEPS
     assert hp["warmup_steps"] == 3 and hp["grad_accum"] == 1 and hp["loss.gamma"] == 4.0
     assert any("optim.lr" in w for w in hp["recipe_warnings"])
-    assert start["world_size"] == 1 and start["num_params"] > 0 and start["num_heldout_samples"] >= 1
+    resolved = start["config"]["resolved"]
+    assert resolved["world_size"] == 1 and start["num_params"] > 0 and resolved["num_heldout_samples"] >= 1
 
 
 def test_lr_warms_up_then_decays_by_cosine_and_noise_warms_up(run):
@@ -195,7 +209,7 @@ def edited_store(store: Path, tmp_path: Path, edit) -> Path:
         ("layer_ids", lambda m: None, {"target.layer_ids": [1, 2, 4]}),
         ("layer_ids", lambda m: None, {"target.num_feature_layers": 2}),
         ("tokenizer_sha256", lambda m: m.update(tokenizer_sha256="f" * 64), {}),
-        ("top_k", lambda m: None, {"loss.kl_weight": 0.1, "extract.top_k": 16}),
+        ("top_k", lambda m: m.update(top_k=0), {"loss.kl_weight": 0.1}),
         ("schema_version", lambda m: m.update(schema_version=99), {}),
     ],
 )
@@ -203,17 +217,17 @@ def test_a_mismatched_store_is_refused_by_name(tiny_target_dir, store, tmp_path,
     copy = edited_store(store, tmp_path, edit)
     cfg = config(tiny_target_dir, copy, tmp_path / "run", **extra)
     with pytest.raises(StoreError, match=field):
-        open_store(cfg, resolve_target(cfg), cfg.loss.kl_weight)
+        open_cfg_store(cfg)
 
 
 def test_kl_with_matching_top_k_is_accepted(tiny_target_dir, store, tmp_path):
     cfg = config(tiny_target_dir, store, tmp_path, **{"loss.kl_weight": 0.1})
-    assert len(open_store(cfg, resolve_target(cfg), cfg.loss.kl_weight)) == 40
+    assert len(open_cfg_store(cfg)) == 40
 
 
 def test_heldout_samples_are_never_trained_on(tiny_target_dir, store, tmp_path):
     cfg = config(tiny_target_dir, store, tmp_path, **{"eval.holdout_fraction": 0.2})
-    data = open_train_data(cfg, rank=0, world_size=1, num_threads=1)
+    data = open_cfg_data(cfg)
     heldout_ids = set(data.reader.sample_ids[data.heldout_indices].tolist())
     assert 2 <= len(heldout_ids) <= 20
     assert sorted(heldout_ids | set(data.train_reader.sample_ids.tolist())) == sorted(data.reader.sample_ids.tolist())
@@ -223,14 +237,28 @@ def test_heldout_samples_are_never_trained_on(tiny_target_dir, store, tmp_path):
     data.close()
     assert not heldout_ids & set(trained)
     assert sorted(trained) == sorted(data.train_reader.sample_ids.tolist())
-    other = open_train_data(cfg, rank=2, world_size=3, num_threads=1)  # the split ignores the rank count
+    other = open_cfg_data(cfg, rank=2, world_size=3)  # the split ignores the rank count
     assert set(other.reader.sample_ids[other.heldout_indices].tolist()) == heldout_ids
 
 
-def test_micro_batches_without_a_block_still_train(tiny_target_dir, store, tmp_path):
-    """Block size 48: most samples are too short for a block, so some micro-batches have none."""
-    extra = {"model.block_size": 48, "loss.gamma": 7.0, "sampler.token_budget": 128, "train.max_steps": 6}
-    pipeline.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+def no_anchor_for_even_samples(monkeypatch):
+    """Samples whose id is even yield no block (as an answer of one token would)."""
+    from stage2_train.data import anchors
+
+    real = anchors.AnchorSampler.anchors
+
+    def anchors_of(self, loss_mask_T, *, sample_id, epoch):
+        found = real(self, loss_mask_T, sample_id=sample_id, epoch=epoch)
+        return found[:0] if sample_id % 2 == 0 else found
+
+    monkeypatch.setattr(anchors.AnchorSampler, "anchors", anchors_of)
+
+
+def test_micro_batches_without_a_block_still_train(tiny_target_dir, store, tmp_path, monkeypatch):
+    """Half the samples yield no block, so some micro-batches of one or two samples have none."""
+    no_anchor_for_even_samples(monkeypatch)
+    extra = {"sampler.token_budget": 128, "train.max_steps": 6}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
     rows = read_log(tmp_path / "train_log.jsonl", "train")
     assert len(rows) == 6 and any(r["blocks"] == 0 for r in rows) and any(r["blocks"] > 0 for r in rows)
     for row in rows:
@@ -244,12 +272,12 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path):
     """Crash after step 5 of 6 (checkpoint at 3): the resumed run logs steps 4-6 exactly as before."""
     extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto", "sampler.max_anchors_per_seq": 2}
     cfg = config(tiny_target_dir, store, tmp_path, **extra)
-    pipeline.cmd_train(cfg, progress=False)
+    commands.cmd_train(cfg, progress=False)
     first = {r["step"]: r for r in read_log(tmp_path / "train_log.jsonl", "train")}
     ckpt = tmp_path / "checkpoints"
     shutil.rmtree(ckpt / "step_000006")
     (ckpt / "latest").write_text("step_000003")
-    summary = pipeline.cmd_train(cfg, progress=False)
+    summary = commands.cmd_train(cfg, progress=False)
     log = read_log(tmp_path / "train_log.jsonl")
     resume = [r for r in log if r.get("event") == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == 3 and resume[0]["path"].endswith("step_000003")
@@ -299,7 +327,9 @@ def test_doctor_reads_the_run_log(run, capsys):
     run_dir, _ = run
     code = main(["doctor", "--json", f"run_dir={run_dir}"])
     diagnosis = json.loads(capsys.readouterr().out)
-    assert code in (0, 1) and diagnosis["summary"]["log"] == str(run_dir / "train_log.jsonl")
+    assert diagnosis["summary"]["log"] == str(run_dir / "train_log.jsonl")
+    # 10 rows are fewer than the detectors' min_history_rows: nothing can be judged, so nothing fires.
+    assert code == 0 and diagnosis["events"] == [] and diagnosis["summary"]["healthy"]
 
 
 # ---- 1 process vs 2 ----------------------------------------------------------------------------------
@@ -308,7 +338,7 @@ def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
     """Same global batch: 1 rank x 2 micro-batches vs 2 ranks (torchrun, gloo) x 1 micro-batch."""
     extra = {"train.max_steps": 4, "sampler.token_budget": 256, "sampler.max_anchors_per_seq": 2}
     one = tmp_path / "one"
-    pipeline.cmd_train(config(tiny_target_dir, store, one, **{**extra, "sampler.grad_accum": 2}), progress=False)
+    commands.cmd_train(config(tiny_target_dir, store, one, **{**extra, "sampler.grad_accum": 2}), progress=False)
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "stage2_train", "train", "--no-progress"]
@@ -324,7 +354,7 @@ def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["tokens"] == a["tokens"] and b["blocks"] == a["blocks"]
     start = read_log(two / "train_log.jsonl", "event")[0]
-    assert start["world_size"] == 2
+    assert start["config"]["resolved"]["world_size"] == 2
     eval_one, eval_two = read_log(one / "train_log.jsonl", "eval"), read_log(two / "train_log.jsonl", "eval")
     assert eval_two[0]["ce"] == pytest.approx(eval_one[0]["ce"], rel=1e-5)
 

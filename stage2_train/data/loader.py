@@ -22,19 +22,16 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-from stage2_train.anchors import AnchorSampler
-from stage2_train.batch import DrafterBatch
-from stage2_train.sampler import LengthMixedSampler, MicroBatchRef
-
-IGNORE_INDEX = -100
+from stage2_train.data.anchors import AnchorSampler
+from stage2_train.data.batch import DrafterBatch, check_sample, collate
+from stage2_train.data.sampler import LengthMixedSampler, MicroBatchRef
 
 
 class SampleReader(Protocol):
@@ -56,91 +53,25 @@ class DataLoadError(RuntimeError):
 @dataclass
 class LoadedBatch:
     batch: DrafterBatch
-    epoch: int
-    step_in_epoch: int
-    micro_step: int
-    sample_indices: list[int]
+    ref: MicroBatchRef  # where it sits: epoch, step, micro-step, and its step's global totals
     num_samples_without_anchor: int  # samples of this micro-batch that yield no block this epoch
     data_wait_s: float  # time the consumer was blocked waiting for this micro-batch
 
+    @property
+    def epoch(self) -> int:
+        return self.ref.epoch
 
-def check_sample(sample: dict[str, Any], anchors_A: torch.Tensor, expected_length: int | None = None) -> None:
-    """ValueError when a sample's tensors disagree with each other, the store index, or its anchors."""
-    num_tokens = sample["input_ids_T"].shape[0]
-    if expected_length is not None and num_tokens != expected_length:
-        raise ValueError(f"has {num_tokens} tokens but the store's lengths say {expected_length}")
-    shapes = {
-        "input_ids_T": (num_tokens,),
-        "loss_mask_T": (num_tokens,),
-        "hidden_TLH": (num_tokens, None, None),
-        "topk_logprobs_TK": (num_tokens, None),
-        "topk_ids_TK": (num_tokens, None),
-    }
-    for name, want in shapes.items():
-        got = tuple(sample[name].shape)
-        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
-            raise ValueError(f"{name} has shape {list(got)}, expected {num_tokens} tokens x {len(want)} dims")
-    if len(anchors_A) and (int(anchors_A.min()) < 0 or int(anchors_A.max()) >= num_tokens):
-        raise ValueError(f"anchors {anchors_A.tolist()[:8]}... fall outside [0, {num_tokens})")
+    @property
+    def step_in_epoch(self) -> int:
+        return self.ref.step_in_epoch
 
+    @property
+    def micro_step(self) -> int:
+        return self.ref.micro_step
 
-def collate(
-    samples: Sequence[dict[str, Any]],
-    anchors_per_sample: Sequence[torch.Tensor],
-    *,
-    block_size: int,
-    mask_token_id: int,
-    gather_topk: bool = True,
-) -> DrafterBatch:
-    """Pack samples (no padding) and build their blocks, labels and target top-k.
-
-    Block n of sample s anchored at a: slots a+0 .. a+B-1. labels[n, k] = input_ids[a+k] when
-    k >= 1, a+k < T and loss_mask[a+k]; else -100. Top-k for slot k comes from position a+k-1 (the
-    target's prediction of token a+k) and is zero where the label is -100.
-    """
-    if len(samples) != len(anchors_per_sample):
-        raise ValueError(f"{len(samples)} samples but {len(anchors_per_sample)} anchor lists")
-    k_B = torch.arange(block_size)
-    context, positions, seqs = [], [], []
-    block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids = [], [], [], [], [], []
-    for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
-        ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
-        num_tokens = ids_T.shape[0]
-        hidden_TLH = sample["hidden_TLH"]
-        context.append(hidden_TLH.reshape(num_tokens, -1))
-        positions.append(torch.arange(num_tokens))
-        seqs.append(torch.full((num_tokens,), s, dtype=torch.long))
-        anchors_A = anchors_A.long()
-        pos_AB = anchors_A[:, None] + k_B[None, :]
-        inside_AB = pos_AB < num_tokens
-        pos_AB = pos_AB.clamp(max=num_tokens - 1)
-        scored_AB = inside_AB & mask_T[pos_AB]
-        scored_AB[:, 0] = False
-        labels.append(torch.where(scored_AB, ids_T[pos_AB], IGNORE_INDEX))
-        blocks_AB = torch.full_like(pos_AB, mask_token_id)
-        blocks_AB[:, 0] = ids_T[anchors_A]
-        block_ids.append(blocks_AB)
-        block_seq.append(torch.full((len(anchors_A),), s, dtype=torch.long))
-        anchor_pos.append(anchors_A)
-        if gather_topk:
-            prev_AB = (pos_AB - 1).clamp(min=0)
-            keep_AB1 = scored_AB[..., None]
-            topk_lp.append(torch.where(keep_AB1, sample["topk_logprobs_TK"][prev_AB].float(), 0.0))
-            topk_ids.append(torch.where(keep_AB1, sample["topk_ids_TK"][prev_AB].long(), 0))
-    context_TF = torch.cat(context)
-    return DrafterBatch(
-        context_TF=context_TF,
-        context_pos_T=torch.cat(positions),
-        context_seq_T=torch.cat(seqs),
-        block_ids_NB=torch.cat(block_ids),
-        block_seq_N=torch.cat(block_seq),
-        anchor_pos_N=torch.cat(anchor_pos),
-        labels_NB=torch.cat(labels),
-        topk_logprobs_NBK=torch.cat(topk_lp) if gather_topk else None,
-        topk_ids_NBK=torch.cat(topk_ids) if gather_topk else None,
-        num_samples=len(samples),
-        num_tokens=context_TF.shape[0],
-    )
+    @property
+    def sample_indices(self) -> list[int]:
+        return self.ref.indices
 
 
 class PrefetchLoader:
@@ -271,10 +202,7 @@ class PrefetchLoader:
             ) from exc
         return LoadedBatch(
             batch=batch,
-            epoch=ref.epoch,
-            step_in_epoch=ref.step_in_epoch,
-            micro_step=ref.micro_step,
-            sample_indices=ref.indices,
+            ref=ref,
             num_samples_without_anchor=sum(1 for a in anchors if len(a) == 0),
             data_wait_s=0.0,
         )

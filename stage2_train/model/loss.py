@@ -34,9 +34,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from shared.config import Section
-from stage2_train.batch import DrafterBatch
+from stage2_train.data.batch import IGNORE, DrafterBatch
 
-IGNORE = -100
 RECIPE_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 COUNT_KEYS = (
     "ce_sum",  # sum of w * CE over scored slots
@@ -45,7 +44,7 @@ COUNT_KEYS = (
     "num_valid",  # scored slots
     "correct_per_pos",  # [P] argmax == label, per slot 1..B-1
     "valid_per_pos",  # [P] scored slots per position
-    "streak_sum",  # sum over blocks of consecutive correct slots from slot 1
+    "accept_sum",  # sum over scored blocks of 1 + consecutive correct slots from slot 1
     "num_blocks",  # blocks with at least one scored slot
 )
 
@@ -55,13 +54,16 @@ def recipe_gamma(block_size: int) -> float | None:
     return RECIPE_GAMMA.get(block_size)
 
 
-@dataclass(kw_only=True)
 class LossConfig(Section):
     section: ClassVar[str] = "loss"
-    gamma: float = 7.0  # position decay; 7 for B=16 (5 for B=10, 4 for B=8)
+    gamma: float = 7.0
+    """Position decay; 7 for B=16 (5 for B=10, 4 for B=8)."""
     ce_weight: float = 1.0
-    kl_weight: float = 0.0  # top-k KL against the stored target distribution; 0 in the recipe
-    ce_chunk: int = 128  # blocks per LM-head chunk (Qwen3, V=151936: 128*16 rows ~ 1.2 GB fp32)
+    """Weight of cross-entropy against the stored next token."""
+    kl_weight: float = 0.0
+    """Top-k KL against the stored target distribution; 0 in the recipe."""
+    ce_chunk: int = 128
+    """Blocks per LM-head chunk (Qwen3, V=151936: 128*16 rows ~ 1.2 GB fp32)."""
 
     def validate(self) -> None:
         self.require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", "must be a finite number > 0")
@@ -124,6 +126,68 @@ def _chunk_terms(hidden_MH, lm_head_VH, labels_M, w_M, topk_lp_MK, topk_ids_MK):
     return ce_sum, (w_M * kl_M).sum(), correct_M
 
 
+@dataclass
+class ScoredRows:
+    """The scored slots of a micro-batch as rows: M = slots whose label is not IGNORE."""
+
+    rows_M: torch.Tensor  # indices into the N * B slots
+    hidden_MH: torch.Tensor
+    labels_M: torch.Tensor
+    w_M: torch.Tensor
+    topk_lp_MK: torch.Tensor | None
+    topk_ids_MK: torch.Tensor | None
+
+
+def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, with_topk: bool) -> ScoredRows:
+    N, B, H = hidden_NBH.shape
+    labels_NB = batch.labels_NB
+    if with_topk and (batch.topk_logprobs_NBK is None or batch.topk_ids_NBK is None):
+        raise ValueError("loss.kl_weight > 0 needs a store with top-k log-probs (the batch has none)")
+    rows_M = (labels_NB != IGNORE).reshape(-1).nonzero()[:, 0]
+    topk_lp_MK = topk_ids_MK = None
+    if with_topk:
+        K = batch.topk_ids_NBK.shape[-1]
+        topk_lp_MK = batch.topk_logprobs_NBK.reshape(N * B, K)[rows_M]
+        topk_ids_MK = batch.topk_ids_NBK.reshape(N * B, K)[rows_M].long()
+    return ScoredRows(
+        rows_M=rows_M,
+        hidden_MH=hidden_NBH.reshape(N * B, H)[rows_M],
+        labels_M=labels_NB.reshape(-1)[rows_M],
+        w_M=loss_weights(labels_NB, gamma).reshape(-1)[rows_M],
+        topk_lp_MK=topk_lp_MK,
+        topk_ids_MK=topk_ids_MK,
+    )
+
+
+def lm_head_terms(
+    rows: ScoredRows, lm_head_VH: torch.Tensor, rows_per_chunk: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum w*CE, sum w*KL, correct_M) through the frozen LM head, `rows_per_chunk` rows at a time,
+    each chunk under activation checkpointing when it needs a backward (one [rows, V] at a time)."""
+    ce_sum = kl_sum = like.sum() * 0.0  # keeps the graph when nothing is scored
+    correct_parts = []
+    num_rows = len(rows.rows_M)
+    chunked = num_rows > rows_per_chunk and torch.is_grad_enabled() and like.requires_grad
+    for start in range(0, num_rows, rows_per_chunk):
+        sl = slice(start, start + rows_per_chunk)
+        args = (
+            rows.hidden_MH[sl],
+            lm_head_VH,
+            rows.labels_M[sl],
+            rows.w_M[sl],
+            None if rows.topk_lp_MK is None else rows.topk_lp_MK[sl],
+            None if rows.topk_ids_MK is None else rows.topk_ids_MK[sl],
+        )
+        if chunked:
+            c_sum, k_sum, correct_M = checkpoint(_chunk_terms, *args, use_reentrant=False)
+        else:
+            c_sum, k_sum, correct_M = _chunk_terms(*args)
+        ce_sum, kl_sum = ce_sum + c_sum, kl_sum + k_sum
+        correct_parts.append(correct_M)
+    correct_M = torch.cat(correct_parts) if correct_parts else rows.labels_M.new_zeros(0, dtype=torch.bool)
+    return ce_sum, kl_sum, correct_M
+
+
 def dflash_loss(
     hidden_NBH: torch.Tensor,
     lm_head_VH: torch.Tensor,
@@ -136,90 +200,75 @@ def dflash_loss(
     `normalizer`: divide the weighted sums by this instead of this micro-batch's weight sum
     (pass the weight sum of the whole optimizer step for an exact per-token mean).
     """
-    N, B, H = hidden_NBH.shape
-    labels_NB = batch.labels_NB
-    use_kl = cfg.kl_weight > 0
-    if use_kl and (batch.topk_logprobs_NBK is None or batch.topk_ids_NBK is None):
-        raise ValueError("loss.kl_weight > 0 needs a store with top-k log-probs (the batch has none)")
-
-    w_NB = loss_weights(labels_NB, cfg.gamma)
-    valid_NB = labels_NB != IGNORE
-    rows_M = valid_NB.reshape(-1).nonzero()[:, 0]
-    hidden_MH = hidden_NBH.reshape(N * B, H)[rows_M]
-    labels_M = labels_NB.reshape(-1)[rows_M]
-    w_M = w_NB.reshape(-1)[rows_M]
-    topk_lp_MK = topk_ids_MK = None
-    if use_kl:
-        K = batch.topk_ids_NBK.shape[-1]
-        topk_lp_MK = batch.topk_logprobs_NBK.reshape(N * B, K)[rows_M]
-        topk_ids_MK = batch.topk_ids_NBK.reshape(N * B, K)[rows_M].long()
-
-    ce_sum = kl_sum = hidden_NBH.sum() * 0.0  # keeps the graph when nothing is scored
-    correct_parts = []
-    rows_per_chunk = cfg.ce_chunk * B
-    chunked = len(rows_M) > rows_per_chunk and torch.is_grad_enabled() and hidden_NBH.requires_grad
-    for start in range(0, len(rows_M), rows_per_chunk):
-        sl = slice(start, start + rows_per_chunk)
-        args = (
-            hidden_MH[sl],
-            lm_head_VH,
-            labels_M[sl],
-            w_M[sl],
-            None if topk_lp_MK is None else topk_lp_MK[sl],
-            None if topk_ids_MK is None else topk_ids_MK[sl],
-        )
-        if chunked:
-            c_sum, k_sum, correct_M = checkpoint(_chunk_terms, *args, use_reentrant=False)
-        else:
-            c_sum, k_sum, correct_M = _chunk_terms(*args)
-        ce_sum = ce_sum + c_sum
-        kl_sum = kl_sum + k_sum
-        correct_parts.append(correct_M)
-
-    weight_sum = w_M.sum()
-    denom = weight_sum.clamp_min(1e-12) if normalizer is None else normalizer
+    N, B, _ = hidden_NBH.shape
+    rows = scored_rows(hidden_NBH, batch, cfg.gamma, with_topk=cfg.kl_weight > 0)
+    ce_sum, kl_sum, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk * B, like=hidden_NBH)
+    denom = rows.w_M.sum().clamp_min(1e-12) if normalizer is None else normalizer
     loss = (cfg.ce_weight * ce_sum + cfg.kl_weight * kl_sum) / denom
-
     with torch.no_grad():
+        labels_NB = batch.labels_NB
         correct_NB = torch.zeros(N * B, dtype=torch.bool, device=labels_NB.device)
-        if correct_parts:
-            correct_NB[rows_M] = torch.cat(correct_parts)
-        correct_NB = correct_NB.view(N, B)
-        streak_N = correct_NB[:, 1:].long().cumprod(1).sum(1)  # unscored slots count as wrong
-        counts = {
-            "ce_sum": ce_sum.detach().float(),
-            "kl_sum": kl_sum.detach().float(),
-            "weight_sum": weight_sum.float(),
-            "num_valid": valid_NB.sum(),
-            "correct_per_pos": correct_NB[:, 1:].sum(0),
-            "valid_per_pos": valid_NB[:, 1:].sum(0),
-            "streak_sum": streak_N.sum(),
-            "num_blocks": valid_NB.any(1).sum(),
-        }
+        correct_NB[rows.rows_M] = correct_M
+        counts = block_counts(
+            correct_NB.view(N, B), labels_NB != IGNORE, loss_weights(labels_NB, cfg.gamma), ce_sum.detach(), kl_sum.detach()
+        )
     return loss, {**counts, **finalize_metrics(counts, cfg)}
 
 
-def expected_acceptance_length(acc_P: torch.Tensor) -> torch.Tensor:
-    """eal = sum_k prod_{i<=k} acc_i (speculators `models/dflash/metrics.py`)."""
-    return acc_P.cumprod(-1).sum(-1)
+def block_counts(
+    correct_NB: torch.Tensor, valid_NB: torch.Tensor, w_NB: torch.Tensor, ce_sum: torch.Tensor, kl_sum: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The COUNT_KEYS of some blocks.
+
+    A block's acceptance length is what one verification of it would yield: its run of correct
+    scored slots from slot 1, plus the target's bonus token, except when the run ran into an
+    unscored slot (the end of the response): decoding stops there, with no bonus. So offline
+    blocks give decoding's numbers at response ends too."""
+    scored_N = valid_NB.any(1)
+    accept_N = accept_lengths(correct_NB, valid_NB)
+    return {
+        "ce_sum": ce_sum.float(),
+        "kl_sum": kl_sum.float(),
+        "weight_sum": (w_NB * valid_NB).sum().float(),
+        "num_valid": valid_NB.sum(),
+        "correct_per_pos": (correct_NB & valid_NB)[:, 1:].sum(0),
+        "valid_per_pos": valid_NB[:, 1:].sum(0),
+        "accept_sum": (accept_N * scored_N).sum(),
+        "num_blocks": scored_N.sum(),
+    }
+
+
+def accept_lengths(correct_NB: torch.Tensor, valid_NB: torch.Tensor) -> torch.Tensor:
+    """Per block: 1 + correct scored slots in a row from slot 1, less the bonus when that run ended
+    at an unscored slot (the response ended; decoding gets no token past it)."""
+    run_N = (correct_NB[:, 1:] & valid_NB[:, 1:]).long().cumprod(1).sum(1)
+    B = correct_NB.shape[1]
+    stop_N = (run_N + 1).clamp(max=B - 1)  # the slot where the run stopped
+    ran_out_N = (run_N + 1 < B) & ~valid_NB.gather(1, stop_N[:, None])[:, 0]
+    return run_N + (~ran_out_N).long()
 
 
 def finalize_metrics(counts: dict[str, torch.Tensor], cfg: LossConfig) -> dict[str, torch.Tensor]:
-    """Ratios from (summed) counts. A position with no scored slot has accuracy 0."""
+    """Ratios from (summed) counts; each metric is defined once here (README: "Metrics").
+
+    accuracy     scored slots whose argmax equals the label
+    acc_per_pos  the same per slot 1..B-1
+    accept_len   mean over scored blocks of 1 + accepted drafts (the bonus token included): the
+                 tokens a verification of that block would give. vllm-project/speculators 0.9.0
+                 reports this as `eal`. Every anchor counts once, so easy stretches weigh more than
+                 in decoding; `walk_tau` (offline eval) corrects that, `tau` is measured decoding."""
     c = {k: counts[k].float() for k in COUNT_KEYS}
-    acc_P = c["correct_per_pos"] / c["valid_per_pos"].clamp_min(1)
+    weight = c["weight_sum"].clamp_min(1e-12)
     return {
-        "loss": (cfg.ce_weight * c["ce_sum"] + cfg.kl_weight * c["kl_sum"])
-        / c["weight_sum"].clamp_min(1e-12),
-        "ce": c["ce_sum"] / c["weight_sum"].clamp_min(1e-12),
-        "kl": c["kl_sum"] / c["weight_sum"].clamp_min(1e-12),
+        "loss": (cfg.ce_weight * c["ce_sum"] + cfg.kl_weight * c["kl_sum"]) / weight,
+        "ce": c["ce_sum"] / weight,
+        "kl": c["kl_sum"] / weight,
         "accuracy": c["correct_per_pos"].sum() / c["num_valid"].clamp_min(1),
-        "acc_per_pos": acc_P,
-        "avg_streak": c["streak_sum"] / c["num_blocks"].clamp_min(1),
-        "eal": expected_acceptance_length(acc_P),
+        "acc_per_pos": c["correct_per_pos"] / c["valid_per_pos"].clamp_min(1),
+        "accept_len": c["accept_sum"] / c["num_blocks"].clamp_min(1),
     }
 
 
 def sum_counts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Add the counts of several micro-batches (for ranks: all_reduce each COUNT_KEYS tensor)."""
+    """Add the counts of several micro-batches or packs (ranks: `all_reduce` the same keys)."""
     return {k: torch.stack([p[k].float() for p in parts]).sum(0) for k in COUNT_KEYS}

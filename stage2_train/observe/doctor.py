@@ -20,7 +20,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from stage2_train.detectors import DetectorConfig, detect, finite, normalize
+from shared.errors import InputFileError
+from stage2_train.observe.detectors import DetectorConfig, detect, finite, normalize
+from stage2_train.observe.metrics import read_records
 
 # Strongest explanation first, by kind of event; `stall` covers stall and step_gap found by the detectors.
 CAUSES_OF_PAUSE = ("checkpoint", "eval", "resume", "epoch")
@@ -28,30 +30,12 @@ CAUSES_OF_CHANGE = ("nan", "checkpoint", "resume", "stall", "epoch", "lr", "nois
 CAUSES_OF_SLOWDOWN = ("data", "checkpoint", "resume", "stall", "epoch", "eval")
 
 
-def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """(records, number of unreadable lines): a crash may leave a torn last line."""
-    records, bad = [], 0
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            bad += 1
-    return records, bad
-
-
 def resolve_log(path: Path) -> Path:
     path = Path(path)
     if path.is_dir():
         path = path / "train_log.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"no training log at {path}")
+        raise InputFileError(f"no training log at {path}")
     return path
 
 
@@ -331,7 +315,7 @@ def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -
         "epochs": [min(epochs), max(epochs)] if epochs else None,
         "final": {
             k: last[k] if math.isfinite(last[k]) else str(last[k])
-            for k in ("loss", "accuracy", "eal")
+            for k in ("loss", "accuracy", "accept_len")
             if last[k] is not None
         },
         "cannot_tell": info["cannot_tell"],
@@ -382,14 +366,14 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     return "\n".join(lines)
 
 
-def cmd_doctor(log_path: Path, as_json: bool) -> tuple[str, int]:
-    """(text to print, exit code): 0 when the log shows no event, 1 when it shows any.
+def doctor(log_path: Path, as_json: bool, cfg: DetectorConfig | None = None) -> tuple[str, int]:
+    """(text to print, exit code): 0 when the log shows no event, 1 when it shows any. The
+    thresholds are the `doctor` section's, the same the trainer's live detectors use.
 
-    `log_path` may be a run directory (its train_log.jsonl is read). A missing or empty log raises
-    FileNotFoundError / ValueError, which the CLI reports with its error exit code."""
+    `log_path` may be a run directory (its train_log.jsonl is read)."""
     path = resolve_log(log_path)
-    records, unreadable = read_log(path)
-    diagnosis = diagnose(records)
+    records, unreadable = read_records(path)
+    diagnosis = diagnose(records, cfg)
     diagnosis["summary"]["unreadable_lines"] = unreadable
     diagnosis["summary"]["log"] = str(path)
     code = 0 if diagnosis["summary"]["healthy"] else 1

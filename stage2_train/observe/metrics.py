@@ -21,7 +21,6 @@ import math
 import os
 import secrets
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -30,14 +29,15 @@ from shared.config import Section
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-@dataclass(kw_only=True)
 class LogConfig(Section):
     section: ClassVar[str] = "log"
-    every_steps: int = 1  # optimizer steps between train rows (and progress-bar updates)
+    every_steps: int = 1
+    """Optimizer steps between train rows (and progress-bar updates)."""
     wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
     project: str = "dflash"
     entity: str | None = None
-    run_name: str | None = None  # None: the run directory's name
+    run_name: str | None = None
+    """None: the run directory's name."""
 
     def validate(self) -> None:
         self.require(self.every_steps >= 1, "every_steps", "must be >= 1")
@@ -161,7 +161,25 @@ class MetricsSink:
             self._file = None
 
 
+def read_records(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """(records, number of unreadable lines) of a JSONL log. A crash mid-write leaves a torn (or,
+    cut inside a multi-byte character, non-UTF-8) last line: such lines are counted, not fatal."""
+    records, bad = [], 0
+    for raw in Path(path).read_bytes().splitlines():
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
+
+
 def read_log(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
-    """The rows of a train_log.jsonl, optionally only those of one kind."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r.get("kind") == kind]
+    """The readable rows of a train_log.jsonl, optionally only those of one kind."""
+    return [r for r in read_records(path)[0] if kind is None or r.get("kind") == kind]

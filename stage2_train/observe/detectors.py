@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shared.config import Section
@@ -42,7 +41,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "t": ("elapsed_s", "elapsed", "wall_s", "time_s", "time", "timestamp"),
     "loss": ("loss", "train_loss", "train/loss"),
     "accuracy": ("accuracy", "acc", "train_acc", "train/accuracy"),
-    "eal": ("eal", "acceptance_length", "expected_acceptance_length", "tau"),
+    "accept_len": ("accept_len", "eal", "acceptance_length", "expected_acceptance_length", "tau"),
     "lr": ("lr", "learning_rate", "train/lr"),
     "noise_std": ("noise_std", "noise"),
     "grad_norm": ("grad_norm", "gnorm", "grad-norm", "total_norm"),
@@ -56,25 +55,40 @@ ALIASES: dict[str, tuple[str, ...]] = {
 RESET_EVENTS = ("resume", "run_start")  # run_start at step 0 after earlier rows: a fresh run
 
 
-@dataclass(kw_only=True)
 class DetectorConfig(Section):
     section: ClassVar[str] = "doctor"
-    window_rows: int = 50  # trailing window of accepted values, in logged rows
-    min_history_rows: int = 20  # values in the window before anything is judged
-    warmup_rows: int = 10  # pace/throughput rows ignored at the start and after a resume
-    sustain_rows: int = 5  # consecutive low rows that make a cliff or a throughput drop
-    spike_k: float = 6.0  # loss spike: above median + k*sigma ...
-    spike_min_ratio: float = 2.5  # ... and above ratio * median
-    recovery_tol: float = 0.15  # recovered: loss <= max(median * (1 + tol), median + 3 sigma)
-    stall_k: float = 6.0  # stall: seconds per step above median + k*sigma ...
-    stall_min_ratio: float = 3.0  # ... and the gap above ratio * expected ...
-    stall_min_s: float = 1.0  # ... and at least this many seconds lost
-    step_gap_ratio: float = 4.0  # step gap: step delta above ratio * usual delta (90th percentile)
-    cliff_k: float = 6.0  # accuracy cliff: below median - k*sigma ...
-    cliff_min_drop: float = 0.03  # ... and at least this much below (absolute) ...
-    cliff_min_rel: float = 0.3  # ... and at least this fraction below
+    window_rows: int = 50
+    """Trailing window of accepted values, in logged rows."""
+    min_history_rows: int = 20
+    """Values in the window before anything is judged."""
+    warmup_rows: int = 10
+    """Pace/throughput rows ignored at the start and after a resume."""
+    sustain_rows: int = 5
+    """Consecutive low rows that make a cliff or a throughput drop."""
+    spike_k: float = 6.0
+    """A loss spike lies above median + spike_k * sigma of the window (and passes spike_min_ratio)."""
+    spike_min_ratio: float = 2.5
+    """A loss spike also lies above spike_min_ratio * the window's median."""
+    recovery_tol: float = 0.15
+    """Recovered from a spike: loss <= max(median * (1 + recovery_tol), median + 3 sigma)."""
+    stall_k: float = 6.0
+    """A stall takes seconds per step above median + stall_k * sigma (and passes the two below)."""
+    stall_min_ratio: float = 3.0
+    """A stall's gap is also above stall_min_ratio * the expected time."""
+    stall_min_s: float = 1.0
+    """A stall loses at least this many seconds."""
+    step_gap_ratio: float = 4.0
+    """Step gap: logged steps jump by more than this ratio * the usual delta (90th percentile)."""
+    cliff_k: float = 6.0
+    """An accuracy cliff lies below median - cliff_k * sigma (and passes the two below)."""
+    cliff_min_drop: float = 0.03
+    """An accuracy cliff drops at least this much (absolute)."""
+    cliff_min_rel: float = 0.3
+    """An accuracy cliff drops at least this fraction of the median."""
     throughput_k: float = 6.0
-    throughput_min_rel: float = 0.4  # tokens/s at least this fraction below its median
+    """A throughput drop lies below median - throughput_k * sigma of tokens/s."""
+    throughput_min_rel: float = 0.4
+    """A throughput drop loses at least this fraction of the median tokens/s."""
 
     def validate(self) -> None:
         for key in ("window_rows", "min_history_rows", "sustain_rows"):
@@ -433,7 +447,6 @@ class LiveDetectors:
 
     def __init__(self, cfg: DetectorConfig | None = None):
         self.cfg = cfg or DetectorConfig()
-        self.events: list[dict[str, Any]] = []  # every event returned by this object, in order
         self.pace = _Pace(self.cfg)
         self.loss = _Spike(self.cfg)
         self.accuracy = _Drop(
@@ -475,7 +488,6 @@ class LiveDetectors:
                 self.throughput_warmup -= 1
             elif ev := self.throughput.update(step, row["tok_per_s"]):
                 events.append(ev)
-        self.events.extend(events)
         return events
 
     def _nan(self, step: int, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -532,6 +544,4 @@ class LiveDetectors:
 def detect(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -> list[dict[str, Any]]:
     """Every event of a whole log (records in file order), recovery filled in."""
     live = LiveDetectors(cfg)
-    for record in records:
-        live.update(record)
-    return live.events
+    return [event for record in records for event in live.update(record)]

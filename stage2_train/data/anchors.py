@@ -2,8 +2,9 @@
 
 Anchor t of a sample with T tokens is valid when
     loss_mask[t] and loss_mask[t + 1]     (the anchor and the first drafted token are supervised)
-    t + block_size <= T                   (the whole block t .. t+B-1 lies inside the sample: an
-                                           anchor is never within block_size of the end, as in SpecForge)
+as in SpecForge's DFlash training. Anchors near the end of a response are allowed: a block's slots
+past the sample end, or on unsupervised tokens, carry no loss (`collate` gives them IGNORE), so the
+drafter learns the last tokens of an answer, its end-of-turn token included, from slot 1 too.
 Each epoch draws up to `sampler.max_anchors_per_seq` of them without replacement (all of them when
 there are fewer), from a generator seeded by (seed, epoch, sample_id): no state, so resume is
 exact by construction and two ranks never disagree. A sample with no valid anchor yields zero
@@ -17,19 +18,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from stage2_train.sampler import SamplerConfig
+from stage2_train.data.sampler import SamplerConfig
 
 
 def valid_anchor_positions(loss_mask_T: torch.Tensor, block_size: int) -> np.ndarray:
-    """Positions t with loss_mask[t] & loss_mask[t+1] & t + block_size <= T, ascending (int64)."""
+    """Positions t with loss_mask[t] & loss_mask[t + 1], ascending (int64)."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {block_size}")
     mask = np.asarray(loss_mask_T.cpu().numpy(), dtype=bool)
-    last = len(mask) - block_size  # largest valid anchor
-    if last < 0:
-        return np.zeros(0, dtype=np.int64)
-    ok = mask[: last + 1] & mask[1 : last + 2]
-    return np.flatnonzero(ok).astype(np.int64)
+    return np.flatnonzero(mask[:-1] & mask[1:]).astype(np.int64)
 
 
 class AnchorSampler:

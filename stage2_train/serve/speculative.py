@@ -37,10 +37,9 @@ from typing import Any, Protocol
 
 import torch
 
-from stage2_train.batch import DrafterBatch
-from stage2_train.model import DFlashDrafter
-
-IGNORE = -100
+from shared.target import LayerCapture
+from stage2_train.data.batch import IGNORE, DrafterBatch
+from stage2_train.model.drafter import DFlashDrafter
 
 
 class Proposer(Protocol):
@@ -146,47 +145,15 @@ class NgramProposer:
 # Feature capture
 
 
-class FeatureCapture:
-    """Forward hooks keeping the outputs of the chosen decoder layers (decoder layer i's output is
-    HF `hidden_states[i + 1]`; taken from the layer itself, so i = L - 1 is not the final-normed
-    state that `hidden_states[L]` holds). `take()` -> [T, F] of the last forward, layers in order."""
-
-    def __init__(self, model: Any, layer_ids: list[int]):
-        layers = model.get_decoder().layers
-        if max(layer_ids) >= len(layers):
-            raise ValueError(f"layer ids {layer_ids} exceed the target's {len(layers)} layers")
-        self.layer_ids = list(layer_ids)
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-
-    def _hook(self, layer_id: int):
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def take(self) -> torch.Tensor:
-        """[T, F] for the single sequence of the last forward."""
-        out = torch.cat([self.outputs[i][0] for i in self.layer_ids], dim=-1)
-        self.outputs.clear()
-        return out
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
 @torch.no_grad()
 def capture_features(target: Any, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
     """[T, L, H]: the feature layers' outputs for a whole sequence (what stage 1 stores)."""
-    capture = FeatureCapture(target, layer_ids)
+    capture = LayerCapture(target, layer_ids)
     try:
         target(input_ids=torch.tensor([input_ids], device=target.device), use_cache=False, logits_to_keep=1)
-        features_TF = capture.take()
+        return capture.stacked()[0]
     finally:
         capture.close()
-    return features_TF.view(len(input_ids), len(layer_ids), -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +243,7 @@ def speculative_generate(
     _check_request(prompt_ids, max_new_tokens)
     eos = _eos_set(eos_token_ids)
     device = target.device
-    capture = FeatureCapture(target, proposer.feature_layer_ids) if proposer.feature_layer_ids else None
+    capture = LayerCapture(target, proposer.feature_layer_ids) if proposer.feature_layer_ids else None
     draft_s = 0.0
     acceptance: list[int] = []
     proposals: list[tuple[int, list[int]]] = []
@@ -284,7 +251,7 @@ def speculative_generate(
     try:
         cache, cache_kw = _new_cache(target)
         out = target(input_ids=torch.tensor([prompt_ids], device=device), **cache_kw, logits_to_keep=1)
-        context_TF = capture.take() if capture else None
+        context_TF = capture.stacked()[0].flatten(-2) if capture else None
         tokens = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
         generated = 1
         while generated < max_new_tokens and tokens[-1] not in eos:
@@ -310,7 +277,7 @@ def speculative_generate(
             if rejected:
                 cache.crop(-rejected)  # the cache now ends at the last accepted position
             if capture:
-                context_TF = torch.cat([context_TF, capture.take()[: accepted + 1]])
+                context_TF = torch.cat([context_TF, capture.stacked()[0].flatten(-2)[: accepted + 1]])
             tokens += new_tokens
             generated += len(new_tokens)
             acceptance.append(len(new_tokens))

@@ -23,38 +23,81 @@ Every sample appears exactly once per epoch on exactly one rank, nothing is drop
 and every rank runs the same number of steps (DDP needs it). Bin j of a step goes to rank
 j // grad_accum as its micro-batch j % grad_accum. Resume state is (epoch, step_in_epoch,
 micro_step, seed) plus the settings that shape the plan, checked on load.
+
+Cost at scale (902K samples, 32 micro-batches per step: ~1 s per plan, `bench/sampler.py`): each
+rank builds each epoch's plan exactly once (`plan_builds` counts them), kept compactly (one index
+array plus offsets, ~8 bytes per sample) for the current and the next epoch only. The next epoch is
+planned in a background thread as soon as an epoch's micro-batches start flowing (`upcoming`), so
+no epoch boundary waits for planning; start-up plans epoch 0 alone, and the run's length is
+`estimated_total_steps` (epochs x epoch 0's steps; later epochs differ by a step or so).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import itertools
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from shared.config import Section
 
-# A global epoch plan: steps x (world_size * grad_accum) micro-batches x sample indices.
-EpochPlan = list[list[list[int]]]
+
+class EpochPlan:
+    """A global epoch plan: steps x (world_size * grad_accum) micro-batches x sample indices, kept as
+    one index array and offsets (a list of lists of Python ints costs ~5x the memory at 900K
+    samples). `plan[step]` is that step's micro-batches as lists."""
+
+    def __init__(self, steps: list[list[list[int]]], num_bins: int, lengths: np.ndarray):
+        self.num_bins = num_bins
+        flat = [i for step in steps for b in step for i in b]
+        self.indices = np.asarray(flat, dtype=np.int64)
+        sizes = [len(b) for step in steps for b in step]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        per_step = self.offsets[::num_bins]
+        token_cum = np.concatenate([[0], np.cumsum(lengths[self.indices])])
+        self.step_tokens = np.diff(token_cum[per_step])
+        self.step_samples = np.diff(per_step)
+
+    def __len__(self) -> int:
+        return len(self.step_tokens)
+
+    def __getitem__(self, step: int) -> list[list[int]]:
+        if not 0 <= step < len(self):
+            raise IndexError(f"step {step} outside the epoch's {len(self)} steps")
+        return [self.bin(step, b) for b in range(self.num_bins)]
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        return (self[s] for s in range(len(self)))
+
+    def bin(self, step: int, b: int) -> list[int]:
+        j = step * self.num_bins + b
+        return self.indices[self.offsets[j] : self.offsets[j + 1]].tolist()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, EpochPlan)
+            and np.array_equal(self.indices, other.indices)
+            and np.array_equal(self.offsets, other.offsets)
+        )
 
 
-@dataclass(kw_only=True)
 class SamplerConfig(Section):
     section: ClassVar[str] = "sampler"
-    # Real (unpadded) context tokens per micro-batch per rank. Samples longer than this are an error.
     token_budget: int = 16384
-    # Optional cap on samples per micro-batch; None = tokens are the only limit.
+    """Real (unpadded) context tokens per micro-batch per rank. Samples longer than this are an error."""
     max_samples_per_batch: int | None = None
-    # Micro-batches per optimizer step on each rank.
+    """Optional cap on samples per micro-batch; None = tokens are the only limit."""
     grad_accum: int = 1
-    # Each step's window over-fills the step by this fraction; the surplus carries to the next step.
+    """Micro-batches per optimizer step on each rank."""
     window_slack: float = 0.05
-    # Anchors (blocks) drawn per sequence per epoch, used by AnchorSampler. DFlash recipe: 512.
+    """Each step's window over-fills the step by this fraction; the surplus carries to the next step."""
     max_anchors_per_seq: int = 512
+    """Anchors (blocks) drawn per sequence per epoch, used by AnchorSampler. DFlash recipe: 512."""
 
     def validate(self) -> None:
         self.require(self.token_budget > 0, "token_budget", "must be > 0")
@@ -82,6 +125,9 @@ class MicroBatchRef(NamedTuple):
     step_in_epoch: int
     micro_step: int  # 0 .. grad_accum-1 inside the optimizer step
     indices: list[int]
+    steps_in_epoch: int = 0
+    step_tokens: int = 0  # context tokens of the whole optimizer step, all ranks
+    step_samples: int = 0  # samples of the whole optimizer step, all ranks
 
 
 # Length strata of the shuffled order (see _stratified_order).
@@ -128,7 +174,12 @@ class LengthMixedSampler:
                 f"micro-batches per step"
             )
         self._lengths_digest = hashlib.sha1(self.lengths.tobytes()).hexdigest()[:16]
+        self._lens = self.lengths.tolist()  # the planner's inner loops index Python ints, not numpy
         self._plans: dict[int, EpochPlan] = {}
+        self._planning: dict[int, threading.Thread] = {}
+        self._plan_errors: dict[int, BaseException] = {}
+        self._lock = threading.Lock()
+        self.plan_builds = 0  # plans built since construction (one per epoch is the design)
         self.epoch = 0
         self.step_in_epoch = 0
         self.micro_step = 0
@@ -136,44 +187,78 @@ class LengthMixedSampler:
 
     # ---- planning -------------------------------------------------------------------------
     def plan_epoch(self, epoch: int) -> EpochPlan:
-        """The global plan of `epoch`, identical on every rank; cached for the two latest epochs."""
-        if epoch not in self._plans:
-            if len(self._plans) >= 2:
-                del self._plans[min(self._plans)]
-            self._plans[epoch] = self._build_plan(epoch)
-        return self._plans[epoch]
+        """The global plan of `epoch`, identical on every rank; built once, waiting for a background
+        build of it if one is under way. Plans of epochs before the current one are dropped."""
+        with self._lock:
+            plan = self._plans.get(epoch)
+            thread = self._planning.get(epoch)
+        if plan is not None:
+            return plan
+        if thread is None:
+            self._build_into_cache(epoch)
+        else:
+            thread.join()
+        with self._lock:
+            if epoch in self._plan_errors:
+                raise self._plan_errors.pop(epoch)
+            return self._plans[epoch]
+
+    def prepare(self, epoch: int) -> None:
+        """Start building `epoch`'s plan in a background thread, unless it exists or is under way."""
+        with self._lock:
+            if epoch in self._plans or epoch in self._planning:
+                return
+            thread = threading.Thread(target=self._build_into_cache, args=(epoch,), name="dflash-plan", daemon=True)
+            self._planning[epoch] = thread
+        thread.start()
+
+    def _build_into_cache(self, epoch: int) -> None:
+        try:
+            plan = self._build_plan(epoch)
+        except BaseException as exc:  # noqa: BLE001 - raised by plan_epoch on the consumer's thread
+            with self._lock:
+                self._plan_errors[epoch] = exc
+                self._planning.pop(epoch, None)
+            return
+        with self._lock:
+            self.plan_builds += 1
+            self._plans[epoch] = plan
+            self._planning.pop(epoch, None)
+            for old in [e for e in self._plans if e < min(self.epoch, epoch)]:
+                del self._plans[old]
 
     def _build_plan(self, epoch: int) -> EpochPlan:
-        cfg, lengths, num_bins = self.cfg, self.lengths, self.num_bins
-        max_per_bin = cfg.max_samples_per_batch or len(lengths)
-        order = _stratified_order(lengths, np.random.default_rng([self.seed, epoch]))
-        cum_tokens = np.cumsum(lengths[order])
-        window_tokens = (1.0 + cfg.window_slack) * num_bins * cfg.token_budget
+        cfg, lens, num_bins = self.cfg, self._lens, self.num_bins
+        max_per_bin = cfg.max_samples_per_batch or len(lens)
+        order = _stratified_order(self.lengths, np.random.default_rng([self.seed, epoch])).tolist()
+        cum_tokens = list(itertools.accumulate(lens[i] for i in order))
+        # Integer targets: a float key would make bisect compare 900K ints with a float each call.
+        window_tokens = int((1.0 + cfg.window_slack) * num_bins * cfg.token_budget)
         window_count = int((1.0 + cfg.window_slack) * num_bins * max_per_bin)
-        steps: EpochPlan = []
+        longest_first = lens.__getitem__
+        steps: list[list[list[int]]] = []
         carry: list[int] = []
         pos = 0
         while pos < len(order) or carry:
-            carry_tokens = int(lengths[carry].sum()) if carry else 0
-            before = int(cum_tokens[pos - 1]) if pos else 0
+            carry_tokens = sum(lens[i] for i in carry)
+            before = cum_tokens[pos - 1] if pos else 0
             # Smallest end such that carry + order[pos:end] reaches the window's token target.
-            end = int(np.searchsorted(cum_tokens, before + window_tokens - carry_tokens, side="left")) + 1
+            end = bisect.bisect_left(cum_tokens, before + window_tokens - carry_tokens) + 1
             end = max(pos, min(end, len(order), pos + window_count - len(carry)))
-            fresh = order[pos:end]
+            fresh = sorted(order[pos:end], key=longest_first, reverse=True)  # stable: ties keep order
             pos = end
-            fresh = fresh[np.argsort(-lengths[fresh], kind="stable")]
-            carried = sorted(carry, key=lambda i: -lengths[i])
-            bins, carry = _lpt(carried + fresh.tolist(), lengths, num_bins, cfg.token_budget, max_per_bin)
+            carried = sorted(carry, key=longest_first, reverse=True)
+            bins, carry = _lpt(carried + fresh, lens, num_bins, cfg.token_budget, max_per_bin)
             steps.append(bins)
         if len(steps) >= 2:
             # Deal the last two steps' samples, longest first, alternately into two steps of equal mix.
-            pool = sorted((i for b in steps[-2] + steps[-1] for i in b), key=lambda i: (-lengths[i], i))
-            first, left_first = _lpt(pool[0::2], lengths, num_bins, cfg.token_budget, max_per_bin)
-            second, left_second = _lpt(pool[1::2], lengths, num_bins, cfg.token_budget, max_per_bin)
+            pool = sorted((i for b in steps[-2] + steps[-1] for i in b), key=lambda i: (-lens[i], i))
+            first, left_first = _lpt(pool[0::2], lens, num_bins, cfg.token_budget, max_per_bin)
+            second, left_second = _lpt(pool[1::2], lens, num_bins, cfg.token_budget, max_per_bin)
             if not left_first and not left_second and all(first) and all(second):
                 steps[-2:] = [first, second]
-        _fill_empty_bins(steps, lengths, epoch)
-        return steps
+        _fill_empty_bins(steps, lens, epoch)
+        return EpochPlan(steps, num_bins, self.lengths)
 
     # ---- this rank's view -----------------------------------------------------------------
     @property
@@ -181,9 +266,11 @@ class LengthMixedSampler:
         """Optimizer steps in the current epoch (it varies by a step or so between epochs)."""
         return len(self.plan_epoch(self.epoch))
 
-    def total_steps(self, num_epochs: int) -> int:
-        """Optimizer steps over epochs 0 .. num_epochs-1 (plans each epoch; for LR schedules)."""
-        return sum(len(self.plan_epoch(e)) for e in range(num_epochs))
+    def estimated_total_steps(self, num_epochs: int) -> int:
+        """num_epochs x the steps of epoch 0 (already planned): the LR schedule's length. Planning
+        every epoch up front would cost each rank ~1 s per epoch at 900K samples; later epochs
+        differ from epoch 0 by a step or so, and the schedule holds its final value past its end."""
+        return num_epochs * len(self.plan_epoch(0))
 
     def set_epoch(self, epoch: int) -> None:
         """Jump to the start of `epoch`. Not needed between epochs: iteration rolls over by itself."""
@@ -195,22 +282,27 @@ class LengthMixedSampler:
 
     def upcoming(self) -> Iterator[MicroBatchRef]:
         """This rank's micro-batches from the current position on, through every later epoch, without
-        end; moves nothing. The position is read now, not when the iterator is first advanced."""
+        end; moves nothing. The position is read now, not when the iterator is first advanced. As
+        soon as an epoch's first micro-batch is handed out, the next epoch's plan is started in the
+        background, so crossing the boundary finds it ready."""
         epoch, step, micro = self.epoch, self.step_in_epoch, self.micro_step
 
         def refs() -> Iterator[MicroBatchRef]:
-            yield from self._epoch_refs(epoch, step, micro)
-            for later in itertools.count(epoch + 1):
-                yield from self._epoch_refs(later, 0, 0)
+            for e in itertools.count(epoch):
+                self.prepare(e + 1)
+                yield from self._epoch_refs(e, step if e == epoch else 0, micro if e == epoch else 0)
 
         return refs()
 
     def _epoch_refs(self, epoch: int, from_step: int, from_micro: int) -> Iterator[MicroBatchRef]:
         plan = self.plan_epoch(epoch)
         ga = self.cfg.grad_accum
-        for step in range(from_step, len(plan)):
+        num_steps = len(plan)
+        for step in range(from_step, num_steps):
+            tokens, samples = int(plan.step_tokens[step]), int(plan.step_samples[step])
             for micro in range(from_micro if step == from_step else 0, ga):
-                yield MicroBatchRef(epoch, step, micro, list(plan[step][self.rank * ga + micro]))
+                indices = plan.bin(step, self.rank * ga + micro)
+                yield MicroBatchRef(epoch, step, micro, indices, num_steps, tokens, samples)
 
     def mark_consumed(self, ref: MicroBatchRef) -> None:
         """Advance past `ref`, which must be the micro-batch at the current position."""
@@ -286,7 +378,7 @@ def _stratified_order(lengths: np.ndarray, rng: np.random.Generator) -> np.ndarr
 
 
 def _lpt(
-    items: list[int], lengths: np.ndarray, num_bins: int, budget: int, max_per_bin: int
+    items: list[int], lengths: list[int], num_bins: int, budget: int, max_per_bin: int
 ) -> tuple[list[list[int]], list[int]]:
     """Place `items` in order, each into the least-loaded bin with room; return (bins, left over)."""
     bins: list[list[int]] = [[] for _ in range(num_bins)]
@@ -297,7 +389,7 @@ def _lpt(
             left.append(i)
             continue
         load, b = heap[0]
-        n = int(lengths[i])
+        n = lengths[i]
         if load + n > budget:
             left.append(i)
             continue
@@ -309,7 +401,7 @@ def _lpt(
     return bins, left
 
 
-def _fill_empty_bins(steps: EpochPlan, lengths: np.ndarray, epoch: int) -> None:
+def _fill_empty_bins(steps: list[list[list[int]]], lengths: list[int], epoch: int) -> None:
     """Give every empty micro-batch of the last step the shortest sample of a crowded earlier bin."""
     for b, items in enumerate(steps[-1]):
         if items:

@@ -2,26 +2,27 @@
 
     python -m stage2_train report runs/default/train_log.jsonl [--out DIR]   # default DIR: <log dir>/doctor
 
-Writes overview.png (every metric stacked) and one PNG per metric the log has (loss, accuracy, eal,
+Writes overview.png (every metric stacked) and one PNG per metric the log has (loss, accuracy, accept_len,
 lr, noise_std, throughput) against step: events are red/orange/... vertical lines labelled by kind,
 with a marker on the curve they concern; checkpoint saves, resumes and epoch boundaries are thin
 grey lines; eval rows are dots. report.md lists the events with their likely causes and embeds the
-PNGs. When a wandb run is active in this process the images are logged to it as doctor/<name>.
+PNGs. matplotlib comes with the `report` extra (`pip install -e '.[report]'`).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-from stage2_train.detectors import finite, normalize
-from stage2_train.doctor import context_points, describe, diagnose, read_log, resolve_log
+from shared.errors import ConfigError
+from stage2_train.observe.detectors import finite, normalize
+from stage2_train.observe.doctor import context_points, describe, diagnose, resolve_log
+from stage2_train.observe.metrics import read_records
 
 PANELS = (  # (field, file stem, axis label)
     ("loss", "loss", "loss"),
     ("accuracy", "accuracy", "accuracy"),
-    ("eal", "eal", "eal (tokens)"),
+    ("accept_len", "accept_len", "accept_len (tokens)"),
     ("lr", "lr", "lr"),
     ("noise_std", "noise_std", "noise_std"),
     ("tok_per_s", "throughput", "tokens / s"),
@@ -45,9 +46,12 @@ MARKED_ON = {
 CONTEXT_STYLE = {"checkpoint": ":", "resume": "-.", "epoch": "--"}
 
 
-def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
+def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     """Write the PNGs and report.md; returns where they are and what the doctor found."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("`report` draws with matplotlib, which is not installed: pip install -e '.[report]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -55,7 +59,7 @@ def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     path = resolve_log(log_path)
     out_dir = Path(out_dir) if out_dir is not None else path.parent / "doctor"
     out_dir.mkdir(parents=True, exist_ok=True)
-    records, unreadable = read_log(path)
+    records, unreadable = read_records(path)
     diagnosis = diagnose(records)
     rows = [(normalize(r), r) for r in records]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
@@ -85,17 +89,15 @@ def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
         fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
         plots[panel[1]] = save(fig, out_dir / f"{panel[1]}.png", plt)
 
-    report = out_dir / "report.md"
-    report.write_text(markdown(diagnosis, path, plots, missing, unreadable))
-    logged = log_to_wandb(plots)
+    summary = out_dir / "report.md"
+    summary.write_text(markdown(diagnosis, path, plots, missing, unreadable))
     return {
         "out_dir": str(out_dir),
-        "report": str(report),
+        "report": str(summary),
         "plots": [str(p) for p in plots.values()],
         "not_in_log": missing,
         "num_events": diagnosis["summary"]["num_events"],
         "healthy": diagnosis["summary"]["healthy"],
-        "wandb": logged,
     }
 
 
@@ -279,12 +281,3 @@ def markdown(
     if missing:
         lines += ["", f"Not in this log, so not plotted: {', '.join(missing)}."]
     return "\n".join(lines) + "\n"
-
-
-def log_to_wandb(plots: dict[str, Path]) -> bool:
-    """Log the PNGs to the active wandb run, if this process has one (wandb is never imported here)."""
-    wandb = sys.modules.get("wandb")  # not imported yet: then no run can be active in this process
-    if wandb is None or getattr(wandb, "run", None) is None:
-        return False
-    wandb.log({f"doctor/{name}": wandb.Image(str(p)) for name, p in plots.items()})
-    return True

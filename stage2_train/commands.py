@@ -1,0 +1,196 @@
+"""Stage 2 commands: check, batches (the dry run), train, eval, export, doctor, report.
+
+Each takes the composed RunConfig and returns a JSON-able value; `__main__` only parses and prints.
+This is the one module that composes the rooms (data, model, train, observe, serve); the heavier
+ones are imported inside the command that needs them, so `doctor` never loads torch models and
+`train` never loads the speculative decoder. Stage 2 never imports stage 1: the stages talk only
+through the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from shared.config import RunConfig
+from shared.errors import StoreError
+
+# ---------------------------------------------------------------------------------------------
+# batches and train
+
+
+def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dict[str, Any]]:
+    """The next `num_steps` optimizer steps the training run would take (all ranks), nothing trained."""
+    from stage2_train.data.sampler import describe_steps
+    from stage2_train.data.store import DataSettings, open_train_data, resolve_target
+
+    settings = DataSettings(
+        block_size=cfg.model.block_size,
+        seed=cfg.seed,
+        holdout_fraction=cfg.eval.holdout_fraction,
+        split_seed=cfg.eval.split_seed,
+    )
+    data = open_train_data(cfg.store.url(cfg.run_dir), resolve_target(cfg.target), cfg.sampler, settings, world_size=world_size)
+    return describe_steps(data.sampler, num_steps)
+
+
+def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    from stage2_train.data.store import resolve_target
+    from stage2_train.train.trainer import Trainer, make_accelerator
+
+    init_weights = None
+    if cfg.model.init_from:
+        from stage2_train.serve.export import init_weights_for
+
+        init_weights = init_weights_for(cfg.model.init_from, cfg.model, resolve_target(cfg.target))
+    accelerator = make_accelerator(cfg.train)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress)
+        summary = trainer.fit()
+        rank, world = accelerator.process_index, accelerator.num_processes
+        return {**summary, "rank": rank, "world_size": world, "run_dir": str(cfg.run_dir)}
+    finally:
+        if trainer is not None:
+            trainer.close()
+        accelerator.end_training()  # destroys the process group: a clean exit under torchrun
+
+
+# ---------------------------------------------------------------------------------------------
+# eval and export
+
+
+def _trained_drafter(cfg: RunConfig, target: Any, checkpoint_arg: str | None, device: Any = "cpu") -> tuple[Any, Path]:
+    """The drafter of `checkpoint_arg` (or of the run's newest checkpoint that verifies) and the file read."""
+    from shared.target_parts import load_embed_and_head
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.train.checkpoint import read_model_weights
+
+    weights, source = read_model_weights(checkpoint_arg or cfg.checkpoint.resolve_dir(cfg.run_dir))
+    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
+    drafter = build_drafter(
+        cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, weights=weights
+    )
+    return drafter.to(device).eval(), source
+
+
+def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
+    """Offline and online evaluation of the newest (or given) checkpoint on the held-out split, on
+    the GPU when there is one; also written to run_dir/eval/<checkpoint>.json."""
+    import numpy as np
+    import torch
+
+    from shared.target import load_target_model
+    from shared.target_parts import load_embed_and_head
+    from stage2_train.data.split import heldout_mask
+    from stage2_train.data.store import open_store, resolve_target, tokenizer_and_hash
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.online_eval import acceptance_gap, eos_token_ids, heldout_prompts, online_eval
+    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+    from stage2_train.train.evaluate import offline_eval
+
+    target = resolve_target(cfg.target)
+    reader = open_store(cfg.store.url(cfg.run_dir), target)  # the trainer's checks: target, tokenizer, layers
+    eval_cfg = cfg.eval
+    heldout = np.flatnonzero(heldout_mask(reader.split_keys, eval_cfg.holdout_fraction, eval_cfg.split_seed))
+    if len(heldout) == 0:
+        raise StoreError(f"eval.holdout_fraction={eval_cfg.holdout_fraction} leaves no held-out sample among {len(reader)}")
+    device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    trained, source = _trained_drafter(cfg, target, checkpoint, device)
+    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
+    untrained = build_drafter(
+        cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, seed=cfg.seed
+    ).to(device).eval()
+    offline = offline_eval(
+        trained,
+        reader,
+        heldout[: eval_cfg.offline_max_samples],
+        max_anchors_per_seq=eval_cfg.offline_max_anchors_per_seq,
+        token_budget=eval_cfg.offline_token_budget,
+        seed=cfg.seed,
+        gamma=cfg.loss.gamma,
+    )
+    target_model = load_target_model(cfg.target, device)
+    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    prompts = heldout_prompts(reader, heldout, eval_cfg.online_num_prompts)
+    feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
+    proposers = {
+        "trained": DFlashProposer(trained, target.layer_ids, feature_dtype=feature_dtype, name="trained"),
+        "untrained": DFlashProposer(untrained, target.layer_ids, feature_dtype=feature_dtype, name="untrained"),
+        "ngram": NgramProposer(cfg.model.block_size - 1),
+    }
+    online = online_eval(
+        target_model,
+        proposers,
+        [p for _, p in prompts],
+        max_new_tokens=eval_cfg.online_max_new_tokens,
+        eos_token_ids=eos_token_ids(tokenizer, target_model),
+    )
+    online["sample_ids"] = [sid for sid, _ in prompts]
+    result = {
+        "checkpoint": str(source),
+        "num_heldout": int(len(heldout)),
+        "offline": offline,
+        "online": online,
+        "gap": acceptance_gap(offline, online["proposers"]["trained"]["tau"]),
+    }
+    name = source.parent.name if source.name == "model.safetensors" else source.stem
+    result["written_to"] = str(write_json(Path(cfg.run_dir) / "eval" / f"{name}.json", result))
+    return result
+
+
+def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None) -> dict[str, Any]:
+    """The newest (or given) checkpoint as a servable DFlash folder (default run_dir/export), weights
+    in bfloat16 as the published drafters."""
+    from stage2_train.data.store import resolve_target, tokenizer_and_hash
+    from stage2_train.serve.export import WEIGHTS_NAME, export_drafter, mask_token_string, read_export_config
+
+    target = resolve_target(cfg.target)
+    drafter, source = _trained_drafter(cfg, target, checkpoint)
+    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    out_dir = Path(out or Path(cfg.run_dir) / "export")
+    target_info = {
+        "path": cfg.target.path,
+        "resolved_path": str(target.target_dir),
+        "weights_sha256": target.weights_sha256,
+        "source_checkpoint": str(source),
+        "mask_token": mask_token_string(tokenizer, target.mask_token_id),
+    }
+    export_drafter(drafter, cfg.model, target.arch, target.layer_ids, target.mask_token_id, target_info, out_dir)
+    cfg.write_resolved(out_dir / "dflash_pipeline_config.yaml")
+    config = read_export_config(out_dir)
+    return {
+        "out_dir": str(out_dir),
+        "checkpoint": str(source),
+        "num_tensors": len(drafter.state_dict()),
+        "bytes": (out_dir / WEIGHTS_NAME).stat().st_size,
+        "block_size": config["block_size"],
+        "num_target_layers": config["num_target_layers"],
+        "dflash_config": config["dflash_config"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands over a training log (no config needed)
+
+
+def cmd_doctor(log_path: Path, as_json: bool, cfg: RunConfig | None = None) -> tuple[str, int]:
+    from stage2_train.observe.doctor import doctor
+
+    return doctor(log_path, as_json, cfg.doctor if cfg is not None else None)
+
+
+def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
+    from stage2_train.observe.report import report
+
+    return report(log_path, out_dir)
+
+
+def write_json(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+    return path

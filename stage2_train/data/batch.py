@@ -1,0 +1,126 @@
+"""The packed micro-batch the drafter trains on.
+
+Shape legend: T = packed context tokens of all samples in the micro-batch (no padding),
+F = num_feature_layers * hidden, N = blocks (anchors) in the micro-batch, B = block size,
+K = stored top-k.
+
+A block n drafts tokens anchor_pos_N[n] + 0..B-1 of sample block_seq_N[n]. Its queries see
+the context tokens of the same sample strictly before the anchor, and the B slots of their own
+block (bidirectional); nothing else. Slot 0 holds the anchor token and is never scored; slot k
+predicts the token at anchor + k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+IGNORE = -100  # label of a slot that carries no loss (cross_entropy's ignore_index)
+
+
+@dataclass
+class DrafterBatch:
+    context_TF: torch.Tensor  # float, concatenated target features (layers in ascending id order)
+    context_pos_T: torch.Tensor  # long, position of each token inside its sample
+    context_seq_T: torch.Tensor  # long, index of the token's sample inside this micro-batch
+    block_ids_NB: torch.Tensor  # long, [anchor token, mask, mask, ...]
+    block_seq_N: torch.Tensor  # long, sample of each block
+    anchor_pos_N: torch.Tensor  # long, position of the anchor inside its sample
+    labels_NB: torch.Tensor  # long, token at anchor + k; -100 where not scored (slot 0, past the end, unsupervised)
+    topk_logprobs_NBK: torch.Tensor | None = None  # target log-probs for the token at anchor + k
+    topk_ids_NBK: torch.Tensor | None = None
+    num_samples: int = 0
+    num_tokens: int = 0  # real context tokens (== T)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DrafterBatch:
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value.to(device, non_blocking=True)
+                if dtype is not None and value.is_floating_point() and f.name == "context_TF":
+                    value = value.to(dtype)
+            moved[f.name] = value
+        return DrafterBatch(**moved)
+
+
+def check_sample(sample: dict[str, Any], anchors_A: torch.Tensor, expected_length: int | None = None) -> None:
+    """ValueError when a sample's tensors disagree with each other, the store index, or its anchors."""
+    num_tokens = sample["input_ids_T"].shape[0]
+    if expected_length is not None and num_tokens != expected_length:
+        raise ValueError(f"has {num_tokens} tokens but the store's lengths say {expected_length}")
+    shapes = {
+        "input_ids_T": (num_tokens,),
+        "loss_mask_T": (num_tokens,),
+        "hidden_TLH": (num_tokens, None, None),
+        "topk_logprobs_TK": (num_tokens, None),
+        "topk_ids_TK": (num_tokens, None),
+    }
+    for name, want in shapes.items():
+        got = tuple(sample[name].shape)
+        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+            raise ValueError(f"{name} has shape {list(got)}, expected {num_tokens} tokens x {len(want)} dims")
+    if len(anchors_A) and (int(anchors_A.min()) < 0 or int(anchors_A.max()) >= num_tokens):
+        raise ValueError(f"anchors {anchors_A.tolist()[:8]}... fall outside [0, {num_tokens})")
+
+
+def collate(
+    samples: Sequence[dict[str, Any]],
+    anchors_per_sample: Sequence[torch.Tensor],
+    *,
+    block_size: int,
+    mask_token_id: int,
+    gather_topk: bool = True,
+) -> DrafterBatch:
+    """Pack samples (no padding) and build their blocks, labels and target top-k.
+
+    Block n of sample s anchored at a: slots a+0 .. a+B-1. labels[n, k] = input_ids[a+k] when
+    k >= 1, a+k < T and loss_mask[a+k]; else -100. Top-k for slot k comes from position a+k-1 (the
+    target's prediction of token a+k) and is zero where the label is -100.
+    """
+    if len(samples) != len(anchors_per_sample):
+        raise ValueError(f"{len(samples)} samples but {len(anchors_per_sample)} anchor lists")
+    k_B = torch.arange(block_size)
+    context, positions, seqs = [], [], []
+    block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids = [], [], [], [], [], []
+    for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
+        ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
+        num_tokens = ids_T.shape[0]
+        hidden_TLH = sample["hidden_TLH"]
+        context.append(hidden_TLH.reshape(num_tokens, -1))
+        positions.append(torch.arange(num_tokens))
+        seqs.append(torch.full((num_tokens,), s, dtype=torch.long))
+        anchors_A = anchors_A.long()
+        pos_AB = anchors_A[:, None] + k_B[None, :]
+        inside_AB = pos_AB < num_tokens
+        pos_AB = pos_AB.clamp(max=num_tokens - 1)
+        scored_AB = inside_AB & mask_T[pos_AB]
+        scored_AB[:, 0] = False
+        labels.append(torch.where(scored_AB, ids_T[pos_AB], IGNORE))
+        blocks_AB = torch.full_like(pos_AB, mask_token_id)
+        blocks_AB[:, 0] = ids_T[anchors_A]
+        block_ids.append(blocks_AB)
+        block_seq.append(torch.full((len(anchors_A),), s, dtype=torch.long))
+        anchor_pos.append(anchors_A)
+        if gather_topk:
+            prev_AB = (pos_AB - 1).clamp(min=0)
+            keep_AB1 = scored_AB[..., None]
+            topk_lp.append(torch.where(keep_AB1, sample["topk_logprobs_TK"][prev_AB].float(), 0.0))
+            topk_ids.append(torch.where(keep_AB1, sample["topk_ids_TK"][prev_AB].long(), 0))
+    context_TF = torch.cat(context)
+    return DrafterBatch(
+        context_TF=context_TF,
+        context_pos_T=torch.cat(positions),
+        context_seq_T=torch.cat(seqs),
+        block_ids_NB=torch.cat(block_ids),
+        block_seq_N=torch.cat(block_seq),
+        anchor_pos_N=torch.cat(anchor_pos),
+        labels_NB=torch.cat(labels),
+        topk_logprobs_NBK=torch.cat(topk_lp) if gather_topk else None,
+        topk_ids_NBK=torch.cat(topk_ids) if gather_topk else None,
+        num_samples=len(samples),
+        num_tokens=context_TF.shape[0],
+    )

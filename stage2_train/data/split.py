@@ -1,0 +1,33 @@
+"""The held-out split: by a content key per sample, fixed by a seed, independent of shard layout
+and rank count.
+
+A sample is held out when a hash of (seed, key) falls under the fraction. The key is a hash of the
+sample's tokens (the store records one per sample), so identical samples always fall on the same
+side, and adding or re-extracting other samples never moves a sample between train and eval.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A well-mixed 64-bit hash of each element (vectorised: 900K keys in milliseconds)."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def heldout_mask(keys: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """bool [S]: True where the sample belongs to the held-out split."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"eval.holdout_fraction must be in [0, 1), got {fraction}")
+    keys = np.asarray(keys, dtype=np.int64).astype(np.uint64)
+    if fraction == 0.0:
+        return np.zeros(len(keys), dtype=bool)
+    mixed = _splitmix64(keys ^ _splitmix64(np.full(len(keys), seed, dtype=np.int64).astype(np.uint64)))
+    return (mixed >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction

@@ -1,0 +1,188 @@
+"""Stage 2's view of the feature store: open it, check it against the target, split, batch.
+
+    target = resolve_target(cfg.target)
+    data = open_train_data(cfg.store.url(cfg.run_dir), target, cfg.sampler, DataSettings(block_size=16))
+    for loaded in data.loader: ...                         # this rank's micro-batches, train split only
+
+The manifest must agree with the target on the schema version, the weight fingerprint, hidden size,
+layer count and vocab, the tokenizer and the feature layer ids (from target.layer_ids or the DFlash
+rule over the target's layers); a mismatch is a StoreError naming the field. A KL term needs stored
+top-k: how many is the manifest's `top_k`, never stage 1's config.
+
+The held-out split is `heldout_mask(sample_ids, holdout_fraction, split_seed)`: it depends on sample
+ids only, so it is the same for any rank count, shard layout or training seed, and no held-out
+sample ever reaches the training sampler (`TrainData.train_indices`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.errors import StoreError
+from shared.store import StoreReader, check_manifest_matches
+from shared.target import (
+    TargetArch,
+    TargetConfig,
+    default_mask_token_id,
+    load_tokenizer,
+    resolve_layer_ids,
+    resolve_target_dir,
+    tokenizer_fingerprints,
+    weights_fingerprint,
+)
+from stage2_train.data.anchors import AnchorSampler
+from stage2_train.data.loader import PrefetchLoader
+from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
+from stage2_train.data.split import heldout_mask
+
+
+class SubsetReader:
+    """A StoreReader restricted to some sample indices (the training split), same interface."""
+
+    def __init__(self, reader: StoreReader, indices: np.ndarray):
+        self.reader = reader
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.lengths = reader.lengths[self.indices]
+        self.sample_ids = reader.sample_ids[self.indices]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.reader[int(self.indices[index])]
+
+    def location(self, index: int) -> tuple[int, int]:
+        """(shard, first token) of sample `index`, for reading ahead in store order."""
+        return self.reader.location(int(self.indices[index]))
+
+    def prefetch(self, indices: list[int]) -> None:
+        self.reader.prefetch([int(self.indices[i]) for i in indices])
+
+
+@dataclass
+class TargetInfo:
+    """What stage 2 needs to know about the target (read from its folder, never the full model)."""
+
+    target_dir: Path
+    arch: TargetArch
+    layer_ids: list[int]
+    mask_token_id: int
+    weights_sha256: str
+    tokenizer_sha256: str
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_and_hash(target_dir: str) -> tuple[Any, str]:
+    """Loading a tokenizer and hashing its vocabulary takes a second or two; do it once per folder."""
+    tokenizer = load_tokenizer(TargetConfig(path=target_dir))
+    return tokenizer, tokenizer_fingerprints(tokenizer)["tokenizer_sha256"]
+
+
+def resolve_target(cfg: TargetConfig) -> TargetInfo:
+    target_dir = resolve_target_dir(cfg)
+    arch = TargetArch.from_dir(target_dir)
+    tokenizer, tokenizer_sha256 = tokenizer_and_hash(str(target_dir))
+    return TargetInfo(
+        target_dir=target_dir,
+        arch=arch,
+        layer_ids=resolve_layer_ids(cfg, arch),
+        mask_token_id=default_mask_token_id(cfg, arch, tokenizer),
+        weights_sha256=weights_fingerprint(target_dir),
+        tokenizer_sha256=tokenizer_sha256,
+    )
+
+
+def expected_manifest(target: TargetInfo) -> dict[str, Any]:
+    """Dotted manifest key -> the value this target needs (schema_version is checked on open)."""
+    return {
+        "target.weights_sha256": target.weights_sha256,
+        "target.hidden_size": target.arch.hidden_size,
+        "target.num_hidden_layers": target.arch.num_hidden_layers,
+        "target.vocab_size": target.arch.vocab_size,
+        "tokenizer_sha256": target.tokenizer_sha256,
+        "layer_ids": target.layer_ids,
+    }
+
+
+def open_store(url: str, target: TargetInfo, *, need_topk: bool = False) -> StoreReader:
+    """The store, refused by field name when it was made for another target, tokenizer or layers
+    (or, when the KL term needs it, without top-k). Training and evaluation both open it here."""
+    reader = StoreReader(url)  # refuses a missing or damaged manifest, or another schema version
+    check_manifest_matches(reader.manifest, expected_manifest(target), url)
+    if need_topk and not reader.manifest.get("top_k"):
+        raise StoreError(
+            f"{url}/manifest.json: top_k is {reader.manifest.get('top_k')!r}, but loss.kl_weight > 0 needs "
+            f"stored top-k; re-extract with extract.top_k > 0 or set loss.kl_weight=0"
+        )
+    if len(reader) == 0:
+        raise StoreError(f"{url}: the store holds no samples")
+    return reader
+
+
+def split_indices(reader: StoreReader, holdout_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices) into the reader, both ascending. Identical samples (same
+    content hash in the manifest) always fall on the same side."""
+    held = heldout_mask(reader.split_keys, holdout_fraction, split_seed)
+    train, heldout = np.flatnonzero(~held), np.flatnonzero(held)
+    if len(train) == 0:
+        raise StoreError(f"eval.holdout_fraction={holdout_fraction} leaves no training samples in {reader.url}")
+    return train, heldout
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """How stage 2 cuts the store into training batches, beyond the sampler's own config."""
+
+    block_size: int
+    seed: int = 0
+    holdout_fraction: float = 0.02
+    split_seed: int = 0
+    gather_topk: bool = False  # collate the stored top-k (the KL term needs it)
+    num_threads: int = 2
+    prefetch: int = 4
+
+
+@dataclass
+class TrainData:
+    target: TargetInfo
+    reader: StoreReader
+    train_indices: np.ndarray  # into `reader`
+    heldout_indices: np.ndarray  # into `reader`
+    train_reader: SubsetReader
+    sampler: LengthMixedSampler
+    anchors: AnchorSampler
+    loader: PrefetchLoader
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def open_train_data(
+    url: str,
+    target: TargetInfo,
+    sampler_cfg: SamplerConfig,
+    settings: DataSettings,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> TrainData:
+    reader = open_store(url, target, need_topk=settings.gather_topk)
+    train, heldout = split_indices(reader, settings.holdout_fraction, settings.split_seed)
+    train_reader = SubsetReader(reader, train)
+    sampler = LengthMixedSampler(sampler_cfg, train_reader.lengths, seed=settings.seed, rank=rank, world_size=world_size)
+    anchors = AnchorSampler(sampler_cfg, block_size=settings.block_size, seed=settings.seed)
+    loader = PrefetchLoader(
+        train_reader,
+        sampler,
+        anchors,
+        mask_token_id=target.mask_token_id,
+        num_threads=settings.num_threads,
+        prefetch=settings.prefetch,
+        gather_topk=settings.gather_topk,
+    )
+    return TrainData(target, reader, train, heldout, train_reader, sampler, anchors, loader)

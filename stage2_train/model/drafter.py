@@ -1,0 +1,287 @@
+"""The DFlash drafter: Qwen3-style decoder layers that draft a block of B tokens in parallel.
+
+Architecture (z-lab/dflash `dflash/model.py`, `DFlashDraftModel`; reimplemented, not copied):
+- the chosen target layers' features of every context token are fused once,
+  `ctx = hidden_norm(fc(concat(features)))`, and that one tensor feeds the keys and values of
+  EVERY drafter layer, without the layer's input norm;
+- a block is `[anchor token, MASK x (B-1)]` embedded with the target's frozen embed_tokens;
+- each layer: `h += o_proj(attn(input_layernorm(h)))`, `h += mlp(post_attention_layernorm(h))`;
+  queries come from the block only, keys/values are `[k/v_proj(ctx) ; k/v_proj(block)]` with the
+  same weights, q_norm/k_norm per head, then RoPE: context token at its own position, block slot j
+  at anchor + j;
+- `forward` returns the final-normed hidden states of all B slots; logits come from the target's
+  frozen lm_head (`logits`), and slot k predicts the token at anchor + k (slot 0 is not scored).
+
+Attention in a packed micro-batch (`stage2_train/data/batch.py`) follows the DFlash mask, planned
+once per forward by `stage2_train/model/attention.py` (flex on CUDA, SDPA on CPU).
+
+Parameter names equal the reference's exported names, so the export is `state_dict()`; the frozen
+embedding and LM head are non-persistent buffers, never saved and never trained.
+
+Shape legend: T context tokens of the pack, F = num_feature_layers * H, N blocks, B block size,
+H hidden, A attention heads, G key/value heads, D head dim, I MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shared.config import Section
+from shared.target import TargetArch
+from stage2_train.data.batch import DrafterBatch
+from stage2_train.model.attention import AttentionPlan, packed_attention, plan_attention
+
+
+class DrafterConfig(Section):
+    section: ClassVar[str] = "model"
+    num_layers: int = 1
+    """5 for the published Qwen3-8B drafter."""
+    block_size: int = 16
+    intermediate_size: int | None = None
+    """None: the target's."""
+    attention: Literal["auto", "sdpa", "flex", "eager"] = "auto"
+    """Auto: flex on CUDA, else sdpa."""
+    attention_chunk_blocks: int = 64
+    """Sdpa/eager: blocks per attention call (bounds the mask size)."""
+    init_std: float = 0.02
+    """Qwen3 initializer_range."""
+    activation_checkpointing: bool = False
+    init_from: str | None = None
+    """A DFlash drafter folder (exported here, or published by z-lab / SpecForge) to start training
+    from instead of a random init; checked against the target's hidden size, layer ids and mask token."""
+    """Keep only each layer's input for backward and recompute the rest: at 4096 wide a block row saves ~0.6 MB per layer otherwise, so a micro-batch of 16K tokens x 512 anchors needs it."""
+
+    def validate(self) -> None:
+        self.require(self.num_layers >= 1, "num_layers", "must be >= 1")
+        self.require(self.block_size >= 2, "block_size", "must be >= 2 (slot 0 is never scored)")
+        self.require(
+            self.intermediate_size is None or self.intermediate_size >= 1,
+            "intermediate_size",
+            "must be >= 1 or null (the target's)",
+        )
+        self.require(self.attention_chunk_blocks >= 1, "attention_chunk_blocks", "must be >= 1")
+        self.require(0 < self.init_std < 1, "init_std", "must be in (0, 1)")
+
+    def recipe_warnings(self) -> list[str]:
+        if self.block_size != 16:
+            return [f"model.block_size={self.block_size}: the published DFlash drafters use 16"]
+        return []
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalise in fp32; the output keeps the input's dtype.
+
+    Under bf16 autocast the weight is an fp32 master copy, and `weight * x` would promote the
+    output to fp32: q and k would reach attention in fp32 beside a bf16 v (flex attention then
+    runs fp32 kernels or refuses mixed dtypes in backward)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default (unscaled) RoPE tables in fp32, shape pos.shape + [D], HF's half-split layout."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D]; cos/sin [..., D] broadcast over heads."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: TargetArch):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.head_dim,
+        )
+        H, A, G, D = arch.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(H, A * D, bias=False)
+        self.k_proj = nn.Linear(H, G * D, bias=False)
+        self.v_proj = nn.Linear(H, G * D, bias=False)
+        self.o_proj = nn.Linear(A * D, H, bias=False)
+        self.q_norm = RMSNorm(D, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(D, arch.rms_norm_eps)
+
+    def forward(self, x_NBH, ctx_TH, rope, plan: AttentionPlan) -> torch.Tensor:
+        N, B, _ = x_NBH.shape
+        T = ctx_TH.shape[0]
+        A, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        cos_ctx_TD, sin_ctx_TD, cos_blk_NBD, sin_blk_NBD = rope
+        q_NBAD = apply_rope(self.q_norm(self.q_proj(x_NBH).view(N, B, A, D)), cos_blk_NBD, sin_blk_NBD)
+        k_blk_NBGD = apply_rope(self.k_norm(self.k_proj(x_NBH).view(N, B, G, D)), cos_blk_NBD, sin_blk_NBD)
+        v_blk_NBGD = self.v_proj(x_NBH).view(N, B, G, D)
+        k_ctx_TGD = apply_rope(self.k_norm(self.k_proj(ctx_TH).view(T, G, D)), cos_ctx_TD, sin_ctx_TD)
+        v_ctx_TGD = self.v_proj(ctx_TH).view(T, G, D)
+        out_NBAD = packed_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan, scale=D**-0.5)
+        return self.o_proj(out_NBAD.reshape(N, B, A * D))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: TargetArch, intermediate_size: int):
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch.hidden_size, intermediate_size)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, h_NBH, ctx_TH, rope, plan: AttentionPlan) -> torch.Tensor:
+        # The context feature enters k/v as is: the layer's input norm applies to the block only.
+        h_NBH = h_NBH + self.self_attn(self.input_layernorm(h_NBH), ctx_TH, rope, plan)
+        return h_NBH + self.mlp(self.post_attention_layernorm(h_NBH))
+
+
+class DFlashDrafter(nn.Module):
+    # DDP must not broadcast the frozen target parts every step (they can be >1 GB).
+    _ddp_params_and_buffers_to_ignore: ClassVar[list[str]] = ["embed_VH", "lm_head_VH"]
+
+    def __init__(self, cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int, mask_token_id: int):
+        super().__init__()
+        if num_feature_layers < 1:
+            raise ValueError(f"num_feature_layers must be >= 1, got {num_feature_layers}")
+        if not 0 <= mask_token_id < arch.vocab_size:
+            raise ValueError(
+                f"mask_token_id {mask_token_id} is outside the target vocab [0, {arch.vocab_size})"
+            )
+        if arch.num_attention_heads % arch.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {arch.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {arch.num_key_value_heads}"
+            )
+        self.cfg, self.arch = cfg, arch
+        self.block_size = cfg.block_size
+        self.num_feature_layers = num_feature_layers
+        self.mask_token_id = mask_token_id
+        H = arch.hidden_size
+        self.fc = nn.Linear(num_feature_layers * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
+        inner = cfg.intermediate_size or arch.intermediate_size
+        self.layers = nn.ModuleList(DecoderLayer(arch, inner) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(H, arch.rms_norm_eps)
+        self.register_buffer("embed_VH", None, persistent=False)
+        self.register_buffer("lm_head_VH", None, persistent=False)
+        self.attention_backend = cfg.attention  # resolved per batch device; tests set "naive"
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def set_frozen_parts(self, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
+        """Borrow the target's embed_tokens and lm_head (kept in the dtype given; a tied head
+        passed as the same tensor is stored once)."""
+        H = self.arch.hidden_size
+        for name, weight in (("embed", embed_VH), ("lm_head", lm_head_VH)):
+            if weight.dim() != 2 or weight.shape[1] != H or weight.shape[0] <= self.mask_token_id:
+                raise ValueError(
+                    f"{name} must be [V, {H}] with V > mask_token_id {self.mask_token_id}, got {tuple(weight.shape)}"
+                )
+        device = self.fc.weight.device
+        tied = embed_VH is lm_head_VH
+        self.embed_VH = embed_VH.detach().to(device)
+        self.lm_head_VH = self.embed_VH if tied else lm_head_VH.detach().to(device)
+
+    def forward(self, batch: DrafterBatch) -> torch.Tensor:
+        """Final-normed hidden states of every slot, [N, B, H]."""
+        if self.embed_VH is None:
+            raise RuntimeError("call set_frozen_parts(embed, lm_head) before forward")
+        N, B = batch.block_ids_NB.shape
+        if B != self.block_size:
+            raise ValueError(f"batch blocks have {B} slots, model.block_size is {self.block_size}")
+        dtype = self.fc.weight.dtype
+        ctx_TH = self.hidden_norm(self.fc(batch.context_TF.to(dtype)))
+        h_NBH = F.embedding(batch.block_ids_NB, self.embed_VH).to(dtype)
+        D, theta = self.arch.head_dim, self.arch.rope_theta
+        pos_NB = batch.anchor_pos_N[:, None] + torch.arange(B, device=batch.anchor_pos_N.device)
+        rope = (*rope_cos_sin(batch.context_pos_T, D, theta), *rope_cos_sin(pos_NB, D, theta))
+        plan = plan_attention(batch, self.attention_backend, self.block_size, self.cfg.attention_chunk_blocks)
+        recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                h_NBH = checkpoint(layer, h_NBH, ctx_TH, rope, plan, use_reentrant=False)
+            else:
+                h_NBH = layer(h_NBH, ctx_TH, rope, plan)
+        return self.norm(h_NBH)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits through the target's frozen LM head, in its dtype."""
+        return F.linear(hidden.to(self.lm_head_VH.dtype), self.lm_head_VH)
+
+
+def build_drafter(
+    cfg: DrafterConfig,
+    arch: TargetArch,
+    num_feature_layers: int,
+    mask_token_id: int,
+    embed_VH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    *,
+    weights: dict[str, torch.Tensor] | None = None,
+    seed: int | None = None,
+    frozen_dtype: torch.dtype | None = None,
+) -> DFlashDrafter:
+    """A drafter with the target's frozen parts (cast to `frozen_dtype` when given) and, when given,
+    `weights` (names checked strictly; the drafter takes their dtype). Without weights it is
+    initialised from `seed` without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        drafter = DFlashDrafter(cfg, arch, num_feature_layers, mask_token_id)
+    if weights is not None:
+        missing, unexpected = drafter.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not fit the drafter (model.num_layers={cfg.num_layers}, {num_feature_layers} feature "
+                f"layers): missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"
+            )
+        drafter.to(next(iter(weights.values())).dtype)
+    if frozen_dtype is not None:
+        tied = embed_VH is lm_head_VH
+        embed_VH = embed_VH.to(frozen_dtype)
+        lm_head_VH = embed_VH if tied else lm_head_VH.to(frozen_dtype)
+    drafter.set_frozen_parts(embed_VH, lm_head_VH)
+    return drafter

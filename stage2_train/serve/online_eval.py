@@ -1,0 +1,116 @@
+"""The online evaluation: real speculative decoding with the target, the ground truth for acceptance.
+
+    prompts = heldout_prompts(reader, heldout_indices, 8)
+    online = online_eval(target, {"trained": DFlashProposer(...), "ngram": NgramProposer(15)}, prompts, ...)
+
+The prompts of held-out conversations (the tokens before the first supervised token) are decoded
+greedily by the target alone and by speculative decoding with each proposer (the trained drafter,
+an untrained one, the n-gram baseline). It reports tau (tokens per verifying target forward, bonus
+included), whether every output equals the target's own greedy output (it must), and the
+wall-clock speedup (CPU numbers: reported, not a goal). `acceptance_gap` compares the offline
+estimate (`walk_tau`, stage2_train/train/evaluate.py) with decoding's tau: offline blocks sit on
+the stored (sampled) continuations, online ones on the target's greedy path, so some gap remains;
+a large one means training inputs differ from what decoding feeds the drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stage2_train.serve.speculative import Proposer, speculative_generate, target_greedy
+
+
+def heldout_prompts(reader: Any, indices: Sequence[int], max_prompts: int) -> list[tuple[int, list[int]]]:
+    """(sample_id, prompt ids) of up to `max_prompts` samples: the tokens before the first
+    supervised token (samples with no supervised token, or nothing before it, are skipped)."""
+    prompts = []
+    for index in indices:
+        if len(prompts) >= max_prompts:
+            break
+        sample = reader[index]
+        supervised = torch.nonzero(sample["loss_mask_T"].bool())
+        if len(supervised) == 0 or int(supervised[0]) == 0:
+            continue
+        prompts.append((int(sample["sample_id"]), sample["input_ids_T"][: int(supervised[0])].tolist()))
+    return prompts
+
+
+@torch.no_grad()
+def online_eval(
+    target: Any,
+    proposers: dict[str, Proposer],
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: int | list[int] | None,
+) -> dict[str, Any]:
+    """Greedy target decoding vs speculative decoding with each proposer on the same prompts.
+
+    Per proposer: tau (tokens per verifying forward, pooled over prompts), the acceptance-length
+    histogram, exact (every output == the target's greedy output), wall time and speedup."""
+    if not prompts:
+        raise ValueError("online eval: no prompts")
+    greedy_wall = 0.0
+    stats = {
+        name: {"tokens": 0, "forwards": 0, "num_exact": 0, "wall_s": 0.0, "draft_s": 0.0, "hist": {}}
+        for name in proposers
+    }
+    for prompt in prompts:
+        reference = target_greedy(target, prompt, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+        greedy_wall += reference.wall_s
+        for name, proposer in proposers.items():
+            result = speculative_generate(
+                target, proposer, prompt, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
+            )
+            s = stats[name]
+            s["tokens"] += sum(result.acceptance_lengths)
+            s["forwards"] += result.num_target_forwards
+            s["num_exact"] += int(result.tokens == reference.tokens)
+            s["wall_s"] += result.wall_s
+            s["draft_s"] += result.draft_s
+            for length in result.acceptance_lengths:
+                s["hist"][length] = s["hist"].get(length, 0) + 1
+    summary = {}
+    for name, s in stats.items():
+        max_len = max(s["hist"], default=1)
+        summary[name] = {
+            "tau": s["tokens"] / s["forwards"] if s["forwards"] else 1.0,
+            "exact": s["num_exact"] == len(prompts),
+            "num_exact": s["num_exact"],
+            "accept_hist": [s["hist"].get(j, 0) for j in range(1, max_len + 1)],
+            "wall_s": round(s["wall_s"], 4),
+            "draft_s": round(s["draft_s"], 4),
+            "speedup": greedy_wall / s["wall_s"] if s["wall_s"] > 0 else None,
+        }
+    return {
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "greedy_wall_s": round(greedy_wall, 4),
+        "proposers": summary,
+    }
+
+
+def acceptance_gap(offline: dict[str, Any], online_tau: float) -> dict[str, Any]:
+    """How far the offline estimates are from decoding's tau; `relative` uses the best estimate
+    available (walk_tau when every anchor was scored, else the block mean accept_len)."""
+    best = offline["walk_tau"] if offline.get("walk_tau") is not None else offline["accept_len"]
+    return {
+        "offline_walk_tau": offline.get("walk_tau"),
+        "offline_accept_len": offline["accept_len"],
+        "online_tau": online_tau,
+        "relative": (best - online_tau) / online_tau,
+    }
+
+
+def eos_token_ids(tokenizer: Any, target: Any) -> list[int]:
+    ids = set()
+    configured = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, configured):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)

@@ -1,0 +1,657 @@
+"""The stage-2 trainer: AdamW + warmup/cosine on Accelerate, exact per-token loss over ranks.
+
+    .venv/bin/python -m stage2_train train --config configs/default.yaml train.max_steps=20
+    torchrun --standalone --nproc_per_node 2 -m stage2_train train --config configs/default.yaml
+
+`Trainer(cfg, accelerator)` builds every component from the run config (data, drafter, optimizer,
+schedules, metrics sink, detectors, checkpointer) and registers the stateful ones once
+(`self.components`): a checkpoint is their `state_dict()`s, a resume their `load_state_dict()`s.
+`fit()` is the whole loop; each optimizer step is `train_step()`: take this rank's grad_accum
+micro-batches, all_reduce their label weight sum, `forward_backward()` each, `optimizer_step()`.
+Logging (every log.every_steps, all ranks reduce the counts, rank 0 writes), the held-out offline
+eval (rank 0, every eval.every_steps and at the end) and checkpointing (every rank, the
+Checkpointer's contract) are called at fixed points in `fit()`, never inside a step.
+
+The loss of a step is sum(w * CE) over every scored slot of every micro-batch on every rank,
+divided by the step's global weight sum W, so 2 ranks x 1 micro-batch and 1 rank x 2 micro-batches
+of the same global batch give the same loss and gradients: each rank backpropagates
+sum_rank(w * CE) / (W / world_size) and DDP averages the ranks. The noise generator of micro-batch
+j of the step (global index rank * grad_accum + micro) is seeded by (seed, step, j), so the layout
+does not change the noise either. A micro-batch whose samples yield no block gets one unscored
+block (`with_a_block`), so every rank still runs forward and backward.
+
+A step whose loss or gradient norm is not finite changes no weight (the update is skipped and
+logged); `train.max_nonfinite_steps` such steps in a row stop the run with DivergedError (exit 3),
+and the checkpointer refuses non-finite weights, so the last good checkpoints survive.
+
+The frozen embedding and LM head come from the target's safetensors, in the compute dtype; they are
+non-persistent buffers, never trained, never in a checkpoint. Mixed precision: bf16 autocast on
+GPU, fp32 on CPU (auto). Shape legend: N blocks, B block size, P = B - 1 scored positions.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from shared.config import RunConfig, Section
+from shared.errors import CheckpointError, ConfigError, DivergedError
+from shared.target_parts import load_embed_and_head
+from stage2_train.data.batch import IGNORE, DrafterBatch
+from stage2_train.data.loader import LoadedBatch
+from stage2_train.data.store import DataSettings, TrainData, open_train_data, resolve_target
+from stage2_train.model.drafter import DFlashDrafter, build_drafter
+from stage2_train.model.loss import COUNT_KEYS, dflash_loss, finalize_metrics, loss_weights, sum_counts
+from stage2_train.observe.detectors import LiveDetectors, as_warning
+from stage2_train.observe.metrics import MetricsSink
+from stage2_train.train.checkpoint import (
+    Checkpointer,
+    check_compatible,
+    load_optimizer_state,
+    optimizer_state,
+    rng_state,
+    set_rng_state,
+)
+from stage2_train.train.evaluate import offline_eval
+from stage2_train.train.schedules import NoiseSchedule, lr_factor, noise_generator, warmup_steps
+
+
+class TrainConfig(Section):
+    section: ClassVar[str] = "train"
+    epochs: int = 6
+    """Passes over the training split (recipe: 6)."""
+    max_steps: int | None = None
+    """At most this many optimizer steps (the LR schedule spans them); null = every epoch."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when torch sees a GPU, else CPU."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 autocast on GPU, fp32 on CPU."""
+    num_data_threads: int = 2
+    """Loader threads per rank."""
+    prefetch: int = 4
+    """Micro-batches prepared ahead per rank."""
+    cpu_threads: int = 0
+    """Torch intra-op threads when training on CPU; 0 = torch's default."""
+    resume: str = "auto"
+    """auto: the newest checkpoint that verifies, if any; never; or a checkpoint path."""
+    resume_force: bool = False
+    """Resume even when block size, gamma, layers, batch or ranks changed."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row with a non-finite loss or gradient norm (each skipped) before the run stops."""
+
+    def validate(self) -> None:
+        self.require(self.epochs >= 1, "epochs", "must be >= 1")
+        self.require(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
+        self.require(self.num_data_threads >= 1, "num_data_threads", "must be >= 1")
+        self.require(self.prefetch >= 1, "prefetch", "must be >= 1")
+        self.require(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
+        self.require(bool(self.resume), "resume", "must be auto, never, or a checkpoint path")
+        self.require(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", "must be >= 0")
+
+    def recipe_warnings(self) -> list[str]:
+        if self.epochs != 6:
+            return [f"train.epochs={self.epochs} departs from the recipe (6)"]
+        return []
+
+
+@dataclass
+class StepStats:
+    """One optimizer step on this rank; tensors stay on the device until a log step reads them."""
+
+    epoch: int
+    step_in_epoch: int
+    steps_in_epoch: int
+    counts: dict[str, torch.Tensor]
+    num_tokens: int  # context tokens of the whole step, all ranks
+    num_samples: int  # all ranks
+    grad_norm: torch.Tensor
+    lr: float
+    noise_std: float
+    skipped: bool = False  # non-finite loss or gradients: no weight changed
+    times: dict[str, float] = field(default_factory=dict)
+
+
+class Stateful:
+    """A component of the checkpoint: how to take its state and how to put it back."""
+
+    def __init__(self, save: Callable[[], Any], load: Callable[[Any], Any]):
+        self.state_dict, self.load_state_dict = save, load
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        accelerator: Any,
+        *,
+        init_weights: dict[str, torch.Tensor] | None = None,
+        progress: bool = True,
+    ):
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
+        self.compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+        self.show_progress = progress and self.rank == 0
+        self.run_dir = Path(cfg.run_dir)
+        self.sink = MetricsSink(cfg.log, self.run_dir, rank=self.rank, run_config=cfg.to_dict())
+        self.data = self._build_data()
+        self.model = self._build_model(init_weights)
+        self.grad_accum = cfg.sampler.grad_accum
+        # The schedule's length: epochs x epoch 0's steps (later epochs differ by a step or so and are
+        # planned in the background as training reaches them), or train.max_steps when smaller.
+        full_steps = self.data.sampler.estimated_total_steps(cfg.train.epochs)
+        self.total_steps = min(full_steps, cfg.train.max_steps or full_steps)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.ddp_model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        self.noise = NoiseSchedule(cfg.noise)
+        # The doctor's detectors, live: a spike, stall or cliff is a warning event the moment it shows.
+        self.detectors = LiveDetectors(cfg.doctor)
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, cfg.checkpoint.resolve_dir(self.run_dir), self.sink, self.rank, self.world_size
+        )
+        self.info = self._run_info(init_weights is not None)
+        self.step = 0  # optimizer steps done
+        self.tokens_seen = 0
+        self.elapsed_before = 0.0  # wall time of earlier runs of this training (resume)
+        self.nonfinite_in_a_row = 0
+        self.last_row: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] | None = None
+        self.components = self._register_components()
+        self._start = time.perf_counter()
+        self._last_log = (0, 0, self._start)  # (step, tokens_seen, time) at the previous train row
+        self._batches: Iterator[list[LoadedBatch]] | None = None
+        self._bar = None
+
+    # ---- building -------------------------------------------------------------------------------
+    def _build_data(self) -> TrainData:
+        cfg = self.cfg
+        settings = DataSettings(
+            block_size=cfg.model.block_size,
+            seed=cfg.seed,
+            holdout_fraction=cfg.eval.holdout_fraction,
+            split_seed=cfg.eval.split_seed,
+            gather_topk=cfg.loss.kl_weight > 0,
+            num_threads=cfg.train.num_data_threads,
+            prefetch=cfg.train.prefetch,
+        )
+        target = resolve_target(cfg.target)
+        url = cfg.store.url(cfg.run_dir)
+        return open_train_data(url, target, cfg.sampler, settings, rank=self.rank, world_size=self.world_size)
+
+    def _build_model(self, init_weights: dict[str, torch.Tensor] | None) -> DFlashDrafter:
+        """The drafter from cfg.seed (identical on every rank) or from `init_weights`, with the
+        target's frozen embedding and LM head in the compute dtype."""
+        target = self.data.target
+        embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
+        weights = None if init_weights is None else {k: v.float() for k, v in init_weights.items()}
+        return build_drafter(
+            self.cfg.model,
+            target.arch,
+            len(target.layer_ids),
+            target.mask_token_id,
+            embed_VH,
+            lm_head_VH,
+            weights=weights,
+            seed=self.cfg.seed,
+            frozen_dtype=self.compute_dtype,
+        ).train()
+
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        cfg = self.cfg.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        # Stepped by us once per optimizer step (an Accelerate-prepared scheduler steps once per rank).
+        total = self.total_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg))
+        return optimizer, scheduler
+
+    def _register_components(self) -> dict[str, Stateful]:
+        """Every piece of state a resume needs, once: name -> how to save and load it."""
+        data = self.data
+        return {
+            "model": Stateful(self.model.state_dict, self.model.load_state_dict),
+            "optimizer": Stateful(
+                lambda: optimizer_state(self.optimizer), lambda s: load_optimizer_state(self.optimizer, s)
+            ),
+            "scheduler": Stateful(self.scheduler.state_dict, self.scheduler.load_state_dict),
+            "sampler": Stateful(data.loader.state_dict, data.loader.load_state_dict),
+            "anchors": Stateful(data.anchors.state_dict, data.anchors.load_state_dict),
+            "noise": Stateful(self.noise.state_dict, self.noise.load_state_dict),
+            "detectors": Stateful(self.detectors.state_dict, self.detectors.load_state_dict),
+            "rng": Stateful(rng_state, set_rng_state),  # this rank's: one file per rank
+            "trainer": Stateful(self._progress_state, self._load_progress),
+            "config": Stateful(lambda: self.info["config"], lambda _: None),  # compared before loading
+        }
+
+    def _run_info(self, initialised: bool) -> dict[str, Any]:
+        """Everything about this run decided at start-up, built once: the config with the values
+        resolved at run time (checkpoints compare them on resume) and the flat hyper-parameters
+        (the run_start event and wandb)."""
+        cfg, data = self.cfg, self.data
+        resolved = {
+            "layer_ids": data.target.layer_ids,
+            "target_fingerprint": data.target.weights_sha256,
+            "mask_token_id": data.target.mask_token_id,
+            "world_size": self.world_size,
+            "store": data.reader.url,
+            "num_train_samples": len(data.train_indices),
+            "num_heldout_samples": len(data.heldout_indices),
+        }
+        hyper = {
+            **{f"optim.{k}": v for k, v in cfg.optim.to_dict().items()},
+            "seed": cfg.seed,
+            "epochs": cfg.train.epochs,
+            "max_steps": cfg.train.max_steps,
+            "total_steps": self.total_steps,
+            "warmup_steps": warmup_steps(self.total_steps, cfg.optim),
+            "steps_per_epoch": data.sampler.steps_per_epoch,
+            "world_size": self.world_size,
+            "grad_accum": cfg.sampler.grad_accum,
+            "token_budget_per_micro_batch": cfg.sampler.token_budget,
+            "token_budget_per_step": cfg.sampler.token_budget * cfg.sampler.grad_accum * self.world_size,
+            "max_anchors_per_seq": cfg.sampler.max_anchors_per_seq,
+            "block_size": cfg.model.block_size,
+            "num_layers": cfg.model.num_layers,
+            "init_from": cfg.model.init_from if initialised else None,
+            "loss.gamma": cfg.loss.gamma,
+            "loss.ce_weight": cfg.loss.ce_weight,
+            "loss.kl_weight": cfg.loss.kl_weight,
+            "noise.std": cfg.noise.std,
+            "noise.warmup_steps": cfg.noise.warmup_steps,
+            "noise.kind": cfg.noise.kind,
+            "mixed_precision": self.accelerator.mixed_precision,
+            "device": str(self.device),
+            "recipe_warnings": cfg.recipe_warnings(),
+        }
+        return {
+            "config": {**cfg.to_dict(), "resolved": resolved},
+            "hyperparameters": hyper,
+            "num_params": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "num_frozen_params": sum(b.numel() for b in {id(b): b for b in self.model.buffers()}.values()),
+            "train_tokens": int(data.train_reader.lengths.sum()),
+        }
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        try:
+            resumed_from = self.resume()
+            if self.rank == 0:  # only once the config has passed the store and checkpoint checks
+                self.cfg.write_resolved(self.run_dir / "train_config.yaml")
+            if self.finished() and resumed_from is not None:
+                return self._already_done(resumed_from)
+            self.sink.event("run_start", self.step, **self.info, resumed_from=resumed_from)
+            self._start = time.perf_counter()
+            self._last_log = (self.step, self.tokens_seen, self._start)
+            self._batches = self._step_batches()
+            self._bar = self._progress_bar()
+            while not self.finished():
+                self.mark_epoch_start()
+                stats = self.train_step()
+                if self.step % self.cfg.log.every_steps == 0 or self.finished():
+                    self.log_step(stats)
+                if self._eval_due():
+                    self.evaluate()
+                self.mark_epoch_end(stats)
+                self.checkpointer.maybe_save(self.step, self.state_dict)
+            self.evaluate()
+            self.checkpointer.save(self.step, self.state_dict, blocking=True)  # skipped if just saved
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+            self.data.close()
+            self.checkpointer.finalize()
+        summary = self.summary()
+        self.sink.event("run_end", self.step, **summary)
+        return summary
+
+    def train_step(self) -> StepStats:
+        """One optimizer step: this rank's grad_accum micro-batches, then the update."""
+        start = time.perf_counter()
+        loaded = next(self._batches)
+        mask_id = self.data.target.mask_token_id
+        batches = [with_a_block(lb.batch, mask_id).to(self.device, self.compute_dtype) for lb in loaded]
+        data_s = time.perf_counter() - start  # waiting on the loader + host-to-device copies
+        # The step's global label weight sum, before any backward: the exact per-token normaliser.
+        weight_sum = sum(loss_weights(b.labels_NB, self.cfg.loss.gamma).sum() for b in batches)
+        weight_sum = self.accelerator.reduce(weight_sum.float(), reduction="sum")
+        normalizer = weight_sum.clamp_min(1e-12) / self.world_size
+        parts, forward_s, backward_s = [], 0.0, 0.0
+        for micro, batch in enumerate(batches):
+            counts, f_s, b_s = self.forward_backward(batch, micro, normalizer)
+            parts.append(counts)
+            forward_s, backward_s = forward_s + f_s, backward_s + b_s
+        counts = sum_counts(parts)
+        lr, grad_norm, skipped, optim_s = self.optimizer_step(counts)
+        first = loaded[0].ref
+        stats = StepStats(
+            epoch=first.epoch,
+            step_in_epoch=first.step_in_epoch,
+            steps_in_epoch=first.steps_in_epoch,
+            counts=counts,
+            num_tokens=first.step_tokens,
+            num_samples=first.step_samples,
+            grad_norm=grad_norm,
+            lr=lr,
+            noise_std=self.noise.std_at(self.step),
+            skipped=skipped,
+            times={"data_s": data_s, "forward_s": forward_s, "backward_s": backward_s, "optim_s": optim_s},
+        )
+        self.step += 1
+        self.tokens_seen += stats.num_tokens
+        return stats
+
+    def forward_backward(
+        self, batch: DrafterBatch, micro: int, normalizer: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], float, float]:
+        """Noise, forward, loss, backward of one micro-batch; gradients sync on the last one only."""
+        start = time.perf_counter()
+        generator = noise_generator(self.cfg.seed, self.step, self.rank * self.grad_accum + micro, self.device)
+        batch = replace(batch, context_TF=self.noise.apply(batch.context_TF, self.step, generator))
+        last = micro == self.grad_accum - 1
+        with nullcontext() if last else self.accelerator.no_sync(self.ddp_model):
+            with self.accelerator.autocast():
+                hidden_NBH = self.ddp_model(batch)
+                loss, metrics = dflash_loss(hidden_NBH, self.model.lm_head_VH, batch, self.cfg.loss, normalizer)
+            self._sync()
+            mid = time.perf_counter()
+            self.accelerator.backward(loss)
+            self._sync()
+        return {k: metrics[k] for k in COUNT_KEYS}, mid - start, time.perf_counter() - mid
+
+    def optimizer_step(self, counts: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor, bool, float]:
+        """Clip, AdamW, schedule; returns (lr used, grad norm before clipping, skipped, seconds).
+
+        A non-finite loss or gradient norm skips the update (one host sync per optimizer step: the
+        price of never writing NaN into the weights); too many in a row stop the run."""
+        start = time.perf_counter()
+        grad_norm = self.accelerator.clip_grad_norm_(self.ddp_model.parameters(), self.cfg.optim.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        loss_sum = self.accelerator.reduce(counts["ce_sum"] + counts["kl_sum"], reduction="sum")
+        finite = bool(torch.isfinite(torch.stack([grad_norm.float(), loss_sum.float()])).all())
+        if finite:
+            self.optimizer.step()
+            self.nonfinite_in_a_row = 0
+        else:
+            self.nonfinite_in_a_row += 1
+            self.sink.event("nonfinite_step", self.step + 1, grad_norm=grad_norm, loss_sum=loss_sum, in_a_row=self.nonfinite_in_a_row)
+            if self.nonfinite_in_a_row > self.cfg.train.max_nonfinite_steps:
+                raise DivergedError(
+                    f"training diverged: {self.nonfinite_in_a_row} optimizer steps in a row (up to step {self.step + 1}) "
+                    f"had a non-finite loss or gradient norm; no update was applied and no such checkpoint saved. "
+                    f"Lower optim.lr, check the store with `python -m stage1_extract verify`, and resume from "
+                    f"{self.checkpointer.dir}"
+                )
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        return lr, grad_norm, not finite, time.perf_counter() - start
+
+    # ---- fixed points of fit() ---------------------------------------------------------------
+    def log_step(self, stats: StepStats) -> dict[str, Any]:
+        """Reduce the step's counts over ranks and write one train row (every rank must call it)."""
+        counts = self._reduce_counts(stats.counts)
+        ratios = {k: v.tolist() if v.dim() else v.item() for k, v in finalize_metrics(counts, self.cfg.loss).items()}
+        now = time.perf_counter()
+        _, last_tokens, last_time = self._last_log
+        step_s = sum(stats.times.values())
+        row = {
+            "epoch": stats.epoch,
+            "step_in_epoch": stats.step_in_epoch,
+            "steps_in_epoch": stats.steps_in_epoch,
+            **ratios,
+            "lr": stats.lr,
+            "noise_std": stats.noise_std,
+            "grad_norm": float(stats.grad_norm),
+            "skipped_update": stats.skipped,
+            "tokens": stats.num_tokens,
+            "samples": stats.num_samples,
+            "blocks": int(counts["num_blocks"]),
+            "tok_per_s": (self.tokens_seen - last_tokens) / max(now - last_time, 1e-9),
+            "data_wait_frac": stats.times["data_s"] / max(step_s, 1e-9),
+            **{k: round(v, 6) for k, v in stats.times.items()},
+            "step_s": round(step_s, 6),
+            "elapsed_s": round(self.elapsed_s(), 3),
+        }
+        self.sink.log(self.step, row)
+        for event in self.detectors.update({"kind": "train", "step": self.step, **row}):
+            self.sink.event("warning", event["step"], **as_warning(event))
+        self._last_log = (self.step, self.tokens_seen, now)
+        self.last_row = {k: row[k] for k in ("loss", "accuracy", "accept_len", "tok_per_s")}
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{row['loss']:.3f}", acc_len=f"{row['accept_len']:.2f}", tok_s=f"{row['tok_per_s']:.0f}")
+            self._bar.update(self.step - self._bar.n)
+        return row
+
+    def mark_epoch_start(self) -> None:
+        sampler = self.data.sampler
+        if sampler.step_in_epoch == 0 and sampler.micro_step == 0:
+            self.sink.event("epoch_start", self.step, epoch=sampler.epoch, steps_in_epoch=sampler.steps_per_epoch)
+
+    def mark_epoch_end(self, stats: StepStats) -> None:
+        if stats.step_in_epoch == stats.steps_in_epoch - 1:
+            self.sink.event("epoch_end", self.step, epoch=stats.epoch, elapsed_s=round(self.elapsed_s(), 3))
+
+    def finished(self) -> bool:
+        """Every epoch done (the sampler has rolled past the last one), or train.max_steps reached."""
+        max_steps = self.cfg.train.max_steps
+        return self.data.sampler.epoch >= self.cfg.train.epochs or (max_steps is not None and self.step >= max_steps)
+
+    def _eval_due(self) -> bool:
+        every = self.cfg.eval.every_steps
+        return bool(every) and self.step % every == 0 and not self.finished()
+
+    def evaluate(self) -> dict[str, Any] | None:
+        """The offline eval (`train/evaluate.py`: accuracy per position, accept_len, walk_tau) on the
+        held-out samples, by rank 0 (the others go on to the next collective and wait there)."""
+        data, cfg = self.data, self.cfg.eval
+        if len(data.heldout_indices) == 0 or self.rank != 0:
+            return None
+        start = time.perf_counter()
+        try:
+            row = offline_eval(
+                self.model,
+                data.reader,
+                data.heldout_indices[: cfg.offline_max_samples].tolist(),
+                max_anchors_per_seq=cfg.offline_max_anchors_per_seq,
+                token_budget=cfg.offline_token_budget,
+                seed=self.cfg.seed,
+                gamma=self.cfg.loss.gamma,
+            )
+        except ValueError as exc:  # e.g. no held-out sample long enough for one block
+            self.sink.event("eval_skipped", self.step, reason=str(exc))
+            return None
+        row["eval_s"] = round(time.perf_counter() - start, 3)
+        self.sink.log(self.step, row, kind="eval")
+        self.detectors.update({"kind": "eval", "step": self.step, **row})  # eval time is not a stall
+        self.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
+        return row
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "tokens_seen": self.tokens_seen,
+            "elapsed_s": round(self.elapsed_s(), 2),
+            "final_train": self.last_row,
+            "final_eval": self.last_eval,
+            "log": str(self.sink.path),
+        }
+
+    def _already_done(self, resumed_from: str) -> dict[str, Any]:
+        """A finished training run again: nothing to train, nothing to save; the saved summary."""
+        self.checkpointer.mark_saved(self.step)
+        summary = {**self.summary(), "already_complete": True, "checkpoint": resumed_from}
+        self.sink.event("run_already_complete", self.step, checkpoint=resumed_from)
+        return summary
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs (the checkpoint's schema): one entry per registered component."""
+        return {name: component.state_dict() for name, component in self.components.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [name for name in self.components if name not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint state lacks {missing}; it was written by another version")
+        for name, component in self.components.items():
+            component.load_state_dict(state[name])
+
+    def _progress_state(self) -> dict[str, Any]:
+        sampler = self.data.sampler
+        return {
+            "step": self.step,
+            "epoch": sampler.epoch,
+            "step_in_epoch": sampler.step_in_epoch,
+            "tokens_seen": self.tokens_seen,
+            "elapsed_s": self.elapsed_s(),
+            "total_steps": self.total_steps,
+            "world_size": self.world_size,
+            "last_row": self.last_row,
+            "last_eval": self.last_eval,
+        }
+
+    def _load_progress(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.elapsed_before = float(state["elapsed_s"])
+        self.last_row = state.get("last_row") or {}
+        self.last_eval = state.get("last_eval")
+
+    def resume(self) -> str | None:
+        """train.resume: auto (the newest checkpoint that verifies, if any), never, or a path.
+
+        Checkpoints passed over (damaged, incomplete) are named on stderr and in the `resume`
+        event. A checkpoint whose settings change what training computes is refused by name unless
+        train.resume_force; every changed setting goes into the `resume` event either way."""
+        choice = self.cfg.train.resume
+        if choice == "never":
+            return None
+        skipped: list[tuple[str, str]] = []
+        if choice == "auto":
+            selection = self.checkpointer.select()
+            path, skipped = selection.path, selection.skipped
+            for where, why in skipped:
+                if self.rank == 0:
+                    print(f"warning: skipping checkpoint {where}: {why}", file=sys.stderr)
+        else:
+            path = Path(choice)
+            if not path.is_dir():
+                raise ConfigError(f"train.resume={choice!r}: no checkpoint directory at {path}")
+        if path is None:
+            if skipped:
+                self.sink.event("resume", 0, path=None, skipped=[{"path": p, "why": w} for p, w in skipped])
+            return None
+        state = self.checkpointer.load(path)
+        forced = check_compatible(state["config"], self.info["config"], self.cfg.train.resume_force)
+        before = state["trainer"].get("total_steps")
+        self.load_state_dict(state)
+        self.sink.event(
+            "resume",
+            self.step,
+            path=str(path),
+            skipped=[{"path": p, "why": w} for p, w in skipped],
+            forced_differences=forced,
+            total_steps_before=before,
+            config_changes=config_changes(state["config"], self.info["config"]),
+        )
+        return str(path)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _reduce_counts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Sum the COUNT_KEYS tensors over ranks in one all_reduce; returns CPU tensors."""
+        flat = self.accelerator.reduce(torch.cat([local[k].reshape(-1).float() for k in COUNT_KEYS]), reduction="sum")
+        flat = flat.cpu()
+        out, offset = {}, 0
+        for k in COUNT_KEYS:
+            size = local[k].numel()
+            out[k] = flat[offset : offset + size].reshape(local[k].shape)
+            offset += size
+        return out
+
+    def elapsed_s(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self._start
+
+    def _step_batches(self) -> Iterator[list[LoadedBatch]]:
+        """Groups of grad_accum micro-batches, crossing epochs (the sampler rolls over by itself)."""
+        group: list[LoadedBatch] = []
+        for loaded in self.data.loader.stream():
+            group.append(loaded)
+            if len(group) == self.grad_accum:
+                yield group
+                group = []
+
+    def _progress_bar(self):
+        if not self.show_progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _sync(self) -> None:
+        """Make phase timings honest on GPU, on log steps only (elsewhere they are not reported)."""
+        if self.device.type == "cuda" and (self.step + 1) % self.cfg.log.every_steps == 0:
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def with_a_block(batch: DrafterBatch, mask_token_id: int) -> DrafterBatch:
+    """The batch itself, or, when none of its samples yields a block (answers shorter than a block),
+    the batch plus one unscored block: every rank must run forward and backward for DDP to reduce,
+    and a block whose labels are all IGNORE adds nothing to the loss, the gradients or the metrics."""
+    if batch.labels_NB.shape[0] > 0:
+        return batch
+    B = batch.labels_NB.shape[1]
+    topk = {}
+    if batch.topk_ids_NBK is not None:
+        K = batch.topk_ids_NBK.shape[-1]
+        topk = {"topk_logprobs_NBK": torch.zeros(1, B, K), "topk_ids_NBK": torch.zeros(1, B, K, dtype=torch.long)}
+    return replace(
+        batch,
+        block_ids_NB=torch.full((1, B), mask_token_id, dtype=torch.long),
+        block_seq_N=torch.zeros(1, dtype=torch.long),
+        anchor_pos_N=torch.zeros(1, dtype=torch.long),
+        labels_NB=torch.full((1, B), IGNORE, dtype=torch.long),
+        **topk,
+    )
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
+    """Dotted key -> [saved value, current value] for every resolved setting that changed."""
+    out: dict[str, list[Any]] = {}
+    for section in sorted(set(before) | set(after)):
+        a, b = before.get(section), after.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    out[f"{section}.{key}"] = [a.get(key), b.get(key)]
+        elif a != b:
+            out[section] = [a, b]
+    return out
+
+
+def make_accelerator(cfg: TrainConfig) -> Any:
+    """Accelerator on CUDA when there is one (or asked), else CPU (gloo under torchrun)."""
+    from accelerate import Accelerator
+
+    cuda_ok = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda_ok:
+        raise ConfigError("train.device=cuda but torch sees no CUDA device")
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cuda_ok)
+    bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and use_cuda)
+    # cpu=True matters under torchrun: a plain Accelerator() there trains each rank alone.
+    accelerator = Accelerator(cpu=not use_cuda, mixed_precision="bf16" if bf16 else "no")
+    if not use_cuda and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    return accelerator
