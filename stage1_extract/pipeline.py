@@ -8,12 +8,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
+from shared.errors import BusyError, ConfigError, DataError, InputFileError, StoreError
+from shared.lock import exclusive
 from shared.store import (
     StoreFiles,
     bytes_per_token,
@@ -81,13 +85,13 @@ def extraction_input(cfg: RunConfig) -> Path:
     if cfg.data.regenerate:
         path = generated_path(cfg)
         if not path.exists():
-            raise FileNotFoundError(
+            raise InputFileError(
                 f"{path} does not exist: run `python -m stage1_extract generate` first "
                 f"(or set data.regenerate=false to extract data.path as it is)"
             )
         return path
     if cfg.data.path is None:
-        raise ValueError("data.regenerate=false needs data.path: the default prompts have no answers")
+        raise ConfigError("data.regenerate=false needs data.path: the default prompts have no answers")
     return Path(cfg.data.path)
 
 
@@ -113,7 +117,8 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
             return vllm_backend(str(model_dir), cfg.generate, cfg.seed, resolve_dtype(cfg.target.dtype, device))
         return transformers_backend(load_target_model(cfg.target, device), tokenizer, cfg.generate, cfg.seed)
 
-    result = generate_all(conversations, tokenizer, make_backend, out, cfg.generate, key, progress=progress)
+    with exclusive(str(out.parent), "stage1_extract generate"):
+        result = generate_all(conversations, tokenizer, make_backend, out, cfg.generate, key, progress=progress)
     return {
         "output": str(result.path),
         "conversations": result.num_conversations,
@@ -146,7 +151,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     source = extraction_input(cfg)
     rows, stats = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source)
     if not rows:
-        raise ValueError(f"{source}: no usable rows")
+        raise DataError(f"{source}: no usable rows")
     header = settings_header(
         target_path=cfg.target.path,
         weights_sha256=weights_fingerprint(model_dir),
@@ -213,10 +218,10 @@ def tokenized_rows(
     rows = []
     for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers)):
         if isinstance(sample, str):
-            raise ValueError(f"{source}: row {row}: {sample}")
+            raise DataError(f"{source}: row {row}: {sample}")
         skipped = sample.truncated and data.on_long == "skip"
         if not sample.loss_mask.any() and not skipped:
-            raise ValueError(f"{source}: row {row}: no assistant tokens to supervise after templating")
+            raise DataError(f"{source}: row {row}: no assistant tokens to supervise after templating")
         rows.append(
             TokenizedRow(
                 sample_id=conv.row,
@@ -245,7 +250,8 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, repr
             # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
             dist.init_process_group("gloo", timeout=timedelta(hours=6))
     try:
-        return _extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess)
+        with store_lock(cfg.store.url(cfg.run_dir), rank, world, "reprocess" if reprocess else "extract"):
+            return _extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess)
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -254,61 +260,116 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, repr
                 dist.destroy_process_group()
 
 
-def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
-    """The shards of the current config and data, with the boundaries pinned in plan.json."""
+@contextmanager
+def store_lock(url: str, rank: int, world: int, command: str) -> Iterator[None]:
+    """Rank 0 holds the store's lock for the whole job; every rank learns at once if it could not
+    (a second `extract` on the same store is refused before it touches a file)."""
+    with ExitStack() as stack:
+        error: BusyError | None = None
+        if rank == 0:
+            try:
+                stack.enter_context(exclusive(url, f"stage1_extract {command}"))
+            except BusyError as exc:
+                error = exc
+        if not _all_ok(world, error is None):
+            raise error or BusyError(f"{url}: another command holds the store (rank 0 could not lock it)")
+        yield
+
+
+def _all_ok(world: int, ok: bool) -> bool:
+    if world == 1:
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def shard_size(cfg: RunConfig, prepared: Prepared) -> int:
+    """samples_per_shard: pinned in plan.json by the first run, else computed from store.shard_mb."""
     files = prepared.files
     if files.exists("plan.json"):
-        samples_per_shard = int(files.read_json("plan.json")["samples_per_shard"])
-    else:
-        token_bytes = bytes_per_token(
-            cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
+        return int(files.read_json("plan.json")["samples_per_shard"])
+    token_bytes = bytes_per_token(
+        cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
+    )
+    return choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
+
+
+def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
+    """The shards of the current config and data, with the boundaries pinned in plan.json."""
+    return plan_shards(prepared.rows, shard_size(cfg, prepared), header_key(prepared.header))
+
+
+def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int) -> Prepared:
+    """Rank 0 tokenizes first (in parallel) and caches; the others then read its cache."""
+    if rank == 0:
+        try:
+            return prepare(cfg)
+        finally:
+            _barrier(world)  # also on bad input: the others then meet the same error themselves
+    _barrier(world)
+    return prepare(cfg)
+
+
+def _pin_plan(cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool) -> list[ShardPlan]:
+    """Rank 0 pins samples_per_shard (the computed size, not the first shard's, which a short first
+    run would make small forever); every rank then checks the pinned header and plans the shards."""
+    files = prepared.files
+    if rank == 0:
+        load_or_pin_plan(files, prepared.header, shard_size(cfg, prepared), len(prepared.rows), repin=reprocess)
+        if "://" not in files.url:
+            cfg.write_resolved(Path(files.url) / "extract_config.yaml")
+    _barrier(world)
+    load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
+    return planned_shards(cfg, prepared)
+
+
+def check_space(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], done: set[int], force: bool) -> None:
+    """Refuse to start when the shards still to write will not fit (`--force` overrides). Only the
+    shards left count: after a full disk and some space freed, the rest of the job may well fit."""
+    files = prepared.files
+    free = files.free_bytes()
+    if free is None or force:
+        return
+    per_token = bytes_per_token(
+        cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
+    )
+    left = sum(len(r.input_ids) for s in shards if s.index not in done for r in s.kept) * per_token
+    if left > free:
+        raise StoreError(
+            f"extraction still needs about {human_bytes(left)} ({len(shards) - len(done)} of {len(shards)} shards "
+            f"left) but {files.url} has {human_bytes(free)} free; free space, change store.dtype/compression, "
+            f"or pass --force"
         )
-        samples_per_shard = choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
-    return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header))
+
+
+def human_bytes(n: float) -> str:
+    """3 significant figures in the largest unit that keeps the number >= 1 (0.00 GiB hides 500 MB)."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "TiB":
+            break
+    return f"{n:.3g} {unit}"
 
 
 def _extract(
     cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int, reprocess: bool
 ) -> dict[str, Any]:
     started = time.perf_counter()
-    if rank == 0:  # rank 0 tokenizes first (in parallel) and caches; the others then read its cache
-        try:
-            prepared = prepare(cfg)
-        finally:
-            _barrier(world)  # also on bad input: the others then meet the same error themselves
-    else:
-        _barrier(world)
-        prepared = prepare(cfg)
+    prepared = _prepare_all_ranks(cfg, rank, world)
     prepare_seconds = time.perf_counter() - started
+    shards = _pin_plan(cfg, prepared, rank, world, reprocess)
     files = prepared.files
-    plan = cmd_plan(cfg, prepared)
-    if plan["fits"] is False and not force:
-        raise OSError(
-            f"extraction needs about {plan['total_gib']} GiB but {files.url} has "
-            f"{plan['free_bytes'] / 2**30:.2f} GiB free; free space, change store.dtype/compression, or pass --force"
-        )
-    if rank == 0:
-        shards = planned_shards(cfg, prepared)
-        samples_per_shard = len(shards[0].rows)
-        load_or_pin_plan(files, prepared.header, samples_per_shard, len(prepared.rows), repin=reprocess)
-        if "://" not in files.url:
-            cfg.write_resolved(Path(files.url) / "extract_config.yaml")
-    _barrier(world)
-    load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))  # every rank checks the pinned header
-    shards = planned_shards(cfg, prepared)
     done = done_shards(files, shards)
+    check_space(cfg, prepared, shards, done, force)
     windows = windows_for_rank(shards, cfg.extract.window_shards, rank, world)
     mine = [s for w in windows for s in w if s.index not in done]
-    device = resolve_device(cfg.extract.device)
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
-    result = None
-    if mine:
-        model = load_target_model(cfg.target, device)
-        packed = cfg.extract.packed == "on" or (
-            cfg.extract.packed == "auto" and model.config._attn_implementation == "flash_attention_2"
-        )
-        result = run_shards(model, windows, done, files.url, cfg.store, cfg.extract, prepared.layer_ids, packed, progress)
+    result = _run_windows(cfg, prepared, windows, done, local_rank, progress) if mine else None
     _barrier(world)
     summary: dict[str, Any] = {
         "store": files.url,
@@ -331,17 +392,38 @@ def _extract(
             }
         )
     if rank == 0:
-        extra = {
-            "data": {"source": str(prepared.source), "num_rows": len(prepared.rows), "bad_rows_skipped": prepared.stats.bad_rows},
-            "samples_per_shard": len(shards[0].rows),
-            "created_unix": int(time.time()),
-        }
-        started = time.perf_counter()
-        manifest = merge_manifest(files, prepared.header, shards, extra)
-        summary["merge_seconds"] = round(time.perf_counter() - started, 2)
-        summary.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped")})
+        summary.update(_merge(cfg, prepared, shards))
     _barrier(world)
     return summary
+
+
+def _run_windows(
+    cfg: RunConfig, prepared: Prepared, windows: list[list[ShardPlan]], done: set[int], local_rank: int, progress: bool
+) -> Any:
+    device = resolve_device(cfg.extract.device)
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    model = load_target_model(cfg.target, device)
+    packed = cfg.extract.packed == "on" or (
+        cfg.extract.packed == "auto" and model.config._attn_implementation == "flash_attention_2"
+    )
+    return run_shards(
+        model, windows, done, prepared.files.url, cfg.store, cfg.extract, prepared.layer_ids, packed, progress
+    )
+
+
+def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[str, Any]:
+    """Rank 0: the manifest from every rank's part records, written last."""
+    extra = {
+        "data": {"source": str(prepared.source), "num_rows": len(prepared.rows), "bad_rows_skipped": prepared.stats.bad_rows},
+        "samples_per_shard": shard_size(cfg, prepared),
+        "created_unix": int(time.time()),
+    }
+    started = time.perf_counter()
+    manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
+    out = {"merge_seconds": round(time.perf_counter() - started, 2)}
+    out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped")})
+    return out
 
 
 def shard_report(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
@@ -417,11 +499,12 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True) -> d
     url = cfg.store.url(cfg.run_dir)
     report = verify_store(url)
     if repair and report["bad_shards"]:
-        files = StoreFiles(url)
-        for bad in report["bad_shards"]:
-            files.remove(f"shards/{bad['shard']}")
-            files.remove(part_path(bad["index"]))
-        cmd_extract(cfg, progress=progress)
+        with exclusive(url, "stage1_extract verify --repair"):
+            files = StoreFiles(url)
+            for bad in report["bad_shards"]:
+                files.remove(f"shards/{bad['shard']}")
+                files.remove(part_path(bad["index"]))
+            _extract(cfg, False, progress, 0, 1, 0, False)
         after = verify_store(url)
         after["repaired"] = [b["shard"] for b in report["bad_shards"]]
         return after

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.errors import DataError
 from stage1_extract.data import Conversation, ReadStats
 from stage1_extract.template import tokenize_conversation
 
@@ -110,7 +111,7 @@ class TokenCache:
             hashes, truncated, skipped = rows["row_hashes"], rows["truncated"], rows["skipped"]
         meta = json.loads((self.path / "meta.json").read_text())
         if len(offsets) != len(sample_ids) + 1 or offsets[-1] != len(ids) or len(mask) != len(ids):
-            raise ValueError(f"{self.path}: token cache is inconsistent; delete the folder and run again")
+            raise DataError(f"{self.path}: token cache is inconsistent; delete that folder and run the command again")
         out = [
             {
                 "sample_id": int(sample_ids[i]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,37 @@ def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     accelerator = make_accelerator(cfg.train)
     trainer = None
     try:
-        trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress)
-        summary = trainer.fit()
+        with ExitStack() as stack:
+            run_dir_lock(stack, accelerator, str(cfg.run_dir))
+            trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress)
+            summary = trainer.fit()
         rank, world = accelerator.process_index, accelerator.num_processes
         return {**summary, "rank": rank, "world_size": world, "run_dir": str(cfg.run_dir)}
     finally:
         if trainer is not None:
             trainer.close()
         accelerator.end_training()  # destroys the process group: a clean exit under torchrun
+
+
+def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> None:
+    """Rank 0 holds run_dir's lock while training; every rank learns at once if another command has it
+    (two trainings would interleave one log, one config and one checkpoint folder)."""
+    import torch
+
+    from shared.errors import BusyError
+    from shared.lock import exclusive
+
+    error = None
+    if accelerator.is_main_process:
+        try:
+            stack.enter_context(exclusive(run_dir, "stage2_train train"))
+        except BusyError as exc:
+            error = exc
+    ok = torch.tensor([1 if error is None else 0], device=accelerator.device)
+    if accelerator.num_processes > 1 and accelerator.reduce(ok, reduction="sum").item() < accelerator.num_processes:
+        raise error or BusyError(f"{run_dir}: another command is training there (rank 0 could not lock it)")
+    if error is not None:
+        raise error
 
 
 # ---------------------------------------------------------------------------------------------

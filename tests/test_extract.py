@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shared.config import load_run_config
+from shared.errors import DataError, StoreError
 from shared.store import StoreReader, read_manifest, read_shard_arrays
 from shared.target import LayerCapture
 from stage1_extract import extract as extract_mod
@@ -197,7 +198,7 @@ def test_non_finite_features_name_the_sample(tiny_target_dir, data_file, tmp_pat
 
     monkeypatch.setattr(extract_mod, "forward_batch", poisoned)
     cfg = config(tiny_target_dir, data_file, tmp_path)
-    with pytest.raises(RuntimeError, match=r"sample 11: 1 non-finite values \(NaN/inf\) in hidden"):
+    with pytest.raises(DataError, match=r"sample 11: 1 non-finite values \(NaN/inf\) in hidden"):
         pipeline.cmd_extract(cfg, progress=False)
 
 
@@ -213,7 +214,7 @@ def test_full_disk_keeps_earlier_shards(tiny_target_dir, data_file, tmp_path, mo
 
     monkeypatch.setattr(extract_mod, "write_shard", disk_full)
     cfg = config(tiny_target_dir, data_file, tmp_path)
-    with pytest.raises(RuntimeError, match="No space left on device.*intact, rerun `extract` after freeing space"):
+    with pytest.raises(StoreError, match=r"No space left on device.*intact, rerun `python -m stage1_extract extract` after freeing space"):
         pipeline.cmd_extract(cfg, progress=False)
     assert pipeline.cmd_status(cfg)["shards_done"] == 1
 
@@ -225,9 +226,37 @@ def test_plan_refuses_a_store_that_will_not_fit(tiny_target_dir, data_file, tmp_
     cfg = config(tiny_target_dir, data_file, tmp_path)
     plan = pipeline.cmd_plan(cfg)
     assert plan["fits"] is False and plan["tokens"] > 0 and plan["bytes_per_token"] == 3 * 64 * 2 + 8 * 6 + 5
-    with pytest.raises(OSError, match="needs about .* GiB but .* has 0.00 GiB free.*--force"):
+    with pytest.raises(StoreError, match=r"still needs about 1.13 MiB \(2 of 2 shards left\) but .* has 1000 B free.*--force"):
         pipeline.cmd_extract(cfg, progress=False)
     assert pipeline.cmd_extract(cfg, force=True, progress=False)["num_samples"] == 30
+
+
+def test_after_a_full_disk_only_the_shards_left_must_fit(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    """extract --force hit a full disk after one shard; space was freed for the rest, not for all:
+    a plain extract now goes on (it used to count every shard and refuse)."""
+    from shared.store import StoreFiles
+
+    real_write = extract_mod.write_shard
+    calls = []
+
+    def disk_full(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(extract_mod, "write_shard", disk_full)
+    cfg = config(tiny_target_dir, data_file, tmp_path)
+    plan = pipeline.cmd_plan(cfg)
+    with pytest.raises(StoreError, match="No space left"):
+        pipeline.cmd_extract(cfg, force=True, progress=False)
+    monkeypatch.setattr(extract_mod, "write_shard", real_write)
+    status = pipeline.cmd_status(cfg)
+    assert status["shards_done"] == 1
+    left = (status["tokens_total"] - status["tokens_done"]) * plan["bytes_per_token"]
+    monkeypatch.setattr(StoreFiles, "free_bytes", lambda self: left + 1)  # less than the whole store
+    assert left + 1 < plan["total_bytes"]
+    assert pipeline.cmd_extract(cfg, progress=False)["num_samples"] == 30
 
 
 def test_changed_settings_are_refused_by_name(store, tiny_target_dir, data_file):

@@ -269,3 +269,39 @@ def test_tiny_drafter_overfits_fixed_samples():
     assert last["accuracy"] >= 0.98, last["accuracy"]
     assert last["loss"] < 0.1 * first["loss"]
     assert last["accept_len"] > 3.8  # 3 scored slots per block, + the bonus
+
+
+def test_candidate_softmax_equals_the_full_one_when_the_candidates_are_the_whole_vocabulary():
+    """Slots past loss.full_vocab_slots take a softmax over [label, stored top-k ids]. With every
+    other token among the top-k, that softmax IS the full one: same loss, same gradient."""
+    torch.manual_seed(0)
+    N, B, V = 3, 5, 7
+    hidden = torch.randn(N, B, V, requires_grad=True)
+    head = torch.randn(V, V)
+    labels = torch.randint(0, V, (N, B))
+    labels[:, 0] = -100
+    labels[2, 3:] = -100
+    # top-k = every token but the label, in a shuffled order, with arbitrary target log-probs
+    ids = torch.stack([torch.stack([torch.tensor([t for t in torch.randperm(V).tolist() if t != max(int(l), 0)]) for l in row]) for row in labels])
+    lp = torch.randn(N, B, V - 1)
+    batch = labels_only_batch(labels, lp, ids)
+    cfg_full = LossConfig(gamma=3.0, kl_weight=0.5)
+    cfg_cand = LossConfig(gamma=3.0, kl_weight=0.5, full_vocab_slots=1)
+    loss_full, m_full = dflash_loss(hidden, head, batch, cfg_full)
+    (grad_full,) = torch.autograd.grad(loss_full, hidden)
+    loss_cand, m_cand = dflash_loss(hidden, head, batch, cfg_cand)
+    (grad_cand,) = torch.autograd.grad(loss_cand, hidden)
+    # KL over the top-k: the full softmax gives the label's mass to no stored id, the candidate one neither.
+    assert loss_cand.item() == pytest.approx(loss_full.item(), rel=1e-5)
+    torch.testing.assert_close(grad_cand, grad_full, rtol=1e-4, atol=1e-6)
+    assert m_cand["correct_per_pos"].tolist() == m_full["correct_per_pos"].tolist()
+
+
+def test_candidate_softmax_counts_the_label_once_when_it_is_among_the_top_k():
+    hidden = torch.zeros(1, 2, 4, requires_grad=True)  # equal logits everywhere
+    head = torch.eye(4)
+    labels = torch.tensor([[-100, 2]])
+    ids = torch.tensor([[[0, 1, 2], [0, 1, 2]]])  # the label (2) is a top-k id too
+    lp = torch.log(torch.tensor([[[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]]]))
+    loss, _ = dflash_loss(hidden, head, labels_only_batch(labels, lp, ids), LossConfig(full_vocab_slots=0))
+    assert loss.item() == pytest.approx(math.log(3))  # 3 distinct candidates, not 4

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shared.errors import CheckpointError
 from stage2_train.data.sampler import SamplerConfig
 
 
@@ -52,4 +53,4 @@ class AnchorSampler:
         """Nothing moves; a saved run drawn with other settings cannot be resumed exactly."""
         for key, value in self.state_dict().items():
             if state.get(key) != value:
-                raise ValueError(f"anchor state: {key} was {state.get(key)!r} when saved, is {value!r} now")
+                raise CheckpointError(f"anchor state: {key} was {state.get(key)!r} when saved, is {value!r} now")

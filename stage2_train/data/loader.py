@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
+from shared.errors import DataError, UserError
 from stage2_train.data.anchors import AnchorSampler
 from stage2_train.data.batch import DrafterBatch, check_sample, collate
 from stage2_train.data.sampler import LengthMixedSampler, MicroBatchRef
@@ -44,7 +46,9 @@ class SampleReader(Protocol):
     def __getitem__(self, index: int) -> dict[str, Any]: ...
 
 
-class DataLoadError(RuntimeError):
+class DataLoadError(DataError):
+    """A sample that could not be read or collated; the message names it and its shard."""
+
     def __init__(self, message: str, sample_index: int | None):
         super().__init__(message)
         self.sample_index = sample_index
@@ -172,21 +176,13 @@ class PrefetchLoader:
             executor.shutdown(wait=True, cancel_futures=True)
 
     def _load(self, ref: MicroBatchRef) -> LoadedBatch:
-        samples, anchors = [], []
         where = f"epoch {ref.epoch}, step {ref.step_in_epoch}, micro-batch {ref.micro_step}"
-        for index in ref.indices:
-            try:
-                sample = self.reader[index]
-                anchors_A = self.anchor_sampler.anchors(
-                    sample["loss_mask_T"], sample_id=int(sample["sample_id"]), epoch=ref.epoch
-                )
-                check_sample(sample, anchors_A, int(self.sampler.lengths[index]))
-            except Exception as exc:
-                raise DataLoadError(
-                    f"data loader: sample {index} ({where}) failed: {type(exc).__name__}: {exc}", index
-                ) from exc
-            samples.append(sample)
-            anchors.append(anchors_A)
+        # Read in store order (shard, position): neighbours share decoded chunks and file pages.
+        order_key = getattr(self.reader, "order_key", None)
+        reads = sorted(ref.indices, key=order_key) if order_key is not None else ref.indices
+        loaded = {index: self._read(index, ref.epoch, where) for index in reads}
+        samples = [loaded[i][0] for i in ref.indices]
+        anchors = [loaded[i][1] for i in ref.indices]
         try:
             batch = collate(
                 samples,
@@ -206,3 +202,20 @@ class PrefetchLoader:
             num_samples_without_anchor=sum(1 for a in anchors if len(a) == 0),
             data_wait_s=0.0,
         )
+
+    def _read(self, index: int, epoch: int, where: str) -> tuple[dict[str, Any], torch.Tensor]:
+        """One sample and its anchors for `epoch`, checked; DataLoadError naming it and its shard."""
+        try:
+            sample = self.reader[index]
+            anchors_A = self.anchor_sampler.anchors(sample["loss_mask_T"], sample_id=int(sample["sample_id"]), epoch=epoch)
+            check_sample(sample, anchors_A, int(self.sampler.lengths[index]))
+        except Exception as exc:
+            if isinstance(exc, UserError):  # the reader named the file already
+                raise DataLoadError(f"data loader ({where}): {exc}", index) from exc
+            what = self.reader.describe(index) if hasattr(self.reader, "describe") else f"sample {index}"
+            raise DataLoadError(
+                f"data loader: {what} ({where}) failed: {type(exc).__name__}: {exc}; "
+                f"check the store with `python -m stage1_extract verify`",
+                index,
+            ) from exc
+        return sample, anchors_A

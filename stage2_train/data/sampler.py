@@ -45,6 +45,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from shared.config import Section
+from shared.errors import CheckpointError, DataError
 
 
 class EpochPlan:
@@ -156,7 +157,7 @@ class LengthMixedSampler:
         too_long = np.flatnonzero(self.lengths > cfg.token_budget)
         if len(too_long):
             i = int(too_long[0])
-            raise ValueError(
+            raise DataError(
                 f"sample {i} has {int(self.lengths[i])} tokens, more than sampler.token_budget="
                 f"{cfg.token_budget} ({len(too_long)} samples too long); raise the budget or re-extract "
                 f"with a shorter data.max_length"
@@ -169,7 +170,7 @@ class LengthMixedSampler:
         self.world_size = world_size
         self.num_bins = world_size * cfg.grad_accum
         if len(self.lengths) < self.num_bins:
-            raise ValueError(
+            raise DataError(
                 f"{len(self.lengths)} samples cannot fill world_size * grad_accum = {self.num_bins} "
                 f"micro-batches per step"
             )
@@ -335,13 +336,13 @@ class LengthMixedSampler:
         mine = self.state_dict()
         for key in (*_PLAN_KEYS, "num_samples", "lengths_digest"):
             if state.get(key) != mine[key]:
-                raise ValueError(
+                raise CheckpointError(
                     f"sampler state: {key} was {state.get(key)!r} when saved, is {mine[key]!r} now; "
                     f"the batch plan would differ, so resuming exactly is impossible"
                 )
         epoch, step, micro = int(state["epoch"]), int(state["step_in_epoch"]), int(state["micro_step"])
         if not (0 <= step < len(self.plan_epoch(epoch)) and 0 <= micro < self.cfg.grad_accum):
-            raise ValueError(
+            raise CheckpointError(
                 f"sampler state: position (epoch {epoch}, step {step}, micro {micro}) is outside the plan"
             )
         self.epoch, self.step_in_epoch, self.micro_step = epoch, step, micro
@@ -410,7 +411,7 @@ def _fill_empty_bins(steps: list[list[list[int]]], lengths: list[int], epoch: in
         if not donors:
             donors = [d for d in steps[-1] if len(d) >= 2]
         if not donors:
-            raise ValueError(
+            raise DataError(
                 f"epoch {epoch}: too few samples to give each of the {len(steps[-1])} micro-batches of "
                 f"the last step a sample; lower world_size * grad_accum or the token budget"
             )

@@ -56,12 +56,11 @@ class SubsetReader:
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.reader[int(self.indices[index])]
 
-    def location(self, index: int) -> tuple[int, int]:
-        """(shard, first token) of sample `index`, for reading ahead in store order."""
-        return self.reader.location(int(self.indices[index]))
+    def describe(self, index: int) -> str:
+        return self.reader.describe(int(self.indices[index]))
 
-    def prefetch(self, indices: list[int]) -> None:
-        self.reader.prefetch([int(self.indices[i]) for i in indices])
+    def order_key(self, index: int) -> tuple[int, int]:
+        return self.reader.order_key(int(self.indices[index]))
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shared.errors import ConfigError
 from stage2_train.data.batch import DrafterBatch
 
 BACKENDS = ("sdpa", "flex", "eager", "naive")
@@ -255,9 +256,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "flex" if device.type == "cuda" and flex_importable() else "sdpa"
     if name not in BACKENDS:
-        raise ValueError(f"model.attention must be one of {BACKENDS}, got {name!r}")
+        raise ConfigError(f"model.attention must be one of {BACKENDS}, got {name!r}")
     if name == "flex" and not flex_importable():
-        raise ValueError(
+        raise ConfigError(
             "model.attention='flex' needs torch.nn.attention.flex_attention (torch >= 2.5); use 'sdpa'"
         )
     return name

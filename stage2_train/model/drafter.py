@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shared.config import Section
+from shared.errors import CheckpointError
 from shared.target import TargetArch
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.model.attention import AttentionPlan, packed_attention, plan_attention
@@ -274,7 +275,7 @@ def build_drafter(
     if weights is not None:
         missing, unexpected = drafter.load_state_dict(weights, strict=False)
         if missing or unexpected:
-            raise ValueError(
+            raise CheckpointError(
                 f"weights do not fit the drafter (model.num_layers={cfg.num_layers}, {num_feature_layers} feature "
                 f"layers): missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"
             )

@@ -64,6 +64,10 @@ class LossConfig(Section):
     """Top-k KL against the stored target distribution; 0 in the recipe."""
     ce_chunk: int = 128
     """Blocks per LM-head chunk (Qwen3, V=151936: 128*16 rows ~ 1.2 GB fp32)."""
+    full_vocab_slots: int | None = None
+    """Slots 1..N get the softmax over the whole vocabulary; later slots a softmax over the stored
+    top-k candidates of the target (and the label), ~1000x cheaper at a 50-150K vocab. null = every
+    slot full (the recipe). Needs a store with top-k."""
 
     def validate(self) -> None:
         self.require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", "must be a finite number > 0")
@@ -73,6 +77,14 @@ class LossConfig(Section):
             self.ce_weight + self.kl_weight > 0, "ce_weight", "and loss.kl_weight must not both be 0"
         )
         self.require(self.ce_chunk >= 1, "ce_chunk", "must be >= 1")
+        self.require(
+            self.full_vocab_slots is None or self.full_vocab_slots >= 0, "full_vocab_slots", "must be >= 0 or null"
+        )
+
+    @property
+    def needs_topk(self) -> bool:
+        """Whether the loss reads the stored top-k (the KL term, or candidate softmax slots)."""
+        return self.kl_weight > 0 or self.full_vocab_slots is not None
 
     def recipe_warnings(self, block_size: int | None = None) -> list[str]:
         """Departures from the recipe; the gamma check needs model.block_size."""
@@ -80,6 +92,11 @@ class LossConfig(Section):
         if self.kl_weight > 0 or self.ce_weight != 1.0:
             warnings.append(
                 f"loss.ce_weight={self.ce_weight}, loss.kl_weight={self.kl_weight}: the recipe trains CE only (1, 0)"
+            )
+        if self.full_vocab_slots is not None:
+            warnings.append(
+                f"loss.full_vocab_slots={self.full_vocab_slots}: slots past it use a top-k candidate softmax; "
+                f"the recipe scores every slot over the full vocabulary"
             )
         if block_size is not None:
             expected = recipe_gamma(block_size)
@@ -126,11 +143,31 @@ def _chunk_terms(hidden_MH, lm_head_VH, labels_M, w_M, topk_lp_MK, topk_ids_MK):
     return ce_sum, (w_M * kl_M).sum(), correct_M
 
 
+def _candidate_terms(hidden_MH, lm_head_VH, labels_M, w_M, topk_lp_MK, topk_ids_MK):
+    """The same terms over C = [label, the target's stored top-k ids] only (a sampled softmax whose
+    samples are the target's own likely tokens, the hard negatives): CE of the label and KL to the
+    target's renormalised top-k, both against the drafter's softmax over C; "correct" means the
+    label wins among C. A top-k id equal to the label is masked so the label is counted once."""
+    cand_MC = torch.cat([labels_M[:, None], topk_ids_MK], dim=1)
+    weight_MCH = lm_head_VH[cand_MC].to(hidden_MH.dtype)
+    logits_MC = torch.einsum("mh,mch->mc", hidden_MH, weight_MCH).float()
+    duplicate_MC = torch.cat([torch.zeros_like(labels_M[:, None], dtype=torch.bool), topk_ids_MK == labels_M[:, None]], 1)
+    logq_MC = logits_MC.masked_fill(duplicate_MC, float("-inf")).log_softmax(-1)
+    ce_sum = (w_M * -logq_MC[:, 0]).sum()
+    correct_M = logq_MC.argmax(-1) == 0
+    logp_MK = topk_lp_MK.float().log_softmax(-1)
+    p_MK = logp_MK.exp()
+    logq_MK = torch.where(duplicate_MC[:, 1:], logq_MC[:, :1], logq_MC[:, 1:])  # the label's column stands in
+    kl_M = torch.where(p_MK > 0, p_MK * (logp_MK - logq_MK), 0.0).sum(-1)
+    return ce_sum, (w_M * kl_M).sum(), correct_M
+
+
 @dataclass
 class ScoredRows:
     """The scored slots of a micro-batch as rows: M = slots whose label is not IGNORE."""
 
     rows_M: torch.Tensor  # indices into the N * B slots
+    slot_M: torch.Tensor  # each row's slot k in 1..B-1
     hidden_MH: torch.Tensor
     labels_M: torch.Tensor
     w_M: torch.Tensor
@@ -142,7 +179,7 @@ def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, wit
     N, B, H = hidden_NBH.shape
     labels_NB = batch.labels_NB
     if with_topk and (batch.topk_logprobs_NBK is None or batch.topk_ids_NBK is None):
-        raise ValueError("loss.kl_weight > 0 needs a store with top-k log-probs (the batch has none)")
+        raise ValueError("loss.kl_weight > 0 or loss.full_vocab_slots needs a store with top-k (the batch has none)")
     rows_M = (labels_NB != IGNORE).reshape(-1).nonzero()[:, 0]
     topk_lp_MK = topk_ids_MK = None
     if with_topk:
@@ -151,6 +188,7 @@ def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, wit
         topk_ids_MK = batch.topk_ids_NBK.reshape(N * B, K)[rows_M].long()
     return ScoredRows(
         rows_M=rows_M,
+        slot_M=rows_M % B,
         hidden_MH=hidden_NBH.reshape(N * B, H)[rows_M],
         labels_M=labels_NB.reshape(-1)[rows_M],
         w_M=loss_weights(labels_NB, gamma).reshape(-1)[rows_M],
@@ -160,31 +198,38 @@ def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, wit
 
 
 def lm_head_terms(
-    rows: ScoredRows, lm_head_VH: torch.Tensor, rows_per_chunk: int, like: torch.Tensor
+    rows: ScoredRows,
+    lm_head_VH: torch.Tensor,
+    rows_per_chunk: int,
+    like: torch.Tensor,
+    full_vocab_slots: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum w*CE, sum w*KL, correct_M) through the frozen LM head, `rows_per_chunk` rows at a time,
-    each chunk under activation checkpointing when it needs a backward (one [rows, V] at a time)."""
+    each chunk under activation checkpointing when it needs a backward (one [rows, V] at a time).
+    With `full_vocab_slots`, rows of later slots take the candidate softmax instead."""
     ce_sum = kl_sum = like.sum() * 0.0  # keeps the graph when nothing is scored
-    correct_parts = []
-    num_rows = len(rows.rows_M)
-    chunked = num_rows > rows_per_chunk and torch.is_grad_enabled() and like.requires_grad
-    for start in range(0, num_rows, rows_per_chunk):
-        sl = slice(start, start + rows_per_chunk)
-        args = (
-            rows.hidden_MH[sl],
-            lm_head_VH,
-            rows.labels_M[sl],
-            rows.w_M[sl],
-            None if rows.topk_lp_MK is None else rows.topk_lp_MK[sl],
-            None if rows.topk_ids_MK is None else rows.topk_ids_MK[sl],
-        )
-        if chunked:
-            c_sum, k_sum, correct_M = checkpoint(_chunk_terms, *args, use_reentrant=False)
-        else:
-            c_sum, k_sum, correct_M = _chunk_terms(*args)
-        ce_sum, kl_sum = ce_sum + c_sum, kl_sum + k_sum
-        correct_parts.append(correct_M)
-    correct_M = torch.cat(correct_parts) if correct_parts else rows.labels_M.new_zeros(0, dtype=torch.bool)
+    correct_M = torch.zeros(len(rows.rows_M), dtype=torch.bool, device=rows.labels_M.device)
+    full_M = torch.ones_like(correct_M) if full_vocab_slots is None else rows.slot_M <= full_vocab_slots
+    needs_grad = torch.is_grad_enabled() and like.requires_grad
+    for terms, where_M in ((_chunk_terms, full_M), (_candidate_terms, ~full_M)):
+        picked = where_M.nonzero()[:, 0]
+        chunked = len(picked) > rows_per_chunk and needs_grad
+        for start in range(0, len(picked), rows_per_chunk):
+            sel = picked[start : start + rows_per_chunk]
+            args = (
+                rows.hidden_MH[sel],
+                lm_head_VH,
+                rows.labels_M[sel],
+                rows.w_M[sel],
+                None if rows.topk_lp_MK is None else rows.topk_lp_MK[sel],
+                None if rows.topk_ids_MK is None else rows.topk_ids_MK[sel],
+            )
+            if chunked:
+                c_sum, k_sum, correct = checkpoint(terms, *args, use_reentrant=False)
+            else:
+                c_sum, k_sum, correct = terms(*args)
+            ce_sum, kl_sum = ce_sum + c_sum, kl_sum + k_sum
+            correct_M[sel] = correct
     return ce_sum, kl_sum, correct_M
 
 
@@ -201,8 +246,8 @@ def dflash_loss(
     (pass the weight sum of the whole optimizer step for an exact per-token mean).
     """
     N, B, _ = hidden_NBH.shape
-    rows = scored_rows(hidden_NBH, batch, cfg.gamma, with_topk=cfg.kl_weight > 0)
-    ce_sum, kl_sum, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk * B, like=hidden_NBH)
+    rows = scored_rows(hidden_NBH, batch, cfg.gamma, with_topk=cfg.needs_topk)
+    ce_sum, kl_sum, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk * B, hidden_NBH, cfg.full_vocab_slots)
     denom = rows.w_M.sum().clamp_min(1e-12) if normalizer is None else normalizer
     loss = (cfg.ce_weight * ce_sum + cfg.kl_weight * kl_sum) / denom
     with torch.no_grad():

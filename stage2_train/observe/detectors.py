@@ -31,6 +31,7 @@ from collections import deque
 from typing import Any, ClassVar
 
 from shared.config import Section
+from shared.errors import CheckpointError
 
 EVENT_KINDS = ("stall", "step_gap", "loss_spike", "accuracy_cliff", "nan", "throughput_drop")
 
@@ -528,7 +529,7 @@ class LiveDetectors:
     def load_state_dict(self, state: dict[str, Any], *, resumed: bool = True) -> None:
         """Restore the history; `resumed` (the default) also warms the pace up again, as a resume does."""
         if state.get("version") != 1:
-            raise ValueError(f"detector state: unknown version {state.get('version')!r} (expected 1)")
+            raise CheckpointError(f"detector state: unknown version {state.get('version')!r} (expected 1)")
         state = copy.deepcopy(state)
         self.pace.load_state_dict(state["pace"])
         self.loss.load_state_dict(state["loss"])

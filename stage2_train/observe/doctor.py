@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from shared.errors import InputFileError
+from shared.errors import DataError, InputFileError
 from stage2_train.observe.detectors import DetectorConfig, detect, finite, normalize
 from stage2_train.observe.metrics import read_records
 
@@ -271,7 +271,7 @@ def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -
     rows = [(normalize(r), r) for r in records]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
     if not train:
-        raise ValueError("the log has no train rows with a step: nothing to diagnose")
+        raise DataError("the log has no train rows with a step: nothing to diagnose")
     event_rows = [(r, raw) for r, raw in rows if r["kind"] == "event"]
     has_events = any(r["event"] != "warning" for r, _ in event_rows)
     has_epoch_events = any(str(r["event"]).startswith("epoch") for r, _ in event_rows)

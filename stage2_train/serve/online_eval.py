@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from shared.errors import DataError
 from stage2_train.serve.speculative import Proposer, speculative_generate, target_greedy
 
 
@@ -52,7 +53,7 @@ def online_eval(
     Per proposer: tau (tokens per verifying forward, pooled over prompts), the acceptance-length
     histogram, exact (every output == the target's greedy output), wall time and speedup."""
     if not prompts:
-        raise ValueError("online eval: no prompts")
+        raise DataError("online eval: no held-out sample has a prompt (tokens before its first supervised one)")
     greedy_wall = 0.0
     stats = {
         name: {"tokens": 0, "forwards": 0, "num_exact": 0, "wall_s": 0.0, "draft_s": 0.0, "hist": {}}

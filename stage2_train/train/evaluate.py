@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from shared.config import Section
+from shared.errors import DataError
 from stage2_train.data.anchors import AnchorSampler
 from stage2_train.data.batch import IGNORE, DrafterBatch, collate
 from stage2_train.data.sampler import SamplerConfig
@@ -194,7 +195,7 @@ def offline_eval(
     finally:
         drafter.train(was_training)
     if not parts:
-        raise ValueError(
+        raise DataError(
             f"offline eval: none of the {num_samples} samples has a valid anchor for block size {block_size}"
         )
     metrics = finalize_metrics(sum_counts(parts), LossConfig(gamma=gamma))

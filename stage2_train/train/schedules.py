@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from shared.config import Section
+from shared.errors import CheckpointError
 
 RECIPE_BETAS = (0.9, 0.999)
 
@@ -133,7 +134,7 @@ class NoiseSchedule:
         """Nothing moves (the step comes from the trainer); refuse a resume under another schedule."""
         for key, value in self.state_dict().items():
             if state.get(key) != value:
-                raise ValueError(
+                raise CheckpointError(
                     f"noise state: noise.{key} was {state.get(key)!r} when saved, is {value!r} now"
                 )
 

@@ -178,7 +178,7 @@ class Trainer:
             seed=cfg.seed,
             holdout_fraction=cfg.eval.holdout_fraction,
             split_seed=cfg.eval.split_seed,
-            gather_topk=cfg.loss.kl_weight > 0,
+            gather_topk=cfg.loss.needs_topk,
             num_threads=cfg.train.num_data_threads,
             prefetch=cfg.train.prefetch,
         )

@@ -1,0 +1,152 @@
+"""One writer at a time: an exclusive lock on a store or a run directory, held for one command.
+
+    with exclusive(store_url, "extract"):         # a second writer fails at once, naming the holder
+        ...
+
+Local folders: `flock` on `<folder>/.dflash.lock`, which the kernel drops when the process dies, so
+a crashed command never leaves a stale lock; the file also says who holds it (command, pid, host,
+since). Object stores (any fsspec URL with a protocol) have no flock: a lease object
+`<folder>/.dflash.lease.json` with owner, host and expiry, renewed in the background every third of
+its lifetime; a lease whose holder died expires after `LEASE_S` seconds. Two commands racing for a
+free lease both write it, then both read it back: the one whose token is there wins. Readers
+(`status`, `verify` without `--repair`, `doctor`, `eval`, `export`) take no lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from shared.errors import BusyError
+
+LOCK_NAME = ".dflash.lock"
+LEASE_NAME = ".dflash.lease.json"
+LEASE_S = 300.0
+
+
+def _holder(command: str) -> dict[str, Any]:
+    return {
+        "command": command,
+        "argv": " ".join(sys.argv[:6]),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    return (
+        f"`{holder.get('command', '?')}` (pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+        f"since {holder.get('since', '?')})"
+    )
+
+
+@contextmanager
+def exclusive(url: str, command: str) -> Iterator[None]:
+    """Hold the lock of the folder `url` (created if missing) while the block runs."""
+    lock = FileLock(Path(url)) if "://" not in url or url.startswith("file://") else LeaseLock(url)
+    lock.acquire(command)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class FileLock:
+    def __init__(self, folder: Path):
+        self.folder = Path(str(folder).removeprefix("file://"))
+        self.path = self.folder / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self, command: str) -> None:
+        import fcntl
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_json(os.read(fd, 4096))
+            os.close(fd)
+            raise BusyError(
+                f"{self.folder} is in use by {_describe(holder)}; wait for it to finish or stop it "
+                f"(two writers would corrupt it)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(_holder(command)).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        import fcntl
+
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+class LeaseLock:
+    def __init__(self, url: str, lease_s: float = LEASE_S):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, root = fsspec.core.url_to_fs(self.url)
+        self.path = f"{root}/{LEASE_NAME}"
+        self.lease_s = lease_s
+        self.token = secrets.token_hex(8)
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            return _read_json(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+
+    def _write(self, command: str) -> None:
+        lease = {**_holder(command), "token": self.token, "expires": time.time() + self.lease_s}
+        self.fs.pipe_file(self.path, json.dumps(lease).encode())
+
+    def acquire(self, command: str) -> None:
+        current = self._read()
+        if current and current.get("token") != self.token and current.get("expires", 0) > time.time():
+            raise BusyError(
+                f"{self.url} is in use by {_describe(current)} (lease until "
+                f"{time.strftime('%H:%M:%S', time.localtime(current['expires']))}); wait for it or stop it"
+            )
+        self._write(command)
+        time.sleep(0.05)  # let a racing writer's PUT land, then see who won
+        won = self._read()
+        if not won or won.get("token") != self.token:
+            raise BusyError(f"{self.url} was just taken by {_describe(won or {})}; wait for it or stop it")
+        self._renewer = threading.Thread(target=self._renew, args=(command,), name="dflash-lease", daemon=True)
+        self._renewer.start()
+
+    def _renew(self, command: str) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            self._write(command)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        current = self._read()
+        if current and current.get("token") == self.token:
+            self.fs.rm_file(self.path)
+
+
+def _read_json(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data.decode("utf-8", "replace") or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
