@@ -282,7 +282,10 @@ def test_candidate_softmax_equals_the_full_one_when_the_candidates_are_the_whole
     labels[:, 0] = -100
     labels[2, 3:] = -100
     # top-k = every token but the label, in a shuffled order, with arbitrary target log-probs
-    ids = torch.stack([torch.stack([torch.tensor([t for t in torch.randperm(V).tolist() if t != max(int(l), 0)]) for l in row]) for row in labels])
+    def others(label: int) -> torch.Tensor:
+        return torch.tensor([t for t in torch.randperm(V).tolist() if t != max(label, 0)])
+
+    ids = torch.stack([torch.stack([others(int(label)) for label in row]) for row in labels])
     lp = torch.randn(N, B, V - 1)
     batch = labels_only_batch(labels, lp, ids)
     cfg_full = LossConfig(gamma=3.0, kl_weight=0.5)
