@@ -277,13 +277,32 @@ def read_manifest(url: str) -> dict[str, Any]:
     if not files.exists("manifest.json"):
         hint = " (extraction has not finished: run `python -m stage1_extract status`)" if files.exists("plan.json") else ""
         raise StoreError(f"{url}: no manifest.json{hint}")
-    manifest = files.read_json("manifest.json")
+    manifest = load_manifest(files)
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
         raise StoreError(
             f"{url}/manifest.json has schema_version {version}; this code reads version {SCHEMA_VERSION} "
             f"(re-extract, or use the matching dflash-pipeline version)"
         )
+    return manifest
+
+
+MANIFEST_KEYS = {"schema_version": int, "storage": dict, "shards": list, "layer_ids": list, "target": dict}
+
+
+def load_manifest(files: StoreFiles) -> dict[str, Any]:
+    """manifest.json parsed and checked for shape; a damaged one is a StoreError naming the file
+    and the command that rebuilds it from the part records (which survive a torn manifest)."""
+    fix = "run `python -m stage1_extract reprocess` to rebuild it from the part records"
+    try:
+        manifest = files.read_json("manifest.json")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{files.url}/manifest.json is damaged (not valid JSON: {exc}); {fix}") from None
+    if not isinstance(manifest, dict):
+        raise StoreError(f"{files.url}/manifest.json is damaged (a JSON {type(manifest).__name__}, not an object); {fix}")
+    for key, kind in MANIFEST_KEYS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise StoreError(f"{files.url}/manifest.json is damaged ({key!r} missing or not a {kind.__name__}); {fix}")
     return manifest
 
 

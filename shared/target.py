@@ -36,6 +36,9 @@ class TargetConfig(Section):
     """Compute dtype. auto: bf16 on GPU and on CPUs with native bf16 (avx512_bf16/AMX), else fp32, since emulated bf16 matmuls run ~4x slower than fp32 there. Storage dtype is store.dtype."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     mask_token_id: int | None = None
+    allow_pickle_weights: bool = False
+    """Load a target folder that has only `.bin` (pickle) weights. Unpickling runs code from the file,
+    so it is refused unless set; safetensors folders never need it."""
     """Used as the drafter's MASK token: Qwen3 has a reserved id (151669); other targets need one chosen."""
 
     def validate(self) -> None:
@@ -223,12 +226,14 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 def weights_fingerprint(model_dir: str | os.PathLike) -> str:
-    """sha256 over the sorted weight files' own hashes (safetensors / bin), cached by size+mtime."""
+    """sha256 over the sorted weight files' own hashes (safetensors / bin), cached by size+mtime in
+    the pipeline's cache folder (never in the target's folder, which may be shared or read-only)."""
     model_dir = Path(model_dir)
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
     if not files:
         raise InputFileError(f"no weight files (*.safetensors, *.bin) in {model_dir}")
-    cache_path = model_dir / ".dflash_fingerprint.json"
+    key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
+    cache_path = cache_dir() / "fingerprints" / f"{key}.json"
     stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     try:
         cached = json.loads(cache_path.read_text())
@@ -241,9 +246,10 @@ def weights_fingerprint(model_dir: str | os.PathLike) -> str:
         digest.update(p.name.encode() + b"\0" + file_sha256(p).encode())
     value = digest.hexdigest()
     try:
-        cache_path.write_text(json.dumps({"stamp": stamp, "sha256": value}))
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_text(json.dumps({"folder": str(model_dir.resolve()), "stamp": stamp, "sha256": value}))
     except OSError:
-        pass  # read-only model folder: hash again next time
+        pass  # a read-only cache: hash again next time
     return value
 
 
@@ -293,8 +299,15 @@ def load_target_model(cfg: TargetConfig, device: str = "cpu") -> Any:
     from transformers import AutoModelForCausalLM
 
     model_dir = resolve_target_dir(cfg)
+    safetensors = any(model_dir.glob("*.safetensors"))
+    if not safetensors and not cfg.allow_pickle_weights:
+        raise ConfigError(
+            f"target.path={cfg.path!r} holds only pickle (.bin) weights, which run code when loaded; convert "
+            f"them to safetensors, or set target.allow_pickle_weights=true if you trust the files"
+        )
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
+        use_safetensors=safetensors,
         dtype=getattr(torch, TORCH_DTYPES[resolve_dtype(cfg.dtype, device)]),
         attn_implementation=pick_attn_implementation(cfg.attn_implementation, device),
         # Straight onto the GPU: an 8B target would otherwise pass 16 GB through host memory per rank.
@@ -346,6 +359,17 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"target.path={cfg.path!r}: the tokenizer has no chat template")
     return tokenizer
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """Every EOS id the tokenizer or the generation config names (Llama 3.1 lists three); may be empty."""
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
 
 
 def default_mask_token_id(cfg: TargetConfig, arch: TargetArch, tokenizer: Any) -> int:

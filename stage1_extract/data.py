@@ -68,30 +68,48 @@ class ReadStats:
 
 
 def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(row, record or the ValueError that makes the row bad) for every non-blank row. Bytes are
+    decoded per line, so a line that is not UTF-8 is one bad row, named, not the end of the file."""
     if path.suffix == ".jsonl" or path.suffix == ".json":
-        with path.open(encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                if not line.strip():
+        with path.open("rb") as fh:
+            for i, raw in enumerate(fh):
+                if not raw.strip():
                     continue
                 try:
-                    yield i, json.loads(line)
+                    yield i, json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    yield i, ValueError(f"not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
                 except json.JSONDecodeError as exc:
                     yield i, ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})")
         return
     if path.suffix == ".parquet" or path.is_dir():
-        import pyarrow.parquet as pq
-
         files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
         if not files:
             raise InputFileError(f"{path}: folder holds no .parquet files")
-        row = 0
-        for file in files:
-            for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
-                for record in batch.to_pylist():
-                    yield row, record
-                    row += 1
+        yield from _parquet_rows(files)
         return
     raise DataError(f"{path}: unsupported data file type {path.suffix!r} (use .jsonl or .parquet)")
+
+
+def _parquet_rows(files: list[Path]) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = 0
+    for file in files:
+        try:
+            parquet = pq.ParquetFile(file)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{file}: not a readable Parquet file ({exc})") from None
+        columns = parquet.schema_arrow.names
+        if "messages" not in columns and "prompt" not in columns:
+            raise DataError(
+                f"{file}: needs a `messages` column or `prompt` (+ `completion`) columns; it has {columns}"
+            )
+        for batch in parquet.iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
 
 
 def parse_row(record: Any) -> list[dict[str, str]]:

@@ -77,11 +77,18 @@ class ExtractConfig(Section):
 @dataclass
 class TokenizedRow:
     sample_id: int
-    row_hash: str
+    row_hash: str  # of the input row as read: an edited row changes its shard's identity
     input_ids: np.ndarray
     loss_mask: np.ndarray
     truncated: bool = False
     skipped: bool = False
+    content_hash: str = ""  # of the tokens and loss mask: identical samples share it (duplicates)
+
+
+def content_hash(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
+    digest = hashlib.blake2b(np.asarray(input_ids, dtype=np.int32).tobytes(), digest_size=8)
+    digest.update(np.asarray(loss_mask, dtype=bool).tobytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -364,6 +371,7 @@ class ShardWriterThread:
                 "header_key": shard.key,
                 "sample_ids": [r.sample_id for r in shard.kept],
                 "lengths": [len(r.input_ids) for r in shard.kept],
+                "content_hashes": [r.content_hash for r in shard.kept],
                 "num_truncated": sum(r.truncated for r in shard.rows),
                 "num_skipped": sum(r.skipped for r in shard.rows),
             }
@@ -539,6 +547,7 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
             "num_bytes": sum(r["bytes"] for r in records),
             "num_truncated": sum(r["num_truncated"] for r in records),
             "num_skipped": sum(r["num_skipped"] for r in records),
+            "num_duplicates": count_duplicates(records),
             "shards": records,
         }
     )
@@ -546,6 +555,15 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
     for name in orphans(files, records):
         files.remove(name)  # leftovers of a crash, of a replaced shard, or of rows no longer in the data
     return manifest
+
+
+def count_duplicates(records: list[dict[str, Any]]) -> int | None:
+    """Samples whose tokens equal an earlier sample's (the held-out split keeps copies together);
+    None for part records written before content hashes were recorded."""
+    if not all("content_hashes" in r for r in records):
+        return None
+    hashes = [h for r in records for h in r["content_hashes"]]
+    return len(hashes) - len(set(hashes))
 
 
 def orphans(files: StoreFiles, records: list[dict[str, Any]]) -> list[str]:

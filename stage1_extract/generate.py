@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.config import Section
 from shared.errors import DataError
+from shared.target import stop_token_ids
 from stage1_extract.data import Conversation, write_conversations_parquet
 from stage1_extract.template import prompt_ids
 
@@ -82,8 +83,11 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: 
     import torch
 
     device = next(model.parameters()).device
-    stop_ids = sorted({i for i in (tokenizer.eos_token_id, model.generation_config.eos_token_id) if isinstance(i, int)})
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    stop_ids = stop_token_ids(tokenizer, model)
+    # Left padding is masked out, so any id serves; a tokenizer with neither pad nor EOS gets 0.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    if not stop_ids:
+        log.warning("the tokenizer and generation config name no EOS token: answers stop at generate.max_new_tokens")
 
     def run(prompts: list[list[int]], call_seed: int) -> list[str]:
         texts: list[str] = [""] * len(prompts)
@@ -107,7 +111,7 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: 
                     top_p=cfg.top_p if cfg.temperature > 0 else None,
                     top_k=None,
                     max_new_tokens=cfg.max_new_tokens,
-                    eos_token_id=stop_ids,
+                    eos_token_id=stop_ids or None,
                     pad_token_id=pad_id,
                 )
             for row, i in enumerate(idx):

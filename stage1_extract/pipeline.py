@@ -22,6 +22,7 @@ from shared.store import (
     StoreFiles,
     bytes_per_token,
     content_checksum,
+    load_manifest,
     read_manifest,
     read_shard_arrays,
 )
@@ -40,6 +41,7 @@ from stage1_extract.extract import (
     ShardPlan,
     TokenizedRow,
     choose_samples_per_shard,
+    content_hash,
     done_shards,
     estimate,
     header_differences,
@@ -217,11 +219,17 @@ def tokenized_rows(
     workers = resolve_workers(data.tokenize_workers)
     rows = []
     for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers)):
-        if isinstance(sample, str):
-            raise DataError(f"{source}: row {row}: {sample}")
-        skipped = sample.truncated and data.on_long == "skip"
-        if not sample.loss_mask.any() and not skipped:
-            raise DataError(f"{source}: row {row}: no assistant tokens to supervise after templating")
+        skipped = not isinstance(sample, str) and sample.truncated and data.on_long == "skip"
+        problem = unusable(sample, data.max_length) if not skipped else None
+        if problem is not None:
+            message = f"{source}: row {row}: {problem}"
+            if data.on_bad_row == "raise":
+                raise DataError(message + " (set data.on_bad_row=skip to skip and count bad rows)")
+            stats.bad_rows += 1
+            if len(stats.bad_examples) < 5:
+                stats.bad_examples.append(message)
+            log.warning("skipping %s", message)
+            continue
         rows.append(
             TokenizedRow(
                 sample_id=conv.row,
@@ -230,6 +238,7 @@ def tokenized_rows(
                 loss_mask=sample.loss_mask,
                 truncated=sample.truncated and not skipped,
                 skipped=skipped,
+                content_hash=content_hash(sample.input_ids, sample.loss_mask),
             )
         )
     if cache is not None and rows:
@@ -238,6 +247,21 @@ def tokenized_rows(
         except OSError as exc:  # a read-only or full run_dir costs the next command a re-tokenize, not this one
             log.warning("could not write the token cache under %s (%s): later commands tokenize again", cache.root, exc)
     return rows, stats
+
+
+def unusable(sample: Any, max_length: int) -> str | None:
+    """Why a tokenized row cannot be trained on, or None: the template failed (the message), or no
+    assistant token is left to supervise (saying when truncation to data.max_length caused it)."""
+    if isinstance(sample, str):
+        return sample
+    if sample.loss_mask.any():
+        return None
+    if sample.truncated:
+        return (
+            f"no assistant tokens left to supervise after truncating to data.max_length={max_length} "
+            f"(the prompt alone fills it); raise data.max_length or set data.on_long=skip"
+        )
+    return "no assistant tokens to supervise after templating"
 
 
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
@@ -436,7 +460,12 @@ def _shard_states(cfg: RunConfig, prepared: Prepared, every_record: bool) -> tup
     shard's, or only the shards the manifest does not list). Part records are read once."""
     files = prepared.files
     shards = planned_shards(cfg, prepared)
-    manifest = files.read_json("manifest.json") if files.exists("manifest.json") else None
+    manifest, damaged = None, None
+    if files.exists("manifest.json"):
+        try:
+            manifest = load_manifest(files)
+        except StoreError as exc:  # reprocess rebuilds it from the part records
+            damaged = str(exc)
     listed = {r["index"]: r for r in manifest["shards"]} if manifest else {}
     header_changes = header_differences({k: manifest.get(k) for k in prepared.header}, prepared.header) if manifest else []
     rows: list[dict[str, Any]] = []
@@ -457,6 +486,7 @@ def _shard_states(cfg: RunConfig, prepared: Prepared, every_record: bool) -> tup
     report = {
         "store": files.url,
         "manifest": manifest is not None,
+        "manifest_damaged": damaged,
         "settings_changed": header_changes,
         "counts": {**counts, "orphaned": len(orphaned)},
         "orphaned": orphaned,

@@ -37,7 +37,7 @@ from stage1_extract.template import tokenize_conversation
 
 log = logging.getLogger(__name__)
 
-TOKENS_VERSION = 1
+TOKENS_VERSION = 2
 _PARALLEL_MIN_ROWS = 512  # below this a process pool costs more than it saves
 _WORKER: dict[str, Any] = {}  # the forked workers' tokenizer and settings
 
@@ -109,6 +109,7 @@ class TokenCache:
         with np.load(self.path / "rows.npz") as rows:
             offsets, sample_ids = rows["offsets"], rows["sample_ids"]
             hashes, truncated, skipped = rows["row_hashes"], rows["truncated"], rows["skipped"]
+            contents = rows["content_hashes"]
         meta = json.loads((self.path / "meta.json").read_text())
         if len(offsets) != len(sample_ids) + 1 or offsets[-1] != len(ids) or len(mask) != len(ids):
             raise DataError(f"{self.path}: token cache is inconsistent; delete that folder and run the command again")
@@ -120,6 +121,7 @@ class TokenCache:
                 "loss_mask": mask[offsets[i] : offsets[i + 1]],
                 "truncated": bool(truncated[i]),
                 "skipped": bool(skipped[i]),
+                "content_hash": contents[i].decode(),
             }
             for i in range(len(sample_ids))
         ]
@@ -141,6 +143,7 @@ class TokenCache:
                 row_hashes=np.array([r.row_hash.encode() for r in rows], dtype="S32"),
                 truncated=np.array([r.truncated for r in rows], dtype=bool),
                 skipped=np.array([r.skipped for r in rows], dtype=bool),
+                content_hashes=np.array([r.content_hash.encode() for r in rows], dtype="S16"),
             )
             (tmp / "meta.json").write_text(json.dumps({"inputs": self.inputs, "stats": vars(stats)}, indent=1))
             if self.path.exists():  # another process finished first: same key, same content

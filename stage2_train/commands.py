@@ -106,12 +106,12 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from shared.target import load_target_model
+    from shared.target import load_target_model, stop_token_ids
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
     from stage2_train.data.store import open_store, resolve_target, tokenizer_and_hash
     from stage2_train.model.drafter import build_drafter
-    from stage2_train.serve.online_eval import acceptance_gap, eos_token_ids, heldout_prompts, online_eval
+    from stage2_train.serve.online_eval import acceptance_gap, heldout_prompts, online_eval
     from stage2_train.serve.speculative import DFlashProposer, NgramProposer
     from stage2_train.train.evaluate import offline_eval
 
@@ -150,7 +150,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         proposers,
         [p for _, p in prompts],
         max_new_tokens=eval_cfg.online_max_new_tokens,
-        eos_token_ids=eos_token_ids(tokenizer, target_model),
+        eos_token_ids=stop_token_ids(tokenizer, target_model),
     )
     online["sample_ids"] = [sid for sid, _ in prompts]
     result = {

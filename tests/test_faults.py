@@ -160,3 +160,316 @@ def test_json_summaries_never_print_nan():
 
     text = to_json({"final_train": {"loss": float("nan"), "acc": [float("inf"), 0.5]}})
     assert json.loads(text) == {"final_train": {"loss": "nan", "acc": ["inf", 0.5]}}
+
+
+# ---- a small store shared by the tests below --------------------------------------------------------
+@pytest.fixture(scope="module")
+def store(tiny_target_dir, tmp_path_factory):
+    """(stage-1 config, store path) of 24 chats from the tiny target, with two exact duplicates."""
+    root = tmp_path_factory.mktemp("faults")
+    rows = chat_rows(22)
+    rows += [rows[3], rows[7]]  # copies: they must land on one side of the held-out split
+    data = write_jsonl(root / "chat.jsonl", rows)
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, root / "run"))
+    stage1.cmd_extract(cfg, progress=False)
+    return cfg, Path(cfg.store.url(cfg.run_dir))
+
+
+def train_overrides(target_dir, store_path, run_dir, **extra) -> list[str]:
+    base = {
+        "run_dir": str(run_dir), "store.path": str(store_path), "target.path": str(target_dir),
+        "target.num_feature_layers": 3, "target.dtype": "fp32", "sampler.token_budget": 512,
+        "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0, "optim.lr": 3e-3,
+        "train.max_steps": 6, "train.num_data_threads": 1, "checkpoint.every_steps": 2,
+        "eval.holdout_fraction": 0.2, "eval.offline_max_samples": 3, "log.wandb": "disabled",
+    }
+    base.update(extra)
+    return [f"{k}={json.dumps(v)}" for k, v in base.items()]
+
+
+def train_config(target_dir, store_path, run_dir, **extra):
+    return load_run_config("configs/default.yaml", train_overrides(target_dir, store_path, run_dir, **extra))
+
+
+def test_duplicates_are_counted_and_kept_on_one_side_of_the_split(store):
+    import numpy as np
+
+    from shared.store import StoreReader
+    from stage2_train.data.split import heldout_mask
+
+    _, path = store
+    reader = StoreReader(str(path))
+    assert reader.manifest["num_duplicates"] == 2
+    keys = reader.split_keys
+    copies = [(3, 22), (7, 23)]  # input rows: original and copy
+    where = {int(sid): i for i, sid in enumerate(reader.sample_ids)}
+    for a, b in copies:
+        assert keys[where[a]] == keys[where[b]]
+    for seed in range(40):  # whatever the split, a copy never sits on the other side
+        held = heldout_mask(keys, 0.3, seed)
+        assert all(held[where[a]] == held[where[b]] for a, b in copies)
+    assert len(np.unique(keys)) == len(keys) - 2
+
+
+def test_nan_losses_stop_training_and_the_good_checkpoints_survive(store, tiny_target_dir, tmp_path, monkeypatch):
+    from shared.errors import DivergedError
+    from stage2_train.commands import cmd_train
+    from stage2_train.train import trainer as trainer_mod
+    from stage2_train.train.checkpoint import complete_checkpoints, load_checkpoint
+
+    real = trainer_mod.dflash_loss
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan"), metrics) if len(calls) > 3 else (loss, metrics)
+
+    monkeypatch.setattr(trainer_mod, "dflash_loss", poisoned)
+    cfg = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 12, "train.max_nonfinite_steps": 2})
+    with pytest.raises(DivergedError, match=r"3 optimizer steps in a row \(up to step 6\) had a non-finite loss"):
+        cmd_train(cfg, progress=False)
+    events = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    skipped = [e["step"] for e in events if e.get("event") == "nonfinite_step"]
+    assert skipped == [4, 5, 6]
+    # Step 4's save came after a skipped update: the weights of step 3, finite, as every one kept.
+    kept = [p.name for p in complete_checkpoints(tmp_path / "checkpoints")]
+    assert kept == ["step_000002", "step_000004"]
+    for name in kept:
+        weights = load_checkpoint(tmp_path / "checkpoints" / name)["model"]
+        assert all(bool(w.isfinite().all()) for w in weights.values())
+
+
+def test_resume_skips_a_damaged_checkpoint_and_says_so(store, tiny_target_dir, tmp_path, capfd):
+    from stage2_train.commands import cmd_train
+
+    cfg = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 4, "train.resume": "auto"})
+    cmd_train(cfg, progress=False)
+    newest = tmp_path / "checkpoints" / "step_000004" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-100:-36] = bytes(64)  # same size, other bytes
+    newest.write_bytes(bytes(data))
+    more = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 6, "train.resume": "auto"})
+    summary = cmd_train(more, progress=False)
+    err = capfd.readouterr().err
+    assert f"warning: skipping checkpoint {newest.parent}: model.safetensors does not match its checksum" in err
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    resume = [r for r in log if r.get("event") == "resume"][-1]
+    assert resume["path"].endswith("step_000002") and resume["skipped"][0]["path"] == str(newest.parent)
+    assert summary["steps"] == 6
+
+
+def test_a_finished_run_run_again_trains_and_rewrites_nothing(store, tiny_target_dir, tmp_path):
+    from stage2_train.commands import cmd_train
+
+    cfg = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 4, "train.resume": "auto"})
+    first = cmd_train(cfg, progress=False)
+    final = tmp_path / "checkpoints" / "step_000004"
+    stamp = {p.name: p.stat().st_mtime_ns for p in final.iterdir()}
+    again = cmd_train(cfg, progress=False)
+    assert again["already_complete"] and again["steps"] == 4
+    assert again["final_train"] == first["final_train"] and again["final_train"]["loss"] is not None
+    assert {p.name: p.stat().st_mtime_ns for p in final.iterdir()} == stamp
+
+
+def test_a_refused_resume_leaves_train_config_yaml_as_it_was(store, tiny_target_dir, tmp_path):
+    from shared.errors import CheckpointError
+    from stage2_train.commands import cmd_train
+
+    cfg = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 2, "train.resume": "auto"})
+    cmd_train(cfg, progress=False)
+    saved = (tmp_path / "train_config.yaml").read_text()
+    other = train_config(tiny_target_dir, store[1], tmp_path, **{"train.resume": "auto", "loss.gamma": 5.0})
+    with pytest.raises(CheckpointError, match=r"cannot resume: loss\.gamma: saved 4\.0, now 5\.0"):
+        cmd_train(other, progress=False)
+    assert (tmp_path / "train_config.yaml").read_text() == saved
+
+
+def test_a_block_size_longer_than_every_sample_is_refused(store, tiny_target_dir, tmp_path):
+    from stage2_train.commands import cmd_train
+
+    cfg = train_config(tiny_target_dir, store[1], tmp_path, **{"model.block_size": 200, "loss.gamma": 7.0})
+    with pytest.raises(ConfigError, match=r"model\.block_size=200 is longer than every sample .*\(the longest has \d+ tokens"):
+        cmd_train(cfg, progress=False)
+    with pytest.raises(ConfigError, match=r"model\.block_size must be in 2\.\.256"):
+        load_run_config("configs/default.yaml", ["model.block_size=100000"])
+
+
+def test_an_epoch_without_a_single_block_stops(store, tiny_target_dir, tmp_path, monkeypatch):
+    from shared.errors import DataError
+    from stage2_train.commands import cmd_train
+    from stage2_train.data import anchors
+
+    monkeypatch.setattr(anchors.AnchorSampler, "anchors", lambda self, mask, *, sample_id, epoch: mask.nonzero()[:0, 0])
+    cfg = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 50, "checkpoint.every_steps": 0})
+    with pytest.raises(DataError, match=r"epoch 0 gave no block to train on"):
+        cmd_train(cfg, progress=False)
+
+
+# ---- damaged stores --------------------------------------------------------------------------------
+@pytest.fixture
+def store_copy(store, tmp_path):
+    import shutil
+
+    cfg, path = store
+    copy = Path(shutil.copytree(path, tmp_path / "store"))
+    (copy / LOCK_NAME).unlink(missing_ok=True)
+    overrides = stage1_overrides(Path(cfg.target.path), Path(cfg.data.path), Path(cfg.run_dir), **{"store.path": str(copy)})
+    return load_run_config("configs/default.yaml", overrides), copy
+
+
+@pytest.mark.parametrize(
+    "damage, what",
+    [
+        (lambda text: text[: len(text) // 2], "not valid JSON"),
+        (lambda text: "[1, 2, 3]", "a JSON list, not an object"),
+        (lambda text: json.dumps({**json.loads(text), "shards": None}), "'shards' missing or not a list"),
+    ],
+)
+def test_a_damaged_manifest_is_named_and_reprocess_rebuilds_it(store_copy, damage, what):
+    from shared.errors import StoreError
+    from shared.store import StoreReader, read_manifest
+
+    cfg, copy = store_copy
+    good = read_manifest(str(copy))
+    manifest = copy / "manifest.json"
+    manifest.write_text(damage(manifest.read_text()))
+    with pytest.raises(StoreError, match=rf"manifest\.json is damaged \({what}.*run `python -m stage1_extract reprocess`"):
+        StoreReader(str(copy))
+    report = stage1.cmd_status(cfg)
+    assert report["manifest_damaged"] and report["counts"]["missing"] == len(good["shards"])
+    out = stage1.cmd_reprocess(cfg, progress=False)
+    assert out["shards_extracted_here"] == 0  # the part records were intact: nothing re-extracted
+    assert read_manifest(str(copy))["shards"] == good["shards"]
+
+
+def test_a_shard_missing_an_array_is_named_with_its_fix(store_copy):
+    import shutil
+
+    from shared.errors import StoreError
+    from shared.store import StoreReader
+
+    _, copy = store_copy
+    reader = StoreReader(str(copy))
+    name = reader.manifest["shards"][0]["name"]
+    shutil.rmtree(copy / "shards" / name / "hidden")
+    with pytest.raises(StoreError, match=rf"shard {name} lacks the array\(s\) \['hidden'\]; run `python -m stage1_extract verify --repair`"):
+        StoreReader(str(copy))[0]
+
+
+# ---- bad rows ---------------------------------------------------------------------------------------
+def bad_row_config(tiny_target_dir, data, tmp_path, **extra):
+    return load_run_config(
+        "configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run", **extra)
+    )
+
+
+def test_a_non_utf8_row_is_named_and_skippable(tiny_target_dir, tmp_path):
+    from shared.errors import DataError
+
+    rows = [json.dumps(r) for r in chat_rows(6)]
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(("\n".join(rows[:3]) + "\n").encode() + b'{"prompt": "caf\xe9"}\n' + ("\n".join(rows[3:]) + "\n").encode())
+    with pytest.raises(DataError, match=r"chat\.jsonl: row 3: not UTF-8 \(byte 0xe9 at column 16\)"):
+        stage1.cmd_plan(bad_row_config(tiny_target_dir, data, tmp_path))
+    plan = stage1.cmd_plan(bad_row_config(tiny_target_dir, data, tmp_path, **{"data.on_bad_row": "skip"}))
+    assert plan["samples"] == 6 and plan["bad_rows_skipped"] == 1
+
+
+def test_a_row_with_nothing_to_supervise_respects_on_bad_row_and_names_truncation(tiny_target_dir, tmp_path):
+    from shared.errors import DataError
+
+    rows = chat_rows(4) + [{"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"}]}]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DataError, match=r"row 4: no assistant tokens left to supervise after truncating to data\.max_length=256"):
+        stage1.cmd_plan(bad_row_config(tiny_target_dir, data, tmp_path))
+    plan = stage1.cmd_plan(bad_row_config(tiny_target_dir, data, tmp_path, **{"data.on_bad_row": "skip"}))
+    assert plan["samples"] == 4 and plan["bad_rows_skipped"] == 1
+
+
+def test_parquet_with_other_columns_or_not_parquet_at_all_is_named(tiny_target_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shared.errors import DataError
+
+    wrong = tmp_path / "wrong.parquet"
+    pq.write_table(pa.table({"question": ["a"], "answer": ["b"]}), wrong)
+    with pytest.raises(DataError, match=r"wrong\.parquet: needs a `messages` column .* it has \['question', 'answer'\]"):
+        stage1.cmd_plan(bad_row_config(tiny_target_dir, wrong, tmp_path))
+    fake = tmp_path / "fake.parquet"
+    fake.write_text('{"prompt": "this is JSON"}\n')
+    with pytest.raises(DataError, match=r"fake\.parquet: not a readable Parquet file"):
+        stage1.cmd_plan(bad_row_config(tiny_target_dir, fake, tmp_path))
+
+
+def test_the_first_runs_max_samples_does_not_pin_small_shards(tiny_target_dir, tmp_path):
+    from shared.store import StoreFiles
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
+    quick = bad_row_config(tiny_target_dir, data, tmp_path, **{"data.max_samples": 3, "store.shard_mb": 64})
+    stage1.cmd_extract(quick, progress=False)
+    pinned = StoreFiles(quick.store.url(quick.run_dir)).read_json("plan.json")["samples_per_shard"]
+    assert pinned > 3  # computed from store.shard_mb, not the first shard's 3 rows
+
+
+# ---- the doctor ---------------------------------------------------------------------------------------
+def test_the_doctor_survives_a_torn_or_non_utf8_last_line_and_flags_steps_going_back(tmp_path):
+    from stage2_train.observe.doctor import doctor
+    from tests.test_doctor import trainer_records, write_log
+
+    records = trainer_records(300)
+    log = tmp_path / "train_log.jsonl"
+    write_log(log, records[:200] + records[150:])  # a restart from step ~150 without a resume event
+    with log.open("ab") as fh:
+        fh.write(b'{"kind": "train", "step": 301, "loss": 0.5, "acc\xc3')  # a crash mid-character
+    text, code = doctor(log, as_json=False)
+    assert "1 unreadable line(s) skipped" in text
+    assert "steps went back from" in text and "with no resume event" in text
+    diagnosis = json.loads(doctor(log, as_json=True)[0])
+    assert diagnosis["summary"]["unreadable_lines"] == 1 and len(diagnosis["summary"]["restarts"]) == 1
+
+
+def test_the_doctor_uses_the_configured_thresholds(tmp_path):
+    from stage2_train.observe.detectors import DetectorConfig
+    from stage2_train.observe.doctor import doctor
+    from tests.test_doctor import failed_run_records, write_log
+
+    log = tmp_path / "train_log.jsonl"
+    write_log(log, failed_run_records())
+    strict = json.loads(doctor(log, True)[0])["summary"]["num_events"]
+    lenient = json.loads(doctor(log, True, DetectorConfig(spike_k=1000, stall_k=1000, cliff_k=1000, throughput_k=1000))[0])
+    assert strict > 0 and lenient["summary"]["num_events"] < strict
+
+
+# ---- targets ------------------------------------------------------------------------------------------
+def test_pickle_only_targets_are_refused_and_the_target_folder_is_never_written(tiny_target_dir, tmp_path):
+    import shutil
+
+    import torch
+
+    from shared.target import TargetConfig, load_target_model, weights_fingerprint
+
+    before = sorted(p.name for p in tiny_target_dir.iterdir())
+    weights_fingerprint(tiny_target_dir)
+    assert sorted(p.name for p in tiny_target_dir.iterdir()) == before  # no fingerprint file in the target
+    pickled = Path(shutil.copytree(tiny_target_dir, tmp_path / "pickled"))
+    from safetensors.torch import load_file
+
+    state = load_file(pickled / "model.safetensors")
+    (pickled / "model.safetensors").unlink()
+    torch.save(state, pickled / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"holds only pickle \(\.bin\) weights.*target\.allow_pickle_weights=true"):
+        load_target_model(TargetConfig(path=str(pickled)))
+    assert load_target_model(TargetConfig(path=str(pickled), allow_pickle_weights=True)) is not None
+
+
+def test_stop_tokens_come_from_tokenizer_and_generation_config_and_may_be_none():
+    from types import SimpleNamespace
+
+    from shared.target import stop_token_ids
+
+    llama = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[128001, 128008, 128009]))
+    assert stop_token_ids(SimpleNamespace(eos_token_id=128009), llama) == [128001, 128008, 128009]
+    bare = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
+    assert stop_token_ids(SimpleNamespace(eos_token_id=None), bare) == []

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.target import TargetArch
+from shared.errors import InputFileError
 from shared.target_parts import load_embed_and_head
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.model import drafter as model_module
@@ -436,11 +437,11 @@ def test_load_embed_and_head_errors(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(KeyError, match="no embedding tensor"):
+    with pytest.raises(InputFileError, match="no embedding tensor"):
         load_embed_and_head(tmp_path)
     save_file({"model.embed_tokens.weight": torch.zeros(4, 2)}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
-    with pytest.raises(KeyError, match="tie_word_embeddings=false"):
+    with pytest.raises(InputFileError, match="tie_word_embeddings=false"):
         load_embed_and_head(tmp_path)
 
 

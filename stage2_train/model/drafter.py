@@ -59,7 +59,9 @@ class DrafterConfig(Section):
 
     def validate(self) -> None:
         self.require(self.num_layers >= 1, "num_layers", "must be >= 1")
-        self.require(self.block_size >= 2, "block_size", "must be >= 2 (slot 0 is never scored)")
+        self.require(
+            2 <= self.block_size <= 256, "block_size", "must be in 2..256 (slot 0 is never scored; published: 16)"
+        )
         self.require(
             self.intermediate_size is None or self.intermediate_size >= 1,
             "intermediate_size",

@@ -313,6 +313,7 @@ def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -
         "log_every_steps": interval,
         "sec_per_step": round(statistics.median(pace), 4) if pace else None,
         "epochs": [min(epochs), max(epochs)] if epochs else None,
+        "restarts": restarts(rows),
         "final": {
             k: last[k] if math.isfinite(last[k]) else str(last[k])
             for k in ("loss", "accuracy", "accept_len")
@@ -321,6 +322,21 @@ def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -
         "cannot_tell": info["cannot_tell"],
     }
     return {"events": events, "summary": summary}
+
+
+def restarts(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every place where the logged train steps go back (a run restarted from an older checkpoint,
+    or two runs writing one log): the steps redone are trained twice, and the curve doubles back."""
+    out, last, resumed_to = [], None, None
+    for row, _ in rows:
+        if row["kind"] == "event" and row["event"] in ("resume", "run_start"):
+            resumed_to = row["step"]
+        if row["kind"] != "train" or row["step"] is None:
+            continue
+        if last is not None and row["step"] <= last:
+            out.append({"from_step": last, "to_step": row["step"], "with_resume_event": resumed_to is not None})
+        last, resumed_to = row["step"], None
+    return out
 
 
 def data_wait_note(train: list[dict[str, Any]], ev: dict[str, Any]) -> str | None:
@@ -351,6 +367,13 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     for ev in diagnosis["events"]:
         lines.append(f"  {describe(ev)}")
         lines.append(f"      likely cause: {ev['likely_cause']}")
+    for back in s["restarts"]:
+        how = "after a resume/run_start event" if back["with_resume_event"] else "with no resume event (two runs in one log?)"
+        lines.append(f"  steps went back from {back['from_step']} to {back['to_step']} {how}")
+    if s.get("unreadable_lines"):
+        lines.append(
+            f"  {s['unreadable_lines']} unreadable line(s) skipped (torn or not UTF-8: a crash mid-write leaves one)"
+        )
     if s["cannot_tell"]:
         lines.append("cannot tell:")
         lines += [f"  {c}" for c in s["cannot_tell"]]

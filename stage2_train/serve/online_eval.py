@@ -104,14 +104,3 @@ def acceptance_gap(offline: dict[str, Any], online_tau: float) -> dict[str, Any]
         "online_tau": online_tau,
         "relative": (best - online_tau) / online_tau,
     }
-
-
-def eos_token_ids(tokenizer: Any, target: Any) -> list[int]:
-    ids = set()
-    configured = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    for value in (tokenizer.eos_token_id, configured):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return sorted(ids)

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from shared.config import RunConfig, Section
-from shared.errors import CheckpointError, ConfigError, DivergedError
+from shared.errors import CheckpointError, ConfigError, DataError, DivergedError
 from shared.target_parts import load_embed_and_head
 from stage2_train.data.batch import IGNORE, DrafterBatch
 from stage2_train.data.loader import LoadedBatch
@@ -163,6 +163,7 @@ class Trainer:
         self.elapsed_before = 0.0  # wall time of earlier runs of this training (resume)
         self.nonfinite_in_a_row = 0
         self.last_row: dict[str, Any] = {}
+        self.epoch_blocks = torch.zeros((), dtype=torch.long)  # scored blocks of this epoch on this rank
         self.last_eval: dict[str, Any] | None = None
         self.components = self._register_components()
         self._start = time.perf_counter()
@@ -184,7 +185,15 @@ class Trainer:
         )
         target = resolve_target(cfg.target)
         url = cfg.store.url(cfg.run_dir)
-        return open_train_data(url, target, cfg.sampler, settings, rank=self.rank, world_size=self.world_size)
+        data = open_train_data(url, target, cfg.sampler, settings, rank=self.rank, world_size=self.world_size)
+        longest = int(data.reader.lengths.max())
+        if cfg.model.block_size > longest:
+            raise ConfigError(
+                f"model.block_size={cfg.model.block_size} is longer than every sample of {url} (the longest has "
+                f"{longest} tokens, data.max_length was {data.reader.manifest.get('max_length')}): no block could "
+                f"fill its slots; use a block size of at most {longest} (published drafters: 16)"
+            )
+        return data
 
     def _build_model(self, init_weights: dict[str, torch.Tensor] | None) -> DFlashDrafter:
         """The drafter from cfg.seed (identical on every rank) or from `init_weights`, with the
@@ -331,6 +340,7 @@ class Trainer:
             parts.append(counts)
             forward_s, backward_s = forward_s + f_s, backward_s + b_s
         counts = sum_counts(parts)
+        self.epoch_blocks = self.epoch_blocks + counts["num_blocks"].long().cpu()
         lr, grad_norm, skipped, optim_s = self.optimizer_step(counts)
         first = loaded[0].ref
         stats = StepStats(
@@ -438,8 +448,17 @@ class Trainer:
             self.sink.event("epoch_start", self.step, epoch=sampler.epoch, steps_in_epoch=sampler.steps_per_epoch)
 
     def mark_epoch_end(self, stats: StepStats) -> None:
-        if stats.step_in_epoch == stats.steps_in_epoch - 1:
-            self.sink.event("epoch_end", self.step, epoch=stats.epoch, elapsed_s=round(self.elapsed_s(), 3))
+        """The epoch_end event; and a run whose epoch scored no block at all stops here (nothing to learn)."""
+        if stats.step_in_epoch != stats.steps_in_epoch - 1:
+            return
+        blocks = int(self.accelerator.reduce(self.epoch_blocks.to(self.device), reduction="sum"))
+        self.epoch_blocks = torch.zeros((), dtype=torch.long)
+        self.sink.event("epoch_end", self.step, epoch=stats.epoch, blocks=blocks, elapsed_s=round(self.elapsed_s(), 3))
+        if blocks == 0:
+            raise DataError(
+                f"epoch {stats.epoch} gave no block to train on: no training sample of {self.data.reader.url} has two "
+                f"consecutive supervised tokens (loss_mask); check the data's assistant turns and loss masks"
+            )
 
     def finished(self) -> bool:
         """Every epoch done (the sampler has rolled past the last one), or train.max_steps reached."""
