@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.target import TargetArch
 from shared.errors import InputFileError
+from shared.target import TargetArch
 from shared.target_parts import load_embed_and_head
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.model import drafter as model_module
