@@ -106,13 +106,11 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from shared.target import load_target_model, stop_token_ids
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
-    from stage2_train.data.store import open_store, resolve_target, tokenizer_and_hash
+    from stage2_train.data.store import open_store, resolve_target
     from stage2_train.model.drafter import build_drafter
-    from stage2_train.serve.online_eval import acceptance_gap, heldout_prompts, online_eval
-    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+    from stage2_train.serve.online_eval import acceptance_gap
     from stage2_train.train.evaluate import offline_eval
 
     target = resolve_target(cfg.target)
@@ -136,23 +134,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         seed=cfg.seed,
         gamma=cfg.loss.gamma,
     )
-    target_model = load_target_model(cfg.target, device)
-    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
-    prompts = heldout_prompts(reader, heldout, eval_cfg.online_num_prompts)
-    feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
-    proposers = {
-        "trained": DFlashProposer(trained, target.layer_ids, feature_dtype=feature_dtype, name="trained"),
-        "untrained": DFlashProposer(untrained, target.layer_ids, feature_dtype=feature_dtype, name="untrained"),
-        "ngram": NgramProposer(cfg.model.block_size - 1),
-    }
-    online = online_eval(
-        target_model,
-        proposers,
-        [p for _, p in prompts],
-        max_new_tokens=eval_cfg.online_max_new_tokens,
-        eos_token_ids=stop_token_ids(tokenizer, target_model),
-    )
-    online["sample_ids"] = [sid for sid, _ in prompts]
+    online = _online(cfg, target, reader, heldout, {"trained": trained, "untrained": untrained}, device)
     result = {
         "checkpoint": str(source),
         "num_heldout": int(len(heldout)),
@@ -163,6 +145,35 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     name = source.parent.name if source.name == "model.safetensors" else source.stem
     result["written_to"] = str(write_json(Path(cfg.run_dir) / "eval" / f"{name}.json", result))
     return result
+
+
+def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: dict[str, Any], device: str) -> dict[str, Any]:
+    """Speculative decoding of held-out prompts with each drafter and the n-gram baseline."""
+    import torch
+
+    from shared.target import load_target_model, stop_token_ids
+    from stage2_train.data.store import tokenizer_and_hash
+    from stage2_train.serve.online_eval import heldout_prompts, online_eval
+    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+
+    target_model = load_target_model(cfg.target, device)
+    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    prompts = heldout_prompts(reader, heldout, cfg.eval.online_num_prompts)
+    feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
+    proposers = {
+        name: DFlashProposer(drafter, target.layer_ids, feature_dtype=feature_dtype, name=name)
+        for name, drafter in drafters.items()
+    }
+    proposers["ngram"] = NgramProposer(cfg.model.block_size - 1)
+    online = online_eval(
+        target_model,
+        proposers,
+        [p for _, p in prompts],
+        max_new_tokens=cfg.eval.online_max_new_tokens,
+        eos_token_ids=stop_token_ids(tokenizer, target_model),
+    )
+    online["sample_ids"] = [sid for sid, _ in prompts]
+    return online
 
 
 def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None) -> dict[str, Any]:

@@ -42,10 +42,32 @@ def resolve_log(path: Path) -> Path:
 # ---- what the log says happened ------------------------------------------------------------------
 def context_points(rows: list[dict[str, Any]], train: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Everything that may explain an event, each {"what", "step", "text", ...}, sorted by step."""
+    points, saves, epochs = event_points(rows)
+    for save in saves.values():
+        timing = [f"{k.removesuffix('_s')} {seconds(save[k])} s" for k in ("blocked_s", "write_s") if k in save]
+        mode = [save["mode"]] if "mode" in save else []
+        extra = f" ({', '.join(timing + mode)})" if timing or mode else ""
+        points.append({**save, "text": f"checkpoint save at step {save['step']}{extra}"})
+    for prev, cur in zip(train, train[1:]):  # epoch boundaries from the epoch field, when no event said so
+        if prev["epoch"] is not None and cur["epoch"] is not None and cur["epoch"] > prev["epoch"]:
+            if cur["epoch"] not in epochs:
+                epochs.add(cur["epoch"])
+                points.append(epoch_point(cur["epoch"], cur["step"]))
+    points += schedule_points(train, "lr") + schedule_points(train, "noise_std")
+    return sorted(points, key=lambda p: p["step"])
+
+
+def epoch_point(epoch: int, step: int) -> dict[str, Any]:
+    return {"what": "epoch", "step": step, "epoch": epoch, "text": f"epoch {epoch} began at step {step}"}
+
+
+def event_points(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], set[int]]:
+    """(eval, resume and epoch points, checkpoint saves by step, epochs whose start an event gave)."""
     points: list[dict[str, Any]] = []
     saves: dict[int, dict[str, Any]] = {}
-    epochs_from_events: set[int] = set()
+    epochs: set[int] = set()
     seen_start = False
+    has_epoch_starts = any(x["event"] == "epoch_start" for x, _ in rows)
     for r, raw in rows:
         step = r["step"]
         if r["kind"] == "eval" and step is not None:
@@ -56,9 +78,7 @@ def context_points(rows: list[dict[str, Any]], train: list[dict[str, Any]]) -> l
         name = str(r["event"])
         if "checkpoint" in name or "save" in name:
             save = saves.setdefault(step, {"what": "checkpoint", "step": step})
-            for key in ("blocked_s", "write_s"):
-                if finite(r[key]):
-                    save[key] = r[key]
+            save.update({k: r[k] for k in ("blocked_s", "write_s") if finite(r[k])})
             if raw.get("mode"):
                 save["mode"] = raw["mode"]
         elif name == "resume":
@@ -69,40 +89,13 @@ def context_points(rows: list[dict[str, Any]], train: list[dict[str, Any]]) -> l
                 points.append({"what": "resume", "step": step, "text": f"restart at step {step}"})
             seen_start = True
         elif name in ("epoch_start", "epoch_end") and r["epoch"] is not None:
-            if name == "epoch_end" and any(x["event"] == "epoch_start" for x, _ in rows):
+            if name == "epoch_end" and has_epoch_starts:
                 continue  # the last epoch_end is not followed by an epoch
             epoch = r["epoch"] + (1 if name == "epoch_end" else 0)
-            if epoch not in epochs_from_events:
-                epochs_from_events.add(epoch)
-                points.append(
-                    {
-                        "what": "epoch",
-                        "step": step,
-                        "epoch": epoch,
-                        "text": f"epoch {epoch} began at step {step}",
-                    }
-                )
-    for save in saves.values():
-        timing = [
-            f"{k.removesuffix('_s')} {seconds(save[k])} s" for k in ("blocked_s", "write_s") if k in save
-        ]
-        mode = [save["mode"]] if "mode" in save else []
-        extra = f" ({', '.join(timing + mode)})" if timing or mode else ""
-        points.append({**save, "text": f"checkpoint save at step {save['step']}{extra}"})
-    for prev, cur in zip(train, train[1:]):
-        if prev["epoch"] is not None and cur["epoch"] is not None and cur["epoch"] > prev["epoch"]:
-            if cur["epoch"] not in epochs_from_events:
-                epochs_from_events.add(cur["epoch"])
-                points.append(
-                    {
-                        "what": "epoch",
-                        "step": cur["step"],
-                        "epoch": cur["epoch"],
-                        "text": f"epoch {cur['epoch']} began at step {cur['step']}",
-                    }
-                )
-    points += schedule_points(train, "lr") + schedule_points(train, "noise_std")
-    return sorted(points, key=lambda p: p["step"])
+            if epoch not in epochs:
+                epochs.add(epoch)
+                points.append(epoch_point(epoch, step))
+    return points, saves, epochs
 
 
 def seconds(value: float) -> str:
@@ -143,6 +136,8 @@ def round_step_note(step: int, interval: int) -> str:
 def explain(
     ev: dict[str, Any], points: list[dict[str, Any]], events: list[dict[str, Any]], info: dict[str, Any]
 ) -> tuple[str, list[dict[str, Any]]]:
+    """(likely cause, everything found near the event): the strongest explanation by the event's
+    kind (a pause, a change of the loss or accuracy, a slowdown), else what the log cannot tell."""
     interval = info["interval"]
     pause = ev["kind"] in ("stall", "step_gap")
     start = ev["details"].get("from_step", ev["step"])
@@ -152,62 +147,56 @@ def explain(
     else:
         lo, hi = ev["step"] - max(10 * interval, 10), ev["step"] + interval
         order = CAUSES_OF_SLOWDOWN if ev["kind"] == "throughput_drop" else CAUSES_OF_CHANGE
+    near = nearby(ev, points, events, info, lo, hi, pause)
+    found = [p for what in order for p in near if p["what"] == what]
+    if found:
+        return cause_from(found, pause, info), near
+    return no_logged_cause(ev, info, lo, hi, start, pause), near
+
+
+def nearby(ev, points, events, info, lo: int, hi: int, pause: bool) -> list[dict[str, Any]]:
+    """Points and other events in [lo, hi] (a pause is not explained by another pause)."""
     near = [p for p in points if lo <= p["step"] <= hi]
     for other in events:
-        if (
-            other is not ev
-            and lo <= other["step"] <= hi
-            and not (pause and other["kind"] in ("stall", "step_gap"))
-        ):
+        if other is not ev and lo <= other["step"] <= hi and not (pause and other["kind"] in ("stall", "step_gap")):
             what = "stall" if other["kind"] in ("stall", "step_gap") else other["kind"]
             near.append({"what": what, "step": other["step"], "text": describe(other, info)})
     if ev["kind"] == "throughput_drop" and info["data_wait"].get(ev["step"]):
         near.append({"what": "data", "step": ev["step"], "text": info["data_wait"][ev["step"]]})
-    near.sort(key=lambda p: p["step"])
-    found = [p for what in order for p in near if p["what"] == what]
-    if found:
-        primary = found[0]
-        cause = primary["text"]
-        if primary["what"] == "stall" and not pause:
-            cause = "follows the " + cause
-            if not info["has_events"]:
-                cause += " (likely a checkpoint save: no event rows in this log)"
-        elif primary["what"] == "checkpoint" and not pause:
-            cause = "follows the " + cause + ": a save must leave training state unchanged"
-        elif primary["what"] == "resume" and not pause:
-            cause = "follows the " + cause + ": check that the resume is exact"
-        others = sorted({p["what"] for p in found} - {primary["what"]})
-        if others:
-            cause += f" (also near: {', '.join(others)})"
-        return cause, near
+    return sorted(near, key=lambda p: p["step"])
+
+
+def cause_from(found: list[dict[str, Any]], pause: bool, info: dict[str, Any]) -> str:
+    primary = found[0]
+    cause = primary["text"]
+    if primary["what"] == "stall" and not pause:
+        cause = "follows the " + cause
+        if not info["has_events"]:
+            cause += " (likely a checkpoint save: no event rows in this log)"
+    elif primary["what"] == "checkpoint" and not pause:
+        cause = "follows the " + cause + ": a save must leave training state unchanged"
+    elif primary["what"] == "resume" and not pause:
+        cause = "follows the " + cause + ": check that the resume is exact"
+    others = sorted({p["what"] for p in found} - {primary["what"]})
+    if others:
+        cause += f" (also near: {', '.join(others)})"
+    return cause
+
+
+def no_logged_cause(ev: dict[str, Any], info: dict[str, Any], lo: int, hi: int, start: int, pause: bool) -> str:
     if pause and not info["has_events"]:
         gap_s = ev["size"] if ev["kind"] == "stall" else ev["details"].get("gap_s")
         if gap_s is not None and gap_s >= 600:
-            return (
-                f"likely a restart or preemption ({gap_s / 60:.0f} min away; no event rows in this log)",
-                near,
-            )
-        return "likely checkpoint save (no event rows in this log)" + round_step_note(start, interval), near
-    window = f"steps {lo}-{hi}"
-    relevant = (
-        "epoch boundaries",
-        "checkpoint saves and resumes",
-        "lr schedule changes",
-        "noise schedule changes",
-    )
+            return f"likely a restart or preemption ({gap_s / 60:.0f} min away; no event rows in this log)"
+        return "likely checkpoint save (no event rows in this log)" + round_step_note(start, info["interval"])
+    relevant = ("epoch boundaries", "checkpoint saves and resumes", "lr schedule changes", "noise schedule changes")
     if ev["kind"] == "throughput_drop":
         relevant += ("data-loader starvation",)
     blind = [c.split(":")[0] for c in info["cannot_tell"] if c.split(":")[0] in relevant]
     unseen = f"; this log cannot tell {', '.join(blind)}" if blind else ""
     if pause:
-        return (
-            f"no logged cause in {window} (no checkpoint, eval, resume or epoch boundary): look at the host{unseen}",
-            near,
-        )
-    return (
-        f"no logged cause in {window} (no save, resume, stall, epoch boundary or schedule change){unseen}",
-        near,
-    )
+        return f"no logged cause in steps {lo}-{hi} (no checkpoint, eval, resume or epoch boundary): look at the host{unseen}"
+    return f"no logged cause in steps {lo}-{hi} (no save, resume, stall, epoch boundary or schedule change){unseen}"
 
 
 def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:

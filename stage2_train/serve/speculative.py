@@ -230,6 +230,26 @@ def target_greedy(
 
 
 @torch.no_grad()
+def _verify(target: Any, cache: Any, cache_kw: dict[str, Any], anchor: int, drafts: list[int], eos: set[int]) -> tuple[int, list[int]]:
+    """ONE target forward over [anchor, drafts]: (drafts accepted, the new tokens: the accepted
+    drafts plus the target's own next token, cut after an EOS). The KV cache is cropped back to the
+    last accepted position."""
+    out = target(input_ids=torch.tensor([[anchor] + drafts], device=target.device), **cache_kw)
+    posterior_K1 = out.logits[0].argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == posterior_K1[accepted]:
+        accepted += 1
+    new_tokens = drafts[:accepted] + [posterior_K1[accepted]]
+    for i, tok in enumerate(new_tokens):
+        if tok in eos:
+            new_tokens = new_tokens[: i + 1]
+            break
+    rejected = len(drafts) - accepted
+    if rejected:
+        cache.crop(-rejected)  # the cache now ends at the last accepted position
+    return accepted, new_tokens
+
+
 def speculative_generate(
     target: Any,
     proposer: Proposer,
@@ -263,19 +283,7 @@ def speculative_generate(
             drafts = [int(t) for t in drafts[: min(proposer.max_draft, max_new_tokens - generated - 1)]]
             if record:
                 proposals.append((anchor_pos, drafts))
-            out = target(input_ids=torch.tensor([[tokens[-1]] + drafts], device=device), **cache_kw)
-            posterior_K1 = out.logits[0].argmax(-1).tolist()
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == posterior_K1[accepted]:
-                accepted += 1
-            new_tokens = drafts[:accepted] + [posterior_K1[accepted]]
-            for i, tok in enumerate(new_tokens):
-                if tok in eos:
-                    new_tokens = new_tokens[: i + 1]
-                    break
-            rejected = len(drafts) - accepted
-            if rejected:
-                cache.crop(-rejected)  # the cache now ends at the last accepted position
+            accepted, new_tokens = _verify(target, cache, cache_kw, tokens[-1], drafts, eos)
             if capture:
                 context_TF = torch.cat([context_TF, capture.stacked()[0].flatten(-2)[: accepted + 1]])
             tokens += new_tokens

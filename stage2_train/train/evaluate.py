@@ -198,6 +198,12 @@ def offline_eval(
         raise DataError(
             f"offline eval: none of the {num_samples} samples has a valid anchor for block size {block_size}"
         )
+    return _offline_row(parts, hist_B, gamma, num_samples, num_without_anchor, walk_tokens / walk_forwards if dense else None)
+
+
+def _offline_row(
+    parts: list[dict[str, torch.Tensor]], hist_B: torch.Tensor, gamma: float, num_samples: int, num_without_anchor: int, walk_tau: float | None
+) -> dict[str, Any]:
     metrics = finalize_metrics(sum_counts(parts), LossConfig(gamma=gamma))
     return {
         "num_samples": num_samples,
@@ -207,7 +213,7 @@ def offline_eval(
         "accuracy": float(metrics["accuracy"]),
         "acc_per_pos": [round(float(a), 6) for a in metrics["acc_per_pos"]],
         "accept_len": float(metrics["accept_len"]),  # mean over the scored blocks, bonus included
-        "walk_tau": walk_tokens / walk_forwards if dense else None,
+        "walk_tau": walk_tau,
         "accept_hist": hist_B.tolist(),  # index j: blocks with acceptance length j + 1
     }
 

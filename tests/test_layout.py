@@ -1,0 +1,79 @@
+"""The house rules of the layout: imports run one way, and reading logs never loads torch.
+
+    shared <- stage1_extract, stage2_train     (the stages never import each other)
+    inside stage2_train: data <- model <- train; observe stands alone; serve on top; commands composes
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# room -> the project modules it may import (prefix match); every import, lazy ones included.
+ALLOWED = {
+    "shared": ("shared",),
+    "stage1_extract": ("shared", "stage1_extract"),
+    "stage2_train.data": ("shared", "stage2_train.data"),
+    "stage2_train.model": ("shared", "stage2_train.data", "stage2_train.model"),
+    "stage2_train.train": ("shared", "stage2_train.data", "stage2_train.model", "stage2_train.observe", "stage2_train.train"),
+    "stage2_train.observe": ("shared", "stage2_train.observe"),
+    "stage2_train.serve": ("shared", "stage2_train.data", "stage2_train.model", "stage2_train.train", "stage2_train.serve"),
+    "stage2_train.commands": ("shared", "stage2_train"),
+    "stage2_train.__main__": ("shared", "stage2_train"),
+}
+PROJECT = ("shared", "stage1_extract", "stage2_train")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] in PROJECT}
+
+
+def room_of(module: str) -> str | None:
+    return max((room for room in ALLOWED if module == room or module.startswith(room + ".")), key=len, default=None)
+
+
+def test_every_module_belongs_to_a_room():
+    for path in sorted(REPO.glob("*/**/*.py")):
+        module = module_name(path)
+        if module.split(".")[0] in PROJECT and module != "stage2_train":
+            assert room_of(module) is not None, module
+
+
+def test_imports_run_one_way():
+    violations = []
+    for path in sorted(REPO.glob("*/**/*.py")):
+        module = module_name(path)
+        room = room_of(module)
+        if room is None:
+            continue
+        for imported in project_imports(path):
+            if imported == "stage2_train":  # the bare package (its __init__ is empty)
+                continue
+            if not any(imported == ok or imported.startswith(ok + ".") for ok in ALLOWED[room]):
+                violations.append(f"{module} imports {imported}")
+    assert violations == []
+
+
+@pytest.mark.parametrize("module", ["stage2_train.observe.doctor", "stage2_train.observe.report", "stage2_train.observe.metrics"])
+def test_reading_logs_loads_no_torch(module):
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'zarr', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
