@@ -138,7 +138,7 @@ def main() -> None:
     ])
 
     # 4. Random window reads (what the trainer does).
-    reader = StoreReader(pipeline.store_url(cfg))
+    reader = StoreReader(cfg.store.url(cfg.run_dir))
     rng = random.Random(0)
     window = 256
     count, nbytes = 0, 0
@@ -152,7 +152,7 @@ def main() -> None:
         count += 1
     read_s = time.perf_counter() - started
 
-    manifest = read_manifest(pipeline.store_url(cfg))
+    manifest = read_manifest(cfg.store.url(cfg.run_dir))
     hidden_size = manifest["target"]["hidden_size"]
     results = {
         "samples": len(rows),

@@ -353,7 +353,7 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
 
     from shared.target import pick_attn_implementation
     from stage1_extract.generate import resolve_backend as generate_backend
-    from stage2_train.model.drafter import resolve_backend as drafter_backend
+    from stage2_train.model.attention import resolve_backend as drafter_backend
 
     device = ctx.sizes.device
     entry.update({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -90,7 +90,7 @@ def replay_step_work(cfg: Any, store_url: str, loss_masks: dict[int, Any], rows:
     from stage2_train.data.store import split_indices
 
     reader = StoreReader(store_url)
-    train, _ = split_indices(reader, cfg.eval)
+    train, _ = split_indices(reader, cfg.eval.holdout_fraction, cfg.eval.split_seed)
     sample_ids = reader.sample_ids[train]
     sampler = LengthMixedSampler(cfg.sampler, reader.lengths[train], seed=cfg.seed)
     B = cfg.model.block_size

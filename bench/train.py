@@ -86,11 +86,11 @@ def loader_rate(overrides: list[str], trainer_step_s: float, seconds: float = 10
     """Micro-batches per second the PrefetchLoader delivers alone (2 threads, as in training),
     over the rate the trainer consumed them: the loader must keep ahead by a wide margin."""
     from shared.config import load_run_config
-    from stage2_train.data.store import open_train_data
+    from stage2_train.train.trainer import open_run_data
 
     config = next(o.split("=", 1)[1] for o in overrides if o.startswith("--config="))
     cfg = load_run_config(config, [o for o in overrides if not o.startswith("--")])
-    data = open_train_data(cfg, num_threads=2, prefetch=4)
+    data = open_run_data(cfg, num_threads=2, prefetch=4)
     count, started = 0, time.perf_counter()
     with data.loader as loader:
         while time.perf_counter() - started < seconds:

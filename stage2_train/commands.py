@@ -25,16 +25,9 @@ from shared.errors import StoreError
 def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dict[str, Any]]:
     """The next `num_steps` optimizer steps the training run would take (all ranks), nothing trained."""
     from stage2_train.data.sampler import describe_steps
-    from stage2_train.data.store import DataSettings, open_train_data, resolve_target
+    from stage2_train.train.trainer import open_run_data
 
-    settings = DataSettings(
-        block_size=cfg.model.block_size,
-        seed=cfg.seed,
-        holdout_fraction=cfg.eval.holdout_fraction,
-        split_seed=cfg.eval.split_seed,
-    )
-    data = open_train_data(cfg.store.url(cfg.run_dir), resolve_target(cfg.target), cfg.sampler, settings, world_size=world_size)
-    return describe_steps(data.sampler, num_steps)
+    return describe_steps(open_run_data(cfg, world_size=world_size).sampler, num_steps)
 
 
 def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:

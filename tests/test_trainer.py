@@ -23,9 +23,10 @@ from shared.config import load_run_config
 from shared.store import StoreError
 from stage2_train import commands
 from stage2_train.__main__ import main
-from stage2_train.data.store import DataSettings, open_store, open_train_data, resolve_target
+from stage2_train.data.store import open_store, resolve_target
 from stage2_train.observe.metrics import read_log
 from stage2_train.train.schedules import OptimConfig, lr_factor
+from stage2_train.train.trainer import open_run_data
 from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,12 +86,7 @@ def open_cfg_store(cfg):
 
 
 def open_cfg_data(cfg, rank=0, world_size=1):
-    settings = DataSettings(
-        block_size=cfg.model.block_size, seed=cfg.seed, holdout_fraction=cfg.eval.holdout_fraction,
-        split_seed=cfg.eval.split_seed, num_threads=1,
-    )
-    url = cfg.store.url(cfg.run_dir)
-    return open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
+    return open_run_data(cfg, rank=rank, world_size=world_size, num_threads=1)
 
 
 @pytest.fixture(scope="module")

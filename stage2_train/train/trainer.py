@@ -173,27 +173,7 @@ class Trainer:
 
     # ---- building -------------------------------------------------------------------------------
     def _build_data(self) -> TrainData:
-        cfg = self.cfg
-        settings = DataSettings(
-            block_size=cfg.model.block_size,
-            seed=cfg.seed,
-            holdout_fraction=cfg.eval.holdout_fraction,
-            split_seed=cfg.eval.split_seed,
-            gather_topk=cfg.loss.needs_topk,
-            num_threads=cfg.train.num_data_threads,
-            prefetch=cfg.train.prefetch,
-        )
-        target = resolve_target(cfg.target)
-        url = cfg.store.url(cfg.run_dir)
-        data = open_train_data(url, target, cfg.sampler, settings, rank=self.rank, world_size=self.world_size)
-        longest = int(data.reader.lengths.max())
-        if cfg.model.block_size > longest:
-            raise ConfigError(
-                f"model.block_size={cfg.model.block_size} is longer than every sample of {url} (the longest has "
-                f"{longest} tokens, data.max_length was {data.reader.manifest.get('max_length')}): no block could "
-                f"fill its slots; use a block size of at most {longest} (published drafters: 16)"
-            )
-        return data
+        return open_run_data(self.cfg, rank=self.rank, world_size=self.world_size)
 
     def _build_model(self, init_weights: dict[str, torch.Tensor] | None) -> DFlashDrafter:
         """The drafter from cfg.seed (identical on every rank) or from `init_weights`, with the
@@ -623,6 +603,32 @@ class Trainer:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def open_run_data(
+    cfg: RunConfig, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None, prefetch: int | None = None
+) -> TrainData:
+    """The training data of a run config (store checked against the target, split, sampler, loader),
+    refusing a block size no sample can fill."""
+    settings = DataSettings(
+        block_size=cfg.model.block_size,
+        seed=cfg.seed,
+        holdout_fraction=cfg.eval.holdout_fraction,
+        split_seed=cfg.eval.split_seed,
+        gather_topk=cfg.loss.needs_topk,
+        num_threads=num_threads or cfg.train.num_data_threads,
+        prefetch=prefetch or cfg.train.prefetch,
+    )
+    url = cfg.store.url(cfg.run_dir)
+    data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
+    longest = int(data.reader.lengths.max())
+    if cfg.model.block_size > longest:
+        raise ConfigError(
+            f"model.block_size={cfg.model.block_size} is longer than every sample of {url} (the longest has "
+            f"{longest} tokens, data.max_length was {data.reader.manifest.get('max_length')}): no block could "
+            f"fill its slots; use a block size of at most {longest} (published drafters: 16)"
+        )
+    return data
 
 
 def with_a_block(batch: DrafterBatch, mask_token_id: int) -> DrafterBatch:
