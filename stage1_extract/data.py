@@ -30,15 +30,22 @@ class DataConfig(Section):
     regenerate: bool = True
     """True: extract the target's regenerated answers (run `generate` first), as the recipe does. False: extract data.path as it is (its answers must already come from the target)."""
     max_samples: int | None = None
+    """Use only the first N usable rows (a quick run); null = all."""
     on_bad_row: Literal["raise", "skip"] = "raise"
+    """A malformed row (bad JSON or UTF-8, unknown role, nothing to supervise): stop naming it, or skip and count it."""
     max_length: int = 3072
     """Tokens per sample, after the chat template; longer samples are truncated or skipped (counted)."""
     on_long: Literal["truncate", "skip"] = "truncate"
+    """A row longer than max_length: cut it, or leave it out (both counted in the manifest)."""
     num_default_prompts: int = 384
     """Size of the embedded default prompt set."""
     tokenize_workers: int = 0
     """Processes that template and tokenize the rows on the first command (0 = min(16, CPUs)); the result is cached under run_dir/cache/ for every later command and rank."""
     token_cache: bool = True
+    """Cache the tokenized rows (memory-mapped by later commands and ranks); false = tokenize every time."""
+    cache_dir: str | None = None
+    """Where the token cache lives; null = <run_dir>/cache. $VARS are expanded, so a node-local folder
+    (`/local/$HOSTNAME/cache`) works: each node's local rank 0 then builds it once for its node."""
 
     def validate(self) -> None:
         self.require(self.max_samples is None or self.max_samples > 0, "max_samples", "must be > 0")

@@ -184,6 +184,10 @@ def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]
     return plan
 
 
+def token_cache_dir(cfg: RunConfig) -> Path:
+    return Path(os.path.expandvars(cfg.data.cache_dir)) if cfg.data.cache_dir else Path(cfg.run_dir) / "cache"
+
+
 def distributed_context() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun / accelerate launch variables."""
     return (
@@ -210,7 +214,7 @@ def tokenized_rows(
     if data.token_cache:
         settings = {"max_length": data.max_length, "on_long": data.on_long, "on_bad_row": data.on_bad_row, "max_samples": data.max_samples}
         key, inputs = cache_key(source, tokenizer_hashes, settings)
-        cache = TokenCache(Path(cfg.run_dir) / "cache", key, inputs)
+        cache = TokenCache(token_cache_dir(cfg), key, inputs)
         if cache.exists():
             cached, stats = cache.load()
             return [TokenizedRow(**r) for r in cached], stats
@@ -327,15 +331,23 @@ def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
     return plan_shards(prepared.rows, shard_size(cfg, prepared), header_key(prepared.header))
 
 
-def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int) -> Prepared:
-    """Rank 0 tokenizes first (in parallel) and caches; the others then read its cache."""
-    if rank == 0:
-        try:
-            return prepare(cfg)
-        finally:
-            _barrier(world)  # also on bad input: the others then meet the same error themselves
-    _barrier(world)
-    return prepare(cfg)
+def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Prepared:
+    """Tokenize each row once per cache folder: global rank 0 first (in parallel processes) and
+    caches; then each other node's local rank 0, which finds that cache if the folder is shared
+    or builds its node's own if data.cache_dir is node-local; then everyone else reads it. Every
+    rank reaches every barrier, also on bad input: the others then meet the same error themselves."""
+    phase = 0 if rank == 0 else 1 if local_rank == 0 else 2
+    prepared, error = None, None
+    for turn in range(3):
+        if turn == phase:
+            try:
+                prepared = prepare(cfg)
+            except BaseException as exc:  # noqa: BLE001 - raised after the last barrier
+                error = exc
+        _barrier(world)
+    if error is not None:
+        raise error
+    return prepared
 
 
 def _pin_plan(cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool) -> list[ShardPlan]:
@@ -385,7 +397,7 @@ def _extract(
     cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int, reprocess: bool
 ) -> dict[str, Any]:
     started = time.perf_counter()
-    prepared = _prepare_all_ranks(cfg, rank, world)
+    prepared = _prepare_all_ranks(cfg, rank, world, local_rank)
     prepare_seconds = time.perf_counter() - started
     shards = _pin_plan(cfg, prepared, rank, world, reprocess)
     files = prepared.files
