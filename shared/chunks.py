@@ -46,11 +46,15 @@ class ShardArray:
     chunk_shape: tuple[int, ...]
     compressed: bool
     fill_value: Any
-    index: np.ndarray  # [num_chunks, 2] uint64: byte offset, byte count
+    index: list[tuple[int, int]]  # per inner chunk: byte offset, byte count
 
     @property
     def chunk_tokens(self) -> int:
         return self.chunk_shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.chunk_shape[1:])
 
 
 def parse_metadata(meta: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...], bool, Any] | None:
@@ -84,6 +88,19 @@ class ChunkSource:
 
     def __init__(self, fs: Any, root: str, is_local: bool, cache: LocalChunkCache | None = None):
         self.fs, self.root, self.is_local, self.cache = fs, root.rstrip("/"), is_local, cache
+
+    def read_into(self, key: str, start: int, out: memoryview) -> None:
+        """Fill `out` with the bytes at `start` (local files: straight into it, no second copy)."""
+        if not self.is_local:
+            out[:] = self.read(key, start, len(out))
+            return
+        fd = os.open(f"{self.root}/{key}", os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [out], start)
+        finally:
+            os.close(fd)
+        if got != len(out):
+            raise OSError(f"{self.root}/{key}: read {got} bytes at {start}, expected {len(out)} (truncated file)")
 
     def read(self, key: str, start: int, length: int) -> bytes:
         if self.is_local:
@@ -123,13 +140,13 @@ def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
     index_bytes = num_chunks * 16 + 4  # (offset, nbytes) uint64 per chunk, then a crc32c
     size = source.size(key)
     raw = source.read(key, size - index_bytes, index_bytes)
-    index = np.frombuffer(raw[:-4], dtype="<u8").reshape(num_chunks, 2).copy()
+    index = [tuple(pair) for pair in np.frombuffer(raw[:-4], dtype="<u8").reshape(num_chunks, 2).tolist()]
     return ShardArray(key, shape, dtype, chunk, compressed, fill, index)
 
 
 def decode_chunk(source: ChunkSource, array: ShardArray, k: int) -> np.ndarray:
     """Inner chunk k, decoded ([C, ...]); the last chunk may extend past the array's end."""
-    offset, nbytes = (int(v) for v in array.index[k])
+    offset, nbytes = array.index[k]
     if offset == _EMPTY and nbytes == _EMPTY:
         return np.full(array.chunk_shape, array.fill_value, dtype=array.dtype)
     data = source.read(array.key, offset, nbytes)
@@ -174,10 +191,13 @@ class DecodedChunks:
 
 
 def read_range(source: ChunkSource, array: ShardArray, lo: int, hi: int, cache: DecodedChunks, tag: tuple) -> np.ndarray:
-    """Rows [lo, hi) of the array: one read and decode per inner chunk touched (cached)."""
+    """Rows [lo, hi) of the array. Uncompressed: exactly those rows' bytes, one read per chunk
+    touched (no chunk is read whole). Compressed: each chunk touched read and decoded once (cached)."""
     C = array.chunk_tokens
     if hi <= lo:
         return np.zeros((0, *array.shape[1:]), dtype=array.dtype)
+    if not array.compressed:
+        return _read_rows(source, array, lo, hi)
     parts = []
     for k in range(lo // C, (hi - 1) // C + 1):
         chunk = cache.get((*tag, k))
@@ -188,6 +208,23 @@ def read_range(source: ChunkSource, array: ShardArray, lo: int, hi: int, cache: 
         parts.append(chunk[a:b])
     # A copy either way: the caller owns it, the cached chunk stays untouched.
     return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+
+
+def _read_rows(source: ChunkSource, array: ShardArray, lo: int, hi: int) -> np.ndarray:
+    C = array.chunk_tokens
+    row_bytes = array.row_bytes
+    out = np.empty((hi - lo, *array.chunk_shape[1:]), dtype=array.dtype)
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    for k in range(lo // C, (hi - 1) // C + 1):
+        offset, nbytes = array.index[k]
+        a, b = max(lo, k * C) - k * C, min(hi, (k + 1) * C) - k * C
+        dest = out[k * C + a - lo : k * C + b - lo]
+        if offset == _EMPTY and nbytes == _EMPTY:
+            dest[...] = array.fill_value
+            continue
+        start = (k * C + a - lo) * row_bytes
+        source.read_into(array.key, offset + a * row_bytes, flat[start : start + (b - a) * row_bytes])
+    return out
 
 
 class LocalChunkCache:

@@ -133,6 +133,7 @@ class MicroBatchRef(NamedTuple):
 
 # Length strata of the shuffled order (see _stratified_order).
 NUM_LENGTH_STRATA = 16
+BIN_BITS = 20  # _lpt's heap keys hold the bin in their low bits: up to 1M micro-batches per step
 
 # Settings that change the plan: a resume under different values would not replay the same batches.
 _PLAN_KEYS = ("seed", "world_size", "grad_accum", "token_budget", "max_samples_per_batch", "window_slack")
@@ -231,8 +232,9 @@ class LengthMixedSampler:
     def _build_plan(self, epoch: int) -> EpochPlan:
         cfg, lens, num_bins = self.cfg, self._lens, self.num_bins
         max_per_bin = cfg.max_samples_per_batch or len(lens)
-        order = _stratified_order(self.lengths, np.random.default_rng([self.seed, epoch])).tolist()
-        cum_tokens = list(itertools.accumulate(lens[i] for i in order))
+        order_arr = _stratified_order(self.lengths, np.random.default_rng([self.seed, epoch]))
+        order = order_arr.tolist()
+        cum_tokens = np.cumsum(self.lengths[order_arr]).tolist()
         # Integer targets: a float key would make bisect compare 900K ints with a float each call.
         window_tokens = int((1.0 + cfg.window_slack) * num_bins * cfg.token_budget)
         window_count = int((1.0 + cfg.window_slack) * num_bins * max_per_bin)
@@ -246,7 +248,8 @@ class LengthMixedSampler:
             # Smallest end such that carry + order[pos:end] reaches the window's token target.
             end = bisect.bisect_left(cum_tokens, before + window_tokens - carry_tokens) + 1
             end = max(pos, min(end, len(order), pos + window_count - len(carry)))
-            fresh = sorted(order[pos:end], key=longest_first, reverse=True)  # stable: ties keep order
+            window = order_arr[pos:end]
+            fresh = window[np.argsort(-self.lengths[window], kind="stable")].tolist()  # ties keep order
             pos = end
             carried = sorted(carry, key=longest_first, reverse=True)
             bins, carry = _lpt(carried + fresh, lens, num_bins, cfg.token_budget, max_per_bin)
@@ -365,40 +368,58 @@ def _stratified_order(lengths: np.ndarray, rng: np.random.Generator) -> np.ndarr
     Samples are split by length rank into NUM_LENGTH_STRATA equal-count strata; each stratum is
     shuffled and spread evenly over the epoch (systematic sampling with a random offset per sample).
     A plain permutation mixes too, but its windows deviate from the data set by sampling noise
-    (about +-0.07 in long-token share for a 32k-token step); this removes most of it.
+    (about +-0.07 in long-token share for a 32k-token step); this removes most of it. Vectorised:
+    two sorts, no loop over strata (~0.1 s at 900K samples).
     """
     n = len(lengths)
-    by_length = np.lexsort((rng.random(n), lengths))
+    by_length = np.argsort(lengths + rng.random(n))  # integer lengths: the fraction breaks ties at random
     stratum = np.empty(n, dtype=np.int64)
     stratum[by_length] = np.arange(n) * NUM_LENGTH_STRATA // n
-    key = np.empty(n)
-    for s in range(NUM_LENGTH_STRATA):
-        members = rng.permutation(np.flatnonzero(stratum == s))
-        key[members] = (np.arange(len(members)) + rng.random(len(members))) / max(len(members), 1)
+    shuffled = np.argsort(stratum + rng.random(n))  # stratum by stratum, each in a random order
+    counts = np.bincount(stratum, minlength=NUM_LENGTH_STRATA)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank_in_stratum = np.empty(n, dtype=np.int64)
+    rank_in_stratum[shuffled] = np.arange(n) - starts[stratum[shuffled]]
+    key = (rank_in_stratum + rng.random(n)) / np.maximum(counts[stratum], 1)
     return np.argsort(key, kind="stable")
 
 
 def _lpt(
     items: list[int], lengths: list[int], num_bins: int, budget: int, max_per_bin: int
 ) -> tuple[list[list[int]], list[int]]:
-    """Place `items` in order, each into the least-loaded bin with room; return (bins, left over)."""
+    """Place `items` in order, each into the least-loaded bin with room; return (bins, left over).
+
+    This loop runs once per sample of the epoch (900K at the users' scale), so it is kept tight: a
+    heap of plain ints `load << BIN_BITS | bin` (int comparisons, not tuples), locals only."""
     bins: list[list[int]] = [[] for _ in range(num_bins)]
-    heap = [(0, b) for b in range(num_bins)]  # (tokens, bin): the top is the bin with most room
+    heap = list(range(num_bins))  # load 0 for every bin
     left: list[int] = []
+    shift, mask = BIN_BITS, (1 << BIN_BITS) - 1
+    limit = (budget + 1) << shift  # a key >= limit means the bin would exceed the budget
+    replace, pop = heapq.heapreplace, heapq.heappop
+    if max_per_bin >= len(lengths):  # no cap on samples: the heap never shrinks
+        for i in items:
+            key = heap[0] + (lengths[i] << shift)
+            if key >= limit:
+                left.append(i)
+                continue
+            bins[key & mask].append(i)
+            replace(heap, key)
+        return bins, left
     for i in items:
         if not heap:
             left.append(i)
             continue
-        load, b = heap[0]
-        n = lengths[i]
-        if load + n > budget:
+        key = heap[0] + (lengths[i] << shift)
+        if key >= limit:
             left.append(i)
             continue
+        b = key & mask
         bins[b].append(i)
         if len(bins[b]) == max_per_bin:
-            heapq.heappop(heap)
+            pop(heap)
         else:
-            heapq.heapreplace(heap, (load + n, b))
+            replace(heap, key)
     return bins, left
 
 

@@ -1,0 +1,190 @@
+"""Random sample reads from the feature store against the simplest peer format, the same samples
+stored as one safetensors file per sample (SpecForge/speculators style, uncompressed).
+
+    .venv/bin/python bench/reader.py [--store runs/default/store] [--json out.json]
+
+Figures (samples/s, one thread, the same samples in the same random order for both formats):
+  cold       every file evicted from the page cache (posix_fadvise DONTNEED) and a new reader
+             (empty decoded-chunk cache): each sample read once, in a random order
+  warm       the files in the page cache, a new reader: each sample once, in a random order
+  steady     1,000 random reads with replacement by one long-lived reader (its chunk cache warm),
+             as a training rank reads epoch after epoch
+The store is read as configured (zstd in the default preset) and as the same store written with
+store.compression=none. The goal is store >= 50% of the per-file rate, cold and warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import emit  # noqa: E402
+from shared.store import StoreReader  # noqa: E402
+
+
+def evict(folder: Path) -> int:
+    """Drop every file under `folder` from the page cache; returns the bytes evicted."""
+    total = 0
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            total += path.stat().st_size
+    return total
+
+
+def write_per_sample_files(reader: StoreReader, out: Path) -> int:
+    """Every sample as its own safetensors file (hidden as stored bits, uncompressed); returns bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for index in range(len(reader)):
+        s = reader[index]
+        save_file(
+            {
+                "hidden": s["hidden_TLH"].view(torch.int16),
+                "input_ids": s["input_ids_T"].to(torch.int32),
+                "loss_mask": s["loss_mask_T"],
+                "topk_logprobs": s["topk_logprobs_TK"].to(torch.float16),
+                "topk_ids": s["topk_ids_TK"].to(torch.int32),
+            },
+            out / f"{index:07d}.safetensors",
+        )
+    return sum(p.stat().st_size for p in out.iterdir())
+
+
+def uncompressed_copy(reader: StoreReader, out: Path) -> Path:
+    """The same store rewritten by the project's writer with store.compression=none (same shards,
+    same samples, same manifest otherwise)."""
+    import json
+
+    import torch
+
+    from shared.store import SampleFeatures, StoreConfig, write_shard
+
+    manifest = json.loads(json.dumps(reader.manifest))
+    cfg = StoreConfig(**{**manifest["storage"], "compression": "none"})
+    for shard, record in enumerate(manifest["shards"]):
+        start = int(reader._shard_start[shard])
+        samples = []
+        for index in range(start, start + record["num_samples"]):
+            s = reader[index]
+            samples.append(
+                SampleFeatures(
+                    sample_id=s["sample_id"],
+                    input_ids_T=s["input_ids_T"].numpy(),
+                    loss_mask_T=s["loss_mask_T"].numpy(),
+                    hidden_TLH=s["hidden_TLH"],
+                    topk_logprobs_TK=s["topk_logprobs_TK"],
+                    topk_ids_TK=s["topk_ids_TK"].to(torch.int32),
+                )
+            )
+        record.update(write_shard(str(out), record["name"], samples, cfg))
+    manifest["storage"]["compression"] = "none"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def rate(read, order: list[int]) -> float:
+    started = time.perf_counter()
+    for index in order:
+        read(index)
+    return len(order) / (time.perf_counter() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", default="runs/default/store")
+    parser.add_argument("--json")
+    parser.add_argument("--reads", type=int, default=1000)
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    import torch
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    store = Path(args.store)
+    if not (store / "manifest.json").is_file():
+        raise SystemExit(f"{store}: no store (run `make train` first, or pass --store)")
+    reader = StoreReader(str(store))
+    n = len(reader)
+    per_file = Path(tempfile.mkdtemp(prefix="bench_reader_"))
+    try:
+        file_bytes = write_per_sample_files(reader, per_file)
+        rng = np.random.default_rng(0)
+        once = rng.permutation(n).tolist()
+        many = rng.integers(0, n, args.reads).tolist()
+
+        def read_file(index: int) -> dict:
+            """The sample as the loader takes it from the store reader (same dtypes)."""
+            t = load_file(per_file / f"{index:07d}.safetensors")
+            return {
+                "sample_id": index,
+                "input_ids_T": t["input_ids"].long(),
+                "loss_mask_T": t["loss_mask"],
+                "hidden_TLH": t["hidden"].view(torch.bfloat16),
+                "topk_logprobs_TK": t["topk_logprobs"].float(),
+                "topk_ids_TK": t["topk_ids"].long(),
+            }
+
+        results: dict = {
+            "store": str(store),
+            "samples": n,
+            "tokens": int(reader.lengths.sum()),
+            "store_bytes": sum(p.stat().st_size for p in store.rglob("*") if p.is_file()),
+            "per_file_bytes": file_bytes,
+            "storage": reader.manifest["storage"],
+        }
+        plain = uncompressed_copy(reader, per_file.with_name(per_file.name + "_none"))
+        results["uncompressed_store_bytes"] = sum(p.stat().st_size for p in plain.rglob("*") if p.is_file())
+        evict(store), evict(per_file), evict(plain)
+        cold_store = rate(StoreReader(str(store)).read, once)
+        cold_plain = rate(StoreReader(str(plain)).read, once)
+        cold_files = rate(read_file, once)
+        warm_store = rate(StoreReader(str(store)).read, once)
+        warm_plain = rate(StoreReader(str(plain)).read, once)
+        warm_files = rate(read_file, once)
+        steady_reader = StoreReader(str(store))
+        rate(steady_reader.read, once)  # fill its chunk cache, as the first epoch does
+        steady_store = rate(steady_reader.read, many)
+        steady_files = rate(read_file, many)
+        results["samples_per_s"] = {
+            "cold": {
+                "store": round(cold_store, 1), "store_uncompressed": round(cold_plain, 1), "per_file": round(cold_files, 1),
+                "ratio": round(cold_store / cold_files, 3), "ratio_uncompressed": round(cold_plain / cold_files, 3),
+            },
+            "warm": {
+                "store": round(warm_store, 1), "store_uncompressed": round(warm_plain, 1), "per_file": round(warm_files, 1),
+                "ratio": round(warm_store / warm_files, 3), "ratio_uncompressed": round(warm_plain / warm_files, 3),
+            },
+            "steady": {
+                "store": round(steady_store, 1),
+                "per_file": round(steady_files, 1),
+                "ratio": round(steady_store / steady_files, 3),
+                "chunk_cache_hits": steady_reader._chunks.hits,
+                "chunk_cache_misses": steady_reader._chunks.misses,
+            },
+        }
+    finally:
+        shutil.rmtree(per_file, ignore_errors=True)
+        shutil.rmtree(per_file.with_name(per_file.name + "_none"), ignore_errors=True)
+    return emit(results, args.json, t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

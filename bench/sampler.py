@@ -1,0 +1,136 @@
+"""The sampler at the users' scale: 902,087 samples, 8 ranks, 49,152-token micro-batches x 4.
+
+    .venv/bin/python bench/sampler.py [--json out.json] [--samples 902087]
+
+Lengths are synthetic: log-normal, median ~1.5K tokens, clipped to 64..8192, as the failed run's
+data. Figures, each on rank 0 (every rank plans the same global plan):
+  plan builds per epoch      while this rank's micro-batches are handed out over 3 epochs (and the
+                             background look-ahead into the 4th): must be 1
+  CPU s per epoch plan       process time of one `_build_plan` (goal <= 1.0); the baseline in the same
+                             run is the old float-keyed `np.searchsorted` over the cumulative counts
+  start-up                   everything before the first micro-batch, model load aside: the held-out
+                             split of 902K keys, the sampler (epoch 0's plan), the schedule's length
+                             and the first micro-batch of the loader's stream (goal <= 5 s); the
+                             baseline is planning every epoch up front (the old `total_steps`)
+  peak RSS                   of this process after 1, 2 and 4 epochs handed out: flat in epochs
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import emit  # noqa: E402
+from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig  # noqa: E402
+from stage2_train.data.split import heldout_mask  # noqa: E402
+
+
+def synthetic_lengths(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(1500), 0.75, n), 64, 8192).astype(np.int64)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def hand_out(sampler: LengthMixedSampler, epochs: int) -> dict[str, float]:
+    """Consume this rank's micro-batches for `epochs` epochs as a loader would; the longest wait for
+    the next one (an epoch boundary must not wait for planning: the next plan is built ahead)."""
+    stream = sampler.upcoming()
+    waits = []
+    start_epoch = sampler.epoch
+    while sampler.epoch < start_epoch + epochs:
+        t0 = time.perf_counter()
+        ref = next(stream)
+        waits.append(time.perf_counter() - t0)
+        sampler.mark_consumed(ref)
+        if ref.step_in_epoch == ref.steps_in_epoch - 1 and ref.micro_step == sampler.cfg.grad_accum - 1:
+            time.sleep(2.0)  # an epoch takes hours on GPUs: the look-ahead plan has time to finish
+    return {"micro_batches": len(waits), "max_wait_s": max(waits)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--samples", type=int, default=902_087)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=6, help="the schedule's epochs (start-up figures)")
+    args = parser.parse_args()
+    t_all = time.perf_counter()
+    lengths = synthetic_lengths(args.samples)
+    cfg = SamplerConfig(token_budget=49_152, grad_accum=4, max_anchors_per_seq=512)
+    results: dict = {
+        "samples": args.samples,
+        "tokens": int(lengths.sum()),
+        "length_median": float(np.median(lengths)),
+        "ranks": args.ranks,
+        "token_budget": cfg.token_budget,
+        "grad_accum": cfg.grad_accum,
+    }
+
+    # Start-up: split, sampler (plans epoch 0), schedule length, first micro-batch.
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    keys = np.arange(args.samples, dtype=np.int64)
+    held = heldout_mask(keys, 0.01, 0)
+    train_lengths = lengths[~held]
+    sampler = LengthMixedSampler(cfg, train_lengths, seed=0, rank=0, world_size=args.ranks)
+    total = sampler.estimated_total_steps(args.epochs)
+    first = next(sampler.upcoming())
+    results["startup"] = {
+        "wall_s": round(time.perf_counter() - wall0, 3),
+        "cpu_s": round(time.process_time() - cpu0, 3),
+        "estimated_total_steps": total,
+        "steps_epoch0": first.steps_in_epoch,
+        "heldout_samples": int(held.sum()),
+    }
+
+    # CPU seconds per epoch plan, and the baseline float-keyed search of the old planner.
+    cpu0 = time.process_time()
+    plan = sampler._build_plan(1)
+    results["plan_cpu_s"] = round(time.process_time() - cpu0, 3)
+    results["steps_epoch1"] = len(plan)
+    cum = np.cumsum(train_lengths)
+    key = int(cum[len(cum) // 2])
+    t0 = time.perf_counter()
+    for _ in range(200):
+        np.searchsorted(cum, key + 0.5)
+    float_us = (time.perf_counter() - t0) / 200 * 1e6
+    t0 = time.perf_counter()
+    for _ in range(200):
+        np.searchsorted(cum, key)
+    int_us = (time.perf_counter() - t0) / 200 * 1e6
+    results["searchsorted_us"] = {"float_key": round(float_us, 1), "int_key": round(int_us, 2)}
+    results["baseline_plan_every_epoch_up_front_cpu_s"] = round(results["plan_cpu_s"] * args.epochs, 2)
+
+    # Plan builds per epoch over 3 epochs handed out, and peak RSS after 1, 2, 4 epochs.
+    sampler = LengthMixedSampler(cfg, train_lengths, seed=0, rank=0, world_size=args.ranks)
+    builds_before = sampler.plan_builds
+    rss, waits = {}, []
+    for upto in (1, 2, 4):
+        out = hand_out(sampler, upto - sampler.epoch)
+        waits.append(out["max_wait_s"])
+        rss[upto] = round(peak_rss_mib(), 1)
+    for thread in list(sampler._planning.values()):
+        thread.join()
+    results["plan_builds"] = {
+        "epochs_handed_out": 4,
+        "builds": sampler.plan_builds - builds_before + 1,  # + epoch 0's, built in the constructor
+        "builds_per_epoch": round((sampler.plan_builds - builds_before + 1) / 5, 2),  # epochs 0..4 (4 = look-ahead)
+        "plans_in_memory": len(sampler._plans),
+        "max_wait_for_a_micro_batch_s": round(max(waits), 4),
+    }
+    results["peak_rss_mib_after_epochs"] = rss
+    return emit(results, args.json, t_all)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The store reader's fast path (whole inner chunks or exact row ranges, one plain read each) gives,
+byte for byte, what zarr itself reads from the same shards; arrays written another way fall back
+to zarr; a remote store's chunks are cached on local disk within a size bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.chunks import LocalChunkCache
+from shared.store import SampleFeatures, StoreConfig, StoreReader, read_shard_arrays, write_shard
+
+
+def samples(count: int, seed: int = 0, layers: int = 3, hidden: int = 40, k: int = 5) -> list[SampleFeatures]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for sid in range(count):
+        T = int(rng.integers(20, 300))
+        out.append(
+            SampleFeatures(
+                sample_id=sid,
+                input_ids_T=rng.integers(0, 1000, T).astype(np.int32),
+                loss_mask_T=rng.random(T) < 0.7,
+                hidden_TLH=torch.from_numpy(rng.standard_normal((T, layers, hidden)).astype(np.float32)),
+                topk_logprobs_TK=torch.from_numpy(-rng.random((T, k)).astype(np.float32)),
+                topk_ids_TK=torch.from_numpy(rng.integers(0, 1000, (T, k)).astype(np.int32)),
+            )
+        )
+    return out
+
+
+def make_store(url: str, shards: list[list[SampleFeatures]], cfg: StoreConfig) -> None:
+    """A store holding these shards and a minimal manifest (what StoreReader needs)."""
+    import json
+
+    import fsspec
+
+    records = []
+    for index, shard in enumerate(shards):
+        record = write_shard(url, f"shard-{index:06d}-x", shard, cfg)
+        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[len(s.input_ids_T) for s in shard])
+        records.append(record)
+    manifest = {
+        "schema_version": 1, "storage": cfg.model_dump(exclude={"path", "shard_mb"}), "shards": records,
+        "layer_ids": [1, 2, 3], "target": {}, "top_k": 5, "max_length": 300,
+    }
+    with fsspec.open(f"{url}/manifest.json", "w") as fh:
+        json.dump(manifest, fh)
+
+
+@pytest.mark.parametrize(
+    "storage", [dict(compression="zstd"), dict(compression="none"), dict(compression="zstd", dtype="fp8"), dict(chunk_tokens=64)]
+)
+def test_every_sample_equals_zarrs_own_read_byte_for_byte(tmp_path, storage):
+    cfg = StoreConfig(**storage)
+    shards = [samples(7, seed=1), samples(5, seed=2)]
+    make_store(str(tmp_path), shards, cfg)
+    reader = StoreReader(str(tmp_path), cache_mb=1)  # a small cache: eviction happens along the way
+    for shard_index, shard in enumerate(shards):
+        arrays = read_shard_arrays(str(tmp_path), f"shard-{shard_index:06d}-x")  # through zarr
+        offsets = arrays["offsets"]
+        for local in range(len(shard)):
+            index = int(reader._shard_start[shard_index]) + local
+            lo, hi = int(offsets[local]), int(offsets[local + 1])
+            got = reader[index]
+            assert got["input_ids_T"].numpy().astype(np.int32).tobytes() == arrays["input_ids"][lo:hi].tobytes()
+            assert got["loss_mask_T"].numpy().tobytes() == arrays["loss_mask"][lo:hi].tobytes()
+            assert got["topk_ids_TK"].numpy().astype(np.int32).tobytes() == arrays["topk_ids"][lo:hi].tobytes()
+            assert got["topk_logprobs_TK"].numpy().astype(np.float16).tobytes() == arrays["topk_logprobs"][lo:hi].tobytes()
+            if cfg.dtype == "bf16":
+                assert got["hidden_TLH"].view(torch.int16).numpy().view(np.uint16).tobytes() == arrays["hidden"][lo:hi].tobytes()
+            else:  # fp8: the decoded values equal those of zarr's bits and scales
+                from shared.store import decode_hidden
+
+                want = decode_hidden(arrays["hidden"][lo:hi], arrays["hidden_scale"][lo:hi], "fp8")
+                assert torch.equal(got["hidden_TLH"], want)
+            window = reader.read(index, 3, 17)  # a window read inside the sample
+            assert window["input_ids_T"].tolist() == got["input_ids_T"][3:17].tolist()
+
+
+def test_reads_do_not_alias_the_chunk_cache(tmp_path):
+    make_store(str(tmp_path), [samples(4)], StoreConfig())
+    reader = StoreReader(str(tmp_path))
+    first = reader[1]
+    first["hidden_TLH"].zero_()  # a consumer writing into its sample
+    assert reader[1]["hidden_TLH"].abs().sum() > 0
+
+
+def test_arrays_written_with_another_codec_are_read_through_zarr(tmp_path):
+    import zarr
+
+    make_store(str(tmp_path), [samples(3)], StoreConfig(compression="none"))
+    reader = StoreReader(str(tmp_path))
+    before = reader[2]
+    # Rewrite one array without sharding (a plain chunked array): the fast path does not read it.
+    group = zarr.open_group(str(tmp_path / "shards" / "shard-000000-x"), mode="a")
+    data = group["topk_ids"][...]
+    del group["topk_ids"]
+    group.create_array("topk_ids", data=data, chunks=(17, data.shape[1]))
+    again = StoreReader(str(tmp_path))
+    assert not hasattr(again._shard(0)[0]["topk_ids"], "index")  # a zarr array, not a ShardArray
+    assert torch.equal(again[2]["topk_ids_TK"], before["topk_ids_TK"])
+
+
+def test_a_remote_store_keeps_its_chunks_on_local_disk_within_the_bound(tmp_path):
+    url = f"memory://reader-{tmp_path.name}"
+    make_store(url, [samples(6, seed=3)], StoreConfig())
+    reader = StoreReader(url, local_cache_dir=tmp_path / "cache", local_cache_gb=0.0005)  # ~500 KB
+    expected = [reader[i] for i in range(6)]
+    cached = list((tmp_path / "cache").glob("*.bin"))
+    assert cached and sum(p.stat().st_size for p in cached) <= 0.0005 * 2**30 + max(p.stat().st_size for p in cached)
+    again = StoreReader(url, local_cache_dir=tmp_path / "cache", local_cache_gb=0.0005)
+    for i in range(6):
+        assert torch.equal(again[i]["hidden_TLH"], expected[i]["hidden_TLH"])
+
+
+def test_the_local_chunk_cache_evicts_least_recently_used(tmp_path):
+    cache = LocalChunkCache(tmp_path, max_bytes=250)
+    fetched = []
+
+    def fetch(tag):
+        return lambda: fetched.append(tag) or bytes(100)
+
+    for tag in ("a", "b", "a", "c"):  # a is used again before c arrives: b is the one evicted
+        cache.get_or_fetch(tag, 0, 100, fetch(tag))
+    assert fetched == ["a", "b", "c"]
+    cache.get_or_fetch("a", 0, 100, fetch("a"))
+    cache.get_or_fetch("b", 0, 100, fetch("b"))
+    assert fetched == ["a", "b", "c", "b"]
