@@ -87,3 +87,35 @@ def load_embed_and_head(model_dir: str | os.PathLike) -> tuple[torch.Tensor, tor
             f"{folder}: {head_name} {tuple(head_VH.shape)} and {embed_name} {tuple(embed_VH.shape)} differ in shape"
         )
     return embed_VH, head_VH
+
+
+LAYER_TENSORS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+
+def load_target_layers(model_dir: str | os.PathLike, layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Decoder layers `layer_ids` and the final norm of the target, read alone from its safetensors,
+    as {"layers.<j>.<name>": tensor} for the j-th id (q/k norms only where the target has them) and
+    "norm.weight"."""
+    folder = Path(model_dir)
+    weights = _weight_map(folder)
+    out: dict[str, torch.Tensor] = {}
+    for j, layer in enumerate(layer_ids):
+        for name in LAYER_TENSORS:
+            full = f"model.layers.{layer}.{name}"
+            if full in weights:
+                out[f"layers.{j}.{name}"] = _read(weights[full], full)
+    if "model.norm.weight" in weights:
+        out["norm.weight"] = _read(weights["model.norm.weight"], "model.norm.weight")
+    return out

@@ -478,3 +478,26 @@ def test_activation_checkpointing_gives_identical_outputs_and_gradients():
     assert len(results[0][1]) == len(results[1][1]) > 0
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_drafter_layers_can_start_as_the_targets_last_layers(tiny_target_dir):
+    """model.init=target_layers: layer j of the drafter is the target's layer L-n+j, its final norm
+    the target's, and fc passes the deepest feature layer through."""
+    from safetensors.torch import load_file
+
+    from shared.target_parts import load_target_layers
+    from stage2_train.model.drafter import build_drafter, init_from_target_layers
+
+    arch = TargetArch.from_dir(tiny_target_dir)  # 6 layers, 64 wide (Llama: no q/k norms)
+    embed, head = load_embed_and_head(tiny_target_dir)
+    drafter = build_drafter(DrafterConfig(num_layers=2, block_size=4), arch, 3, 16, embed, head, seed=0)
+    copied = init_from_target_layers(drafter, load_target_layers(tiny_target_dir, [4, 5]))
+    target = load_file(tiny_target_dir / "model.safetensors")
+    assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, target["model.layers.4.self_attn.q_proj.weight"])
+    assert torch.equal(drafter.layers[1].mlp.down_proj.weight, target["model.layers.5.mlp.down_proj.weight"])
+    assert torch.equal(drafter.norm.weight, target["model.norm.weight"])
+    assert torch.equal(drafter.hidden_norm.weight, target["model.layers.4.input_layernorm.weight"])
+    H = arch.hidden_size
+    assert torch.equal(drafter.fc.weight, torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1))
+    assert "layers.0.self_attn.q_norm.weight" not in copied  # a Llama target has none: they stay ones
+    assert torch.equal(drafter.layers[0].self_attn.q_norm.weight, torch.ones(arch.head_dim))

@@ -103,7 +103,7 @@ TRAIN_FIELDS = {
     "kl": float, "accuracy": float, "acc_per_pos": list, "accept_len": float, "lr": float,
     "noise_std": float, "grad_norm": float, "tokens": int, "samples": int, "blocks": int, "tok_per_s": float,
     "data_wait_frac": float, "data_s": float, "forward_s": float, "backward_s": float, "optim_s": float,
-    "step_s": float, "elapsed_s": float, "time": float,
+    "step_s": float, "elapsed_s": float, "cpu_s": float, "time": float,
 }
 
 

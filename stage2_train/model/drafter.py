@@ -52,6 +52,10 @@ class DrafterConfig(Section):
     init_std: float = 0.02
     """Qwen3 initializer_range."""
     activation_checkpointing: bool = False
+    init: Literal["random", "target_layers"] = "random"
+    """random (std init_std, the recipe), or target_layers: each drafter layer starts as one of the
+    target's last decoder layers, the final norm as the target's, and fc passes the deepest feature
+    layer through (a warm start: the drafter begins as the target's top applied to its own features)."""
     init_from: str | None = None
     """A DFlash drafter folder (exported here, or published by z-lab / SpecForge) to start training
     from instead of a random init; checked against the target's hidden size, layer ids and mask token."""
@@ -288,3 +292,22 @@ def build_drafter(
         lm_head_VH = embed_VH if tied else lm_head_VH.to(frozen_dtype)
     drafter.set_frozen_parts(embed_VH, lm_head_VH)
     return drafter
+
+
+def init_from_target_layers(drafter: DFlashDrafter, parts: dict[str, torch.Tensor]) -> list[str]:
+    """Copy `shared.target_parts.load_target_layers` tensors into the drafter (shapes checked);
+    fc then passes the deepest feature layer through and hidden_norm takes the first copied layer's
+    input norm, so the context keys and values start as that layer's own. Returns what was copied."""
+    state = drafter.state_dict()
+    copied = []
+    with torch.no_grad():
+        for name, tensor in parts.items():
+            if name in state and state[name].shape == tensor.shape:
+                state[name].copy_(tensor.to(state[name].dtype))
+                copied.append(name)
+        H, n = drafter.arch.hidden_size, drafter.num_feature_layers
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, (n - 1) * H :].copy_(torch.eye(H))
+        if "layers.0.input_layernorm.weight" in parts:
+            drafter.hidden_norm.weight.copy_(parts["layers.0.input_layernorm.weight"].to(drafter.hidden_norm.weight.dtype))
+    return copied

@@ -43,11 +43,11 @@ import torch
 
 from shared.config import RunConfig, Section
 from shared.errors import CheckpointError, ConfigError, DataError, DivergedError
-from shared.target_parts import load_embed_and_head
+from shared.target_parts import load_embed_and_head, load_target_layers
 from stage2_train.data.batch import IGNORE, DrafterBatch
 from stage2_train.data.loader import LoadedBatch
 from stage2_train.data.store import DataSettings, TrainData, open_train_data, resolve_target
-from stage2_train.model.drafter import DFlashDrafter, build_drafter
+from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_target_layers
 from stage2_train.model.loss import COUNT_KEYS, dflash_loss, finalize_metrics, loss_weights, sum_counts
 from stage2_train.observe.detectors import LiveDetectors, as_warning
 from stage2_train.observe.metrics import MetricsSink
@@ -161,6 +161,8 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0
         self.elapsed_before = 0.0  # wall time of earlier runs of this training (resume)
+        self.cpu_before = 0.0  # process CPU time of earlier runs (all threads: what a CPU run costs)
+        self._cpu_start = time.process_time()
         self.nonfinite_in_a_row = 0
         self.last_row: dict[str, Any] = {}
         self.epoch_blocks = torch.zeros((), dtype=torch.long)  # scored blocks of this epoch on this rank
@@ -181,7 +183,7 @@ class Trainer:
         target = self.data.target
         embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
         weights = None if init_weights is None else {k: v.float() for k, v in init_weights.items()}
-        return build_drafter(
+        drafter = build_drafter(
             self.cfg.model,
             target.arch,
             len(target.layer_ids),
@@ -191,7 +193,11 @@ class Trainer:
             weights=weights,
             seed=self.cfg.seed,
             frozen_dtype=self.compute_dtype,
-        ).train()
+        )
+        if weights is None and self.cfg.model.init == "target_layers":
+            L, n = target.arch.num_hidden_layers, self.cfg.model.num_layers
+            init_from_target_layers(drafter, load_target_layers(target.target_dir, list(range(L - n, L))))
+        return drafter.train()
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         cfg = self.cfg.optim
@@ -280,6 +286,7 @@ class Trainer:
                 return self._already_done(resumed_from)
             self.sink.event("run_start", self.step, **self.info, resumed_from=resumed_from)
             self._start = time.perf_counter()
+            self._cpu_start = time.process_time()
             self._last_log = (self.step, self.tokens_seen, self._start)
             self._batches = self._step_batches()
             self._bar = self._progress_bar()
@@ -411,6 +418,7 @@ class Trainer:
             **{k: round(v, 6) for k, v in stats.times.items()},
             "step_s": round(step_s, 6),
             "elapsed_s": round(self.elapsed_s(), 3),
+            "cpu_s": round(self.cpu_before + time.process_time() - self._cpu_start, 3),
         }
         self.sink.log(self.step, row)
         for event in self.detectors.update({"kind": "train", "step": self.step, **row}):
@@ -513,6 +521,7 @@ class Trainer:
             "step_in_epoch": sampler.step_in_epoch,
             "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_s(),
+            "cpu_s": self.cpu_before + time.process_time() - self._cpu_start,
             "total_steps": self.total_steps,
             "world_size": self.world_size,
             "last_row": self.last_row,
@@ -523,6 +532,7 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.elapsed_before = float(state["elapsed_s"])
+        self.cpu_before = float(state.get("cpu_s", 0.0))
         self.last_row = state.get("last_row") or {}
         self.last_eval = state.get("last_eval")
 
