@@ -22,25 +22,33 @@ PY = sys.executable
 
 BENCHES = {
     "data": ["bench/data.py"],
+    "sampler": ["bench/sampler.py"],
     "extract": ["bench/extract.py", "--samples", "48"],
+    "reader": ["bench/reader.py"],
+    "store8b": ["bench/store8b.py"],
     "train": ["bench/train.py"],
     "checkpoint": ["bench/checkpoint.py"],
-    "eval": ["bench/eval.py"],
+    "learning": ["bench/learning.py"],
     "scaling": ["bench/scaling.py", "--base-samples", "16", "--length-tokens", "8192"],
+}
+# Run on request only (`--only learning_long`): the long CPU preset trains up to an hour.
+EXTRA_BENCHES = {
+    "learning_long": ["bench/learning.py", "--config", "configs/cpu-long.yaml", "--n", "100"],
 }
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
 
 def run(name: str, out_dir: Path) -> dict:
     out = out_dir / f"{name}.json"
-    command = [PY, *BENCHES[name], "--json", str(out)]
+    spec = {**BENCHES, **EXTRA_BENCHES}[name]
+    command = [PY, *spec, "--json", str(out)]
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
     seconds = time.perf_counter() - started
     if proc.returncode != 0:
         return {"error": proc.stderr[-3000:], "seconds": round(seconds, 1), "command": " ".join(command[1:])}
     result = json.loads(out.read_text())
-    return {"result": result, "seconds": round(seconds, 1), "command": ".venv/bin/python " + " ".join(BENCHES[name])}
+    return {"result": result, "seconds": round(seconds, 1), "command": ".venv/bin/python " + " ".join(spec)}
 
 
 def fmt(value, digits=3) -> str:
@@ -108,18 +116,62 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
                      "<= 0.5", f"sync save: {s['blocked_over_step_median']} (max {s['blocked_over_step_max']})", yes(a["blocked_over_step_max"] <= 0.5)))
         rows.append(("step time during a save / median", f"{a['during_over_step_mean']} (max {a['during_over_step_max']})", "<= 1.5",
                      "", yes(a["during_over_step_mean"] is not None and a["during_over_step_mean"] <= 1.5)))
-    elif name == "eval":
-        online = r["online"]["proposers"]
-        rows.append(("online tau (tokens per target forward): trained drafter", fmt(online["trained"]["tau"]), "",
-                     f"untrained {fmt(online['untrained']['tau'])}, n-gram {fmt(online['ngram']['tau'])}", ""))
-        rows.append(("speculative output == target greedy", str(all(p["exact"] for p in online.values())), "True", "", yes(all(p["exact"] for p in online.values()))))
-        gap = r["gap"]
-        estimate = "walk-tau" if gap.get("offline_walk_tau") is not None else "block-average tau"
-        block_gap = (gap["offline_block_tau"] - gap["online_tau"]) / gap["online_tau"] if gap.get("offline_block_tau") else None
-        rows.append((f"offline {estimate} vs online tau (relative gap)", fmt(gap["relative"]), "<= 0.15",
-                     f"plain block average: {fmt(block_gap)}; offline eal+1: {fmt(gap.get('offline_eal_plus_bonus'))}",
-                     yes(abs(gap["relative"]) <= 0.15)))
-        rows.append(("mode", r.get("mode", "?"), "", "", ""))
+    elif name in ("learning", "learning_long"):
+        points = r["points"]
+        first, last = points[0], points[-1]
+        curve = " / ".join(f"{p['online_tau']:.3f}" for p in points)
+        steps = " / ".join(str(p["step"]) for p in points)
+        cpu = " / ".join(f"{p['cpu_min']:.1f}" for p in points)
+        rows.append((f"online tau after {steps} steps ({r['prompts']} held-out prompts x {r['max_new_tokens']} tokens)", curve, "",
+                     f"n-gram drafter {fmt(r['ngram_tau'])} on the same prompts; CPU minutes {cpu}", ""))
+        rows.append(("trained - untrained online tau (last point)", fmt(last["online_tau"] - first["online_tau"]), ">= 0.3",
+                     f"untrained {fmt(first['online_tau'])}", yes(last["online_tau"] - first["online_tau"] >= 0.3)))
+        rows.append(("trained - n-gram online tau (last point)", fmt(last["online_tau"] - r["ngram_tau"]), "> 0",
+                     f"n-gram {fmt(r['ngram_tau'])}", yes(last["online_tau"] > r["ngram_tau"])))
+        worst = max(abs(p["walk_over_online"] - 1) for p in points)
+        rows.append(("offline walk_tau vs online tau, worst relative gap over the points", fmt(worst), "<= 0.15",
+                     " / ".join(f"{p['walk_tau']:.3f}" for p in points), yes(worst <= 0.15)))
+        exact = all(p["exact"] for p in points) and r["ngram_exact"]
+        rows.append(("speculative output == target greedy, every point", str(exact), "True", "", yes(exact)))
+        rows.append(("plot", f"![learning curve]({r['png']})", "", "", ""))
+    elif name == "sampler":
+        st, b = r["startup"], r["plan_builds"]
+        rows.append((f"plan builds per epoch per rank ({r['samples']:,} samples, {r['ranks']} ranks, {b['epochs_handed_out']} epochs)",
+                     fmt(b["builds_per_epoch"]), "1", f"plans held at once: {b['plans_in_memory']}", yes(b["builds_per_epoch"] <= 1.0)))
+        rows.append(("CPU seconds per epoch plan", fmt(r["plan_cpu_s"]), "<= 1.0",
+                     f"float-keyed search {r['searchsorted_us']['float_key']} us vs int key {r['searchsorted_us']['int_key']} us per call",
+                     yes(r["plan_cpu_s"] <= 1.0)))
+        rows.append(("sampler start-up before the first micro-batch (split, plan, schedule length)", f"{st['wall_s']} s", "<= 5 s",
+                     f"planning every epoch up front: {r['baseline_plan_every_epoch_up_front_cpu_s']} CPU s", yes(st["wall_s"] <= 5)))
+        rows.append(("longest wait for a micro-batch over 4 epochs (the next plan is built ahead)", f"{b['max_wait_for_a_micro_batch_s']} s",
+                     "", "", ""))
+        rss = r["peak_rss_mib_after_epochs"]
+        rows.append(("peak RSS MiB after 1 / 2 / 4 epochs", " / ".join(str(v) for v in rss.values()), "flat", "", ""))
+    elif name == "reader":
+        sp = r["samples_per_s"]
+        for mode in ("cold", "warm"):
+            m = sp[mode]
+            rows.append((f"random sample reads, {mode} page cache, store as configured ({r['storage']['compression']}) / per-file safetensors",
+                         fmt(m["ratio"]), ">= 0.5", f"{m['store']} vs {m['per_file']} samples/s", yes(m["ratio"] >= 0.5)))
+            rows.append((f"random sample reads, {mode} page cache, same store uncompressed / per-file safetensors",
+                         fmt(m["ratio_uncompressed"]), ">= 0.5", f"{m['store_uncompressed']} vs {m['per_file']} samples/s",
+                         yes(m["ratio_uncompressed"] >= 0.5)))
+        m = sp["steady"]
+        rows.append(("1,000 random reads by one long-lived reader (its chunk cache warm) / per-file", fmt(m["ratio"]), "",
+                     f"{m['store']} vs {m['per_file']} samples/s", ""))
+    elif name == "store8b":
+        seq, ld = r["sequential_read_mb_per_s"], r["loader"]
+        rows.append((f"8B-shaped store ({r['features']}, {r['tokens_per_sample']} tokens/sample, {r['samples']} samples, {r['store_gib']} GiB)",
+                     f"written at {r['write']['mb_per_s']} MB/s", "", "the project's writer", ""))
+        for mode in ("cold", "warm"):
+            rows.append((f"loader MB/s ({ld['threads']} threads, 512 anchors x 16 slots collated) / sequential read, {mode}",
+                         fmt(ld[mode]["over_sequential"]), ">= 0.7", f"{ld[mode]['mb_per_s']} vs {seq[mode]} MB/s",
+                         yes(ld[mode]["over_sequential"] >= 0.7)))
+        d = r["h200_demand"]
+        rows.append(("loader samples/s / what one H200 trains (5-layer 8B drafter, 40% MFU)", fmt(r["loader_over_h200_demand"]), ">= 1",
+                     f"{ld['warm']['samples_per_s']} vs {d['samples_per_s']} samples/s ({d['flops_per_sample'] / 1e12:.0f} TFLOP per sample)",
+                     yes(r["loader_over_h200_demand"] >= 1)))
+        rows.append(("zstd decode MB/s per thread (real activations compress ~1.26x)", fmt(r["zstd_decode_mb_per_s"]), "", "", ""))
     elif name == "scaling":
         s, lin = r["samples"], r["samples_vs_linear"]
         sizes = " / ".join(f"{p['multiple']}x" for p in s)
@@ -177,7 +229,7 @@ def write_markdown(results: dict) -> None:
         "(`--only NAME` reruns one section and keeps the others).",
         "",
     ]
-    for name in BENCHES:
+    for name in [*BENCHES, *EXTRA_BENCHES]:
         if name not in results:
             continue
         entry = results[name]
