@@ -59,11 +59,24 @@ class StoreConfig(Section):
     """Target size of one shard group; the first run turns it into a pinned samples-per-shard."""
     chunk_tokens: int = 1024
     """Zarr chunk inside a shard: the unit of a random read."""
+    read_cache_mb: int = 1024
+    """Readers keep this many MB of decoded chunks (per process), so samples sharing a chunk decode it once."""
+    local_cache_dir: str | None = None
+    """Remote stores (s3://...): keep the chunks read on local disk here ($VARS expanded), within local_cache_gb."""
+    local_cache_gb: float = 0.0
+    """Size bound of local_cache_dir per process (least recently used chunks go first); 0 = no local cache."""
 
     def validate(self) -> None:
         self.require(1 <= self.zstd_level <= 22, "zstd_level", "must be in 1..22")
         self.require(self.shard_mb >= 1, "shard_mb", "must be >= 1")
         self.require(self.chunk_tokens >= 16, "chunk_tokens", "must be >= 16")
+        self.require(self.read_cache_mb >= 0, "read_cache_mb", "must be >= 0")
+        self.require(self.local_cache_gb >= 0, "local_cache_gb", "must be >= 0")
+
+    def reader_options(self) -> dict[str, Any]:
+        """StoreReader's keyword arguments from this section."""
+        folder = os.path.expandvars(self.local_cache_dir) if self.local_cache_dir else None
+        return {"cache_mb": self.read_cache_mb, "local_cache_dir": folder, "local_cache_gb": self.local_cache_gb}
 
     def url(self, run_dir: str | os.PathLike) -> str:
         """store.path, or <run_dir>/store."""

@@ -108,10 +108,11 @@ def expected_manifest(target: TargetInfo) -> dict[str, Any]:
     }
 
 
-def open_store(url: str, target: TargetInfo, *, need_topk: bool = False) -> StoreReader:
+def open_store(url: str, target: TargetInfo, *, need_topk: bool = False, options: dict[str, Any] | None = None) -> StoreReader:
     """The store, refused by field name when it was made for another target, tokenizer or layers
-    (or, when the KL term needs it, without top-k). Training and evaluation both open it here."""
-    reader = StoreReader(url)  # refuses a missing or damaged manifest, or another schema version
+    (or, when the loss needs it, without top-k). Training and evaluation both open it here;
+    `options` are StoreReader's (`StoreConfig.reader_options()`)."""
+    reader = StoreReader(url, **(options or {}))  # refuses a missing or damaged manifest, or another schema version
     check_manifest_matches(reader.manifest, expected_manifest(target), url)
     if need_topk and not reader.manifest.get("top_k"):
         raise StoreError(
@@ -144,6 +145,7 @@ class DataSettings:
     gather_topk: bool = False  # collate the stored top-k (the KL term needs it)
     num_threads: int = 2
     prefetch: int = 4
+    reader_options: dict[str, Any] | None = None  # StoreReader's (caches)
 
 
 @dataclass
@@ -170,7 +172,7 @@ def open_train_data(
     rank: int = 0,
     world_size: int = 1,
 ) -> TrainData:
-    reader = open_store(url, target, need_topk=settings.gather_topk)
+    reader = open_store(url, target, need_topk=settings.gather_topk, options=settings.reader_options)
     train, heldout = split_indices(reader, settings.holdout_fraction, settings.split_seed)
     train_reader = SubsetReader(reader, train)
     sampler = LengthMixedSampler(sampler_cfg, train_reader.lengths, seed=settings.seed, rank=rank, world_size=world_size)

@@ -628,6 +628,7 @@ def open_run_data(
         gather_topk=cfg.loss.needs_topk,
         num_threads=num_threads or cfg.train.num_data_threads,
         prefetch=prefetch or cfg.train.prefetch,
+        reader_options=cfg.store.reader_options(),
     )
     url = cfg.store.url(cfg.run_dir)
     data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
