@@ -202,7 +202,7 @@ def test_non_finite_features_name_the_sample(tiny_target_dir, data_file, tmp_pat
         pipeline.cmd_extract(cfg, progress=False)
 
 
-def test_full_disk_keeps_earlier_shards(tiny_target_dir, data_file, tmp_path, monkeypatch):
+def disk_full_at_the_second_shard(monkeypatch) -> None:
     real_write = extract_mod.write_shard
     calls = []
 
@@ -213,6 +213,10 @@ def test_full_disk_keeps_earlier_shards(tiny_target_dir, data_file, tmp_path, mo
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(extract_mod, "write_shard", disk_full)
+
+
+def test_full_disk_keeps_earlier_shards(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    disk_full_at_the_second_shard(monkeypatch)
     cfg = config(tiny_target_dir, data_file, tmp_path)
     with pytest.raises(StoreError, match=r"No space left on device.*intact, rerun `python -m stage1_extract extract` after freeing space"):
         pipeline.cmd_extract(cfg, progress=False)
@@ -237,15 +241,7 @@ def test_after_a_full_disk_only_the_shards_left_must_fit(tiny_target_dir, data_f
     from shared.store import StoreFiles
 
     real_write = extract_mod.write_shard
-    calls = []
-
-    def disk_full(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(extract_mod, "write_shard", disk_full)
+    disk_full_at_the_second_shard(monkeypatch)
     cfg = config(tiny_target_dir, data_file, tmp_path)
     plan = pipeline.cmd_plan(cfg)
     with pytest.raises(StoreError, match="No space left"):
