@@ -170,15 +170,21 @@ class GenerateResult:
     parts_reused: int
 
 
-def settings_key(cfg: GenerateConfig, target_fingerprint: str, inputs: list[Conversation], seed: int) -> str:
+def settings_key(cfg: GenerateConfig, target_fingerprint: str, seed: int) -> str:
+    """What makes a part's answers: the sampling settings, the target and the seed (the rows are
+    keyed per part, so appending or editing rows regenerates only the parts they fall in)."""
     payload = {
         "generate": {k: v for k, v in cfg.to_dict().items() if k not in ("batch_size", "device", "chunk_size")},
         "chunk_size": cfg.chunk_size,
         "target": target_fingerprint,
         "seed": seed,
-        "inputs": hashlib.sha256("".join(c.row_hash() for c in inputs).encode()).hexdigest(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def part_name(number: int, chunk: list[Conversation]) -> str:
+    rows = hashlib.sha256("".join(c.row_hash() for c in chunk).encode()).hexdigest()[:12]
+    return f"part-{number:06d}-{rows}.parquet"
 
 
 def generate_all(
@@ -199,7 +205,7 @@ def generate_all(
     meta_path = parts_dir / "settings.json"
     if meta_path.exists() and json.loads(meta_path.read_text()).get("key") != key:
         raise DataError(
-            f"{parts_dir} holds parts made with other generate settings, target or inputs; "
+            f"{parts_dir} holds parts made with other generate settings or another target; "
             f"delete it (or choose another run_dir) to regenerate"
         )
     meta_path.write_text(json.dumps({"key": key}))
@@ -208,8 +214,11 @@ def generate_all(
     chunks = [conversations[i : i + cfg.chunk_size] for i in range(0, len(conversations), cfg.chunk_size)]
     bar = tqdm(total=len(conversations), desc="generate", unit="conv", disable=not progress)
     backend: Backend | None = None  # the model loads only when a part is left to write
+    wanted = [part_name(number, chunk) for number, chunk in enumerate(chunks)]
+    for stale in set(p.name for p in parts_dir.glob("part-*.parquet")) - set(wanted):
+        (parts_dir / stale).unlink()  # rows edited or removed since: their answers no longer apply
     for number, chunk in enumerate(chunks):
-        part = parts_dir / f"part-{number:06d}.parquet"
+        part = parts_dir / wanted[number]
         if part.exists():
             reused += 1
             bar.update(len(chunk))

@@ -112,7 +112,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     backend_name = resolve_backend(cfg.generate.backend, device)
     tokenizer = load_tokenizer(cfg.target)
     model_dir = resolve_target_dir(cfg.target)
-    key = settings_key(cfg.generate, weights_fingerprint(model_dir), conversations, cfg.seed)
+    key = settings_key(cfg.generate, weights_fingerprint(model_dir), cfg.seed)
 
     def make_backend():
         if backend_name == "vllm":

@@ -131,3 +131,30 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
     changed = load_run_config("configs/default.yaml", overrides + ["generate.temperature=0.2"])
     with pytest.raises(ValueError, match="other generate settings"):
         pipeline.cmd_generate(changed, progress=False)
+
+
+def test_appending_rows_regenerates_only_the_new_parts(tiny_target_dir, tmp_path):
+    """Parts are keyed by their own rows: appended prompts cost only their answers; an edited row
+    regenerates only its part, and the merged output keeps every other answer as it was."""
+    from shared.config import load_run_config
+    from stage1_extract import pipeline
+
+    rows = [{"prompt": f"question {i}"} for i in range(4)]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    overrides = [
+        f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32",
+        f"data.path={data}", "generate.max_new_tokens=4", "generate.chunk_size=2", "generate.device=cpu",
+    ]
+    cfg = load_run_config("configs/default.yaml", overrides)
+    first = [c.messages for c in read_conversations(pipeline.cmd_generate(cfg, progress=False)["output"])]
+    write_jsonl(data, rows + [{"prompt": "question 4"}, {"prompt": "question 5"}])
+    grown = pipeline.cmd_generate(cfg, progress=False)
+    assert grown["parts_reused"] == 2 and grown["conversations"] == 6
+    after = [c.messages for c in read_conversations(grown["output"])]
+    assert after[:4] == first
+    rows[1] = {"prompt": "an edited question"}
+    write_jsonl(data, rows + [{"prompt": "question 4"}, {"prompt": "question 5"}])
+    edited = pipeline.cmd_generate(cfg, progress=False)
+    assert edited["parts_reused"] == 2  # parts 1 and 2 kept, part 0 (rows 0-1) regenerated
+    again = [c.messages for c in read_conversations(edited["output"])]
+    assert again[2:] == after[2:] and again[1][0]["content"] == "an edited question"
