@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from shared.config import load_run_config
 from shared.errors import BusyError, ConfigError
@@ -473,3 +474,29 @@ def test_stop_tokens_come_from_tokenizer_and_generation_config_and_may_be_none()
     assert stop_token_ids(SimpleNamespace(eos_token_id=128009), llama) == [128001, 128008, 128009]
     bare = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
     assert stop_token_ids(SimpleNamespace(eos_token_id=None), bare) == []
+
+
+def test_training_can_start_from_an_exported_drafter(store, tiny_target_dir, tmp_path):
+    """model.init_from: the export of one run is where the next run starts (a published drafter
+    adapted to new data works the same way)."""
+    from safetensors.torch import load_file
+
+    from stage2_train.commands import cmd_export, cmd_train
+
+    first = train_config(tiny_target_dir, store[1], tmp_path / "a", **{"train.max_steps": 2})
+    cmd_train(first, progress=False)
+    out = cmd_export(first)["out_dir"]
+    exported = load_file(Path(out) / "model.safetensors")
+    extra = {"train.max_steps": 1, "model.init_from": out, "optim.lr": 1e-12, "checkpoint.every_steps": 1}
+    second = train_config(tiny_target_dir, store[1], tmp_path / "b", **extra)
+    cmd_train(second, progress=False)
+    started = load_file(tmp_path / "b" / "checkpoints" / "step_000001" / "model.safetensors")
+    for name, tensor in exported.items():
+        assert torch.allclose(started[name], tensor.float(), atol=1e-6), name
+    start = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()][0]
+    assert start["hyperparameters"]["init_from"] == out
+    bad = train_config(tiny_target_dir, store[1], tmp_path / "c", **{"model.init_from": out, "model.num_layers": 2})
+    from shared.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=1 but this run has 2 \(model\.num_layers\)"):
+        cmd_train(bad, progress=False)

@@ -209,3 +209,36 @@ def test_describe_steps_reports_each_step():
     assert first["padding_fraction"] == pytest.approx(1 - first["tokens"] / (8192 * 4))
     assert first["length_p10"] <= first["length_p50"] <= first["length_p90"] <= first["length_max"]
     assert (sampler.epoch, sampler.step_in_epoch) == (0, 0)  # describing moves nothing
+
+
+def test_each_epoch_is_planned_once_and_ahead_of_its_boundary():
+    """Handing out micro-batches across two epoch boundaries builds each epoch's plan exactly once
+    (epoch 0 at construction, the next one in the background as soon as an epoch starts), never
+    on the consumer's thread at the boundary, and keeps at most two plans."""
+    import threading
+
+    lengths = lognormal_lengths(3000, seed=5)
+    cfg = SamplerConfig(token_budget=4096, grad_accum=2)
+    sampler = LengthMixedSampler(cfg, lengths, seed=1, rank=0, world_size=2)
+    built_on: list[str] = []
+    real = sampler._build_plan
+
+    def recording(epoch):
+        built_on.append(threading.current_thread().name)
+        return real(epoch)
+
+    sampler._build_plan = recording
+    stream = sampler.upcoming()
+    seen_epochs = []
+    while sampler.epoch < 3:  # epochs 0, 1, 2: two boundaries
+        ref = next(stream)
+        if ref.step_in_epoch == 0 and ref.micro_step == 0:
+            seen_epochs.append(ref.epoch)
+            for thread in list(sampler._planning.values()):
+                thread.join()  # an epoch lasts long enough for the look-ahead to finish
+        sampler.mark_consumed(ref)
+        assert len(sampler._plans) <= 2
+    assert seen_epochs == [0, 1, 2]
+    assert sampler.plan_builds == 1 + 3  # epoch 0 in the constructor; 1, 2 and the look-ahead 3
+    assert built_on == ["dflash-plan"] * 3  # all after construction in the background thread
+    assert sampler.estimated_total_steps(3) == 3 * len(sampler.plan_epoch(0))

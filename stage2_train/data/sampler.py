@@ -185,7 +185,8 @@ class LengthMixedSampler:
         self.epoch = 0
         self.step_in_epoch = 0
         self.micro_step = 0
-        self.plan_epoch(0)  # fail at construction, not at the first step, if the data cannot be planned
+        # Fail at construction, not at the first step, if the data cannot be planned.
+        self._steps_epoch0 = len(self.plan_epoch(0))
 
     # ---- planning -------------------------------------------------------------------------
     def plan_epoch(self, epoch: int) -> EpochPlan:
@@ -274,7 +275,7 @@ class LengthMixedSampler:
         """num_epochs x the steps of epoch 0 (already planned): the LR schedule's length. Planning
         every epoch up front would cost each rank ~1 s per epoch at 900K samples; later epochs
         differ from epoch 0 by a step or so, and the schedule holds its final value past its end."""
-        return num_epochs * len(self.plan_epoch(0))
+        return num_epochs * self._steps_epoch0
 
     def set_epoch(self, epoch: int) -> None:
         """Jump to the start of `epoch`. Not needed between epochs: iteration rolls over by itself."""
