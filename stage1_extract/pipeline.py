@@ -101,6 +101,8 @@ def extraction_input(cfg: RunConfig) -> Path:
 
 
 def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
+    if not cfg.data.regenerate:  # `make extract` always asks; with answers given there is nothing to do
+        return {"skipped": "data.regenerate=false: extraction reads data.path as it is", "input": cfg.data.path}
     source = prompts_path(cfg)
     stats = ReadStats()
     conversations = list(

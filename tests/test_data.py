@@ -158,3 +158,13 @@ def test_appending_rows_regenerates_only_the_new_parts(tiny_target_dir, tmp_path
     assert edited["parts_reused"] == 2  # parts 1 and 2 kept, part 0 (rows 0-1) regenerated
     again = [c.messages for c in read_conversations(edited["output"])]
     assert again[2:] == after[2:] and again[1][0]["content"] == "an edited question"
+
+
+def test_generate_does_nothing_when_the_answers_are_given(tmp_path):
+    from shared.config import load_run_config
+    from stage1_extract import pipeline
+
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "completion": "a"}])
+    cfg = load_run_config("configs/default.yaml", [f"run_dir={tmp_path / 'run'}", f"data.path={data}", "data.regenerate=false"])
+    assert "skipped" in pipeline.cmd_generate(cfg, progress=False)
+    assert not (tmp_path / "run").exists()  # no model loaded, nothing written
