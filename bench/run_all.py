@@ -102,6 +102,11 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
         split = ", ".join(f"{k.replace('_s', '')} {v:.0%}" for k, v in t["split_share"].items())
         rows.append(("step time split", split, "", f"step {t['step_s']} s", ""))
         rows.append(("data-wait fraction during training", fmt(t["data_wait_frac"]), "< 0.02", "", yes(t["data_wait_frac"] < 0.02)))
+        if t.get("boundary_over_median_max") is not None:
+            rows.append((f"longest step-to-step gap at an epoch boundary / median step ({t['epochs']} epochs)",
+                         fmt(t["boundary_over_median_max"]), "<= 1.2",
+                         f"median {t['median_step_gap_s']} s; boundaries {t['boundary_step_gaps_s']}",
+                         yes(t["boundary_over_median_max"] <= 1.2)))
         if "loader" in r:
             rows.append(("loader delivery rate / trainer consumption", fmt(r["loader"]["loader_over_trainer"]), ">= 5",
                          f"trainer {r['loader']['trainer_batches_per_s']} batches/s", yes(r["loader"]["loader_over_trainer"] >= 5)))

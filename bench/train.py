@@ -79,6 +79,21 @@ def throughput(rows: list[dict], block_size: int) -> dict:
         "split_share": {p: round(statistics.mean(r[p] for r in steady) / step_s, 3) for p in phases},
         "data_wait_frac": round(statistics.mean(r["data_wait_frac"] for r in steady), 4),
         "loss_first_last": [round(rows[0]["loss"], 4), round(rows[-1]["loss"], 4)],
+        **epoch_boundaries(rows),
+    }
+
+
+def epoch_boundaries(rows: list[dict]) -> dict:
+    """The wall time between consecutive steps at each epoch boundary (the first step of epochs 1,
+    2, ...) against the median step-to-step time: planning the next epoch must not show here."""
+    gaps = [(b["elapsed_s"] - a["elapsed_s"], b) for a, b in zip(rows, rows[1:])]
+    median = statistics.median(g for g, _ in gaps)
+    at_boundary = [g for g, row in gaps if row["step_in_epoch"] == 0]
+    return {
+        "epochs": rows[-1]["epoch"] + 1,
+        "median_step_gap_s": round(median, 4),
+        "boundary_step_gaps_s": [round(g, 4) for g in at_boundary],
+        "boundary_over_median_max": round(max(at_boundary) / median, 3) if at_boundary else None,
     }
 
 
@@ -111,7 +126,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--store", help="an existing store (default: build a tiny one)")
     parser.add_argument("--config", default="configs/default.yaml", help="preset for --store runs")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30, help="several tiny epochs (~6 steps each)")
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--anchors", type=int, default=8, help="sampler.max_anchors_per_seq")
     parser.add_argument("--block-size", type=int, default=16)
