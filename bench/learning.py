@@ -76,7 +76,7 @@ def curve(cfg, run_dir: Path, n: int, prompts: int, max_new_tokens: int) -> dict
     evals[0] = offline_eval(drafters[0], reader, heldout[: cfg.eval.offline_max_samples].tolist(),
                             max_anchors_per_seq=cfg.eval.offline_max_anchors_per_seq, seed=cfg.seed, gamma=cfg.loss.gamma)
 
-    target_model = load_target_model(cfg.target)
+    target_model = load_target_model(cfg.target.model_copy(update={"dtype": cfg.eval.online_dtype}))
     tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
     chosen = heldout_prompts(reader, heldout, prompts)
     proposers = {f"step_{s}": DFlashProposer(d, target.layer_ids, feature_dtype=torch.bfloat16, name=f"step_{s}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -60,6 +60,10 @@ class EvalConfig(Section):
     """`eval` command: held-out prompts decoded speculatively with the target."""
     online_max_new_tokens: int = 64
     """`eval` command: tokens generated per prompt."""
+    online_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    """The target's dtype for online decoding. In bf16, near-equal logits tie often and a batched
+    verification can round a tie the other way than one-token decoding, so speculative output would
+    differ from the greedy reference for reasons that are not the drafter's; fp32 makes that rare."""
 
     def validate(self) -> None:
         self.require(0.0 <= self.holdout_fraction < 1.0, "holdout_fraction", "must be in [0, 1)")
