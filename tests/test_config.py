@@ -102,3 +102,9 @@ def test_cli_reports_config_errors_without_traceback():
     assert out.returncode == 2
     assert "error: extract.top_k must be in 1..1024, got -1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b.yaml", "llama-3.1-8b.yaml"])
+def test_the_8b_presets_follow_the_recipe(preset):
+    """The CPU default departs from the recipe for cost; presets that inherit it must not."""
+    assert load_run_config(ROOT / "configs" / preset, []).recipe_warnings() == []
