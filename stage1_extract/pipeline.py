@@ -94,7 +94,13 @@ def extraction_input(cfg: RunConfig) -> Path:
         return path
     if cfg.data.path is None:
         raise ConfigError("data.regenerate=false needs data.path: the default prompts have no answers")
-    return Path(cfg.data.path)
+    path = Path(cfg.data.path)
+    if not path.exists():
+        raise InputFileError(
+            f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
+            f"check the path, or build it first (the cpu-long preset reads the default's answers: `make train`)"
+        )
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

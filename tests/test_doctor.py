@@ -421,3 +421,15 @@ def test_cmd_report_writes_pngs_and_markdown(tmp_path):
     for kind, step in FAILED_RUN_EVENTS:
         assert f"| {step} | {kind} |" in md
     assert "Not in this log, so not plotted: accept_len." in md and "## What this log cannot tell" in md
+
+
+def test_departures_from_the_recipe_are_listed_beside_the_events(tmp_path):
+    """The failed run's gamma 4.0 for block size 16 was a setting nobody saw: the run_start row
+    carries every departure and the doctor prints the last run's."""
+    gamma = "loss.gamma=4 departs from the recipe: 7 for model.block_size=16"
+    start = {"kind": "event", "event": "run_start", "step": 0, "hyperparameters": {"recipe_warnings": [gamma]}}
+    write_log(tmp_path / "train_log.jsonl", [start, *noisy_healthy_records()])
+    text, code = cmd_doctor(tmp_path, as_json=False)
+    assert code == 0 and f"departures from the published recipe (run_start):\n  {gamma}" in text
+    assert diagnose([start, *noisy_healthy_records()])["summary"]["recipe_departures"] == [gamma]
+    assert diagnose(noisy_healthy_records())["summary"]["recipe_departures"] == []

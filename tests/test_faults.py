@@ -500,3 +500,14 @@ def test_training_can_start_from_an_exported_drafter(store, tiny_target_dir, tmp
 
     with pytest.raises(CheckpointError, match=r"num_hidden_layers=1 but this run has 2 \(model\.num_layers\)"):
         cmd_train(bad, progress=False)
+
+
+def test_a_missing_data_file_is_named_by_every_command(tiny_target_dir, tmp_path):
+    """A preset that reads another run's answers (cpu-long) before that run exists."""
+    from shared.errors import InputFileError
+
+    missing = tmp_path / "runs" / "default" / "data" / "generated.parquet"
+    cfg = bad_row_config(tiny_target_dir, missing, tmp_path)
+    for command in (stage1.cmd_plan, stage1.cmd_extract):
+        with pytest.raises(InputFileError, match=r"generated\.parquet"):
+            command(cfg)

@@ -309,8 +309,21 @@ def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -
             if last[k] is not None
         },
         "cannot_tell": info["cannot_tell"],
+        "recipe_departures": recipe_departures(event_rows),
     }
     return {"events": events, "summary": summary}
+
+
+def recipe_departures(event_rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """The last run_start's departures from the published recipe (a gamma or betas that differ from
+    the paper's is a setting to see beside the curve, not an event)."""
+    found: list[str] = []
+    for row, raw in event_rows:
+        if row["event"] == "run_start":
+            hyper = raw.get("hyperparameters")
+            if isinstance(hyper, dict):
+                found = [str(w) for w in (hyper.get("recipe_warnings") or [])]
+    return found
 
 
 def restarts(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -363,6 +376,9 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
         lines.append(
             f"  {s['unreadable_lines']} unreadable line(s) skipped (torn or not UTF-8: a crash mid-write leaves one)"
         )
+    if s.get("recipe_departures"):
+        lines.append("departures from the published recipe (run_start):")
+        lines += [f"  {w}" for w in s["recipe_departures"]]
     if s["cannot_tell"]:
         lines.append("cannot tell:")
         lines += [f"  {c}" for c in s["cannot_tell"]]

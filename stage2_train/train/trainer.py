@@ -285,6 +285,9 @@ class Trainer:
             if self.finished() and resumed_from is not None:
                 return self._already_done(resumed_from)
             self.sink.event("run_start", self.step, **self.info, resumed_from=resumed_from)
+            if self.rank == 0:
+                for warning in self.info["hyperparameters"]["recipe_warnings"]:
+                    print(f"note: {warning}", file=sys.stderr)
             self._start = time.perf_counter()
             self._cpu_start = time.process_time()
             self._last_log = (self.step, self.tokens_seen, self._start)
