@@ -139,8 +139,8 @@ def test_check_explain_prints_every_key_with_its_documentation():
         cwd=REPO, capture_output=True, text=True, check=True,
     )
     out = done.stdout
-    assert "loss.kl_weight = 0.0   : float" in out and "Top-k KL against the stored target distribution" in out
-    assert "train.epochs = 3   : int   (default 6)" in out  # the preset's value, and the default beside it
+    assert "loss.kl_weight = 1.0   : float   (default 0.0)" in out and "Top-k KL against the stored target distribution" in out
+    assert "train.epochs = 25   : int   (default 6)" in out  # the preset's value, and the default beside it
     assert "store.dtype = 'bf16'" in out and "fp8 e4m3 with a per-token, per-layer scale" in out
 
 

@@ -61,6 +61,8 @@ def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str
         "model.num_layers": 1,
         "model.block_size": 8,
         "loss.gamma": 4.0,
+        "loss.kl_weight": 0.0,  # the recipe's loss (the CPU default's has its own test below)
+        "loss.full_vocab_slots": None,
         "optim.lr": 3e-3,
         "optim.warmup_ratio": 0.25,
         "noise.std": 0.05,
@@ -82,7 +84,7 @@ def config(target_dir, store, run_dir, **extra):
 
 
 def open_cfg_store(cfg):
-    return open_store(cfg.store.url(cfg.run_dir), resolve_target(cfg.target), need_topk=cfg.loss.kl_weight > 0)
+    return open_store(cfg.store.url(cfg.run_dir), resolve_target(cfg.target), need_topk=cfg.loss.needs_topk)
 
 
 def open_cfg_data(cfg, rank=0, world_size=1):
@@ -178,6 +180,16 @@ def test_a_tiny_run_learns(run):
     losses = [r["loss"] for r in read_log(run_dir / "train_log.jsonl", "train")]
     assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.15, losses
     assert summary["final_eval"]["ce"] < losses[0]
+
+
+def test_the_cpu_default_loss_trains_end_to_end(tiny_target_dir, store, tmp_path):
+    """KL against the stored top-k plus the candidate softmax past slot 1, as configs/default.yaml."""
+    cfg = config(tiny_target_dir, store, tmp_path, **{"loss.kl_weight": 1.0, "loss.full_vocab_slots": 1})
+    summary = commands.cmd_train(cfg, progress=False)
+    rows = read_log(tmp_path / "train_log.jsonl", "train")
+    assert summary["steps"] == MAX_STEPS and all(r["kl"] > 0 and r["loss"] == pytest.approx(r["ce"] + r["kl"], rel=1e-5) for r in rows)
+    losses = [r["loss"] for r in rows]
+    assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.15, losses
 
 
 def test_lr_factor_shapes():
