@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stage2_train.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
+from stage2_train.train.checkpoint import CheckpointConfig, Checkpointer, optimizer_state  # noqa: E402
 
 GOAL_BLOCKED = 0.5
 GOAL_DURING = 1.5
@@ -67,7 +67,7 @@ def run_mode(async_save: bool, args: argparse.Namespace, root: Path) -> dict:
     def state_fn() -> dict:
         return {
             "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
+            "optimizer": optimizer_state(opt),
             "rng": {"torch": torch.get_rng_state()},
             "trainer": {"step": step},
         }

@@ -2,15 +2,15 @@
 run, beside the n-gram drafter on the same held-out prompts, against CPU minutes.
 
     .venv/bin/python bench/learning.py [--config configs/default.yaml] [--n 25] [--json out.json]
-    .venv/bin/python bench/learning.py --config configs/cpu-long.yaml --n 100    # the long preset
+    .venv/bin/python bench/learning.py --config configs/cpu-long.yaml --n 160    # the long preset
 
 Needs the default store (`make train` builds it). The run trains 16N steps with a checkpoint every N
 steps (its LR schedule spans the 16N); each point's drafter is read from its checkpoint. Online tau:
 the target decodes each held-out prompt greedily alone, then speculatively with each drafter
 (tokens per verifying forward, bonus included); every output must equal the greedy one token for
-token (`exact`). Offline: `walk_tau` on the held-out store samples, the trainer's eval at the same
-steps (step 0 evaluated here). CPU minutes: the training process's CPU time at that step (both
-cores count). Writes a PNG of tau against CPU minutes (`--png`).
+token (`exact`). Offline: `walk_tau` on the held-out store samples, evaluated here from each
+checkpoint (the run itself does no eval, so its clock is training only). CPU minutes: the training
+process's CPU time at that step (both cores count). Writes a PNG of tau against CPU minutes (`--png`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def train(config: str, run_dir: Path, store: str, n: int, extra: list[str]) -> N
         sys.executable, "-m", "stage2_train", "train", "--no-progress", "--config", config,
         f"run_dir={run_dir}", f"store.path={store}", f"train.max_steps={16 * n}", "train.epochs=1000",
         f"checkpoint.every_steps={n}", "checkpoint.keep_latest_k=20", "train.resume=never",
-        f"eval.every_steps={n}", "log.wandb=disabled", *extra,
+        "log.wandb=disabled", *extra, "eval.every_steps=0",  # evaluated here, so CPU minutes are training only
     ]
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True, text=True)
     if done.returncode != 0:
@@ -72,9 +72,11 @@ def curve(cfg, run_dir: Path, n: int, prompts: int, max_new_tokens: int) -> dict
         weights, _ = read_model_weights(run_dir / "checkpoints" / f"step_{step:06d}")
         drafters[step] = build_drafter(*common, weights=weights).eval()
     rows = {r["step"]: r for r in read_log(run_dir / "train_log.jsonl", "train")}
-    evals = {r["step"]: r for r in read_log(run_dir / "train_log.jsonl", "eval")}
-    evals[0] = offline_eval(drafters[0], reader, heldout[: cfg.eval.offline_max_samples].tolist(),
-                            max_anchors_per_seq=cfg.eval.offline_max_anchors_per_seq, seed=cfg.seed, gamma=cfg.loss.gamma)
+    evals = {
+        step: offline_eval(drafter, reader, heldout[: cfg.eval.offline_max_samples].tolist(),
+                           max_anchors_per_seq=cfg.eval.offline_max_anchors_per_seq, seed=cfg.seed, gamma=cfg.loss.gamma)
+        for step, drafter in drafters.items()
+    }
 
     target_model = load_target_model(cfg.target.model_copy(update={"dtype": cfg.eval.online_dtype}))
     tokenizer, _ = tokenizer_and_hash(str(target.target_dir))

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 _EMPTY = 2**64 - 1  # an index entry for a chunk that was never written (all fill value)
+ALL_CHUNKS_WRITTEN = "dflash_all_chunks_written"  # array attribute: every chunk has its bytes on disk
 _DTYPES = {"uint8", "uint16", "int32", "int64", "float16", "float32", "bool"}
 
 
@@ -131,14 +132,22 @@ class ChunkSource:
 def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
     """The array under `array_dir` (relative to the root) with its chunk index read, or None when its
     layout is not the one this module reads."""
-    parsed = parse_metadata(json.loads(source.text(f"{array_dir}/zarr.json")))
+    meta = json.loads(source.text(f"{array_dir}/zarr.json"))
+    parsed = parse_metadata(meta)
     if parsed is None:
         return None
     shape, dtype, chunk, compressed, fill = parsed
     key = f"{array_dir}/c/" + "/".join("0" * len(shape))
     num_chunks = max(1, math.ceil(shape[0] / chunk[0]))
     index_bytes = num_chunks * 16 + 4  # (offset, nbytes) uint64 per chunk, then a crc32c
-    size = source.size(key)
+    try:
+        size = source.size(key)
+    except FileNotFoundError:
+        if (meta.get("attributes") or {}).get(ALL_CHUNKS_WRITTEN):
+            raise  # this writer writes every chunk: a missing file is a lost file
+        # Zarr writes no file for an array whose every chunk equals the fill value (stores written
+        # before ALL_CHUNKS_WRITTEN: a one-sample shard's sample_ids [0]); zarr reads it as fill.
+        return ShardArray(key, shape, dtype, chunk, compressed, fill, [(_EMPTY, _EMPTY)] * num_chunks)
     raw = source.read(key, size - index_bytes, index_bytes)
     index = [tuple(pair) for pair in np.frombuffer(raw[:-4], dtype="<u8").reshape(num_chunks, 2).tolist()]
     return ShardArray(key, shape, dtype, chunk, compressed, fill, index)

@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from shared.chunks import ALL_CHUNKS_WRITTEN
 from shared.config import Section
 from shared.errors import StoreError
 
@@ -259,8 +260,11 @@ def write_shard(url: str, name: str, samples: list[SampleFeatures], cfg: StoreCo
         chunks = (max(1, -(-len(data) // num_chunks)),) + data.shape[1:]
         # One Zarr shard per array, written in one call: partial shard writes rewrite the file.
         shards = (-(-len(data) // chunks[0]) * chunks[0],) + data.shape[1:]
+        # Every chunk written, even one equal to the fill value (a one-sample shard's sample_ids is
+        # [0]): zarr would otherwise write no file at all, and a missing file would look like a loss.
         array = group.create_array(
-            name=key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards, compressors=compressors
+            name=key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards, compressors=compressors,
+            config={"write_empty_chunks": True}, attributes={ALL_CHUNKS_WRITTEN: True},
         )
         array[...] = data
     files = StoreFiles(url)
@@ -278,7 +282,17 @@ def read_shard_arrays(url: str, name: str) -> dict[str, np.ndarray]:
     import zarr
 
     group = zarr.open_group(store=_zarr_store(url, read_only=True), path=f"shards/{name}", mode="r")
-    return {key: group[key][...] for key in ARRAY_NAMES if key in group}
+    files = StoreFiles(url)
+    out = {}
+    for key in ARRAY_NAMES:
+        if key not in group:
+            continue
+        array = group[key]
+        # zarr reads a missing chunk as its fill value; where every chunk was written, it is a loss.
+        if array.attrs.get(ALL_CHUNKS_WRITTEN) and not files.exists(f"shards/{name}/{key}/c/0"):
+            raise FileNotFoundError(f"shards/{name}/{key}/c/0: missing (this writer writes every chunk)")
+        out[key] = array[...]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -128,3 +128,30 @@ def test_the_local_chunk_cache_evicts_least_recently_used(tmp_path):
     cache.get_or_fetch("a", 0, 100, fetch("a"))
     cache.get_or_fetch("b", 0, 100, fetch("b"))
     assert fetched == ["a", "b", "c", "b"]
+
+
+def test_a_one_sample_shard_of_sample_zero_is_written_whole_and_a_missing_file_is_named(tmp_path):
+    """sample_ids [0] equals zarr's fill value: zarr writes no file for such an array unless told to,
+    and a reader could not tell that from a lost file (found by the scaling bench's 2K-token point)."""
+    import json
+
+    from shared.errors import StoreError
+
+    make_store(str(tmp_path), [samples(1)], StoreConfig())
+    shard = tmp_path / "shards" / "shard-000000-x"
+    ids_file = shard / "sample_ids" / "c" / "0"
+    assert ids_file.is_file()
+    assert StoreReader(str(tmp_path))[0]["input_ids_T"].shape[0] > 0
+    # A store written before every chunk was written: no file, no attribute -> zarr's fill value.
+    meta_path = shard / "sample_ids" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    ids_file.unlink()
+    meta_path.write_text(json.dumps({**meta, "attributes": {}}))
+    assert StoreReader(str(tmp_path))._shard(0)[0]["sample_ids"].index[0][0] == 2**64 - 1
+    StoreReader(str(tmp_path))[0]
+    # The same file missing from a store whose writer writes every chunk is a lost file.
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match=r"shard-000000-x cannot be opened .*sample_ids"):
+        StoreReader(str(tmp_path))[0]
+    with pytest.raises(FileNotFoundError, match="sample_ids"):  # and `verify` names the shard
+        read_shard_arrays(str(tmp_path), "shard-000000-x")
