@@ -53,28 +53,17 @@ class AttentionPlan:
     batch: DrafterBatch | None = None  # naive reference only
 
 
+def _past_max(context_T: torch.Tensor, blocks_N: torch.Tensor) -> int:
+    """One more than the largest value in either (the context may be empty)."""
+    return int(max(context_T.max().item() if context_T.numel() else 0, blocks_N.max().item())) + 1
+
+
 def _sort_pack(batch: DrafterBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Context ordered by (sample, position), blocks by (sample, anchor)."""
-    span = (
-        int(
-            max(
-                batch.context_pos_T.max().item() if batch.context_pos_T.numel() else 0,
-                batch.anchor_pos_N.max().item(),
-            )
-        )
-        + 1
-    )
+    span = _past_max(batch.context_pos_T, batch.anchor_pos_N)
     ctx_order_T = torch.argsort(batch.context_seq_T * span + batch.context_pos_T, stable=True)
     blk_order_N = torch.argsort(batch.block_seq_N * span + batch.anchor_pos_N, stable=True)
-    num_samples = (
-        int(
-            max(
-                batch.context_seq_T.max().item() if batch.context_seq_T.numel() else 0,
-                batch.block_seq_N.max().item(),
-            )
-        )
-        + 1
-    )
+    num_samples = _past_max(batch.context_seq_T, batch.block_seq_N)
     return ctx_order_T, blk_order_N, num_samples
 
 
