@@ -2,7 +2,7 @@
 run, beside the n-gram drafter on the same held-out prompts, against CPU minutes.
 
     .venv/bin/python bench/learning.py [--config configs/default.yaml] [--n 25] [--json out.json]
-    .venv/bin/python bench/learning.py --config configs/cpu-long.yaml --n 160    # the long preset
+    .venv/bin/python bench/learning.py --config configs/cpu-long.yaml --n 100    # the long preset
 
 Needs the default store (`make train` builds it). The run trains 16N steps with a checkpoint every N
 steps (its LR schedule spans the 16N); each point's drafter is read from its checkpoint. Online tau:

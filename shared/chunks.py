@@ -199,30 +199,36 @@ class DecodedChunks:
                 self._bytes -= old.nbytes
 
 
-def read_range(source: ChunkSource, array: ShardArray, lo: int, hi: int, cache: DecodedChunks, tag: tuple) -> np.ndarray:
-    """Rows [lo, hi) of the array. Uncompressed: exactly those rows' bytes, one read per chunk
-    touched (no chunk is read whole). Compressed: each chunk touched read and decoded once (cached)."""
+def read_range(
+    source: ChunkSource, array: ShardArray, lo: int, hi: int, cache: DecodedChunks, tag: tuple, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Rows [lo, hi) of the array, into `out` when given (C-contiguous, [hi - lo, ...] of the array's
+    dtype: the loader's packed micro-batch, so the rows are copied once, not read and then packed).
+    Uncompressed: exactly those rows' bytes, one read per chunk touched (no chunk is read whole).
+    Compressed: each chunk touched read and decoded once (cached)."""
     C = array.chunk_tokens
+    if out is None:
+        out = np.empty((max(0, hi - lo), *array.chunk_shape[1:]), dtype=array.dtype)
+    elif out.shape != (max(0, hi - lo), *array.chunk_shape[1:]) or out.dtype != array.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{array.key}: rows {lo}..{hi} do not fit an output of shape {list(out.shape)} {out.dtype}")
     if hi <= lo:
-        return np.zeros((0, *array.shape[1:]), dtype=array.dtype)
+        return out
     if not array.compressed:
-        return _read_rows(source, array, lo, hi)
-    parts = []
+        return _read_rows(source, array, lo, hi, out)
     for k in range(lo // C, (hi - 1) // C + 1):
         chunk = cache.get((*tag, k))
         if chunk is None:
             chunk = decode_chunk(source, array, k)
             cache.put((*tag, k), chunk)
         a, b = max(lo, k * C) - k * C, min(hi, (k + 1) * C) - k * C
-        parts.append(chunk[a:b])
-    # A copy either way: the caller owns it, the cached chunk stays untouched.
-    return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+        # A copy: the caller owns `out`, the cached chunk stays untouched.
+        out[k * C + a - lo : k * C + b - lo] = chunk[a:b]
+    return out
 
 
-def _read_rows(source: ChunkSource, array: ShardArray, lo: int, hi: int) -> np.ndarray:
+def _read_rows(source: ChunkSource, array: ShardArray, lo: int, hi: int, out: np.ndarray) -> np.ndarray:
     C = array.chunk_tokens
     row_bytes = array.row_bytes
-    out = np.empty((hi - lo, *array.chunk_shape[1:]), dtype=array.dtype)
     flat = memoryview(out.reshape(-1).view(np.uint8))
     for k in range(lo // C, (hi - 1) // C + 1):
         offset, nbytes = array.index[k]

@@ -402,6 +402,7 @@ class StoreReader:
         self._cache_shards = cache_shards
         self._lock = threading.Lock()
         self._zarr_store = None
+        self._feature_shape: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return int(self._shard_start[-1])
@@ -473,12 +474,23 @@ class StoreReader:
             self._zarr_store = _zarr_store(self.url, read_only=True)
         return zarr.open_array(store=self._zarr_store, path=f"shards/{name}/{array}", mode="r")
 
-    def _read(self, array: Any, lo: int, hi: int, tag: tuple) -> np.ndarray:
+    def _read(self, array: Any, lo: int, hi: int, tag: tuple, out: np.ndarray | None = None) -> np.ndarray:
         from shared.chunks import ShardArray, read_range
 
         if isinstance(array, ShardArray):
-            return read_range(self._source, array, lo, hi, self._chunks, tag)
-        return array[lo:hi]
+            return read_range(self._source, array, lo, hi, self._chunks, tag, out)
+        if out is None:
+            return array[lo:hi]
+        out[...] = array[lo:hi]
+        return out
+
+    @property
+    def feature_shape(self) -> tuple[int, int] | None:
+        """(layers, hidden) of the stored features; None for an empty store."""
+        if self._feature_shape is None and len(self):
+            arrays, _ = self._shard(0)
+            self._feature_shape = tuple(int(d) for d in arrays["hidden"].shape[1:])
+        return self._feature_shape
 
     def describe(self, index: int) -> str:
         """'sample 412 (input row 412) in shard shard-000004-... of <store>': for error messages."""
@@ -498,8 +510,12 @@ class StoreReader:
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.read(index)
 
-    def read(self, index: int, start: int = 0, stop: int | None = None) -> dict[str, Any]:
-        """Sample `index`, optionally only tokens [start, stop) of it (a window read)."""
+    def read(self, index: int, start: int = 0, stop: int | None = None, *, hidden_out: Any = None) -> dict[str, Any]:
+        """Sample `index`, optionally only tokens [start, stop) of it (a window read).
+
+        `hidden_out`, a contiguous bf16 CPU tensor [tokens, layers, hidden] (the loader's slice of a
+        packed micro-batch), receives the features: bf16 bits are read straight into it, so the
+        8B-sized features (~80 MB a sample) are copied once instead of read and then packed."""
         import torch
 
         shard, local = self.locate(index)
@@ -507,10 +523,13 @@ class StoreReader:
         begin, end = int(offsets[local]), int(offsets[local + 1])
         stop = end - begin if stop is None else min(stop, end - begin)
         lo, hi = begin + start, begin + stop
+        if hidden_out is not None and hidden_out.shape[0] != hi - lo:
+            # The caller sized it from the manifest's lengths: the shard's offsets disagree.
+            raise ValueError(f"has {hi - lo} tokens but the store's lengths say {hidden_out.shape[0]}")
 
-        def get(name: str) -> np.ndarray:
+        def get(name: str, out: np.ndarray | None = None) -> np.ndarray:
             try:
-                return self._read(arrays[name], lo, hi, (shard, name))
+                return self._read(arrays[name], lo, hi, (shard, name), out)
             except Exception as exc:  # noqa: BLE001 - name the shard and the fix
                 raise StoreError(
                     f"{self.url}: {name} of {self.describe(index)} cannot be read ({type(exc).__name__}: {exc}); "
@@ -518,11 +537,18 @@ class StoreReader:
                 ) from exc
 
         scale = get("hidden_scale") if self.hidden_dtype == "fp8" else None
+        if hidden_out is None:
+            hidden_TLH = decode_hidden(get("hidden"), scale, self.hidden_dtype)
+        elif self.hidden_dtype == "bf16":
+            get("hidden", hidden_out.view(torch.int16).numpy().view(np.uint16))
+            hidden_TLH = hidden_out
+        else:
+            hidden_TLH = hidden_out.copy_(decode_hidden(get("hidden"), scale, self.hidden_dtype))
         return {
             "sample_id": int(self.sample_ids[index]),
             "input_ids_T": torch.from_numpy(get("input_ids").astype(np.int64)),
             "loss_mask_T": torch.from_numpy(get("loss_mask")),
-            "hidden_TLH": decode_hidden(get("hidden"), scale, self.hidden_dtype),
+            "hidden_TLH": hidden_TLH,
             "topk_logprobs_TK": torch.from_numpy(get("topk_logprobs").astype(np.float32)),
             "topk_ids_TK": torch.from_numpy(get("topk_ids").astype(np.int64)),
         }

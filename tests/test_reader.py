@@ -155,3 +155,61 @@ def test_a_one_sample_shard_of_sample_zero_is_written_whole_and_a_missing_file_i
         StoreReader(str(tmp_path))[0]
     with pytest.raises(FileNotFoundError, match="sample_ids"):  # and `verify` names the shard
         read_shard_arrays(str(tmp_path), "shard-000000-x")
+
+
+@pytest.mark.parametrize(
+    "storage", [dict(compression="zstd"), dict(compression="none"), dict(compression="zstd", dtype="fp8"), dict(chunk_tokens=64)]
+)
+def test_the_loader_reads_features_straight_into_its_packed_batch(tmp_path, storage):
+    """Same batches as packing the plain reads, with the features read into the batch's buffer."""
+    from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.loader import PrefetchLoader, collate
+    from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
+
+    make_store(str(tmp_path), [samples(7, seed=1), samples(5, seed=2)], StoreConfig(**storage))
+    reader = StoreReader(str(tmp_path), cache_mb=1)
+    into = []
+    plain_read = reader.read
+
+    def spy(index, *args, **kwargs):
+        got = plain_read(index, *args, **kwargs)
+        if kwargs.get("hidden_out") is not None:
+            into.append(got["hidden_TLH"].data_ptr() == kwargs["hidden_out"].data_ptr())
+        return got
+
+    reader.read = spy
+    cfg = SamplerConfig(token_budget=700, max_anchors_per_seq=6)
+    sampler = LengthMixedSampler(cfg, reader.lengths, seed=0)
+    anchors = AnchorSampler(cfg, block_size=4, seed=0)
+    loader = PrefetchLoader(reader, sampler, anchors, mask_token_id=999, num_threads=2)
+    batches = list(loader)
+    assert sum(len(b.sample_indices) for b in batches) == len(reader) and len(batches) > 1
+    assert len(into) == len(reader) and all(into)
+    for loaded in batches:
+        plain = [plain_read(i) for i in loaded.sample_indices]
+        want = collate(plain, [anchors.anchors(s["loss_mask_T"], sample_id=s["sample_id"], epoch=0) for s in plain],
+                       block_size=4, mask_token_id=999)
+        assert loaded.batch.context_TF.dtype == torch.bfloat16
+        assert torch.equal(loaded.batch.context_TF.view(torch.int16), want.context_TF.view(torch.int16))
+        assert torch.equal(loaded.batch.labels_NB, want.labels_NB)
+        assert torch.equal(loaded.batch.topk_ids_NBK, want.topk_ids_NBK)
+        assert loaded.batch.num_tokens == want.num_tokens
+
+
+def test_a_sample_whose_offsets_disagree_with_the_manifest_is_named_on_the_packed_path(tmp_path):
+    import json
+
+    from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.loader import DataLoadError, PrefetchLoader
+    from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
+
+    make_store(str(tmp_path), [samples(4)], StoreConfig())
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["shards"][0]["lengths"][2] += 1  # the manifest now disagrees with the shard's offsets
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    reader = StoreReader(str(tmp_path))
+    cfg = SamplerConfig(token_budget=4096, max_anchors_per_seq=4)
+    loader = PrefetchLoader(reader, LengthMixedSampler(cfg, reader.lengths, seed=0), AnchorSampler(cfg, block_size=4, seed=0),
+                            mask_token_id=999)
+    with pytest.raises(DataLoadError, match=r"sample 2 \(input row 2\) in shard shard-000000-x .*store's lengths say"):
+        list(loader)

@@ -74,12 +74,16 @@ def collate(
     block_size: int,
     mask_token_id: int,
     gather_topk: bool = True,
+    context_TF: torch.Tensor | None = None,
 ) -> DrafterBatch:
     """Pack samples (no padding) and build their blocks, labels and target top-k.
 
     Block n of sample s anchored at a: slots a+0 .. a+B-1. labels[n, k] = input_ids[a+k] when
     k >= 1, a+k < T and loss_mask[a+k]; else -100. Top-k for slot k comes from position a+k-1 (the
     target's prediction of token a+k) and is zero where the label is -100.
+
+    `context_TF`, when given, already holds the samples' features packed in order (the loader read
+    them into it): their hidden_TLH are its slices and are not copied again.
     """
     if len(samples) != len(anchors_per_sample):
         raise ValueError(f"{len(samples)} samples but {len(anchors_per_sample)} anchor lists")
@@ -89,8 +93,8 @@ def collate(
     for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
         ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
         num_tokens = ids_T.shape[0]
-        hidden_TLH = sample["hidden_TLH"]
-        context.append(hidden_TLH.reshape(num_tokens, -1))
+        if context_TF is None:
+            context.append(sample["hidden_TLH"].reshape(num_tokens, -1))
         positions.append(torch.arange(num_tokens))
         seqs.append(torch.full((num_tokens,), s, dtype=torch.long))
         anchors_A = anchors_A.long()
@@ -110,7 +114,11 @@ def collate(
             keep_AB1 = scored_AB[..., None]
             topk_lp.append(torch.where(keep_AB1, sample["topk_logprobs_TK"][prev_AB].float(), 0.0))
             topk_ids.append(torch.where(keep_AB1, sample["topk_ids_TK"][prev_AB].long(), 0))
-    context_TF = torch.cat(context)
+    num_tokens = sum(len(p) for p in positions)
+    if context_TF is None:
+        context_TF = torch.cat(context)
+    elif context_TF.shape[0] != num_tokens:
+        raise ValueError(f"the packed context holds {context_TF.shape[0]} tokens, the samples {num_tokens}")
     return DrafterBatch(
         context_TF=context_TF,
         context_pos_T=torch.cat(positions),
@@ -122,5 +130,5 @@ def collate(
         topk_logprobs_NBK=torch.cat(topk_lp) if gather_topk else None,
         topk_ids_NBK=torch.cat(topk_ids) if gather_topk else None,
         num_samples=len(samples),
-        num_tokens=context_TF.shape[0],
+        num_tokens=num_tokens,
     )

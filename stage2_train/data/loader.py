@@ -45,6 +45,10 @@ class SampleReader(Protocol):
 
     def __getitem__(self, index: int) -> dict[str, Any]: ...
 
+    # Optional (the store reader has both): `feature_shape` -> (layers, hidden), and
+    # `read(index, hidden_out=...)` filling a slice of the packed micro-batch. Without them the
+    # loader packs the samples' own tensors (one more copy of the features).
+
 
 class DataLoadError(DataError):
     """A sample that could not be read or collated; the message names it and its shard."""
@@ -180,7 +184,8 @@ class PrefetchLoader:
         # Read in store order (shard, position): neighbours share decoded chunks and file pages.
         order_key = getattr(self.reader, "order_key", None)
         reads = sorted(ref.indices, key=order_key) if order_key is not None else ref.indices
-        loaded = {index: self._read(index, ref.epoch, where) for index in reads}
+        context_TLH, slices = self._packed_context(ref.indices)
+        loaded = {index: self._read(index, ref.epoch, where, slices.get(index)) for index in reads}
         samples = [loaded[i][0] for i in ref.indices]
         anchors = [loaded[i][1] for i in ref.indices]
         try:
@@ -190,6 +195,7 @@ class PrefetchLoader:
                 block_size=self.anchor_sampler.block_size,
                 mask_token_id=self.mask_token_id,
                 gather_topk=self.gather_topk,
+                context_TF=None if context_TLH is None else context_TLH.flatten(1),
             )
         except Exception as exc:
             raise DataLoadError(
@@ -203,10 +209,23 @@ class PrefetchLoader:
             data_wait_s=0.0,
         )
 
-    def _read(self, index: int, epoch: int, where: str) -> tuple[dict[str, Any], torch.Tensor]:
+    def _packed_context(self, indices: list[int]) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The micro-batch's features buffer [T, L, H] (bf16, samples in order, sized from the store's
+        lengths) and each sample's slice of it, for a reader that reads into one; else (None, {})."""
+        feature_shape = getattr(self.reader, "feature_shape", None)
+        if feature_shape is None:
+            return None, {}
+        lengths = [int(self.sampler.lengths[i]) for i in indices]
+        context_TLH = torch.empty(sum(lengths), *feature_shape, dtype=torch.bfloat16)
+        starts = np.cumsum([0, *lengths[:-1]])
+        return context_TLH, {i: context_TLH[s : s + n] for i, s, n in zip(indices, starts.tolist(), lengths)}
+
+    def _read(
+        self, index: int, epoch: int, where: str, hidden_out: torch.Tensor | None = None
+    ) -> tuple[dict[str, Any], torch.Tensor]:
         """One sample and its anchors for `epoch`, checked; DataLoadError naming it and its shard."""
         try:
-            sample = self.reader[index]
+            sample = self.reader[index] if hidden_out is None else self.reader.read(index, hidden_out=hidden_out)
             anchors_A = self.anchor_sampler.anchors(sample["loss_mask_T"], sample_id=int(sample["sample_id"]), epoch=epoch)
             check_sample(sample, anchors_A, int(self.sampler.lengths[index]))
         except Exception as exc:

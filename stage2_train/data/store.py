@@ -56,6 +56,13 @@ class SubsetReader:
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.reader[int(self.indices[index])]
 
+    def read(self, index: int, **kwargs: Any) -> dict[str, Any]:
+        return self.reader.read(int(self.indices[index]), **kwargs)
+
+    @property
+    def feature_shape(self) -> tuple[int, int] | None:
+        return self.reader.feature_shape
+
     def describe(self, index: int) -> str:
         return self.reader.describe(int(self.indices[index]))
 
