@@ -98,7 +98,7 @@ def extraction_input(cfg: RunConfig) -> Path:
     if not path.exists():
         raise InputFileError(
             f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
-            f"check the path, or build it first (the cpu-long preset reads the default's answers: `make train`)"
+            f"check the path, or build it first (`make generate CONFIG=...` writes a preset's answers to run_dir/data)"
         )
     return path
 

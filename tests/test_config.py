@@ -22,7 +22,7 @@ def test_defaults_load_and_sections_are_typed():
     assert cfg.target.num_feature_layers == 3
 
 
-@pytest.mark.parametrize("preset", ["default.yaml", "qwen3-8b.yaml", "llama-3.1-8b.yaml"])
+@pytest.mark.parametrize("preset", ["default.yaml", "cpu-long.yaml", "qwen3-8b.yaml", "llama-3.1-8b.yaml"])
 def test_every_preset_validates(preset):
     cfg = load_run_config(ROOT / "configs" / preset, [])
     assert cfg.store.dtype in ("bf16", "fp8")

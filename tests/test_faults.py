@@ -503,7 +503,7 @@ def test_training_can_start_from_an_exported_drafter(store, tiny_target_dir, tmp
 
 
 def test_a_missing_data_file_is_named_by_every_command(tiny_target_dir, tmp_path):
-    """A preset that reads another run's answers (cpu-long) before that run exists."""
+    """A config that reads another run's answers before that run made them."""
     from shared.errors import InputFileError
 
     missing = tmp_path / "runs" / "default" / "data" / "generated.parquet"
