@@ -129,6 +129,11 @@ class ChunkSource:
         return self.fs.cat_file(f"{self.root}/{key}").decode()
 
 
+def shard_file_key(array_dir: str, ndim: int) -> str:
+    """The one shard file of an array written whole (`.../hidden/c/0/0/0` for a 3-d array)."""
+    return f"{array_dir}/c/" + "/".join("0" * ndim)
+
+
 def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
     """The array under `array_dir` (relative to the root) with its chunk index read, or None when its
     layout is not the one this module reads."""
@@ -137,7 +142,7 @@ def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
     if parsed is None:
         return None
     shape, dtype, chunk, compressed, fill = parsed
-    key = f"{array_dir}/c/" + "/".join("0" * len(shape))
+    key = shard_file_key(array_dir, len(shape))
     num_chunks = max(1, math.ceil(shape[0] / chunk[0]))
     index_bytes = num_chunks * 16 + 4  # (offset, nbytes) uint64 per chunk, then a crc32c
     try:

@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from shared.chunks import ALL_CHUNKS_WRITTEN
+from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
 from shared.config import Section
 from shared.errors import StoreError
 
@@ -289,8 +289,9 @@ def read_shard_arrays(url: str, name: str) -> dict[str, np.ndarray]:
             continue
         array = group[key]
         # zarr reads a missing chunk as its fill value; where every chunk was written, it is a loss.
-        if array.attrs.get(ALL_CHUNKS_WRITTEN) and not files.exists(f"shards/{name}/{key}/c/0"):
-            raise FileNotFoundError(f"shards/{name}/{key}/c/0: missing (this writer writes every chunk)")
+        shard_file = shard_file_key(f"shards/{name}/{key}", array.ndim)
+        if array.attrs.get(ALL_CHUNKS_WRITTEN) and not files.exists(shard_file):
+            raise FileNotFoundError(f"{shard_file}: missing (this writer writes every chunk)")
         out[key] = array[...]
     return out
 

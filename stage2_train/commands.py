@@ -144,12 +144,12 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
     """Speculative decoding of held-out prompts with each drafter and the n-gram baseline."""
     import torch
 
-    from shared.target import load_target_model, stop_token_ids
+    from shared.target import stop_token_ids
     from stage2_train.data.store import tokenizer_and_hash
-    from stage2_train.serve.online_eval import heldout_prompts, online_eval
+    from stage2_train.serve.online_eval import heldout_prompts, load_online_target, online_eval
     from stage2_train.serve.speculative import DFlashProposer, NgramProposer
 
-    target_model = load_target_model(cfg.target.model_copy(update={"dtype": cfg.eval.online_dtype}), device)
+    target_model = load_online_target(cfg.target, cfg.eval.online_dtype, device)
     tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
     prompts = heldout_prompts(reader, heldout, cfg.eval.online_num_prompts)
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw

@@ -24,6 +24,14 @@ from shared.errors import DataError
 from stage2_train.serve.speculative import Proposer, speculative_generate, target_greedy
 
 
+def load_online_target(target_cfg: Any, online_dtype: str, device: str = "cpu") -> Any:
+    """The target as online evaluation runs it: in `eval.online_dtype` (fp32 by default), so that
+    bf16 ties do not make verification and greedy decoding disagree for reasons not the drafter's."""
+    from shared.target import load_target_model
+
+    return load_target_model(target_cfg.model_copy(update={"dtype": online_dtype}), device)
+
+
 def heldout_prompts(reader: Any, indices: Sequence[int], max_prompts: int) -> list[tuple[int, list[int]]]:
     """(sample_id, prompt ids) of up to `max_prompts` samples: the tokens before the first
     supervised token (samples with no supervised token, or nothing before it, are skipped)."""
