@@ -248,6 +248,7 @@ def test_log_without_event_rows_or_epoch_says_what_it_cannot_tell():
         "checkpoint saves and resumes",
         "non-finite gradients",
         "data-loader starvation",
+        "overfitting",  # no held-out eval rows
     ]
     assert summary["epochs"] is None and summary["steps"] == [2, 4600] and summary["event_rows"] == 0
     assert summary["log_every_steps"] in (1, 2) and summary["sec_per_step"] == pytest.approx(5.0, rel=0.05)

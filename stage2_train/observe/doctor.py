@@ -1,4 +1,5 @@
-"""The training doctor: every stall, spike, cliff, NaN and slowdown of a run, with its likely cause.
+"""The training doctor: every stall, spike, cliff, NaN, slowdown and held-out turn (overfitting) of a
+run, with its likely cause.
 
     python -m stage2_train doctor runs/default/train_log.jsonl          # text; exit 0 healthy, 1 events
     python -m stage2_train doctor runs/default/train_log.jsonl --json   # {"events": [...], "summary": {...}}
@@ -6,10 +7,13 @@
 `diagnose(records)` runs the detectors of `detectors.py` over the log, then explains each event
 from what the log says happened near it: a checkpoint save, a resume, an eval, an epoch boundary
 (epoch field or epoch events), a stall, a non-finite loss, an lr or noise schedule change (warmup
-ending, a jump), a starved data loader. Each event gets `likely_cause` (one string) and `near`
-(everything found in its window). Logs of other trainers work too: kind is inferred, field
-aliases are read, and what the log cannot tell is listed in `summary.cannot_tell`; a log without
-event rows has its stalls taken for probable checkpoint saves.
+ending, a jump), a starved data loader. A generalisation event (held-out quality turning while
+training improves) gets the advice against memorising, and the epoch boundaries near the turn.
+Each event gets `likely_cause` (one string) and `near` (everything found in its window). Logs
+of other trainers work too: kind is inferred, field aliases are read, and what the log cannot tell
+is listed in `summary.cannot_tell` (overfitting, without two held-out evals or more); a log without
+event rows has its stalls taken for probable checkpoint saves. `summary.heldout` gives the best and
+last held-out values. `diagnose(records, source=path)` names the log in its errors.
 """
 
 from __future__ import annotations
@@ -139,6 +143,10 @@ def explain(
     """(likely cause, everything found near the event): the strongest explanation by the event's
     kind (a pause, a change of the loss or accuracy, a slowdown), else what the log cannot tell."""
     interval = info["interval"]
+    if ev["kind"] == "generalisation":
+        lo, hi = ev["step"] - (ev["details"]["confirmed_step"] - ev["step"]), ev["details"]["confirmed_step"]
+        near = nearby(ev, points, events, info, lo, hi, pause=False)
+        return memorising_cause(ev, near, points), near
     pause = ev["kind"] in ("stall", "step_gap")
     start = ev["details"].get("from_step", ev["step"])
     if pause:
@@ -183,6 +191,35 @@ def cause_from(found: list[dict[str, Any]], pause: bool, info: dict[str, Any]) -
     return cause
 
 
+def memorising_cause(ev: dict[str, Any], near: list[dict[str, Any]], points: list[dict[str, Any]]) -> str:
+    """The advice for a held-out turn, with the checkpoint to keep and the epochs near the turn."""
+    d = ev["details"]
+    tau = d.get("best_tau")
+    keep = f"best held-out {tau['metric']} (step {tau['step']}" if tau else f"best evaluation (step {ev['step']}"
+    best_step = tau["step"] if tau else ev["step"]
+    saves = [p["step"] for p in points if p["what"] == "checkpoint"]
+    if saves and best_step not in saves:
+        keep += f"; nearest checkpoint save: step {min(saves, key=lambda s: (abs(s - best_step), -s))}"
+    cause = (
+        "the drafter is memorising its training samples: more data, fewer epochs (train.epochs), "
+        f"the checkpoint with the {keep}), distilling on more positions"
+    )
+    epochs = [p for p in near if p["what"] == "epoch"]
+    current = [p["epoch"] for p in points if p["what"] == "epoch" and p["step"] <= d["confirmed_step"]]
+    if epochs:
+        first, last = epochs[0], epochs[-1]
+        began = (
+            first["text"]
+            if len(epochs) == 1
+            else f"epochs {first['epoch']}-{last['epoch']} began in steps {first['step']}-{last['step']}"
+        )
+        cause += (
+            f" ({began}, near the turn; training was in epoch {max(current)}: "
+            "many epochs over little data is the usual cause)"
+        )
+    return cause
+
+
 def no_logged_cause(ev: dict[str, Any], info: dict[str, Any], lo: int, hi: int, start: int, pause: bool) -> str:
     if pause and not info["has_events"]:
         gap_s = ev["size"] if ev["kind"] == "stall" else ev["details"].get("gap_s")
@@ -218,12 +255,23 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         return f"throughput drop at step {ev['step']}: {d['before']:.0f} -> {d['after']:.0f} tok/s (-{100 * size:.0f}%)"
     if kind == "nan":
         return f"non-finite {', '.join(f'{k}={v}' for k, v in d['fields'].items())} at step {ev['step']}"
+    if kind == "generalisation":
+        turned = ", ".join(f"{name} {m['best']:.3g} -> {m['now']:.3g}" for name, m in d["metrics"].items())
+        gaps = [
+            f"{what} gap {d['gap_then'][key]:.3g} -> {d['gap_now'][key]:.3g}"
+            for key, what in (("accuracy", "train - held-out accuracy"), ("loss", "held-out ce - train loss"))
+            if key in d["gap_then"] and key in d["gap_now"]
+        ]
+        return (
+            f"held-out quality turned at step {ev['step']} (confirmed at step {d['confirmed_step']}): {turned}, "
+            f"while training improved" + (f"; {', '.join(gaps)}" if gaps else "")
+        )
     return f"{kind} at step {ev['step']}"
 
 
 # ---- the whole log -------------------------------------------------------------------------------
 def cannot_tell(
-    train: list[dict[str, Any]], has_events: bool, has_epoch_events: bool, cfg: DetectorConfig
+    train: list[dict[str, Any]], has_events: bool, has_epoch_events: bool, cfg: DetectorConfig, num_evals: int = 0
 ) -> list[str]:
     def present(field: str) -> bool:
         return any(r[field] is not None for r in train)
@@ -251,16 +299,25 @@ def cannot_tell(
     ):
         if not present(field):
             out.append(what)
+    if num_evals == 0:
+        out.append("overfitting: no held-out eval rows")
+    elif num_evals == 1:
+        out.append("overfitting: only one held-out evaluation, a curve needs several")
     return out
 
 
-def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -> dict[str, Any]:
-    """{"events": [...], "summary": {...}} for the records of one log, in file order."""
+def diagnose(
+    records: list[dict[str, Any]], cfg: DetectorConfig | None = None, source: str | Path | None = None
+) -> dict[str, Any]:
+    """{"events": [...], "summary": {...}} for the records of one log, in file order; `source` (the
+    log's path) names the log in errors."""
     cfg = cfg or DetectorConfig()
     rows = [(normalize(r), r) for r in records]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
     if not train:
-        raise DataError("the log has no train rows with a step: nothing to diagnose")
+        where = f"{source}: " if source is not None else ""
+        raise DataError(f"{where}the log has no train rows with a step: nothing to diagnose")
+    evals = [r for r, _ in rows if r["kind"] == "eval" and r["step"] is not None]
     event_rows = [(r, raw) for r, raw in rows if r["kind"] == "event"]
     has_events = any(r["event"] != "warning" for r, _ in event_rows)
     has_epoch_events = any(str(r["event"]).startswith("epoch") for r, _ in event_rows)
@@ -274,7 +331,7 @@ def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -
     info = {
         "interval": interval,
         "has_events": has_events,
-        "cannot_tell": cannot_tell(train, has_events, has_epoch_events, cfg),
+        "cannot_tell": cannot_tell(train, has_events, has_epoch_events, cfg, len(evals)),
         "data_wait": {},
     }
     events = [dict(ev) for ev in detect(records, cfg)]
@@ -308,10 +365,26 @@ def diagnose(records: list[dict[str, Any]], cfg: DetectorConfig | None = None) -
             for k in ("loss", "accuracy", "accept_len")
             if last[k] is not None
         },
+        "heldout": heldout_summary(evals),
         "cannot_tell": info["cannot_tell"],
         "recipe_departures": recipe_departures(event_rows),
     }
     return {"events": events, "summary": summary}
+
+
+def heldout_summary(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The held-out evals at a glance: the best of each metric (value, step) and the last eval's."""
+    if not evals:
+        return None
+    best, final = {}, {}
+    for name, higher in (("walk_tau", True), ("accept_len", True), ("accuracy", True), ("ce", False)):
+        series = [(r[name], r["step"]) for r in evals if finite(r[name])]
+        if series:
+            value, step = (max if higher else min)(series, key=lambda vs: vs[0])
+            best[name] = {"value": value, "step": step}
+        if finite(evals[-1][name]):
+            final[name] = evals[-1][name]
+    return {"evals": len(evals), "best": best, "final": final, "final_step": evals[-1]["step"]}
 
 
 def recipe_departures(event_rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
@@ -385,6 +458,8 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     final = ", ".join(
         f"{k} {v:.4g}" for k, v in s["final"].items() if isinstance(v, float) and math.isfinite(v)
     )
+    if s.get("heldout") and s["heldout"]["final"]:
+        final += "; held-out " + ", ".join(f"{k} {v:.4g}" for k, v in s["heldout"]["final"].items())
     verdict = (
         "healthy: no events"
         if s["healthy"]
@@ -401,7 +476,7 @@ def doctor(log_path: Path, as_json: bool, cfg: DetectorConfig | None = None) -> 
     `log_path` may be a run directory (its train_log.jsonl is read)."""
     path = resolve_log(log_path)
     records, unreadable = read_records(path)
-    diagnosis = diagnose(records, cfg)
+    diagnosis = diagnose(records, cfg, source=path)
     diagnosis["summary"]["unreadable_lines"] = unreadable
     diagnosis["summary"]["log"] = str(path)
     code = 0 if diagnosis["summary"]["healthy"] else 1

@@ -5,8 +5,12 @@
 Writes overview.png (every metric stacked) and one PNG per metric the log has (loss, accuracy, accept_len,
 lr, noise_std, throughput) against step: events are red/orange/... vertical lines labelled by kind,
 with a marker on the curve they concern; checkpoint saves, resumes and epoch boundaries are thin
-grey lines; eval rows are dots. report.md lists the events with their likely causes and embeds the
-PNGs. matplotlib comes with the `report` extra (`pip install -e '.[report]'`).
+grey lines. Held-out eval rows are lines with markers beside the training curves, on the panel
+whose units they share (held-out ce on the loss panel, accuracy on accuracy, accept_len and walk_tau
+on accept_len: tokens per block), with error bars from their `*_se` fields when present; a
+generalisation event (held-out turning while training improves) is marked on the held-out accuracy,
+its span from the best eval to the confirming one shaded. report.md lists the events with their
+likely causes and embeds the PNGs. matplotlib comes with the `report` extra (`pip install -e '.[report]'`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ COLORS = {
     "accuracy_cliff": "tab:purple",
     "nan": "black",
     "throughput_drop": "tab:blue",
+    "generalisation": "tab:pink",
 }
 MARKED_ON = {
     "loss_spike": "loss",
@@ -42,6 +47,13 @@ MARKED_ON = {
     "nan": "loss",
     "stall": "pace",  # seconds per step, in the event zooms only
     "step_gap": "pace",
+    "generalisation": "accuracy",  # the held-out accuracy
+}
+# Panel field -> the held-out eval fields drawn on it (same units), with their labels and colours.
+HELDOUT_ON = {
+    "loss": (("ce", "held-out ce", "black"),),
+    "accuracy": (("accuracy", "held-out accuracy", "black"),),
+    "accept_len": (("accept_len", "held-out accept_len", "black"), ("walk_tau", "held-out walk_tau", "tab:olive")),
 }
 CONTEXT_STYLE = {"checkpoint": ":", "resume": "-.", "epoch": "--"}
 
@@ -60,12 +72,17 @@ def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     out_dir = Path(out_dir) if out_dir is not None else path.parent / "doctor"
     out_dir.mkdir(parents=True, exist_ok=True)
     records, unreadable = read_records(path)
-    diagnosis = diagnose(records)
+    diagnosis = diagnose(records, source=path)
     rows = [(normalize(r), r) for r in records]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
     evals = [r for r, _ in rows if r["kind"] == "eval" and r["step"] is not None]
     context = [p for p in context_points(rows, train) if p["what"] in CONTEXT_STYLE and p["step"] > 0]
-    panels = [p for p in PANELS if any(finite(r[p[0]]) for r in train)]
+    panels = [
+        p
+        for p in PANELS
+        if any(finite(r[p[0]]) for r in train)
+        or any(finite(r[f]) for r in evals for f, _, _ in HELDOUT_ON.get(p[0], ()))
+    ]
     missing = [p[1] for p in PANELS if p not in panels]
 
     plots: dict[str, Path] = {}
@@ -80,7 +97,7 @@ def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / fig.get_figheight()))
     plots["overview"] = save(fig, out_dir / "overview.png", plt)
     if diagnosis["events"]:
-        plots["events"] = draw_zooms(plt, diagnosis["events"], train, context, out_dir / "events.png")
+        plots["events"] = draw_zooms(plt, diagnosis["events"], train, evals, context, out_dir / "events.png")
     for panel in panels:
         fig, ax = plt.subplots(figsize=(11, 3.6))
         draw_panel(ax, panel, train, evals, diagnosis["events"], context, labels=True)
@@ -106,12 +123,18 @@ def draw_panel(ax, panel, train, evals, events, context, labels: bool = False) -
     points = [(r["step"], r[field]) for r in train if r[field] is not None]
     steps = [s for s, _ in points]
     values = [v if finite(v) else float("nan") for _, v in points]
+    heldout = [(f, name, color) for f, name, color in HELDOUT_ON.get(field, ()) if any(finite(r[f]) for r in evals)]
     ax.plot(
-        steps, values, lw=0.8, color="tab:gray" if field in ("lr", "noise_std") else "tab:green", label=stem
+        steps,
+        values,
+        lw=0.8,
+        color="tab:gray" if field in ("lr", "noise_std") else "tab:green",
+        label=f"train {stem}" if heldout else stem,
     )
-    eval_points = [(r["step"], r[field]) for r in evals if finite(r[field])]
-    if eval_points:
-        ax.plot(*zip(*eval_points), "o", ms=3, color="black", label="eval")
+    for f, name, color in heldout:
+        draw_heldout(ax, evals, f, name, color)
+    if heldout:
+        ax.legend(fontsize=7, loc="best", frameon=False)
     good = [v for v in values if finite(v)]
     if field == "loss" and good and min(good) > 0 and max(good) / min(good) > 20:
         ax.set_yscale("log")
@@ -121,18 +144,38 @@ def draw_panel(ax, panel, train, evals, events, context, labels: bool = False) -
         ax.axvline(p["step"], color="0.55", lw=0.6, ls=CONTEXT_STYLE[p["what"]], zorder=0)
     if field in ("lr", "noise_std"):
         ax.set_ylim(bottom=0)
-    mark_events(ax, events, dict(points), field, labels)
+    mark_events(ax, events, dict(points), field, labels, heldout=heldout_points(evals, field))
 
 
-def mark_events(ax, events, by_step, field, labels: bool) -> None:
-    """A line per event (dashed for pauses), a marker on the curve it concerns, one label per cluster."""
+def heldout_points(evals, field: str) -> dict[int, float]:
+    return {r["step"]: r[field] for r in evals if finite(r[field])}
+
+
+def draw_heldout(ax, evals, field: str, label: str, color: str) -> None:
+    """The held-out values as a line with markers, and error bars where the row has `<field>_se`."""
+    points = sorted(heldout_points(evals, field).items())
+    if not points:
+        return
+    ax.plot(*zip(*points), "o-", ms=3.5, lw=1.1, color=color, label=label, zorder=4)
+    se = {r["step"]: r[f"{field}_se"] for r in evals if finite(r[field]) and finite(r[f"{field}_se"])}
+    bars = [(s, v, se[s]) for s, v in points if s in se]
+    if bars:
+        s, v, e = zip(*bars)
+        ax.errorbar(s, v, yerr=e, fmt="none", ecolor=color, elinewidth=0.8, capsize=2, zorder=4)
+
+
+def mark_events(ax, events, by_step, field, labels: bool, heldout: dict[int, float] | None = None) -> None:
+    """A line per event (dashed for pauses), a marker on the curve it concerns, one label per cluster;
+    a generalisation event's marker sits on the held-out curve, its turn shaded."""
     top = ax.get_ylim()[1]
     for ev in events:
         color = COLORS[ev["kind"]]
         ls = "--" if ev["kind"] in ("stall", "step_gap") else "-"
         ax.axvline(ev["step"], color=color, lw=1.1, ls=ls, alpha=0.85)
         if MARKED_ON.get(ev["kind"]) == field:
-            y = by_step.get(ev["step"])
+            if ev["kind"] == "generalisation":
+                ax.axvspan(ev["step"], ev["details"]["confirmed_step"], color=color, alpha=0.12, lw=0)
+            y = (heldout or {}).get(ev["step"]) if ev["kind"] == "generalisation" else by_step.get(ev["step"])
             if finite(y):
                 ax.plot([ev["step"]], [y], "v", color=color, ms=8, mec="white", zorder=5)
     if not labels:
@@ -158,8 +201,9 @@ def mark_events(ax, events, by_step, field, labels: bool) -> None:
         )
 
 
-def draw_zooms(plt, events, train, context, path: Path) -> Path:
-    """One small panel per event (12 at most): the series it concerns, around it; pace for pauses."""
+def draw_zooms(plt, events, train, evals, context, path: Path) -> Path:
+    """One small panel per event (12 at most): the series it concerns, around it; pace for pauses;
+    train and held-out accuracy over a generalisation event's turn."""
     shown = events[:12]
     cols = min(len(shown), 3)
     nrows = -(-len(shown) // cols)
@@ -186,14 +230,20 @@ def draw_zooms(plt, events, train, context, path: Path) -> Path:
         after = ev["details"].get("recovery_steps") or 0
         lo = start - 40 * interval
         hi = max(ev["step"] + 40 * interval, ev["step"] + int(1.3 * after))
+        if ev["kind"] == "generalisation":
+            span = ev["details"]["confirmed_step"] - ev["step"]
+            lo, hi = ev["step"] - 2 * span, ev["details"]["confirmed_step"] + span
         window = [(s, v) for s, v in series if lo <= s <= hi]
         if window:
             ax.plot(*zip(*window), lw=0.9, color="tab:green", marker=".", ms=2)
+        heldout = {s: v for s, v in heldout_points(evals, field).items() if lo <= s <= hi}
+        if ev["kind"] == "generalisation":
+            draw_heldout(ax, [r for r in evals if lo <= r["step"] <= hi], field, f"held-out {field}", "black")
         for p in context:
             if lo <= p["step"] <= hi:
                 ax.axvline(p["step"], color="0.55", lw=0.8, ls=CONTEXT_STYLE[p["what"]], zorder=0)
         nearby = [e for e in events if lo <= e["step"] <= hi]
-        mark_events(ax, nearby, dict(window), field, labels=False)
+        mark_events(ax, nearby, dict(window), field, labels=False, heldout=heldout)
         ax.set_xlim(lo, hi)
         ax.set_ylabel(label, fontsize=8)
         ax.tick_params(labelsize=7)
@@ -272,7 +322,8 @@ def markdown(
             lines.append(f"| {ev['step']} | {ev['kind']} | {describe(ev)} | {ev['likely_cause']} |")
     else:
         lines.append(
-            "None: no stall, step gap, loss spike, accuracy cliff, non-finite value or throughput drop."
+            "None: no stall, step gap, loss spike, accuracy cliff, non-finite value, throughput drop "
+            "or held-out turn (overfitting)."
         )
     if s["cannot_tell"]:
         lines += ["", "## What this log cannot tell", ""] + [f"- {c}" for c in s["cannot_tell"]]
