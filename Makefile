@@ -5,7 +5,7 @@ ARGS    ?=
 LOG     ?=
 STAMP   := .venv/.installed
 
-.PHONY: setup generate extract plan status verify reprocess train batches eval export doctor report test test-all bench lint clean
+.PHONY: setup preflight generate extract plan status verify reprocess train batches eval export doctor report test test-all bench lint clean
 
 # (Re)install when the venv is missing or pyproject.toml changed. CPU torch comes from the local
 # wheel (torch==2.13.0); an unpinned torch would pull a multi-GB CUDA build.
@@ -26,8 +26,14 @@ generate: setup
 plan: setup
 	$(PY) -m stage1_extract plan --config $(CONFIG) $(ARGS)
 
+# Both stages validate the config before anything long starts: each entry point checks only the
+# sections it owns, so a typo in stage 2's section would otherwise surface after extraction.
+preflight: setup
+	@$(PY) -m stage1_extract check --quiet --config $(CONFIG) $(ARGS)
+	@$(PY) -m stage2_train check --quiet --config $(CONFIG) $(ARGS)
+
 # Extraction regenerates the default data first when it is missing (generate resumes, never redoes).
-extract: setup
+extract: preflight
 	$(PY) -m stage1_extract generate --config $(CONFIG) $(ARGS)
 	$(PY) -m stage1_extract extract --config $(CONFIG) $(ARGS)
 

@@ -31,7 +31,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stage2_train.train.checkpoint import CheckpointConfig, Checkpointer, optimizer_state  # noqa: E402
+from stage2_train.train.checkpoint.format import optimizer_state  # noqa: E402
+from stage2_train.train.checkpoint.saver import Checkpointer  # noqa: E402
+from stage2_train.train.config import CheckpointConfig  # noqa: E402
 
 GOAL_BLOCKED = 0.5
 GOAL_DURING = 1.5

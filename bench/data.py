@@ -23,7 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig  # noqa: E402
+from stage2_train.data.config import SamplerConfig  # noqa: E402
+from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 
 HIST_EDGES = np.array([0, 128, 256, 512, 1024, 2048, np.inf])  # token-length bins for mixing
 BUCKET_EDGES = np.array([0, 256, 512, 1024, 1536, 2048, np.inf])  # the six homogeneous buckets
@@ -34,7 +35,7 @@ Plan = list[list[list[int]]]
 
 
 def ours(lengths: np.ndarray, budget: int, world_size: int, grad_accum: int, seed: int) -> Plan:
-    cfg = SamplerConfig(token_budget=budget, grad_accum=grad_accum)
+    cfg = SamplerConfig(micro_batch_tokens=budget, grad_accum=grad_accum)
     return LengthMixedSampler(cfg, lengths, seed=seed, world_size=world_size).plan_epoch(0)
 
 
@@ -119,7 +120,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--lengths-npy", type=Path, help="token count per sample (1-D .npy)")
     parser.add_argument("--num-samples", type=int, default=20_000)
-    parser.add_argument("--budget", type=int, default=SamplerConfig().token_budget)
+    parser.add_argument("--budget", type=int, default=SamplerConfig().micro_batch_tokens)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

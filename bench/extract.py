@@ -40,10 +40,11 @@ from shared.target import (
     LayerCapture,  # noqa: E402
     load_target_model,  # noqa: E402
 )
-from stage1_extract import pipeline  # noqa: E402
+from stage1_extract import commands as pipeline  # noqa: E402
+from stage1_extract.batching import token_budget_batches, windows_for_rank  # noqa: E402
 from stage1_extract.corpus import default_conversations  # noqa: E402
 from stage1_extract.data import Conversation, write_conversations_parquet  # noqa: E402
-from stage1_extract.extract import forward_batch, token_budget_batches, windows_for_rank  # noqa: E402
+from stage1_extract.forward import forward_batch  # noqa: E402
 
 
 def build_data(path: Path, count: int) -> Path:
@@ -80,7 +81,7 @@ def main() -> None:
     batches = [
         batch
         for window in windows
-        for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.token_budget, cfg.extract.max_batch_samples)
+        for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens, cfg.extract.max_batch_samples)
     ]
     padded_tokens = sum(len(b) * max(len(r.input_ids) for r in b) for b in batches)
     capture = LayerCapture(model, prepared.layer_ids)

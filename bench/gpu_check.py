@@ -111,7 +111,7 @@ class Sizes:
 
 GPU_SIZES = Sizes(
     device="cuda", smoke=False,
-    small_samples=1024, small_overrides=("target.dtype=bf16", "extract.token_budget=65536", "store.shard_mb=256"),
+    small_samples=1024, small_overrides=("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256"),
     big_samples=80, big_answer_chars=7000, big_config=QWEN3_8B, big_overrides=("target.dtype=bf16",),
     train_steps=40, train_skip_steps=5, train_token_budget=16384, train_anchors=512,
     train_overrides=("sampler.grad_accum=1",),
@@ -119,9 +119,9 @@ GPU_SIZES = Sizes(
 )
 SMOKE_SIZES = Sizes(
     device="cpu", smoke=True,
-    small_samples=12, small_overrides=("target.dtype=fp32", "extract.token_budget=2048", "extract.top_k=8"),
+    small_samples=12, small_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.top_k=8"),
     big_samples=12, big_answer_chars=400, big_config=QWEN3_TINY,
-    big_overrides=("target.dtype=fp32", "extract.token_budget=2048", "extract.lm_head_chunk=256",
+    big_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.lm_head_chunk=256",
                    "store.shard_mb=1", "extract.top_k=8"),
     train_steps=6, train_skip_steps=2, train_token_budget=1024, train_anchors=8,
     train_overrides=("train.cpu_threads=1", "train.num_data_threads=1"),
@@ -402,12 +402,13 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
 def pure_forward(model: Any, cfg: Any, prepared: Any, device: str) -> dict[str, Any]:
     """The target's forward over exactly the batches extraction forms, features left on the device."""
     from shared.target import LayerCapture
-    from stage1_extract import pipeline
-    from stage1_extract.extract import forward_batch, token_budget_batches, windows_for_rank
+    from stage1_extract import commands as pipeline
+    from stage1_extract.batching import token_budget_batches, windows_for_rank
+    from stage1_extract.forward import forward_batch
 
     windows = windows_for_rank(pipeline.planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
     batches = [batch for window in windows
-               for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.token_budget,
+               for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens,
                                                  cfg.extract.max_batch_samples)]
     attn = model.config._attn_implementation
     packed = cfg.extract.packed == "on" or (cfg.extract.packed == "auto" and attn == "flash_attention_2")
@@ -434,7 +435,7 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     `python -m stage1_extract extract` with the same config; returns stage 1's prepared rows."""
     from shared.config import load_run_config
     from shared.target import load_target_model
-    from stage1_extract import pipeline
+    from stage1_extract import commands as pipeline
 
     device = ctx.sizes.device
     cfg = load_run_config(config, overrides)
@@ -519,7 +520,7 @@ def run_training(ctx: Context, attention: str, name: str) -> tuple[list[dict], P
     sizes, big = ctx.sizes, ctx.big
     run_dir = ctx.work / name
     steps_per_epoch = max(1, big["tokens"] // sizes.train_token_budget)
-    overrides = [*big["overrides"], f"run_dir={run_dir}", f"sampler.token_budget={sizes.train_token_budget}",
+    overrides = [*big["overrides"], f"run_dir={run_dir}", f"sampler.micro_batch_tokens={sizes.train_token_budget}",
                  f"sampler.max_anchors_per_seq={sizes.train_anchors}", f"train.max_steps={sizes.train_steps}",
                  f"train.epochs={math.ceil(sizes.train_steps / steps_per_epoch) + 1}", f"model.attention={attention}",
                  "train.resume=never", "log.wandb=disabled", "log.every_steps=1", "eval.holdout_fraction=0",
@@ -626,7 +627,7 @@ def generate_worker(timing_path: str, argv: list[str]) -> int:
     """`python -m stage1_extract <argv>` with the backend's start (model load, vllm engine) and its
     generate calls timed apart: with a few dozen prompts the engine's start would swamp the figure."""
     from stage1_extract import __main__ as cli
-    from stage1_extract import pipeline
+    from stage1_extract import commands as pipeline
 
     timing = {"start_s": 0.0, "calls_s": 0.0, "calls": 0}
 

@@ -87,7 +87,7 @@ def replay_step_work(cfg: Any, store_url: str, loss_masks: dict[int, Any], rows:
     from shared.store import StoreReader
     from stage2_train.data.anchors import AnchorSampler
     from stage2_train.data.sampler import LengthMixedSampler
-    from stage2_train.data.store import split_indices
+    from stage2_train.data.view import split_indices
 
     reader = StoreReader(store_url)
     train, _ = split_indices(reader, cfg.eval.holdout_fraction, cfg.eval.split_seed)

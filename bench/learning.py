@@ -48,12 +48,12 @@ def curve(cfg, run_dir: Path, n: int, prompts: int, max_new_tokens: int) -> dict
     from shared.target import stop_token_ids
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
-    from stage2_train.data.store import open_store, resolve_target, tokenizer_and_hash
+    from stage2_train.data.view import open_store, resolve_target, tokenizer_and_hash
     from stage2_train.model.drafter import build_drafter
     from stage2_train.observe.metrics import read_log
     from stage2_train.serve.online_eval import heldout_prompts, load_online_target, online_eval
     from stage2_train.serve.speculative import DFlashProposer, NgramProposer
-    from stage2_train.train.checkpoint import read_model_weights
+    from stage2_train.train.checkpoint.select import read_model_weights
     from stage2_train.train.evaluate import offline_eval
 
     target = resolve_target(cfg.target)

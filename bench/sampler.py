@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import emit  # noqa: E402
-from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig  # noqa: E402
+from stage2_train.data.config import SamplerConfig  # noqa: E402
+from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 from stage2_train.data.split import heldout_mask  # noqa: E402
 
 
@@ -67,13 +68,13 @@ def main() -> int:
     args = parser.parse_args()
     t_all = time.perf_counter()
     lengths = synthetic_lengths(args.samples)
-    cfg = SamplerConfig(token_budget=49_152, grad_accum=4, max_anchors_per_seq=512)
+    cfg = SamplerConfig(micro_batch_tokens=49_152, grad_accum=4, max_anchors_per_seq=512)
     results: dict = {
         "samples": args.samples,
         "tokens": int(lengths.sum()),
         "length_median": float(np.median(lengths)),
         "ranks": args.ranks,
-        "token_budget": cfg.token_budget,
+        "micro_batch_tokens": cfg.micro_batch_tokens,
         "grad_accum": cfg.grad_accum,
     }
 

@@ -90,7 +90,7 @@ def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_l
         sys.executable, "-m", "stage1_extract", "extract", "--no-progress",
         "--config", "configs/default.yaml", f"run_dir={run_dir}", f"target.path={target}", "target.dtype=fp32",
         "target.num_feature_layers=3", f"data.path={data}", "data.regenerate=false", f"data.max_length={max_length}",
-        "extract.top_k=8", f"extract.token_budget={max(4096, max_length)}", "store.shard_mb=1", "extract.window_shards=1",
+        "extract.top_k=8", f"extract.batch_tokens={max(4096, max_length)}", "store.shard_mb=1", "extract.window_shards=1",
     ]
     _, wall, rss, stdout = run_measured(cmd, root / f"{name}.extract.log")
     summary = json.loads(stdout)
@@ -123,7 +123,7 @@ def train_point(root: Path, name: str, target: Path, store: str, steps: int, bud
         sys.executable, "-m", "stage2_train", "train", "--no-progress", "--config", "configs/default.yaml",
         f"run_dir={run_dir}", f"store.path={store}", f"target.path={target}", "target.num_feature_layers=3",
         "target.dtype=fp32", "extract.top_k=8", "log.wandb=disabled", "train.resume=never", "train.cpu_threads=1",
-        f"train.max_steps={steps}", f"sampler.token_budget={budget}", f"sampler.max_anchors_per_seq={anchors}",
+        f"train.max_steps={steps}", f"sampler.micro_batch_tokens={budget}", f"sampler.max_anchors_per_seq={anchors}",
         "model.num_layers=1", "eval.holdout_fraction=0.05", "checkpoint.every_steps=0",
     ]
     launched, wall, rss, _ = run_measured(cmd, root / f"{name}.train.log")

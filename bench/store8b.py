@@ -95,11 +95,12 @@ def loader_epochs(root: Path, threads: int, epochs: int) -> list[dict]:
     each collated with up to 512 anchors and the stored top-k (the KL term's inputs)."""
     from shared.store import StoreReader
     from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.config import SamplerConfig
     from stage2_train.data.loader import PrefetchLoader
-    from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
+    from stage2_train.data.sampler import LengthMixedSampler
 
     reader = StoreReader(str(root), cache_mb=64)
-    cfg = SamplerConfig(token_budget=TOKENS, max_anchors_per_seq=512)
+    cfg = SamplerConfig(micro_batch_tokens=TOKENS, max_anchors_per_seq=512)
     sampler = LengthMixedSampler(cfg, reader.lengths, seed=0)
     loader = PrefetchLoader(reader, sampler, AnchorSampler(cfg, block_size=16, seed=0), mask_token_id=151669,
                             num_threads=threads, prefetch=2 * threads, gather_topk=True)

@@ -37,7 +37,7 @@ def build_tiny_store(root: Path) -> tuple[Path, Path]:
 
     from shared.config import load_run_config
     from shared.tiny_target import build_tiny_target
-    from stage1_extract import pipeline as stage1
+    from stage1_extract import commands as stage1
     from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
     torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def loader_rate(overrides: list[str], trainer_step_s: float, seconds: float = 10
     """Micro-batches per second the PrefetchLoader delivers alone (2 threads, as in training),
     over the rate the trainer consumed them: the loader must keep ahead by a wide margin."""
     from shared.config import load_run_config
-    from stage2_train.train.trainer import open_run_data
+    from stage2_train.data.run_data import open_run_data
 
     config = next(o.split("=", 1)[1] for o in overrides if o.startswith("--config="))
     cfg = load_run_config(config, [o for o in overrides if not o.startswith("--")])
@@ -151,14 +151,14 @@ def main() -> int:
     results: dict = {"store": store_desc, "threads": args.threads, "build_store_s": round(build_s, 1)}
 
     run = root / "throughput"
-    wall = train(base + [f"sampler.token_budget={args.token_budget}", f"train.max_steps={args.steps}"], run, args.threads)
+    wall = train(base + [f"sampler.micro_batch_tokens={args.token_budget}", f"train.max_steps={args.steps}"], run, args.threads)
     rows = read_log(run / "train_log.jsonl", "train")
     results["throughput"] = {"token_budget": args.token_budget, "wall_s": round(wall, 1), **throughput(rows, args.block_size)}
 
-    results["loader"] = loader_rate(base + [f"sampler.token_budget={args.token_budget}", f"run_dir={run}"], results["throughput"]["step_s"])
+    results["loader"] = loader_rate(base + [f"sampler.micro_batch_tokens={args.token_budget}", f"run_dir={run}"], results["throughput"]["step_s"])
 
     if not args.skip_ddp:
-        small = base + [f"sampler.token_budget={args.token_budget // 2}", "train.max_steps=4"]
+        small = base + [f"sampler.micro_batch_tokens={args.token_budget // 2}", "train.max_steps=4"]
         wall_one = train(small + ["sampler.grad_accum=2"], root / "one", args.threads)
         wall_two = train(small + ["sampler.grad_accum=1"], root / "two", args.threads, nproc=2)
         one = read_log(root / "one" / "train_log.jsonl", "train")

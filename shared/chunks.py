@@ -269,7 +269,11 @@ class LocalChunkCache:
                 self._sizes.move_to_end(name)
         if known:
             try:
-                return path.read_bytes()
+                data = path.read_bytes()
+                # No fsync on write (a cache, not a record): a crash may leave a short file, so a
+                # file of the wrong length is fetched again rather than trusted.
+                if len(data) == length:
+                    return data
             except OSError:
                 pass  # evicted by another process: fetch again
         data = fetch()

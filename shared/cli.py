@@ -38,9 +38,12 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None, run: Ca
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="configs/default.yaml", help="YAML preset (default: %(default)s)")
+    parser.add_argument(
+        "--config", default="default", help="a YAML file, or a preset name from the project's configs/ (default: %(default)s)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.add_argument("--explain", action="store_true", help="check: every key with its type, default and meaning")
+    parser.add_argument("--quiet", action="store_true", help="check: print nothing unless the config is refused")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.max_samples=32")
 
 
@@ -48,9 +51,13 @@ def load_config(args: argparse.Namespace) -> RunConfig:
     return load_run_config(args.config, list(args.overrides))
 
 
-def print_check(cfg: RunConfig, with_docs: bool = False) -> list[str]:
+def print_check(cfg: RunConfig, with_docs: bool = False, quiet: bool = False) -> list[str]:
     """The resolved config (or, with `--explain`, every key documented), then every departure from
-    the published recipe on stderr."""
+    the published recipe on stderr, and which sections another stage validates. `quiet`: nothing
+    (loading the config already refused what is wrong); `make` runs both stages' checks this way
+    before a long job, so a typo in the other stage's section stops at once."""
+    if quiet:
+        return cfg.recipe_warnings()
     if with_docs:
         print(explain(cfg))
     else:
@@ -60,6 +67,10 @@ def print_check(cfg: RunConfig, with_docs: bool = False) -> list[str]:
         print(f"WARNING: {warning}", file=sys.stderr)
     if not warnings:
         print("# no departures from the published DFlash recipe", file=sys.stderr)
+    for line in cfg.describe_batch():
+        print(f"# {line}", file=sys.stderr)
+    for owner, names in cfg.unvalidated_by_owner().items():
+        print(f"# sections {', '.join(names)} are {owner}'s: `python -m {owner} check` validates them", file=sys.stderr)
     return warnings
 
 

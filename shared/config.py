@@ -12,10 +12,16 @@ documentation (`python -m stage2_train check --explain` prints it):
             self.require(self.shard_mb > 0, "shard_mb", "must be > 0")
 
 `load_run_config(path, overrides)` reads a preset (following `inherit:`), applies `key=value`
-overrides and builds EVERY section of the file, whichever stage runs, so a typo in the other
-stage's section stops at once too. Unknown keys and bad values raise ConfigError naming the dotted
-key and the value. `SECTION_CLASSES` names the class that owns each section by import path: shared
-code never imports a stage at import time, and a config load imports only the section classes.
+overrides and builds every section whose class is registered. Shared code never imports a stage:
+each stage registers the sections it owns when it is imported (`stage1_extract/__init__.py`,
+`stage2_train/__init__.py` call `register_sections`), and `SECTION_OWNERS` names every section a
+file may hold and which stage owns it, so a section of the other stage is kept as given, checked to
+be a mapping, and validated by its own entry point (`make extract` / `make train` run both
+stages' `check --quiet` first, so a typo in the other stage's section still stops at once). Unknown
+keys and bad values raise ConfigError naming the dotted key and the value; a renamed key is refused
+naming its new name.
+
+A preset is a path, or the name of a file in the project's `configs/` folder (`qwen3-8b`).
 
 Types are strict (pydantic strict mode): `true` is not an integer and `'3'` is not a number, with
 two lossless spellings accepted: a YAML list for a tuple field, and "1e-4" (YAML 1.1 reads a
@@ -24,7 +30,6 @@ float without a dot as a string) for a float field.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import types
@@ -36,25 +41,29 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from shared.errors import ConfigError, InputFileError
+from shared.files import write_atomic
 
-# Every section a config file may hold, and the class that validates it ("module:Class").
-SECTION_CLASSES: dict[str, str] = {
-    "target": "shared.target:TargetConfig",
-    "data": "stage1_extract.data:DataConfig",
-    "generate": "stage1_extract.generate:GenerateConfig",
-    "extract": "stage1_extract.extract:ExtractConfig",
-    "store": "shared.store:StoreConfig",
-    "sampler": "stage2_train.data.sampler:SamplerConfig",
-    "noise": "stage2_train.train.schedules:NoiseConfig",
-    "model": "stage2_train.model.drafter:DrafterConfig",
-    "loss": "stage2_train.model.loss:LossConfig",
-    "optim": "stage2_train.train.schedules:OptimConfig",
-    "train": "stage2_train.train.trainer:TrainConfig",
-    "checkpoint": "stage2_train.train.checkpoint:CheckpointConfig",
-    "eval": "stage2_train.train.evaluate:EvalConfig",
-    "log": "stage2_train.observe.metrics:LogConfig",
-    "doctor": "stage2_train.observe.detectors:DetectorConfig",
+# Every section a config file may hold and the stage whose entry point validates it: names only,
+# so shared code knows the file format without importing either stage.
+SECTION_OWNERS: dict[str, str] = {
+    "target": "shared",
+    "store": "shared",
+    "data": "stage1_extract",
+    "generate": "stage1_extract",
+    "extract": "stage1_extract",
+    "sampler": "stage2_train",
+    "noise": "stage2_train",
+    "model": "stage2_train",
+    "loss": "stage2_train",
+    "optim": "stage2_train",
+    "train": "stage2_train",
+    "checkpoint": "stage2_train",
+    "eval": "stage2_train",
+    "log": "stage2_train",
+    "doctor": "stage2_train",
 }
+_REGISTERED: dict[str, type[Section]] = {}
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 TOP_LEVEL_SCALARS = {"run_dir": str, "seed": int}
 TOP_LEVEL_DOCS = {
     "run_dir": "Root of everything a command writes: data, store (unless store.path), checkpoints, logs.",
@@ -67,6 +76,8 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
     section: ClassVar[str] = ""
+    renamed: ClassVar[dict[str, str]] = {}
+    """Old key -> its new name: an old config is refused naming the key to use instead."""
 
     def validate(self) -> None:  # type: ignore[override]  # pydantic's deprecated classmethod of that name
         """Raise ValueError (through `require`) for values that cannot work together."""
@@ -153,6 +164,10 @@ def _describe(cls: type[Section], exc: ValidationError) -> str:
     loc = ".".join(str(p) for p in error["loc"] if not isinstance(p, int) or len(error["loc"]) == 1)
     key = f"{cls.section}.{loc}" if loc else cls.section
     if error["type"] == "extra_forbidden":
+        old = str(error["loc"][0])
+        if old in cls.renamed:
+            new = cls.renamed[old]
+            return f"{key}: renamed to {cls.section}.{new} (what it means is unchanged); write {cls.section}.{new}"
         return f"{key}: unknown key (known keys: {', '.join(cls.model_fields)})"
     if error["type"] == "literal_error":
         top = cls.model_fields[str(error["loc"][0])].annotation
@@ -180,19 +195,42 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def section_class(name: str) -> type[Section]:
-    module, cls = SECTION_CLASSES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+def register_sections(*classes: type[Section]) -> None:
+    """Make these sections known to the loader (each stage calls it for the sections it owns)."""
+    for cls in classes:
+        if cls.section not in SECTION_OWNERS:
+            raise ValueError(f"section {cls.section!r} is not listed in SECTION_OWNERS")
+        _REGISTERED[cls.section] = cls
+
+
+def _shared_sections() -> dict[str, type[Section]]:
+    from shared.store import StoreConfig
+    from shared.target import TargetConfig
+
+    return {"target": TargetConfig, "store": StoreConfig}
+
+
+def registered_sections() -> dict[str, type[Section]]:
+    """The sections this process validates: the shared ones plus those of every imported stage."""
+    return {**_shared_sections(), **_REGISTERED}
 
 
 class RunConfig:
     """The composed config of one command: top-level scalars plus one built section per name."""
 
-    def __init__(self, run_dir: str, seed: int, sections: dict[str, Section], source: str | None):
+    def __init__(
+        self,
+        run_dir: str,
+        seed: int,
+        sections: dict[str, Section],
+        source: str | None,
+        foreign: dict[str, dict[str, Any]] | None = None,
+    ):
         self.run_dir = run_dir
         self.seed = seed
         self.sections = sections
         self.source = source
+        self.foreign = foreign or {}  # other stages' sections, as given (their entry point validates them)
 
     def __getattr__(self, name: str) -> Any:
         sections = self.__dict__.get("sections", {})
@@ -202,14 +240,41 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"run_dir": self.run_dir, "seed": self.seed}
-        out.update({name: value.to_dict() for name, value in self.sections.items()})
+        for name in SECTION_OWNERS:
+            if name in self.sections:
+                out[name] = self.sections[name].to_dict()
+            elif name in self.foreign:
+                out[name] = self.foreign[name]
         return out
+
+    def unvalidated(self) -> list[str]:
+        """Sections present in the file that this process does not validate (another stage's)."""
+        return sorted(self.foreign)
+
+    def unvalidated_by_owner(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for name in self.unvalidated():
+            out.setdefault(SECTION_OWNERS[name], []).append(name)
+        return out
+
+    def describe_batch(self) -> list[str]:
+        """What one optimizer step holds, for `check` (stage 2 only: the knob a user sets is per rank
+        per micro-batch, the recipe speaks of the global batch)."""
+        if "sampler" not in self.sections:
+            return []
+        sampler = self.sections["sampler"]
+        per_rank = sampler.micro_batch_tokens * sampler.grad_accum
+        return [
+            f"global batch: ranks x {sampler.grad_accum} micro-batches x {sampler.micro_batch_tokens} tokens = "
+            f"{per_rank} tokens per rank per optimizer step ({8 * per_rank} on 8 ranks); the run_start event "
+            f"gives the figure for the ranks it runs on"
+        ]
 
     def recipe_warnings(self) -> list[str]:
         """Every section's departures from the published recipe; gamma is checked against the block size."""
         warnings: list[str] = []
         for name, value in self.sections.items():
-            if name == "loss":
+            if name == "loss" and "model" in self.sections:
                 warnings.extend(value.recipe_warnings(block_size=self.model.block_size))
             else:
                 warnings.extend(value.recipe_warnings())
@@ -217,12 +282,7 @@ class RunConfig:
 
     def write_resolved(self, path: str | os.PathLike) -> Path:
         """Save the resolved config beside an output, atomically, so it always says what made it."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        os.replace(tmp, path)
-        return path
+        return write_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -327,8 +387,8 @@ def _merge(into: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
 
 def build_run_config(data: dict[str, Any], source: str | None = None) -> RunConfig:
     for key in data:
-        if key not in SECTION_CLASSES and key not in TOP_LEVEL_SCALARS:
-            known = ", ".join(list(TOP_LEVEL_SCALARS) + list(SECTION_CLASSES))
+        if key not in SECTION_OWNERS and key not in TOP_LEVEL_SCALARS:
+            known = ", ".join(list(TOP_LEVEL_SCALARS) + list(SECTION_OWNERS))
             raise ConfigError(f"{key}: unknown top-level key (known: {known})")
     run_dir = data.get("run_dir", "runs/default")
     seed = data.get("seed", 0)
@@ -336,17 +396,34 @@ def build_run_config(data: dict[str, Any], source: str | None = None) -> RunConf
         raise ConfigError(f"run_dir must be a non-empty string, got {run_dir!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got {seed!r}")
+    classes = registered_sections()
     built: dict[str, Section] = {}
-    for name in SECTION_CLASSES:
+    foreign: dict[str, dict[str, Any]] = {}
+    for name in SECTION_OWNERS:
         raw = data.get(name)
         if raw is not None and not isinstance(raw, dict):
             raise ConfigError(f"{name} must be a mapping of keys, got {raw!r}")
-        built[name] = section_class(name).from_dict(raw)
-    return RunConfig(run_dir=run_dir, seed=seed, sections=built, source=source)
+        if name in classes:
+            built[name] = classes[name].from_dict(raw)
+        elif raw:
+            foreign[name] = raw
+    return RunConfig(run_dir=run_dir, seed=seed, sections=built, source=source, foreign=foreign)
+
+
+def resolve_preset(path: str | os.PathLike) -> Path:
+    """A config path as given, or the name of a preset in the project's configs/ ('qwen3-8b')."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    for candidate in (PRESETS_DIR / given.name, PRESETS_DIR / f"{given.name}.yaml"):
+        if given.parent == Path(".") and candidate.is_file():
+            return candidate
+    names = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+    raise InputFileError(f"config file not found: {path} (a path, or a preset name: {names})")
 
 
 def load_run_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    data = load_yaml(path) if path is not None else {}
+    data = load_yaml(resolve_preset(path)) if path is not None else {}
     data = apply_overrides(data, list(overrides))
     return build_run_config(data, source=str(path) if path else None)
 
@@ -364,4 +441,28 @@ def explain(cfg: RunConfig) -> str:
             lines.append(f"{key} = {value!r}   : {kind}{changed}")
             if doc:
                 lines.append(f"    {doc}")
+    for owner in sorted({SECTION_OWNERS[name] for name in cfg.unvalidated()}):
+        names = ", ".join(n for n in cfg.unvalidated() if SECTION_OWNERS[n] == owner)
+        lines.append(f"\n# [{names}]: {owner}'s sections, documented by `python -m {owner} check --explain`")
     return "\n".join(lines)
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and tuples are leaves (as lists)."""
+    if not isinstance(data, dict):
+        return {prefix: _plain(data)} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = _plain(value)
+    return out
+
+
+def dotted_differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Dotted key -> [old value, new value] for every leaf that differs (None where absent): the one
+    config diff behind store staleness, resume checks and the `resume` event."""
+    a, b = flatten(old), flatten(new)
+    return {key: [a.get(key), b.get(key)] for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)}

@@ -21,8 +21,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,23 @@ def exclusive(url: str, command: str) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+@contextmanager
+def exclusive_on_rank0(url: str, command: str, rank: int, all_ok: Callable[[bool], bool]) -> Iterator[None]:
+    """Under torchrun: rank 0 holds the lock of `url` while the block runs, and every rank learns at
+    once when it could not (a second writer is refused before any rank touches a file). `all_ok` is
+    the agreement collective (True on every rank iff True on all); every rank calls it once."""
+    with ExitStack() as stack:
+        error: BusyError | None = None
+        if rank == 0:
+            try:
+                stack.enter_context(exclusive(url, command))
+            except BusyError as exc:
+                error = exc
+        if not all_ok(error is None):
+            raise error or BusyError(f"{url}: another command holds it (rank 0 could not lock it)")
+        yield
 
 
 class FileLock:

@@ -2,7 +2,7 @@
 
     python -m stage1_extract {generate,plan,extract,status,verify,reprocess,check} --config configs/default.yaml [key=value ...]
 
-Parses the config, runs one command, prints its JSON summary. Logic lives in `pipeline.py`.
+Parses the config, runs one command, prints its JSON summary. Logic lives in `commands.py` and the modules it composes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from shared.cli import command_parser, load_config, print_check, run_command, to_json
-from stage1_extract import pipeline
+from stage1_extract import commands
 
 COMMANDS = ("generate", "plan", "extract", "status", "verify", "reprocess", "check")
 
@@ -26,21 +26,21 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     if args.command == "check":
-        print_check(cfg, with_docs=args.explain)
+        print_check(cfg, with_docs=args.explain, quiet=args.quiet)
         return 0
     progress = not args.no_progress
     if args.command == "generate":
-        out = pipeline.cmd_generate(cfg, progress=progress)
+        out = commands.cmd_generate(cfg, progress=progress)
     elif args.command == "plan":
-        out = pipeline.cmd_plan(cfg)
+        out = commands.cmd_plan(cfg)
     elif args.command == "extract":
-        out = pipeline.cmd_extract(cfg, force=args.force, progress=progress)
+        out = commands.cmd_extract(cfg, force=args.force, progress=progress)
     elif args.command == "status":
-        out = pipeline.cmd_status(cfg)
+        out = commands.cmd_status(cfg)
     elif args.command == "reprocess":
-        out = pipeline.cmd_reprocess(cfg, force=args.force, progress=progress)
+        out = commands.cmd_reprocess(cfg, force=args.force, progress=progress)
     else:
-        out = pipeline.cmd_verify(cfg, repair=args.repair, progress=progress)
+        out = commands.cmd_verify(cfg, repair=args.repair, progress=progress)
         print(to_json(out))
         return 0 if out["ok"] else 1
     print(to_json(out))

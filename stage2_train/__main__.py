@@ -3,7 +3,7 @@
     python -m stage2_train {batches,train,eval,export,doctor,report,check} --config configs/default.yaml [key=value ...]
     python -m stage2_train batches --steps 20 --json          # one JSON object per optimizer step
     python -m stage2_train check --explain                    # every key, its value, default and meaning
-    python -m stage2_train doctor [runs/default/train_log.jsonl] [--json]   # default: run_dir's log
+    python -m stage2_train doctor [runs/default/train_log.jsonl] [--json]   # default: the config's run_dir
     torchrun --standalone --nproc_per_node 2 -m stage2_train train train.max_steps=50
 
 Parses the config, runs one command from `commands.py`, prints its JSON summary.
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return log_command(args)
     cfg = load_config(args)
     if args.command == "check":
-        print_check(cfg, with_docs=args.explain)
+        print_check(cfg, with_docs=args.explain, quiet=args.quiet)
         return 0
     if args.command == "batches":
         if args.steps < 1 or args.world_size < 1:
@@ -65,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def log_command(args: argparse.Namespace) -> int:
-    """doctor/report read a training log: a path given as the first argument, else run_dir's."""
+    """doctor/report read a training log: the path given as the first argument, else the config's
+    run_dir's; the doctor's thresholds are the config's `doctor` section (defaults unless set)."""
     paths = [o for o in args.overrides if "=" not in o]
     if len(paths) > 1:
         raise ConfigError(f"{args.command} takes one log path (or run directory), got {paths}")
     args.overrides = [o for o in args.overrides if "=" in o]
-    cfg = load_config(args) if (not paths or args.overrides or args.config != "configs/default.yaml") else None
+    cfg = load_config(args)  # torch-free: the doctor reads a log, it never loads a model
     log_path = Path(paths[0]) if paths else Path(cfg.run_dir)
     if args.command == "doctor":
         text, code = commands.cmd_doctor(log_path, args.json, cfg)

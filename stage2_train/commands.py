@@ -24,14 +24,14 @@ from shared.errors import StoreError
 
 def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dict[str, Any]]:
     """The next `num_steps` optimizer steps the training run would take (all ranks), nothing trained."""
+    from stage2_train.data.run_data import open_run_data
     from stage2_train.data.sampler import describe_steps
-    from stage2_train.train.trainer import open_run_data
 
     return describe_steps(open_run_data(cfg, world_size=world_size).sampler, num_steps)
 
 
 def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
-    from stage2_train.data.store import resolve_target
+    from stage2_train.data.view import resolve_target
     from stage2_train.train.trainer import Trainer, make_accelerator
 
     init_weights = None
@@ -83,7 +83,7 @@ def _trained_drafter(cfg: RunConfig, target: Any, checkpoint_arg: str | None, de
     """The drafter of `checkpoint_arg` (or of the run's newest checkpoint that verifies) and the file read."""
     from shared.target_parts import load_embed_and_head
     from stage2_train.model.drafter import build_drafter
-    from stage2_train.train.checkpoint import read_model_weights
+    from stage2_train.train.checkpoint.select import read_model_weights
 
     weights, source = read_model_weights(checkpoint_arg or cfg.checkpoint.resolve_dir(cfg.run_dir))
     embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
@@ -101,7 +101,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
 
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
-    from stage2_train.data.store import open_store, resolve_target
+    from stage2_train.data.view import open_store, resolve_target
     from stage2_train.model.drafter import build_drafter
     from stage2_train.serve.online_eval import acceptance_gap
     from stage2_train.train.evaluate import offline_eval
@@ -123,7 +123,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         reader,
         heldout[: eval_cfg.offline_max_samples],
         max_anchors_per_seq=eval_cfg.offline_max_anchors_per_seq,
-        token_budget=eval_cfg.offline_token_budget,
+        batch_tokens=eval_cfg.offline_batch_tokens,
         seed=cfg.seed,
         gamma=cfg.loss.gamma,
     )
@@ -145,7 +145,7 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
     import torch
 
     from shared.target import stop_token_ids
-    from stage2_train.data.store import tokenizer_and_hash
+    from stage2_train.data.view import tokenizer_and_hash
     from stage2_train.serve.online_eval import heldout_prompts, load_online_target, online_eval
     from stage2_train.serve.speculative import DFlashProposer, NgramProposer
 
@@ -172,7 +172,7 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
 def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None) -> dict[str, Any]:
     """The newest (or given) checkpoint as a servable DFlash folder (default run_dir/export), weights
     in bfloat16 as the published drafters."""
-    from stage2_train.data.store import resolve_target, tokenizer_and_hash
+    from stage2_train.data.view import resolve_target, tokenizer_and_hash
     from stage2_train.serve.export import WEIGHTS_NAME, export_drafter, mask_token_string, read_export_config
 
     target = resolve_target(cfg.target)

@@ -14,6 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Tests drive both stages with one config: both register their sections (each entry point alone
+# validates only its own; tests/test_layout.py checks that at run time).
+import stage1_extract  # noqa: F401
+import stage2_train  # noqa: F401
+
 # Two cores: one torch thread per test process keeps tiny models fast and runs reproducible.
 torch.set_num_threads(1)
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -62,7 +67,7 @@ def stage1_overrides(target_dir: Path, data_path: Path, run_dir: Path, **extra) 
         "data.regenerate": False,
         "data.max_length": 256,
         "extract.top_k": 8,
-        "extract.token_budget": 512,
+        "extract.batch_tokens": 512,
         "store.shard_mb": 1,
         "extract.window_shards": 1,
     }

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from stage2_train.data.anchors import AnchorSampler, valid_anchor_positions
-from stage2_train.data.sampler import SamplerConfig
-from stage2_train.train.schedules import NoiseConfig, NoiseSchedule, noise_generator
+from stage2_train.data.config import SamplerConfig
+from stage2_train.train.config import NoiseConfig
+from stage2_train.train.schedules import NoiseSchedule, noise_generator
 
 BLOCK = 4
 

@@ -24,19 +24,22 @@ from safetensors.torch import load_file
 from torch import nn
 
 from shared.errors import CheckpointError, DivergedError
-from stage2_train.train import checkpoint as ckpt_mod
-from stage2_train.train.checkpoint import (
-    CheckpointConfig,
-    Checkpointer,
-    CheckpointWriteError,
-    check_compatible,
-    latest_checkpoint,
+from stage2_train.train.checkpoint import saver as ckpt_mod
+from stage2_train.train.checkpoint.format import (
     load_optimizer_state,
     optimizer_state,
     rng_state,
-    select_checkpoint,
     set_rng_state,
 )
+from stage2_train.train.checkpoint.saver import Checkpointer, CheckpointWriteError
+from stage2_train.train.checkpoint.select import (
+    complete_checkpoints,
+    latest_checkpoint,
+    read_model_weights,
+    select_checkpoint,
+)
+from stage2_train.train.config import CheckpointConfig
+from stage2_train.train.resume import check_compatible
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -262,7 +265,7 @@ def test_due_save_waits_for_the_one_in_flight_and_logs_it(tmp_path, monkeypatch)
     ]
     waited = sink.of("checkpoint_start")[1][1]["waited_s"]
     assert waited > 0.1 and sink.of("checkpoint_end")[1][1]["blocked_s"] >= waited
-    assert [p.name for p in ckpt_mod.complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
     assert not ckpt.save(2, lambda: state)  # the final save of an already saved step is skipped
 
 
@@ -299,7 +302,7 @@ def test_finalize_reraises_a_writer_error(tmp_path, monkeypatch):
 
 CRASH_SCRIPT = """
 import os, sys, time, torch
-from stage2_train.train import checkpoint as ckpt_mod
+from stage2_train.train.checkpoint import saver as ckpt_mod
 ckpt = ckpt_mod.Checkpointer(ckpt_mod.CheckpointConfig(every_steps=5), sys.argv[1])
 state = {"model": {"w": torch.arange(1000.0)}, "optimizer": {"step": 5}, "trainer": {"step": 5}}
 ckpt.maybe_save(5, lambda: state)
@@ -423,7 +426,7 @@ def test_config_is_validated_and_state_is_plain_data(tmp_path):
 
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from stage2_train.train import checkpoint as ckpt_mod
+from stage2_train.train.checkpoint import saver as ckpt_mod
 rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 ckpt = ckpt_mod.Checkpointer(ckpt_mod.CheckpointConfig(every_steps=1), path, None, rank, 2)
@@ -506,7 +509,7 @@ def test_damaged_tensor_bytes_are_caught_by_the_checksum_and_skipped_with_a_reas
     selection = select_checkpoint(tmp_path)
     assert selection.path.name == "step_000001"
     assert selection.skipped == [(str(tmp_path / "step_000002"), "model.safetensors does not match its checksum (damaged)")]
-    weights, source = ckpt_mod.read_model_weights(tmp_path)  # export and eval choose the same way
+    weights, source = read_model_weights(tmp_path)  # export and eval choose the same way
     assert source == tmp_path / "step_000001" / "model.safetensors" and weights["w"][0] == 1.0
 
 
@@ -532,7 +535,7 @@ def test_non_finite_weights_are_never_saved_and_earlier_checkpoints_stay(tmp_pat
     bad["model"]["w"][7] = float("nan")
     with pytest.raises(DivergedError, match=r"refusing to save step 2: model weight w holds 1 non-finite"):
         ckpt.save(2, lambda: bad, blocking=True)
-    assert [p.name for p in ckpt_mod.complete_checkpoints(tmp_path)] == ["step_000001"]
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001"]
     assert latest_checkpoint(tmp_path).name == "step_000001"
 
 
@@ -542,6 +545,6 @@ def test_pruning_keeps_exactly_keep_latest_k_and_never_more_than_it_should_delet
     kept = []
     for step in range(1, 8):
         ckpt.save(step, lambda: big_state(1), blocking=True)
-        kept = [p.name for p in ckpt_mod.complete_checkpoints(tmp_path)]
+        kept = [p.name for p in complete_checkpoints(tmp_path)]
         expected = [f"step_{s:06d}" for s in range(max(1, step - keep + 1), step + 1)]
         assert kept == expected, (step, kept)

@@ -104,7 +104,7 @@ def test_default_corpus_is_deterministic_and_varied():
 
 def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_path):
     from shared.config import load_run_config
-    from stage1_extract import pipeline
+    from stage1_extract import commands
 
     rows = [
         {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "OLD ANSWER"}]},
@@ -117,27 +117,27 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
         f"data.path={data}", "generate.max_new_tokens=6", "generate.chunk_size=2", "generate.device=cpu",
     ]
     cfg = load_run_config("configs/default.yaml", overrides)
-    first = pipeline.cmd_generate(cfg, progress=False)
+    first = commands.cmd_generate(cfg, progress=False)
     assert first["conversations"] == 3 and first["parts_reused"] == 0
     out = list(read_conversations(first["output"]))
     roles = [[m["role"] for m in c.messages] for c in out]
     assert roles == [["user", "assistant"], ["user", "assistant"], ["user", "assistant", "user", "assistant"]]
     assert all(m["content"] not in ("OLD ANSWER", "OLD") for c in out for m in c.messages)
     # A rerun (as after a kill) reuses every finished part and changes nothing.
-    second = pipeline.cmd_generate(cfg, progress=False)
+    second = commands.cmd_generate(cfg, progress=False)
     assert second["parts_reused"] == 2
     assert [c.messages for c in read_conversations(second["output"])] == [c.messages for c in out]
     # Other settings must not silently mix with old parts.
     changed = load_run_config("configs/default.yaml", overrides + ["generate.temperature=0.2"])
     with pytest.raises(ValueError, match="other generate settings"):
-        pipeline.cmd_generate(changed, progress=False)
+        commands.cmd_generate(changed, progress=False)
 
 
 def test_appending_rows_regenerates_only_the_new_parts(tiny_target_dir, tmp_path):
     """Parts are keyed by their own rows: appended prompts cost only their answers; an edited row
     regenerates only its part, and the merged output keeps every other answer as it was."""
     from shared.config import load_run_config
-    from stage1_extract import pipeline
+    from stage1_extract import commands
 
     rows = [{"prompt": f"question {i}"} for i in range(4)]
     data = write_jsonl(tmp_path / "p.jsonl", rows)
@@ -146,15 +146,15 @@ def test_appending_rows_regenerates_only_the_new_parts(tiny_target_dir, tmp_path
         f"data.path={data}", "generate.max_new_tokens=4", "generate.chunk_size=2", "generate.device=cpu",
     ]
     cfg = load_run_config("configs/default.yaml", overrides)
-    first = [c.messages for c in read_conversations(pipeline.cmd_generate(cfg, progress=False)["output"])]
+    first = [c.messages for c in read_conversations(commands.cmd_generate(cfg, progress=False)["output"])]
     write_jsonl(data, rows + [{"prompt": "question 4"}, {"prompt": "question 5"}])
-    grown = pipeline.cmd_generate(cfg, progress=False)
+    grown = commands.cmd_generate(cfg, progress=False)
     assert grown["parts_reused"] == 2 and grown["conversations"] == 6
     after = [c.messages for c in read_conversations(grown["output"])]
     assert after[:4] == first
     rows[1] = {"prompt": "an edited question"}
     write_jsonl(data, rows + [{"prompt": "question 4"}, {"prompt": "question 5"}])
-    edited = pipeline.cmd_generate(cfg, progress=False)
+    edited = commands.cmd_generate(cfg, progress=False)
     assert edited["parts_reused"] == 2  # parts 1 and 2 kept, part 0 (rows 0-1) regenerated
     again = [c.messages for c in read_conversations(edited["output"])]
     assert again[2:] == after[2:] and again[1][0]["content"] == "an edited question"
@@ -162,9 +162,9 @@ def test_appending_rows_regenerates_only_the_new_parts(tiny_target_dir, tmp_path
 
 def test_generate_does_nothing_when_the_answers_are_given(tmp_path):
     from shared.config import load_run_config
-    from stage1_extract import pipeline
+    from stage1_extract import commands
 
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "completion": "a"}])
     cfg = load_run_config("configs/default.yaml", [f"run_dir={tmp_path / 'run'}", f"data.path={data}", "data.regenerate=false"])
-    assert "skipped" in pipeline.cmd_generate(cfg, progress=False)
+    assert "skipped" in commands.cmd_generate(cfg, progress=False)
     assert not (tmp_path / "run").exists()  # no model loaded, nothing written

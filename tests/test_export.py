@@ -16,9 +16,12 @@ from shared.errors import CheckpointError
 from shared.target import TargetArch
 from stage2_train.commands import cmd_export
 from stage2_train.data.batch import DrafterBatch
-from stage2_train.model.drafter import DFlashDrafter, DrafterConfig
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.drafter import DFlashDrafter
 from stage2_train.serve.export import drafter_spec, export_drafter, init_weights_for, load_exported
-from stage2_train.train.checkpoint import CheckpointConfig, Checkpointer, read_model_weights
+from stage2_train.train.checkpoint.saver import Checkpointer
+from stage2_train.train.checkpoint.select import read_model_weights
+from stage2_train.train.config import CheckpointConfig
 
 MASK_ID = 99
 LAYER_IDS = [1, 3, 5]
@@ -295,7 +298,7 @@ def test_what_the_drafter_cannot_compute_is_refused_naming_the_field(exported, e
 
 
 def test_init_from_checks_the_drafter_against_the_target_and_model_config(exported):
-    from stage2_train.data.store import TargetInfo
+    from stage2_train.data.view import TargetInfo
 
     out, drafter, _, _, arch, cfg = exported
     target = TargetInfo(out, arch, LAYER_IDS, MASK_ID, "0" * 64, "0" * 64)

@@ -18,8 +18,9 @@ from shared.config import load_run_config
 from shared.errors import DataError, StoreError
 from shared.store import StoreReader, read_manifest, read_shard_arrays
 from shared.target import LayerCapture
+from stage1_extract import commands
 from stage1_extract import extract as extract_mod
-from stage1_extract import pipeline
+from stage1_extract import writer as writer_mod
 
 from .conftest import chat_rows, stage1_overrides, write_jsonl
 
@@ -40,7 +41,7 @@ def data_file(tmp_path_factory):
 def store(tiny_target_dir, data_file, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     cfg = config(tiny_target_dir, data_file, run_dir)
-    summary = pipeline.cmd_extract(cfg, progress=False)
+    summary = commands.cmd_extract(cfg, progress=False)
     return cfg, summary, StoreReader(cfg.store.url(cfg.run_dir))
 
 
@@ -71,7 +72,7 @@ def test_layer_capture_equals_hf_hidden_states_plus_one(target):
 
 def test_store_sample_equals_a_direct_forward(store, target, tiny_target_dir):
     cfg, _, reader = store
-    prepared = pipeline.prepare(cfg)
+    prepared = commands.prepare(cfg)
     rows = {r.sample_id: r for r in prepared.rows}
     for index in (0, 7, len(reader) - 1):
         sample = reader[index]
@@ -120,12 +121,12 @@ def test_padding_is_never_stored(store):
 def test_rerun_is_a_no_op_and_status_is_complete(store):
     cfg, _, reader = store
     before = read_manifest(reader.url)["shards"]
-    summary = pipeline.cmd_extract(cfg, progress=False)
+    summary = commands.cmd_extract(cfg, progress=False)
     assert summary["shards_already_done"] == summary["shards_total"] and summary["shards_extracted_here"] == 0
     assert read_manifest(reader.url)["shards"] == before
-    status = pipeline.cmd_status(cfg)
+    status = commands.cmd_status(cfg)
     assert status["complete"] and status["shards_done"] == status["shards_total"]
-    assert pipeline.cmd_verify(cfg)["ok"]
+    assert commands.cmd_verify(cfg)["ok"]
 
 
 def store_contents(url: str) -> list:
@@ -135,7 +136,7 @@ def store_contents(url: str) -> list:
 
 def test_crash_then_resume_equals_an_uninterrupted_run(tiny_target_dir, data_file, tmp_path, store, monkeypatch):
     cfg = config(tiny_target_dir, data_file, tmp_path)
-    real_write = extract_mod.write_shard
+    real_write = writer_mod.write_shard
     calls = []
 
     def failing_write(*args, **kwargs):
@@ -144,13 +145,13 @@ def test_crash_then_resume_equals_an_uninterrupted_run(tiny_target_dir, data_fil
             raise KeyboardInterrupt("simulated crash mid-run")
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(extract_mod, "write_shard", failing_write)
+    monkeypatch.setattr(writer_mod, "write_shard", failing_write)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        pipeline.cmd_extract(cfg, progress=False)
+        commands.cmd_extract(cfg, progress=False)
     assert not (tmp_path / "store" / "manifest.json").exists()
-    assert pipeline.cmd_status(cfg)["shards_done"] == 1
-    monkeypatch.setattr(extract_mod, "write_shard", real_write)
-    summary = pipeline.cmd_extract(cfg, progress=False)
+    assert commands.cmd_status(cfg)["shards_done"] == 1
+    monkeypatch.setattr(writer_mod, "write_shard", real_write)
+    summary = commands.cmd_extract(cfg, progress=False)
     assert summary["shards_already_done"] == 1
     assert store_contents(cfg.store.url(cfg.run_dir)) == store_contents(store[2].url)
 
@@ -175,12 +176,12 @@ def test_truncate_and_skip_are_counted(tiny_target_dir, tmp_path):
     rows = chat_rows(6) + [{"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "word " * 400}]}]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = config(tiny_target_dir, data, tmp_path / "t", **{"data.max_length": 128})
-    pipeline.cmd_extract(cfg, progress=False)
+    commands.cmd_extract(cfg, progress=False)
     manifest = read_manifest(cfg.store.url(cfg.run_dir))
     assert (manifest["num_truncated"], manifest["num_skipped"], manifest["num_samples"]) == (1, 0, 7)
     assert StoreReader(cfg.store.url(cfg.run_dir)).lengths.max() == 128
     cfg = config(tiny_target_dir, data, tmp_path / "s", **{"data.max_length": 128, "data.on_long": "skip"})
-    pipeline.cmd_extract(cfg, progress=False)
+    commands.cmd_extract(cfg, progress=False)
     manifest = read_manifest(cfg.store.url(cfg.run_dir))
     assert (manifest["num_truncated"], manifest["num_skipped"], manifest["num_samples"]) == (0, 1, 6)
     assert 6 not in StoreReader(cfg.store.url(cfg.run_dir)).sample_ids.tolist()
@@ -199,11 +200,11 @@ def test_non_finite_features_name_the_sample(tiny_target_dir, data_file, tmp_pat
     monkeypatch.setattr(extract_mod, "forward_batch", poisoned)
     cfg = config(tiny_target_dir, data_file, tmp_path)
     with pytest.raises(DataError, match=r"sample 11: 1 non-finite values \(NaN/inf\) in hidden"):
-        pipeline.cmd_extract(cfg, progress=False)
+        commands.cmd_extract(cfg, progress=False)
 
 
 def disk_full_at_the_second_shard(monkeypatch) -> None:
-    real_write = extract_mod.write_shard
+    real_write = writer_mod.write_shard
     calls = []
 
     def disk_full(*args, **kwargs):
@@ -212,15 +213,15 @@ def disk_full_at_the_second_shard(monkeypatch) -> None:
             raise OSError(28, "No space left on device")
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(extract_mod, "write_shard", disk_full)
+    monkeypatch.setattr(writer_mod, "write_shard", disk_full)
 
 
 def test_full_disk_keeps_earlier_shards(tiny_target_dir, data_file, tmp_path, monkeypatch):
     disk_full_at_the_second_shard(monkeypatch)
     cfg = config(tiny_target_dir, data_file, tmp_path)
     with pytest.raises(StoreError, match=r"No space left on device.*intact, rerun `python -m stage1_extract extract` after freeing space"):
-        pipeline.cmd_extract(cfg, progress=False)
-    assert pipeline.cmd_status(cfg)["shards_done"] == 1
+        commands.cmd_extract(cfg, progress=False)
+    assert commands.cmd_status(cfg)["shards_done"] == 1
 
 
 def test_plan_refuses_a_store_that_will_not_fit(tiny_target_dir, data_file, tmp_path, monkeypatch):
@@ -228,11 +229,11 @@ def test_plan_refuses_a_store_that_will_not_fit(tiny_target_dir, data_file, tmp_
 
     monkeypatch.setattr(StoreFiles, "free_bytes", lambda self: 1000)
     cfg = config(tiny_target_dir, data_file, tmp_path)
-    plan = pipeline.cmd_plan(cfg)
+    plan = commands.cmd_plan(cfg)
     assert plan["fits"] is False and plan["tokens"] > 0 and plan["bytes_per_token"] == 3 * 64 * 2 + 8 * 6 + 5
     with pytest.raises(StoreError, match=r"still needs about 1.13 MiB \(2 of 2 shards left\) but .* has 1000 B free.*--force"):
-        pipeline.cmd_extract(cfg, progress=False)
-    assert pipeline.cmd_extract(cfg, force=True, progress=False)["num_samples"] == 30
+        commands.cmd_extract(cfg, progress=False)
+    assert commands.cmd_extract(cfg, force=True, progress=False)["num_samples"] == 30
 
 
 def test_after_a_full_disk_only_the_shards_left_must_fit(tiny_target_dir, data_file, tmp_path, monkeypatch):
@@ -240,41 +241,41 @@ def test_after_a_full_disk_only_the_shards_left_must_fit(tiny_target_dir, data_f
     a plain extract now goes on (it used to count every shard and refuse)."""
     from shared.store import StoreFiles
 
-    real_write = extract_mod.write_shard
+    real_write = writer_mod.write_shard
     disk_full_at_the_second_shard(monkeypatch)
     cfg = config(tiny_target_dir, data_file, tmp_path)
-    plan = pipeline.cmd_plan(cfg)
+    plan = commands.cmd_plan(cfg)
     with pytest.raises(StoreError, match="No space left"):
-        pipeline.cmd_extract(cfg, force=True, progress=False)
-    monkeypatch.setattr(extract_mod, "write_shard", real_write)
-    status = pipeline.cmd_status(cfg)
+        commands.cmd_extract(cfg, force=True, progress=False)
+    monkeypatch.setattr(writer_mod, "write_shard", real_write)
+    status = commands.cmd_status(cfg)
     assert status["shards_done"] == 1
     left = (status["tokens_total"] - status["tokens_done"]) * plan["bytes_per_token"]
     monkeypatch.setattr(StoreFiles, "free_bytes", lambda self: left + 1)  # less than the whole store
     assert left + 1 < plan["total_bytes"]
-    assert pipeline.cmd_extract(cfg, progress=False)["num_samples"] == 30
+    assert commands.cmd_extract(cfg, progress=False)["num_samples"] == 30
 
 
 def test_changed_settings_are_refused_by_name(store, tiny_target_dir, data_file):
     cfg, _, _ = store
     changed = config(tiny_target_dir, data_file, Path(cfg.run_dir), **{"extract.top_k": 4})
     with pytest.raises(ValueError, match=r"started with top_k=8, the config now gives 4"):
-        pipeline.cmd_extract(changed, progress=False)
+        commands.cmd_extract(changed, progress=False)
 
 
 def test_fsspec_url_store(tiny_target_dir, data_file, tmp_path, store):
     url = f"memory://stores/{tmp_path.name}"
     cfg = config(tiny_target_dir, data_file, tmp_path, **{"store.path": url})
-    pipeline.cmd_extract(cfg, progress=False)
+    commands.cmd_extract(cfg, progress=False)
     assert store_contents(url) == store_contents(store[2].url)
     reader = StoreReader(url)
     assert torch.equal(reader[3]["hidden_TLH"], store[2][3]["hidden_TLH"])
-    assert pipeline.cmd_verify(cfg)["ok"]
+    assert commands.cmd_verify(cfg)["ok"]
 
 
 def test_fp8_storage_halves_bytes_with_small_error(tiny_target_dir, data_file, tmp_path, store):
     cfg = config(tiny_target_dir, data_file, tmp_path, **{"store.dtype": "fp8", "store.compression": "none"})
-    pipeline.cmd_extract(cfg, progress=False)
+    commands.cmd_extract(cfg, progress=False)
     fp8, bf16 = StoreReader(cfg.store.url(cfg.run_dir)), store[2]
     a, b = fp8[5]["hidden_TLH"].float(), bf16[5]["hidden_TLH"].float()
     relative = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max()

@@ -9,6 +9,7 @@ file, before the fix.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import torch
 from shared.config import load_run_config
 from shared.errors import BusyError, ConfigError
 from shared.lock import LOCK_NAME, LeaseLock, exclusive
-from stage1_extract import pipeline as stage1
+from stage1_extract import commands as stage1
 from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,17 +121,45 @@ def test_inherit_loops_lists_and_duplicate_keys(tmp_path):
         load_run_config(tmp_path / "bad.yaml")
 
 
-@pytest.mark.parametrize("entry", ["stage1_extract", "stage2_train"])
-def test_every_section_is_validated_whichever_stage_runs(entry):
-    done = subprocess.run(
-        [sys.executable, "-m", entry, "check", "extract.top_kk=8"], cwd=REPO, capture_output=True, text=True
-    )
+@pytest.mark.parametrize(
+    "entry, own, other",
+    [("stage1_extract", "extract.top_kk=8", "train.epochs=0"), ("stage2_train", "train.epochs=0", "extract.top_kk=8")],
+)
+def test_each_stage_validates_its_sections_and_make_checks_both(entry, own, other):
+    """An entry point refuses a bad key of its own sections by name; the other stage's sections it
+    keeps as given and says who validates them; `make preflight` (run by `make extract`) checks both."""
+    done = subprocess.run([sys.executable, "-m", entry, "check", own], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "error: extract.top_kk: unknown key (known keys: top_k," in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", entry, "check", "train.epochs=0"], cwd=REPO, capture_output=True, text=True
+    assert ("error: extract.top_kk: unknown key (known keys: top_k," in done.stderr) or (
+        "error: train.epochs must be >= 1, got 0" in done.stderr
     )
-    assert done.returncode == 2 and "error: train.epochs must be >= 1, got 0" in done.stderr
+    done = subprocess.run([sys.executable, "-m", entry, "check", other], cwd=REPO, capture_output=True, text=True)
+    owner = "stage2_train" if entry == "stage1_extract" else "stage1_extract"
+    assert done.returncode == 0 and f"are {owner}'s: `python -m {owner} check` validates them" in done.stderr
+    done = subprocess.run(["make", "-s", "preflight", f"ARGS={other}"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode != 0 and "error: " in done.stderr
+
+
+def test_a_renamed_key_names_its_new_name():
+    with pytest.raises(ConfigError, match=r"sampler.token_budget: renamed to sampler.micro_batch_tokens"):
+        load_run_config("configs/default.yaml", ["sampler.token_budget=4096"])
+    with pytest.raises(ConfigError, match=r"extract.token_budget: renamed to extract.batch_tokens"):
+        load_run_config("configs/default.yaml", ["extract.token_budget=4096"])
+    with pytest.raises(ConfigError, match=r"eval.offline_token_budget: renamed to eval.offline_batch_tokens"):
+        load_run_config("configs/default.yaml", ["eval.offline_token_budget=4096"])
+
+
+def test_a_preset_is_found_by_name_from_any_folder(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "stage2_train", "check", "--config", "qwen3-8b", "--quiet"],
+        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "stage2_train", "check", "--config", "no-such-preset"],
+        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 2 and "a path, or a preset name: cpu-long, default, llama-3.1-8b, qwen3-8b, recipe" in done.stderr
 
 
 def test_check_explain_prints_every_key_with_its_documentation():
@@ -179,7 +208,7 @@ def store(tiny_target_dir, tmp_path_factory):
 def train_overrides(target_dir, store_path, run_dir, **extra) -> list[str]:
     base = {
         "run_dir": str(run_dir), "store.path": str(store_path), "target.path": str(target_dir),
-        "target.num_feature_layers": 3, "target.dtype": "fp32", "sampler.token_budget": 512,
+        "target.num_feature_layers": 3, "target.dtype": "fp32", "sampler.micro_batch_tokens": 512,
         "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0, "optim.lr": 3e-3,
         "train.max_steps": 6, "train.num_data_threads": 1, "checkpoint.every_steps": 2,
         "eval.holdout_fraction": 0.2, "eval.offline_max_samples": 3, "log.wandb": "disabled",
@@ -216,7 +245,8 @@ def test_nan_losses_stop_training_and_the_good_checkpoints_survive(store, tiny_t
     from shared.errors import DivergedError
     from stage2_train.commands import cmd_train
     from stage2_train.train import trainer as trainer_mod
-    from stage2_train.train.checkpoint import complete_checkpoints, load_checkpoint
+    from stage2_train.train.checkpoint.format import load_checkpoint
+    from stage2_train.train.checkpoint.select import complete_checkpoints
 
     real = trainer_mod.dflash_loss
     calls = []

@@ -17,7 +17,8 @@ import pytest
 from bench.gpu_check import markdown_rows
 from bench.gpu_flops import DrafterShape, StepWork, train_step_flops
 from shared.target import TargetArch
-from stage2_train.model.drafter import DFlashDrafter, DrafterConfig
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.drafter import DFlashDrafter
 
 REPO = Path(__file__).resolve().parents[1]
 

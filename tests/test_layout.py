@@ -77,3 +77,38 @@ def test_reading_logs_loads_no_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'zarr', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+RUNTIME_PROBE = """
+import sys
+from {entry}.__main__ import main
+code = main({argv!r})
+stages = sorted({{m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('stage1_extract', 'stage2_train')}})
+heavy = sorted(m for m in ('torch', 'zarr', 'transformers', 'accelerate') if m in sys.modules)
+print(code, stages, heavy)
+"""
+
+
+@pytest.mark.parametrize(
+    "entry, argv, stages, heavy",
+    [
+        # check loads the config only: its own stage, never the other one
+        ("stage1_extract", ["check", "--quiet"], ["stage1_extract"], []),
+        ("stage2_train", ["check", "--quiet"], ["stage2_train"], []),
+        # the doctor reads a log: no torch, nothing of stage 1
+        ("stage2_train", ["doctor", "LOG"], ["stage2_train"], []),
+    ],
+)
+def test_at_run_time_a_stage_loads_nothing_of_the_other(tmp_path, entry, argv, stages, heavy):
+    """The import rules above read `import` statements; this runs the entry points and looks at
+    sys.modules, so an import by string (config sections, plugins) cannot hide a dependency."""
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(f'{{"kind": "train", "step": {s}, "loss": 1.0, "elapsed_s": {s}}}\n' for s in range(1, 40)))
+    argv = [str(log) if a == "LOG" else a for a in argv]
+    code = RUNTIME_PROBE.format(entry=entry, argv=argv)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    exit_code, loaded, loaded_heavy = done.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert exit_code in ("0", "1") and eval(loaded) == stages
+    if heavy is not None:
+        assert eval(loaded_heavy) == heavy

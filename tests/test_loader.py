@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from stage2_train.data.anchors import AnchorSampler, valid_anchor_positions
+from stage2_train.data.config import SamplerConfig
 from stage2_train.data.loader import DataLoadError, PrefetchLoader, collate
-from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
+from stage2_train.data.sampler import LengthMixedSampler
 
 LAYERS, HIDDEN, TOP_K, BLOCK, MASK_ID = 2, 3, 4, 4, 999
 
@@ -118,7 +119,7 @@ def test_collate_without_topk_keeps_store_dtype():
 
 
 def build(lengths, *, reader=None, seed=0, world_size=1, rank=0, **loader_kwargs):
-    cfg = SamplerConfig(token_budget=256, grad_accum=2, max_anchors_per_seq=8)
+    cfg = SamplerConfig(micro_batch_tokens=256, grad_accum=2, max_anchors_per_seq=8)
     sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size)
     anchors = AnchorSampler(cfg, block_size=BLOCK, seed=seed)
     reader = reader or FakeReader(lengths)

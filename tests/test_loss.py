@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from stage2_train.data.batch import DrafterBatch
+from stage2_train.model.config import LossConfig, recipe_gamma
 from stage2_train.model.loss import (
     COUNT_KEYS,
-    LossConfig,
     dflash_loss,
     finalize_metrics,
     loss_weights,
     position_weights,
-    recipe_gamma,
     sum_counts,
 )
 from tests.test_model import MASK_ID, make_packed_batch, tiny_arch, tiny_drafter

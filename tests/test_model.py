@@ -17,7 +17,8 @@ from shared.target_parts import load_embed_and_head
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.model import drafter as model_module
 from stage2_train.model.attention import resolve_backend
-from stage2_train.model.drafter import DFlashDrafter, DrafterConfig
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.drafter import DFlashDrafter
 
 MASK_ID = 99
 

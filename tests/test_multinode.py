@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import load_run_config
-from stage1_extract import pipeline as stage1
+from stage1_extract import commands as stage1
 from stage2_train.commands import cmd_train
 from stage2_train.observe.metrics import read_log
 from tests.conftest import chat_rows, stage1_overrides, write_jsonl
@@ -75,7 +75,7 @@ def test_two_node_training_gives_the_losses_of_one_process(tiny_target_dir, tmp_
     store = stage1_cfg.store.url(stage1_cfg.run_dir)
     base = {
         "store.path": store, "target.path": str(tiny_target_dir), "target.num_feature_layers": 3,
-        "target.dtype": "fp32", "sampler.token_budget": 256, "sampler.max_anchors_per_seq": 2,
+        "target.dtype": "fp32", "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2,
         "model.block_size": 8, "loss.gamma": 4.0, "train.max_steps": 4, "train.resume": "never",
         "checkpoint.every_steps": 0, "eval.holdout_fraction": 0.1, "log.wandb": "disabled",
     }

@@ -163,8 +163,9 @@ def test_a_one_sample_shard_of_sample_zero_is_written_whole_and_a_missing_file_i
 def test_the_loader_reads_features_straight_into_its_packed_batch(tmp_path, storage):
     """Same batches as packing the plain reads, with the features read into the batch's buffer."""
     from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.config import SamplerConfig
     from stage2_train.data.loader import PrefetchLoader, collate
-    from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
+    from stage2_train.data.sampler import LengthMixedSampler
 
     make_store(str(tmp_path), [samples(7, seed=1), samples(5, seed=2)], StoreConfig(**storage))
     reader = StoreReader(str(tmp_path), cache_mb=1)
@@ -178,7 +179,7 @@ def test_the_loader_reads_features_straight_into_its_packed_batch(tmp_path, stor
         return got
 
     reader.read = spy
-    cfg = SamplerConfig(token_budget=700, max_anchors_per_seq=6)
+    cfg = SamplerConfig(micro_batch_tokens=700, max_anchors_per_seq=6)
     sampler = LengthMixedSampler(cfg, reader.lengths, seed=0)
     anchors = AnchorSampler(cfg, block_size=4, seed=0)
     loader = PrefetchLoader(reader, sampler, anchors, mask_token_id=999, num_threads=2)
@@ -200,15 +201,16 @@ def test_a_sample_whose_offsets_disagree_with_the_manifest_is_named_on_the_packe
     import json
 
     from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.config import SamplerConfig
     from stage2_train.data.loader import DataLoadError, PrefetchLoader
-    from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
+    from stage2_train.data.sampler import LengthMixedSampler
 
     make_store(str(tmp_path), [samples(4)], StoreConfig())
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["shards"][0]["lengths"][2] += 1  # the manifest now disagrees with the shard's offsets
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     reader = StoreReader(str(tmp_path))
-    cfg = SamplerConfig(token_budget=4096, max_anchors_per_seq=4)
+    cfg = SamplerConfig(micro_batch_tokens=4096, max_anchors_per_seq=4)
     loader = PrefetchLoader(reader, LengthMixedSampler(cfg, reader.lengths, seed=0), AnchorSampler(cfg, block_size=4, seed=0),
                             mask_token_id=999)
     with pytest.raises(DataLoadError, match=r"sample 2 \(input row 2\) in shard shard-000000-x .*store's lengths say"):

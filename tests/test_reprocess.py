@@ -11,7 +11,7 @@ import torch
 
 from shared.config import load_run_config
 from shared.store import read_manifest
-from stage1_extract import pipeline
+from stage1_extract import commands
 
 from .conftest import chat_rows, stage1_overrides, write_jsonl
 
@@ -30,16 +30,16 @@ def contents(cfg) -> list:
 def built(tiny_target_dir, tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
     cfg = config(tiny_target_dir, data, tmp_path / "run")
-    pipeline.cmd_extract(cfg, progress=False)
+    commands.cmd_extract(cfg, progress=False)
     return cfg, data
 
 
 def test_unchanged_store_is_current_and_reprocess_does_nothing(built):
     cfg, _ = built
-    report = pipeline.cmd_status(cfg)
+    report = commands.cmd_status(cfg)
     assert report["complete"] and report["counts"] == {"current": 2, "stale": 0, "missing": 0, "orphaned": 0}
     before = contents(cfg)
-    out = pipeline.cmd_reprocess(cfg, progress=False)
+    out = commands.cmd_reprocess(cfg, progress=False)
     assert out["reextracted"] == [] and out["shards_extracted_here"] == 0
     assert contents(cfg) == before
 
@@ -49,15 +49,15 @@ def test_edited_row_reextracts_exactly_its_shard(built, tiny_target_dir, tmp_pat
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[27]["messages"][1]["content"] = "an edited answer that is entirely new"
     write_jsonl(data, rows)
-    report = pipeline.cmd_status(cfg)
+    report = commands.cmd_status(cfg)
     assert [(r["index"], r["state"], r["why"]) for r in report["shards"]] == [
         (0, "current", ""), (1, "stale", "input rows changed")
     ]
-    out = pipeline.cmd_reprocess(cfg, progress=False)
+    out = commands.cmd_reprocess(cfg, progress=False)
     assert out["reextracted"] == [1] and out["shards_extracted_here"] == 1
-    assert pipeline.cmd_status(cfg)["complete"]
+    assert commands.cmd_status(cfg)["complete"]
     fresh = config(tiny_target_dir, data, tmp_path / "fresh")
-    pipeline.cmd_extract(fresh, progress=False)
+    commands.cmd_extract(fresh, progress=False)
     assert contents(cfg) == contents(fresh)  # bit-identical to a full fresh extraction
     # The replaced shard's old group is gone; only listed groups remain.
     listed = {r["name"] for r in read_manifest(cfg.store.url(cfg.run_dir))["shards"]}
@@ -76,14 +76,14 @@ def test_changed_target_marks_every_shard_stale(built, tiny_target_dir, tmp_path
     model.save_pretrained(new_target)
     changed = config(new_target, data, Path(cfg.run_dir))
     with pytest.raises(ValueError, match="reprocess"):
-        pipeline.cmd_extract(changed, progress=False)
-    report = pipeline.cmd_status(changed)
+        commands.cmd_extract(changed, progress=False)
+    report = commands.cmd_status(changed)
     assert report["counts"]["stale"] == 2
     assert "target.weights_sha256" in report["shards"][0]["why"] and "target.path" in report["settings_changed"]
-    out = pipeline.cmd_reprocess(changed, progress=False)
+    out = commands.cmd_reprocess(changed, progress=False)
     assert out["reextracted"] == [0, 1]
     fresh = config(new_target, data, tmp_path / "fresh")
-    pipeline.cmd_extract(fresh, progress=False)
+    commands.cmd_extract(fresh, progress=False)
     assert contents(changed) == contents(fresh)
 
 
@@ -91,16 +91,16 @@ def test_appended_and_removed_rows(built, tiny_target_dir):
     cfg, data = built
     sps = read_manifest(cfg.store.url(cfg.run_dir))["samples_per_shard"]
     write_jsonl(data, chat_rows(30) + chat_rows(2 * sps, seed=5)[:sps])
-    report = pipeline.cmd_status(cfg)
+    report = commands.cmd_status(cfg)
     assert report["counts"]["missing"] >= 1 and report["counts"]["current"] >= 1
-    pipeline.cmd_reprocess(cfg, progress=False)
-    assert pipeline.cmd_status(cfg)["complete"]
+    commands.cmd_reprocess(cfg, progress=False)
+    assert commands.cmd_status(cfg)["complete"]
     write_jsonl(data, chat_rows(10))
-    report = pipeline.cmd_status(cfg)
+    report = commands.cmd_status(cfg)
     assert report["orphaned"] and report["counts"]["stale"] == 1
-    out = pipeline.cmd_reprocess(cfg, progress=False)
+    out = commands.cmd_reprocess(cfg, progress=False)
     assert out["orphans_removed"]
-    assert pipeline.cmd_status(cfg)["complete"] and read_manifest(cfg.store.url(cfg.run_dir))["num_samples"] == 10
+    assert commands.cmd_status(cfg)["complete"] and read_manifest(cfg.store.url(cfg.run_dir))["num_samples"] == 10
 
 
 def chunk_file(cfg, array: str) -> Path:
@@ -124,9 +124,9 @@ def test_verify_catches_damage_and_repair_fixes_it(built, damage):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     else:
         shutil.rmtree(Path(cfg.store.url(cfg.run_dir)) / "shards" / name)
-    report = pipeline.cmd_verify(cfg)
+    report = commands.cmd_verify(cfg)
     assert not report["ok"] and [b["shard"] for b in report["bad_shards"]] == [name]
-    repaired = pipeline.cmd_verify(cfg, repair=True, progress=False)
+    repaired = commands.cmd_verify(cfg, repair=True, progress=False)
     assert repaired["ok"] and repaired["repaired"] == [name]
     assert contents(cfg) == good
 
@@ -159,7 +159,7 @@ def test_part_records_are_listed_once_and_read_without_per_shard_exists(built, m
 
         monkeypatch.setattr(StoreFiles, name, counting)
     shards = len(read_manifest(cfg.store.url(cfg.run_dir))["shards"])
-    out = pipeline.cmd_extract(cfg, progress=False)
+    out = commands.cmd_extract(cfg, progress=False)
     assert out["shards_extracted_here"] == 0
     part_reads = [rel for name, rel in calls if name == "read_json" and rel.startswith("parts/")]
     assert sorted(set(part_reads)) == [f"parts/shard-{i:06d}.json" for i in range(shards)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig, describe_steps
+from stage2_train.data.config import SamplerConfig
+from stage2_train.data.sampler import LengthMixedSampler, describe_steps
 
 
 def lognormal_lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -30,8 +31,8 @@ def rank_batches(cfg: SamplerConfig, lengths: np.ndarray, world_size: int, seed:
 
 
 def test_config_validation_names_the_key():
-    with pytest.raises(ValueError, match=r"sampler\.token_budget must be > 0, got 0"):
-        SamplerConfig(token_budget=0)
+    with pytest.raises(ValueError, match=r"sampler\.micro_batch_tokens must be > 0, got 0"):
+        SamplerConfig(micro_batch_tokens=0)
     with pytest.raises(ValueError, match=r"sampler\.grad_accum"):
         SamplerConfig.from_dict({"grad_accum": 0})
     with pytest.raises(ValueError, match=r"sampler\.budget: unknown key"):
@@ -42,14 +43,14 @@ def test_config_validation_names_the_key():
 
 def test_sample_longer_than_budget_is_named():
     lengths = np.array([100, 200, 300, 5000, 100])
-    with pytest.raises(ValueError, match=r"sample 3 has 5000 tokens, more than sampler.token_budget=4096"):
-        LengthMixedSampler(SamplerConfig(token_budget=4096), lengths, seed=0)
+    with pytest.raises(ValueError, match=r"sample 3 has 5000 tokens, more than sampler.micro_batch_tokens=4096"):
+        LengthMixedSampler(SamplerConfig(micro_batch_tokens=4096), lengths, seed=0)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_sample_exactly_once_per_epoch_and_equal_steps(world_size):
     lengths = lognormal_lengths(3000)
-    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
     for epoch in (0, 1):
         per_rank = rank_batches(cfg, lengths, world_size, epoch=epoch)
         seen = [i for batches in per_rank for batch in batches for i in batch]
@@ -58,12 +59,12 @@ def test_every_sample_exactly_once_per_epoch_and_equal_steps(world_size):
         assert len(counts) == 1 and counts.pop() % cfg.grad_accum == 0  # same micro-batches on every rank
         for batches in per_rank:
             assert all(batch for batch in batches)  # no empty micro-batch
-            assert max(int(lengths[b].sum()) for b in batches) <= cfg.token_budget
+            assert max(int(lengths[b].sum()) for b in batches) <= cfg.micro_batch_tokens
 
 
 def test_max_samples_cap():
     lengths = np.full(500, 64)
-    cfg = SamplerConfig(token_budget=8192, max_samples_per_batch=10)
+    cfg = SamplerConfig(micro_batch_tokens=8192, max_samples_per_batch=10)
     batches = rank_batches(cfg, lengths, 1)[0]
     assert max(len(b) for b in batches) == 10
     assert sorted(i for b in batches for i in b) == list(range(500))
@@ -83,7 +84,7 @@ def test_small_random_data_sets_plan_correctly_or_refuse():
         lengths = rng.integers(1, budget + 1, int(rng.integers(4, 40)))
         world_size, grad_accum = int(rng.integers(1, 4)), int(rng.integers(1, 3))
         cfg = SamplerConfig(
-            token_budget=budget, grad_accum=grad_accum, window_slack=float(rng.random() * 0.2)
+            micro_batch_tokens=budget, grad_accum=grad_accum, window_slack=float(rng.random() * 0.2)
         )
         try:
             sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=world_size)
@@ -101,10 +102,10 @@ def test_small_random_data_sets_plan_correctly_or_refuse():
 
 def test_packing_is_dense_and_ranks_balanced():
     lengths = lognormal_lengths(6000)
-    cfg = SamplerConfig(token_budget=16384)
+    cfg = SamplerConfig(micro_batch_tokens=16384)
     sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=4)
     plan = sampler.plan_epoch(0)
-    efficiency = lengths.sum() / (sum(len(step) for step in plan) * cfg.token_budget)
+    efficiency = lengths.sum() / (sum(len(step) for step in plan) * cfg.micro_batch_tokens)
     assert efficiency >= 0.98
     for step in plan:
         rank_tokens = np.array([lengths[b].sum() for b in step])
@@ -113,7 +114,7 @@ def test_packing_is_dense_and_ranks_balanced():
 
 def test_epochs_differ_and_are_reproducible():
     lengths = lognormal_lengths(1000)
-    cfg = SamplerConfig(token_budget=8192)
+    cfg = SamplerConfig(micro_batch_tokens=8192)
     a = LengthMixedSampler(cfg, lengths, seed=3)
     b = LengthMixedSampler(cfg, lengths, seed=3)
     assert a.plan_epoch(0) == b.plan_epoch(0)
@@ -124,7 +125,7 @@ def test_epochs_differ_and_are_reproducible():
 
 def test_iteration_rolls_over_to_the_next_epoch():
     lengths = lognormal_lengths(400)
-    sampler = LengthMixedSampler(SamplerConfig(token_budget=8192, grad_accum=2), lengths, seed=0)
+    sampler = LengthMixedSampler(SamplerConfig(micro_batch_tokens=8192, grad_accum=2), lengths, seed=0)
     first = list(sampler)
     assert len(first) == 2 * len(sampler.plan_epoch(0))
     assert (sampler.epoch, sampler.step_in_epoch, sampler.micro_step) == (1, 0, 0)
@@ -135,7 +136,7 @@ def test_iteration_rolls_over_to_the_next_epoch():
 @pytest.mark.parametrize("consumed", [0, 5, 7, "epoch+3"])
 def test_resume_mid_epoch_replays_exactly(consumed):
     lengths = lognormal_lengths(1500)
-    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
     reference = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2)
     expected = list(reference) + list(reference)  # two uninterrupted epochs
 
@@ -159,11 +160,11 @@ def test_resume_mid_epoch_replays_exactly(consumed):
 
 def test_resume_refuses_another_plan():
     lengths = lognormal_lengths(500)
-    state = LengthMixedSampler(SamplerConfig(token_budget=8192), lengths, seed=0, world_size=2).state_dict()
-    other = LengthMixedSampler(SamplerConfig(token_budget=8192), lengths, seed=0, world_size=1)
+    state = LengthMixedSampler(SamplerConfig(micro_batch_tokens=8192), lengths, seed=0, world_size=2).state_dict()
+    other = LengthMixedSampler(SamplerConfig(micro_batch_tokens=8192), lengths, seed=0, world_size=1)
     with pytest.raises(ValueError, match="world_size was 2 when saved, is 1 now"):
         other.load_state_dict(state)
-    shorter = LengthMixedSampler(SamplerConfig(token_budget=8192), lengths[:-1], seed=0, world_size=2)
+    shorter = LengthMixedSampler(SamplerConfig(micro_batch_tokens=8192), lengths[:-1], seed=0, world_size=2)
     with pytest.raises(ValueError, match="num_samples"):
         shorter.load_state_dict(state)
 
@@ -175,7 +176,7 @@ def long_token_share(lengths: np.ndarray, indices: list[int]) -> float:
 
 def test_every_step_mixes_lengths_unlike_buckets():
     lengths = skewed_lengths(4000)
-    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
     sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2)
     data_share = long_token_share(lengths, list(range(len(lengths))))
     ours = []
@@ -197,7 +198,7 @@ def test_every_step_mixes_lengths_unlike_buckets():
 
 def test_describe_steps_reports_each_step():
     lengths = lognormal_lengths(800)
-    cfg = SamplerConfig(token_budget=8192, grad_accum=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
     sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2)
     steps_epoch0 = len(sampler.plan_epoch(0))
     rows = describe_steps(sampler, steps_epoch0 + 2)
@@ -218,7 +219,7 @@ def test_each_epoch_is_planned_once_and_ahead_of_its_boundary():
     import threading
 
     lengths = lognormal_lengths(3000, seed=5)
-    cfg = SamplerConfig(token_budget=4096, grad_accum=2)
+    cfg = SamplerConfig(micro_batch_tokens=4096, grad_accum=2)
     sampler = LengthMixedSampler(cfg, lengths, seed=1, rank=0, world_size=2)
     built_on: list[str] = []
     real = sampler._build_plan

@@ -15,7 +15,8 @@ from shared.config import build_run_config
 from shared.target import TargetArch, TargetConfig, resolve_layer_ids
 from shared.target_parts import load_embed_and_head
 from stage2_train.data.loader import collate
-from stage2_train.model.drafter import DFlashDrafter, DrafterConfig
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.drafter import DFlashDrafter
 from stage2_train.serve.online_eval import heldout_prompts, online_eval
 from stage2_train.serve.speculative import (
     DFlashProposer,
@@ -258,7 +259,7 @@ def test_offline_walk_tau_equals_online_tau_on_the_same_text(target, layer_ids, 
 def test_offline_eval_counts_every_block_and_matches_its_histogram(target, drafter, layer_ids, prompts):
     samples = [greedy_sample(target, p, layer_ids, max_new=14, sample_id=i) for i, p in enumerate(prompts)]
     reader = MemoryReader(samples)
-    result = offline_eval(drafter, reader, [0, 1], max_anchors_per_seq=None, token_budget=24)
+    result = offline_eval(drafter, reader, [0, 1], max_anchors_per_seq=None, batch_tokens=24)
     expected_blocks = sum(14 - 1 for _ in prompts)  # anchors: every supervised t with t + 1 supervised
     assert result["num_samples"] == 2 and result["num_blocks"] == expected_blocks
     assert sum(result["accept_hist"]) == expected_blocks and len(result["accept_hist"]) == BLOCK
@@ -316,9 +317,10 @@ def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
     """Stage 1 extracts a store from the tiny target; cmd_eval evaluates a checkpoint on its held-out split."""
 
     from shared.config import load_run_config
-    from stage1_extract.pipeline import cmd_extract
+    from stage1_extract.commands import cmd_extract
     from stage2_train.commands import cmd_eval
-    from stage2_train.train.checkpoint import CheckpointConfig, Checkpointer
+    from stage2_train.train.checkpoint.saver import Checkpointer
+    from stage2_train.train.config import CheckpointConfig
     from tests.conftest import stage1_overrides
 
     run_dir = tmp_path / "run"

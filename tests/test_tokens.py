@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from shared.config import load_run_config
-from stage1_extract import pipeline, tokens
+from stage1_extract import commands, prepare, tokens
 from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
 
 def prepared(tiny_target_dir, data, run_dir, **extra):
     cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra))
-    return pipeline.prepare(cfg)
+    return commands.prepare(cfg)
 
 
 def as_tuples(prep):
@@ -37,7 +37,7 @@ def test_second_prepare_reads_the_cache_and_equals_a_fresh_tokenization(tiny_tar
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("tokenized again despite a matching cache")
 
-    monkeypatch.setattr(pipeline, "tokenize_all", no_tokenizing)
+    monkeypatch.setattr(prepare, "tokenize_all", no_tokenizing)
     second = prepared(tiny_target_dir, data, tmp_path / "run", **{"data.max_length": 96})
     assert as_tuples(second) == as_tuples(first)
     assert vars(second.stats) == vars(first.stats) and second.header == first.header

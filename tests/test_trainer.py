@@ -23,10 +23,11 @@ from shared.config import load_run_config
 from shared.store import StoreError
 from stage2_train import commands
 from stage2_train.__main__ import main
-from stage2_train.data.store import open_store, resolve_target
+from stage2_train.data.run_data import open_run_data
+from stage2_train.data.view import open_store, resolve_target
 from stage2_train.observe.metrics import read_log
-from stage2_train.train.schedules import OptimConfig, lr_factor
-from stage2_train.train.trainer import open_run_data
+from stage2_train.train.config import OptimConfig
+from stage2_train.train.schedules import lr_factor
 from tests.conftest import chat_rows, stage1_overrides, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ NOISE_WARMUP = 4
 @pytest.fixture(scope="module")
 def store(tiny_target_dir, tmp_path_factory) -> Path:
     """A 40-sample feature store of the tiny target (stage 1, run in-process)."""
-    from stage1_extract import pipeline as stage1
+    from stage1_extract import commands as stage1
 
     root = tmp_path_factory.mktemp("stage1")
     data = write_jsonl(root / "chat.jsonl", chat_rows(40))
@@ -55,7 +56,7 @@ def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str
         "target.num_feature_layers": 3,
         "target.dtype": "fp32",
         "extract.top_k": 8,
-        "sampler.token_budget": 512,
+        "sampler.micro_batch_tokens": 512,
         "sampler.grad_accum": 1,
         "sampler.max_anchors_per_seq": 4,
         "model.num_layers": 1,
@@ -265,7 +266,7 @@ def no_anchor_for_even_samples(monkeypatch):
 def test_micro_batches_without_a_block_still_train(tiny_target_dir, store, tmp_path, monkeypatch):
     """Half the samples yield no block, so some micro-batches of one or two samples have none."""
     no_anchor_for_even_samples(monkeypatch)
-    extra = {"sampler.token_budget": 128, "train.max_steps": 6}
+    extra = {"sampler.micro_batch_tokens": 128, "train.max_steps": 6}
     commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
     rows = read_log(tmp_path / "train_log.jsonl", "train")
     assert len(rows) == 6 and any(r["blocks"] == 0 for r in rows) and any(r["blocks"] > 0 for r in rows)
@@ -344,7 +345,7 @@ def test_doctor_reads_the_run_log(run, capsys):
 @pytest.mark.slow
 def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
     """Same global batch: 1 rank x 2 micro-batches vs 2 ranks (torchrun, gloo) x 1 micro-batch."""
-    extra = {"train.max_steps": 4, "sampler.token_budget": 256, "sampler.max_anchors_per_seq": 2}
+    extra = {"train.max_steps": 4, "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2}
     one = tmp_path / "one"
     commands.cmd_train(config(tiny_target_dir, store, one, **{**extra, "sampler.grad_accum": 2}), progress=False)
     two = tmp_path / "two"
@@ -373,7 +374,7 @@ def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
     from safetensors.torch import load_file
 
     extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto",
-             "sampler.token_budget": 256, "sampler.max_anchors_per_seq": 2}
+             "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "stage2_train", "train", "--no-progress", *overrides(tiny_target_dir, store, tmp_path, **extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from shared.errors import CheckpointError
-from stage2_train.data.sampler import SamplerConfig
+from stage2_train.data.config import SamplerConfig
 
 
 def valid_anchor_positions(loss_mask_T: torch.Tensor, block_size: int) -> np.ndarray:

@@ -7,8 +7,8 @@ An epoch is planned globally (identically on every rank) from (seed, epoch, leng
 1. Shuffle all sample indices, stratified by length so that every stretch of the order holds
    each length range in its data-set share.
 2. One optimizer step is M = world_size * grad_accum micro-batches ("bins") of at most
-   `token_budget` tokens (and `max_samples_per_batch` samples). For each step, pull the next
-   samples of the shuffled order until the window holds (1 + window_slack) * M * token_budget
+   `micro_batch_tokens` tokens (and `max_samples_per_batch` samples). For each step, pull the next
+   samples of the shuffled order until the window holds (1 + window_slack) * M * micro_batch_tokens
    tokens, then place them longest first, each into the least-loaded bin it fits (LPT). Samples
    carried over from the previous step are placed first, so no sample waits more than a step or
    two. What does not fit (mostly the shortest samples of the window) carries to the next step.
@@ -40,12 +40,12 @@ import heapq
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from shared.config import Section
 from shared.errors import CheckpointError, DataError
+from stage2_train.data.config import SamplerConfig
 
 
 class EpochPlan:
@@ -87,36 +87,6 @@ class EpochPlan:
         )
 
 
-class SamplerConfig(Section):
-    section: ClassVar[str] = "sampler"
-    token_budget: int = 16384
-    """Real (unpadded) context tokens per micro-batch per rank. Samples longer than this are an error."""
-    max_samples_per_batch: int | None = None
-    """Optional cap on samples per micro-batch; None = tokens are the only limit."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step on each rank."""
-    window_slack: float = 0.05
-    """Each step's window over-fills the step by this fraction; the surplus carries to the next step."""
-    max_anchors_per_seq: int = 512
-    """Anchors (blocks) drawn per sequence per epoch, used by AnchorSampler. DFlash recipe: 512."""
-
-    def validate(self) -> None:
-        self.require(self.token_budget > 0, "token_budget", "must be > 0")
-        self.require(
-            self.max_samples_per_batch is None or self.max_samples_per_batch > 0,
-            "max_samples_per_batch",
-            "must be > 0 or null",
-        )
-        self.require(self.grad_accum >= 1, "grad_accum", "must be >= 1")
-        self.require(0.0 <= self.window_slack <= 1.0, "window_slack", "must be in [0, 1]")
-        self.require(self.max_anchors_per_seq >= 1, "max_anchors_per_seq", "must be >= 1")
-
-    def recipe_warnings(self) -> list[str]:
-        if self.max_anchors_per_seq != 512:
-            return [
-                f"sampler.max_anchors_per_seq={self.max_anchors_per_seq} departs from the DFlash recipe (512)"
-            ]
-        return []
 
 
 class MicroBatchRef(NamedTuple):
@@ -136,7 +106,7 @@ NUM_LENGTH_STRATA = 16
 BIN_BITS = 20  # _lpt's heap keys hold the bin in their low bits: up to 1M micro-batches per step
 
 # Settings that change the plan: a resume under different values would not replay the same batches.
-_PLAN_KEYS = ("seed", "world_size", "grad_accum", "token_budget", "max_samples_per_batch", "window_slack")
+_PLAN_KEYS = ("seed", "world_size", "grad_accum", "micro_batch_tokens", "max_samples_per_batch", "window_slack")
 
 
 class LengthMixedSampler:
@@ -155,12 +125,12 @@ class LengthMixedSampler:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
             raise ValueError(f"lengths must be a non-empty 1-D array, got shape {self.lengths.shape}")
-        too_long = np.flatnonzero(self.lengths > cfg.token_budget)
+        too_long = np.flatnonzero(self.lengths > cfg.micro_batch_tokens)
         if len(too_long):
             i = int(too_long[0])
             raise DataError(
-                f"sample {i} has {int(self.lengths[i])} tokens, more than sampler.token_budget="
-                f"{cfg.token_budget} ({len(too_long)} samples too long); raise the budget or re-extract "
+                f"sample {i} has {int(self.lengths[i])} tokens, more than sampler.micro_batch_tokens="
+                f"{cfg.micro_batch_tokens} ({len(too_long)} samples too long); raise the budget or re-extract "
                 f"with a shorter data.max_length"
             )
         empty = np.flatnonzero(self.lengths < 1)
@@ -237,7 +207,7 @@ class LengthMixedSampler:
         order = order_arr.tolist()
         cum_tokens = np.cumsum(self.lengths[order_arr]).tolist()
         # Integer targets: a float key would make bisect compare 900K ints with a float each call.
-        window_tokens = int((1.0 + cfg.window_slack) * num_bins * cfg.token_budget)
+        window_tokens = int((1.0 + cfg.window_slack) * num_bins * cfg.micro_batch_tokens)
         window_count = int((1.0 + cfg.window_slack) * num_bins * max_per_bin)
         longest_first = lens.__getitem__
         steps: list[list[list[int]]] = []
@@ -253,13 +223,13 @@ class LengthMixedSampler:
             fresh = window[np.argsort(-self.lengths[window], kind="stable")].tolist()  # ties keep order
             pos = end
             carried = sorted(carry, key=longest_first, reverse=True)
-            bins, carry = _lpt(carried + fresh, lens, num_bins, cfg.token_budget, max_per_bin)
+            bins, carry = _lpt(carried + fresh, lens, num_bins, cfg.micro_batch_tokens, max_per_bin)
             steps.append(bins)
         if len(steps) >= 2:
             # Deal the last two steps' samples, longest first, alternately into two steps of equal mix.
             pool = sorted((i for b in steps[-2] + steps[-1] for i in b), key=lambda i: (-lens[i], i))
-            first, left_first = _lpt(pool[0::2], lens, num_bins, cfg.token_budget, max_per_bin)
-            second, left_second = _lpt(pool[1::2], lens, num_bins, cfg.token_budget, max_per_bin)
+            first, left_first = _lpt(pool[0::2], lens, num_bins, cfg.micro_batch_tokens, max_per_bin)
+            second, left_second = _lpt(pool[1::2], lens, num_bins, cfg.micro_batch_tokens, max_per_bin)
             if not left_first and not left_second and all(first) and all(second):
                 steps[-2:] = [first, second]
         _fill_empty_bins(steps, lens, epoch)
@@ -357,7 +327,7 @@ class LengthMixedSampler:
             "seed": self.seed,
             "world_size": self.world_size,
             "grad_accum": cfg.grad_accum,
-            "token_budget": cfg.token_budget,
+            "micro_batch_tokens": cfg.micro_batch_tokens,
             "max_samples_per_batch": cfg.max_samples_per_batch,
             "window_slack": cfg.window_slack,
         }
@@ -470,7 +440,7 @@ def describe_steps(sampler: LengthMixedSampler, num_steps: int) -> list[dict[str
                 "length_p50": float(p50),
                 "length_p90": float(p90),
                 "length_max": int(step_lengths.max()),
-                "padding_fraction": 1.0 - tokens / (cfg.token_budget * len(bins)),
+                "padding_fraction": 1.0 - tokens / (cfg.micro_batch_tokens * len(bins)),
                 "rank_tokens": [
                     int(sum(lengths[b].sum() for b in bins[r * ga : (r + 1) * ga]))
                     for r in range(sampler.world_size)

@@ -24,61 +24,18 @@ H hidden, A attention heads, G key/value heads, D head dim, I MLP width, V vocab
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shared.config import Section
 from shared.errors import CheckpointError
 from shared.target import TargetArch
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.model.attention import AttentionPlan, packed_attention, plan_attention
-
-
-class DrafterConfig(Section):
-    section: ClassVar[str] = "model"
-    num_layers: int = 1
-    """5 for the published Qwen3-8B drafter."""
-    block_size: int = 16
-    intermediate_size: int | None = None
-    """None: the target's."""
-    attention: Literal["auto", "sdpa", "flex", "eager"] = "auto"
-    """Auto: flex on CUDA, else sdpa."""
-    attention_chunk_blocks: int = 64
-    """Sdpa/eager: blocks per attention call (bounds the mask size)."""
-    init_std: float = 0.02
-    """Qwen3 initializer_range."""
-    activation_checkpointing: bool = False
-    init: Literal["random", "target_layers"] = "random"
-    """random (std init_std, the recipe), or target_layers: each drafter layer starts as one of the
-    target's last decoder layers, the final norm as the target's, and fc passes the deepest feature
-    layer through (a warm start: the drafter begins as the target's top applied to its own features)."""
-    init_from: str | None = None
-    """A DFlash drafter folder (exported here, or published by z-lab / SpecForge) to start training
-    from instead of a random init; checked against the target's hidden size, layer ids and mask token."""
-    """Keep only each layer's input for backward and recompute the rest: at 4096 wide a block row saves ~0.6 MB per layer otherwise, so a micro-batch of 16K tokens x 512 anchors needs it."""
-
-    def validate(self) -> None:
-        self.require(self.num_layers >= 1, "num_layers", "must be >= 1")
-        self.require(
-            2 <= self.block_size <= 256, "block_size", "must be in 2..256 (slot 0 is never scored; published: 16)"
-        )
-        self.require(
-            self.intermediate_size is None or self.intermediate_size >= 1,
-            "intermediate_size",
-            "must be >= 1 or null (the target's)",
-        )
-        self.require(self.attention_chunk_blocks >= 1, "attention_chunk_blocks", "must be >= 1")
-        self.require(0 < self.init_std < 1, "init_std", "must be in (0, 1)")
-
-    def recipe_warnings(self) -> list[str]:
-        if self.block_size != 16:
-            return [f"model.block_size={self.block_size}: the published DFlash drafters use 16"]
-        return []
-
+from stage2_train.model.config import DrafterConfig
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks

@@ -25,18 +25,15 @@ P = B - 1 scored positions (slot k = 1..B-1 at index k-1).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from shared.config import Section
 from stage2_train.data.batch import IGNORE, DrafterBatch
+from stage2_train.model.config import LossConfig
 
-RECIPE_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 COUNT_KEYS = (
     "ce_sum",  # sum of w * CE over scored slots
     "kl_sum",  # sum of w * KL_topk over scored slots
@@ -47,69 +44,6 @@ COUNT_KEYS = (
     "accept_sum",  # sum over scored blocks of 1 + consecutive correct slots from slot 1
     "num_blocks",  # blocks with at least one scored slot
 )
-
-
-def recipe_gamma(block_size: int) -> float | None:
-    """The published gamma for a block size, or None where the paper gives none."""
-    return RECIPE_GAMMA.get(block_size)
-
-
-class LossConfig(Section):
-    section: ClassVar[str] = "loss"
-    gamma: float = 7.0
-    """Position decay; 7 for B=16 (5 for B=10, 4 for B=8)."""
-    ce_weight: float = 1.0
-    """Weight of cross-entropy against the stored next token."""
-    kl_weight: float = 0.0
-    """Top-k KL against the stored target distribution; 0 in the recipe."""
-    ce_chunk: int = 128
-    """Blocks per LM-head chunk (Qwen3, V=151936: 128*16 rows ~ 1.2 GB fp32)."""
-    full_vocab_slots: int | None = None
-    """Slots 1..N get the softmax over the whole vocabulary; later slots a softmax over the stored
-    top-k candidates of the target (and the label), ~1000x cheaper at a 50-150K vocab. null = every
-    slot full (the recipe). Needs a store with top-k."""
-
-    def validate(self) -> None:
-        self.require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", "must be a finite number > 0")
-        self.require(self.ce_weight >= 0, "ce_weight", "must be >= 0")
-        self.require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
-        self.require(
-            self.ce_weight + self.kl_weight > 0, "ce_weight", "and loss.kl_weight must not both be 0"
-        )
-        self.require(self.ce_chunk >= 1, "ce_chunk", "must be >= 1")
-        self.require(
-            self.full_vocab_slots is None or self.full_vocab_slots >= 0, "full_vocab_slots", "must be >= 0 or null"
-        )
-
-    @property
-    def needs_topk(self) -> bool:
-        """Whether the loss reads the stored top-k (the KL term, or candidate softmax slots)."""
-        return self.kl_weight > 0 or self.full_vocab_slots is not None
-
-    def recipe_warnings(self, block_size: int | None = None) -> list[str]:
-        """Departures from the recipe; the gamma check needs model.block_size."""
-        warnings = []
-        if self.kl_weight > 0 or self.ce_weight != 1.0:
-            warnings.append(
-                f"loss.ce_weight={self.ce_weight}, loss.kl_weight={self.kl_weight}: the recipe trains CE only (1, 0)"
-            )
-        if self.full_vocab_slots is not None:
-            warnings.append(
-                f"loss.full_vocab_slots={self.full_vocab_slots}: slots past it use a top-k candidate softmax; "
-                f"the recipe scores every slot over the full vocabulary"
-            )
-        if block_size is not None:
-            expected = recipe_gamma(block_size)
-            if expected is None:
-                warnings.append(
-                    f"loss.gamma={self.gamma}: no published gamma for model.block_size={block_size} "
-                    f"(published: {', '.join(f'B={b}: {g:g}' for b, g in RECIPE_GAMMA.items())})"
-                )
-            elif self.gamma != expected:
-                warnings.append(
-                    f"loss.gamma={self.gamma:g} departs from the recipe: {expected:g} for model.block_size={block_size}"
-                )
-        return warnings
 
 
 def position_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:

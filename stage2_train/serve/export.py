@@ -38,8 +38,9 @@ from safetensors.torch import save_file
 
 from shared.errors import CheckpointError
 from shared.target import TargetArch, dflash_layer_ids
-from stage2_train.model.drafter import DFlashDrafter, DrafterConfig, build_drafter
-from stage2_train.train.checkpoint import read_model_weights
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.drafter import DFlashDrafter, build_drafter
+from stage2_train.train.checkpoint.format import read_weights
 
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_NAME = "model.safetensors"
@@ -250,7 +251,7 @@ def refuse_unsupported(config: dict[str, Any], where: Path) -> None:
 def load_exported(folder: str | os.PathLike, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> DFlashDrafter:
     """A drafter folder (ours, z-lab's, SpecForge's) as a DFlashDrafter; weights keep their dtype."""
     spec = drafter_spec(folder)
-    weights, _ = read_model_weights(Path(folder) / WEIGHTS_NAME)
+    weights, _ = read_weights(Path(folder) / WEIGHTS_NAME)
     return build_drafter(
         spec.config, spec.arch, len(spec.layer_ids), spec.mask_token_id, embed_VH, lm_head_VH, weights=weights
     ).eval()
@@ -282,7 +283,7 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
                 f"{where}: the drafter has {name}={theirs!r} but this run has {ours!r} ({setting}); "
                 f"set {setting}={theirs!r} or start from another drafter"
             )
-    weights, _ = read_model_weights(Path(folder) / WEIGHTS_NAME)
+    weights, _ = read_weights(Path(folder) / WEIGHTS_NAME)
     return weights
 
 

@@ -18,66 +18,24 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from shared.config import Section
 from shared.errors import DataError
 from stage2_train.data.anchors import AnchorSampler
 from stage2_train.data.batch import IGNORE, DrafterBatch, collate
-from stage2_train.data.sampler import SamplerConfig
+from stage2_train.data.config import SamplerConfig
+from stage2_train.model.config import LossConfig, recipe_gamma
 from stage2_train.model.drafter import DFlashDrafter
 from stage2_train.model.loss import (
-    LossConfig,
     accept_lengths,
     block_counts,
     finalize_metrics,
     loss_weights,
-    recipe_gamma,
     sum_counts,
 )
-
-
-class EvalConfig(Section):
-    """The held-out split and the evaluations on it."""
-
-    section: ClassVar[str] = "eval"
-    holdout_fraction: float = 0.02
-    """Share of samples never trained on, chosen by a hash of their content (identical samples stay together)."""
-    split_seed: int = 0
-    """Fixes the split independently of the training seed."""
-    every_steps: int = 0
-    """Offline eval during training every N optimizer steps; 0 = only at the end."""
-    offline_max_samples: int = 16
-    """Held-out samples scored by the offline eval."""
-    offline_max_anchors_per_seq: int | None = None
-    """Anchors scored per sample; null = every anchor (gives walk_tau; dearer)."""
-    offline_token_budget: int = 8192
-    """Context tokens per offline-eval forward."""
-    online_num_prompts: int = 8
-    """`eval` command: held-out prompts decoded speculatively with the target."""
-    online_max_new_tokens: int = 64
-    """`eval` command: tokens generated per prompt."""
-    online_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
-    """The target's dtype for online decoding. In bf16, near-equal logits tie often and a batched
-    verification can round a tie the other way than one-token decoding, so speculative output would
-    differ from the greedy reference for reasons that are not the drafter's; fp32 makes that rare."""
-
-    def validate(self) -> None:
-        self.require(0.0 <= self.holdout_fraction < 1.0, "holdout_fraction", "must be in [0, 1)")
-        self.require(self.every_steps >= 0, "every_steps", "must be >= 0")
-        self.require(self.offline_max_samples >= 1, "offline_max_samples", "must be >= 1")
-        self.require(
-            self.offline_max_anchors_per_seq is None or self.offline_max_anchors_per_seq >= 1,
-            "offline_max_anchors_per_seq",
-            "must be >= 1 or null (every anchor)",
-        )
-        self.require(self.offline_token_budget >= 1, "offline_token_budget", "must be >= 1")
-        self.require(self.online_num_prompts >= 0, "online_num_prompts", "must be >= 0")
-        self.require(self.online_max_new_tokens >= 1, "online_max_new_tokens", "must be >= 1")
-
 
 DENSE_ANCHORS = 1 << 30  # "every valid anchor" for AnchorSampler
 
@@ -158,7 +116,7 @@ def offline_eval(
     indices: Sequence[int],
     *,
     max_anchors_per_seq: int | None = 64,
-    token_budget: int = 8192,
+    batch_tokens: int = 8192,
     seed: int = 0,
     gamma: float | None = None,
 ) -> dict[str, Any]:
@@ -183,7 +141,7 @@ def offline_eval(
     was_training = drafter.training
     drafter.eval()
     try:
-        for pack in _packs(indices, np.asarray(reader.lengths), token_budget):
+        for pack in _packs(indices, np.asarray(reader.lengths), batch_tokens):
             batch, without = _pack_batch(reader, pack, anchor_sampler, drafter.mask_token_id)
             num_samples += len(pack)
             num_without_anchor += without

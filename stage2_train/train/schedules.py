@@ -18,58 +18,13 @@ seeds with `noise_generator(seed, step, rank)`, so resumed runs draw the same no
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from shared.config import Section
 from shared.errors import CheckpointError
-
-RECIPE_BETAS = (0.9, 0.999)
-
-
-class OptimConfig(Section):
-    section: ClassVar[str] = "optim"
-    lr: float = 6e-4
-    """Peak learning rate of AdamW (recipe: 6e-4)."""
-    betas: tuple[float, float] = RECIPE_BETAS
-    """AdamW betas (recipe: 0.9, 0.999)."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay (recipe: 0)."""
-    warmup_ratio: float = 0.04
-    """Share of the run's optimizer steps spent warming up linearly."""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warmup."""
-    min_lr_ratio: float = 0.0
-    """The decay ends at lr * min_lr_ratio."""
-    grad_clip: float = 1.0
-    """Max global L2 norm of the gradients."""
-
-    def validate(self) -> None:
-        self.require(math.isfinite(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
-        self.require(all(0.0 <= b < 1.0 for b in self.betas), "betas", "must both be in [0, 1)")
-        self.require(self.eps > 0, "eps", "must be > 0")
-        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        self.require(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
-        self.require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
-        self.require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", "must be a finite number > 0")
-
-    def recipe_warnings(self) -> list[str]:
-        out = []
-        if tuple(self.betas) != RECIPE_BETAS:
-            out.append(
-                f"optim.betas={list(self.betas)} departs from the recipe (0.9, 0.999); "
-                f"(0.9, 0.98) has been reported to give NaN losses (z-lab/dflash issue #115)"
-            )
-        for key, recipe in (("lr", 6e-4), ("warmup_ratio", 0.04), ("grad_clip", 1.0), ("weight_decay", 0.0)):
-            if getattr(self, key) != recipe:
-                out.append(f"optim.{key}={getattr(self, key):g} departs from the recipe ({recipe:g})")
-        if self.schedule != "cosine":
-            out.append(f"optim.schedule={self.schedule} departs from the recipe (cosine)")
-        return out
+from stage2_train.train.config import NoiseConfig, OptimConfig
 
 
 def warmup_steps(total_steps: int, cfg: OptimConfig) -> int:
@@ -87,20 +42,6 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
-
-
-class NoiseConfig(Section):
-    section: ClassVar[str] = "noise"
-    std: float = 0.05
-    """Target standard deviation after warmup; 0 turns noise off."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0."""
-    kind: Literal["uniform", "gaussian"] = "uniform"
-    """Uniform noise U(-s*sqrt(3), s*sqrt(3)) as speculators adds it, or Gaussian."""
-
-    def validate(self) -> None:
-        self.require(math.isfinite(self.std) and self.std >= 0, "std", "must be a finite number >= 0")
-        self.require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
 
 
 class NoiseSchedule:

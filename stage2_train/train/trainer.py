@@ -37,68 +37,32 @@ from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 
-from shared.config import RunConfig, Section
+from shared.config import RunConfig
 from shared.errors import CheckpointError, ConfigError, DataError, DivergedError
 from shared.target_parts import load_embed_and_head, load_target_layers
-from stage2_train.data.batch import IGNORE, DrafterBatch
+from stage2_train.data.batch import DrafterBatch
 from stage2_train.data.loader import LoadedBatch
-from stage2_train.data.store import DataSettings, TrainData, open_train_data, resolve_target
+from stage2_train.data.run_data import open_run_data, with_a_block
+from stage2_train.data.view import TrainData
 from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_target_layers
 from stage2_train.model.loss import COUNT_KEYS, dflash_loss, finalize_metrics, loss_weights, sum_counts
 from stage2_train.observe.detectors import LiveDetectors, as_warning
 from stage2_train.observe.metrics import MetricsSink
-from stage2_train.train.checkpoint import (
-    Checkpointer,
-    check_compatible,
+from stage2_train.train.checkpoint.format import (
     load_optimizer_state,
     optimizer_state,
     rng_state,
     set_rng_state,
 )
+from stage2_train.train.checkpoint.saver import Checkpointer
+from stage2_train.train.config import TrainConfig
 from stage2_train.train.evaluate import offline_eval
+from stage2_train.train.resume import find_resume_point
 from stage2_train.train.schedules import NoiseSchedule, lr_factor, noise_generator, warmup_steps
-
-
-class TrainConfig(Section):
-    section: ClassVar[str] = "train"
-    epochs: int = 6
-    """Passes over the training split (recipe: 6)."""
-    max_steps: int | None = None
-    """At most this many optimizer steps (the LR schedule spans them); null = every epoch."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto: CUDA when torch sees a GPU, else CPU."""
-    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """auto: bf16 autocast on GPU, fp32 on CPU."""
-    num_data_threads: int = 2
-    """Loader threads per rank."""
-    prefetch: int = 4
-    """Micro-batches prepared ahead per rank."""
-    cpu_threads: int = 0
-    """Torch intra-op threads when training on CPU; 0 = torch's default."""
-    resume: str = "auto"
-    """auto: the newest checkpoint that verifies, if any; never; or a checkpoint path."""
-    resume_force: bool = False
-    """Resume even when block size, gamma, layers, batch or ranks changed."""
-    max_nonfinite_steps: int = 3
-    """Optimizer steps in a row with a non-finite loss or gradient norm (each skipped) before the run stops."""
-
-    def validate(self) -> None:
-        self.require(self.epochs >= 1, "epochs", "must be >= 1")
-        self.require(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
-        self.require(self.num_data_threads >= 1, "num_data_threads", "must be >= 1")
-        self.require(self.prefetch >= 1, "prefetch", "must be >= 1")
-        self.require(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
-        self.require(bool(self.resume), "resume", "must be auto, never, or a checkpoint path")
-        self.require(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", "must be >= 0")
-
-    def recipe_warnings(self) -> list[str]:
-        if self.epochs != 6:
-            return [f"train.epochs={self.epochs} departs from the recipe (6)"]
-        return []
 
 
 @dataclass
@@ -252,8 +216,8 @@ class Trainer:
             "steps_per_epoch": data.sampler.steps_per_epoch,
             "world_size": self.world_size,
             "grad_accum": cfg.sampler.grad_accum,
-            "token_budget_per_micro_batch": cfg.sampler.token_budget,
-            "token_budget_per_step": cfg.sampler.token_budget * cfg.sampler.grad_accum * self.world_size,
+            "micro_batch_tokens": cfg.sampler.micro_batch_tokens,
+            "tokens_per_step": cfg.sampler.micro_batch_tokens * cfg.sampler.grad_accum * self.world_size,
             "max_anchors_per_seq": cfg.sampler.max_anchors_per_seq,
             "block_size": cfg.model.block_size,
             "num_layers": cfg.model.num_layers,
@@ -473,7 +437,7 @@ class Trainer:
                 data.reader,
                 data.heldout_indices[: cfg.offline_max_samples].tolist(),
                 max_anchors_per_seq=cfg.offline_max_anchors_per_seq,
-                token_budget=cfg.offline_token_budget,
+                batch_tokens=cfg.offline_batch_tokens,
                 seed=self.cfg.seed,
                 gamma=self.cfg.loss.gamma,
             )
@@ -482,7 +446,9 @@ class Trainer:
             return None
         row["eval_s"] = round(time.perf_counter() - start, 3)
         self.sink.log(self.step, row, kind="eval")
-        self.detectors.update({"kind": "eval", "step": self.step, **row})  # eval time is not a stall
+        # Eval time is not a stall; a held-out curve turning while training improves is a warning.
+        for event in self.detectors.update({"kind": "eval", "step": self.step, **row}):
+            self.sink.event("warning", event["step"], **as_warning(event))
         self.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
         return row
 
@@ -540,43 +506,15 @@ class Trainer:
         self.last_eval = state.get("last_eval")
 
     def resume(self) -> str | None:
-        """train.resume: auto (the newest checkpoint that verifies, if any), never, or a path.
-
-        Checkpoints passed over (damaged, incomplete) are named on stderr and in the `resume`
-        event. A checkpoint whose settings change what training computes is refused by name unless
-        train.resume_force; every changed setting goes into the `resume` event either way."""
-        choice = self.cfg.train.resume
-        if choice == "never":
-            return None
-        skipped: list[tuple[str, str]] = []
-        if choice == "auto":
-            selection = self.checkpointer.select()
-            path, skipped = selection.path, selection.skipped
-            for where, why in skipped:
-                if self.rank == 0:
-                    print(f"warning: skipping checkpoint {where}: {why}", file=sys.stderr)
-        else:
-            path = Path(choice)
-            if not path.is_dir():
-                raise ConfigError(f"train.resume={choice!r}: no checkpoint directory at {path}")
-        if path is None:
-            if skipped:
-                self.sink.event("resume", 0, path=None, skipped=[{"path": p, "why": w} for p, w in skipped])
-            return None
-        state = self.checkpointer.load(path)
-        forced = check_compatible(state["config"], self.info["config"], self.cfg.train.resume_force)
-        before = state["trainer"].get("total_steps")
-        self.load_state_dict(state)
-        self.sink.event(
-            "resume",
-            self.step,
-            path=str(path),
-            skipped=[{"path": p, "why": w} for p, w in skipped],
-            forced_differences=forced,
-            total_steps_before=before,
-            config_changes=config_changes(state["config"], self.info["config"]),
+        """Continue from the checkpoint `train.resume` chooses (`train/resume.py`: the one policy)."""
+        point = find_resume_point(
+            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info["config"], self.rank
         )
-        return str(path)
+        if point.state is not None:
+            self.load_state_dict(point.state)
+        if point.event is not None:
+            self.sink.event("resume", self.step, **point.event)
+        return None if point.path is None else str(point.path)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _reduce_counts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -616,68 +554,6 @@ class Trainer:
 
     def close(self) -> None:
         self.sink.close()
-
-
-def open_run_data(
-    cfg: RunConfig, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None, prefetch: int | None = None
-) -> TrainData:
-    """The training data of a run config (store checked against the target, split, sampler, loader),
-    refusing a block size no sample can fill."""
-    settings = DataSettings(
-        block_size=cfg.model.block_size,
-        seed=cfg.seed,
-        holdout_fraction=cfg.eval.holdout_fraction,
-        split_seed=cfg.eval.split_seed,
-        gather_topk=cfg.loss.needs_topk,
-        num_threads=num_threads or cfg.train.num_data_threads,
-        prefetch=prefetch or cfg.train.prefetch,
-        reader_options=cfg.store.reader_options(),
-    )
-    url = cfg.store.url(cfg.run_dir)
-    data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
-    longest = int(data.reader.lengths.max())
-    if cfg.model.block_size > longest:
-        raise ConfigError(
-            f"model.block_size={cfg.model.block_size} is longer than every sample of {url} (the longest has "
-            f"{longest} tokens, data.max_length was {data.reader.manifest.get('max_length')}): no block could "
-            f"fill its slots; use a block size of at most {longest} (published drafters: 16)"
-        )
-    return data
-
-
-def with_a_block(batch: DrafterBatch, mask_token_id: int) -> DrafterBatch:
-    """The batch itself, or, when none of its samples yields a block (answers shorter than a block),
-    the batch plus one unscored block: every rank must run forward and backward for DDP to reduce,
-    and a block whose labels are all IGNORE adds nothing to the loss, the gradients or the metrics."""
-    if batch.labels_NB.shape[0] > 0:
-        return batch
-    B = batch.labels_NB.shape[1]
-    topk = {}
-    if batch.topk_ids_NBK is not None:
-        K = batch.topk_ids_NBK.shape[-1]
-        topk = {"topk_logprobs_NBK": torch.zeros(1, B, K), "topk_ids_NBK": torch.zeros(1, B, K, dtype=torch.long)}
-    return replace(
-        batch,
-        block_ids_NB=torch.full((1, B), mask_token_id, dtype=torch.long),
-        block_seq_N=torch.zeros(1, dtype=torch.long),
-        anchor_pos_N=torch.zeros(1, dtype=torch.long),
-        labels_NB=torch.full((1, B), IGNORE, dtype=torch.long),
-        **topk,
-    )
-
-
-def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
-    """Dotted key -> [saved value, current value] for every resolved setting that changed."""
-    out: dict[str, list[Any]] = {}
-    for section in sorted(set(before) | set(after)):
-        a, b = before.get(section), after.get(section)
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in sorted(set(a) | set(b)):
-                if a.get(key) != b.get(key):
-                    out[f"{section}.{key}"] = [a.get(key), b.get(key)]
-        elif a != b:
-            out[section] = [a, b]
-    return out
 
 
 def make_accelerator(cfg: TrainConfig) -> Any:

@@ -1,4 +1,4 @@
-"""Stage 1 commands: generate, plan, extract, status, verify.
+"""Stage 1 commands: generate, plan, extract, status, reprocess, verify.
 
 Each takes the composed RunConfig and returns a JSON-able dict; `__main__` only parses and prints.
 """
@@ -6,54 +6,26 @@ Each takes the composed RunConfig and returns a JSON-able dict; `__main__` only 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
-from shared.errors import BusyError, ConfigError, DataError, InputFileError, StoreError
+from shared.errors import StoreError
 from shared.lock import exclusive
-from shared.store import (
-    StoreFiles,
-    bytes_per_token,
-    content_checksum,
-    load_manifest,
-    read_manifest,
-    read_shard_arrays,
-)
+from shared.store import StoreFiles, bytes_per_token, load_manifest
 from shared.target import (
-    TargetArch,
     load_target_model,
     load_tokenizer,
     resolve_dtype,
-    resolve_layer_ids,
     resolve_target_dir,
-    tokenizer_fingerprints,
     weights_fingerprint,
 )
+from stage1_extract.batching import ShardPlan, windows_for_rank
 from stage1_extract.data import ReadStats, read_conversations
-from stage1_extract.extract import (
-    ShardPlan,
-    TokenizedRow,
-    choose_samples_per_shard,
-    content_hash,
-    done_shards,
-    estimate,
-    header_differences,
-    header_key,
-    load_or_pin_plan,
-    merge_manifest,
-    part_path,
-    plan_shards,
-    run_shards,
-    settings_header,
-    windows_for_rank,
-)
+from stage1_extract.distributed import _barrier, distributed_context, store_lock
+from stage1_extract.extract import estimate, run_shards
 from stage1_extract.generate import (
     generate_all,
     resolve_backend,
@@ -62,9 +34,13 @@ from stage1_extract.generate import (
     transformers_backend,
     vllm_backend,
 )
-from stage1_extract.tokens import TokenCache, cache_key, resolve_workers, tokenize_all
+from stage1_extract.header import header_differences, load_or_pin_plan
+from stage1_extract.merge import done_shards, merge_manifest, part_path
+from stage1_extract.prepare import Prepared, generated_path, planned_shards, prepare, shard_size
+from stage1_extract.verify import verify_store
 
 log = logging.getLogger(__name__)
+
 
 def prompts_path(cfg: RunConfig) -> Path:
     """The conversations `generate` reads: data.path, or the embedded default prompt set."""
@@ -76,34 +52,6 @@ def prompts_path(cfg: RunConfig) -> Path:
     if not path.exists():
         write_default_prompts(path, cfg.data.num_default_prompts)
     return path
-
-
-def generated_path(cfg: RunConfig) -> Path:
-    return Path(cfg.run_dir) / "data" / "generated.parquet"
-
-
-def extraction_input(cfg: RunConfig) -> Path:
-    """Extraction reads the target's regenerated conversations (the recipe), or data.path as is."""
-    if cfg.data.regenerate:
-        path = generated_path(cfg)
-        if not path.exists():
-            raise InputFileError(
-                f"{path} does not exist: run `python -m stage1_extract generate` first "
-                f"(or set data.regenerate=false to extract data.path as it is)"
-            )
-        return path
-    if cfg.data.path is None:
-        raise ConfigError("data.regenerate=false needs data.path: the default prompts have no answers")
-    path = Path(cfg.data.path)
-    if not path.exists():
-        raise InputFileError(
-            f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
-            f"check the path, or build it first (`make generate CONFIG=...` writes a preset's answers to run_dir/data)"
-        )
-    return path
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
@@ -140,42 +88,6 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     }
 
 
-@dataclass
-class Prepared:
-    header: dict[str, Any]
-    rows: list[TokenizedRow]
-    files: StoreFiles
-    layer_ids: list[int]
-    stats: ReadStats
-    source: Path
-
-
-def prepare(cfg: RunConfig) -> Prepared:
-    """Tokenize the input (or read the token cache) and compute the identity header of the store
-    (no model weights loaded)."""
-    model_dir = resolve_target_dir(cfg.target)
-    arch = TargetArch.from_dir(model_dir)
-    layer_ids = resolve_layer_ids(cfg.target, arch)
-    tokenizer = load_tokenizer(cfg.target)
-    tokenizer_hashes = tokenizer_fingerprints(tokenizer)
-    source = extraction_input(cfg)
-    rows, stats = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source)
-    if not rows:
-        raise DataError(f"{source}: no usable rows")
-    header = settings_header(
-        target_path=cfg.target.path,
-        weights_sha256=weights_fingerprint(model_dir),
-        arch=arch,
-        tokenizer_hashes=tokenizer_hashes,
-        layer_ids=layer_ids,
-        top_k=cfg.extract.top_k,
-        store=cfg.store,
-        max_length=cfg.data.max_length,
-        on_long=cfg.data.on_long,
-    )
-    return Prepared(header, rows, StoreFiles(cfg.store.url(cfg.run_dir)), layer_ids, stats, source)
-
-
 def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
     prepared = prepared or prepare(cfg)
     plan = estimate(prepared.rows, prepared.header, cfg.store)
@@ -190,90 +102,6 @@ def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]
         }
     )
     return plan
-
-
-def token_cache_dir(cfg: RunConfig) -> Path:
-    return Path(os.path.expandvars(cfg.data.cache_dir)) if cfg.data.cache_dir else Path(cfg.run_dir) / "cache"
-
-
-def distributed_context() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun / accelerate launch variables."""
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-    )
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def tokenized_rows(
-    cfg: RunConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path
-) -> tuple[list[TokenizedRow], ReadStats]:
-    """Every row of `source`, templated and tokenized: from the token cache when it matches, else
-    by `data.tokenize_workers` processes (then cached). Bad rows raise naming the file and row."""
-    data = cfg.data
-    cache = None
-    if data.token_cache:
-        settings = {"max_length": data.max_length, "on_long": data.on_long, "on_bad_row": data.on_bad_row, "max_samples": data.max_samples}
-        key, inputs = cache_key(source, tokenizer_hashes, settings)
-        cache = TokenCache(token_cache_dir(cfg), key, inputs)
-        if cache.exists():
-            cached, stats = cache.load()
-            return [TokenizedRow(**r) for r in cached], stats
-    stats = ReadStats()
-    conversations = list(read_conversations(source, on_bad_row=data.on_bad_row, max_samples=data.max_samples, stats=stats))
-    workers = resolve_workers(data.tokenize_workers)
-    rows = []
-    for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers)):
-        skipped = not isinstance(sample, str) and sample.truncated and data.on_long == "skip"
-        problem = unusable(sample, data.max_length) if not skipped else None
-        if problem is not None:
-            message = f"{source}: row {row}: {problem}"
-            if data.on_bad_row == "raise":
-                raise DataError(message + " (set data.on_bad_row=skip to skip and count bad rows)")
-            stats.bad_rows += 1
-            if len(stats.bad_examples) < 5:
-                stats.bad_examples.append(message)
-            log.warning("skipping %s", message)
-            continue
-        rows.append(
-            TokenizedRow(
-                sample_id=conv.row,
-                row_hash=conv.row_hash(),
-                input_ids=sample.input_ids,
-                loss_mask=sample.loss_mask,
-                truncated=sample.truncated and not skipped,
-                skipped=skipped,
-                content_hash=content_hash(sample.input_ids, sample.loss_mask),
-            )
-        )
-    if cache is not None and rows:
-        try:
-            cache.save(rows, stats)
-        except OSError as exc:  # a read-only or full run_dir costs the next command a re-tokenize, not this one
-            log.warning("could not write the token cache under %s (%s): later commands tokenize again", cache.root, exc)
-    return rows, stats
-
-
-def unusable(sample: Any, max_length: int) -> str | None:
-    """Why a tokenized row cannot be trained on, or None: the template failed (the message), or no
-    assistant token is left to supervise (saying when truncation to data.max_length caused it)."""
-    if isinstance(sample, str):
-        return sample
-    if sample.loss_mask.any():
-        return None
-    if sample.truncated:
-        return (
-            f"no assistant tokens left to supervise after truncating to data.max_length={max_length} "
-            f"(the prompt alone fills it); raise data.max_length or set data.on_long=skip"
-        )
-    return "no assistant tokens to supervise after templating"
 
 
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
@@ -294,49 +122,6 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, repr
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-@contextmanager
-def store_lock(url: str, rank: int, world: int, command: str) -> Iterator[None]:
-    """Rank 0 holds the store's lock for the whole job; every rank learns at once if it could not
-    (a second `extract` on the same store is refused before it touches a file)."""
-    with ExitStack() as stack:
-        error: BusyError | None = None
-        if rank == 0:
-            try:
-                stack.enter_context(exclusive(url, f"stage1_extract {command}"))
-            except BusyError as exc:
-                error = exc
-        if not _all_ok(world, error is None):
-            raise error or BusyError(f"{url}: another command holds the store (rank 0 could not lock it)")
-        yield
-
-
-def _all_ok(world: int, ok: bool) -> bool:
-    if world == 1:
-        return ok
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def shard_size(cfg: RunConfig, prepared: Prepared) -> int:
-    """samples_per_shard: pinned in plan.json by the first run, else computed from store.shard_mb."""
-    files = prepared.files
-    if files.exists("plan.json"):
-        return int(files.read_json("plan.json")["samples_per_shard"])
-    token_bytes = bytes_per_token(
-        cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
-    )
-    return choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
-
-
-def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
-    """The shards of the current config and data, with the boundaries pinned in plan.json."""
-    return plan_shards(prepared.rows, shard_size(cfg, prepared), header_key(prepared.header))
 
 
 def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Prepared:
@@ -559,48 +344,3 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True) -> d
         after["repaired"] = [b["shard"] for b in report["bad_shards"]]
         return after
     return report
-
-
-def verify_store(url: str) -> dict[str, Any]:
-    import numpy as np
-
-    manifest = read_manifest(url)
-    layers, hidden, top_k = len(manifest["layer_ids"]), manifest["target"]["hidden_size"], manifest["top_k"]
-    files = StoreFiles(url)
-    present = set(files.list("shards"))
-    bad: list[dict[str, Any]] = []
-    for record in manifest["shards"]:
-        if not record["name"]:
-            continue
-        try:
-            if record["name"] not in present:
-                raise ValueError("shard group is missing")
-            arrays = read_shard_arrays(url, record["name"])
-            tokens = record["num_tokens"]
-            expect = {
-                "hidden": ((tokens, layers, hidden), np.uint16 if manifest["storage"]["dtype"] == "bf16" else np.uint8),
-                "topk_logprobs": ((tokens, top_k), np.float16),
-                "topk_ids": ((tokens, top_k), np.int32),
-                "input_ids": ((tokens,), np.int32),
-                "loss_mask": ((tokens,), np.bool_),
-                "offsets": ((record["num_samples"] + 1,), np.int64),
-                "sample_ids": ((record["num_samples"],), np.int64),
-            }
-            for name, (shape, dtype) in expect.items():
-                if name not in arrays:
-                    raise ValueError(f"array {name} missing")
-                if arrays[name].shape != shape or arrays[name].dtype != dtype:
-                    raise ValueError(f"{name} is {arrays[name].dtype}{arrays[name].shape}, expected {np.dtype(dtype)}{shape}")
-            if arrays["sample_ids"].tolist() != record["sample_ids"]:
-                raise ValueError("sample ids differ from the manifest")
-            bits = arrays["hidden"]
-            nonfinite = ((bits & 0x7F80) == 0x7F80) if bits.dtype == np.uint16 else ((bits & 0x7F) == 0x7F)
-            if nonfinite.any():
-                raise ValueError(f"{int(nonfinite.sum())} non-finite hidden values")
-            if not np.isfinite(arrays["topk_logprobs"]).all():
-                raise ValueError("non-finite top-k log-probs")
-            if content_checksum(arrays) != record["checksum"]:
-                raise ValueError("checksum mismatch")
-        except Exception as exc:  # noqa: BLE001 - every failure is reported per shard
-            bad.append({"shard": record["name"], "index": record["index"], "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-    return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad}

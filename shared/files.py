@@ -1,0 +1,87 @@
+"""Durable local files: one atomic write and one file hash for every writer of the project.
+
+    write_atomic(path, data)          # bytes or str: temp file, fsync it, rename, fsync the folder
+    with atomic_path(path) as tmp:    # for writers that need a path (safetensors, parquet, np.save)
+        save_file(tensors, tmp)
+    file_sha256(path)                 # streamed, any size
+
+A reader (or a crash) sees the old file or the new one, never a torn mix: the data is on disk
+before the rename (fsync of the file), and the rename is on disk before the call returns (fsync of
+the folder). Object stores have no rename and replace an object whole on PUT: `shared/store.py`
+handles them through fsspec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+HASH_CHUNK = 1 << 24  # 16 MB reads: hashing runs at disk or page-cache speed, not per-call overhead
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(path: Path) -> Path:
+    """A hidden name beside `path`, unique per process (two writers never share a temp file)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block ends without error, the file (or
+    folder) written there is fsynced and renamed onto `path`; on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        if tmp.is_dir():
+            for child in tmp.rglob("*"):
+                if child.is_file():
+                    fsync_file(child)
+            fsync_dir(tmp)
+        else:
+            fsync_file(tmp)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Replace `path` with `data` atomically and durably; returns the path."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(HASH_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()

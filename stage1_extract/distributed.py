@@ -1,0 +1,48 @@
+"""Stage 1 under torchrun / accelerate launch: the rank's place, barriers, and agreement.
+
+Only barriers and small agreements travel (gloo works on CPU and GPU nodes). Every rank reaches
+every collective, also on bad input or a busy store: a rank that failed raises after the others
+have heard of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from shared.lock import exclusive_on_rank0
+
+
+def distributed_context() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun / accelerate launch variables."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+@contextmanager
+def store_lock(url: str, rank: int, world: int, command: str) -> Iterator[None]:
+    """Rank 0 holds the store's lock for the whole job; every rank learns at once if it could not."""
+    with exclusive_on_rank0(url, f"stage1_extract {command}", rank, lambda ok: _all_ok(world, ok)):
+        yield
+
+
+def _all_ok(world: int, ok: bool) -> bool:
+    if world == 1:
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

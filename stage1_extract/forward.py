@@ -1,0 +1,71 @@
+"""The target forward of one batch: the chosen layers' outputs and the top-k log-probabilities.
+
+Per token: the outputs of the chosen decoder layers (HF hidden_states[i + 1], captured by hooks on
+those layers, so the other layers' states are never kept) and the top-k log-probabilities of the
+target's next-token distribution (final norm + LM head, log-softmax in fp32, computed in chunks so
+the [tokens, vocab] logits never exist whole).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shared.target import LayerCapture
+from stage1_extract.batching import TokenizedRow
+
+
+def topk_logprobs(final_hidden_NH: Any, lm_head: Any, k: int, chunk: int) -> tuple[Any, Any]:
+    """Top-k of log_softmax(lm_head(h)) in fp32, chunked over tokens.
+
+    log_softmax is monotone, so the top-k of the logits minus their logsumexp is the top-k of the
+    log-probs; the logsumexp is then taken in place, so no second [chunk, vocab] fp32 tensor is
+    made (at Qwen3's 152K vocab and 8K-token chunks that tensor is 5 GB)."""
+    import torch
+
+    values, indices = [], []
+    for start in range(0, final_hidden_NH.shape[0], chunk):
+        logits_CV = lm_head(final_hidden_NH[start : start + chunk]).float()
+        top = torch.topk(logits_CV, k, dim=-1)
+        max_C1 = logits_CV.amax(dim=-1, keepdim=True)
+        logsumexp_C1 = max_C1 + logits_CV.sub_(max_C1).exp_().sum(dim=-1, keepdim=True).log_()
+        values.append(top.values - logsumexp_C1)
+        indices.append(top.indices.to(torch.int32))
+    return torch.cat(values), torch.cat(indices)
+
+
+def forward_batch(model: Any, capture: LayerCapture, rows: list[TokenizedRow], top_k: int, chunk: int, packed: bool) -> list[tuple[Any, Any, Any]]:
+    """Per row: (hidden [T, L, H], topk_logprobs [T, K], topk_ids [T, K]) on the model's device."""
+    import torch
+
+    device = next(model.parameters()).device
+    decoder = model.get_decoder()
+    lengths = [len(r.input_ids) for r in rows]
+    with torch.inference_mode():
+        if packed:
+            ids_1N = torch.from_numpy(np.concatenate([r.input_ids for r in rows]).astype(np.int64))[None].to(device)
+            pos_1N = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+            final_1NH = decoder(input_ids=ids_1N, position_ids=pos_1N).last_hidden_state
+            hidden_1NLH = capture.stacked()
+            values_NK, ids_NK = topk_logprobs(final_1NH[0], model.lm_head, top_k, chunk)
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            return [
+                (hidden_1NLH[0, a:b], values_NK[a:b], ids_NK[a:b]) for a, b in zip(bounds[:-1], bounds[1:])
+            ]
+        width = max(lengths)
+        ids_BT = torch.zeros((len(rows), width), dtype=torch.long)
+        attn_BT = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids_BT[b, : lengths[b]] = torch.from_numpy(r.input_ids.astype(np.int64))
+            attn_BT[b, : lengths[b]] = 1
+        final_BTH = decoder(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device)).last_hidden_state
+        hidden_BTLH = capture.stacked()
+        # Only real tokens go through the LM head: padding is never computed twice nor stored.
+        keep_BT = attn_BT.bool().to(device)
+        values_NK, ids_NK = topk_logprobs(final_BTH[keep_BT], model.lm_head, top_k, chunk)
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        return [
+            (hidden_BTLH[b, : lengths[b]], values_NK[bounds[b] : bounds[b + 1]], ids_NK[bounds[b] : bounds[b + 1]])
+            for b in range(len(rows))
+        ]

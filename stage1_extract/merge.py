@@ -1,0 +1,88 @@
+"""Part records and the manifest: which shards are done, and manifest.json built from every rank's
+records (written last), with the groups no record lists removed.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from shared.errors import StoreError
+from shared.store import StoreFiles
+from stage1_extract.batching import ShardPlan
+
+
+def part_path(index: int) -> str:
+    return f"parts/shard-{index:06d}.json"
+
+
+def record_matches(record: dict[str, Any] | None, shard: ShardPlan) -> bool:
+    """A shard is done when its part record matches both its input rows and the settings."""
+    return record is not None and record.get("rows_sha256") == shard.rows_sha256 and record.get("header_key") == shard.key
+
+
+PART_READ_THREADS = 32
+
+
+def part_records(files: StoreFiles, shards: list[ShardPlan]) -> dict[int, dict[str, Any]]:
+    """The part record of every shard that has one: one listing, then reads in parallel. On an
+    object store each read is a latency-bound GET; 100K shards read one by one take minutes."""
+    present = set(files.list("parts"))
+    wanted = [s.index for s in shards if part_path(s.index).rsplit("/", 1)[1] in present]
+    with ThreadPoolExecutor(PART_READ_THREADS, thread_name_prefix="dflash-parts") as pool:
+        records = list(pool.map(lambda index: files.read_json(part_path(index)), wanted))
+    return dict(zip(wanted, records))
+
+
+def done_shards(files: StoreFiles, shards: list[ShardPlan]) -> set[int]:
+    """Indices of the shards whose part record matches their rows and settings."""
+    records = part_records(files, shards)
+    return {s.index for s in shards if record_matches(records.get(s.index), s)}
+
+
+def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[ShardPlan], extra: dict[str, Any]) -> dict[str, Any]:
+    """Build manifest.json from the part records (all ranks), then drop unlisted shard groups."""
+    found = part_records(files, shards)
+    records = []
+    for shard in shards:
+        if not record_matches(found.get(shard.index), shard):
+            raise StoreError(
+                f"{files.url}/{part_path(shard.index)} is missing or belongs to other rows or settings; "
+                f"rerun `python -m stage1_extract extract`"
+            )
+        records.append(found[shard.index])
+    manifest = dict(header)
+    manifest.update(extra)
+    manifest.update(
+        {
+            "num_samples": sum(r["num_samples"] for r in records),
+            "num_tokens": sum(r["num_tokens"] for r in records),
+            "num_bytes": sum(r["bytes"] for r in records),
+            "num_truncated": sum(r["num_truncated"] for r in records),
+            "num_skipped": sum(r["num_skipped"] for r in records),
+            "num_duplicates": count_duplicates(records),
+            "shards": records,
+        }
+    )
+    files.write_json("manifest.json", manifest)
+    for name in orphans(files, records):
+        files.remove(name)  # leftovers of a crash, of a replaced shard, or of rows no longer in the data
+    return manifest
+
+
+def count_duplicates(records: list[dict[str, Any]]) -> int | None:
+    """Samples whose tokens equal an earlier sample's (the held-out split keeps copies together);
+    None for part records written before content hashes were recorded."""
+    if not all("content_hashes" in r for r in records):
+        return None
+    hashes = [h for r in records for h in r["content_hashes"]]
+    return len(hashes) - len(set(hashes))
+
+
+def orphans(files: StoreFiles, records: list[dict[str, Any]]) -> list[str]:
+    """Store paths that no manifest record refers to: unlisted shard groups and part records."""
+    listed = {r["name"] for r in records if r["name"]}
+    parts = {part_path(r["index"]).split("/")[1] for r in records}
+    out = [f"shards/{n}" for n in files.list("shards") if n.startswith("shard-") and n not in listed]
+    out += [f"parts/{n}" for n in files.list("parts") if n.startswith("shard-") and n not in parts]
+    return out

@@ -1,0 +1,117 @@
+"""The model room's config sections: the drafter and its loss. No torch here, so `check` and the
+doctor validate a config without loading it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+from shared.config import Section
+
+RECIPE_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def recipe_gamma(block_size: int) -> float | None:
+    """The published gamma for a block size, or None where the paper gives none."""
+    return RECIPE_GAMMA.get(block_size)
+
+
+class DrafterConfig(Section):
+    section: ClassVar[str] = "model"
+    num_layers: int = 1
+    """5 for the published Qwen3-8B drafter."""
+    block_size: int = 16
+    intermediate_size: int | None = None
+    """None: the target's."""
+    attention: Literal["auto", "sdpa", "flex", "eager"] = "auto"
+    """Auto: flex on CUDA, else sdpa."""
+    attention_chunk_blocks: int = 64
+    """Sdpa/eager: blocks per attention call (bounds the mask size)."""
+    init_std: float = 0.02
+    """Qwen3 initializer_range."""
+    activation_checkpointing: bool = False
+    init: Literal["random", "target_layers"] = "random"
+    """random (std init_std, the recipe), or target_layers: each drafter layer starts as one of the
+    target's last decoder layers, the final norm as the target's, and fc passes the deepest feature
+    layer through (a warm start: the drafter begins as the target's top applied to its own features)."""
+    init_from: str | None = None
+    """A DFlash drafter folder (exported here, or published by z-lab / SpecForge) to start training
+    from instead of a random init; checked against the target's hidden size, layer ids and mask token."""
+    """Keep only each layer's input for backward and recompute the rest: at 4096 wide a block row saves ~0.6 MB per layer otherwise, so a micro-batch of 16K tokens x 512 anchors needs it."""
+
+    def validate(self) -> None:
+        self.require(self.num_layers >= 1, "num_layers", "must be >= 1")
+        self.require(
+            2 <= self.block_size <= 256, "block_size", "must be in 2..256 (slot 0 is never scored; published: 16)"
+        )
+        self.require(
+            self.intermediate_size is None or self.intermediate_size >= 1,
+            "intermediate_size",
+            "must be >= 1 or null (the target's)",
+        )
+        self.require(self.attention_chunk_blocks >= 1, "attention_chunk_blocks", "must be >= 1")
+        self.require(0 < self.init_std < 1, "init_std", "must be in (0, 1)")
+
+    def recipe_warnings(self) -> list[str]:
+        if self.block_size != 16:
+            return [f"model.block_size={self.block_size}: the published DFlash drafters use 16"]
+        return []
+
+
+class LossConfig(Section):
+    section: ClassVar[str] = "loss"
+    gamma: float = 7.0
+    """Position decay; 7 for B=16 (5 for B=10, 4 for B=8)."""
+    ce_weight: float = 1.0
+    """Weight of cross-entropy against the stored next token."""
+    kl_weight: float = 0.0
+    """Top-k KL against the stored target distribution; 0 in the recipe."""
+    ce_chunk: int = 128
+    """Blocks per LM-head chunk (Qwen3, V=151936: 128*16 rows ~ 1.2 GB fp32)."""
+    full_vocab_slots: int | None = None
+    """Slots 1..N get the softmax over the whole vocabulary; later slots a softmax over the stored
+    top-k candidates of the target (and the label), ~1000x cheaper at a 50-150K vocab. null = every
+    slot full (the recipe). Needs a store with top-k."""
+
+    def validate(self) -> None:
+        self.require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", "must be a finite number > 0")
+        self.require(self.ce_weight >= 0, "ce_weight", "must be >= 0")
+        self.require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
+        self.require(
+            self.ce_weight + self.kl_weight > 0, "ce_weight", "and loss.kl_weight must not both be 0"
+        )
+        self.require(self.ce_chunk >= 1, "ce_chunk", "must be >= 1")
+        self.require(
+            self.full_vocab_slots is None or self.full_vocab_slots >= 0, "full_vocab_slots", "must be >= 0 or null"
+        )
+
+    @property
+    def needs_topk(self) -> bool:
+        """Whether the loss reads the stored top-k (the KL term, or candidate softmax slots)."""
+        return self.kl_weight > 0 or self.full_vocab_slots is not None
+
+    def recipe_warnings(self, block_size: int | None = None) -> list[str]:
+        """Departures from the recipe; the gamma check needs model.block_size."""
+        warnings = []
+        if self.kl_weight > 0 or self.ce_weight != 1.0:
+            warnings.append(
+                f"loss.ce_weight={self.ce_weight}, loss.kl_weight={self.kl_weight}: the recipe trains CE only (1, 0)"
+            )
+        if self.full_vocab_slots is not None:
+            warnings.append(
+                f"loss.full_vocab_slots={self.full_vocab_slots}: slots past it use a top-k candidate softmax; "
+                f"the recipe scores every slot over the full vocabulary"
+            )
+        if block_size is not None:
+            expected = recipe_gamma(block_size)
+            if expected is None:
+                warnings.append(
+                    f"loss.gamma={self.gamma}: no published gamma for model.block_size={block_size} "
+                    f"(published: {', '.join(f'B={b}: {g:g}' for b, g in RECIPE_GAMMA.items())})"
+                )
+            elif self.gamma != expected:
+                warnings.append(
+                    f"loss.gamma={self.gamma:g} departs from the recipe: {expected:g} for model.block_size={block_size}"
+                )
+        return warnings

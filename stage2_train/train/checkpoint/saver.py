@@ -1,0 +1,363 @@
+"""Checkpoints that neither stall training nor change it: the asynchronous saver.
+
+    .venv/bin/python -m pytest tests/test_checkpoint.py -q      # behaviour
+    .venv/bin/python bench/checkpoint.py --json ckpt.json      # blocked time, async vs sync
+
+Use from the trainer:
+
+    ckpt = Checkpointer(cfg, cfg.resolve_dir(run_dir), sink, rank, world_size)
+    selection = ckpt.select()                          # newest complete checkpoint whose checksums hold
+    state = ckpt.load(selection.path)                  # verified once, in select
+    for step in ...:                                   # step = optimizer steps completed
+        train_step()
+        ckpt.maybe_save(step, state_fn)                # every `every_steps`; returns after a CPU copy
+    ckpt.save(step, state_fn, blocking=True)           # the final checkpoint (skipped if already saved)
+    ckpt.finalize()                                    # in `finally`: waits, re-raises a writer error
+
+A save has two halves. The snapshot is the only time the loop waits: `state_fn()` is called and every
+tensor is copied into a CPU buffer kept between saves (pinned memory and non_blocking copies on CUDA,
+then one synchronize per device). The buffers (host memory the size of the state) are allocated in
+the background at the first `maybe_save` call, so the first save does not pay for them either. A
+background thread then checks that every model weight is finite (a checkpoint with NaN weights is
+never written), writes the files, and commits. One save is in flight at most: a save that comes due
+while one is writing waits for it, and `waited_s` in its events says so. Events, sent from the
+caller's thread only: `checkpoint_start` (step, waited_s) and `checkpoint_end` (step, blocked_s,
+write_s, bytes, path, mode); an async save's end event goes out at the first call after the writer
+finished. A writer error is re-raised by the next call (or `finalize`), naming the path.
+
+Every rank writes its files into `.tmp-step_N/` (`format.py` has the layout), fsyncs them, and the
+ranks agree (one all_reduce on a gloo group of their own, so the writer thread never shares a
+collective with DDP); then rank 0 hashes every file, writes meta.json, renames the directory to
+`step_N`, updates `latest`, and prunes to `keep_latest_k` (`select.py`). A crash at any point leaves
+the previous checkpoint intact. Several nodes need `ckpt_dir` on a shared file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shared.errors import UserError
+from shared.files import file_sha256, fsync_dir, write_atomic
+from stage2_train.train.checkpoint.format import (
+    FORMAT_VERSION,
+    SHARED_KEYS,
+    TMP_PREFIX,
+    _model_tensors,
+    check_finite_weights,
+    checkpoint_problem,
+    load_checkpoint,
+    rank_stem,
+    split_tensors,
+    step_name,
+    write_part,
+)
+from stage2_train.train.checkpoint.select import Selection, candidates, latest_checkpoint, prunable
+from stage2_train.train.config import CheckpointConfig
+
+
+class CheckpointWriteError(UserError):
+    """A save failed in the background (a full disk, a lost rank); raised on the caller's thread."""
+
+@dataclass
+class _Job:
+    step: int
+    parts: list[tuple[str, dict[str, Any], dict[str, torch.Tensor]]]  # (file stem, plain values, tensors)
+    keys: list[str]
+    blocked_s: float = 0.0
+    waited_s: float = 0.0
+    mode: str = "async"
+    write_s: float = 0.0
+    num_bytes: int = 0
+    error: BaseException | None = None
+
+class Checkpointer:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        ckpt_dir: str | os.PathLike,
+        sink: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"checkpoint: rank {rank} is outside world size {world_size}")
+        if world_size > 1 and not dist.is_initialized():
+            raise ValueError(f"checkpoint: world_size {world_size} needs torch.distributed initialised")
+        self.cfg, self.dir, self.sink = cfg, Path(ckpt_dir), sink
+        self.rank, self.world_size = rank, world_size
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._job: _Job | None = None
+        self._last_step: int | None = None
+        # A group of our own, so the writer thread's collective never interleaves with DDP's.
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for leftover in self.dir.glob(TMP_PREFIX + "*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    # ---- saving -----------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """True while a background write is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def is_due(self, step: int) -> bool:
+        return self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0
+
+    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> bool:
+        """Save if `step` is a multiple of `every_steps`. Returns whether a save started.
+
+        At the first call that is not a save step, the snapshot buffers are allocated (and their
+        pages touched) in the background, so that no save pays for it inside the loop.
+        """
+        self._poll()
+        if self.is_due(step):
+            return self.save(step, state_fn)
+        if self.cfg.async_save and self.cfg.every_steps > 0 and not self._buffers and not self.busy:
+            self._start_thread(self._allocate, self._snapshot(step, state_fn(), copy=False))
+        return False
+
+    def save(self, step: int, state_fn: Callable[[], dict[str, Any]], blocking: bool = False) -> bool:
+        """Save now (async unless `blocking` or `async_save` is off). False if `step` is already saved."""
+        t0 = time.perf_counter()
+        self._poll()
+        if step == self._last_step:
+            return False
+        waited_s = 0.0
+        if self.busy:
+            self._wait()
+            waited_s = time.perf_counter() - t0
+            self._poll()
+        self._event("checkpoint_start", step, waited_s=round(waited_s, 4))
+        job = self._snapshot(step, state_fn())
+        job.waited_s = waited_s
+        self._last_step = step
+        if blocking or not self.cfg.async_save:
+            job.mode = "sync"
+            self._write(job)
+            job.blocked_s = time.perf_counter() - t0
+            self._job = job
+            self._poll()
+        else:
+            job.blocked_s = time.perf_counter() - t0
+            self._job = job
+            self._start_thread(self._write, job)
+        return True
+
+    def mark_saved(self, step: int) -> None:
+        """`step` is already on disk (a resumed run that has nothing left to train): no final save."""
+        self._last_step = step
+
+    def _start_thread(self, target: Callable[[_Job], None], job: _Job) -> None:
+        # Not niced: under load a low-priority writer overran the save interval and the next save
+        # had to wait, which is the stall this class exists to prevent.
+        self._thread = threading.Thread(target=target, args=(job,), name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def finalize(self) -> None:
+        """Wait for the save in flight; re-raise its error."""
+        self._wait()
+        self._poll()
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def _poll(self) -> None:
+        """Report a finished save: its end event, or its error."""
+        if self.busy:
+            return
+        job, self._job, self._thread = self._job, None, None
+        if job is None:  # nothing ran, or the thread allocated buffers
+            return
+        path = self.dir / step_name(job.step)
+        if job.error is not None:
+            self._last_step = None
+            if isinstance(job.error, UserError):
+                raise job.error
+            raise CheckpointWriteError(f"checkpoint {path} failed: {job.error!r}") from job.error
+        self._event(
+            "checkpoint_end",
+            job.step,
+            blocked_s=round(job.blocked_s, 4),
+            write_s=round(job.write_s, 4),
+            waited_s=round(job.waited_s, 4),
+            bytes=job.num_bytes,
+            path=str(path),
+            mode=job.mode,
+        )
+
+    def _event(self, kind: str, step: int, **fields: Any) -> None:
+        if self.sink is not None:
+            self.sink.event(kind, step, **fields)
+
+    # ---- the snapshot (the loop waits for this) ----------------------------------------------
+    def _snapshot(self, step: int, state: Mapping[str, Any], copy: bool = True) -> _Job:
+        """Copy `state` into the CPU buffers; with copy=False, a job holding the live tensors."""
+        if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+            raise TypeError("checkpoint state must be a dict with string keys")
+        used: set[str] = set()
+        devices: set[torch.device] = set()
+
+        def copy_out(key: str, tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor.detach()
+            if not copy:
+                return tensor
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                self._buffers[key] = buf
+            used.add(key)
+            if tensor.is_cuda:
+                devices.add(tensor.device)
+            buf.copy_(tensor, non_blocking=tensor.is_cuda)
+            return buf
+
+        parts = []
+        if self.rank == 0 and any(k in state for k in SHARED_KEYS):
+            model_tensors: dict[str, torch.Tensor] = {}
+            if "model" in state:
+                for name, tensor in _model_tensors(state["model"]).items():
+                    model_tensors[name] = copy_out("model/" + name, tensor)
+                parts.append(("model", {}, model_tensors))
+            shared_tensors: dict[str, torch.Tensor] = {}
+            plain = {
+                k: split_tensors(state[k], k, shared_tensors, lambda key, t: copy_out("shared/" + key, t))
+                for k in SHARED_KEYS
+                if k in state and k != "model"
+            }
+            parts.append(("shared", plain, shared_tensors))
+        rank_tensors: dict[str, torch.Tensor] = {}
+        stem = rank_stem(self.rank)
+        plain = {
+            k: split_tensors(v, k, rank_tensors, lambda key, t: copy_out(f"{stem}/{key}", t))
+            for k, v in state.items()
+            if k not in SHARED_KEYS
+        }
+        parts.append((stem, plain, rank_tensors))
+        for device in devices:
+            torch.cuda.synchronize(device)
+        if copy:
+            self._buffers = {k: v for k, v in self._buffers.items() if k in used}
+        return _Job(step=step, parts=parts, keys=list(state))
+
+    def _allocate(self, job: _Job) -> None:
+        """Background: a buffer for every tensor of `job` (whose tensors are the live ones)."""
+        buffers = {}
+        for stem, _, tensors in job.parts:  # buffer keys are "<file stem>/<tensor key>", as in _snapshot
+            for key, tensor in tensors.items():
+                buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                if not tensor.is_cuda:
+                    buf.zero_()  # fault the pages in now rather than during the snapshot
+                buffers[f"{stem}/{key}"] = buf
+        self._buffers = buffers
+
+    # ---- the write (background thread) --------------------------------------------------------
+    def _write(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._write_and_commit(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by _poll
+            job.error = exc
+        job.write_s = time.perf_counter() - t0
+
+    def _write_and_commit(self, job: _Job) -> None:
+        name = step_name(job.step)
+        tmp = self.dir / (TMP_PREFIX + name)
+        error: BaseException | None = None
+        try:
+            for stem, _, tensors in job.parts:
+                if stem == "model":
+                    check_finite_weights(tensors, job.step)
+            tmp.mkdir(parents=True, exist_ok=True)
+            for stem, plain, tensors in job.parts:
+                job.num_bytes += write_part(tmp, stem, plain, tensors)
+        except BaseException as exc:  # noqa: BLE001 - the other ranks must still hear about it
+            error = exc
+        if not self._all_ranks_ok(error is None):
+            raise error or RuntimeError("another rank failed to write its part")
+        if self.rank == 0:
+            try:
+                self._commit(job, tmp)
+            except BaseException as exc:  # noqa: BLE001 - the other ranks must still hear about it
+                error = exc
+        # A second agreement: when finalize() returns on any rank, the checkpoint is committed.
+        if not self._all_ranks_ok(error is None):
+            raise error or RuntimeError("rank 0 failed to commit the checkpoint")
+
+    def _commit(self, job: _Job, tmp: Path) -> None:
+        """Rank 0: meta.json (every file's size and sha256), rename, `latest`, prune."""
+        name = tmp.name[len(TMP_PREFIX) :]
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": job.step,
+            "world_size": self.world_size,
+            "keys": job.keys,
+            "shared_keys": list(SHARED_KEYS),
+            "files": files,
+        }
+        write_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        job.num_bytes += (tmp / "meta.json").stat().st_size
+        fsync_dir(tmp)
+        final = self.dir / name
+        if final.exists():  # a stale copy of this step, e.g. from a run that crashed before `latest`
+            stale = self.dir / (TMP_PREFIX + "replaced-" + name)
+            os.replace(final, stale)
+            shutil.rmtree(stale)
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        write_atomic(self.dir / "latest", name + "\n")  # the commit
+        for old in prunable(self.dir, job.step, self.cfg.keep_latest_k):
+            shutil.rmtree(old)
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        if self._group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    # ---- reading ------------------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint by the pointer rule (sizes only, no checksums)."""
+        return latest_checkpoint(self.dir)
+
+    def select(self) -> Selection:
+        """The newest checkpoint every rank can use (`select_checkpoint`'s rule), each file hashed
+        once: rank 0 hashes the shared files (model, optimizer: ~19 GB at the 8B preset) and its own,
+        every other rank only its own rank files; one all_reduce agrees on the verdict. A checkpoint
+        chosen here is loaded with `load(path, verified=True)`, which reads without hashing again."""
+        selection = Selection(None)
+        for path in reversed(candidates(self.dir)):
+            problem = self.verify(path)
+            if problem is None:
+                selection.path = path
+                return selection
+            selection.skipped.append((str(path), problem))
+        return selection
+
+    def verify(self, path: str | os.PathLike) -> str | None:
+        """Why some rank cannot use the checkpoint at `path`, agreed by every rank, or None. Each
+        file is hashed by one rank only (see `select`)."""
+        problem = checkpoint_problem(Path(path), self.rank, shared=self.rank == 0)
+        if self._all_ranks_ok(problem is None):
+            return None
+        return problem or "another rank found its part damaged"
+
+    def load(self, path: str | os.PathLike, *, verified: bool = False) -> dict[str, Any]:
+        return load_checkpoint(path, self.rank, verified=verified)

@@ -1,0 +1,97 @@
+"""Choosing a checkpoint: one rule for resume, eval and export.
+
+The newest complete `step_N` directory not newer than `latest` whose files all match the sizes and
+sha256 sums in its meta.json; every one passed over is reported with the reason. Updating
+`latest` is the commit: directories newer than it are not trusted (a crash between the rename and
+the pointer update, or checkpoints of a run abandoned by resuming from an older step). Pruning
+keeps the `keep_latest_k` newest complete checkpoints up to the one just written and never
+touches newer ones (an abandoned future).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.errors import CheckpointError
+from stage2_train.train.checkpoint.format import (
+    MODEL_FILE,
+    STEP_DIR,
+    checkpoint_problem,
+    read_meta,
+    read_weights,
+)
+
+
+@dataclass
+class Selection:
+    """The checkpoint to use and the ones passed over on the way, each with its reason."""
+
+    path: Path | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+def _step_of(path: Path) -> int:
+    return int(STEP_DIR.fullmatch(path.name).group(1))
+
+def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Complete `step_N` directories (sizes as meta.json says), oldest first."""
+    return [p for p in step_dirs(ckpt_dir) if read_meta(p) is not None]
+
+def step_dirs(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """Every `step_N` directory, complete or not, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted((p for p in ckpt_dir.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()), key=_step_of)
+
+def candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """`step_N` directories not newer than `latest`, oldest first, complete or not (a resume says
+    why it passes over an incomplete one).
+
+    Updating `latest` is the commit. Directories newer than it are not trusted: a crash between the
+    rename and the pointer update, or checkpoints of a run abandoned by resuming from an older step.
+    Without a pointer, every directory."""
+    found = step_dirs(ckpt_dir)
+    try:
+        pointer = STEP_DIR.fullmatch((Path(ckpt_dir) / "latest").read_text().strip())
+    except OSError:
+        pointer = None
+    if pointer is not None:
+        found = [p for p in found if _step_of(p) <= int(pointer.group(1))]
+    return found
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The newest complete candidate (sizes as meta.json says; checksums are `select_checkpoint`'s)."""
+    complete = [p for p in candidates(ckpt_dir) if read_meta(p) is not None]
+    return complete[-1] if complete else None
+
+def prunable(ckpt_dir: Path, step: int, keep: int) -> list[Path]:
+    """Complete checkpoints older than the `keep` newest up to `step`; newer ones are never touched."""
+    upto = [p for p in complete_checkpoints(ckpt_dir) if _step_of(p) <= step]
+    return upto[: max(0, len(upto) - keep)]
+
+def select_checkpoint(ckpt_dir: str | os.PathLike, rank: int = 0) -> Selection:
+    """The newest checkpoint (not newer than `latest`) whose files all verify, and those skipped."""
+    selection = Selection(None)
+    for path in reversed(candidates(ckpt_dir)):
+        problem = checkpoint_problem(path, rank)
+        if problem is None:
+            selection.path = path
+            return selection
+        selection.skipped.append((str(path), problem))
+    return selection
+
+def read_model_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Path]:
+    """(drafter weights, the file read) from a `model.safetensors`, a folder holding one (a
+    checkpoint step or an export), or a checkpoints folder (`select_checkpoint`'s choice)."""
+    path = Path(path)
+    if path.is_dir() and not (path / MODEL_FILE).is_file():
+        selection = select_checkpoint(path)
+        if selection.path is None:
+            reasons = "; ".join(f"{p}: {why}" for p, why in selection.skipped) or "none saved yet"
+            raise CheckpointError(f"no usable checkpoint in {path} ({reasons}); train first (`make train`)")
+        path = selection.path
+    return read_weights(path)

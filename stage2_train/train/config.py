@@ -1,0 +1,171 @@
+"""The train room's config sections: the run, the optimizer and its schedule, feature noise,
+checkpoints and the held-out evaluation. No torch here, so `check` and the doctor validate a config
+without loading it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from shared.config import Section
+
+RECIPE_BETAS = (0.9, 0.999)
+
+
+class TrainConfig(Section):
+    section: ClassVar[str] = "train"
+    epochs: int = 6
+    """Passes over the training split (recipe: 6)."""
+    max_steps: int | None = None
+    """At most this many optimizer steps (the LR schedule spans them); null = every epoch."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when torch sees a GPU, else CPU."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 autocast on GPU, fp32 on CPU."""
+    num_data_threads: int = 2
+    """Loader threads per rank."""
+    prefetch: int = 4
+    """Micro-batches prepared ahead per rank."""
+    cpu_threads: int = 0
+    """Torch intra-op threads when training on CPU; 0 = torch's default."""
+    resume: str = "auto"
+    """auto: the newest checkpoint that verifies, if any; never; or a checkpoint path."""
+    resume_force: bool = False
+    """Resume even when block size, gamma, layers, batch or ranks changed."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row with a non-finite loss or gradient norm (each skipped) before the run stops."""
+
+    def validate(self) -> None:
+        self.require(self.epochs >= 1, "epochs", "must be >= 1")
+        self.require(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
+        self.require(self.num_data_threads >= 1, "num_data_threads", "must be >= 1")
+        self.require(self.prefetch >= 1, "prefetch", "must be >= 1")
+        self.require(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
+        self.require(bool(self.resume), "resume", "must be auto, never, or a checkpoint path")
+        self.require(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", "must be >= 0")
+
+    def recipe_warnings(self) -> list[str]:
+        if self.epochs != 6:
+            return [f"train.epochs={self.epochs} departs from the recipe (6)"]
+        return []
+
+
+class OptimConfig(Section):
+    section: ClassVar[str] = "optim"
+    lr: float = 6e-4
+    """Peak learning rate of AdamW (recipe: 6e-4)."""
+    betas: tuple[float, float] = RECIPE_BETAS
+    """AdamW betas (recipe: 0.9, 0.999)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (recipe: 0)."""
+    warmup_ratio: float = 0.04
+    """Share of the run's optimizer steps spent warming up linearly."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    min_lr_ratio: float = 0.0
+    """The decay ends at lr * min_lr_ratio."""
+    grad_clip: float = 1.0
+    """Max global L2 norm of the gradients."""
+
+    def validate(self) -> None:
+        self.require(math.isfinite(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
+        self.require(all(0.0 <= b < 1.0 for b in self.betas), "betas", "must both be in [0, 1)")
+        self.require(self.eps > 0, "eps", "must be > 0")
+        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self.require(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
+        self.require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        self.require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", "must be a finite number > 0")
+
+    def recipe_warnings(self) -> list[str]:
+        out = []
+        if tuple(self.betas) != RECIPE_BETAS:
+            out.append(
+                f"optim.betas={list(self.betas)} departs from the recipe (0.9, 0.999); "
+                f"(0.9, 0.98) has been reported to give NaN losses (z-lab/dflash issue #115)"
+            )
+        for key, recipe in (("lr", 6e-4), ("warmup_ratio", 0.04), ("grad_clip", 1.0), ("weight_decay", 0.0)):
+            if getattr(self, key) != recipe:
+                out.append(f"optim.{key}={getattr(self, key):g} departs from the recipe ({recipe:g})")
+        if self.schedule != "cosine":
+            out.append(f"optim.schedule={self.schedule} departs from the recipe (cosine)")
+        return out
+
+
+class NoiseConfig(Section):
+    section: ClassVar[str] = "noise"
+    std: float = 0.05
+    """Target standard deviation after warmup; 0 turns noise off."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0."""
+    kind: Literal["uniform", "gaussian"] = "uniform"
+    """Uniform noise U(-s*sqrt(3), s*sqrt(3)) as speculators adds it, or Gaussian."""
+
+    def validate(self) -> None:
+        self.require(math.isfinite(self.std) and self.std >= 0, "std", "must be a finite number >= 0")
+        self.require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+
+
+class CheckpointConfig(Section):
+    section: ClassVar[str] = "checkpoint"
+    every_steps: int = 0
+    """Save every N optimizer steps; 0 = no periodic saves, only the trainer's final save at the end."""
+    keep_latest_k: int = 2
+    """Complete checkpoints kept; older ones are deleted after each successful save (>= 2: a fallback)."""
+    async_save: bool = True
+    """Write in a background thread after a CPU snapshot; false = the loop waits for the whole write."""
+    dir: str | None = None
+    """Where checkpoints go; null = <run_dir>/checkpoints. Several nodes need a shared file system."""
+
+    def validate(self) -> None:
+        self.require(self.every_steps >= 0, "every_steps", "must be >= 0 (0 = only the final save)")
+        self.require(
+            self.keep_latest_k >= 2, "keep_latest_k", "must be >= 2 (a crash mid-save needs a fallback)"
+        )
+
+    def resolve_dir(self, run_dir: str | os.PathLike) -> Path:
+        return Path(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+
+
+class EvalConfig(Section):
+    """The held-out split and the evaluations on it."""
+
+    section: ClassVar[str] = "eval"
+    renamed: ClassVar[dict[str, str]] = {"offline_token_budget": "offline_batch_tokens"}
+    holdout_fraction: float = 0.02
+    """Share of samples never trained on, chosen by a hash of their content (identical samples stay together)."""
+    split_seed: int = 0
+    """Fixes the split independently of the training seed."""
+    every_steps: int = 0
+    """Offline eval during training every N optimizer steps; 0 = only at the end."""
+    offline_max_samples: int = 16
+    """Held-out samples scored by the offline eval."""
+    offline_max_anchors_per_seq: int | None = None
+    """Anchors scored per sample; null = every anchor (gives walk_tau; dearer)."""
+    offline_batch_tokens: int = 8192
+    """Context tokens per offline-eval forward."""
+    online_num_prompts: int = 8
+    """`eval` command: held-out prompts decoded speculatively with the target."""
+    online_max_new_tokens: int = 64
+    """`eval` command: tokens generated per prompt."""
+    online_dtype: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    """The target's dtype for online decoding. In bf16, near-equal logits tie often and a batched
+    verification can round a tie the other way than one-token decoding, so speculative output would
+    differ from the greedy reference for reasons that are not the drafter's; fp32 makes that rare."""
+
+    def validate(self) -> None:
+        self.require(0.0 <= self.holdout_fraction < 1.0, "holdout_fraction", "must be in [0, 1)")
+        self.require(self.every_steps >= 0, "every_steps", "must be >= 0")
+        self.require(self.offline_max_samples >= 1, "offline_max_samples", "must be >= 1")
+        self.require(
+            self.offline_max_anchors_per_seq is None or self.offline_max_anchors_per_seq >= 1,
+            "offline_max_anchors_per_seq",
+            "must be >= 1 or null (every anchor)",
+        )
+        self.require(self.offline_batch_tokens >= 1, "offline_batch_tokens", "must be >= 1")
+        self.require(self.online_num_prompts >= 0, "online_num_prompts", "must be >= 0")
+        self.require(self.online_max_new_tokens >= 1, "online_max_new_tokens", "must be >= 1")
