@@ -608,7 +608,7 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
     timing_path = ctx.work / "generate_timing.json"
     overrides = [f"run_dir={ctx.work / 'generate'}", f"target.path={ctx.small_target}", f"data.num_default_prompts={prompts}",
                  f"generate.backend={backend}", f"generate.max_new_tokens={sizes.gen_max_new_tokens}",
-                 f"generate.device={sizes.device}", f"target.dtype={'bf16' if sizes.device == 'cuda' else 'fp32'}"]
+                 f"extract.device={sizes.device}", f"target.dtype={'bf16' if sizes.device == 'cuda' else 'fp32'}"]
     entry["overrides"] = overrides
     with GpuMemoryPeak(sizes.device == "cuda") as memory:
         summary = ctx.run_cli([str(Path(__file__).resolve().relative_to(REPO)), "_generate_worker", str(timing_path), "generate",

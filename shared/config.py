@@ -167,6 +167,8 @@ def _describe(cls: type[Section], exc: ValidationError) -> str:
         old = str(error["loc"][0])
         if old in cls.renamed:
             new = cls.renamed[old]
+            if "." in new:  # moved to another section
+                return f"{key}: moved to {new} (one setting per stage); write {new}"
             return f"{key}: renamed to {cls.section}.{new} (what it means is unchanged); write {cls.section}.{new}"
         return f"{key}: unknown key (known keys: {', '.join(cls.model_fields)})"
     if error["type"] == "literal_error":

@@ -40,6 +40,7 @@ import numpy as np
 from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
 from shared.config import Section
 from shared.errors import StoreError
+from shared.files import write_atomic
 
 SCHEMA_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -119,19 +120,7 @@ class StoreFiles:
         whole object at once, so readers see the old or the new manifest, never a mix."""
         text = json.dumps(data, indent=1, sort_keys=True)
         if self.is_local:
-            target = Path(self.path(rel))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            with open(tmp, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-            dir_fd = os.open(target.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            write_atomic(self.path(rel), text)
         else:
             self.fs.pipe_file(self.path(rel), text.encode())
 

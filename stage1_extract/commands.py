@@ -64,7 +64,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     )
     out = generated_path(cfg)
     cfg.write_resolved(out.with_name("generate_config.yaml"))
-    device = resolve_device(cfg.generate.device)
+    device = resolve_device(cfg.extract.device)
     backend_name = resolve_backend(cfg.generate.backend, device)
     tokenizer = load_tokenizer(cfg.target)
     model_dir = resolve_target_dir(cfg.target)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.config import Section
 from shared.errors import DataError, InputFileError
+from shared.files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,5 @@ def write_conversations_parquet(conversations: list[Conversation], path: Path) -
             ]
         ),
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)

@@ -34,9 +34,11 @@ class ExtractConfig(Section):
     section: ClassVar[str] = "extract"
     renamed: ClassVar[dict[str, str]] = {"token_budget": "batch_tokens"}
     top_k: int = 64
+    """Log-probabilities of the target's k most likely next tokens stored per token (the KL term reads them)."""
     batch_tokens: int = 8192
     """Tokens per target forward batch (padding included on the padded path)."""
     max_batch_samples: int = 64
+    """At most this many samples per target forward batch."""
     window_shards: int = 4
     """Shards whose samples are length-sorted together."""
     queue_batches: int = 8
@@ -44,6 +46,7 @@ class ExtractConfig(Section):
     lm_head_chunk: int = 2048
     """Tokens per LM-head + log-softmax chunk."""
     device: str = "auto"
+    """Where stage 1 runs the target (generate and extract): auto = the GPU of this rank when there is one, else CPU."""
     packed: Literal["auto", "on", "off"] = "auto"
     """Flash-attn varlen packing (GPU)."""
 

@@ -31,15 +31,19 @@ log = logging.getLogger(__name__)
 
 class GenerateConfig(Section):
     section: ClassVar[str] = "generate"
+    renamed: ClassVar[dict[str, str]] = {"device": "extract.device"}
     backend: Literal["auto", "transformers", "vllm"] = "auto"
+    """auto: vllm on GPU when it is installed, else transformers (batched, left-padded)."""
     temperature: float = 0.7
+    """Sampling temperature of the regenerated answers (recipe: 0.7); 0 = greedy."""
     top_p: float = 0.8
+    """Nucleus sampling (recipe: 0.8)."""
     max_new_tokens: int = 512
+    """Longest regenerated answer, in tokens."""
     batch_size: int = 32
     """Sequences per transformers generate call."""
     chunk_size: int = 128
     """Conversations per resumable Parquet part."""
-    device: str = "auto"
 
     def validate(self) -> None:
         self.require(self.temperature >= 0, "temperature", "must be >= 0")
@@ -100,9 +104,11 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: 
             for row, i in enumerate(idx):
                 ids_BT[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 attn_BT[row, width - len(prompts[i]) :] = 1
-            # Seeded by chunk and batch, so a resumed run regenerates exactly what it lost.
-            torch.manual_seed(hash((seed, call_seed, start)) & 0x7FFFFFFF)
-            with torch.inference_mode():
+            # Seeded by chunk and batch, so a resumed run regenerates exactly what it lost. HF's
+            # generate samples from the global generator (it takes none of its own): fork_rng puts
+            # the caller's RNG state back afterwards.
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+                torch.manual_seed(hash((seed, call_seed, start)) & 0x7FFFFFFF)
                 out_BT = model.generate(
                     input_ids=ids_BT.to(device),
                     attention_mask=attn_BT.to(device),

@@ -72,6 +72,10 @@ def _tokenize_one(item: tuple[int, list[dict[str, str]]]) -> tuple[int, Any]:
         return row, str(exc)
 
 
+def _worker_init() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
 def tokenize_all(
     tokenizer: Any, conversations: list[Conversation], max_length: int, workers: int
 ) -> Iterable[tuple[int, Any]]:
@@ -82,9 +86,9 @@ def tokenize_all(
         yield from map(_tokenize_one, items)
         return
     # fork: the workers inherit the tokenizer instead of each loading it. Their Rust thread pools
-    # stay off (the processes are the parallelism), which also silences the fork warning.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    # stay off (the processes are the parallelism), which also silences the fork warning; set in
+    # the workers, so this process's environment is left as it was.
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init) as pool:
         yield from pool.imap(_tokenize_one, items, chunksize=max(1, min(256, len(items) // (workers * 8))))
 
 

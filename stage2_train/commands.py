@@ -10,13 +10,13 @@ through the store.
 from __future__ import annotations
 
 import json
-import os
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
 from shared.errors import StoreError
+from shared.files import write_atomic
 
 # ---------------------------------------------------------------------------------------------
 # batches and train
@@ -59,20 +59,15 @@ def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> None:
     (two trainings would interleave one log, one config and one checkpoint folder)."""
     import torch
 
-    from shared.errors import BusyError
-    from shared.lock import exclusive
+    from shared.lock import exclusive_on_rank0
 
-    error = None
-    if accelerator.is_main_process:
-        try:
-            stack.enter_context(exclusive(run_dir, "stage2_train train"))
-        except BusyError as exc:
-            error = exc
-    ok = torch.tensor([1 if error is None else 0], device=accelerator.device)
-    if accelerator.num_processes > 1 and accelerator.reduce(ok, reduction="sum").item() < accelerator.num_processes:
-        raise error or BusyError(f"{run_dir}: another command is training there (rank 0 could not lock it)")
-    if error is not None:
-        raise error
+    def all_ok(ok: bool) -> bool:
+        if accelerator.num_processes == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], device=accelerator.device)
+        return int(accelerator.reduce(flag, reduction="sum").item()) == accelerator.num_processes
+
+    stack.enter_context(exclusive_on_rank0(run_dir, "stage2_train train", accelerator.process_index, all_ok))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +92,6 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     """Offline and online evaluation of the newest (or given) checkpoint on the held-out split, on
     the GPU when there is one; also written to run_dir/eval/<checkpoint>.json."""
     import numpy as np
-    import torch
 
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
@@ -112,7 +106,9 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     heldout = np.flatnonzero(heldout_mask(reader.split_keys, eval_cfg.holdout_fraction, eval_cfg.split_seed))
     if len(heldout) == 0:
         raise StoreError(f"eval.holdout_fraction={eval_cfg.holdout_fraction} leaves no held-out sample among {len(reader)}")
-    device = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    from stage2_train.train.trainer import train_device
+
+    device = train_device(cfg.train)
     trained, source = _trained_drafter(cfg, target, checkpoint, device)
     embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
     untrained = build_drafter(
@@ -217,8 +213,4 @@ def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, json.dumps(data, indent=1, default=str))

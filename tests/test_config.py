@@ -108,3 +108,43 @@ def test_cli_reports_config_errors_without_traceback():
 def test_the_8b_presets_follow_the_recipe(preset):
     """The CPU default departs from the recipe for cost; presets that inherit it must not."""
     assert load_run_config(ROOT / "configs" / preset, []).recipe_warnings() == []
+
+
+def test_every_field_of_every_section_documents_itself():
+    """`check --explain` is the config's documentation: every key needs a description (and one that
+    belongs to it: a docstring placed under the wrong field would describe its neighbour)."""
+    from shared.config import registered_sections
+
+    missing = [key for cls in registered_sections().values() for key, _, _, doc in cls.explain() if not doc.strip()]
+    assert missing == []
+    docs = {key: doc for cls in registered_sections().values() for key, _, _, doc in cls.explain()}
+    assert "MASK" in docs["target.mask_token_id"] and "pickle" in docs["target.allow_pickle_weights"]
+    assert "recompute" in docs["model.activation_checkpointing"] and "drafter folder" in docs["model.init_from"]
+
+
+def preset_sources(path: Path) -> dict[str, Path]:
+    """Dotted key -> the preset file whose value wins, following `inherit:` as the loader does."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    bases = data.pop("inherit", None) or []
+    out: dict[str, Path] = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        out.update(preset_sources(path.parent / base))
+    for section, values in data.items():
+        keys = [f"{section}.{k}" for k in values] if isinstance(values, dict) else [section]
+        out.update(dict.fromkeys(keys, path))
+    return out
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b.yaml", "llama-3.1-8b.yaml"])
+def test_a_gpu_preset_takes_nothing_from_a_cpu_preset(preset):
+    """The 8B presets stand on the published recipe (recipe.yaml) and their own target and paths:
+    every value they take from a CPU preset (default.yaml, cpu-long.yaml) is listed here (none)."""
+    cpu = {ROOT / "configs" / "default.yaml", ROOT / "configs" / "cpu-long.yaml"}
+    sources = preset_sources(ROOT / "configs" / preset)
+    assert sorted(k for k, src in sources.items() if src in cpu) == []
+    assert sources["log.every_steps"].name == "recipe.yaml" and sources["sampler.micro_batch_tokens"].name == "recipe.yaml"
+    cfg = load_run_config(ROOT / "configs" / preset, [])
+    assert (cfg.log.every_steps, cfg.generate.chunk_size, cfg.train.cpu_threads) == (10, 1024, 0)
+    assert cfg.recipe_warnings() == []

@@ -22,6 +22,7 @@ class DrafterConfig(Section):
     num_layers: int = 1
     """5 for the published Qwen3-8B drafter."""
     block_size: int = 16
+    """Tokens per drafted block, the anchor included (16 drafts 15; published drafters: 16)."""
     intermediate_size: int | None = None
     """None: the target's."""
     attention: Literal["auto", "sdpa", "flex", "eager"] = "auto"
@@ -31,6 +32,7 @@ class DrafterConfig(Section):
     init_std: float = 0.02
     """Qwen3 initializer_range."""
     activation_checkpointing: bool = False
+    """Keep only each layer's input for backward and recompute the rest: at 4096 wide a block row saves ~0.6 MB per layer otherwise, so a micro-batch of 16K tokens x 512 anchors needs it."""
     init: Literal["random", "target_layers"] = "random"
     """random (std init_std, the recipe), or target_layers: each drafter layer starts as one of the
     target's last decoder layers, the final norm as the target's, and fc passes the deepest feature
@@ -38,7 +40,6 @@ class DrafterConfig(Section):
     init_from: str | None = None
     """A DFlash drafter folder (exported here, or published by z-lab / SpecForge) to start training
     from instead of a random init; checked against the target's hidden size, layer ids and mask token."""
-    """Keep only each layer's input for backward and recompute the rest: at 4096 wide a block row saves ~0.6 MB per layer otherwise, so a micro-batch of 16K tokens x 512 anchors needs it."""
 
     def validate(self) -> None:
         self.require(self.num_layers >= 1, "num_layers", "must be >= 1")

@@ -34,8 +34,11 @@ class LogConfig(Section):
     every_steps: int = 1
     """Optimizer steps between train rows (and progress-bar updates)."""
     wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: $WANDB_MODE, else online when $WANDB_API_KEY is set, else offline (a local run, no network)."""
     project: str = "dflash"
+    """wandb project."""
     entity: str | None = None
+    """wandb entity (team or user); null = wandb's default."""
     run_name: str | None = None
     """None: the run directory's name."""
 

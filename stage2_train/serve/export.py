@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from shared.errors import CheckpointError
+from shared.files import atomic_path, write_atomic
 from shared.target import TargetArch, dflash_layer_ids
 from stage2_train.model.config import DrafterConfig
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
@@ -138,12 +139,9 @@ def export_drafter(
     }
     config = drafter_hf_config(cfg_model, arch, layer_ids, mask_token_id, target_info, dtype)
     # Weights first, config last, each through a temp name: a folder with a config is complete.
-    tmp = out / f".{WEIGHTS_NAME}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS_NAME)
-    tmp = out / f".{CONFIG_NAME}.tmp"
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, out / CONFIG_NAME)
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_atomic(out / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return out
 
 
