@@ -183,6 +183,39 @@ def encode_hidden(hidden_TLH: Any, dtype: str) -> tuple[np.ndarray, np.ndarray |
     return q_TLH.view(torch.uint8).numpy(), scale_TL.numpy().astype(np.float32)
 
 
+@dataclass
+class EncodedSample:
+    """One sample in its stored form, in arrays of its own (no view into a producer's buffer)."""
+
+    sample_id: int
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # bool [T]
+    hidden_bits: np.ndarray  # uint16 (bf16) or uint8 (fp8) [T, L, H]
+    hidden_scale: np.ndarray | None  # float32 [T, L], fp8 only
+    topk_logprobs: np.ndarray  # float16 [T, K]
+    topk_ids: np.ndarray  # int32 [T, K]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.input_ids, self.loss_mask, self.hidden_bits, self.hidden_scale, self.topk_logprobs, self.topk_ids)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+def encode_sample(sample: SampleFeatures, dtype: str) -> EncodedSample:
+    """A host sample in stored form. Every array is a copy: the caller may reuse (pinned) buffers
+    the moment this returns."""
+    bits, scale = encode_hidden(sample.hidden_TLH, dtype)
+    return EncodedSample(
+        sample_id=sample.sample_id,
+        input_ids=np.array(sample.input_ids_T, dtype=np.int32),
+        loss_mask=np.array(sample.loss_mask_T, dtype=bool),
+        hidden_bits=np.array(bits, copy=True),
+        hidden_scale=scale,
+        topk_logprobs=sample.topk_logprobs_TK.float().numpy().astype(np.float16),
+        topk_ids=sample.topk_ids_TK.numpy().astype(np.int32),
+    )
+
+
 def decode_hidden(bits_TLH: np.ndarray, scale_TL: np.ndarray | None, dtype: str) -> Any:
     import torch
 
@@ -208,35 +241,27 @@ def shard_name(index: int, tag: str) -> str:
     return f"shard-{index:06d}-{tag}"
 
 
-def write_shard(url: str, name: str, samples: list[SampleFeatures], cfg: StoreConfig) -> dict[str, Any]:
+def write_shard(
+    url: str, name: str, samples: list[SampleFeatures] | list[EncodedSample], cfg: StoreConfig
+) -> dict[str, Any]:
     """Write one whole shard group and return its record (tokens, bytes, checksum)."""
     import zarr
     from zarr.codecs import ZstdCodec
 
     if not samples:
         raise ValueError(f"shard {name}: no samples to write")
-    hidden_bits, scales, logprobs, ids, input_ids, masks, lengths = [], [], [], [], [], [], []
-    for s in samples:
-        bits, scale = encode_hidden(s.hidden_TLH, cfg.dtype)
-        hidden_bits.append(bits)
-        if scale is not None:
-            scales.append(scale)
-        logprobs.append(s.topk_logprobs_TK.float().numpy().astype(np.float16))
-        ids.append(s.topk_ids_TK.numpy().astype(np.int32))
-        input_ids.append(np.asarray(s.input_ids_T, dtype=np.int32))
-        masks.append(np.asarray(s.loss_mask_T, dtype=bool))
-        lengths.append(len(s.input_ids_T))
+    encoded = [s if isinstance(s, EncodedSample) else encode_sample(s, cfg.dtype) for s in samples]
     arrays: dict[str, np.ndarray] = {
-        "hidden": np.concatenate(hidden_bits),
-        "topk_logprobs": np.concatenate(logprobs),
-        "topk_ids": np.concatenate(ids),
-        "input_ids": np.concatenate(input_ids),
-        "loss_mask": np.concatenate(masks),
-        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        "sample_ids": np.asarray([s.sample_id for s in samples], dtype=np.int64),
+        "hidden": np.concatenate([s.hidden_bits for s in encoded]),
+        "topk_logprobs": np.concatenate([s.topk_logprobs for s in encoded]),
+        "topk_ids": np.concatenate([s.topk_ids for s in encoded]),
+        "input_ids": np.concatenate([s.input_ids for s in encoded]),
+        "loss_mask": np.concatenate([s.loss_mask for s in encoded]),
+        "offsets": np.concatenate([[0], np.cumsum([len(s.input_ids) for s in encoded])]).astype(np.int64),
+        "sample_ids": np.asarray([s.sample_id for s in encoded], dtype=np.int64),
     }
-    if scales:
-        arrays["hidden_scale"] = np.concatenate(scales)
+    if cfg.dtype == "fp8":
+        arrays["hidden_scale"] = np.concatenate([s.hidden_scale for s in encoded])
     num_tokens = int(arrays["offsets"][-1])
     compressors = ZstdCodec(level=cfg.zstd_level) if cfg.compression == "zstd" else None
     group = zarr.open_group(store=_zarr_store(url, read_only=False), path=f"shards/{name}", mode="w", zarr_format=3)

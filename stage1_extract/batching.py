@@ -27,6 +27,7 @@ class TokenizedRow:
     truncated: bool = False
     skipped: bool = False
     content_hash: str = ""  # of the tokens and loss mask: identical samples share it (duplicates)
+    empty_turns: int = 0  # assistant turns whose text is empty (only their end-of-turn tokens are supervised)
 
 
 def content_hash(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:

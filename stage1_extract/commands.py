@@ -24,12 +24,11 @@ from shared.target import (
 )
 from stage1_extract.batching import ShardPlan, windows_for_rank
 from stage1_extract.data import ReadStats, read_conversations
-from stage1_extract.distributed import _barrier, distributed_context, store_lock
+from stage1_extract.distributed import _barrier, distributed_context, rank_device, resolve_device, store_lock
 from stage1_extract.extract import estimate, run_shards
 from stage1_extract.generate import (
     generate_all,
     resolve_backend,
-    resolve_device,
     settings_key,
     transformers_backend,
     vllm_backend,
@@ -216,8 +215,13 @@ def _extract(
                 "seconds": round(result.seconds, 2),
                 "forward_seconds": round(result.forward_seconds, 2),
                 "tok_per_s": round(result.tokens / max(result.seconds, 1e-9), 1),
+                # Who limits extraction: the forward waits on the writer for writer_queue_wait_s; the
+                # writer threads were busy writer_seconds (summed) against forward_seconds of target.
                 "writer_queue_wait_s": round(result.writer.queue_wait_seconds, 3),
                 "writer_seconds": round(result.writer.write_seconds, 2),
+                "writer_threads": cfg.extract.writer_threads,
+                "writer_absorb_s": round(result.writer.absorb_seconds, 2),
+                "writer_peak_queue_mb": round(result.writer.peak_queue_bytes / 2**20, 1),
             }
         )
     if rank == 0:
@@ -229,15 +233,16 @@ def _extract(
 def _run_windows(
     cfg: RunConfig, prepared: Prepared, windows: list[list[ShardPlan]], done: set[int], local_rank: int, progress: bool
 ) -> Any:
-    device = resolve_device(cfg.extract.device)
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
+    device = rank_device(cfg.extract.device, local_rank)
     model = load_target_model(cfg.target, device)
-    packed = cfg.extract.packed == "on" or (
-        cfg.extract.packed == "auto" and model.config._attn_implementation == "flash_attention_2"
-    )
+    settings = prepared.header["extraction"]  # what the header promises is what runs
+    if model.config._attn_implementation != settings["attn_implementation"]:
+        raise RuntimeError(
+            f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
+            f"{settings['attn_implementation']!r}"
+        )
     return run_shards(
-        model, windows, done, prepared.files.url, cfg.store, cfg.extract, prepared.layer_ids, packed, progress
+        model, windows, done, prepared.files.url, cfg.store, cfg.extract, prepared.layer_ids, settings["packed"], progress
     )
 
 

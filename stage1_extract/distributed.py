@@ -46,3 +46,27 @@ def _all_ok(world: int, ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def resolve_device(setting: str) -> str:
+    """`extract.device` as a device kind: auto = cuda when torch sees a GPU, else cpu."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rank_device(setting: str, local_rank: int) -> str:
+    """This rank's device, made current before anything touches CUDA: under torchrun every rank
+    would otherwise share cuda:0's default stream and context, and a sync of "the current stream"
+    would not wait for copies issued on cuda:k (stores written from half-copied buffers)."""
+    device = resolve_device(setting)
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    index = local_rank if device == "cuda" else torch.device(device).index
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+

@@ -25,14 +25,14 @@ from shared.store import SampleFeatures, StoreConfig, bytes_per_token
 from shared.target import LayerCapture
 from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
 from stage1_extract.forward import forward_batch
-from stage1_extract.writer import ShardWriterThread, WriterStats
+from stage1_extract.writer import HostBatch, ShardWriter, WriterStats, host_bytes
 
 log = logging.getLogger(__name__)
 
 
 class ExtractConfig(Section):
     section: ClassVar[str] = "extract"
-    renamed: ClassVar[dict[str, str]] = {"token_budget": "batch_tokens"}
+    renamed: ClassVar[dict[str, str]] = {"token_budget": "batch_tokens", "queue_batches": "writer_queue_mb"}
     top_k: int = 64
     """Log-probabilities of the target's k most likely next tokens stored per token (the KL term reads them)."""
     batch_tokens: int = 8192
@@ -41,8 +41,11 @@ class ExtractConfig(Section):
     """At most this many samples per target forward batch."""
     window_shards: int = 4
     """Shards whose samples are length-sorted together."""
-    queue_batches: int = 8
-    """Writer queue bound, in forward batches."""
+    writer_queue_mb: int = 2048
+    """Host memory (pinned on GPU) of forward batches waiting for the shard writer, per rank: the loop
+    blocks rather than exceed it (8 ranks x 2 GB = 16 GB per node). See stage1_extract/writer.py."""
+    writer_threads: int = 2
+    """Shards compressed, hashed and written in parallel, per rank (zstd and sha256 release the GIL)."""
     lm_head_chunk: int = 2048
     """Tokens per LM-head + log-softmax chunk."""
     device: str = "auto"
@@ -55,7 +58,8 @@ class ExtractConfig(Section):
         self.require(self.batch_tokens >= 16, "batch_tokens", "must be >= 16")
         self.require(self.max_batch_samples >= 1, "max_batch_samples", "must be >= 1")
         self.require(self.window_shards >= 1, "window_shards", "must be >= 1")
-        self.require(self.queue_batches >= 1, "queue_batches", "must be >= 1")
+        self.require(self.writer_queue_mb >= 1, "writer_queue_mb", "must be >= 1")
+        self.require(self.writer_threads >= 1, "writer_threads", "must be >= 1")
         self.require(self.lm_head_chunk >= 1, "lm_head_chunk", "must be >= 1")
 
 
@@ -67,6 +71,59 @@ class ExtractResult:
     seconds: float = 0.0
     forward_seconds: float = 0.0
     writer: WriterStats = field(default_factory=WriterStats)
+
+
+def to_host(outputs: list[tuple[Any, Any, Any]], device: Any) -> tuple[list[tuple[Any, Any, Any]], Any]:
+    """Issue the device-to-host copies of a batch's outputs; returns the host tensors and the event
+    that says when they have landed (None on CPU, where a copy is done when it returns).
+
+    On CUDA the copies go to pinned memory (`non_blocking=True` allocates it from torch's caching
+    host allocator, which reuses freed blocks), so they overlap the next forward; the event is
+    recorded on the current stream of the tensors' own device, after the copies, and the writer
+    waits on it before reading a byte."""
+    import torch
+
+    if device.type != "cuda":
+        return [(h.cpu(), v.cpu(), i.cpu()) for h, v, i in outputs], None
+    host = [tuple(t.to("cpu", non_blocking=True) for t in triple) for triple in outputs]
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+    return host, ready
+
+
+class ForwardTimer:
+    """Forward time without a host sync per batch: CUDA events read once at the end (the writer has
+    waited on every batch by then); wall time on CPU."""
+
+    def __init__(self, device: Any):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.pairs: list[tuple[Any, Any]] = []
+        self.cpu_seconds = 0.0
+
+    def start(self) -> Any:
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> None:
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self.pairs.append((started, event))
+        else:
+            self.cpu_seconds += time.perf_counter() - started
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0  # milliseconds; both events done
+        return self.cpu_seconds
 
 
 def run_shards(
@@ -81,7 +138,6 @@ def run_shards(
     progress: bool = True,
 ) -> ExtractResult:
     """Extract this rank's unfinished shards, window by window, and write them."""
-    import torch
     from tqdm import tqdm
 
     result = ExtractResult()
@@ -89,8 +145,10 @@ def run_shards(
     todo_ids = {r.sample_id for s in todo for r in s.kept}
     total_tokens = sum(len(r.input_ids) for s in todo for r in s.kept)
     started = time.perf_counter()
+    device = next(model.parameters()).device
     capture = LayerCapture(model, layer_ids)
-    writer = ShardWriterThread(url, store_cfg, todo, cfg.queue_batches)
+    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads)
+    timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:
         for window in windows:
@@ -98,24 +156,16 @@ def run_shards(
             for batch in token_budget_batches(rows, cfg.batch_tokens, cfg.max_batch_samples):
                 if not any(r.sample_id in todo_ids for r in batch):
                     continue  # finished by an earlier run
-                forward_started = time.perf_counter()
+                forward_started = timer.start()
                 outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk, packed)
+                timer.stop(forward_started)
+                wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
+                host, ready = to_host([out for _, out in wanted], device)
                 samples = [
-                    SampleFeatures(
-                        sample_id=row.sample_id,
-                        input_ids_T=row.input_ids,
-                        loss_mask_T=row.loss_mask,
-                        hidden_TLH=hidden.to("cpu", non_blocking=True),
-                        topk_logprobs_TK=values.to("cpu", non_blocking=True),
-                        topk_ids_TK=ids.to("cpu", non_blocking=True),
-                    )
-                    for row, (hidden, values, ids) in zip(batch, outputs)
-                    if row.sample_id in todo_ids
+                    SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids)
+                    for (row, _), (hidden, values, ids) in zip(wanted, host)
                 ]
-                if next(model.parameters()).is_cuda:
-                    torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
-                result.forward_seconds += time.perf_counter() - forward_started
-                writer.put(samples)
+                writer.put(HostBatch(samples, ready, host_bytes(samples)))
                 tokens = sum(len(s.input_ids_T) for s in samples)
                 result.tokens += tokens
                 bar.update(tokens)
@@ -126,6 +176,7 @@ def run_shards(
     finally:
         capture.close()
         bar.close()
+    result.forward_seconds = timer.seconds()
     result.shards_done = len(todo)
     result.seconds = time.perf_counter() - started
     return result

@@ -61,14 +61,6 @@ class GenerateConfig(Section):
         return []
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def resolve_backend(backend: str, device: str) -> str:
     if backend != "auto":
         return backend

@@ -15,6 +15,8 @@ from typing import Any
 from shared.config import dotted_differences
 from shared.errors import StoreError
 from shared.store import SCHEMA_VERSION, StoreConfig, StoreFiles
+from shared.target import pick_attn_implementation, resolve_dtype
+from stage1_extract.distributed import resolve_device
 
 
 def settings_header(
@@ -28,8 +30,12 @@ def settings_header(
     store: StoreConfig,
     max_length: int,
     on_long: str,
+    extraction: dict[str, Any],
 ) -> dict[str, Any]:
-    """Everything that determines the stored values: the manifest's identity section."""
+    """Everything that determines the stored bytes: the manifest's identity section. `extraction`
+    is how the target ran (`extraction_settings`): compute dtype, attention kernel, packing and the
+    batch shapes, since a bf16 or packed shard differs from an fp32 or padded one (and a batch of
+    another shape can differ in the last bits), so two such shards must never pass as one store."""
     return {
         "schema_version": SCHEMA_VERSION,
         "target": {
@@ -52,6 +58,23 @@ def settings_header(
         },
         "max_length": max_length,
         "on_long": on_long,
+        "extraction": dict(extraction),
+    }
+
+
+def extraction_settings(target_cfg: Any, extract_cfg: Any) -> dict[str, Any]:
+    """How the target runs, resolved without loading it (the same rules `load_target_model` and the
+    loop apply): these go into the header, and the loop reads them back from it."""
+    device = resolve_device(extract_cfg.device)
+    attn = pick_attn_implementation(target_cfg.attn_implementation, device)
+    return {
+        "compute_dtype": resolve_dtype(target_cfg.dtype, device),
+        "attn_implementation": attn,
+        "packed": extract_cfg.packed == "on" or (extract_cfg.packed == "auto" and attn == "flash_attention_2"),
+        "batch_tokens": extract_cfg.batch_tokens,
+        "max_batch_samples": extract_cfg.max_batch_samples,
+        "window_shards": extract_cfg.window_shards,
+        "lm_head_chunk": extract_cfg.lm_head_chunk,
     }
 
 
@@ -74,13 +97,15 @@ def load_or_pin_plan(
         if repin and plan["header"] != header:
             plan.update({"header": header, "num_rows": num_rows})
             files.write_json("plan.json", plan)
-        for field_name, value in header.items():
-            if plan["header"].get(field_name) != value:
-                raise StoreError(
-                    f"{files.url}/plan.json: this store was started with {field_name}="
-                    f"{plan['header'].get(field_name)!r}, the config now gives {value!r}. "
-                    f"Run `python -m stage1_extract reprocess` to update the stale shards, or use another store.path"
-                )
+        changed = dotted_differences({k: plan["header"].get(k) for k in header}, header)
+        if changed:
+            field_name, (before, now) = next(iter(changed.items()))
+            also = f" (and {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
+            raise StoreError(
+                f"{files.url}/plan.json: this store was started with {field_name}={before!r}, the config now "
+                f"gives {now!r}{also}. Run `python -m stage1_extract reprocess` to update the stale shards, or use "
+                f"another store.path"
+            )
         return int(plan["samples_per_shard"])
     files.write_json("plan.json", {"header": header, "samples_per_shard": samples_per_shard, "num_rows": num_rows})
     return samples_per_shard

@@ -60,6 +60,7 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
             "num_bytes": sum(r["bytes"] for r in records),
             "num_truncated": sum(r["num_truncated"] for r in records),
             "num_skipped": sum(r["num_skipped"] for r in records),
+            "num_empty_turns": sum(r.get("num_empty_turns", 0) for r in records),
             "num_duplicates": count_duplicates(records),
             "shards": records,
         }

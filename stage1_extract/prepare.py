@@ -29,7 +29,7 @@ from stage1_extract.batching import (
     plan_shards,
 )
 from stage1_extract.data import ReadStats, read_conversations
-from stage1_extract.header import header_key, settings_header
+from stage1_extract.header import extraction_settings, header_key, settings_header
 from stage1_extract.tokens import TokenCache, cache_key, resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         store=cfg.store,
         max_length=cfg.data.max_length,
         on_long=cfg.data.on_long,
+        extraction=extraction_settings(cfg.target, cfg.extract),
     )
     return Prepared(header, rows, StoreFiles(cfg.store.url(cfg.run_dir)), layer_ids, stats, source)
 

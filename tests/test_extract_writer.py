@@ -1,0 +1,173 @@
+"""Stage 1 on a GPU node, as far as CPU can show it: the rank's device, copies read only after they
+land, a writer queue bounded in bytes, parallel shard writes, and a header that names every setting
+that changes the stored bytes.
+
+    .venv/bin/python -m pytest tests/test_extract_writer.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.config import load_run_config
+from shared.store import SampleFeatures, StoreConfig, StoreFiles
+from stage1_extract import commands, distributed
+from stage1_extract import extract as extract_mod
+from stage1_extract import writer as writer_mod
+from stage1_extract.batching import ShardPlan, TokenizedRow
+from stage1_extract.writer import HostBatch, ShardWriter, host_bytes
+
+from .conftest import chat_rows, stage1_overrides, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rows_and_shards(num_shards: int, per_shard: int, tokens: int = 64) -> list[ShardPlan]:
+    shards = []
+    for s in range(num_shards):
+        rows = [
+            TokenizedRow(sample_id=s * per_shard + i, row_hash=f"{s}-{i}", input_ids=torch.arange(tokens).numpy(),
+                         loss_mask=torch.ones(tokens, dtype=torch.bool).numpy())
+            for i in range(per_shard)
+        ]
+        shards.append(ShardPlan(index=s, rows=rows, tag=f"t{s}", key="k"))
+    return shards
+
+
+def host_samples(shard: ShardPlan, layers: int = 2, hidden: int = 1024, k: int = 8) -> list[SampleFeatures]:
+    out = []
+    for row in shard.kept:
+        T = len(row.input_ids)
+        out.append(SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, torch.randn(T, layers, hidden),
+                                  torch.randn(T, k), torch.randint(0, 100, (T, k))))
+    return out
+
+
+def test_each_rank_makes_its_own_gpu_current(monkeypatch):
+    """Rank k runs on cuda:k, made current before anything touches CUDA (else every default stream,
+    and every "current stream" sync, is cuda:0's)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    assert distributed.rank_device("auto", 3) == "cuda:3" and calls == [3]
+    assert distributed.rank_device("cuda:5", 0) == "cuda:5" and calls == [3, 5]
+    assert distributed.rank_device("cpu", 3) == "cpu" and calls == [3, 5]
+
+
+class FakeEvent:
+    """Stands in for the CUDA event the loop records after a batch's copies."""
+
+    def __init__(self):
+        self.synchronized = False
+
+    def synchronize(self):
+        self.synchronized = True
+
+
+def test_the_writer_reads_a_batch_only_after_its_copies_have_landed(tmp_path, monkeypatch):
+    """Every batch carries the event of its copies; nothing reads the host bytes before waiting on it."""
+    shards = rows_and_shards(2, 2)
+    event_of: dict[int, FakeEvent] = {}
+    real_check = writer_mod.check_finite
+
+    def checked(sample):
+        assert event_of[sample.sample_id].synchronized, "a sample was read before its copies landed"
+        real_check(sample)
+
+    monkeypatch.setattr(writer_mod, "check_finite", checked)
+    writer = ShardWriter(str(tmp_path / "store"), StoreConfig(compression="none"), shards, queue_mb=64)
+    for shard in shards:
+        event = FakeEvent()
+        samples = host_samples(shard)
+        event_of.update(dict.fromkeys((s.sample_id for s in samples), event))
+        writer.put(HostBatch(samples, event, host_bytes(samples)))
+    stats = writer.finish()
+    assert stats.shards_written == 2 and all(e.synchronized for e in event_of.values())
+
+
+def test_the_loop_hands_every_batch_its_ready_event(tiny_target_dir, tmp_path, monkeypatch):
+    """run_shards records the event (to_host) and passes it with the batch: on CPU there is none to
+    wait for, so the loop's own hand-off is checked with a stand-in for CUDA's."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    made = []
+
+    def to_host(outputs, device):
+        event = FakeEvent()
+        made.append(event)
+        return [tuple(t.cpu() for t in triple) for triple in outputs], event
+
+    monkeypatch.setattr(extract_mod, "to_host", to_host)
+    commands.cmd_extract(cfg, progress=False)
+    assert made and all(e.synchronized for e in made)
+
+
+def test_the_writer_queue_is_bounded_in_bytes(tmp_path, monkeypatch):
+    """With the absorbing thread held, a batch that would pass writer_queue_mb waits in put(); one
+    batch always fits even when it alone is larger than the bound."""
+    shards = rows_and_shards(3, 1, tokens=256)
+    release = threading.Event()
+    real_encode = writer_mod.encode_sample
+
+    def held_encode(sample, dtype):
+        release.wait()
+        return real_encode(sample, dtype)
+
+    monkeypatch.setattr(writer_mod, "encode_sample", held_encode)
+    batches = [host_samples(s, hidden=512) for s in shards]  # 256 x 2 x 512 x 4 B = 1 MiB + top-k each
+    assert all(1 << 20 < host_bytes(b) < 2 << 20 for b in batches)
+    writer = ShardWriter(str(tmp_path / "store"), StoreConfig(compression="none"), shards, queue_mb=2)
+    writer.put(HostBatch(batches[0], None, host_bytes(batches[0])))  # alone over 1 MiB: accepted
+    second = threading.Thread(target=writer.put, args=(HostBatch(batches[1], None, host_bytes(batches[1])),))
+    second.start()
+    second.join(timeout=0.3)
+    assert second.is_alive(), "put() returned although the queue held more than writer_queue_mb"
+    release.set()
+    second.join()
+    writer.put(HostBatch(batches[2], None, host_bytes(batches[2])))
+    stats = writer.finish()
+    assert stats.shards_written == 3 and stats.peak_queue_bytes <= (2 << 20) + host_bytes(batches[0])
+
+
+def test_writer_threads_write_shards_in_parallel(tmp_path, monkeypatch):
+    """Two writer threads hold two shards at once (a barrier of two would time out with one)."""
+    shards = rows_and_shards(2, 1)
+    both = threading.Barrier(2, timeout=20)
+    real_write = writer_mod.write_shard
+
+    def meeting_write(*args, **kwargs):
+        both.wait()
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(writer_mod, "write_shard", meeting_write)
+    writer = ShardWriter(str(tmp_path / "store"), StoreConfig(compression="none"), shards, queue_mb=64, threads=2)
+    for shard in shards:
+        samples = host_samples(shard)
+        writer.put(HostBatch(samples, None, host_bytes(samples)))
+    assert writer.finish().shards_written == 2
+    assert sorted(StoreFiles(str(tmp_path / "store")).list("parts")) == ["shard-000000.json", "shard-000001.json"]
+
+
+def test_status_names_the_compute_dtype_packing_and_batching_that_made_a_shard(tiny_target_dir, tmp_path):
+    """An fp32 store is not current for a bf16 config (nor for another batch shape): status names the field."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    run = tmp_path / "run"
+    cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, run))
+    commands.cmd_extract(cfg, progress=False)
+    manifest_extraction = StoreFiles(cfg.store.url(cfg.run_dir)).read_json("manifest.json")["extraction"]
+    assert manifest_extraction == {
+        "compute_dtype": "fp32", "attn_implementation": "sdpa", "packed": False,
+        "batch_tokens": 512, "max_batch_samples": 64, "window_shards": 1, "lm_head_chunk": 2048,
+    }
+    for override, field in (("target.dtype=bf16", "extraction.compute_dtype"), ("extract.batch_tokens=1024", "extraction.batch_tokens")):
+        changed = load_run_config(ROOT / "configs/default.yaml", [*stage1_overrides(tiny_target_dir, data, run), override])
+        report = commands.cmd_status(changed)
+        assert report["settings_changed"] == [field]
+        assert {r["state"] for r in report["shards"]} == {"stale"}
+        assert all(r["why"] == f"settings changed: {field}" for r in report["shards"])
+    with pytest.raises(Exception, match="extraction.compute_dtype"):
+        commands.cmd_extract(load_run_config(ROOT / "configs/default.yaml", [*stage1_overrides(tiny_target_dir, data, run), "target.dtype=bf16"]), progress=False)
