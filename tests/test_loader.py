@@ -272,3 +272,50 @@ def test_stream_crosses_epochs_in_order_and_prefetches_the_next_epoch():
     state = loader.state_dict()
     assert (state["epoch"], state["step_in_epoch"], state["micro_step"]) == (2, 1, 0)  # consumed only
     assert not data_threads()
+
+
+class ReadIntoReader(FakeReader):
+    """Reads features straight into the loader's packed buffer, as the store reader does."""
+
+    feature_shape = (LAYERS, HIDDEN)
+
+    def read(self, i: int, hidden_out=None) -> dict:
+        sample = self[i]
+        hidden_out.copy_(sample["hidden_TLH"])
+        return {**sample, "hidden_TLH": hidden_out}
+
+
+def test_host_buffers_are_reused_not_allocated_per_micro_batch():
+    """A consumer that gives its micro-batches back gets the same (on CUDA: pinned) buffers again:
+    pinning per step would cost more than the copy it speeds up. One that never gives back still
+    runs, on fresh buffers."""
+    from stage2_train.data.loader import BufferPool
+
+    lengths = lengths_for_tests()
+    loader = build(lengths, reader=ReadIntoReader(lengths), num_threads=1, prefetch=2)
+    seen = set()
+    for _, loaded in zip(range(12), loader.stream()):
+        assert loaded.buffer is not None and loaded.batch.context_TF.data_ptr() == loaded.buffer.data_ptr()
+        reference = torch.cat([FakeReader(lengths)[i]["hidden_TLH"] for i in loaded.sample_indices]).flatten(1)
+        assert torch.equal(loaded.batch.context_TF, reference.to(torch.bfloat16))  # a reused buffer holds this batch only
+        seen.add(loaded.buffer.data_ptr())
+        loader.release(loaded)
+    loader.close()
+    pool = loader._pool
+    assert isinstance(pool, BufferPool) and pool.keep == 2 + 1 + 1
+    assert pool.allocated <= pool.keep and len(seen) <= pool.keep
+
+    class Ready:
+        waited = False
+
+        def synchronize(self):
+            Ready.waited = True
+
+    _, buffer = pool.take(5)
+    pool.give_back(buffer, Ready())
+    _, same = pool.take(3)
+    assert same is buffer and Ready.waited  # the copy out of it is waited for before it is refilled
+    kept = build(lengths, reader=ReadIntoReader(lengths), num_threads=1, prefetch=2)
+    held = [loaded for _, loaded in zip(range(8), kept.stream())]  # never given back: fresh buffers
+    kept.close()
+    assert len({lb.buffer.data_ptr() for lb in held}) == 8

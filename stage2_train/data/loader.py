@@ -19,6 +19,7 @@ an exception, or `close()` cancels what is queued and joins the threads.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import deque
@@ -58,12 +59,50 @@ class DataLoadError(DataError):
         self.sample_index = sample_index
 
 
+class BufferPool:
+    """Host buffers for the packed features of micro-batches, allocated once and reused.
+
+    On a CUDA trainer the buffers are pinned, so `batch.to(device, non_blocking=True)` is a real
+    asynchronous copy (from pageable memory it is synchronous, ~640 MB per 8B micro-batch), and
+    pinning is slow (cudaHostAlloc), so it must not happen per step. Each buffer holds the largest
+    micro-batch (`sampler.micro_batch_tokens` tokens). The consumer gives a buffer back with the
+    event its host-to-device copy recorded (`PrefetchLoader.release`); the next taker waits on that
+    event first. Taking never blocks: with none free a new buffer is made (a consumer that never
+    gives back simply gets fresh ones); at most `keep` free buffers are kept."""
+
+    def __init__(self, max_tokens: int, feature_shape: tuple[int, ...], dtype: torch.dtype, keep: int, pin: bool):
+        self.max_tokens, self.feature_shape, self.dtype = max_tokens, tuple(feature_shape), dtype
+        self.keep, self.pin = keep, pin
+        self._free: list[tuple[torch.Tensor, Any]] = []
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers made since construction (reuse keeps this at about `keep`)
+
+    def take(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a [tokens, *feature_shape] view, the buffer it belongs to)."""
+        with self._lock:
+            entry = self._free.pop() if self._free and tokens <= self.max_tokens else None
+        if entry is not None:
+            buffer, ready = entry
+            if ready is not None:
+                ready.synchronize()  # the last copy out of this buffer has finished
+        else:
+            buffer = torch.empty((max(tokens, self.max_tokens), *self.feature_shape), dtype=self.dtype, pin_memory=self.pin)
+            self.allocated += 1
+        return buffer[:tokens], buffer
+
+    def give_back(self, buffer: torch.Tensor, ready: Any = None) -> None:
+        with self._lock:
+            if len(self._free) < self.keep and buffer.shape[0] == self.max_tokens:
+                self._free.append((buffer, ready))
+
+
 @dataclass
 class LoadedBatch:
     batch: DrafterBatch
     ref: MicroBatchRef  # where it sits: epoch, step, micro-step, and its step's global totals
     num_samples_without_anchor: int  # samples of this micro-batch that yield no block this epoch
     data_wait_s: float  # time the consumer was blocked waiting for this micro-batch
+    buffer: torch.Tensor | None = None  # the pooled host buffer behind batch.context_TF (give it back)
 
     @property
     def epoch(self) -> int:
@@ -93,6 +132,8 @@ class PrefetchLoader:
         num_threads: int = 2,
         prefetch: int = 4,
         gather_topk: bool = True,
+        pin_memory: bool = False,
+        held_by_consumer: int = 1,
     ):
         if num_threads < 1 or prefetch < 1:
             raise ValueError(f"num_threads and prefetch must be >= 1, got {num_threads} and {prefetch}")
@@ -107,6 +148,10 @@ class PrefetchLoader:
         self.num_threads = num_threads
         self.prefetch = prefetch
         self.gather_topk = gather_topk
+        self.pin_memory = pin_memory
+        # Buffers in use at once: the queue, the threads filling, and what the consumer holds.
+        self.held_by_consumer = held_by_consumer
+        self._pool: BufferPool | None = None
         self.data_wait_s = 0.0  # total time the consumer spent blocked on data
         self.num_batches = 0
         self.num_samples = 0
@@ -141,6 +186,13 @@ class PrefetchLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def release(self, loaded: LoadedBatch, ready: Any = None) -> None:
+        """The consumer is done with `loaded`'s host memory once `ready` (the event recorded after
+        its host-to-device copy, or None when nothing is in flight) has passed."""
+        if loaded.buffer is not None and self._pool is not None:
+            self._pool.give_back(loaded.buffer, ready)
+            loaded.buffer = None
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
@@ -184,7 +236,7 @@ class PrefetchLoader:
         # Read in store order (shard, position): neighbours share decoded chunks and file pages.
         order_key = getattr(self.reader, "order_key", None)
         reads = sorted(ref.indices, key=order_key) if order_key is not None else ref.indices
-        context_TLH, slices = self._packed_context(ref.indices)
+        context_TLH, buffer, slices = self._packed_context(ref.indices)
         loaded = {index: self._read(index, ref.epoch, where, slices.get(index)) for index in reads}
         samples = [loaded[i][0] for i in ref.indices]
         anchors = [loaded[i][1] for i in ref.indices]
@@ -207,18 +259,23 @@ class PrefetchLoader:
             ref=ref,
             num_samples_without_anchor=sum(1 for a in anchors if len(a) == 0),
             data_wait_s=0.0,
+            buffer=buffer,
         )
 
-    def _packed_context(self, indices: list[int]) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-        """The micro-batch's features buffer [T, L, H] (bf16, samples in order, sized from the store's
-        lengths) and each sample's slice of it, for a reader that reads into one; else (None, {})."""
+    def _packed_context(self, indices: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The micro-batch's features [T, L, H] (bf16, samples in order, sized from the store's
+        lengths) in a pooled buffer, the buffer, and each sample's slice of it, for a reader that
+        reads into one; else (None, None, {})."""
         feature_shape = getattr(self.reader, "feature_shape", None)
         if feature_shape is None:
-            return None, {}
+            return None, None, {}
+        if self._pool is None:
+            keep = self.prefetch + self.num_threads + self.held_by_consumer
+            self._pool = BufferPool(self.sampler.cfg.micro_batch_tokens, feature_shape, torch.bfloat16, keep, self.pin_memory)
         lengths = [int(self.sampler.lengths[i]) for i in indices]
-        context_TLH = torch.empty(sum(lengths), *feature_shape, dtype=torch.bfloat16)
+        context_TLH, buffer = self._pool.take(sum(lengths))
         starts = np.cumsum([0, *lengths[:-1]])
-        return context_TLH, {i: context_TLH[s : s + n] for i, s, n in zip(indices, starts.tolist(), lengths)}
+        return context_TLH, buffer, {i: context_TLH[s : s + n] for i, s, n in zip(indices, starts.tolist(), lengths)}
 
     def _read(
         self, index: int, epoch: int, where: str, hidden_out: torch.Tensor | None = None

@@ -18,7 +18,13 @@ from stage2_train.data.view import DataSettings, TrainData, open_train_data, res
 
 
 def open_run_data(
-    cfg: RunConfig, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None, prefetch: int | None = None
+    cfg: RunConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    num_threads: int | None = None,
+    prefetch: int | None = None,
+    pin_memory: bool = False,
 ) -> TrainData:
     """The training data of a run config (store checked against the target, split, sampler, loader),
     refusing a block size no sample can fill."""
@@ -31,6 +37,8 @@ def open_run_data(
         num_threads=num_threads or cfg.train.num_data_threads,
         prefetch=prefetch or cfg.train.prefetch,
         reader_options=cfg.store.reader_options(),
+        pin_memory=pin_memory,
+        held_by_consumer=cfg.sampler.grad_accum,
     )
     url = cfg.store.url(cfg.run_dir)
     data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)

@@ -153,6 +153,8 @@ class DataSettings:
     num_threads: int = 2
     prefetch: int = 4
     reader_options: dict[str, Any] | None = None  # StoreReader's (caches)
+    pin_memory: bool = False  # pinned, reused host buffers (a CUDA trainer: asynchronous copies)
+    held_by_consumer: int = 1  # micro-batches the trainer holds at once (grad_accum)
 
 
 @dataclass
@@ -192,5 +194,7 @@ def open_train_data(
         num_threads=settings.num_threads,
         prefetch=settings.prefetch,
         gather_topk=settings.gather_topk,
+        pin_memory=settings.pin_memory,
+        held_by_consumer=settings.held_by_consumer,
     )
     return TrainData(target, reader, train, heldout, train_reader, sampler, anchors, loader)

@@ -1,17 +1,27 @@
 """The DFlash attention mask over a packed micro-batch: plans and backends.
 
-Block n's queries see the context tokens of its own sample at positions < anchor_pos_N[n], and
-the B slots of block n (bidirectional); nothing else. No row is ever fully masked: a block always
-sees itself. A plan holds what every layer shares and is built once per forward:
+Block n anchored at a (its query i sits at absolute position a + i) sees, on a full-attention
+layer, the context tokens of its own sample at positions < a and the B slots of its own block
+(bidirectional); on a sliding-window layer of window W (z-lab's `_attention_mask`, SpecForge's
+PR #731) only the keys k with (a + i) - k < W, and inside its block only the slots j <= i (causal,
+unless `is_causal` says otherwise: z-lab's top-level field, which then applies to every layer).
+Nothing else, and no row is ever fully masked: a query always sees itself. `MaskKind` is one such
+rule; a drafter's layers use one or two kinds, and a plan holds one mask per kind, built once per
+forward and shared by the layers of that kind:
 
-- "flex": one BlockMask over the whole pack (CUDA; compiled once with dynamic shapes);
+- "flex": one BlockMask per kind over the whole pack (CUDA). The mask is a function of index
+  tensors only (per query: sample, position, block; per key: sample, position, block), so one
+  compiled `create_block_mask` and one compiled `flex_attention` (dynamic shapes) serve every
+  micro-batch: no recompilation per pack size, which would end in dynamo's recompile limit, an
+  eager fallback that materialises the [queries, keys] scores, and ranks that stall each other;
 - "sdpa" / "eager": blocks grouped by sample and by chunks of `attention_chunk_blocks`, each group
-  attending to its sample's context prefix only, so no mask spans the whole pack;
+  attending to the context its rule can see (for a window, only the last W positions before its
+  anchors), so no mask spans the whole pack and a window shrinks every mask;
 - "naive": a loop per block with the rule written out (tests only).
 
 Shape legend: T context tokens of the pack, N blocks, B block size, A attention heads, G key/value
 heads, D head dim, Q = n*B query rows of one group, C = keys of one group (visible context + n*B
-block slots).
+block slots), K = T + N*B keys of the whole pack.
 """
 
 from __future__ import annotations
@@ -27,12 +37,51 @@ from shared.errors import ConfigError
 from stage2_train.data.batch import DrafterBatch
 
 BACKENDS = ("sdpa", "flex", "eager", "naive")
+# torch.compile's backend for flex. CPU tests use "aot_eager": dynamo's guards (which decide every
+# recompilation) are the same, while torch 2.13's CPU inductor template cannot generate code for a
+# mask_mod that gathers from both query- and key-indexed tensors (cur_qSplitSize codegen error).
+COMPILE_BACKEND = "inductor"
 
+
+@dataclass(frozen=True)
+class MaskKind:
+    """One attention rule: `window` W (None: full attention) and causality inside the block."""
+
+    window: int | None = None
+    causal: bool = False
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_in_block: torch.Tensor) -> torch.Tensor:
+        """Which keys a query may see, by absolute positions, among the keys its sample and block
+        allow already (context before the anchor, its own block's slots); broadcasts."""
+        ok = torch.ones_like(q_pos - k_pos, dtype=torch.bool)
+        if self.causal:
+            ok = ok & (~k_in_block | (k_pos <= q_pos))
+        if self.window is not None:
+            ok = ok & (q_pos - k_pos < self.window)
+            if not self.causal:  # a bidirectional sliding block: |i - j| < W inside it
+                ok = ok & (~k_in_block | (k_pos - q_pos < self.window))
+        return ok
+
+
+FULL = MaskKind()
+
+
+def layer_kinds(layer_types: tuple[str, ...] | None, num_layers: int, window: int | None, is_causal: bool | None) -> list[MaskKind]:
+    """The rule of each drafter layer, from `model.layer_types` / `sliding_window` / `is_causal`
+    read as z-lab reads them: sliding layers are causal in the block unless is_causal says, full
+    layers bidirectional unless is_causal is true."""
+    types = list(layer_types) if layer_types else ["full_attention"] * num_layers
+    kinds = []
+    for kind in types:
+        sliding = kind == "sliding_attention"
+        causal = sliding if is_causal is None else bool(is_causal)
+        kinds.append(MaskKind(window if sliding else None, causal))
+    return kinds
 
 
 @dataclass
 class _Group:
-    """One SDPA call: some blocks of one sample and the context prefix they can see."""
+    """One SDPA call: some blocks of one sample and the context they can see."""
 
     ctx_idx: torch.Tensor  # [c] indices into T
     blk_idx: torch.Tensor  # [n] indices into N
@@ -41,18 +90,19 @@ class _Group:
 
 @dataclass
 class AttentionPlan:
-    """Everything about the mask that all layers share, built once per forward."""
+    """Everything about one kind's mask that its layers share, built once per forward."""
 
     backend: str
     block_size: int
+    kind: MaskKind = FULL
     groups: list[_Group] | None = None
     inverse_N: torch.Tensor | None = None  # positions of blocks in cat(group.blk_idx) -> original order
-    block_mask: Any = None  # flex BlockMask over [blocks sorted ; context sorted]
-    ctx_order_T: torch.Tensor | None = None
-    blk_order_N: torch.Tensor | None = None
+    block_mask: Any = None  # flex BlockMask over [blocks ; context], both in batch order
+    compiled: bool = False  # flex: compiled (CUDA) or the unfused reference
     batch: DrafterBatch | None = None  # naive reference only
 
 
+# ---- sdpa / eager: groups ------------------------------------------------------------------------
 def _past_max(context_T: torch.Tensor, blocks_N: torch.Tensor) -> int:
     """One more than the largest value in either (the context may be empty)."""
     return int(max(context_T.max().item() if context_T.numel() else 0, blocks_N.max().item())) + 1
@@ -67,7 +117,9 @@ def _sort_pack(batch: DrafterBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
     return ctx_order_T, blk_order_N, num_samples
 
 
-def _plan_groups(batch: DrafterBatch, block_size: int, chunk_blocks: int, backend: str) -> AttentionPlan:
+def _plan_groups(batch: DrafterBatch, block_size: int, chunk_blocks: int, backend: str, kind: MaskKind) -> AttentionPlan:
+    """Groups of blocks with the context their rule lets them see (sdpa and eager; host syncs: the
+    group sizes are data, which is why CUDA uses flex)."""
     ctx_order_T, blk_order_N, num_samples = _sort_pack(batch)
     device = batch.anchor_pos_N.device
     ctx_counts = torch.bincount(batch.context_seq_T, minlength=num_samples).tolist()
@@ -76,40 +128,58 @@ def _plan_groups(batch: DrafterBatch, block_size: int, chunk_blocks: int, backen
     anchor_sorted = batch.anchor_pos_N[blk_order_N]
     anchor_cpu = anchor_sorted.tolist()
     ctx_pos_cpu = ctx_pos_sorted.cpu()
+    i_B = torch.arange(block_size, device=device)
 
     groups: list[_Group] = []
     ctx_start = blk_start = 0
     for s in range(num_samples):
         ctx_end, blk_end = ctx_start + ctx_counts[s], blk_start + blk_counts[s]
+        sample_pos = ctx_pos_cpu[ctx_start:ctx_end]
         for b0 in range(blk_start, blk_end, chunk_blocks):
             b1 = min(b0 + chunk_blocks, blk_end)
             n = b1 - b0
-            # Anchors ascend within the sample, so the visible context is a prefix of its positions.
-            c = int(torch.searchsorted(ctx_pos_cpu[ctx_start:ctx_end], anchor_cpu[b1 - 1]).item())
-            ctx_idx = ctx_order_T[ctx_start : ctx_start + c]
-            see_ctx_nc = ctx_pos_sorted[ctx_start : ctx_start + c][None, :] < anchor_sorted[b0:b1, None]
+            # Anchors ascend within the sample: the context any of them sees is one span of
+            # positions, [first anchor - W + 1, last anchor) with a window, a prefix without.
+            hi = int(torch.searchsorted(sample_pos, anchor_cpu[b1 - 1]).item())
+            lo = 0 if kind.window is None else int(torch.searchsorted(sample_pos, anchor_cpu[b0] - kind.window + 1).item())
+            ctx_idx = ctx_order_T[ctx_start + lo : ctx_start + hi]
+            anchor_n = anchor_sorted[b0:b1]
+            q_pos_nB = anchor_n[:, None] + i_B  # absolute position of each query
+            k_ctx_c = ctx_pos_sorted[ctx_start + lo : ctx_start + hi]
+            see_ctx_nBc = (k_ctx_c[None, None, :] < anchor_n[:, None, None]) & kind.visible(
+                q_pos_nB[:, :, None], k_ctx_c[None, None, :], torch.zeros((), dtype=torch.bool, device=device)
+            )
+            own_BB = kind.visible(i_B[:, None], i_B[None, :], torch.ones((), dtype=torch.bool, device=device))
             own_nn = torch.eye(n, dtype=torch.bool, device=device)
+            see_blk = own_nn[:, None, :, None] & own_BB[None, :, None, :]  # [n, B, n, B]
             mask_QC = torch.cat(
-                [
-                    see_ctx_nc[:, None, :].expand(n, block_size, c),
-                    own_nn[:, None, :, None].expand(n, block_size, n, block_size).reshape(n, block_size, -1),
-                ],
-                dim=-1,
-            ).reshape(n * block_size, c + n * block_size)
+                [see_ctx_nBc, see_blk.reshape(n, block_size, n * block_size)], dim=-1
+            ).reshape(n * block_size, ctx_idx.numel() + n * block_size)
             groups.append(_Group(ctx_idx=ctx_idx, blk_idx=blk_order_N[b0:b1], mask_QC=mask_QC))
         ctx_start, blk_start = ctx_end, blk_end
     inverse_N = torch.empty_like(blk_order_N)
     inverse_N[torch.cat([g.blk_idx for g in groups])] = torch.arange(len(blk_order_N), device=device)
-    return AttentionPlan(backend=backend, block_size=block_size, groups=groups, inverse_N=inverse_N)
+    return AttentionPlan(backend=backend, block_size=block_size, kind=kind, groups=groups, inverse_N=inverse_N)
+
+
+# ---- flex ---------------------------------------------------------------------------------------
+@functools.cache
+def _flex_attention(compiled: bool) -> Any:
+    """flex_attention, imported lazily; compiled once with dynamic shapes. Uncompiled, it is an
+    unfused reference that materialises the scores: CPU tests of the mask logic only (CPU flex has
+    no backward in torch 2.13)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True, backend=COMPILE_BACKEND) if compiled else flex_attention
 
 
 @functools.cache
-def _flex_attention(compiled: bool) -> Any:
-    """flex_attention, imported lazily; compiled once (dynamic shapes) for CUDA. Uncompiled, it is
-    an unfused reference that materialises the scores: CPU tests of the mask logic only."""
-    from torch.nn.attention.flex_attention import flex_attention
+def _block_mask_builder(compiled: bool) -> Any:
+    """create_block_mask, compiled once (torch's own `_compile=True` wraps a fresh torch.compile per
+    call, and its docs now ask for this instead)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+    return torch.compile(create_block_mask, dynamic=True, backend=COMPILE_BACKEND) if compiled else create_block_mask
 
 
 def flex_importable() -> bool:
@@ -120,45 +190,65 @@ def flex_importable() -> bool:
     return True
 
 
-def _plan_flex(batch: DrafterBatch, block_size: int, compiled: bool = True) -> AttentionPlan:
-    """One BlockMask: queries are the blocks sorted by (sample, anchor), keys are the context
-    sorted by (sample, position) followed by the block slots in the same block order."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    ctx_order_T, blk_order_N, _ = _sort_pack(batch)
-    seq_T = batch.context_seq_T[ctx_order_T].contiguous()
-    pos_T = batch.context_pos_T[ctx_order_T].contiguous()
-    seq_N = batch.block_seq_N[blk_order_N].contiguous()
-    anchor_N = batch.anchor_pos_N[blk_order_N].contiguous()
-    num_ctx, num_blocks = len(seq_T), len(seq_N)
+def dflash_mask_mod(
+    q_seq: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_blk: torch.Tensor,
+    k_seq: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_blk: torch.Tensor,
+    q_anchor: torch.Tensor,
+    kind: MaskKind,
+) -> Any:
+    """The DFlash rule as a flex mask_mod over index tensors only. Query q is slot q % B of block
+    q // B; key k is context token k (k_blk = -1) or a block slot (k_blk = its block). The tensors
+    change every micro-batch but are graph inputs to the compiled code, never constants: no
+    Python int of the batch reaches it (the window and causality are fixed for a model)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        n = q_idx // block_size
-        t = kv_idx.clamp(max=num_ctx - 1)
-        sees_ctx = (kv_idx < num_ctx) & (seq_T[t] == seq_N[n]) & (pos_T[t] < anchor_N[n])
-        sees_own = (kv_idx >= num_ctx) & ((kv_idx - num_ctx) // block_size == n)
-        return sees_ctx | sees_own
+        in_block = k_blk[kv_idx] >= 0
+        sees_ctx = ~in_block & (k_seq[kv_idx] == q_seq[q_idx]) & (k_pos[kv_idx] < q_anchor[q_idx])
+        sees_own = in_block & (k_blk[kv_idx] == q_blk[q_idx])
+        return (sees_ctx | sees_own) & kind.visible(q_pos[q_idx], k_pos[kv_idx], in_block)
 
-    block_mask = create_block_mask(
-        mask_mod,
-        B=None,
-        H=None,
-        Q_LEN=num_blocks * block_size,
-        KV_LEN=num_ctx + num_blocks * block_size,
-        device=batch.anchor_pos_N.device,
-        _compile=compiled,
+    return mask_mod
+
+
+def flex_index(batch: DrafterBatch, block_size: int) -> dict[str, torch.Tensor]:
+    """The index tensors of `dflash_mask_mod` for a batch, in batch order (no sort, no host sync)."""
+    N, B = batch.block_ids_NB.shape[0], block_size
+    device = batch.anchor_pos_N.device
+    i_B = torch.arange(B, device=device)
+    blk_NB = torch.arange(N, device=device)[:, None].expand(N, B)
+    q_anchor = batch.anchor_pos_N[:, None].expand(N, B)
+    T = batch.context_pos_T.shape[0]
+    return {
+        "q_seq": batch.block_seq_N[:, None].expand(N, B).reshape(-1),
+        "q_pos": (q_anchor + i_B).reshape(-1),
+        "q_blk": blk_NB.reshape(-1),
+        "q_anchor": q_anchor.reshape(-1),
+        "k_seq": torch.cat([batch.context_seq_T, batch.block_seq_N[:, None].expand(N, B).reshape(-1)]),
+        "k_pos": torch.cat([batch.context_pos_T, (q_anchor + i_B).reshape(-1)]),
+        "k_blk": torch.cat([torch.full((T,), -1, dtype=torch.long, device=device), blk_NB.reshape(-1)]),
+    }
+
+
+def _plan_flex(batch: DrafterBatch, block_size: int, kind: MaskKind, compiled: bool, index: dict | None = None) -> AttentionPlan:
+    """One BlockMask: queries are the blocks' slots in batch order, keys the context in batch order
+    followed by the block slots (collate packs samples and anchors in order, so the mask is
+    block-sparse as it comes)."""
+    index = index if index is not None else flex_index(batch, block_size)
+    mask_mod = dflash_mask_mod(kind=kind, **index)
+    build = _block_mask_builder(compiled)
+    block_mask = build(
+        mask_mod, None, None, index["q_seq"].shape[0], index["k_seq"].shape[0], device=batch.anchor_pos_N.device
     )
-    return AttentionPlan(
-        backend="flex",
-        block_size=block_size,
-        block_mask=block_mask,
-        ctx_order_T=ctx_order_T,
-        blk_order_N=blk_order_N,
-    )
+    return AttentionPlan(backend="flex", block_size=block_size, kind=kind, block_mask=block_mask, compiled=compiled)
 
 
+# ---- attention --------------------------------------------------------------------------------
 def _softmax_attend(q_AQD, k_GCD, v_GCD, mask_QC, scale) -> torch.Tensor:
-    """Plain attention in fp32 (eager/naive). Rows are never fully masked (a block sees itself)."""
+    """Plain attention in fp32 (eager/naive). Rows are never fully masked (a query sees itself)."""
     groups = q_AQD.shape[0] // k_GCD.shape[0]
     k_ACD = k_GCD.repeat_interleave(groups, dim=0).float()
     v_ACD = v_GCD.repeat_interleave(groups, dim=0).float()
@@ -168,24 +258,20 @@ def _softmax_attend(q_AQD, k_GCD, v_GCD, mask_QC, scale) -> torch.Tensor:
 
 
 def packed_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan: AttentionPlan, scale: float):
-    """Attention of every block under the DFlash mask; returns [N, B, A, D]."""
+    """Attention of every block under the plan's mask; returns [N, B, A, D]."""
     N, B, A, D = q_NBAD.shape
     G = k_blk_NBGD.shape[2]
     if plan.backend == "flex":
-        attend = _flex_attention(compiled=q_NBAD.is_cuda)
-        order = plan.blk_order_N
-        q = q_NBAD[order].reshape(N * B, A, D).transpose(0, 1)[None]
-        k = torch.cat([k_ctx_TGD[plan.ctx_order_T], k_blk_NBGD[order].reshape(N * B, G, D)]).transpose(0, 1)[
-            None
-        ]
-        v = torch.cat([v_ctx_TGD[plan.ctx_order_T], v_blk_NBGD[order].reshape(N * B, G, D)]).transpose(0, 1)[
-            None
-        ]
+        attend = _flex_attention(compiled=plan.compiled)
+        q = q_NBAD.reshape(N * B, A, D).transpose(0, 1)[None]
+        k = torch.cat([k_ctx_TGD, k_blk_NBGD.reshape(N * B, G, D)]).transpose(0, 1)[None]
+        v = torch.cat([v_ctx_TGD, v_blk_NBGD.reshape(N * B, G, D)]).transpose(0, 1)[None]
+        for t in (q, k, v):  # the sequence dims change every micro-batch
+            torch._dynamo.maybe_mark_dynamic(t, 2)
         out = attend(q, k, v, block_mask=plan.block_mask, scale=scale, enable_gqa=G != A)
-        out_NBAD = out[0].transpose(0, 1).reshape(N, B, A, D)
-        return out_NBAD[torch.argsort(order)]
+        return out[0].transpose(0, 1).reshape(N, B, A, D)
     if plan.backend == "naive":
-        return _naive_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan.batch, scale)
+        return _naive_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan.batch, plan.kind, scale)
 
     outs = []
     for g in plan.groups:
@@ -211,32 +297,42 @@ def packed_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan:
     return torch.cat(outs)[plan.inverse_N]
 
 
-def _naive_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, batch: DrafterBatch, scale: float):
+def _naive_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, batch: DrafterBatch, kind: MaskKind, scale: float):
     """Reference: one block at a time, context selected by the rule itself. Tests only."""
     outs = []
+    B = q_NBAD.shape[1]
+    i_B = torch.arange(B, device=q_NBAD.device)
     for n in range(q_NBAD.shape[0]):
-        visible_T = (batch.context_seq_T == batch.block_seq_N[n]) & (
-            batch.context_pos_T < batch.anchor_pos_N[n]
-        )
+        anchor = batch.anchor_pos_N[n]
+        visible_T = (batch.context_seq_T == batch.block_seq_N[n]) & (batch.context_pos_T < anchor)
         k_GCD = torch.cat([k_ctx_TGD[visible_T], k_blk_NBGD[n]]).transpose(0, 1)
         v_GCD = torch.cat([v_ctx_TGD[visible_T], v_blk_NBGD[n]]).transpose(0, 1)
         q_ABD = q_NBAD[n].transpose(0, 1)
-        mask = torch.ones(q_ABD.shape[1], k_GCD.shape[1], dtype=torch.bool, device=q_ABD.device)
+        k_pos = torch.cat([batch.context_pos_T[visible_T], anchor + i_B])
+        in_block = torch.cat([torch.zeros(int(visible_T.sum()), dtype=torch.bool), torch.ones(B, dtype=torch.bool)])
+        mask = kind.visible((anchor + i_B)[:, None], k_pos[None, :], in_block[None, :].to(q_ABD.device))
         outs.append(_softmax_attend(q_ABD, k_GCD, v_GCD, mask, scale).transpose(0, 1))
     return torch.stack(outs)
 
 
-def plan_attention(batch: DrafterBatch, backend_name: str, block_size: int, chunk_blocks: int) -> AttentionPlan:
-    """The mask plan for this batch on its device (see the module docstring for the backends)."""
+def plan_attention(
+    batch: DrafterBatch, backend_name: str, block_size: int, chunk_blocks: int, kinds: list[MaskKind] | None = None
+) -> dict[MaskKind, AttentionPlan]:
+    """One mask plan per distinct rule among the layers (`kinds`, default: full attention), for this
+    batch on its device (see the module docstring for the backends)."""
     backend = resolve_backend(backend_name, batch.anchor_pos_N.device)
-    if backend == "flex":
-        if batch.context_TF.shape[0] == 0:
-            backend = "sdpa"  # flex needs at least one key before the blocks
+    if backend == "flex" and batch.context_TF.shape[0] == 0:
+        backend = "sdpa"  # flex needs at least one key before the blocks
+    plans = {}
+    index = flex_index(batch, block_size) if backend == "flex" else None
+    for kind in dict.fromkeys(kinds or [FULL]):
+        if backend == "flex":
+            plans[kind] = _plan_flex(batch, block_size, kind, compiled=batch.context_TF.is_cuda, index=index)
+        elif backend == "naive":
+            plans[kind] = AttentionPlan(backend="naive", block_size=block_size, kind=kind, batch=batch)
         else:
-            return _plan_flex(batch, block_size, compiled=batch.context_TF.is_cuda)
-    if backend == "naive":
-        return AttentionPlan(backend="naive", block_size=block_size, batch=batch)
-    return _plan_groups(batch, block_size, chunk_blocks, backend)
+            plans[kind] = _plan_groups(batch, block_size, chunk_blocks, backend, kind)
+    return plans
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

@@ -29,6 +29,15 @@ class DrafterConfig(Section):
     """Auto: flex on CUDA, else sdpa."""
     attention_chunk_blocks: int = 64
     """Sdpa/eager: blocks per attention call (bounds the mask size)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per drafter layer "full_attention" or "sliding_attention" (z-lab's and SpecForge's field);
+    null = every layer full. speculators trains every layer sliding by default."""
+    sliding_window: int | None = None
+    """W of the sliding layers: the query at absolute position a + i sees keys k with (a + i) - k < W
+    (its own included), so W - 1 - i context tokens at most (z-lab, SpecForge)."""
+    is_causal: bool | None = None
+    """z-lab's top-level field: null = sliding layers causal inside the block, full layers
+    bidirectional; true / false = every layer causal / bidirectional inside the block."""
     init_std: float = 0.02
     """Qwen3 initializer_range."""
     activation_checkpointing: bool = False
@@ -52,12 +61,36 @@ class DrafterConfig(Section):
             "must be >= 1 or null (the target's)",
         )
         self.require(self.attention_chunk_blocks >= 1, "attention_chunk_blocks", "must be >= 1")
+        if self.layer_types is not None:
+            self.require(len(self.layer_types) == self.num_layers, "layer_types", f"must list one type per layer ({self.num_layers})")
+            self.require(
+                set(self.layer_types) <= {"full_attention", "sliding_attention"},
+                "layer_types",
+                "may hold only full_attention and sliding_attention",
+            )
+        sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
+        self.require(
+            not sliding or (self.sliding_window is not None and self.sliding_window >= 1),
+            "sliding_window",
+            "must be >= 1 when a layer is sliding_attention",
+        )
         self.require(0 < self.init_std < 1, "init_std", "must be in (0, 1)")
 
     def recipe_warnings(self) -> list[str]:
+        out = []
         if self.block_size != 16:
-            return [f"model.block_size={self.block_size}: the published DFlash drafters use 16"]
-        return []
+            out.append(f"model.block_size={self.block_size}: the published DFlash drafters use 16")
+        if self.layer_types is not None and "sliding_attention" in self.layer_types:
+            out.append(
+                f"model.layer_types={list(self.layer_types)}, sliding_window={self.sliding_window}: sliding-window layers "
+                f"(z-lab / SpecForge semantics); the published recipe is every layer full"
+            )
+            if self.sliding_window is not None and self.sliding_window < self.block_size:
+                out.append(
+                    f"model.sliding_window={self.sliding_window} < block_size={self.block_size}: z-lab windows the block's "
+                    f"own slots too (followed here), SpecForge does not, so the two serve such a drafter differently"
+                )
+        return out
 
 
 class LossConfig(Section):

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from shared.errors import CheckpointError
 from shared.target import TargetArch
 from stage2_train.data.batch import DrafterBatch
-from stage2_train.model.attention import AttentionPlan, packed_attention, plan_attention
+from stage2_train.model.attention import AttentionPlan, MaskKind, layer_kinds, packed_attention, plan_attention
 from stage2_train.model.config import DrafterConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -123,16 +123,17 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: TargetArch, intermediate_size: int):
+    def __init__(self, arch: TargetArch, intermediate_size: int, kind: MaskKind):
         super().__init__()
+        self.kind = kind  # full or sliding-window attention: which of the forward's plans it uses
         self.self_attn = Attention(arch)
         self.mlp = MLP(arch.hidden_size, intermediate_size)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, h_NBH, ctx_TH, rope, plan: AttentionPlan) -> torch.Tensor:
+    def forward(self, h_NBH, ctx_TH, rope, plans: dict[MaskKind, AttentionPlan]) -> torch.Tensor:
         # The context feature enters k/v as is: the layer's input norm applies to the block only.
-        h_NBH = h_NBH + self.self_attn(self.input_layernorm(h_NBH), ctx_TH, rope, plan)
+        h_NBH = h_NBH + self.self_attn(self.input_layernorm(h_NBH), ctx_TH, rope, plans[self.kind])
         return h_NBH + self.mlp(self.post_attention_layernorm(h_NBH))
 
 
@@ -161,7 +162,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(num_feature_layers * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
         inner = cfg.intermediate_size or arch.intermediate_size
-        self.layers = nn.ModuleList(DecoderLayer(arch, inner) for _ in range(cfg.num_layers))
+        self.kinds = layer_kinds(cfg.layer_types, cfg.num_layers, cfg.sliding_window, cfg.is_causal)
+        self.layers = nn.ModuleList(DecoderLayer(arch, inner, kind) for kind in self.kinds)
         self.norm = RMSNorm(H, arch.rms_norm_eps)
         self.register_buffer("embed_VH", None, persistent=False)
         self.register_buffer("lm_head_VH", None, persistent=False)
@@ -196,19 +198,25 @@ class DFlashDrafter(nn.Module):
         N, B = batch.block_ids_NB.shape
         if B != self.block_size:
             raise ValueError(f"batch blocks have {B} slots, model.block_size is {self.block_size}")
+        # Under autocast the matmuls choose their dtype: casting the [T, n*H] context (or the block
+        # embeddings) to the fp32 master weights would make a second copy of it (~1.3 GB per 8B
+        # micro-batch) for autocast to cast straight back. Without autocast the weights' dtype rules.
+        autocast = torch.is_autocast_enabled(batch.context_TF.device.type)
         dtype = self.fc.weight.dtype
-        ctx_TH = self.hidden_norm(self.fc(batch.context_TF.to(dtype)))
-        h_NBH = F.embedding(batch.block_ids_NB, self.embed_VH).to(dtype)
+        ctx_TF = batch.context_TF if autocast else batch.context_TF.to(dtype)
+        ctx_TH = self.hidden_norm(self.fc(ctx_TF))
+        h_NBH = F.embedding(batch.block_ids_NB, self.embed_VH)
+        h_NBH = h_NBH if autocast else h_NBH.to(dtype)
         D, theta = self.arch.head_dim, self.arch.rope_theta
         pos_NB = batch.anchor_pos_N[:, None] + torch.arange(B, device=batch.anchor_pos_N.device)
         rope = (*rope_cos_sin(batch.context_pos_T, D, theta), *rope_cos_sin(pos_NB, D, theta))
-        plan = plan_attention(batch, self.attention_backend, self.block_size, self.cfg.attention_chunk_blocks)
+        plans = plan_attention(batch, self.attention_backend, self.block_size, self.cfg.attention_chunk_blocks, self.kinds)
         recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
-                h_NBH = checkpoint(layer, h_NBH, ctx_TH, rope, plan, use_reentrant=False)
+                h_NBH = checkpoint(layer, h_NBH, ctx_TH, rope, plans, use_reentrant=False)
             else:
-                h_NBH = layer(h_NBH, ctx_TH, rope, plan)
+                h_NBH = layer(h_NBH, ctx_TH, rope, plans)
         return self.norm(h_NBH)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

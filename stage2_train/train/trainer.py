@@ -140,7 +140,7 @@ class Trainer:
 
     # ---- building -------------------------------------------------------------------------------
     def _build_data(self) -> TrainData:
-        return open_run_data(self.cfg, rank=self.rank, world_size=self.world_size)
+        return open_run_data(self.cfg, rank=self.rank, world_size=self.world_size, pin_memory=self.device.type == "cuda")
 
     def _build_model(self, init_weights: dict[str, torch.Tensor] | None) -> DFlashDrafter:
         """The drafter from cfg.seed (identical on every rank) or from `init_weights`, with the
@@ -284,7 +284,13 @@ class Trainer:
         loaded = next(self._batches)
         mask_id = self.data.target.mask_token_id
         batches = [with_a_block(lb.batch, mask_id).to(self.device, self.compute_dtype) for lb in loaded]
-        data_s = time.perf_counter() - start  # waiting on the loader + host-to-device copies
+        # The pinned host buffers may be refilled once these copies have run (an event on this
+        # rank's stream, no host sync); on CPU the batch may alias the buffer until the step ends.
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.device))
+        data_s = time.perf_counter() - start  # waiting on the loader + issuing host-to-device copies
         # The step's global label weight sum, before any backward: the exact per-token normaliser.
         weight_sum = sum(loss_weights(b.labels_NB, self.cfg.loss.gamma).sum() for b in batches)
         weight_sum = self.accelerator.reduce(weight_sum.float(), reduction="sum")
@@ -297,6 +303,8 @@ class Trainer:
         counts = sum_counts(parts)
         self.epoch_blocks = self.epoch_blocks + counts["num_blocks"].long().cpu()
         lr, grad_norm, skipped, optim_s = self.optimizer_step(counts)
+        for lb in loaded:
+            self.data.loader.release(lb, copied)
         first = loaded[0].ref
         stats = StepStats(
             epoch=first.epoch,
