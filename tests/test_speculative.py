@@ -196,7 +196,8 @@ def test_offline_blocks_predict_online_decoding(target, drafter, layer_ids, prom
     assert spec.tokens == sample["input_ids_T"][len(prompt) :].tolist()
     anchors = torch.arange(len(prompt), len(sample["input_ids_T"]) - BLOCK + 1)
     batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=MASK_ID, gather_topk=False)
-    _, accept_N, pred_NB = score_blocks(drafter, batch, gamma=4.0)
+    scored = score_blocks(drafter, batch, gamma=4.0)
+    accept_N, pred_NB = scored.accept_N, scored.pred_NB
     offline = {int(a): (pred_NB[n, 1:].tolist(), int(accept_N[n])) for n, a in enumerate(anchors)}
     compared = 0
     for (anchor_pos, drafts), accepted in zip(spec.proposals, spec.acceptance_lengths):
@@ -249,7 +250,7 @@ def test_offline_walk_tau_equals_online_tau_on_the_same_text(target, layer_ids, 
     online = list(zip((a for a, _ in spec.proposals), spec.acceptance_lengths))
     anchors = torch.arange(len(prompt), len(full) - 1)
     batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=MASK_ID, gather_topk=False)
-    _, accept_N, _ = score_blocks(stub, batch, gamma=4.0)
+    accept_N = score_blocks(stub, batch, gamma=4.0).accept_N
     walk = decode_walk(dict(zip(anchors.tolist(), accept_N.tolist())))
     assert walk == online
     assert offline["walk_tau"] == pytest.approx(spec.tau)

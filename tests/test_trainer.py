@@ -344,8 +344,10 @@ def test_doctor_reads_the_run_log(run, capsys):
 # ---- 1 process vs 2 ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
-    """Same global batch: 1 rank x 2 micro-batches vs 2 ranks (torchrun, gloo) x 1 micro-batch."""
-    extra = {"train.max_steps": 4, "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2}
+    """Same global batch: 1 rank x 2 micro-batches vs 2 ranks (torchrun, gloo) x 1 micro-batch; the
+    held-out eval mid-training (every 2 steps) is spread over the 2 ranks and gives the same row."""
+    extra = {"train.max_steps": 4, "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2,
+             "eval.every_steps": 2, "eval.offline_max_samples": 5}
     one = tmp_path / "one"
     commands.cmd_train(config(tiny_target_dir, store, one, **{**extra, "sampler.grad_accum": 2}), progress=False)
     two = tmp_path / "two"
@@ -365,12 +367,17 @@ def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
     start = read_log(two / "train_log.jsonl", "event")[0]
     assert start["config"]["resolved"]["world_size"] == 2
     eval_one, eval_two = read_log(one / "train_log.jsonl", "eval"), read_log(two / "train_log.jsonl", "eval")
-    assert eval_two[0]["ce"] == pytest.approx(eval_one[0]["ce"], rel=1e-5)
+    assert [r["step"] for r in eval_two] == [r["step"] for r in eval_one] == [2, 4]
+    for a, b in zip(eval_one, eval_two):
+        assert b["num_samples"] == a["num_samples"] == 5 and b["accept_hist"] == a["accept_hist"]
+        for key in ("ce", "accuracy", "accept_len", "walk_tau", "ce_se", "accuracy_se", "walk_tau_se"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.slow
 def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
-    """2 ranks, saved at step 3 and resumed: steps 4-6 and the final weights equal the uninterrupted run."""
+    """2 ranks, saved at step 3 and resumed: steps 4-6 and the final weights equal the uninterrupted run,
+    and the resume hashes each file of the checkpoint once (rank 0 the shared ones, each rank its own)."""
     from safetensors.torch import load_file
 
     extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto",
@@ -385,8 +392,19 @@ def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
     weights = load_file(ckpt / "step_000006" / "model.safetensors")
     shutil.rmtree(ckpt / "step_000006")
     (ckpt / "latest").write_text("step_000003")
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    hashes = tmp_path / "hashes.log"
+    counted = {**env, "PYTHONPATH": f"{REPO / 'tests' / 'hashcount'}:{REPO}", "DFLASH_HASH_LOG": str(hashes)}
+    done = subprocess.run(cmd, cwd=REPO, env=counted, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    resumed_from = str(ckpt / "step_000003")
+    reads = [line.split(" ", 1) for line in hashes.read_text().splitlines() if resumed_from + "/" in line]
+    by_file: dict[str, list[str]] = {}
+    for rank, path in reads:
+        by_file.setdefault(Path(path).name, []).append(rank)
+    assert by_file == {
+        "model.safetensors": ["0"], "shared.safetensors": ["0"], "shared.json": ["0"],
+        "rank_00000.safetensors": ["0"], "rank_00000.json": ["0"], "rank_00001.safetensors": ["1"], "rank_00001.json": ["1"],
+    }
     again = [r for r in read_log(tmp_path / "train_log.jsonl", "train")][6:]
     assert [r["step"] for r in again] == [4, 5, 6]
     for row in again:

@@ -34,7 +34,13 @@ from torch.utils.checkpoint import checkpoint
 from shared.errors import CheckpointError
 from shared.target import TargetArch
 from stage2_train.data.batch import DrafterBatch
-from stage2_train.model.attention import AttentionPlan, MaskKind, layer_kinds, packed_attention, plan_attention
+from stage2_train.model.attention import (
+    AttentionPlan,
+    MaskKind,
+    layer_kinds,
+    packed_attention,
+    plan_attention,
+)
 from stage2_train.model.config import DrafterConfig
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,11 +31,11 @@ from stage2_train.data.config import SamplerConfig
 from stage2_train.model.config import LossConfig, recipe_gamma
 from stage2_train.model.drafter import DFlashDrafter
 from stage2_train.model.loss import (
+    COUNT_KEYS,
     accept_lengths,
     block_counts,
     finalize_metrics,
     loss_weights,
-    sum_counts,
 )
 
 DENSE_ANCHORS = 1 << 30  # "every valid anchor" for AnchorSampler
@@ -44,15 +45,24 @@ DENSE_ANCHORS = 1 << 30  # "every valid anchor" for AnchorSampler
 # Offline
 
 
-@torch.no_grad()
-def score_blocks(
-    drafter: DFlashDrafter, batch: DrafterBatch, gamma: float, rows_per_chunk: int = 1024
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(counts with loss.py's COUNT_KEYS, accept_len_N, pred_NB) for one batch.
+@dataclass
+class ScoredBlocks:
+    """One batch through the drafter: the summable counts (loss.py's COUNT_KEYS) and, per block and
+    slot, what they were made of (for per-sample statistics)."""
 
-    pred_NB is the drafter's argmax at every slot 1..B-1 (-1 at slot 0); a slot is correct when it
-    equals a scored label; accept_len = 1 + consecutive correct slots from slot 1 (an unscored slot
-    ends the run, as in the training metrics)."""
+    counts: dict[str, torch.Tensor]
+    accept_N: torch.Tensor  # 1 + accepted drafts per block (the bonus included, as in training)
+    pred_NB: torch.Tensor  # the drafter's argmax at slots 1..B-1 (-1 at slot 0)
+    ce_NB: torch.Tensor  # CE of the label per slot (0 where unscored)
+    w_NB: torch.Tensor  # the loss's position weight where scored, else 0
+    correct_NB: torch.Tensor  # scored and argmax == label
+
+
+@torch.no_grad()
+def score_blocks(drafter: DFlashDrafter, batch: DrafterBatch, gamma: float, rows_per_chunk: int = 1024) -> ScoredBlocks:
+    """Every block of `batch` scored: a slot is correct when its argmax equals a scored label;
+    accept_len = 1 + consecutive correct slots from slot 1 (an unscored slot ends the run, as in the
+    training metrics)."""
     hidden_NBH = drafter(batch)
     N, B, H = hidden_NBH.shape
     labels_NB = batch.labels_NB
@@ -69,11 +79,12 @@ def score_blocks(
     valid_NB = labels_NB != IGNORE
     ce_NB = torch.zeros(N, B, device=labels_NB.device)
     ce_NB[:, 1:] = -torch.cat(logprobs).view(N, B - 1)
+    ce_NB = torch.where(valid_NB, ce_NB, 0.0)
     w_NB = loss_weights(labels_NB, gamma)
     correct_NB = valid_NB & (pred_NB == labels_NB)
-    ce_sum = (w_NB * torch.where(valid_NB, ce_NB, 0.0)).sum()
+    ce_sum = (w_NB * ce_NB).sum()
     counts = block_counts(correct_NB, valid_NB, w_NB, ce_sum, torch.zeros((), device=ce_sum.device))
-    return counts, accept_lengths(correct_NB, valid_NB), pred_NB
+    return ScoredBlocks(counts, accept_lengths(correct_NB, valid_NB), pred_NB, ce_NB, w_NB, correct_NB)
 
 
 def _packs(indices: Sequence[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:
@@ -109,6 +120,149 @@ def decode_walk(accept_by_anchor: dict[int, int]) -> list[tuple[int, int]]:
     return visits
 
 
+# Per-sample metrics whose spread over the held-out samples gives each eval row its noise (`*_se`).
+SAMPLE_METRICS = ("ce", "accuracy", "accept_len", "walk_tau")
+TOTAL_KEYS = (
+    *COUNT_KEYS,
+    "accept_hist",  # [B] blocks with acceptance length j + 1
+    "walk_tokens",
+    "walk_forwards",
+    "num_samples",
+    "num_samples_without_anchor",
+    *(f"{m}_{part}" for m in SAMPLE_METRICS for part in ("n", "sum", "sq")),
+)
+
+
+def empty_totals(block_size: int) -> dict[str, torch.Tensor]:
+    """Zero totals: what a rank with no held-out sample contributes to the reduction."""
+    out = {k: torch.zeros((), dtype=torch.float64) for k in TOTAL_KEYS}
+    for key in ("correct_per_pos", "valid_per_pos"):
+        out[key] = torch.zeros(block_size - 1, dtype=torch.float64)
+    out["accept_hist"] = torch.zeros(block_size, dtype=torch.float64)
+    return out
+
+
+def flatten_totals(totals: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([totals[k].reshape(-1).double() for k in TOTAL_KEYS])
+
+
+def unflatten_totals(flat: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for key, like in empty_totals(block_size).items():
+        out[key] = flat[offset : offset + like.numel()].reshape(like.shape).cpu()
+        offset += like.numel()
+    return out
+
+
+@torch.no_grad()
+def offline_totals(
+    drafter: DFlashDrafter,
+    reader: Any,
+    indices: Sequence[int],
+    *,
+    max_anchors_per_seq: int | None = 64,
+    batch_tokens: int = 8192,
+    seed: int = 0,
+    gamma: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """The offline eval's sums over samples `indices` (TOTAL_KEYS, float64): they add up over ranks,
+    so several ranks may each score a share of the held-out samples and one reduction gives the
+    row a single rank would have computed (`offline_row`). Deterministic: anchors are
+    AnchorSampler's epoch-0 draw per sample. The drafter is put in eval mode and restored."""
+    block_size = drafter.block_size
+    gamma = gamma if gamma is not None else (recipe_gamma(block_size) or 7.0)
+    dense = max_anchors_per_seq is None
+    anchor_sampler = AnchorSampler(
+        SamplerConfig(max_anchors_per_seq=DENSE_ANCHORS if dense else max_anchors_per_seq),
+        block_size=block_size,
+        seed=seed,
+    )
+    device = drafter.fc.weight.device
+    totals = empty_totals(block_size)
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for pack in _packs(indices, np.asarray(reader.lengths), batch_tokens):
+            batch, without = _pack_batch(reader, pack, anchor_sampler, drafter.mask_token_id)
+            totals["num_samples"] += len(pack)
+            totals["num_samples_without_anchor"] += without
+            if batch is None:
+                continue
+            scored = score_blocks(drafter, batch.to(device), gamma)
+            for key, value in scored.counts.items():
+                totals[key] += value.double().cpu()
+            accept_N = scored.accept_N.cpu()
+            totals["accept_hist"] += torch.bincount(accept_N - 1, minlength=block_size).double()
+            for metric, values in _sample_values(batch, scored, dense).items():
+                v = torch.tensor(values, dtype=torch.float64)
+                totals[f"{metric}_n"] += len(values)
+                totals[f"{metric}_sum"] += v.sum()
+                totals[f"{metric}_sq"] += v.square().sum()
+            if dense:
+                tokens, forwards = _walk_totals(batch, accept_N)
+                totals["walk_tokens"] += tokens
+                totals["walk_forwards"] += forwards
+    finally:
+        drafter.train(was_training)
+    return totals
+
+
+def offline_row(totals: dict[str, torch.Tensor], gamma: float, dense: bool) -> dict[str, Any]:
+    """The eval row of (reduced) totals: pooled metrics, and each per-sample metric's standard error
+    over the held-out samples (the noise the doctor's generalisation rule compares against)."""
+    counts = {k: totals[k].float() for k in COUNT_KEYS}
+    if float(counts["num_blocks"]) == 0:
+        raise DataError(
+            f"offline eval: none of the {int(totals['num_samples'])} samples has a valid anchor for this block size"
+        )
+    metrics = finalize_metrics(counts, LossConfig(gamma=gamma))
+    walk = dense and float(totals["walk_forwards"]) > 0
+    row = {
+        "num_samples": int(totals["num_samples"]),
+        "num_samples_without_anchor": int(totals["num_samples_without_anchor"]),
+        "num_blocks": int(counts["num_blocks"]),
+        "ce": float(metrics["ce"]),
+        "accuracy": float(metrics["accuracy"]),
+        "acc_per_pos": [round(float(a), 6) for a in metrics["acc_per_pos"]],
+        "accept_len": float(metrics["accept_len"]),  # mean over the scored blocks, bonus included
+        "walk_tau": float(totals["walk_tokens"] / totals["walk_forwards"]) if walk else None,
+        "accept_hist": [int(x) for x in totals["accept_hist"].tolist()],  # index j: blocks with acceptance length j + 1
+    }
+    for metric in SAMPLE_METRICS:
+        row[f"{metric}_se"] = _standard_error(totals, metric) if (metric != "walk_tau" or walk) else None
+    return row
+
+
+def _standard_error(totals: dict[str, torch.Tensor], metric: str) -> float | None:
+    """std / sqrt(n) of the per-sample values (n >= 2), from their count, sum and sum of squares."""
+    n, total, sq = (float(totals[f"{metric}_{p}"]) for p in ("n", "sum", "sq"))
+    if n < 2:
+        return None
+    variance = max(0.0, (sq - total * total / n) / (n - 1))
+    return (variance / n) ** 0.5
+
+
+def _sample_values(batch: DrafterBatch, scored: ScoredBlocks, dense: bool) -> dict[str, list[float]]:
+    """Each sample's own ce, accuracy, accept_len (and walk_tau when every anchor was scored)."""
+    valid_NB = scored.w_NB > 0
+    out: dict[str, list[float]] = {m: [] for m in SAMPLE_METRICS}
+    seq_N = batch.block_seq_N.cpu()
+    for s in torch.unique(seq_N).tolist():
+        mine = seq_N == s
+        valid = valid_NB[mine].cpu()
+        if not valid.any():
+            continue
+        w = scored.w_NB[mine].cpu()
+        out["ce"].append(float((w * scored.ce_NB[mine].cpu()).sum() / w.sum()))
+        out["accuracy"].append(float(scored.correct_NB[mine].cpu().sum() / valid.sum()))
+        scored_blocks = valid.any(1)
+        out["accept_len"].append(float(scored.accept_N[mine].cpu()[scored_blocks].double().mean()))
+        if dense:
+            visits = decode_walk(dict(zip(batch.anchor_pos_N[mine].tolist(), scored.accept_N[mine].tolist())))
+            out["walk_tau"].append(sum(a for _, a in visits) / len(visits))
+    return out
+
+
 @torch.no_grad()
 def offline_eval(
     drafter: DFlashDrafter,
@@ -120,64 +274,14 @@ def offline_eval(
     seed: int = 0,
     gamma: float | None = None,
 ) -> dict[str, Any]:
-    """Block metrics of `drafter` on samples `indices` of a store reader (lengths, reader[i]).
-
-    Deterministic: anchors are AnchorSampler's epoch-0 draw. `max_anchors_per_seq=None` scores
-    every valid anchor (dearer) and adds `walk_tau`, the tau that decoding these very sequences
-    would get (see `decode_walk`). The drafter is put in eval mode and restored to its mode."""
-    block_size = drafter.block_size
-    gamma = gamma if gamma is not None else (recipe_gamma(block_size) or 7.0)
-    dense = max_anchors_per_seq is None
-    anchor_sampler = AnchorSampler(
-        SamplerConfig(max_anchors_per_seq=DENSE_ANCHORS if dense else max_anchors_per_seq),
-        block_size=block_size,
-        seed=seed,
+    """Block metrics of `drafter` on samples `indices` of a store reader (lengths, reader[i]), in
+    one process: `offline_row(offline_totals(...))`. `max_anchors_per_seq=None` scores every valid
+    anchor (dearer) and adds `walk_tau`, the tau that decoding these very sequences would get."""
+    gamma = gamma if gamma is not None else (recipe_gamma(drafter.block_size) or 7.0)
+    totals = offline_totals(
+        drafter, reader, indices, max_anchors_per_seq=max_anchors_per_seq, batch_tokens=batch_tokens, seed=seed, gamma=gamma
     )
-    device = drafter.fc.weight.device
-    parts: list[dict[str, torch.Tensor]] = []
-    hist_B = torch.zeros(block_size, dtype=torch.long)
-    walk_tokens = walk_forwards = 0
-    num_samples = num_without_anchor = 0
-    was_training = drafter.training
-    drafter.eval()
-    try:
-        for pack in _packs(indices, np.asarray(reader.lengths), batch_tokens):
-            batch, without = _pack_batch(reader, pack, anchor_sampler, drafter.mask_token_id)
-            num_samples += len(pack)
-            num_without_anchor += without
-            if batch is None:
-                continue
-            counts, accept_N, _ = score_blocks(drafter, batch.to(device), gamma)
-            parts.append({k: v.float().cpu() for k, v in counts.items()})
-            accept_N = accept_N.cpu()
-            hist_B += torch.bincount(accept_N - 1, minlength=block_size)
-            if dense:
-                tokens, forwards = _walk_totals(batch, accept_N)
-                walk_tokens, walk_forwards = walk_tokens + tokens, walk_forwards + forwards
-    finally:
-        drafter.train(was_training)
-    if not parts:
-        raise DataError(
-            f"offline eval: none of the {num_samples} samples has a valid anchor for block size {block_size}"
-        )
-    return _offline_row(parts, hist_B, gamma, num_samples, num_without_anchor, walk_tokens / walk_forwards if dense else None)
-
-
-def _offline_row(
-    parts: list[dict[str, torch.Tensor]], hist_B: torch.Tensor, gamma: float, num_samples: int, num_without_anchor: int, walk_tau: float | None
-) -> dict[str, Any]:
-    metrics = finalize_metrics(sum_counts(parts), LossConfig(gamma=gamma))
-    return {
-        "num_samples": num_samples,
-        "num_samples_without_anchor": num_without_anchor,
-        "num_blocks": int(hist_B.sum()),
-        "ce": float(metrics["ce"]),
-        "accuracy": float(metrics["accuracy"]),
-        "acc_per_pos": [round(float(a), 6) for a in metrics["acc_per_pos"]],
-        "accept_len": float(metrics["accept_len"]),  # mean over the scored blocks, bonus included
-        "walk_tau": walk_tau,
-        "accept_hist": hist_B.tolist(),  # index j: blocks with acceptance length j + 1
-    }
+    return offline_row(totals, gamma, dense=max_anchors_per_seq is None)
 
 
 def _pack_batch(reader: Any, pack: list[int], anchor_sampler: AnchorSampler, mask_token_id: int) -> tuple[DrafterBatch | None, int]:

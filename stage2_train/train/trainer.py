@@ -61,7 +61,13 @@ from stage2_train.train.checkpoint.format import (
 )
 from stage2_train.train.checkpoint.saver import Checkpointer
 from stage2_train.train.config import TrainConfig
-from stage2_train.train.evaluate import offline_eval
+from stage2_train.train.evaluate import (
+    empty_totals,
+    flatten_totals,
+    offline_row,
+    offline_totals,
+    unflatten_totals,
+)
 from stage2_train.train.resume import find_resume_point
 from stage2_train.train.schedules import NoiseSchedule, lr_factor, noise_generator, warmup_steps
 
@@ -434,22 +440,39 @@ class Trainer:
         return bool(every) and self.step % every == 0 and not self.finished()
 
     def evaluate(self) -> dict[str, Any] | None:
-        """The offline eval (`train/evaluate.py`: accuracy per position, accept_len, walk_tau) on the
-        held-out samples, by rank 0 (the others go on to the next collective and wait there)."""
+        """The offline eval (`train/evaluate.py`: accuracy per position, accept_len, walk_tau and
+        their standard errors) on the held-out samples, spread over the ranks: rank r scores samples
+        r, r + W, ... of the first `eval.offline_max_samples`, and one all_reduce of the sums gives
+        every rank the row one rank would compute. No rank waits in a collective while another
+        evaluates alone (an NCCL timeout), and the eval takes 1/W of the time. A rank that fails
+        says so in the same reduction, so every rank raises together."""
         data, cfg = self.data, self.cfg.eval
-        if len(data.heldout_indices) == 0 or self.rank != 0:
+        if len(data.heldout_indices) == 0:
             return None
         start = time.perf_counter()
+        mine = data.heldout_indices[: cfg.offline_max_samples][self.rank :: self.world_size].tolist()
+        error: BaseException | None = None
+        totals = empty_totals(self.model.block_size)
         try:
-            row = offline_eval(
+            totals = offline_totals(
                 self.model,
                 data.reader,
-                data.heldout_indices[: cfg.offline_max_samples].tolist(),
+                mine,
                 max_anchors_per_seq=cfg.offline_max_anchors_per_seq,
                 batch_tokens=cfg.offline_batch_tokens,
                 seed=self.cfg.seed,
                 gamma=self.cfg.loss.gamma,
             )
+        except Exception as exc:  # noqa: BLE001 - raised after the reduction, on every rank
+            error = exc
+        flat = torch.cat([flatten_totals(totals), torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)])
+        flat = self.accelerator.reduce(flat.to(self.device), reduction="sum").cpu()
+        if error is not None:
+            raise error
+        if float(flat[-1]) > 0:
+            raise RuntimeError("the held-out evaluation failed on another rank (its traceback is in that rank's log)")
+        try:
+            row = offline_row(unflatten_totals(flat[:-1], self.model.block_size), self.cfg.loss.gamma, cfg.offline_max_anchors_per_seq is None)
         except ValueError as exc:  # e.g. no held-out sample long enough for one block
             self.sink.event("eval_skipped", self.step, reason=str(exc))
             return None
