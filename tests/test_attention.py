@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from stage2_train.model.attention import FULL, MaskKind, _plan_flex, flex_index, layer_kinds, packed_attention
+from stage2_train.model.attention import FULL, MaskKind, layer_kinds, packed_attention
 from tests.test_model import MASK_ID, make_packed_batch, three_sample_batch, tiny_arch, tiny_drafter
 
 
