@@ -362,10 +362,15 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
     return tokenizer
 
 
-def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
-    """Every EOS id the tokenizer or the generation config names (Llama 3.1 lists three); may be empty."""
+def stop_token_ids(tokenizer: Any, model: Any = None, model_dir: str | os.PathLike | None = None) -> list[int]:
+    """Every EOS id the tokenizer or the generation config names (Llama 3.1 lists three); may be
+    empty. The generation config is the loaded model's, or read from `model_dir` (vLLM's case)."""
+    generation = getattr(model, "generation_config", None)
+    if generation is None and model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        generation = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    eos = generation.get("eos_token_id") if isinstance(generation, dict) else getattr(generation, "eos_token_id", None)
     ids: set[int] = set()
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+    for value in (tokenizer.eos_token_id, eos):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):

@@ -6,13 +6,16 @@ Each takes the composed RunConfig and returns a JSON-able dict; `__main__` only 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
-from shared.errors import StoreError
+from shared.errors import ConfigError, StoreError
 from shared.lock import exclusive
 from shared.store import StoreFiles, bytes_per_token, load_manifest
 from shared.target import (
@@ -20,6 +23,7 @@ from shared.target import (
     load_tokenizer,
     resolve_dtype,
     resolve_target_dir,
+    stop_token_ids,
     weights_fingerprint,
 )
 from stage1_extract.batching import ShardPlan, windows_for_rank
@@ -62,7 +66,9 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         read_conversations(source, on_bad_row=cfg.data.on_bad_row, max_samples=cfg.data.max_samples, stats=stats)
     )
     out = generated_path(cfg)
-    cfg.write_resolved(out.with_name("generate_config.yaml"))
+    rank, world, local_rank = distributed_context()
+    if rank == 0:
+        cfg.write_resolved(out.with_name("generate_config.yaml"))
     device = resolve_device(cfg.extract.device)
     backend_name = resolve_backend(cfg.generate.backend, device)
     tokenizer = load_tokenizer(cfg.target)
@@ -71,11 +77,19 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
 
     def make_backend():
         if backend_name == "vllm":
-            return vllm_backend(str(model_dir), cfg.generate, cfg.seed, resolve_dtype(cfg.target.dtype, device))
-        return transformers_backend(load_target_model(cfg.target, device), tokenizer, cfg.generate, cfg.seed)
+            dtype = resolve_dtype(cfg.target.dtype, device)
+            with vllm_process_view(local_rank, world, cfg.generate.tensor_parallel_size):
+                return vllm_backend(str(model_dir), cfg.generate, cfg.seed, dtype, stop_token_ids(tokenizer, model_dir=model_dir))
+        model = load_target_model(cfg.target, rank_device(cfg.extract.device, local_rank))
+        return transformers_backend(model, tokenizer, cfg.generate, cfg.seed)
 
-    with exclusive(str(out.parent), "stage1_extract generate"):
-        result = generate_all(conversations, tokenizer, make_backend, out, cfg.generate, key, progress=progress)
+    # Rank 0 holds the data folder; every other rank its own slot, so a second job is refused on each.
+    lock_dir = out.parent if rank == 0 else out.with_name(out.stem + ".parts") / "ranks" / str(rank)
+    with exclusive(str(lock_dir), "stage1_extract generate"):
+        result = generate_all(
+            conversations, tokenizer, make_backend, out, cfg.generate, key, cfg.seed,
+            progress=progress and rank == 0, rank=rank, world=world,
+        )
     return {
         "output": str(result.path),
         "conversations": result.num_conversations,
@@ -84,7 +98,46 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "seconds": round(result.seconds, 1),
         "parts_reused": result.parts_reused,
         "backend": backend_name,
+        "rank": rank,
+        "world_size": world,
     }
+
+
+@contextmanager
+def vllm_process_view(local_rank: int, world: int, tensor_parallel_size: int) -> Iterator[None]:
+    """What a vLLM engine of one torchrun rank must see while it starts: only this rank's GPU(s)
+    (local ranks x tensor_parallel_size consecutive devices), and no torchrun variables (with RANK or
+    WORLD_SIZE set vLLM would join the launcher's world instead of building its own of one engine).
+    The environment is restored afterwards; the engine's processes keep the view they started with."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ[k] for k in (*names, "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    try:
+        if world > 1:
+            visible = saved.get("CUDA_VISIBLE_DEVICES")
+            devices = visible.split(",") if visible else [str(i) for i in range(local_device_count())]
+            first = local_rank * tensor_parallel_size
+            mine = devices[first : first + tensor_parallel_size]
+            if len(mine) < tensor_parallel_size:
+                raise ConfigError(
+                    f"generate: local rank {local_rank} x generate.tensor_parallel_size={tensor_parallel_size} needs GPUs "
+                    f"{first}..{first + tensor_parallel_size - 1}, this node has {len(devices)}; run "
+                    f"--nproc_per_node {max(1, len(devices) // tensor_parallel_size)}"
+                )
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+            for name in names:
+                os.environ.pop(name, None)
+        yield
+    finally:
+        for name in (*names, "CUDA_VISIBLE_DEVICES"):
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+
+
+def local_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
 
 
 def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:

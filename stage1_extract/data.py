@@ -58,7 +58,7 @@ class DataConfig(Section):
 @dataclass
 class Conversation:
     row: int  # index of the row in its file (stable id of the sample)
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # role, content (and, for regenerated answers, the target's token_ids)
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -139,7 +139,13 @@ def parse_row(record: Any) -> list[dict[str, str]]:
                 raise ValueError(f"messages[{j}] has unknown role {role!r} (known: {', '.join(ROLES)})")
             if not isinstance(content, str):
                 raise ValueError(f"messages[{j}].content must be a string")
-            out.append({"role": role, "content": content})
+            message = {"role": role, "content": content}
+            ids = msg.get("token_ids")
+            if ids is not None:  # the target's own tokens of a regenerated answer (`generate` writes them)
+                if role != "assistant" or not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                    raise ValueError(f"messages[{j}].token_ids must be a list of token ids on an assistant turn")
+                message["token_ids"] = ids
+            out.append(message)
     elif "prompt" in record:
         prompt, completion = record["prompt"], record.get("completion")
         if not isinstance(prompt, str) or (completion is not None and not isinstance(completion, str)):
@@ -186,14 +192,11 @@ def write_conversations_parquet(conversations: list[Conversation], path: Path) -
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist(
-        [{"messages": c.messages, "source_row": c.row} for c in conversations],
-        schema=pa.schema(
-            [
-                ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-                ("source_row", pa.int64()),
-            ]
-        ),
-    )
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("token_ids", pa.list_(pa.int32()))])
+    rows = [
+        {"messages": [{**m, "token_ids": m.get("token_ids")} for m in c.messages], "source_row": c.row}
+        for c in conversations
+    ]
+    table = pa.Table.from_pylist(rows, schema=pa.schema([("messages", pa.list_(message)), ("source_row", pa.int64())]))
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.config import Section
 from shared.errors import DataError
+from shared.files import write_atomic
 from shared.target import stop_token_ids
 from stage1_extract.data import Conversation, write_conversations_parquet
 from stage1_extract.template import prompt_ids
@@ -44,6 +45,9 @@ class GenerateConfig(Section):
     """Sequences per transformers generate call."""
     chunk_size: int = 128
     """Conversations per resumable Parquet part."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per engine. Under torchrun each rank (or group of ranks) runs its own engine on its
+    own GPU(s) over its share of the parts (data parallel)."""
 
     def validate(self) -> None:
         self.require(self.temperature >= 0, "temperature", "must be >= 0")
@@ -51,6 +55,7 @@ class GenerateConfig(Section):
         self.require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
         self.require(self.batch_size > 0, "batch_size", "must be > 0")
         self.require(self.chunk_size > 0, "chunk_size", "must be > 0")
+        self.require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
 
     def recipe_warnings(self) -> list[str]:
         if (self.temperature, self.top_p) != (0.7, 0.8):
@@ -71,8 +76,33 @@ def resolve_backend(backend: str, device: str) -> str:
     return "transformers"
 
 
-# A backend turns a list of prompt token-id lists into completions (text), one per prompt.
-Backend = Callable[[list[list[int]], int], list[str]]
+@dataclass(frozen=True)
+class Request:
+    """One answer to generate: the prompt's token ids and the seed of its sampling, derived from the
+    row and the turn (`request_seed`), so an answer depends on its row only: not on the batch, the
+    part, the rank or how many ranks share the work."""
+
+    prompt_ids: list[int]
+    seed: int
+
+
+def request_seed(seed: int, row: int, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+# A backend turns requests into the target's own answers: token ids, stop tokens removed (the chat
+# template closes the turn itself), one list per request.
+Backend = Callable[[list[Request]], list[list[int]]]
+
+
+def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:
+    """The answer's ids before its first stop token (padding after it included)."""
+    stops = set(stop_ids)
+    for position, token in enumerate(ids):
+        if token in stops:
+            return ids[:position]
+    return ids
 
 
 def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: int) -> Backend:
@@ -85,22 +115,24 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: 
     if not stop_ids:
         log.warning("the tokenizer and generation config name no EOS token: answers stop at generate.max_new_tokens")
 
-    def run(prompts: list[list[int]], call_seed: int) -> list[str]:
-        texts: list[str] = [""] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding
+    def run(requests: list[Request]) -> list[list[int]]:
+        answers: list[list[int]] = [[] for _ in requests]
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))  # less left padding
         for start in range(0, len(order), cfg.batch_size):
             idx = order[start : start + cfg.batch_size]
-            width = max(len(prompts[i]) for i in idx)
+            width = max(len(requests[i].prompt_ids) for i in idx)
             ids_BT = torch.full((len(idx), width), pad_id, dtype=torch.long)
             attn_BT = torch.zeros((len(idx), width), dtype=torch.long)
             for row, i in enumerate(idx):
-                ids_BT[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                attn_BT[row, width - len(prompts[i]) :] = 1
-            # Seeded by chunk and batch, so a resumed run regenerates exactly what it lost. HF's
-            # generate samples from the global generator (it takes none of its own): fork_rng puts
-            # the caller's RNG state back afterwards.
+                prompt = requests[i].prompt_ids
+                ids_BT[row, width - len(prompt) :] = torch.tensor(prompt)
+                attn_BT[row, width - len(prompt) :] = 1
+            # HF's generate samples a batch from the global generator (no per-row generator): the
+            # batch's seed mixes its requests' seeds, so a resumed run regenerates exactly what it
+            # lost, and fork_rng puts the caller's RNG state back afterwards.
+            batch_seed = request_seed(seed, sum(requests[i].seed for i in idx) & 0x7FFF_FFFF, len(idx))
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
-                torch.manual_seed(hash((seed, call_seed, start)) & 0x7FFFFFFF)
+                torch.manual_seed(batch_seed)
                 out_BT = model.generate(
                     input_ids=ids_BT.to(device),
                     attention_mask=attn_BT.to(device),
@@ -113,25 +145,28 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: 
                     pad_token_id=pad_id,
                 )
             for row, i in enumerate(idx):
-                texts[i] = tokenizer.decode(out_BT[row, width:], skip_special_tokens=True).strip()
-        return texts
+                answers[i] = until_stop(out_BT[row, width:].tolist(), stop_ids)
+        return answers
 
     return run
 
 
-def vllm_backend(model_dir: str, cfg: GenerateConfig, seed: int, dtype: str) -> Backend:
+def vllm_backend(model_dir: str, cfg: GenerateConfig, seed: int, dtype: str, stop_ids: list[int]) -> Backend:
+    """One vLLM engine on this process's GPU (or `generate.tensor_parallel_size` GPUs). Each request
+    carries its own seed; the answer is vLLM's token ids, never its text re-tokenized."""
     from vllm import LLM, SamplingParams  # GPU only: imported here so CPU installs never need it
 
     from shared.target import TORCH_DTYPES
 
-    llm = LLM(model=model_dir, dtype=TORCH_DTYPES[dtype], seed=seed)
+    llm = LLM(model=model_dir, dtype=TORCH_DTYPES[dtype], seed=seed, tensor_parallel_size=cfg.tensor_parallel_size)
 
-    def run(prompts: list[list[int]], call_seed: int) -> list[str]:
-        params = SamplingParams(
-            temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=seed + call_seed
-        )
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].text.strip() for o in outputs]
+    def run(requests: list[Request]) -> list[list[int]]:
+        params = [
+            SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=r.seed)
+            for r in requests
+        ]
+        outputs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
+        return [until_stop(list(o.outputs[0].token_ids), stop_ids) for o in outputs]
 
     return run
 
@@ -144,16 +179,21 @@ def assistant_slots(messages: list[dict[str, str]]) -> list[int]:
     return slots
 
 
-def regenerate(conversations: list[Conversation], tokenizer: Any, backend: Backend, chunk_seed: int) -> list[Conversation]:
-    """Rewrite every assistant turn in order; turn r of all conversations is one batched round."""
+def regenerate(conversations: list[Conversation], tokenizer: Any, backend: Backend, seed: int) -> list[Conversation]:
+    """Rewrite every assistant turn in order; turn r of all conversations is one batched round. Each
+    new turn keeps the target's own token ids (`token_ids`, what extraction stores) beside their
+    decoded text (for people and for other tools)."""
     current = [list(c.messages) for c in conversations]
     slots = [assistant_slots(c.messages) for c in conversations]
     for round_index in range(max(len(s) for s in slots)):
         todo = [i for i, s in enumerate(slots) if round_index < len(s)]
-        prompts = [prompt_ids(tokenizer, current[i][: slots[i][round_index]]) for i in todo]
-        texts = backend(prompts, chunk_seed * 1000 + round_index)
-        for i, text in zip(todo, texts):
-            reply = {"role": "assistant", "content": text}
+        requests = [
+            Request(prompt_ids(tokenizer, current[i][: slots[i][round_index]]), request_seed(seed, conversations[i].row, round_index))
+            for i in todo
+        ]
+        answers = backend(requests)
+        for i, ids in zip(todo, answers):
+            reply = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True), "token_ids": list(ids)}
             at = slots[i][round_index]
             current[i] = current[i][:at] + [reply] + current[i][at + 1 :]
     return [Conversation(row=c.row, messages=m, source=c.source) for c, m in zip(conversations, current)]
@@ -172,7 +212,7 @@ def settings_key(cfg: GenerateConfig, target_fingerprint: str, seed: int) -> str
     """What makes a part's answers: the sampling settings, the target and the seed (the rows are
     keyed per part, so appending or editing rows regenerates only the parts they fall in)."""
     payload = {
-        "generate": {k: v for k, v in cfg.to_dict().items() if k not in ("batch_size", "device", "chunk_size")},
+        "generate": {k: v for k, v in cfg.to_dict().items() if k not in ("batch_size", "chunk_size", "tensor_parallel_size")},
         "chunk_size": cfg.chunk_size,
         "target": target_fingerprint,
         "seed": seed,
@@ -192,8 +232,15 @@ def generate_all(
     out_path: Path,
     cfg: GenerateConfig,
     key: str,
+    seed: int,
     progress: bool = True,
+    rank: int = 0,
+    world: int = 1,
 ) -> GenerateResult:
+    """Every part of the conversations written once (resumable); with several ranks (torchrun, one
+    engine per GPU) rank r writes parts r, r + W, ..., and rank 0 waits until every part exists (or
+    a rank reports a failure) and merges them into `out_path`. The answers depend on the rows only
+    (per-request seeds), so any rank count gives the same file."""
     from tqdm import tqdm
 
     from stage1_extract.data import read_conversations
@@ -206,37 +253,63 @@ def generate_all(
             f"{parts_dir} holds parts made with other generate settings or another target; "
             f"delete it (or choose another run_dir) to regenerate"
         )
-    meta_path.write_text(json.dumps({"key": key}))
+    failure = parts_dir / f".failed-rank-{rank}"
+    if rank == 0:
+        write_atomic(meta_path, json.dumps({"key": key}))
+        for stale in parts_dir.glob(".failed-rank-*"):  # an earlier run's (torchrun stops every rank on a failure)
+            stale.unlink(missing_ok=True)
+    failure.unlink(missing_ok=True)
     started = time.perf_counter()
     generated_tokens = reused = 0
     chunks = [conversations[i : i + cfg.chunk_size] for i in range(0, len(conversations), cfg.chunk_size)]
-    bar = tqdm(total=len(conversations), desc="generate", unit="conv", disable=not progress)
+    mine = [number for number in range(len(chunks)) if number % world == rank]
+    bar = tqdm(total=sum(len(chunks[n]) for n in mine), desc="generate", unit="conv", disable=not progress)
     backend: Backend | None = None  # the model loads only when a part is left to write
     wanted = [part_name(number, chunk) for number, chunk in enumerate(chunks)]
-    for stale in set(p.name for p in parts_dir.glob("part-*.parquet")) - set(wanted):
-        (parts_dir / stale).unlink()  # rows edited or removed since: their answers no longer apply
-    for number, chunk in enumerate(chunks):
-        part = parts_dir / wanted[number]
-        if part.exists():
-            reused += 1
+    if rank == 0:
+        for stale in set(p.name for p in parts_dir.glob("part-*.parquet")) - set(wanted):
+            (parts_dir / stale).unlink()  # rows edited or removed since: their answers no longer apply
+    try:
+        for number in mine:
+            chunk, part = chunks[number], parts_dir / wanted[number]
+            if part.exists():
+                reused += 1
+                bar.update(len(chunk))
+                continue
+            backend = backend or make_backend()
+            done = regenerate(chunk, tokenizer, backend, seed=seed)
+            generated_tokens += sum(len(m["token_ids"]) for c in done for m in c.messages if m.get("token_ids") is not None)
+            write_conversations_parquet(done, part)
             bar.update(len(chunk))
-            continue
-        backend = backend or make_backend()
-        done = regenerate(chunk, tokenizer, backend, chunk_seed=number)
-        generated_tokens += sum(
-            len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
-            for c in done
-            for m in c.messages
-            if m["role"] == "assistant"
-        )
-        write_conversations_parquet(done, part)
-        bar.update(len(chunk))
-        elapsed = time.perf_counter() - started
-        bar.set_postfix(tok_s=f"{generated_tokens / max(elapsed, 1e-9):.0f}")
-    bar.close()
+            elapsed = time.perf_counter() - started
+            bar.set_postfix(tok_s=f"{generated_tokens / max(elapsed, 1e-9):.0f}")
+    except BaseException as exc:
+        write_atomic(failure, f"{type(exc).__name__}: {exc}")  # rank 0 stops waiting and names it
+        raise
+    finally:
+        bar.close()
+    if rank != 0:
+        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused)
+    wait_for_parts(parts_dir, wanted, world)
     merged = [
         Conversation(row=i, messages=c.messages, source=str(out_path))
         for i, c in enumerate(read_conversations(parts_dir))
     ]
     write_conversations_parquet(merged, out_path)
     return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused)
+
+
+def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:
+    """Rank 0: until every part exists. The ranks share no process group (vLLM builds its own and
+    would adopt ours), so they meet on the files: each part is written atomically, and a failing
+    rank leaves `.failed-rank-R` (torchrun stops every rank when one dies)."""
+    while True:
+        failed = sorted(parts_dir.glob(".failed-rank-*"))
+        if failed:
+            raise DataError(f"generate failed on {failed[0].name[len('.failed-'):]}: {failed[0].read_text()} ({parts_dir})")
+        missing = [name for name in wanted if not (parts_dir / name).exists()]
+        if not missing or world == 1:
+            if missing:
+                raise RuntimeError(f"{len(missing)} parts missing after generation, first {missing[0]}")
+            return
+        time.sleep(poll_s)

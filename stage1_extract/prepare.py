@@ -30,7 +30,7 @@ from stage1_extract.batching import (
 )
 from stage1_extract.data import ReadStats, read_conversations
 from stage1_extract.header import extraction_settings, header_key, settings_header
-from stage1_extract.tokens import TokenCache, cache_key, resolve_workers, tokenize_all
+from stage1_extract.tokens import DamagedCache, TokenCache, cache_key, resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,12 @@ def tokenized_rows(
         key, inputs = cache_key(source, tokenizer_hashes, settings)
         cache = TokenCache(token_cache_dir(cfg), key, inputs)
         if cache.exists():
-            cached, stats = cache.load()
-            return [TokenizedRow(**r) for r in cached], stats
+            try:
+                cached, stats = cache.load()
+                return [TokenizedRow(**r) for r in cached], stats
+            except DamagedCache as exc:  # a cache, not a record: rebuild it from the data and go on
+                log.warning("%s; tokenizing %s again and rebuilding the cache", exc, source)
+                cache.discard()
     stats = ReadStats()
     conversations = list(read_conversations(source, on_bad_row=data.on_bad_row, max_samples=data.max_samples, stats=stats))
     workers = resolve_workers(data.tokenize_workers)
@@ -140,6 +144,7 @@ def tokenized_rows(
                 truncated=sample.truncated and not skipped,
                 skipped=skipped,
                 content_hash=content_hash(sample.input_ids, sample.loss_mask),
+                empty_turns=sample.empty_turns,
             )
         )
     if cache is not None and rows:

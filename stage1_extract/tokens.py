@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import DataError
+from shared.files import file_sha256, fsync_dir, fsync_file
 from stage1_extract.data import Conversation, ReadStats
 from stage1_extract.template import tokenize_conversation
 
 log = logging.getLogger(__name__)
 
-TOKENS_VERSION = 2
+TOKENS_VERSION = 3  # 3: per-file sha256 in meta.json, empty_turns
 _PARALLEL_MIN_ROWS = 512  # below this a process pool costs more than it saves
 _WORKER: dict[str, Any] = {}  # the forked workers' tokenizer and settings
 
@@ -96,8 +96,22 @@ def resolve_workers(requested: int) -> int:
     return requested if requested > 0 else max(1, min(16, os.cpu_count() or 1))
 
 
+class DamagedCache(Exception):
+    """A token cache file that does not match the checksum written with it (or cannot be read)."""
+
+
+CACHE_FILES = ("ids.npy", "mask.npy", "rows.npz")
+
+
 class TokenCache:
-    """The cached rows of one input under one tokenizer and settings; see the module docstring."""
+    """The cached rows of one input under one tokenizer and settings; see the module docstring.
+
+    Every file's size and sha256 are written into meta.json with it and checked whenever a command
+    opens the cache: a flipped byte or a truncated file on a node's disk must never become a token
+    the data never held. A cache that fails is a cache: the command warns naming the file, tokenizes
+    again and rewrites it (`stage1_extract.prepare.tokenized_rows`). Hashing reads the files once at
+    ~1-2 GB/s (`bench/tokens.py`): at 800K chats of 1.5K tokens (~6 GB) a few seconds, against
+    ~80 core-minutes of tokenizing."""
 
     def __init__(self, root: Path, key: str, inputs: dict[str, Any]):
         self.root, self.key, self.inputs = root, key, inputs
@@ -106,33 +120,61 @@ class TokenCache:
     def exists(self) -> bool:
         return (self.path / "meta.json").is_file()
 
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def verify(self) -> dict[str, Any]:
+        """meta.json, after every file was checked against the size and sha256 it records."""
+        try:
+            meta = json.loads((self.path / "meta.json").read_text())
+            files = meta["files"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DamagedCache(f"token cache {self.path / 'meta.json'} is unreadable ({exc})") from None
+        for name in CACHE_FILES:
+            path = self.path / name
+            try:
+                size = path.stat().st_size
+            except OSError:
+                raise DamagedCache(f"token cache file {path} is missing") from None
+            if name not in files or size != files[name]["bytes"]:
+                raise DamagedCache(f"token cache file {path} has {size} bytes, its checksum record {files.get(name, {}).get('bytes')}")
+            if file_sha256(path) != files[name]["sha256"]:
+                raise DamagedCache(f"token cache file {path} does not match its sha256 (damaged on disk)")
+        return meta
+
     def load(self) -> tuple[list[dict[str, Any]], ReadStats]:
-        """Per row: sample_id, row_hash, input_ids / loss_mask (read-only memory-mapped views), flags."""
-        ids = np.load(self.path / "ids.npy", mmap_mode="r")
-        mask = np.load(self.path / "mask.npy", mmap_mode="r")
-        with np.load(self.path / "rows.npz") as rows:
-            offsets, sample_ids = rows["offsets"], rows["sample_ids"]
-            hashes, truncated, skipped = rows["row_hashes"], rows["truncated"], rows["skipped"]
-            contents = rows["content_hashes"]
-        meta = json.loads((self.path / "meta.json").read_text())
+        """Per row: sample_id, row_hash, input_ids / loss_mask (read-only memory-mapped views), flags.
+        DamagedCache when a file fails its checksum or does not hold what meta.json says."""
+        meta = self.verify()
+        try:
+            ids = np.load(self.path / "ids.npy", mmap_mode="r")
+            mask = np.load(self.path / "mask.npy", mmap_mode="r")
+            with np.load(self.path / "rows.npz") as rows:
+                columns = {name: rows[name] for name in rows.files}
+        except (OSError, ValueError) as exc:
+            raise DamagedCache(f"token cache {self.path} cannot be read ({exc})") from None
+        offsets, sample_ids = columns["offsets"], columns["sample_ids"]
         if len(offsets) != len(sample_ids) + 1 or offsets[-1] != len(ids) or len(mask) != len(ids):
-            raise DataError(f"{self.path}: token cache is inconsistent; delete that folder and run the command again")
+            raise DamagedCache(f"token cache {self.path}: its files disagree on the number of tokens")
+        empty = columns.get("empty_turns", np.zeros(len(sample_ids), dtype=np.int32))
         out = [
             {
                 "sample_id": int(sample_ids[i]),
-                "row_hash": hashes[i].decode(),
+                "row_hash": columns["row_hashes"][i].decode(),
                 "input_ids": ids[offsets[i] : offsets[i + 1]],
                 "loss_mask": mask[offsets[i] : offsets[i + 1]],
-                "truncated": bool(truncated[i]),
-                "skipped": bool(skipped[i]),
-                "content_hash": contents[i].decode(),
+                "truncated": bool(columns["truncated"][i]),
+                "skipped": bool(columns["skipped"][i]),
+                "content_hash": columns["content_hashes"][i].decode(),
+                "empty_turns": int(empty[i]),
             }
             for i in range(len(sample_ids))
         ]
         return out, ReadStats(**meta["stats"])
 
     def save(self, rows: list[Any], stats: ReadStats) -> None:
-        """Write atomically: a temporary folder renamed into place; other keys' folders are removed."""
+        """Write atomically (a folder renamed into place, each file's sha256 in meta.json); other
+        keys' folders are removed."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tokens-{self.key}-", dir=self.root))
         try:
@@ -148,12 +190,18 @@ class TokenCache:
                 truncated=np.array([r.truncated for r in rows], dtype=bool),
                 skipped=np.array([r.skipped for r in rows], dtype=bool),
                 content_hashes=np.array([r.content_hash.encode() for r in rows], dtype="S16"),
+                empty_turns=np.array([r.empty_turns for r in rows], dtype=np.int32),
             )
-            (tmp / "meta.json").write_text(json.dumps({"inputs": self.inputs, "stats": vars(stats)}, indent=1))
-            if self.path.exists():  # another process finished first: same key, same content
+            files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n)} for n in CACHE_FILES}
+            meta = {"inputs": self.inputs, "stats": vars(stats), "files": files}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            for name in (*CACHE_FILES, "meta.json"):
+                fsync_file(tmp / name)
+            if self.path.exists():  # another process (or rank) finished first: same key, same content
                 shutil.rmtree(tmp)
             else:
                 os.replace(tmp, self.path)
+                fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

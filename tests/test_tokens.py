@@ -84,14 +84,48 @@ def test_tokenize_workers_is_validated(tiny_target_dir, tmp_path):
         prepared(tiny_target_dir, data, tmp_path / "run", **{"data.tokenize_workers": -1})
 
 
-def test_an_inconsistent_cache_is_refused_by_path(tiny_target_dir, tmp_path):
-    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
-    prepared(tiny_target_dir, data, tmp_path / "run")
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01  # inside the array, past the .npy header: one token id becomes another
+    path.write_bytes(bytes(data))
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:-40])
+
+
+@pytest.mark.parametrize("damage", [flip_a_byte, truncate], ids=["flipped byte", "truncated"])
+def test_a_damaged_token_cache_is_named_rebuilt_and_never_reaches_the_store(tiny_target_dir, tmp_path, damage, caplog):
+    """A flipped byte used to pass into the store as a token nobody wrote (and verify passed it); a
+    truncated file ended in an mmap traceback. Both are now a warning naming the file, a rebuilt
+    cache, and a store equal to the clean one, shard for shard."""
+    from shared.store import StoreFiles, read_shard_arrays
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    clean_cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "clean"))
+    commands.cmd_extract(clean_cfg, progress=False)
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    commands.prepare(cfg)  # builds the cache
     cache = next((tmp_path / "run" / "cache").glob("tokens-*"))
-    np.save(cache / "ids.npy", np.zeros(3, dtype=np.int32))
-    with pytest.raises(ValueError, match=rf"{cache.name}: token cache is inconsistent"):
-        prepared(tiny_target_dir, data, tmp_path / "run")
+    damage(cache / "ids.npy")
+    assert commands.cmd_status(cfg)["counts"]["missing"] > 0  # status reads the cache: no traceback
+    assert f"token cache file {cache / 'ids.npy'}" in caplog.text and "rebuilding the cache" in caplog.text
+    caplog.clear()
+    damage(cache / "ids.npy")
+    commands.cmd_extract(cfg, progress=False)
+    assert f"token cache file {cache / 'ids.npy'}" in caplog.text
+    clean = StoreFiles(clean_cfg.store.url(clean_cfg.run_dir)).read_json("manifest.json")
+    rebuilt = StoreFiles(cfg.store.url(cfg.run_dir)).read_json("manifest.json")
+    assert [s["name"] for s in rebuilt["shards"]] == [s["name"] for s in clean["shards"]]
+    assert [s["checksum"] for s in rebuilt["shards"]] == [s["checksum"] for s in clean["shards"]]
+    for record in clean["shards"]:
+        a = read_shard_arrays(clean_cfg.store.url(clean_cfg.run_dir), record["name"])
+        b = read_shard_arrays(cfg.store.url(cfg.run_dir), record["name"])
+        assert all(np.array_equal(a[k], b[k]) for k in a)
     assert json.loads((cache / "meta.json").read_text())["inputs"]["version"] == tokens.TOKENS_VERSION
+    caplog.clear()
+    commands.prepare(cfg)  # the rebuilt cache verifies: no warning
+    assert "token cache" not in caplog.text
 
 
 def test_an_unwritable_cache_folder_only_costs_a_retokenize(tiny_target_dir, tmp_path, monkeypatch, caplog):
