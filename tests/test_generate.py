@@ -44,7 +44,7 @@ class FakeLLM:
     def generate(self, prompts, params, use_tqdm=False):
         assert len(prompts) == len(params)
         outs = []
-        for prompt, p in zip(prompts, params):
+        for _, p in zip(prompts, params):
             rng = random.Random(p.seed)
             ids = [rng.randrange(300, 5000) for _ in range(rng.randint(3, p.max_tokens - 1))] + [EOS]
             outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, text="not used")]))
