@@ -56,6 +56,10 @@ def print_check(cfg: RunConfig, with_docs: bool = False, quiet: bool = False) ->
     the published recipe on stderr, and which sections another stage validates. `quiet`: nothing
     (loading the config already refused what is wrong); `make` runs both stages' checks this way
     before a long job, so a typo in the other stage's section stops at once."""
+    if "target" in cfg.sections:
+        from shared.target import check_against_folder
+
+        check_against_folder(cfg.target)
     if quiet:
         return cfg.recipe_warnings()
     if with_docs:

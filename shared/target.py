@@ -210,6 +210,21 @@ def convert_embedded_gguf(out: Path) -> Path:
     return out
 
 
+def check_against_folder(cfg: TargetConfig) -> None:
+    """What `check` can refuse without loading the target: layer ids the target does not have (or
+    its last layer). Read from the folder's config.json when the folder is there; the embedded
+    default only once converted (converting it is `make setup`'s job, not check's)."""
+    if cfg.path == EMBEDDED_DEFAULT:
+        folder = cache_dir() / "smollm2-135m-instruct"
+        if not (folder / ".complete").is_file():
+            return
+    else:
+        folder = Path(cfg.path).expanduser()
+        if not (folder / "config.json").is_file():
+            return  # extract names a missing folder; check may run before the weights are copied
+    resolve_layer_ids(cfg, TargetArch.from_dir(folder))
+
+
 def resolve_target_dir(cfg: TargetConfig) -> Path:
     if cfg.path == EMBEDDED_DEFAULT:
         return default_target_dir()

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser("python -m stage1_extract", __doc__, COMMANDS)
     parser.add_argument("--force", action="store_true", help="extract even when the plan says the disk is too small")
     parser.add_argument("--repair", action="store_true", help="verify: re-extract every bad shard")
+    parser.add_argument("--deep", action="store_true", help="verify: also tokenize the data again and compare every stored sample")
     return run_command(parser, argv, run)
 
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "reprocess":
         out = commands.cmd_reprocess(cfg, force=args.force, progress=progress)
     else:
-        out = commands.cmd_verify(cfg, repair=args.repair, progress=progress)
+        out = commands.cmd_verify(cfg, repair=args.repair, progress=progress, deep=args.deep)
         print(to_json(out))
         return 0 if out["ok"] else 1
     print(to_json(out))

@@ -39,8 +39,15 @@ from stage1_extract.generate import (
 )
 from stage1_extract.header import header_differences, load_or_pin_plan
 from stage1_extract.merge import done_shards, merge_manifest, part_path
-from stage1_extract.prepare import Prepared, generated_path, planned_shards, prepare, shard_size
-from stage1_extract.verify import verify_store
+from stage1_extract.prepare import (
+    Prepared,
+    discard_token_cache,
+    generated_path,
+    planned_shards,
+    prepare,
+    shard_size,
+)
+from stage1_extract.verify import deep_problems, verify_store
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +316,12 @@ def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
     out = {"merge_seconds": round(time.perf_counter() - started, 2)}
-    out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped")})
+    out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns")})
+    if manifest["num_empty_turns"]:
+        log.warning(
+            "%d assistant turns are empty: only their end-of-turn tokens are supervised (counted in the manifest as "
+            "num_empty_turns); drop or regenerate those rows if they are not meant to be empty", manifest["num_empty_turns"]
+        )
     return out
 
 
@@ -386,19 +398,38 @@ def cmd_reprocess(cfg: RunConfig, force: bool = False, progress: bool = True) ->
     return summary
 
 
-def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Every shard against the manifest: readable, counts, shapes, dtypes, finite values, checksum.
-    With repair, bad shards are deleted with their part records and extracted again."""
+def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep: bool = False) -> dict[str, Any]:
+    """Every shard against the manifest: readable, counts, shapes, dtypes, finite values, checksum;
+    with `deep`, also against the input data tokenized afresh. With repair, bad shards are deleted
+    with their part records and extracted again (after a deep mismatch the token cache is rebuilt
+    first: it is what stood between the data and the store)."""
     url = cfg.store.url(cfg.run_dir)
-    report = verify_store(url)
+    report = _verify(cfg, url, deep)
     if repair and report["bad_shards"]:
         with exclusive(url, "stage1_extract verify --repair"):
+            if any(b.get("deep") for b in report["bad_shards"]):
+                discard_token_cache(cfg)
             files = StoreFiles(url)
             for bad in report["bad_shards"]:
                 files.remove(f"shards/{bad['shard']}")
                 files.remove(part_path(bad["index"]))
             _extract(cfg, False, progress, 0, 1, 0, False)
-        after = verify_store(url)
+        after = _verify(cfg, url, deep)
         after["repaired"] = [b["shard"] for b in report["bad_shards"]]
         return after
+    return report
+
+
+def _verify(cfg: RunConfig, url: str, deep: bool) -> dict[str, Any]:
+    report = verify_store(url)
+    report["deep"] = deep
+    if not deep:
+        return report
+    fresh = prepare(cfg, use_token_cache=False)
+    manifest_index = {r["name"]: r["index"] for r in load_manifest(StoreFiles(url))["shards"] if r["name"]}
+    known = {b["shard"] for b in report["bad_shards"]}
+    for shard, why in deep_problems(url, {r.sample_id: r for r in fresh.rows}).items():
+        if shard not in known:
+            report["bad_shards"].append({"shard": shard, "index": manifest_index[shard], "error": why, "deep": True})
+    report["ok"] = not report["bad_shards"]
     return report

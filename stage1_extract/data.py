@@ -81,6 +81,8 @@ def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
     if path.suffix == ".jsonl" or path.suffix == ".json":
         with path.open("rb") as fh:
             for i, raw in enumerate(fh):
+                if i == 0 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # a UTF-8 byte-order mark (Windows tools write one): not part of the row
                 if not raw.strip():
                     continue
                 try:

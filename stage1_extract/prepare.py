@@ -70,7 +70,7 @@ class Prepared:
     source: Path
 
 
-def prepare(cfg: RunConfig) -> Prepared:
+def prepare(cfg: RunConfig, use_token_cache: bool = True) -> Prepared:
     """Tokenize the input (or read the token cache) and compute the identity header of the store
     (no model weights loaded)."""
     model_dir = resolve_target_dir(cfg.target)
@@ -79,7 +79,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     tokenizer = load_tokenizer(cfg.target)
     tokenizer_hashes = tokenizer_fingerprints(tokenizer)
     source = extraction_input(cfg)
-    rows, stats = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source)
+    rows, stats = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source, use_cache=use_token_cache)
     if not rows:
         raise DataError(f"{source}: no usable rows")
     header = settings_header(
@@ -102,13 +102,13 @@ def token_cache_dir(cfg: RunConfig) -> Path:
 
 
 def tokenized_rows(
-    cfg: RunConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path
+    cfg: RunConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path, use_cache: bool = True
 ) -> tuple[list[TokenizedRow], ReadStats]:
     """Every row of `source`, templated and tokenized: from the token cache when it matches, else
     by `data.tokenize_workers` processes (then cached). Bad rows raise naming the file and row."""
     data = cfg.data
     cache = None
-    if data.token_cache:
+    if data.token_cache and use_cache:
         settings = {"max_length": data.max_length, "on_long": data.on_long, "on_bad_row": data.on_bad_row, "max_samples": data.max_samples}
         key, inputs = cache_key(source, tokenizer_hashes, settings)
         cache = TokenCache(token_cache_dir(cfg), key, inputs)
@@ -184,3 +184,11 @@ def shard_size(cfg: RunConfig, prepared: Prepared) -> int:
 def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
     """The shards of the current config and data, with the boundaries pinned in plan.json."""
     return plan_shards(prepared.rows, shard_size(cfg, prepared), header_key(prepared.header))
+
+
+def discard_token_cache(cfg: RunConfig) -> None:
+    """Remove every token cache of this run (the next command tokenizes again)."""
+    import shutil
+
+    for folder in token_cache_dir(cfg).glob("tokens-*"):
+        shutil.rmtree(folder, ignore_errors=True)

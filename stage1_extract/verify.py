@@ -1,5 +1,7 @@
 """`verify`: every shard of a store checked against its manifest (readable, shapes, dtypes, sample
-counts and ids, finite values, content checksum); `--repair` re-extracts the bad ones.
+counts and ids, finite values, content checksum); `--deep` also tokenizes the input data again
+(no cache) and compares every stored sample's input_ids and loss_mask with it, which proves a store
+matches its data whatever happened to any cache; `--repair` re-extracts the bad shards.
 """
 
 from __future__ import annotations
@@ -52,3 +54,38 @@ def verify_store(url: str) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - every failure is reported per shard
             bad.append({"shard": record["name"], "index": record["index"], "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
     return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad}
+
+
+def deep_problems(url: str, rows_by_id: dict[int, Any]) -> dict[str, str]:
+    """Shard name -> the first sample whose stored tokens or loss mask differ from the data's
+    (tokenized afresh), or that the data no longer holds."""
+    import numpy as np
+
+    manifest = read_manifest(url)
+    out: dict[str, str] = {}
+    for record in manifest["shards"]:
+        if not record["name"]:
+            continue
+        try:
+            arrays = read_shard_arrays(url, record["name"])
+        except Exception as exc:  # noqa: BLE001 - the shallow check names it already
+            out[record["name"]] = f"unreadable ({type(exc).__name__})"
+            continue
+        offsets = arrays["offsets"]
+        for s, sample_id in enumerate(arrays["sample_ids"].tolist()):
+            row = rows_by_id.get(sample_id)
+            if row is None:
+                out[record["name"]] = f"sample of input row {sample_id}: the data has no such row now (run `status`)"
+                break
+            a, b = int(offsets[s]), int(offsets[s + 1])
+            for name, stored, fresh in (
+                ("input_ids", arrays["input_ids"][a:b], np.asarray(row.input_ids, dtype=np.int32)),
+                ("loss_mask", arrays["loss_mask"][a:b], np.asarray(row.loss_mask, dtype=bool)),
+            ):
+                if stored.shape != fresh.shape or not np.array_equal(stored, fresh):
+                    where = "its length" if stored.shape != fresh.shape else f"token {int(np.flatnonzero(stored != fresh)[0])}"
+                    out[record["name"]] = f"input row {sample_id}: stored {name} differ from the data at {where}"
+                    break
+            if record["name"] in out:
+                break
+    return out

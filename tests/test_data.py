@@ -86,6 +86,22 @@ def test_missing_file_is_named(tmp_path):
         list(read_conversations(tmp_path / "nope.jsonl"))
 
 
+def test_a_jsonl_file_with_a_byte_order_mark_reads_its_first_row(tmp_path):
+    """Windows tools often start UTF-8 files with a BOM; it used to make row 0 "not valid JSON"."""
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(row) + "\n").encode() * 2)
+    assert [c.messages for c in read_conversations(path)] == [row["messages"]] * 2
+
+
+def test_an_empty_assistant_turn_is_counted(tokenizer):
+    """Only its end-of-turn marker is supervised: counted (the manifest sums it), never silent."""
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "r"},
+                {"role": "assistant", "content": "an answer"}]
+    sample = tokenize_conversation(tokenizer, messages, 256)
+    assert sample.empty_turns == 1 and sample.loss_mask.any()
+
+
 def test_parquet_round_trip_and_max_samples(tmp_path):
     convs = default_conversations(10)
     write_conversations_parquet(convs, tmp_path / "c.parquet")

@@ -174,11 +174,13 @@ def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_
 
 def test_truncate_and_skip_are_counted(tiny_target_dir, tmp_path):
     rows = chat_rows(6) + [{"messages": [{"role": "user", "content": "long"}, {"role": "assistant", "content": "word " * 400}]}]
+    rows[2]["messages"] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, *rows[2]["messages"]]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = config(tiny_target_dir, data, tmp_path / "t", **{"data.max_length": 128})
-    commands.cmd_extract(cfg, progress=False)
+    summary = commands.cmd_extract(cfg, progress=False)
     manifest = read_manifest(cfg.store.url(cfg.run_dir))
     assert (manifest["num_truncated"], manifest["num_skipped"], manifest["num_samples"]) == (1, 0, 7)
+    assert manifest["num_empty_turns"] == summary["num_empty_turns"] == 1  # an empty answer is counted
     assert StoreReader(cfg.store.url(cfg.run_dir)).lengths.max() == 128
     cfg = config(tiny_target_dir, data, tmp_path / "s", **{"data.max_length": 128, "data.on_long": "skip"})
     commands.cmd_extract(cfg, progress=False)

@@ -140,6 +140,15 @@ def test_each_stage_validates_its_sections_and_make_checks_both(entry, own, othe
     assert done.returncode != 0 and "error: " in done.stderr
 
 
+def test_check_refuses_layer_ids_the_target_does_not_have(tiny_target_dir):
+    """Where the target folder exists, check reads its config.json: no waiting for extract to say so."""
+    done = subprocess.run(
+        [sys.executable, "-m", "stage1_extract", "check", "--quiet", f"target.path={tiny_target_dir}", "target.layer_ids=[999]"],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert done.returncode == 2 and "target.layer_ids [999] names layer 999, but the target has 6 layers" in done.stderr
+
+
 def test_a_renamed_key_names_its_new_name():
     with pytest.raises(ConfigError, match=r"sampler.token_budget: renamed to sampler.micro_batch_tokens"):
         load_run_config("configs/default.yaml", ["sampler.token_budget=4096"])
@@ -541,3 +550,97 @@ def test_a_missing_data_file_is_named_by_every_command(tiny_target_dir, tmp_path
     for command in (stage1.cmd_plan, stage1.cmd_extract):
         with pytest.raises(InputFileError, match=r"generated\.parquet"):
             command(cfg)
+
+
+# ---- preemption -------------------------------------------------------------------------------------
+def start_training(args, env_extra, tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests' / 'hooks'}:{REPO}", "OMP_NUM_THREADS": "1", **env_extra}
+    return subprocess.Popen(
+        [sys.executable, "-m", "stage2_train", "train", "--no-progress", *args],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_until(condition, proc, timeout_s=120.0):
+    """Until `condition()` holds (the test's own clock, generous: a slow machine only waits longer)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the condition never came"
+        time.sleep(0.05)
+
+
+def train_steps_logged(log):
+    from stage2_train.observe.metrics import read_log
+
+    return [r["step"] for r in read_log(log, "train")] if log.exists() else []
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", pytest.param("SIGUSR1", marks=pytest.mark.slow)])
+def test_a_preempted_run_saves_its_step_and_resumes_with_none_lost_or_repeated(tiny_target_dir, store, tmp_path, signal_name):
+    """SIGTERM (or SLURM's SIGUSR1) mid-epoch: the step finishes, a checkpoint of it is written, a
+    `preempted` event and marker say so, the exit code is 75; the rerun continues from that step
+    and its losses equal an uninterrupted run's, every step logged exactly once."""
+    import signal as signals
+
+    from stage2_train import commands as stage2
+    from stage2_train.observe.metrics import read_log
+    from stage2_train.train.preemption import EXIT_PREEMPTED
+
+    _, path = store
+    extra = {"train.max_steps": 12, "checkpoint.every_steps": 5, "train.resume": "auto"}
+    reference = tmp_path / "reference"
+    stage2.cmd_train(train_config(tiny_target_dir, path, reference, **extra), progress=False)
+    run = tmp_path / "run"
+    args = train_overrides(tiny_target_dir, path, run, **extra)
+    proc = start_training(args, {"DFLASH_STEP_SLEEP_S": "0.3"}, tmp_path)
+    wait_until(lambda: len(train_steps_logged(run / "train_log.jsonl")) >= 2, proc)
+    proc.send_signal(getattr(signals, signal_name))
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    events = read_log(run / "train_log.jsonl", "event")
+    preempted = [e for e in events if e["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["signal"] == signal_name
+    stopped = preempted[0]["step"]
+    assert 2 <= stopped < 12 and (run / "checkpoints" / f"step_{stopped:06d}" / "meta.json").is_file()
+    assert json.loads((run / "preempted.json").read_text())["step"] == stopped
+    assert f"stopped by {signal_name} after step {stopped}" in stderr and "Traceback" not in stderr
+    again = start_training(args, {}, tmp_path)
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr[-3000:]
+    assert not (run / "preempted.json").exists()
+    steps = train_steps_logged(run / "train_log.jsonl")
+    assert steps == list(range(1, 13))  # none lost, none twice
+    want = {r["step"]: r for r in read_log(reference / "train_log.jsonl", "train")}
+    for row in read_log(run / "train_log.jsonl", "train"):
+        assert row["loss"] == want[row["step"]]["loss"] and row["lr"] == want[row["step"]]["lr"], row["step"]
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_during_the_save_leaves_the_previous_checkpoint(tiny_target_dir, store, tmp_path):
+    """The first SIGTERM starts the final save; a second (or the cluster's SIGKILL) ends the process
+    mid-write: the commit protocol keeps the previous checkpoint, which the rerun resumes from."""
+    import signal as signals
+
+    from stage2_train.train.checkpoint.select import latest_checkpoint, select_checkpoint
+
+    _, path = store
+    run = tmp_path / "run"
+    saving = tmp_path / "saving"
+    args = train_overrides(tiny_target_dir, path, run, **{"train.max_steps": 12, "checkpoint.every_steps": 2, "train.resume": "auto"})
+    hooks = {"DFLASH_STEP_SLEEP_S": "0.2", "DFLASH_SAVE_SLEEP_S": "0.5", "DFLASH_SAVING_MARKER": str(saving)}
+    proc = start_training(args, hooks, tmp_path)
+    wait_until(lambda: latest_checkpoint(run / "checkpoints") is not None, proc)
+    before = latest_checkpoint(run / "checkpoints").name
+    saving.unlink(missing_ok=True)
+    proc.send_signal(signals.SIGTERM)
+    wait_until(saving.exists, proc)  # the preemption's save (or a periodic one) is writing now
+    proc.send_signal(signals.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signals.SIGTERM  # killed, not a clean exit
+    chosen = select_checkpoint(run / "checkpoints")
+    assert chosen.path is not None and chosen.path.name >= before and chosen.skipped == []
+    again = start_training(args, {}, tmp_path)
+    _, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr[-3000:]
+    assert train_steps_logged(run / "train_log.jsonl")[-1] == 12

@@ -143,3 +143,35 @@ def test_a_file_without_usable_rows_is_refused_by_name(tiny_target_dir, tmp_path
     data = write_jsonl(tmp_path / "chat.jsonl", ["not json", "{also not json"])
     with pytest.raises(ValueError, match=r"chat\.jsonl: no usable rows"):
         prepared(tiny_target_dir, data, tmp_path / "run", **{"data.on_bad_row": "skip"})
+
+
+def test_verify_deep_proves_a_store_matches_its_data(tiny_target_dir, tmp_path, monkeypatch):
+    """A store made from tokens the data never held (what a silently damaged cache used to write)
+    passes the shallow verify, since its checksums are its own; --deep tokenizes the data again,
+    names the shard and the row, and --repair rebuilds the cache and the shard."""
+    from shared.store import StoreFiles
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    clean_cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "clean"))
+    commands.cmd_extract(clean_cfg, progress=False)
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    real = prepare.tokenized_rows
+
+    def one_token_became_another(*args, **kwargs):
+        rows, stats = real(*args, **kwargs)
+        rows[5].input_ids = rows[5].input_ids.copy()
+        rows[5].input_ids[3] += 1
+        return rows, stats
+
+    monkeypatch.setattr(prepare, "tokenized_rows", one_token_became_another)
+    commands.cmd_extract(cfg, progress=False)
+    monkeypatch.setattr(prepare, "tokenized_rows", real)
+    assert commands.cmd_verify(cfg)["ok"]  # the shard agrees with itself
+    deep = commands.cmd_verify(cfg, deep=True)
+    assert not deep["ok"] and len(deep["bad_shards"]) == 1
+    assert deep["bad_shards"][0]["error"] == "input row 5: stored input_ids differ from the data at token 3"
+    repaired = commands.cmd_verify(cfg, repair=True, deep=True)
+    assert repaired["ok"] and repaired["repaired"] == [deep["bad_shards"][0]["shard"]]
+    clean = StoreFiles(clean_cfg.store.url(clean_cfg.run_dir)).read_json("manifest.json")["shards"]
+    fixed = StoreFiles(cfg.store.url(cfg.run_dir)).read_json("manifest.json")["shards"]
+    assert [s["checksum"] for s in fixed] == [s["checksum"] for s in clean]

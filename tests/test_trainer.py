@@ -393,7 +393,7 @@ def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
     shutil.rmtree(ckpt / "step_000006")
     (ckpt / "latest").write_text("step_000003")
     hashes = tmp_path / "hashes.log"
-    counted = {**env, "PYTHONPATH": f"{REPO / 'tests' / 'hashcount'}:{REPO}", "DFLASH_HASH_LOG": str(hashes)}
+    counted = {**env, "PYTHONPATH": f"{REPO / 'tests' / 'hooks'}:{REPO}", "DFLASH_HASH_LOG": str(hashes)}
     done = subprocess.run(cmd, cwd=REPO, env=counted, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed_from = str(ckpt / "step_000003")

@@ -31,6 +31,7 @@ GPU, fp32 on CPU (auto). Shape legend: N blocks, B block size, P = B - 1 scored 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ import torch
 
 from shared.config import RunConfig
 from shared.errors import CheckpointError, ConfigError, DataError, DivergedError
+from shared.files import write_atomic
 from shared.target_parts import load_embed_and_head, load_target_layers
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.data.loader import LoadedBatch
@@ -58,6 +60,7 @@ from stage2_train.train.checkpoint.format import (
     optimizer_state,
     rng_state,
     set_rng_state,
+    step_name,
 )
 from stage2_train.train.checkpoint.saver import Checkpointer
 from stage2_train.train.config import TrainConfig
@@ -68,6 +71,7 @@ from stage2_train.train.evaluate import (
     offline_totals,
     unflatten_totals,
 )
+from stage2_train.train.preemption import EXIT_PREEMPTED, MARKER, Preempted, Preemption
 from stage2_train.train.resume import find_resume_point
 from stage2_train.train.schedules import NoiseSchedule, lr_factor, noise_generator, warmup_steps
 
@@ -87,6 +91,7 @@ class StepStats:
     noise_std: float
     skipped: bool = False  # non-finite loss or gradients: no weight changed
     times: dict[str, float] = field(default_factory=dict)
+    stop: str | None = None  # a rank was signalled (SIGTERM/SIGUSR1): every rank stops after this step
 
 
 class Stateful:
@@ -143,6 +148,7 @@ class Trainer:
         self._last_log = (0, 0, self._start)  # (step, tokens_seen, time) at the previous train row
         self._batches: Iterator[list[LoadedBatch]] | None = None
         self._bar = None
+        self.preemption = Preemption()
 
     # ---- building -------------------------------------------------------------------------------
     def _build_data(self) -> TrainData:
@@ -253,6 +259,7 @@ class Trainer:
             resumed_from = self.resume()
             if self.rank == 0:  # only once the config has passed the store and checkpoint checks
                 self.cfg.write_resolved(self.run_dir / "train_config.yaml")
+                (self.run_dir / MARKER).unlink(missing_ok=True)  # this run continues what a preemption stopped
             if self.finished() and resumed_from is not None:
                 return self._already_done(resumed_from)
             self.sink.event("run_start", self.step, **self.info, resumed_from=resumed_from)
@@ -264,15 +271,18 @@ class Trainer:
             self._last_log = (self.step, self.tokens_seen, self._start)
             self._batches = self._step_batches()
             self._bar = self._progress_bar()
-            while not self.finished():
-                self.mark_epoch_start()
-                stats = self.train_step()
-                if self.step % self.cfg.log.every_steps == 0 or self.finished():
-                    self.log_step(stats)
-                if self._eval_due():
-                    self.evaluate()
-                self.mark_epoch_end(stats)
-                self.checkpointer.maybe_save(self.step, self.state_dict)
+            with self.preemption:
+                while not self.finished():
+                    self.mark_epoch_start()
+                    stats = self.train_step()
+                    if self.step % self.cfg.log.every_steps == 0 or self.finished() or stats.stop:
+                        self.log_step(stats)
+                    if stats.stop:
+                        self.stop_preempted(stats.stop)
+                    if self._eval_due():
+                        self.evaluate()
+                    self.mark_epoch_end(stats)
+                    self.checkpointer.maybe_save(self.step, self.state_dict)
             self.evaluate()
             self.checkpointer.save(self.step, self.state_dict, blocking=True)  # skipped if just saved
         finally:
@@ -298,8 +308,12 @@ class Trainer:
             copied.record(torch.cuda.current_stream(self.device))
         data_s = time.perf_counter() - start  # waiting on the loader + issuing host-to-device copies
         # The step's global label weight sum, before any backward: the exact per-token normaliser.
+        # A preemption flag rides in the same all_reduce: ranks agree on the step to stop after
+        # without a collective of their own (read after the optimizer's sync, not here).
         weight_sum = sum(loss_weights(b.labels_NB, self.cfg.loss.gamma).sum() for b in batches)
-        weight_sum = self.accelerator.reduce(weight_sum.float(), reduction="sum")
+        signalled = torch.ones((), device=weight_sum.device) if self.preemption.requested else torch.zeros((), device=weight_sum.device)
+        reduced = self.accelerator.reduce(torch.stack([weight_sum.float(), signalled]), reduction="sum")
+        weight_sum, stop_votes = reduced[0], reduced[1]
         normalizer = weight_sum.clamp_min(1e-12) / self.world_size
         parts, forward_s, backward_s = [], 0.0, 0.0
         for micro, batch in enumerate(batches):
@@ -324,6 +338,7 @@ class Trainer:
             noise_std=self.noise.std_at(self.step),
             skipped=skipped,
             times={"data_s": data_s, "forward_s": forward_s, "backward_s": backward_s, "optim_s": optim_s},
+            stop=(self.preemption.requested or "a signal on another rank") if float(stop_votes) > 0 else None,
         )
         self.step += 1
         self.tokens_seen += stats.num_tokens
@@ -411,6 +426,18 @@ class Trainer:
             self._bar.set_postfix(loss=f"{row['loss']:.3f}", acc_len=f"{row['accept_len']:.2f}", tok_s=f"{row['tok_per_s']:.0f}")
             self._bar.update(self.step - self._bar.n)
         return row
+
+    def stop_preempted(self, why: str) -> None:
+        """Every rank agreed to stop after this step: save it synchronously, say so, and leave."""
+        self.checkpointer.save(self.step, self.state_dict, blocking=True)
+        path = self.checkpointer.dir / step_name(self.step)
+        self.sink.event("preempted", self.step, signal=why, checkpoint=str(path), exit_code=EXIT_PREEMPTED)
+        if self.rank == 0:
+            write_atomic(self.run_dir / MARKER, json.dumps({"step": self.step, "signal": why, "checkpoint": str(path)}))
+        raise Preempted(
+            f"stopped by {why} after step {self.step}, saved {path}; run the same command again to resume from it "
+            f"(exit {EXIT_PREEMPTED}; {self.run_dir / MARKER} says so to a job script)"
+        )
 
     def mark_epoch_start(self) -> None:
         sampler = self.data.sampler

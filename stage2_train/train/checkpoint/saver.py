@@ -34,6 +34,7 @@ the previous checkpoint intact. Several nodes need `ckpt_dir` on a shared file s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -189,7 +190,7 @@ class Checkpointer:
             self._last_step = None
             if isinstance(job.error, UserError):
                 raise job.error
-            raise CheckpointWriteError(f"checkpoint {path} failed: {job.error!r}") from job.error
+            raise CheckpointWriteError(f"checkpoint {path} failed: {job.error!r}{self._fix(job.error)}") from job.error
         self._event(
             "checkpoint_end",
             job.step,
@@ -199,6 +200,16 @@ class Checkpointer:
             bytes=job.num_bytes,
             path=str(path),
             mode=job.mode,
+        )
+
+    def _fix(self, error: BaseException) -> str:
+        """What to do about a failed save: for a full disk, how much is free and what to change."""
+        if not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return ""
+        free = shutil.disk_usage(self.dir).free
+        return (
+            f"; the partial save was removed, the previous checkpoints are intact, {free / 2**30:.2f} GiB are free on "
+            f"{self.dir}: free space there, set checkpoint.dir to a larger disk, or lower checkpoint.keep_latest_k"
         )
 
     def _event(self, kind: str, step: int, **fields: Any) -> None:
@@ -289,6 +300,8 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - the other ranks must still hear about it
             error = exc
         if not self._all_ranks_ok(error is None):
+            if self.rank == 0:  # a partial save holds disk the next one may need: remove it now
+                shutil.rmtree(tmp, ignore_errors=True)
             raise error or RuntimeError("another rank failed to write its part")
         if self.rank == 0:
             try:

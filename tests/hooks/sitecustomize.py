@@ -1,0 +1,46 @@
+"""Fault hooks for subprocess tests: a subprocess whose PYTHONPATH starts with this folder loads
+it at start-up. Each hook is off unless its variable is set, and none changes what is computed.
+
+    DFLASH_HASH_LOG=FILE        every file hashed by shared.files.file_sha256, with the hashing rank
+    DFLASH_STEP_SLEEP_S=S       each optimizer step sleeps S seconds first (time to signal mid-run)
+    DFLASH_SAVE_SLEEP_S=S       each checkpoint file write sleeps S seconds first, after touching
+    DFLASH_SAVING_MARKER=FILE   this file (so a test knows a save is under way)
+"""
+
+import os
+import time
+
+if os.environ.get("DFLASH_HASH_LOG"):
+    import shared.files
+
+    _real_hash = shared.files.file_sha256
+
+    def _counted(path):
+        with open(os.environ["DFLASH_HASH_LOG"], "a") as log:
+            log.write(f"{os.environ.get('RANK', '0')} {os.path.abspath(path)}\n")
+        return _real_hash(path)
+
+    shared.files.file_sha256 = _counted
+
+if os.environ.get("DFLASH_STEP_SLEEP_S"):
+    from stage2_train.train import trainer
+
+    _real_step = trainer.Trainer.optimizer_step
+
+    def _slow_step(self, counts):
+        time.sleep(float(os.environ["DFLASH_STEP_SLEEP_S"]))
+        return _real_step(self, counts)
+
+    trainer.Trainer.optimizer_step = _slow_step
+
+if os.environ.get("DFLASH_SAVE_SLEEP_S"):
+    from stage2_train.train.checkpoint import saver
+
+    _real_write = saver.write_part
+
+    def _slow_write(*args, **kwargs):
+        open(os.environ["DFLASH_SAVING_MARKER"], "a").close()
+        time.sleep(float(os.environ["DFLASH_SAVE_SLEEP_S"]))
+        return _real_write(*args, **kwargs)
+
+    saver.write_part = _slow_write
