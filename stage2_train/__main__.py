@@ -21,7 +21,7 @@ from shared.cli import command_parser, load_config, print_check, run_command, to
 from shared.errors import ConfigError
 from stage2_train import commands
 
-COMMANDS = ("batches", "train", "eval", "export", "doctor", "report", "check")
+COMMANDS = ("batches", "train", "plan", "eval", "export", "doctor", "report", "check")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint", default=None, help="eval/export: checkpoint to read (default: newest that verifies)")
     parser.add_argument("--out", default=None, help="export, report: output folder")
+    parser.add_argument("--sample-tokens", type=int, default=1024, help="plan: tokens per sample of the traced micro-batch")
+    parser.add_argument("--search", action="store_true", help="plan: also the largest micro_batch_tokens that fits each GPU")
     return run_command(parser, argv, run)
 
 
@@ -56,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
         out = commands.cmd_train(cfg, progress=not args.no_progress)
         if out["rank"] == 0:
             print(to_json(out))
+        return 0
+    if args.command == "plan":
+        print(to_json(commands.cmd_plan(cfg, args.sample_tokens, args.search, world_size=max(args.world_size, 8))))
         return 0
     if args.command == "eval":
         print(to_json(commands.cmd_eval(cfg, args.checkpoint)))

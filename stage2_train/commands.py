@@ -70,6 +70,35 @@ def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> None:
     stack.enter_context(exclusive_on_rank0(run_dir, "stage2_train train", accelerator.process_index, all_ok))
 
 
+def cmd_plan(cfg: RunConfig, sample_tokens: int, search: bool = False, world_size: int = 8) -> dict[str, Any]:
+    """The GPU memory of one training step of this config, traced with fake tensors
+    (`train/memory_plan.py`), at the target's shape: its folder's config.json, or the published
+    shape of a known target named by target.path (planning needs no weights)."""
+    from pathlib import PurePath
+
+    from shared.errors import ConfigError
+    from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
+    from stage2_train.train.memory_plan import KNOWN_TARGETS, plan
+
+    folder = Path(cfg.target.path).expanduser()
+    if cfg.target.path == EMBEDDED_DEFAULT or (folder / "config.json").is_file():
+        arch, source = TargetArch.from_dir(resolve_target_dir(cfg.target)), "config.json"
+    else:
+        name = PurePath(cfg.target.path).name.lower()
+        if name not in KNOWN_TARGETS:
+            raise ConfigError(
+                f"target.path={cfg.target.path!r}: no config.json there and not a known shape ({', '.join(KNOWN_TARGETS)}); "
+                f"copy the target's config.json into that folder to plan for it"
+            )
+        arch, source = KNOWN_TARGETS[name], f"the published {name} shape"
+    layers = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_feature_layers
+    out = plan(
+        cfg.model, cfg.loss, arch, layers, cfg.sampler.micro_batch_tokens, sample_tokens,
+        cfg.sampler.max_anchors_per_seq, world_size=world_size, search=search,
+    )
+    return {"config": cfg.source, "shape_from": source, **out}
+
+
 # ---------------------------------------------------------------------------------------------
 # eval and export
 

@@ -13,7 +13,7 @@ predicts the token at anchor + k.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,12 @@ class DrafterBatch:
     topk_ids_NBK: torch.Tensor | None = None
     num_samples: int = 0
     num_tokens: int = 0  # real context tokens (== T)
+    # The scored slots (label != IGNORE) as flat indices into N*B, slot-major: every scored slot 1,
+    # then every slot 2, ... and how many there are per slot (host ints). Found where the batch is
+    # built (on the host, in the loader's threads), so the loss needs no `nonzero` on the device,
+    # which would be one more host sync per micro-batch (and cannot be traced with fake tensors).
+    scored_M: torch.Tensor | None = None
+    scored_per_slot: tuple[int, ...] | None = None
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DrafterBatch:
         moved = {}
@@ -45,6 +51,23 @@ class DrafterBatch:
                     value = value.to(dtype)
             moved[f.name] = value
         return DrafterBatch(**moved)
+
+
+def scored_index(labels_NB: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """(flat indices of the scored slots, slot-major; scored slots per slot 0..B-1), on the host."""
+    labels_NB = labels_NB.cpu()
+    N, B = labels_NB.shape
+    valid_BN = (labels_NB != IGNORE).T
+    slot_B, block_B = valid_BN.nonzero(as_tuple=True)
+    return block_B * B + slot_B, tuple(int(c) for c in valid_BN.sum(1).tolist())
+
+
+def with_scored_index(batch: DrafterBatch) -> DrafterBatch:
+    """The batch with its scored-slot index (computed once, on the host)."""
+    if batch.scored_M is not None:
+        return batch
+    scored_M, per_slot = scored_index(batch.labels_NB)
+    return replace(batch, scored_M=scored_M.to(batch.labels_NB.device), scored_per_slot=per_slot)
 
 
 def check_sample(sample: dict[str, Any], anchors_A: torch.Tensor, expected_length: int | None = None) -> None:
@@ -119,6 +142,8 @@ def collate(
         context_TF = torch.cat(context)
     elif context_TF.shape[0] != num_tokens:
         raise ValueError(f"the packed context holds {context_TF.shape[0]} tokens, the samples {num_tokens}")
+    labels_NB = torch.cat(labels)
+    scored_M, per_slot = scored_index(labels_NB)
     return DrafterBatch(
         context_TF=context_TF,
         context_pos_T=torch.cat(positions),
@@ -126,9 +151,11 @@ def collate(
         block_ids_NB=torch.cat(block_ids),
         block_seq_N=torch.cat(block_seq),
         anchor_pos_N=torch.cat(anchor_pos),
-        labels_NB=torch.cat(labels),
+        labels_NB=labels_NB,
         topk_logprobs_NBK=torch.cat(topk_lp) if gather_topk else None,
         topk_ids_NBK=torch.cat(topk_ids) if gather_topk else None,
         num_samples=len(samples),
         num_tokens=num_tokens,
+        scored_M=scored_M,
+        scored_per_slot=per_slot,
     )

@@ -17,7 +17,9 @@ forward and shared by the layers of that kind:
 - "sdpa" / "eager": blocks grouped by sample and by chunks of `attention_chunk_blocks`, each group
   attending to the context its rule can see (for a window, only the last W positions before its
   anchors), so no mask spans the whole pack and a window shrinks every mask;
-- "naive": a loop per block with the rule written out (tests only).
+- "naive": a loop per block with the rule written out (tests only);
+- "memory": flex's memory without its arithmetic, for `python -m stage2_train plan`'s fake-tensor
+  trace: an output and the tensors the fused kernel keeps for backward (q, k, v, out, logsumexp).
 
 Shape legend: T context tokens of the pack, N blocks, B block size, A attention heads, G key/value
 heads, D head dim, Q = n*B query rows of one group, C = keys of one group (visible context + n*B
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from shared.errors import ConfigError
 from stage2_train.data.batch import DrafterBatch
 
-BACKENDS = ("sdpa", "flex", "eager", "naive")
+BACKENDS = ("sdpa", "flex", "eager", "naive", "memory")
 # torch.compile's backend for flex. CPU tests use "aot_eager": dynamo's guards (which decide every
 # recompilation) are the same, while torch 2.13's CPU inductor template cannot generate code for a
 # mask_mod that gathers from both query- and key-indexed tensors (cur_qSplitSize codegen error).
@@ -270,6 +272,10 @@ def packed_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan:
             torch._dynamo.maybe_mark_dynamic(t, 2)
         out = attend(q, k, v, block_mask=plan.block_mask, scale=scale, enable_gqa=G != A)
         return out[0].transpose(0, 1).reshape(N, B, A, D)
+    if plan.backend == "memory":
+        k = torch.cat([k_ctx_TGD, k_blk_NBGD.reshape(N * B, G, D)])
+        v = torch.cat([v_ctx_TGD, v_blk_NBGD.reshape(N * B, G, D)])
+        return _FlexMemory.apply(q_NBAD, k, v)
     if plan.backend == "naive":
         return _naive_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan.batch, plan.kind, scale)
 
@@ -295,6 +301,22 @@ def packed_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan:
             o_AQD = _softmax_attend(q_AQD, k_GCD, v_GCD, g.mask_QC, scale)
         outs.append(o_AQD.transpose(0, 1).reshape(n, B, A, D))
     return torch.cat(outs)[plan.inverse_N]
+
+
+class _FlexMemory(torch.autograd.Function):
+    """What compiled flex attention allocates and saves, with no arithmetic (memory planning only)."""
+
+    @staticmethod
+    def forward(ctx, q_NBAD, k_KGD, v_KGD):
+        out = torch.empty_like(q_NBAD)
+        lse = q_NBAD.new_empty(q_NBAD.shape[:3], dtype=torch.float32)
+        ctx.save_for_backward(q_NBAD, k_KGD, v_KGD, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _naive_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, batch: DrafterBatch, kind: MaskKind, scale: float):
@@ -328,8 +350,8 @@ def plan_attention(
     for kind in dict.fromkeys(kinds or [FULL]):
         if backend == "flex":
             plans[kind] = _plan_flex(batch, block_size, kind, compiled=batch.context_TF.is_cuda, index=index)
-        elif backend == "naive":
-            plans[kind] = AttentionPlan(backend="naive", block_size=block_size, kind=kind, batch=batch)
+        elif backend in ("naive", "memory"):
+            plans[kind] = AttentionPlan(backend=backend, block_size=block_size, kind=kind, batch=batch)
         else:
             plans[kind] = _plan_groups(batch, block_size, chunk_blocks, backend, kind)
     return plans

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from stage2_train.data.batch import IGNORE, DrafterBatch
+from stage2_train.data.batch import IGNORE, DrafterBatch, with_scored_index
 from stage2_train.model.config import LossConfig
 
 COUNT_KEYS = (
@@ -107,14 +107,16 @@ class ScoredRows:
     w_M: torch.Tensor
     topk_lp_MK: torch.Tensor | None
     topk_ids_MK: torch.Tensor | None
+    per_slot: tuple[int, ...] = ()  # scored rows per slot 0..B-1 (rows are slot-major)
 
 
 def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, with_topk: bool) -> ScoredRows:
+    """The scored slots as rows, slot-major (`DrafterBatch.scored_M`, found on the host)."""
     N, B, H = hidden_NBH.shape
     labels_NB = batch.labels_NB
     if with_topk and (batch.topk_logprobs_NBK is None or batch.topk_ids_NBK is None):
         raise ValueError("loss.kl_weight > 0 or loss.full_vocab_slots needs a store with top-k (the batch has none)")
-    rows_M = (labels_NB != IGNORE).reshape(-1).nonzero()[:, 0]
+    rows_M = with_scored_index(batch).scored_M
     topk_lp_MK = topk_ids_MK = None
     if with_topk:
         K = batch.topk_ids_NBK.shape[-1]
@@ -128,6 +130,7 @@ def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, wit
         w_M=loss_weights(labels_NB, gamma).reshape(-1)[rows_M],
         topk_lp_MK=topk_lp_MK,
         topk_ids_MK=topk_ids_MK,
+        per_slot=with_scored_index(batch).scored_per_slot,
     )
 
 
@@ -142,14 +145,16 @@ def lm_head_terms(
     each chunk under activation checkpointing when it needs a backward (one [rows, V] at a time).
     With `full_vocab_slots`, rows of later slots take the candidate softmax instead."""
     ce_sum = kl_sum = like.sum() * 0.0  # keeps the graph when nothing is scored
-    correct_M = torch.zeros(len(rows.rows_M), dtype=torch.bool, device=rows.labels_M.device)
-    full_M = torch.ones_like(correct_M) if full_vocab_slots is None else rows.slot_M <= full_vocab_slots
+    M = rows.rows_M.shape[0]
+    correct_M = torch.zeros(M, dtype=torch.bool, device=rows.labels_M.device)
+    # Rows are slot-major, so the full-vocabulary slots 1..full_vocab_slots are a prefix whose
+    # length the host already knows: no data-dependent indexing on the device.
+    num_full = M if full_vocab_slots is None else sum(rows.per_slot[: full_vocab_slots + 1])
     needs_grad = torch.is_grad_enabled() and like.requires_grad
-    for terms, where_M in ((_chunk_terms, full_M), (_candidate_terms, ~full_M)):
-        picked = where_M.nonzero()[:, 0]
-        chunked = len(picked) > rows_per_chunk and needs_grad
-        for start in range(0, len(picked), rows_per_chunk):
-            sel = picked[start : start + rows_per_chunk]
+    for terms, (lo, hi) in ((_chunk_terms, (0, num_full)), (_candidate_terms, (num_full, M))):
+        chunked = hi - lo > rows_per_chunk and needs_grad
+        for start in range(lo, hi, rows_per_chunk):
+            sel = slice(start, min(start + rows_per_chunk, hi))
             args = (
                 rows.hidden_MH[sel],
                 lm_head_VH,
