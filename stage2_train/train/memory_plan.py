@@ -113,9 +113,9 @@ def traced_step(
 def formula(model_cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int, world_size: int) -> dict[str, float]:
     """GiB of what does not depend on the batch: fp32 weights, gradients and DDP's bucket copy of
     them, AdamW's two moments, the frozen embedding and LM head in bf16."""
-    H, I, L = arch.hidden_size, model_cfg.intermediate_size or arch.intermediate_size, model_cfg.num_layers
+    H, inner, L = arch.hidden_size, model_cfg.intermediate_size or arch.intermediate_size, model_cfg.num_layers
     attn = H * arch.num_attention_heads * arch.head_dim * 2 + H * arch.num_key_value_heads * arch.head_dim * 2
-    params = L * (attn + 3 * H * I + 2 * H + 2 * arch.head_dim) + num_feature_layers * H * H + 2 * H
+    params = L * (attn + 3 * H * inner + 2 * H + 2 * arch.head_dim) + num_feature_layers * H * H + 2 * H
     gib = 2**30
     frozen = arch.vocab_size * H * 2 * (1 if arch.tie_word_embeddings else 2)
     return {
