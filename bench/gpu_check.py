@@ -43,6 +43,7 @@ unless --keep.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import importlib.util
@@ -399,6 +400,104 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
         raise RuntimeError("zarr is not importable: the store cannot be written (carry .whl/ from bench/gpu_wheels.sh)")
 
 
+def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
+    """What only a GPU shows of the code paths CPU tests by structure (issue 21):
+    - stage 1's copies read only after their event, recorded on the stream of their own device: a
+      forward on cuda:1 when there are two GPUs (rank 1's case), else on a side stream of cuda:0, its
+      host copies compared with a synchronised copy of the same tensors;
+    - the loader's pinned host buffers (pinned, reused, not pinned afresh per micro-batch);
+    - compiled flex (inductor) over 20 pack shapes: compilations counted, output equal to the rule;
+    - bf16 autocast: fc takes the bf16 context (no fp32 copy)."""
+    import random as random_mod
+
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from stage1_extract.extract import to_host
+    from stage2_train.data.batch import DrafterBatch
+    from stage2_train.model import attention
+
+    device = ctx.sizes.device
+    cuda = device == "cuda"
+    # 1. copies and their event
+    gpus = torch.cuda.device_count() if cuda else 0
+    where = "cuda:1 (rank 1's own device)" if gpus > 1 else ("a side stream of cuda:0" if cuda else "cpu (no stream)")
+    dev = torch.device("cuda:1" if gpus > 1 else device)
+    if gpus > 1:
+        torch.cuda.set_device(1)
+    stream = torch.cuda.Stream(dev) if cuda else None
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        outputs = [tuple(torch.randn(4096, *shape, device=dev) for shape in ((5, 1024), (64,), (64,))) for _ in range(8)]
+        host, ready = to_host(outputs, dev)
+    if ready is not None:
+        ready.synchronize()
+    sync(device)
+    equal = all(torch.equal(h.cpu(), o.cpu()) for hs, os_ in zip(host, outputs) for h, o in zip(hs, os_))
+    entry["copies_after_event"] = {"device": where, "equal": equal, "pinned": bool(cuda and host[0][0].is_pinned())}
+    if gpus > 1:
+        torch.cuda.set_device(0)
+    if not equal:
+        raise RuntimeError(f"host copies differ from the device tensors after waiting on their event ({where})")
+    # 2. pinned, reused loader buffers
+    from stage2_train.data.loader import BufferPool
+
+    pool = BufferPool(16384, (5, 64), torch.bfloat16, keep=3, pin=cuda)
+    views = []
+    for _ in range(10):
+        view, buffer = pool.take(12000)
+        views.append(buffer.data_ptr())
+        event = None
+        if cuda:
+            view.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        pool.give_back(buffer, event)
+    entry["loader_buffers"] = {"pinned": bool(cuda and buffer.is_pinned()), "allocated": pool.allocated, "distinct": len(set(views))}
+    # 3. compiled flex over 20 shapes
+    torch._dynamo.reset()
+    counters.clear()
+    if not cuda:
+        attention.COMPILE_BACKEND = "aot_eager"  # CPU inductor cannot build this template (see attention.py)
+    attention._flex_attention.cache_clear()
+    attention._block_mask_builder.cache_clear()
+    rng = random_mod.Random(0)
+    kind = attention.MaskKind(None, False)
+    graphs, worst = [], 0.0
+    for _ in range(20):
+        small = ctx.sizes.smoke  # CPU: the same loop at a size aot_eager's dense fallback runs quickly
+        lengths = [rng.randint(40, 90) if small else rng.randint(200, 900) for _ in range(rng.randint(2, 6))]
+        N_per = [rng.randint(2, 6) if small else rng.randint(8, 40) for _ in lengths]
+        B, A, G, D = (16, 4, 2, 16) if small else (16, 32, 8, 128)
+        seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
+        pos = torch.cat([torch.arange(n) for n in lengths])
+        blk_seq = torch.cat([torch.full((k,), s) for s, k in enumerate(N_per)])
+        anchors = torch.cat([torch.sort(torch.randint(0, n - B, (k,))).values for n, k in zip(lengths, N_per)])
+        T, N = len(seq), len(blk_seq)
+        batch = DrafterBatch(
+            context_TF=torch.empty(T, 1, device=device), context_pos_T=pos.to(device), context_seq_T=seq.to(device),
+            block_ids_NB=torch.zeros(N, B, dtype=torch.long, device=device), block_seq_N=blk_seq.to(device),
+            anchor_pos_N=anchors.to(device), labels_NB=torch.zeros(N, B, dtype=torch.long, device=device),
+        )
+        q = torch.randn(N, B, A, D, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+        k_ctx, v_ctx = (torch.randn(T, G, D, device=device, dtype=q.dtype) for _ in range(2))
+        k_blk, v_blk = (torch.randn(N, B, G, D, device=device, dtype=q.dtype) for _ in range(2))
+        plan = attention._plan_flex(batch, B, kind, compiled=True)
+        with torch.no_grad():
+            out = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk, plan, scale=D**-0.5)
+            if len(graphs) < 3:  # the rule written out, on a few (it is quadratic)
+                ref = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk,
+                                                 attention.AttentionPlan("naive", B, kind, batch=batch), scale=D**-0.5)
+                worst = max(worst, float((out.float() - ref.float()).abs().max()))
+        graphs.append(counters["stats"]["unique_graphs"])
+    entry["flex_20_shapes"] = {"graphs_after_each": graphs, "max_abs_diff_vs_rule": worst, "backend": attention.COMPILE_BACKEND}
+    attention.COMPILE_BACKEND = "inductor"
+    if graphs[-1] > 6 or graphs[9] != graphs[-1]:
+        raise RuntimeError(f"flex recompiled across pack shapes: graphs after each pack {graphs}")
+    print(f"   copies after event on {where}: equal={equal}; loader buffers {entry['loader_buffers']}; "
+          f"flex graphs {graphs[-1]} over 20 shapes, max diff {worst:.2e}", flush=True)
+
+
 def pure_forward(model: Any, cfg: Any, prepared: Any, device: str) -> dict[str, Any]:
     """The target's forward over exactly the batches extraction forms, features left on the device."""
     from shared.target import LayerCapture
@@ -566,6 +665,14 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
             retry_rows, _, _, retry_error = run_training(ctx, "sdpa", "train_sdpa")
     entry["gpu_memory_peak_gib"] = memory.gib
     cfg = load_run_config("configs/qwen3-8b.yaml", overrides)
+    try:  # the fake-tensor plan of the same micro-batch, beside what nvidia-smi saw
+        from stage2_train.train.memory_plan import StepShape, traced_step
+
+        arch_plan = TargetArch.from_dir(ctx.big["target"])
+        shape_plan = StepShape(sizes.train_token_budget, 2048, min(sizes.train_anchors, 2047), cfg.model.block_size)
+        entry["planned_peak_gib"] = traced_step(cfg.model, cfg.loss, arch_plan, len(resolve_layer_ids(cfg.target, arch_plan)), shape_plan)["Total"]
+    except Exception as exc:  # noqa: BLE001 - the plan is a comparison, not the phase
+        entry["planned_peak_gib"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     arch = TargetArch.from_dir(ctx.big["target"])
     shape = DrafterShape(arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
                          cfg.model.intermediate_size or arch.intermediate_size, arch.vocab_size, cfg.model.num_layers,
@@ -661,6 +768,7 @@ def generate_worker(timing_path: str, argv: list[str]) -> int:
 
 PHASES = {
     "env": phase_env,
+    "gpu_paths": phase_gpu_paths,
     "extract_smollm2": phase_extract_smollm2,
     "extract_8b": phase_extract_8b,
     "train": phase_train,
@@ -709,7 +817,20 @@ def markdown_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]
         rows.append((f"extraction wall time / pure target forward: {p['target']}", fmt(p["extract_over_forward"]), "<= 1.15",
                      f"forward {forward['seconds']} s on {fmt(forward['tokens'])} tokens; writer waited "
                      f"{p['extract']['writer_queue_wait_s']} s", yes(p["extract_over_forward"] <= 1.15)))
+    gp = phases.get("gpu_paths", {})
+    if "flex_20_shapes" in gp:
+        copies, flex = gp["copies_after_event"], gp["flex_20_shapes"]
+        rows.append((f"stage 1 copies read after their event ({copies['device']})", "equal" if copies["equal"] else "**differ**",
+                     "equal", f"pinned host memory: {copies['pinned']}", yes(copies["equal"])))
+        buffers = gp["loader_buffers"]
+        rows.append(("loader host buffers: pinned, reused (10 micro-batches)", f"pinned {buffers['pinned']}, {buffers['allocated']} allocated",
+                     "<= 3 allocated", "", yes(buffers["allocated"] <= 3)))
+        rows.append((f"compiled flex ({flex['backend']}): graphs after 20 pack shapes", str(flex["graphs_after_each"][-1]), "<= 6, none after the 10th",
+                     f"max |diff| vs the rule {flex['max_abs_diff_vs_rule']:.2e}", yes(flex["graphs_after_each"][-1] <= 6)))
     t = phases.get("train", {})
+    if isinstance(t.get("planned_peak_gib"), float) and t.get("gpu_memory_peak_gib") is not None:
+        rows.append(("drafter training GPU memory (nvidia-smi peak) vs `stage2_train plan`", f"{t['gpu_memory_peak_gib']} GiB", "",
+                     f"planned {t['planned_peak_gib']} GiB (fake-tensor trace of the same micro-batch, before the CUDA context)", ""))
     for figures, suffix in ((t, ""), (t.get("retry", {}), " (retry with SDPA)")):
         if "tok_per_s" not in figures:
             continue

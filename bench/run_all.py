@@ -34,6 +34,7 @@ BENCHES = {
 # Run on request only (`--only learning_long`): the long CPU preset trains up to an hour.
 EXTRA_BENCHES = {
     "learning_long": ["bench/learning.py", "--config", "configs/cpu-long.yaml", "--n", "100"],
+    "plan8b": ["bench/plan.py"],  # ~10 min of fake-tensor traces on 2 cores
 }
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
@@ -62,6 +63,16 @@ def fmt(value, digits=3) -> str:
 def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
     """(figure, value, goal, baseline measured in the same run, met?)"""
     rows = []
+    if name == "plan8b":
+        for preset, p in r["presets"].items():
+            fits = ", ".join(f"{gpu}: {'yes' if ok else '**no**'}" for gpu, ok in p["fits"].items())
+            mb = p["micro_batch"]
+            rows.append((f"{preset}: peak GPU memory of one training step ({mb['tokens']} tokens, {mb['block_rows']:,} block rows, checkpointing)",
+                         f"{p['peak_gib']} GiB", "fits 80 GB", f"without checkpointing {p['traced_peak_gib']['without_checkpointing']['peak_with_untraced']} GiB; {fits}",
+                         "yes" if p["fits"]["H100/A100 80 GB"] else "**no**"))
+            for gpu, best in p.get("largest_micro_batch_tokens", {}).items():
+                rows.append((f"{preset}: largest sampler.micro_batch_tokens that fits {gpu}", fmt(best["micro_batch_tokens"]), "",
+                             f"traced peak {best['traced_peak_gib']} GiB + untraced {round(p['untraced_gib']['ddp_buckets'] + p['untraced_gib']['cuda_context_nccl_fragmentation'], 1)} GiB", ""))
     if name == "extract":
         rows.append(("extraction wall time / pure target forward", fmt(r["extract_over_forward"]), "<= 1.15",
                      f"forward {r['forward_s']} s on {r['tokens']} tokens"
