@@ -307,3 +307,81 @@ def test_candidate_softmax_counts_the_label_once_when_it_is_among_the_top_k():
     lp = torch.log(torch.tensor([[[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]]]))
     loss, _ = dflash_loss(hidden, head, labels_only_batch(labels, lp, ids), LossConfig(full_vocab_slots=0))
     assert loss.item() == pytest.approx(math.log(3))  # 3 distinct candidates, not 4
+
+
+# ---- D-PACE and distilling on every position -------------------------------------------------------
+# speculators 0.9.0 `losses/utils.py::dpace_loss_decay` on 2 blocks x 6 slots, alpha 0.5 (the
+# helper script is in the closing note): slot 0 is the anchor, block 0 has a gap at slot 3.
+DPACE_CE = [[0.0, 0.1, 0.5, 1.2, 0.3, 2.0], [0.0, 0.7, 0.05, 3.0, 0.4, 0.9]]
+DPACE_MASK = [[0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0]]
+DPACE_SPECULATORS = [
+    [0.0, 2.76137686, 1.80895805, 0.0, 1.04391313, 0.37801108],
+    [0.0, 1.86153412, 1.11324143, 0.38319609, 0.0, 0.0],
+]
+
+
+def test_dpace_weights_equal_speculators_on_a_fixed_batch():
+    from stage2_train.model.loss import dpace_weights
+
+    w = dpace_weights(torch.tensor(DPACE_CE), torch.tensor(DPACE_MASK, dtype=torch.bool), alpha=0.5)
+    torch.testing.assert_close(w, torch.tensor(DPACE_SPECULATORS), atol=1e-6, rtol=0)
+    ones = dpace_weights(torch.tensor(DPACE_CE), torch.tensor(DPACE_MASK, dtype=torch.bool), alpha=1.0)
+    assert ones.tolist() == [[0, 4, 3, 0, 2, 1], [0, 3, 2, 1, 0, 0]]  # alpha 1: the scored slots from k on
+
+
+def test_dpace_loss_weights_each_slot_by_its_detached_continuation():
+    """The gradient of the D-PACE objective with respect to slot k's CE is w_k / (scored slots):
+    the weights come from the CE but carry no gradient themselves."""
+    arch = tiny_arch(kv_heads=2)
+    model = tiny_drafter(arch, num_layers=1, block_size=6)
+    tokens = [[int(t) for t in torch.randint(0, MASK_ID, (30,), generator=torch.Generator().manual_seed(2))]]
+    batch = make_packed_batch(tokens, [[3, 10, 17]], 6, 2 * arch.hidden_size)
+    cfg = LossConfig(gamma=4.0, weighting="dpace", dpace_alpha=0.5)
+    hidden = model(batch)
+    loss, metrics = dflash_loss(hidden, model.lm_head_VH, batch, cfg)
+    # by hand: CE per slot, weights from it, divided by the count of scored slots
+    logits = model.logits(hidden).float()
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels_NB.reshape(-1).clamp(min=0), reduction="none").view(3, 6)
+    mask = batch.labels_NB != -100
+    from stage2_train.model.loss import dpace_weights
+
+    w = dpace_weights(ce.detach(), mask, 0.5)
+    want = (w * torch.where(mask, ce, 0.0)).sum() / mask.sum()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    decay = dflash_loss(hidden, model.lm_head_VH, batch, LossConfig(gamma=4.0))[1]
+    assert float(metrics["loss"]) == pytest.approx(float(decay["loss"]))  # the reported metric does not move
+
+
+def test_distilling_every_position_adds_prompt_slots_to_the_kl_term_only():
+    """distill_positions=all: blocks anchored in the prompt too; their slots carry the target's
+    top-k (KL) but no CE, and the metrics stay those of the assistant slots."""
+    from stage2_train.data.batch import collate
+
+    T, K = 20, 4
+    ids = torch.arange(100, 100 + T)
+    mask = torch.zeros(T, dtype=torch.bool)
+    mask[12:] = True  # a 12-token prompt
+    sample = {
+        "input_ids_T": ids, "loss_mask_T": mask, "hidden_TLH": torch.randn(T, 2, 8),
+        "topk_logprobs_TK": torch.randn(T, K), "topk_ids_TK": torch.randint(0, 50, (T, K)),
+    }
+    anchors = torch.tensor([2, 9, 13])
+    plain = collate([sample], [anchors], block_size=4, mask_token_id=MASK_ID)
+    distill = collate([sample], [anchors], block_size=4, mask_token_id=MASK_ID, distill_all=True)
+    assert (plain.labels_NB[0] == -100).all() and (plain.labels_NB[1, 1:3] == -100).all()  # prompt: nothing
+    assert distill.labels_NB[0, 1:].tolist() == [103, 104, 105] and distill.supervised_NB[0].sum() == 0
+    assert distill.supervised_NB[1].tolist() == [False, False, False, True]  # slot 3 = position 12
+    assert torch.equal(distill.supervised_NB, plain.labels_NB != -100)
+    assert (distill.topk_ids_NBK[0, 1:] != 0).any()  # the target's distribution where the prompt is
+    arch = tiny_arch(hidden=8, heads=2, kv_heads=2, head_dim=4, vocab=200)
+    model = tiny_drafter(arch, num_layers=1, block_size=4, num_feature_layers=2)
+    torch.manual_seed(0)
+    hidden_plain, hidden_distill = model(plain), model(distill)
+    cfg = LossConfig(gamma=4.0, kl_weight=1.0, distill_positions="all")
+    loss_plain, metrics_plain = dflash_loss(hidden_plain, model.lm_head_VH, plain, cfg)
+    loss_distill, metrics_distill = dflash_loss(hidden_distill, model.lm_head_VH, distill, cfg)
+    for key in ("ce", "kl", "accuracy", "accept_len", "num_valid"):
+        assert float(metrics_distill[key]) == pytest.approx(float(metrics_plain[key]), rel=1e-5), key
+    assert float(loss_distill.detach()) != pytest.approx(float(loss_plain.detach()))  # the prompt's KL is in the objective
+    with pytest.raises(ValueError, match="loss.distill_positions"):
+        LossConfig(distill_positions="all", kl_weight=0.0)

@@ -277,9 +277,12 @@ def test_micro_batches_without_a_block_still_train(tiny_target_dir, store, tmp_p
 
 
 # ---- resume ------------------------------------------------------------------------------------------
-def test_resume_continues_exactly(tiny_target_dir, store, tmp_path):
-    """Crash after step 5 of 6 (checkpoint at 3): the resumed run logs steps 4-6 exactly as before."""
-    extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto", "sampler.max_anchors_per_seq": 2}
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
+    """Crash after step 5 of 6 (checkpoint at 3): the resumed run logs steps 4-6 exactly as before,
+    with AdamW and with Muon (its momentum buffers and the AdamW group's moments in the checkpoint)."""
+    extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto", "sampler.max_anchors_per_seq": 2,
+             "optim.name": optimizer}
     cfg = config(tiny_target_dir, store, tmp_path, **extra)
     commands.cmd_train(cfg, progress=False)
     first = {r["step"]: r for r in read_log(tmp_path / "train_log.jsonl", "train")}
@@ -297,6 +300,26 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path):
         before = first[row["step"]]
         for key in ("loss", "accuracy", "grad_norm", "lr", "noise_std", "epoch", "step_in_epoch", "tokens"):
             assert row[key] == before[key], (row["step"], key)
+    if optimizer == "muon":
+        from stage2_train.train.checkpoint.format import load_checkpoint
+
+        state = load_checkpoint(ckpt / "step_000006")["optimizer"]
+        assert set(state) == {"muon", "adamw"} and any("momentum_buffer" in v for v in state["muon"]["state"].values())
+
+
+def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
+    from stage2_train.train.config import OptimConfig
+    from stage2_train.train.schedules import Optimizers, muon_params
+    from tests.test_model import tiny_arch, tiny_drafter
+
+    model = tiny_drafter(tiny_arch(kv_heads=2), num_layers=2)
+    muon, adamw = muon_params(model)
+    assert {n for n, _ in muon} == {n for n, p in model.named_parameters() if p.ndim == 2}
+    assert all(p.ndim == 1 for _, p in adamw) and "fc.weight" in {n for n, _ in muon}
+    opts = Optimizers(model, OptimConfig(name="muon", lr=1e-3), total_steps=10)
+    muon_group = opts.named["muon"].param_groups[0]
+    assert (muon_group["momentum"], muon_group["weight_decay"], muon_group["adjust_lr_fn"]) == (0.95, 0.1, "match_rms_adamw")
+    assert opts.named["adamw"].param_groups[0]["weight_decay"] == 0.0
 
 
 # ---- commands --------------------------------------------------------------------------------------

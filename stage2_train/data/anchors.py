@@ -31,26 +31,28 @@ def valid_anchor_positions(loss_mask_T: torch.Tensor, block_size: int) -> np.nda
 
 
 class AnchorSampler:
-    def __init__(self, cfg: SamplerConfig, *, block_size: int, seed: int):
+    def __init__(self, cfg: SamplerConfig, *, block_size: int, seed: int, everywhere: bool = False):
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 (slot 0 is the anchor), got {block_size}")
         self.max_anchors = cfg.max_anchors_per_seq
         self.block_size = block_size
         self.seed = seed
+        self.everywhere = everywhere  # loss.distill_positions=all: any position the target read
 
     def anchors(self, loss_mask_T: torch.Tensor, *, sample_id: int, epoch: int) -> torch.Tensor:
         """Sorted anchor positions (long) of one sample for one epoch; may be empty."""
-        valid = valid_anchor_positions(loss_mask_T, self.block_size)
+        mask_T = torch.ones_like(loss_mask_T, dtype=torch.bool) if self.everywhere else loss_mask_T
+        valid = valid_anchor_positions(mask_T, self.block_size)
         if len(valid) > self.max_anchors:
             rng = np.random.default_rng([self.seed, epoch, sample_id])
             valid = np.sort(rng.choice(valid, size=self.max_anchors, replace=False))
         return torch.from_numpy(valid)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "max_anchors_per_seq": self.max_anchors, "block_size": self.block_size}
+        return {"seed": self.seed, "max_anchors_per_seq": self.max_anchors, "block_size": self.block_size, "everywhere": self.everywhere}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing moves; a saved run drawn with other settings cannot be resumed exactly."""
         for key, value in self.state_dict().items():
-            if state.get(key) != value:
+            if state.get(key, False if key == "everywhere" else None) != value:
                 raise CheckpointError(f"anchor state: {key} was {state.get(key)!r} when saved, is {value!r} now")

@@ -40,6 +40,12 @@ class DrafterBatch:
     # which would be one more host sync per micro-batch (and cannot be traced with fake tensors).
     scored_M: torch.Tensor | None = None
     scored_per_slot: tuple[int, ...] | None = None
+    # Where cross-entropy and the metrics apply (assistant tokens) when more slots are scored by the
+    # KL term alone (loss.distill_positions=all); None: every scored slot.
+    supervised_NB: torch.Tensor | None = None
+
+    def supervised(self) -> torch.Tensor:
+        return (self.labels_NB != IGNORE) if self.supervised_NB is None else self.supervised_NB
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DrafterBatch:
         moved = {}
@@ -98,6 +104,7 @@ def collate(
     mask_token_id: int,
     gather_topk: bool = True,
     context_TF: torch.Tensor | None = None,
+    distill_all: bool = False,
 ) -> DrafterBatch:
     """Pack samples (no padding) and build their blocks, labels and target top-k.
 
@@ -107,12 +114,15 @@ def collate(
 
     `context_TF`, when given, already holds the samples' features packed in order (the loader read
     them into it): their hidden_TLH are its slices and are not copied again.
+
+    `distill_all`: every in-sample slot gets a label and the target's top-k (the KL term scores
+    it); `supervised_NB` keeps loss_mask[a+k], where cross-entropy and the metrics apply.
     """
     if len(samples) != len(anchors_per_sample):
         raise ValueError(f"{len(samples)} samples but {len(anchors_per_sample)} anchor lists")
     k_B = torch.arange(block_size)
     context, positions, seqs = [], [], []
-    block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids = [], [], [], [], [], []
+    block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids, supervised = [], [], [], [], [], [], []
     for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
         ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
         num_tokens = ids_T.shape[0]
@@ -124,8 +134,11 @@ def collate(
         pos_AB = anchors_A[:, None] + k_B[None, :]
         inside_AB = pos_AB < num_tokens
         pos_AB = pos_AB.clamp(max=num_tokens - 1)
-        scored_AB = inside_AB & mask_T[pos_AB]
+        supervised_AB = inside_AB & mask_T[pos_AB]
+        supervised_AB[:, 0] = False
+        scored_AB = inside_AB.clone() if distill_all else supervised_AB
         scored_AB[:, 0] = False
+        supervised.append(supervised_AB)
         labels.append(torch.where(scored_AB, ids_T[pos_AB], IGNORE))
         blocks_AB = torch.full_like(pos_AB, mask_token_id)
         blocks_AB[:, 0] = ids_T[anchors_A]
@@ -158,4 +171,5 @@ def collate(
         num_tokens=num_tokens,
         scored_M=scored_M,
         scored_per_slot=per_slot,
+        supervised_NB=torch.cat(supervised) if distill_all else None,
     )

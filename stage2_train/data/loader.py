@@ -134,6 +134,7 @@ class PrefetchLoader:
         gather_topk: bool = True,
         pin_memory: bool = False,
         held_by_consumer: int = 1,
+        distill_all: bool = False,
     ):
         if num_threads < 1 or prefetch < 1:
             raise ValueError(f"num_threads and prefetch must be >= 1, got {num_threads} and {prefetch}")
@@ -149,6 +150,7 @@ class PrefetchLoader:
         self.prefetch = prefetch
         self.gather_topk = gather_topk
         self.pin_memory = pin_memory
+        self.distill_all = distill_all
         # Buffers in use at once: the queue, the threads filling, and what the consumer holds.
         self.held_by_consumer = held_by_consumer
         self._pool: BufferPool | None = None
@@ -248,6 +250,7 @@ class PrefetchLoader:
                 mask_token_id=self.mask_token_id,
                 gather_topk=self.gather_topk,
                 context_TF=None if context_TLH is None else context_TLH.flatten(1),
+                distill_all=self.distill_all,
             )
         except Exception as exc:
             raise DataLoadError(

@@ -39,6 +39,7 @@ def open_run_data(
         reader_options=cfg.store.reader_options(),
         pin_memory=pin_memory,
         held_by_consumer=cfg.sampler.grad_accum,
+        distill_all=cfg.loss.distill_positions == "all",
     )
     url = cfg.store.url(cfg.run_dir)
     data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
@@ -69,6 +70,9 @@ def with_a_block(batch: DrafterBatch, mask_token_id: int) -> DrafterBatch:
         block_seq_N=torch.zeros(1, dtype=torch.long),
         anchor_pos_N=torch.zeros(1, dtype=torch.long),
         labels_NB=torch.full((1, B), IGNORE, dtype=torch.long),
+        scored_M=torch.zeros(0, dtype=torch.long),
+        scored_per_slot=(0,) * B,
+        supervised_NB=None if batch.supervised_NB is None else torch.zeros(1, B, dtype=torch.bool),
         **topk,
     )
 

@@ -155,6 +155,7 @@ class DataSettings:
     reader_options: dict[str, Any] | None = None  # StoreReader's (caches)
     pin_memory: bool = False  # pinned, reused host buffers (a CUDA trainer: asynchronous copies)
     held_by_consumer: int = 1  # micro-batches the trainer holds at once (grad_accum)
+    distill_all: bool = False  # blocks anywhere the target read (loss.distill_positions=all)
 
 
 @dataclass
@@ -185,7 +186,7 @@ def open_train_data(
     train, heldout = split_indices(reader, settings.holdout_fraction, settings.split_seed)
     train_reader = SubsetReader(reader, train)
     sampler = LengthMixedSampler(sampler_cfg, train_reader.lengths, seed=settings.seed, rank=rank, world_size=world_size)
-    anchors = AnchorSampler(sampler_cfg, block_size=settings.block_size, seed=settings.seed)
+    anchors = AnchorSampler(sampler_cfg, block_size=settings.block_size, seed=settings.seed, everywhere=settings.distill_all)
     loader = PrefetchLoader(
         train_reader,
         sampler,
@@ -196,5 +197,6 @@ def open_train_data(
         gather_topk=settings.gather_topk,
         pin_memory=settings.pin_memory,
         held_by_consumer=settings.held_by_consumer,
+        distill_all=settings.distill_all,
     )
     return TrainData(target, reader, train, heldout, train_reader, sampler, anchors, loader)

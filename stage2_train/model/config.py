@@ -107,6 +107,16 @@ class LossConfig(Section):
     """Slots 1..N get the softmax over the whole vocabulary; later slots a softmax over the stored
     top-k candidates of the target (and the label), ~1000x cheaper at a 50-150K vocab. null = every
     slot full (the recipe). Needs a store with top-k."""
+    weighting: Literal["decay", "dpace"] = "decay"
+    """Slot weights: decay = exp(-(k-1)/gamma) (the recipe); dpace = D-PACE (arXiv 2605.18810): each
+    slot weighs the detached chance that the drafts before it and after it are accepted."""
+    dpace_alpha: float = 0.5
+    """D-PACE smoothing: s_k = (1 - alpha) * exp(-CE_k) + alpha (0.5 in speculators and SpecForge)."""
+    distill_positions: Literal["assistant", "all"] = "assistant"
+    """Where blocks are anchored and scored: assistant tokens only (the recipe), or every position the
+    target read (prompts and template too). The extra slots get only the KL term against the stored
+    top-k: their labels are the data's text, not the target's own samples, so cross-entropy stays on
+    the assistant tokens. Needs loss.kl_weight > 0."""
 
     def validate(self) -> None:
         self.require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", "must be a finite number > 0")
@@ -118,6 +128,12 @@ class LossConfig(Section):
         self.require(self.ce_chunk >= 1, "ce_chunk", "must be >= 1")
         self.require(
             self.full_vocab_slots is None or self.full_vocab_slots >= 0, "full_vocab_slots", "must be >= 0 or null"
+        )
+        self.require(0.0 < self.dpace_alpha <= 1.0, "dpace_alpha", "must be in (0, 1]")
+        self.require(
+            self.distill_positions == "assistant" or self.kl_weight > 0,
+            "distill_positions",
+            "=all scores prompt slots by the KL term only: set loss.kl_weight > 0",
         )
 
     @property
@@ -132,6 +148,10 @@ class LossConfig(Section):
             warnings.append(
                 f"loss.ce_weight={self.ce_weight}, loss.kl_weight={self.kl_weight}: the recipe trains CE only (1, 0)"
             )
+        if self.weighting != "decay":
+            warnings.append(f"loss.weighting={self.weighting} (alpha {self.dpace_alpha}): the recipe weights slots by exp(-(k-1)/gamma)")
+        if self.distill_positions != "assistant":
+            warnings.append("loss.distill_positions=all: blocks on prompt text too (KL only there); the recipe scores assistant tokens")
         if self.full_vocab_slots is not None:
             warnings.append(
                 f"loss.full_vocab_slots={self.full_vocab_slots}: slots past it use a top-k candidate softmax; "

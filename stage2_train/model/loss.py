@@ -5,6 +5,19 @@ Cross-entropy on slots 1..B-1 with position weights w_k = exp(-(k-1)/gamma) (Spe
 loss = sum(w * CE over valid slots) / sum(w over valid slots). gamma = 7 for B=16, 5 for B=10,
 4 for B=8.
 
+`loss.weighting=dpace` (D-PACE, arXiv 2605.18810; speculators' `dpace_loss_decay`, SpecForge's
+`loss_type: dpace`, same weights): with q_k = exp(-CE_k) detached and m_k the scored slots,
+s_k = (1 - alpha) q_k + alpha (1 where m_k = 0), P_k = prod_{j<=k} s_j, w_k = m_k * sum_{j>=k} m_j P_j.
+A slot weighs the chance that decoding reaches it and what accepting it leads to. The weights need
+the forward's CE, so the step's normaliser cannot be their sum (known only after every micro-batch's
+forward): D-PACE divides by the step's count of scored slots, over all micro-batches and ranks (an
+exact per-token mean for any layout). speculators divides by its packed row's mask sum (per rank,
+per micro-batch); SpecForge by the number of sequences.
+
+The reported metrics (loss, ce, kl, accuracy, accept_len) are the same whatever the weighting and
+`distill_positions`: decay-weighted, over the supervised (assistant) slots, so runs compare; the
+objective backpropagated is the configured one (`objective_normalizer` says what divides it).
+
 Optional top-k KL term (`kl_weight` > 0), with the same position weights. Its exact definition:
 p = softmax over the K stored target log-probs (the target's top-k, renormalised to sum to 1);
 log q = the drafter's log-softmax over the FULL vocabulary, gathered at the K stored ids;
@@ -61,23 +74,41 @@ def loss_weights(labels_NB: torch.Tensor, gamma: float) -> torch.Tensor:
     return torch.where(labels_NB != IGNORE, w_B, 0.0)
 
 
-def _chunk_terms(hidden_MH, lm_head_VH, labels_M, w_M, topk_lp_MK, topk_ids_MK):
-    """Weighted CE and KL sums of one chunk of rows, and which rows the argmax gets right."""
+def objective_normalizer(batch: DrafterBatch, cfg: LossConfig) -> torch.Tensor:
+    """What this micro-batch adds to the step's normaliser, known before any forward: the decay
+    weights' sum, or (D-PACE, whose weights come from the forward) the count of scored slots."""
+    if cfg.weighting == "dpace":
+        return (batch.labels_NB != IGNORE).sum().float()
+    return loss_weights(batch.labels_NB, cfg.gamma).sum()
+
+
+def dpace_weights(ce_NB: torch.Tensor, mask_NB: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's w_NB from detached per-slot CE and the scored-slot mask (see the module docstring)."""
+    with torch.no_grad():
+        m_NB = mask_NB.float()
+        s_NB = torch.where(mask_NB, (1.0 - alpha) * torch.exp(-ce_NB.float()) + alpha, torch.ones_like(m_NB))
+        prefix_NB = torch.cumprod(s_NB, dim=1)
+        suffix_NB = torch.flip(torch.cumsum(torch.flip(prefix_NB * m_NB, dims=[1]), dim=1), dims=[1])
+        return suffix_NB * m_NB
+
+
+def _chunk_terms(hidden_MH, lm_head_VH, labels_M, topk_lp_MK, topk_ids_MK):
+    """Per row of one chunk: CE of the label, KL to the target's top-k (zeros without top-k), and
+    whether the argmax is the label."""
     logits_MV = F.linear(hidden_MH.to(lm_head_VH.dtype), lm_head_VH).float()
     logq_MV = logits_MV.log_softmax(-1)
     ce_M = -logq_MV.gather(1, labels_M[:, None])[:, 0]
-    ce_sum = (w_M * ce_M).sum()
     correct_M = logits_MV.argmax(-1) == labels_M
     if topk_lp_MK is None:
-        return ce_sum, ce_sum.new_zeros(()), correct_M
+        return ce_M, torch.zeros_like(ce_M), correct_M
     logp_MK = topk_lp_MK.float().log_softmax(-1)  # the target's top-k, renormalised
     p_MK = logp_MK.exp()
     logq_MK = logq_MV.gather(1, topk_ids_MK)
     kl_M = torch.where(p_MK > 0, p_MK * (logp_MK - logq_MK), 0.0).sum(-1)
-    return ce_sum, (w_M * kl_M).sum(), correct_M
+    return ce_M, kl_M, correct_M
 
 
-def _candidate_terms(hidden_MH, lm_head_VH, labels_M, w_M, topk_lp_MK, topk_ids_MK):
+def _candidate_terms(hidden_MH, lm_head_VH, labels_M, topk_lp_MK, topk_ids_MK):
     """The same terms over C = [label, the target's stored top-k ids] only (a sampled softmax whose
     samples are the target's own likely tokens, the hard negatives): CE of the label and KL to the
     target's renormalised top-k, both against the drafter's softmax over C; "correct" means the
@@ -87,13 +118,13 @@ def _candidate_terms(hidden_MH, lm_head_VH, labels_M, w_M, topk_lp_MK, topk_ids_
     logits_MC = torch.einsum("mh,mch->mc", hidden_MH, weight_MCH).float()
     duplicate_MC = torch.cat([torch.zeros_like(labels_M[:, None], dtype=torch.bool), topk_ids_MK == labels_M[:, None]], 1)
     logq_MC = logits_MC.masked_fill(duplicate_MC, float("-inf")).log_softmax(-1)
-    ce_sum = (w_M * -logq_MC[:, 0]).sum()
+    ce_M = -logq_MC[:, 0]
     correct_M = logq_MC.argmax(-1) == 0
     logp_MK = topk_lp_MK.float().log_softmax(-1)
     p_MK = logp_MK.exp()
     logq_MK = torch.where(duplicate_MC[:, 1:], logq_MC[:, :1], logq_MC[:, 1:])  # the label's column stands in
     kl_M = torch.where(p_MK > 0, p_MK * (logp_MK - logq_MK), 0.0).sum(-1)
-    return ce_sum, (w_M * kl_M).sum(), correct_M
+    return ce_M, kl_M, correct_M
 
 
 @dataclass
@@ -108,6 +139,7 @@ class ScoredRows:
     topk_lp_MK: torch.Tensor | None
     topk_ids_MK: torch.Tensor | None
     per_slot: tuple[int, ...] = ()  # scored rows per slot 0..B-1 (rows are slot-major)
+    sup_M: torch.Tensor | None = None  # rows where CE and the metrics apply (None: all)
 
 
 def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, with_topk: bool) -> ScoredRows:
@@ -131,6 +163,7 @@ def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, wit
         topk_lp_MK=topk_lp_MK,
         topk_ids_MK=topk_ids_MK,
         per_slot=with_scored_index(batch).scored_per_slot,
+        sup_M=None if batch.supervised_NB is None else batch.supervised_NB.reshape(-1)[rows_M],
     )
 
 
@@ -141,12 +174,13 @@ def lm_head_terms(
     like: torch.Tensor,
     full_vocab_slots: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum w*CE, sum w*KL, correct_M) through the frozen LM head, `rows_per_chunk` rows at a time,
-    each chunk under activation checkpointing when it needs a backward (one [rows, V] at a time).
-    With `full_vocab_slots`, rows of later slots take the candidate softmax instead."""
-    ce_sum = kl_sum = like.sum() * 0.0  # keeps the graph when nothing is scored
+    """(CE_M, KL_M, correct_M) of every scored row through the frozen LM head, `rows_per_chunk` rows
+    at a time, each chunk under activation checkpointing when it needs a backward (one [rows, V] at
+    a time; what a chunk returns is a vector per row). With `full_vocab_slots`, rows of later slots
+    take the candidate softmax instead."""
     M = rows.rows_M.shape[0]
-    correct_M = torch.zeros(M, dtype=torch.bool, device=rows.labels_M.device)
+    device = rows.labels_M.device
+    ce_parts, kl_parts, correct_parts = [like.new_zeros(0, dtype=torch.float32)], [like.new_zeros(0, dtype=torch.float32)], []
     # Rows are slot-major, so the full-vocabulary slots 1..full_vocab_slots are a prefix whose
     # length the host already knows: no data-dependent indexing on the device.
     num_full = M if full_vocab_slots is None else sum(rows.per_slot[: full_vocab_slots + 1])
@@ -159,17 +193,16 @@ def lm_head_terms(
                 rows.hidden_MH[sel],
                 lm_head_VH,
                 rows.labels_M[sel],
-                rows.w_M[sel],
                 None if rows.topk_lp_MK is None else rows.topk_lp_MK[sel],
                 None if rows.topk_ids_MK is None else rows.topk_ids_MK[sel],
             )
-            if chunked:
-                c_sum, k_sum, correct = checkpoint(terms, *args, use_reentrant=False)
-            else:
-                c_sum, k_sum, correct = terms(*args)
-            ce_sum, kl_sum = ce_sum + c_sum, kl_sum + k_sum
-            correct_M[sel] = correct
-    return ce_sum, kl_sum, correct_M
+            ce_M, kl_M, correct_M = checkpoint(terms, *args, use_reentrant=False) if chunked else terms(*args)
+            ce_parts.append(ce_M)
+            kl_parts.append(kl_M)
+            correct_parts.append(correct_M)
+    correct = torch.cat(correct_parts) if correct_parts else torch.zeros(0, dtype=torch.bool, device=device)
+    # `like.sum() * 0` keeps the graph connected when nothing is scored (every rank still reduces)
+    return torch.cat(ce_parts) + like.sum() * 0.0, torch.cat(kl_parts), correct
 
 
 def dflash_loss(
@@ -181,20 +214,30 @@ def dflash_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, metrics). Slot k's hidden state is scored against labels_NB[:, k] (no shift).
 
-    `normalizer`: divide the weighted sums by this instead of this micro-batch's weight sum
-    (pass the weight sum of the whole optimizer step for an exact per-token mean).
+    `normalizer`: divide the objective by this instead of this micro-batch's own
+    (`objective_normalizer`; pass the sum over the whole optimizer step for an exact per-token mean).
     """
     N, B, _ = hidden_NBH.shape
     rows = scored_rows(hidden_NBH, batch, cfg.gamma, with_topk=cfg.needs_topk)
-    ce_sum, kl_sum, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk * B, hidden_NBH, cfg.full_vocab_slots)
-    denom = rows.w_M.sum().clamp_min(1e-12) if normalizer is None else normalizer
-    loss = (cfg.ce_weight * ce_sum + cfg.kl_weight * kl_sum) / denom
+    ce_M, kl_M, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk * B, hidden_NBH, cfg.full_vocab_slots)
+    if cfg.weighting == "dpace":
+        ce_NB = torch.zeros(N * B, device=ce_M.device)
+        ce_NB[rows.rows_M] = ce_M.detach()
+        w_train_M = dpace_weights(ce_NB.view(N, B), batch.labels_NB != IGNORE, cfg.dpace_alpha).reshape(-1)[rows.rows_M]
+    else:
+        w_train_M = rows.w_M
+    sup_M = torch.ones_like(correct_M) if rows.sup_M is None else rows.sup_M
+    objective = cfg.ce_weight * (w_train_M * sup_M * ce_M).sum() + cfg.kl_weight * (w_train_M * kl_M).sum()
+    denom = objective_normalizer(batch, cfg).clamp_min(1e-12) if normalizer is None else normalizer
+    loss = objective / denom
     with torch.no_grad():
         labels_NB = batch.labels_NB
         correct_NB = torch.zeros(N * B, dtype=torch.bool, device=labels_NB.device)
         correct_NB[rows.rows_M] = correct_M
+        w_M = rows.w_M * sup_M  # the metrics: decay weights, supervised slots
         counts = block_counts(
-            correct_NB.view(N, B), labels_NB != IGNORE, loss_weights(labels_NB, cfg.gamma), ce_sum.detach(), kl_sum.detach()
+            correct_NB.view(N, B), batch.supervised(), loss_weights(labels_NB, cfg.gamma),
+            (w_M * ce_M.detach()).sum(), (w_M * kl_M.detach()).sum(),
         )
     return loss, {**counts, **finalize_metrics(counts, cfg)}
 

@@ -55,6 +55,10 @@ class TrainConfig(Section):
 
 class OptimConfig(Section):
     section: ClassVar[str] = "optim"
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw (the recipe), or muon: torch.optim.Muon for the 2-D weight matrices, AdamW for the norms
+    (speculators' split: every trainable matrix with min(shape) > 1; the embedding and LM head are
+    frozen here anyway)."""
     lr: float = 6e-4
     """Peak learning rate of AdamW (recipe: 6e-4)."""
     betas: tuple[float, float] = RECIPE_BETAS
@@ -71,6 +75,17 @@ class OptimConfig(Section):
     """The decay ends at lr * min_lr_ratio."""
     grad_clip: float = 1.0
     """Max global L2 norm of the gradients."""
+    muon_lr: float | None = None
+    """Muon's peak lr; null = optim.lr (with muon_adjust_lr=match_rms_adamw the update's RMS then
+    matches AdamW's at that lr, which is why speculators 0.9.0 uses one lr for both)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay (speculators: 0.1; the AdamW group keeps optim.weight_decay)."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalisation."""
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """How Muon scales its lr by a matrix's shape (torch.optim.Muon's adjust_lr_fn)."""
 
     def validate(self) -> None:
         self.require(math.isfinite(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
@@ -80,6 +95,10 @@ class OptimConfig(Section):
         self.require(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
         self.require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         self.require(math.isfinite(self.grad_clip) and self.grad_clip > 0, "grad_clip", "must be a finite number > 0")
+        self.require(self.muon_lr is None or (math.isfinite(self.muon_lr) and self.muon_lr > 0), "muon_lr", "must be > 0 or null")
+        self.require(0.0 <= self.muon_momentum < 1.0, "muon_momentum", "must be in [0, 1)")
+        self.require(self.muon_weight_decay >= 0, "muon_weight_decay", "must be >= 0")
+        self.require(self.muon_ns_steps >= 1, "muon_ns_steps", "must be >= 1")
 
     def recipe_warnings(self) -> list[str]:
         out = []
@@ -93,6 +112,8 @@ class OptimConfig(Section):
                 out.append(f"optim.{key}={getattr(self, key):g} departs from the recipe ({recipe:g})")
         if self.schedule != "cosine":
             out.append(f"optim.schedule={self.schedule} departs from the recipe (cosine)")
+        if self.name != "adamw":
+            out.append(f"optim.name={self.name}: Muon for the weight matrices (speculators' default); the recipe trains with AdamW")
         return out
 
 

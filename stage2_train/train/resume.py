@@ -28,10 +28,11 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "resolved.target_fingerprint": "the target weights the features came from",
     "sampler.micro_batch_tokens": "tokens per micro-batch: with grad_accum and world size, the global batch",
     "sampler.grad_accum": "micro-batches per optimizer step",
+    "optim.name": "the optimizer, whose state the checkpoint holds",
     "resolved.world_size": "ranks: the global batch and the per-rank RNG and sampler states",
 }
 
-OPTIONAL_FIELDS = {"resolved.target_fingerprint"}  # compared only when both configs carry it
+OPTIONAL_FIELDS = {"resolved.target_fingerprint", "optim.name"}  # compared only when both configs carry it
 
 # A setting renamed since a checkpoint was written: its saved value is read under the old name.
 RENAMED_FIELDS = {"sampler.micro_batch_tokens": "sampler.micro_batch_tokens"}

@@ -1,4 +1,9 @@
-"""The schedules of a run: the optimizer and its learning rate, and noise on the target features.
+"""The schedules of a run: the optimizer(s) and their learning rate, and noise on the target features.
+
+Optimizers (`Optimizers`): AdamW over every trainable parameter (the recipe), or, with
+`optim.name=muon`, torch.optim.Muon over the 2-D weight matrices (min(shape) > 1: attention and
+MLP projections, fc) and AdamW over the rest (norms), as speculators splits them (PR #746). One LR
+schedule drives both; their states are checkpointed together.
 
 Learning rate (`lr_factor`): linear warmup over ceil(warmup_ratio * total_steps) optimizer steps,
 then cosine (or linear) decay to lr * min_lr_ratio; `warmup_steps(total, cfg)` is the one place
@@ -84,3 +89,88 @@ def noise_generator(seed: int, step: int, rank: int, device: torch.device | str 
     """A generator seeded from (seed, step, rank): independent per rank, reproducible per step."""
     mixed = int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0])
     return torch.Generator(device=device).manual_seed(mixed & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def muon_params(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.nn.Parameter]]]:
+    """(Muon's, AdamW's) trainable parameters: matrices with min(shape) > 1 go to Muon, except
+    embeddings and LM heads by name (frozen buffers in this drafter, so none today)."""
+    muon, adamw = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        matrix = param.ndim == 2 and min(param.shape) > 1 and not any(h in name for h in ("embed_tokens", "lm_head"))
+        (muon if matrix else adamw).append((name, param))
+    return muon, adamw
+
+
+class Optimizers:
+    """The run's optimizer(s) and their schedulers, stepped together (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+        self.cfg = cfg
+        muon, adamw = muon_params(model) if cfg.name == "muon" else ([], [(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        self.named: dict[str, torch.optim.Optimizer] = {}
+        if muon:
+            self.named["muon"] = torch.optim.Muon(
+                [p for _, p in muon], lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum,
+                weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr,
+            )
+        if adamw:
+            self.named["adamw"] = torch.optim.AdamW(
+                [p for _, p in adamw], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+            )
+        # Stepped by us once per optimizer step (an Accelerate-prepared scheduler steps once per rank).
+        self.schedulers = {
+            name: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg)) for name, opt in self.named.items()
+        }
+
+    def all(self) -> list[torch.optim.Optimizer]:
+        return list(self.named.values())
+
+    def replace(self, prepared: list[Any]) -> None:
+        """Put back the optimizers as Accelerate wrapped them (same order as `all()`)."""
+        self.named = dict(zip(self.named, prepared))
+
+    def step(self) -> None:
+        for opt in self.named.values():
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.named.values():
+            opt.zero_grad(set_to_none=True)
+
+    def schedule_step(self) -> None:
+        for scheduler in self.schedulers.values():
+            scheduler.step()
+
+    def last_lr(self) -> float:
+        """The schedule's lr of AdamW (optim.lr x the factor; Muon's follows the same factor)."""
+        scheduler = self.schedulers.get("adamw") or next(iter(self.schedulers.values()))
+        return scheduler.get_last_lr()[0]
+
+    def state_dict(self, wrap: Any) -> dict[str, Any]:
+        """AdamW alone: its state as before (older checkpoints load); with Muon: one entry each."""
+        if list(self.named) == ["adamw"]:
+            return wrap(self.named["adamw"])
+        return {name: wrap(opt) for name, opt in self.named.items()}
+
+    def load_state_dict(self, state: dict[str, Any], unwrap: Any) -> None:
+        if list(self.named) == ["adamw"]:
+            unwrap(self.named["adamw"], state)
+            return
+        for name, opt in self.named.items():
+            if name not in state:
+                raise CheckpointError(f"optimizer state has no {name!r} part: the checkpoint was trained with another optim.name")
+            unwrap(opt, state[name])
+
+    def scheduler_state(self) -> dict[str, Any]:
+        if list(self.schedulers) == ["adamw"]:
+            return self.schedulers["adamw"].state_dict()
+        return {name: s.state_dict() for name, s in self.schedulers.items()}
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        if list(self.schedulers) == ["adamw"]:
+            self.schedulers["adamw"].load_state_dict(state)
+            return
+        for name, scheduler in self.schedulers.items():
+            scheduler.load_state_dict(state[name])

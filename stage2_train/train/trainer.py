@@ -52,7 +52,13 @@ from stage2_train.data.loader import LoadedBatch
 from stage2_train.data.run_data import open_run_data, with_a_block
 from stage2_train.data.view import TrainData
 from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_target_layers
-from stage2_train.model.loss import COUNT_KEYS, dflash_loss, finalize_metrics, loss_weights, sum_counts
+from stage2_train.model.loss import (
+    COUNT_KEYS,
+    dflash_loss,
+    finalize_metrics,
+    objective_normalizer,
+    sum_counts,
+)
 from stage2_train.observe.detectors import LiveDetectors, as_warning
 from stage2_train.observe.metrics import MetricsSink
 from stage2_train.train.checkpoint.format import (
@@ -73,7 +79,7 @@ from stage2_train.train.evaluate import (
 )
 from stage2_train.train.preemption import EXIT_PREEMPTED, MARKER, Preempted, Preemption
 from stage2_train.train.resume import find_resume_point
-from stage2_train.train.schedules import NoiseSchedule, lr_factor, noise_generator, warmup_steps
+from stage2_train.train.schedules import NoiseSchedule, Optimizers, noise_generator, warmup_steps
 
 
 @dataclass
@@ -125,8 +131,9 @@ class Trainer:
         # planned in the background as training reaches them), or train.max_steps when smaller.
         full_steps = self.data.sampler.estimated_total_steps(cfg.train.epochs)
         self.total_steps = min(full_steps, cfg.train.max_steps or full_steps)
-        self.optimizer, self.scheduler = self._build_optimizer()
-        self.ddp_model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        self.optimizers = Optimizers(self.model, cfg.optim, self.total_steps)
+        self.ddp_model, *prepared = accelerator.prepare(self.model, *self.optimizers.all())
+        self.optimizers.replace(prepared)
         self.noise = NoiseSchedule(cfg.noise)
         # The doctor's detectors, live: a spike, stall or cliff is a warning event the moment it shows.
         self.detectors = LiveDetectors(cfg.doctor)
@@ -176,26 +183,16 @@ class Trainer:
             init_from_target_layers(drafter, load_target_layers(target.target_dir, list(range(L - n, L))))
         return drafter.train()
 
-    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        cfg = self.cfg.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-        # Stepped by us once per optimizer step (an Accelerate-prepared scheduler steps once per rank).
-        total = self.total_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg))
-        return optimizer, scheduler
-
     def _register_components(self) -> dict[str, Stateful]:
         """Every piece of state a resume needs, once: name -> how to save and load it."""
         data = self.data
         return {
             "model": Stateful(self.model.state_dict, self.model.load_state_dict),
             "optimizer": Stateful(
-                lambda: optimizer_state(self.optimizer), lambda s: load_optimizer_state(self.optimizer, s)
+                lambda: self.optimizers.state_dict(optimizer_state),
+                lambda s: self.optimizers.load_state_dict(s, load_optimizer_state),
             ),
-            "scheduler": Stateful(self.scheduler.state_dict, self.scheduler.load_state_dict),
+            "scheduler": Stateful(self.optimizers.scheduler_state, self.optimizers.load_scheduler_state),
             "sampler": Stateful(data.loader.state_dict, data.loader.load_state_dict),
             "anchors": Stateful(data.anchors.state_dict, data.anchors.load_state_dict),
             "noise": Stateful(self.noise.state_dict, self.noise.load_state_dict),
@@ -310,7 +307,7 @@ class Trainer:
         # The step's global label weight sum, before any backward: the exact per-token normaliser.
         # A preemption flag rides in the same all_reduce: ranks agree on the step to stop after
         # without a collective of their own (read after the optimizer's sync, not here).
-        weight_sum = sum(loss_weights(b.labels_NB, self.cfg.loss.gamma).sum() for b in batches)
+        weight_sum = sum(objective_normalizer(b, self.cfg.loss) for b in batches)
         signalled = torch.ones((), device=weight_sum.device) if self.preemption.requested else torch.zeros((), device=weight_sum.device)
         reduced = self.accelerator.reduce(torch.stack([weight_sum.float(), signalled]), reduction="sum")
         weight_sum, stop_votes = reduced[0], reduced[1]
@@ -369,11 +366,11 @@ class Trainer:
         price of never writing NaN into the weights); too many in a row stop the run."""
         start = time.perf_counter()
         grad_norm = self.accelerator.clip_grad_norm_(self.ddp_model.parameters(), self.cfg.optim.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizers.last_lr()
         loss_sum = self.accelerator.reduce(counts["ce_sum"] + counts["kl_sum"], reduction="sum")
         finite = bool(torch.isfinite(torch.stack([grad_norm.float(), loss_sum.float()])).all())
         if finite:
-            self.optimizer.step()
+            self.optimizers.step()
             self.nonfinite_in_a_row = 0
         else:
             self.nonfinite_in_a_row += 1
@@ -385,8 +382,8 @@ class Trainer:
                     f"Lower optim.lr, check the store with `python -m stage1_extract verify`, and resume from "
                     f"{self.checkpointer.dir}"
                 )
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizers.schedule_step()
+        self.optimizers.zero_grad()
         self._sync()
         return lr, grad_norm, not finite, time.perf_counter() - start
 
