@@ -217,7 +217,7 @@ def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = 
     return {
         "out_dir": str(out_dir),
         "checkpoint": str(source),
-        "num_tensors": len(drafter.state_dict()),
+        "num_tensors": len(drafter.folded_state_dict()),
         "bytes": (out_dir / WEIGHTS_NAME).stat().st_size,
         "block_size": config["block_size"],
         "num_target_layers": config["num_target_layers"],

@@ -38,6 +38,15 @@ class DrafterConfig(Section):
     is_causal: bool | None = None
     """z-lab's top-level field: null = sliding layers causal inside the block, full layers
     bidirectional; true / false = every layer causal / bidirectional inside the block."""
+    feature_projection: Literal["none", "pca"] = "none"
+    """none: fc reads the full concatenated target features; pca: a fixed basis P fitted on the training
+    split projects them to projection_dim values first (fc reads P x; export folds P into fc, so what
+    is served is a standard drafter): the stage-2 prototype of a projected store (data/projection.py)."""
+    projection_dim: int | None = None
+    """r, the basis' rank; null = the target's hidden size (F / r = the number of feature layers)."""
+    projection_scale: Literal["none", "rms"] = "rms"
+    """Per-dimension scale before the eigendecomposition (P = U^T S^-1): rms keeps a few massive
+    outlier dimensions of the hidden states from taking the basis."""
     init_std: float = 0.02
     """Qwen3 initializer_range."""
     activation_checkpointing: bool = False
@@ -68,6 +77,7 @@ class DrafterConfig(Section):
                 "layer_types",
                 "may hold only full_attention and sliding_attention",
             )
+        self.require(self.projection_dim is None or self.projection_dim >= 1, "projection_dim", "must be >= 1 or null")
         sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
         self.require(
             not sliding or (self.sliding_window is not None and self.sliding_window >= 1),

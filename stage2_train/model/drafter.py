@@ -165,7 +165,12 @@ class DFlashDrafter(nn.Module):
         self.num_feature_layers = num_feature_layers
         self.mask_token_id = mask_token_id
         H = arch.hidden_size
-        self.fc = nn.Linear(num_feature_layers * H, H, bias=False)
+        F_in = num_feature_layers * H
+        if cfg.feature_projection == "pca":
+            # The fitted basis (stage2_train/data/projection.py): a buffer, saved in checkpoints, folded into fc on export.
+            self.register_buffer("projection_RF", torch.zeros(cfg.projection_dim or H, F_in))
+            F_in = self.projection_RF.shape[0]
+        self.fc = nn.Linear(F_in, H, bias=False)
         self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
         inner = cfg.intermediate_size or arch.intermediate_size
         self.kinds = layer_kinds(cfg.layer_types, cfg.num_layers, cfg.sliding_window, cfg.is_causal)
@@ -210,6 +215,8 @@ class DFlashDrafter(nn.Module):
         autocast = torch.is_autocast_enabled(batch.context_TF.device.type)
         dtype = self.fc.weight.dtype
         ctx_TF = batch.context_TF if autocast else batch.context_TF.to(dtype)
+        if self.cfg.feature_projection == "pca":
+            ctx_TF = F.linear(ctx_TF, self.projection_RF.to(ctx_TF.dtype) if not autocast else self.projection_RF)
         ctx_TH = self.hidden_norm(self.fc(ctx_TF))
         h_NBH = F.embedding(batch.block_ids_NB, self.embed_VH)
         h_NBH = h_NBH if autocast else h_NBH.to(dtype)
@@ -224,6 +231,20 @@ class DFlashDrafter(nn.Module):
             else:
                 h_NBH = layer(h_NBH, ctx_TH, rope, plans)
         return self.norm(h_NBH)
+
+    def set_projection(self, P_RF: torch.Tensor) -> None:
+        if self.cfg.feature_projection != "pca" or tuple(P_RF.shape) != tuple(self.projection_RF.shape):
+            raise ValueError(f"a projection of shape {tuple(P_RF.shape)} does not fit this drafter")
+        self.projection_RF.copy_(P_RF.to(self.projection_RF.dtype))
+
+    def folded_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights of the equivalent standard drafter: fc.weight @ P in place of fc and P
+        (`fc_r(P x) == (fc_r P) x` for every x), what export writes."""
+        state = dict(self.state_dict())
+        if "projection_RF" in state:
+            P_RF = state.pop("projection_RF")
+            state["fc.weight"] = (state["fc.weight"].double() @ P_RF.double()).to(state["fc.weight"].dtype)
+        return state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits through the target's frozen LM head, in its dtype."""

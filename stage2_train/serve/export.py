@@ -135,7 +135,7 @@ def export_drafter(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
-        name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in drafter.state_dict().items()
+        name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in drafter.folded_state_dict().items()
     }
     config = drafter_hf_config(cfg_model, arch, layer_ids, mask_token_id, target_info, dtype)
     # Weights first, config last, each through a temp name: a folder with a config is complete.

@@ -64,7 +64,7 @@ def online_eval(
         raise DataError("online eval: no held-out sample has a prompt (tokens before its first supervised one)")
     greedy_wall = 0.0
     stats = {
-        name: {"tokens": 0, "forwards": 0, "num_exact": 0, "wall_s": 0.0, "draft_s": 0.0, "hist": {}}
+        name: {"tokens": 0, "forwards": 0, "num_exact": 0, "wall_s": 0.0, "draft_s": 0.0, "hist": {}, "per_prompt": []}
         for name in proposers
     }
     for prompt in prompts:
@@ -77,6 +77,7 @@ def online_eval(
             s = stats[name]
             s["tokens"] += sum(result.acceptance_lengths)
             s["forwards"] += result.num_target_forwards
+            s["per_prompt"].append([sum(result.acceptance_lengths), result.num_target_forwards])
             s["num_exact"] += int(result.tokens == reference.tokens)
             s["wall_s"] += result.wall_s
             s["draft_s"] += result.draft_s
@@ -93,6 +94,7 @@ def online_eval(
             "wall_s": round(s["wall_s"], 4),
             "draft_s": round(s["draft_s"], 4),
             "speedup": greedy_wall / s["wall_s"] if s["wall_s"] > 0 else None,
+            "per_prompt": s["per_prompt"],  # [tokens, verifying forwards] per prompt: intervals over prompts
         }
     return {
         "num_prompts": len(prompts),
@@ -112,3 +114,23 @@ def acceptance_gap(offline: dict[str, Any], online_tau: float) -> dict[str, Any]
         "online_tau": online_tau,
         "relative": (best - online_tau) / online_tau,
     }
+
+
+def bootstrap_tau(per_prompt: list[list[int]], resamples: int = 2000, seed: int = 0, baseline: list[list[int]] | None = None) -> dict[str, float]:
+    """tau pooled over prompts (tokens / forwards) and its 95% bootstrap interval over prompts; with
+    `baseline` (the same prompts under another proposer), the paired difference and its interval:
+    resampling prompts jointly removes the prompts' own spread from the comparison."""
+    import numpy as np
+
+    own = np.asarray(per_prompt, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(own), size=(resamples, len(own)))
+    tau = own[:, 0].sum() / own[:, 1].sum()
+    samples = own[picks, 0].sum(1) / own[picks, 1].sum(1)
+    out = {"tau": float(tau), "lo": float(np.quantile(samples, 0.025)), "hi": float(np.quantile(samples, 0.975))}
+    if baseline is not None:
+        base = np.asarray(baseline, dtype=np.float64)
+        diff = samples - base[picks, 0].sum(1) / base[picks, 1].sum(1)
+        out.update({"diff": float(tau - base[:, 0].sum() / base[:, 1].sum()),
+                    "diff_lo": float(np.quantile(diff, 0.025)), "diff_hi": float(np.quantile(diff, 0.975))})
+    return out

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from shared.config import RunConfig
@@ -49,6 +50,8 @@ from shared.files import write_atomic
 from shared.target_parts import load_embed_and_head, load_target_layers
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.data.loader import LoadedBatch
+from stage2_train.data.projection import basis as projection_basis
+from stage2_train.data.projection import second_moment
 from stage2_train.data.run_data import open_run_data, with_a_block
 from stage2_train.data.view import TrainData
 from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_target_layers
@@ -167,6 +170,9 @@ class Trainer:
         target = self.data.target
         embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
         weights = None if init_weights is None else {k: v.float() for k, v in init_weights.items()}
+        projection = self._fit_projection() if self.cfg.model.feature_projection == "pca" else None
+        if weights is not None and projection is not None:
+            weights = project_init_weights(weights, projection)
         drafter = build_drafter(
             self.cfg.model,
             target.arch,
@@ -178,10 +184,26 @@ class Trainer:
             seed=self.cfg.seed,
             frozen_dtype=self.compute_dtype,
         )
+        if projection is not None and weights is None:
+            drafter.set_projection(projection)
         if weights is None and self.cfg.model.init == "target_layers":
             L, n = target.arch.num_hidden_layers, self.cfg.model.num_layers
             init_from_target_layers(drafter, load_target_layers(target.target_dir, list(range(L - n, L))))
         return drafter.train()
+
+    def _fit_projection(self) -> torch.Tensor:
+        """model.feature_projection=pca: the basis of the training split's features, fitted from
+        every rank's share of the samples and one all_reduce of the second moments, so every rank
+        holds the same bytes (stage2_train/data/projection.py)."""
+        reader, train = self.data.train_reader, np.arange(len(self.data.train_reader))
+        moment, tokens = second_moment(reader, train[self.rank :: self.world_size])
+        if self.world_size > 1:
+            packed = torch.cat([moment.reshape(-1), torch.tensor([float(tokens)], dtype=torch.float64)]).to(self.device)
+            packed = self.accelerator.reduce(packed, reduction="sum").cpu()
+            moment, tokens = packed[:-1].reshape(moment.shape), int(packed[-1])
+        rank = self.cfg.model.projection_dim or self.data.target.arch.hidden_size
+        P_RF, _ = projection_basis(moment, tokens, rank, self.cfg.model.projection_scale)
+        return P_RF
 
     def _register_components(self) -> dict[str, Stateful]:
         """Every piece of state a resume needs, once: name -> how to save and load it."""
@@ -677,3 +699,18 @@ def make_accelerator(cfg: TrainConfig) -> Any:
     if not use_cuda and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
     return accelerator
+
+
+def project_init_weights(weights: dict[str, torch.Tensor], P_RF: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A full-feature drafter's weights (model.init_from) for a projected run: fc_r = W pinv(P),
+    the least-squares fc on the basis (with P = U^T S^-1, pinv(P) = S U, so fc_r P = W on P's row
+    space). A projected drafter has no full-feature form to start from but its own export."""
+    if "projection_RF" in weights:
+        return weights
+    W_HF = weights["fc.weight"].double()
+    if W_HF.shape[1] != P_RF.shape[1]:
+        raise CheckpointError(
+            f"model.init_from: its fc reads {W_HF.shape[1]} features, the projection expects {P_RF.shape[1]}"
+        )
+    return {**weights, "fc.weight": (W_HF @ torch.linalg.pinv(P_RF.double())).float(), "projection_RF": P_RF.float()}
+

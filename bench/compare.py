@@ -1,0 +1,171 @@
+"""Settings compared at equal steps and seed, on one set of prompts, with intervals.
+
+    .venv/bin/python bench/compare.py --name levers --steps 400 \\
+        --variant base: --variant dpace:loss.weighting=dpace --variant muon:optim.name=muon,optim.lr=2e-3
+
+Each variant trains its own run (`stage2_train train`, the config's store, the variant's overrides,
+the same seed and steps; no eval during training, so its clock is training only), then every final
+drafter is decoded on the SAME prompts in one process, beside the untrained drafter and the n-gram
+drafter, with the target in fp32 (`eval.online_dtype`): every output must equal the target's greedy
+output. Prompts: `--heldout` held-out conversations of the store (as `make eval`) and `--unseen`
+default prompts past the training ones (never in any training data), reported apart for
+documentation excerpts and short questions (excerpts favour the n-gram drafter: answers quote them).
+Each tau carries a 95% bootstrap interval over prompts, and each variant its paired difference
+against the first variant (same prompts, resampled together: the prompts' own spread cancels).
+Offline: walk_tau on the held-out store samples, with its standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import emit  # noqa: E402
+
+
+def train(config: str, run_dir: Path, store: str, steps: int, overrides: list[str], log: Path) -> float:
+    command = [
+        sys.executable, "-m", "stage2_train", "train", "--no-progress", "--config", config,
+        f"run_dir={run_dir}", f"store.path={store}", f"train.max_steps={steps}", "train.epochs=1000",
+        f"checkpoint.every_steps={steps}", "train.resume=never", "log.wandb=disabled", "eval.every_steps=0", *overrides,
+    ]
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        done = subprocess.run(command, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"}, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"training {run_dir.name} failed: see {log}")
+    return time.perf_counter() - started
+
+
+def unseen_prompts(tokenizer, first: int, count: int) -> list[tuple[str, list[int]]]:
+    """(kind, prompt ids) of default prompts `first`..`first + count`: built like the training ones
+    from other documentation paragraphs, never answered in any store."""
+    from stage1_extract.corpus import default_conversations
+    from stage1_extract.template import prompt_ids
+
+    conversations = default_conversations(first + count)[first:]
+    return [("question" if c.row % 4 == 3 else "excerpt", prompt_ids(tokenizer, c.messages)) for c in conversations]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--name", default="compare")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--variant", action="append", default=[], help="NAME:key=value,key=value (first = baseline)")
+    parser.add_argument("--heldout", type=int, default=12, help="held-out store conversations to decode")
+    parser.add_argument("--unseen", type=int, default=32, help="unseen default prompts to decode")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--skip-train", action="store_true", help="evaluate the runs already there")
+    parser.add_argument("--json")
+    parser.add_argument("overrides", nargs="*", help="for every variant")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    import numpy as np
+    import torch
+
+    import stage1_extract  # noqa: F401 - both stages' config sections
+    import stage2_train  # noqa: F401
+    from shared.config import load_run_config
+    from shared.target import stop_token_ids
+    from shared.target_parts import load_embed_and_head
+    from stage2_train.data.split import heldout_mask
+    from stage2_train.data.view import open_store, resolve_target, tokenizer_and_hash
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.observe.metrics import read_log
+    from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, load_online_target, online_eval
+    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+    from stage2_train.train.checkpoint.select import read_model_weights
+    from stage2_train.train.evaluate import offline_eval
+
+    torch.set_num_threads(1)
+    variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in args.variant] or [("base", [])]
+    base = load_run_config(args.config, args.overrides)
+    store = base.store.url(base.run_dir)
+    if not (Path(store) / "manifest.json").is_file():
+        raise SystemExit(f"{store}: no store; run `make extract CONFIG={args.config}` first")
+    root = REPO / "runs" / args.name
+    root.mkdir(parents=True, exist_ok=True)
+    train_s = {}
+    for name, extra in variants:
+        run_dir = root / name
+        if not args.skip_train:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            print(f"== train {name}: {' '.join(extra) or '(the config)'}", flush=True)
+            train_s[name] = round(train(args.config, run_dir, store, args.steps, [*args.overrides, *extra], run_dir / "train.out"), 1)
+
+    cfg0 = load_run_config(args.config, [*args.overrides, f"store.path={store}"])
+    target = resolve_target(cfg0.target)
+    reader = open_store(store, target)
+    heldout = np.flatnonzero(heldout_mask(reader.split_keys, cfg0.eval.holdout_fraction, cfg0.eval.split_seed))
+    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
+    drafters, offline, rows = {}, {}, {}
+    for name, extra in variants:
+        cfg = load_run_config(args.config, [*args.overrides, *extra, f"store.path={store}"])
+        weights, _ = read_model_weights(root / name / "checkpoints")
+        drafter = build_drafter(cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, weights=weights).eval()
+        drafters[name] = drafter
+        offline[name] = offline_eval(drafter, reader, heldout[: cfg.eval.offline_max_samples].tolist(), max_anchors_per_seq=None,
+                                     seed=cfg.seed, gamma=cfg.loss.gamma)
+        rows[name] = read_log(root / name / "train_log.jsonl", "train")[-1]
+    drafters["untrained"] = build_drafter(cfg0.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, seed=cfg0.seed).eval()
+
+    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    prompts = [("heldout", p) for _, p in heldout_prompts(reader, heldout, args.heldout)]
+    prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
+    model = load_online_target(cfg0.target, cfg0.eval.online_dtype)
+    proposers = {n: DFlashProposer(d, target.layer_ids, feature_dtype=torch.bfloat16, name=n) for n, d in drafters.items()}
+    proposers["ngram"] = NgramProposer(cfg0.model.block_size - 1)
+    started = time.perf_counter()
+    online = online_eval(model, proposers, [p for _, p in prompts], max_new_tokens=args.max_new_tokens,
+                         eos_token_ids=stop_token_ids(tokenizer, model))
+    eval_s = round(time.perf_counter() - started, 1)
+    kinds = {"all": range(len(prompts))}
+    for kind in ("heldout", "excerpt", "question"):
+        kinds[kind] = [i for i, (k, _) in enumerate(prompts) if k == kind]
+    baseline = variants[0][0]
+    table = {}
+    for name in proposers:
+        per = online["proposers"][name]["per_prompt"]
+        entry = {"exact": online["proposers"][name]["exact"]}
+        for kind, index in kinds.items():
+            if not index:
+                continue
+            sub = [per[i] for i in index]
+            ref = [online["proposers"][baseline]["per_prompt"][i] for i in index] if name != baseline else None
+            entry[kind] = {k: round(v, 4) for k, v in bootstrap_tau(sub, baseline=ref).items()}
+        if name in offline:
+            o = offline[name]
+            entry["walk_tau"] = round(o["walk_tau"], 4)
+            entry["walk_tau_se"] = round(o["walk_tau_se"], 4) if o["walk_tau_se"] is not None else None
+            entry["heldout_accuracy"] = round(o["accuracy"], 4)
+            entry["train_loss_last"] = round(rows[name]["loss"], 4)
+            entry["cpu_min"] = round(rows[name]["cpu_s"] / 60, 2)
+            entry["train_wall_s"] = train_s.get(name)
+        table[name] = entry
+    result = {
+        "config": args.config, "overrides": args.overrides, "steps": args.steps,
+        "variants": {n: e for n, e in variants}, "baseline": baseline,
+        "prompts": {k: len(v) for k, v in kinds.items()}, "max_new_tokens": args.max_new_tokens,
+        "online_eval_s": eval_s, "results": table,
+    }
+    (root / "compare.json").write_text(json.dumps(result, indent=1))
+    for name, e in table.items():
+        a = e["all"]
+        diff = f"  diff {a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]" if "diff" in a else ""
+        print(f"{name:>14}: tau {a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}]{diff}  walk {e.get('walk_tau')}  exact {e['exact']}", flush=True)
+    return emit(result, args.json, t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""A fitted basis for the target features: the stage-2 prototype of a projected feature store.
+
+    P_RF = fit_projection(reader, train_indices, rank=576, scale="rms")    # fp32 [r, F]
+    energy = energy_kept(second_moment, rank, scale)                        # bench/projection.py
+
+The drafter reads the concatenated target features x (F = layers x hidden) only through fc, a
+bias-free Linear(F -> H). With z = P x for a fixed P of shape [r, F] and an fc_r of shape [H, r],
+`fc_r(z) = (fc_r P) x`: a drafter trained on z is exactly a standard drafter whose fc weight is
+fc_r @ P, so serving engines feed it full features and compute what was trained (export folds P
+in). What is lost is the part of x outside P's row space, which training never saw either.
+
+P is fitted on the training split: the uncentred second moment C = sum x x^T (fc has no bias, so
+the mean is signal, not something to subtract), accumulated in float64, optionally after a
+per-dimension scale (`scale="rms"`: s_i = sqrt(C_ii / n); a few massive outlier dimensions of the
+hidden states would otherwise take the basis), and P = U_r^T S^-1 with U_r the top-r eigenvectors
+of S^-1 C S^-1. The basis depends on the store's features and the training split only: every rank
+computes the same bytes from the same sums.
+
+Shape legend: T tokens, F = layers x hidden, r the basis' rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def second_moment(reader: Any, indices: Iterable[int]) -> tuple[torch.Tensor, int]:
+    """(sum over tokens of x x^T in float64 [F, F], tokens) of the samples `indices`."""
+    total: torch.Tensor | None = None
+    tokens = 0
+    for index in indices:
+        x_TF = reader[int(index)]["hidden_TLH"].flatten(1).double()
+        gram = x_TF.T @ x_TF
+        total = gram if total is None else total + gram
+        tokens += x_TF.shape[0]
+    if total is None:
+        raise ValueError("no sample to fit the feature basis on")
+    return total, tokens
+
+
+def basis(moment_FF: torch.Tensor, tokens: int, rank: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P_RF float32, per-dimension scale s_F float64) from the second moment."""
+    F = moment_FF.shape[0]
+    if not 1 <= rank <= F:
+        raise ValueError(f"model.projection_dim={rank} must be in 1..{F} (the features' width)")
+    s_F = (moment_FF.diagonal() / max(tokens, 1)).clamp_min(1e-30).sqrt() if scale == "rms" else torch.ones(F, dtype=torch.float64)
+    scaled = moment_FF / (s_F[:, None] * s_F[None, :])
+    _, vectors = torch.linalg.eigh(scaled)  # ascending eigenvalues
+    U_FR = vectors[:, -rank:].flip(1)  # top-r, largest first
+    return (U_FR.T / s_F[None, :]).float(), s_F
+
+
+def energy_kept(moment_FF: torch.Tensor, tokens: int, rank: int, scale: str) -> float:
+    """The share of the features' second moment (trace of C) inside the basis' row space, measured
+    in the original units: tr(Pi C Pi^T) / tr(C) with Pi the oblique projector S U U^T S^-1."""
+    P_RF, s_F = basis(moment_FF, tokens, rank, scale)
+    U_FR = (P_RF.double() * s_F[None, :]).T  # back to the orthonormal basis of the scaled space
+    back_FR = s_F[:, None] * U_FR  # reconstruction x_hat = back @ (P x)
+    Pi = back_FR @ P_RF.double()
+    return float(torch.trace(Pi @ moment_FF @ Pi.T) / torch.trace(moment_FF))
+
+
+def fit_projection(reader: Any, indices: Iterable[int], rank: int, scale: str) -> torch.Tensor:
+    moment, tokens = second_moment(reader, indices)
+    return basis(moment, tokens, rank, scale)[0]
