@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         default=int(os.environ.get("WORLD_SIZE", "1")),
         help="batches: plan for this many ranks (default: $WORLD_SIZE or 1)",
     )
-    parser.add_argument("--checkpoint", default=None, help="eval/export: checkpoint to read (default: newest that verifies)")
+    parser.add_argument("--checkpoint", default=None, help="eval/export: a checkpoint folder, or `best` (checkpoint.keep_best; default: the newest that verifies)")
     parser.add_argument("--out", default=None, help="export, report: output folder")
+    parser.add_argument("--format", choices=("zlab", "speculators"), default="zlab", help="export: z-lab's layout (SGLang, vLLM dflash) or speculators'")
     parser.add_argument("--sample-tokens", type=int, default=1024, help="plan: tokens per sample of the traced micro-batch")
     parser.add_argument("--search", action="store_true", help="plan: also the largest micro_batch_tokens that fits each GPU")
     return run_command(parser, argv, run)
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "eval":
         print(to_json(commands.cmd_eval(cfg, args.checkpoint)))
         return 0
-    print(to_json(commands.cmd_export(cfg, args.checkpoint, args.out)))
+    print(to_json(commands.cmd_export(cfg, args.checkpoint, args.out, args.format)))
     return 0
 
 

@@ -107,9 +107,9 @@ def _trained_drafter(cfg: RunConfig, target: Any, checkpoint_arg: str | None, de
     """The drafter of `checkpoint_arg` (or of the run's newest checkpoint that verifies) and the file read."""
     from shared.target_parts import load_embed_and_head
     from stage2_train.model.drafter import build_drafter
-    from stage2_train.train.checkpoint.select import read_model_weights
+    from stage2_train.train.checkpoint.select import read_model_weights, resolve_checkpoint
 
-    weights, source = read_model_weights(checkpoint_arg or cfg.checkpoint.resolve_dir(cfg.run_dir))
+    weights, source = read_model_weights(resolve_checkpoint(checkpoint_arg, cfg.checkpoint.resolve_dir(cfg.run_dir)))
     embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
     drafter = build_drafter(
         cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, weights=weights
@@ -194,9 +194,9 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
     return online
 
 
-def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None) -> dict[str, Any]:
+def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None, format: str = "zlab") -> dict[str, Any]:
     """The newest (or given) checkpoint as a servable DFlash folder (default run_dir/export), weights
-    in bfloat16 as the published drafters."""
+    in bfloat16 as the published drafters; `format` zlab (default) or speculators."""
     from stage2_train.data.view import resolve_target, tokenizer_and_hash
     from stage2_train.serve.export import WEIGHTS_NAME, export_drafter, mask_token_string, read_export_config
 
@@ -210,10 +210,14 @@ def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = 
         "weights_sha256": target.weights_sha256,
         "source_checkpoint": str(source),
         "mask_token": mask_token_string(tokenizer, target.mask_token_id),
+        "architectures": json.loads((target.target_dir / "config.json").read_text()).get("architectures") or [],
     }
-    export_drafter(drafter, cfg.model, target.arch, target.layer_ids, target.mask_token_id, target_info, out_dir)
+    export_drafter(drafter, cfg.model, target.arch, target.layer_ids, target.mask_token_id, target_info, out_dir, format=format)
     cfg.write_resolved(out_dir / "dflash_pipeline_config.yaml")
     config = read_export_config(out_dir)
+    if format == "speculators":
+        return {"out_dir": str(out_dir), "checkpoint": str(source), "format": format,
+                "aux_hidden_state_layer_ids": config["aux_hidden_state_layer_ids"], "block_size": config["block_size"]}
     return {
         "out_dir": str(out_dir),
         "checkpoint": str(source),

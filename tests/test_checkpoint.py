@@ -546,3 +546,26 @@ def test_pruning_keeps_exactly_keep_latest_k_and_never_more_than_it_should_delet
         kept = [p.name for p in complete_checkpoints(tmp_path)]
         expected = [f"step_{s:06d}" for s in range(max(1, step - keep + 1), step + 1)]
         assert kept == expected, (step, kept)
+
+
+def test_keep_best_points_at_the_best_eval_and_pruning_never_takes_it(tmp_path):
+    """checkpoint.keep_best: an eval whose walk_tau beats the earlier ones saves its step and points
+    `best` at it once committed; later saves prune around it; eval/export resolve `best`."""
+    from stage2_train.train.checkpoint.select import resolve_checkpoint
+
+    sink = RecordingSink()
+    ckpt = make_checkpointer(tmp_path, sink, every_steps=2, keep_latest_k=2, keep_best=True)
+    state = lambda: big_state(1)  # noqa: E731
+    for step, walk_tau in ((2, 1.10), (4, 1.30), (6, 1.20), (8, 1.25)):
+        ckpt.note_eval(step, walk_tau, state)
+        ckpt.maybe_save(step, state)
+        ckpt.finalize()
+    for step in (10, 12):
+        ckpt.maybe_save(step, state)
+        ckpt.finalize()
+    assert json.loads((tmp_path / "best").read_text()) == {"step": 4, "walk_tau": 1.3}
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000004", "step_000010", "step_000012"]
+    assert resolve_checkpoint("best", tmp_path).name == "step_000004"
+    assert [step for step, _ in sink.of("best_checkpoint")] == [2, 4]
+    again = make_checkpointer(tmp_path, every_steps=2, keep_best=True)  # a resume remembers the best value
+    assert again.best_value == 1.3 and not again.note_eval(14, 1.29, state)

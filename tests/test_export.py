@@ -284,9 +284,11 @@ def test_layer_ids_follow_zlab_rule_when_only_num_target_layers_is_given(exporte
         (lambda c: c["dflash_config"].pop("mask_token_id"), r"dflash_config\.mask_token_id is missing"),
         (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope type 'yarn'"),
         (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}), r"rope type 'yarn'"),
-        (lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), r"layer_types \['sliding_attention'\]"),
-        (lambda c: c.update(use_sliding_window=True), r"use_sliding_window"),
-        (lambda c: c.update(is_causal=True), r"is_causal=true"),
+        (lambda c: c.update(layer_types=["sliding_attention", "full_attention"]), r"use_sliding_window=False, sliding_window=None"),
+        (lambda c: c.update(layer_types=["chunked_attention", "full_attention"]), r"layer_types \['chunked_attention'\]"),
+        (lambda c: c.update(layer_types=["full_attention"]), r"layer_types lists 1 layers"),
+        (lambda c: c.update(use_sliding_window=True, layer_types=None), r"use_sliding_window=true without layer_types"),
+        (lambda c: c.update(is_causal="yes"), r"is_causal must be true, false or absent"),
         (lambda c: c.update(attention_bias=True), r"attention_bias=true"),
         (lambda c: c.pop("hidden_size"), r"`hidden_size` missing"),
     ],
@@ -316,3 +318,54 @@ def test_init_from_checks_the_drafter_against_the_target_and_model_config(export
     wide = TargetInfo(out, TargetArch(**{**arch.__dict__, "hidden_size": 128}), LAYER_IDS, MASK_ID, "", "")
     with pytest.raises(CheckpointError, match=r"hidden_size=64 but this run has 128"):
         init_weights_for(out, cfg, wide)
+
+
+def test_a_sliding_window_drafter_exports_and_loads_back_equal(tmp_path):
+    """layer_types / sliding_window / use_sliding_window / is_causal go where z-lab and SpecForge read
+    them (top level); reading the folder back builds a drafter that computes the same."""
+    from tests.test_model import three_sample_batch, tiny_arch, tiny_drafter
+
+    arch = tiny_arch(kv_heads=2)
+    types = ("sliding_attention", "sliding_attention", "full_attention")
+    drafter = tiny_drafter(arch, num_layers=3, layer_types=types, sliding_window=5, attention="sdpa")
+    cfg = drafter.cfg
+    export_drafter(drafter, cfg, arch, [1, 3], MASK_ID, {"path": "x"}, tmp_path / "out", dtype="float32")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["layer_types"], config["sliding_window"], config["use_sliding_window"]) == (list(types), 5, True)
+    assert "is_causal" not in config  # unset: sliding layers causal in the block, full ones not (z-lab's default)
+    spec = drafter_spec(tmp_path / "out")
+    assert (spec.config.layer_types, spec.config.sliding_window, spec.config.is_causal) == (types, 5, None)
+    loaded = load_exported(tmp_path / "out", drafter.embed_VH, drafter.lm_head_VH)
+    loaded.attention_backend = drafter.attention_backend = "sdpa"
+    batch = three_sample_batch(arch)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch), drafter(batch))
+
+
+def test_the_speculators_format_round_trips_into_init_from(exported, tmp_path):
+    """export --format speculators: speculators' config.json over the same tensors (its converter's
+    mapping: ids + 1, verifier as a local folder); read back, it gives the same drafter spec and
+    weights. (tests/test_peers.py loads it in speculators' own class where speculators is installed.)"""
+    from stage2_train.serve.export import drafter_spec as spec_of
+
+    out, drafter, _, _, arch, cfg = exported
+    again = tmp_path / "spec"
+    export_drafter(drafter, cfg, arch, LAYER_IDS, MASK_ID, {"path": "/models/target", "resolved_path": "/models/target", "architectures": ["Qwen3ForCausalLM"]},
+                   again, format="speculators")
+    config = json.loads((again / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [i + 1 for i in LAYER_IDS]
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "/models/target", "architectures": ["Qwen3ForCausalLM"]}
+    assert config["transformer_layer_config"]["num_hidden_layers"] == cfg.num_layers and config["block_size"] == cfg.block_size
+    zlab, spec = spec_of(out), spec_of(again)
+    assert (spec.layer_ids, spec.mask_token_id, spec.config.block_size, spec.config.num_layers) == (
+        zlab.layer_ids, zlab.mask_token_id, zlab.config.block_size, zlab.config.num_layers)
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_a_sliding_drafter_is_refused_in_the_speculators_format(tmp_path):
+    from tests.test_model import tiny_arch, tiny_drafter
+
+    arch = tiny_arch(kv_heads=2)
+    drafter = tiny_drafter(arch, num_layers=2, layer_types=("sliding_attention", "full_attention"), sliding_window=8)
+    with pytest.raises(CheckpointError, match="speculators computes them"):
+        export_drafter(drafter, drafter.cfg, arch, [1, 3], MASK_ID, {"path": "x"}, tmp_path / "o", format="speculators")

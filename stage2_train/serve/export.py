@@ -64,6 +64,8 @@ def drafter_hf_config(
 ) -> dict[str, Any]:
     """The config.json of the exported drafter (see the module docstring for each DFlash field)."""
     num_layers = cfg_model.num_layers
+    layer_types = list(cfg_model.layer_types or ["full_attention"] * num_layers)
+    sliding = "sliding_attention" in layer_types
     dflash_config: dict[str, Any] = {"target_layer_ids": list(layer_ids), "mask_token_id": mask_token_id}
     if target_info.get("mask_token"):
         dflash_config["mask_token"] = target_info["mask_token"]
@@ -87,14 +89,19 @@ def drafter_hf_config(
         "max_position_embeddings": arch.max_position_embeddings,
         "vocab_size": arch.vocab_size,
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * num_layers,  # non-causal DFlash blocks (vLLM reads this)
+        # z-lab and SpecForge read the attention layout at the top level; Qwen3Config keeps
+        # sliding_window only with use_sliding_window (without it z-lab would run sliding layers
+        # causal and unwindowed, SpecForge would refuse the file).
+        "use_sliding_window": sliding,
+        "sliding_window": cfg_model.sliding_window if sliding else None,
+        "max_window_layers": 0,
+        "layer_types": layer_types,
         "initializer_range": cfg_model.init_std,
         "torch_dtype": dtype,
         "dtype": dtype,
         "block_size": cfg_model.block_size,
         "num_target_layers": arch.num_hidden_layers,
+        **({"is_causal": cfg_model.is_causal} if cfg_model.is_causal is not None else {}),
         "dflash_config": dflash_config,
         "dflash_pipeline": {
             "format_version": EXPORT_FORMAT_VERSION,
@@ -120,8 +127,13 @@ def export_drafter(
     out_dir: str | os.PathLike,
     *,
     dtype: str = "bfloat16",
+    format: str = "zlab",
 ) -> Path:
-    """Write config.json and model.safetensors (weights in `dtype`, embeddings and LM head left out)."""
+    """Write config.json and model.safetensors (weights in `dtype`, embeddings and LM head left out):
+    z-lab's layout (what SGLang and vLLM's dflash method load), or speculators' (its trainer and
+    vLLM's speculators path; the same tensors under the same names)."""
+    if format not in ("zlab", "speculators"):
+        raise ValueError(f"export format must be zlab or speculators, got {format!r}")
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if len(layer_ids) != drafter.num_feature_layers:
@@ -138,11 +150,89 @@ def export_drafter(
         name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in drafter.folded_state_dict().items()
     }
     config = drafter_hf_config(cfg_model, arch, layer_ids, mask_token_id, target_info, dtype)
+    if format == "speculators":
+        config = speculators_config(config, arch, layer_ids, str(target_info.get("resolved_path") or target_info.get("path", "")))
     # Weights first, config last, each through a temp name: a folder with a config is complete.
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     write_atomic(out / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return out
+
+
+SPECULATORS_VERSION = "0.9.0"  # the release whose DFlash format this writes (its converter: PR #617)
+
+
+def speculators_config(hf_config: dict[str, Any], arch: TargetArch, layer_ids: list[int], target_dir: str) -> dict[str, Any]:
+    """vllm-project/speculators' DFlash config.json for the same weights (its names are ours):
+    the drafter's Qwen3 config inside `transformer_layer_config`, the DFlash fields top-level,
+    `aux_hidden_state_layer_ids` = layer id + 1 (speculators names the residual stream entering a
+    layer, HF hidden_states[id]; z-lab the layer's output), and the verifier as a local folder, from
+    which speculators refills what it does not save (embed_tokens, lm_head, verifier_norm)."""
+    if "sliding_attention" in hf_config["layer_types"]:
+        raise CheckpointError(
+            "export --format speculators: this drafter has sliding-window layers, and speculators computes them "
+            "another way (its window is fixed at the block's anchor, z-lab's and SpecForge's moves with each query), "
+            "so it would serve other outputs; export the zlab format, or train full-attention layers"
+        )
+    layer_cfg = {
+        k: hf_config[k]
+        for k in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "hidden_act", "attention_bias", "attention_dropout", "rms_norm_eps", "rope_parameters",
+            "max_position_embeddings", "vocab_size", "tie_word_embeddings", "initializer_range", "layer_types",
+            "use_sliding_window", "sliding_window",
+        )
+    }
+    block = hf_config["block_size"]
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "block_size": block,
+        "mask_token_id": hf_config["dflash_config"]["mask_token_id"],
+        "aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],
+        "draft_vocab_size": arch.vocab_size,
+        "target_hidden_size": None,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": {"model_type": "qwen3", **layer_cfg},
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block - 1, "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": target_dir, "architectures": hf_config["dflash_pipeline"]["target"].get("architectures") or []},
+        },
+        "torch_dtype": hf_config["torch_dtype"],
+        "dflash_pipeline": hf_config["dflash_pipeline"],
+    }
+
+
+def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A speculators DFlash config.json read as the z-lab layout `drafter_spec` reads (its weights
+    need no renaming). Layer ids come back as id - 1; sliding layers are refused (other semantics)."""
+    layer = dict(config.get("transformer_layer_config") or {})
+    if not layer:
+        raise CheckpointError(f"{where}: speculators_model_type=dflash but no transformer_layer_config")
+    if "sliding_attention" in (layer.get("layer_types") or []):
+        raise CheckpointError(
+            f"{where}: transformer_layer_config.layer_types has sliding_attention: speculators fixes each block's window "
+            f"at its anchor (PR #749), which this drafter does not compute; start from a full-attention drafter"
+        )
+    if config.get("sample_from_anchor"):
+        raise CheckpointError(f"{where}: sample_from_anchor=true is not the DFlash block this pipeline trains")
+    dflash = dict(config.get("dflash_config") or {})
+    block = dflash.get("block_size", config.get("block_size", 16))
+    aux = config.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not aux:
+        raise CheckpointError(f"{where}: aux_hidden_state_layer_ids is missing")
+    layer.pop("layer_types", None)
+    layer.update({"use_sliding_window": False, "sliding_window": None})
+    return {
+        **layer,
+        "block_size": block,
+        "dflash_config": {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id"))},
+    }
 
 
 def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -175,6 +265,8 @@ def drafter_spec(folder: str | os.PathLike) -> DrafterSpec:
     naming the field (YaRN or other scaled RoPE, sliding-window or causal layers, biases)."""
     config = read_export_config(folder)
     where = Path(folder) / CONFIG_NAME
+    if config.get("speculators_model_type") == "dflash":
+        config = from_speculators(config, where)
     dflash = config.get("dflash_config") or {}
     if not isinstance(dflash, dict):
         raise CheckpointError(f"{where}: dflash_config must be an object, got {dflash!r}")
@@ -215,7 +307,16 @@ def drafter_spec(folder: str | os.PathLike) -> DrafterSpec:
         tie_word_embeddings=False,
     )
     block_size = value("block_size", 16)
-    cfg = DrafterConfig(num_layers=config["num_hidden_layers"], block_size=block_size, intermediate_size=config["intermediate_size"])
+    types = config.get("layer_types")
+    sliding = bool(types) and "sliding_attention" in types
+    cfg = DrafterConfig(
+        num_layers=config["num_hidden_layers"],
+        block_size=block_size,
+        intermediate_size=config["intermediate_size"],
+        layer_types=tuple(types) if sliding else None,
+        sliding_window=config.get("sliding_window") if sliding else None,
+        is_causal=config.get("is_causal"),
+    )
     return DrafterSpec(cfg, arch, list(layer_ids), mask_token_id)
 
 
@@ -231,14 +332,25 @@ def refuse_unsupported(config: dict[str, Any], where: Path) -> None:
             f"computes plain RoPE only, so the drafter's outputs would be wrong"
         )
     layer_types = config.get("layer_types") or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other or config.get("use_sliding_window"):
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise CheckpointError(f"{where}: layer_types {other} are not supported (full_attention and sliding_attention are)")
+    if layer_types and len(layer_types) != config.get("num_hidden_layers"):
+        raise CheckpointError(f"{where}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {config.get('num_hidden_layers')}")
+    if "sliding_attention" in layer_types:
+        window = config.get("sliding_window")
+        if not config.get("use_sliding_window") or not isinstance(window, int) or window < 1:
+            raise CheckpointError(
+                f"{where}: layer_types has sliding_attention but use_sliding_window={config.get('use_sliding_window')!r}, "
+                f"sliding_window={window!r}: z-lab would then run those layers causal without a window and SpecForge "
+                f"refuses the file; set use_sliding_window: true and a sliding_window"
+            )
+    elif config.get("use_sliding_window") and not layer_types:
         raise CheckpointError(
-            f"{where}: layer_types {other or ['sliding (use_sliding_window)']} are not supported; "
-            f"DFlashDrafter attends to the whole context in every layer"
+            f"{where}: use_sliding_window=true without layer_types (Qwen3's max_window_layers rule): list layer_types"
         )
-    if config.get("is_causal"):
-        raise CheckpointError(f"{where}: is_causal=true is not supported (DFlash blocks are bidirectional)")
+    if config.get("is_causal") is not None and not isinstance(config.get("is_causal"), bool):
+        raise CheckpointError(f"{where}: is_causal must be true, false or absent, got {config.get('is_causal')!r}")
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise CheckpointError(f"{where}: {key}=true is not supported (the drafter's projections have no bias)")
@@ -266,6 +378,9 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
         ("mask_token_id", spec.mask_token_id, target.mask_token_id, "target.mask_token_id"),
         ("num_hidden_layers", spec.config.num_layers, cfg.num_layers, "model.num_layers"),
         ("block_size", spec.config.block_size, cfg.block_size, "model.block_size"),
+        ("layer_types", spec.config.layer_types, cfg.layer_types, "model.layer_types"),
+        ("sliding_window", spec.config.sliding_window, cfg.sliding_window if cfg.layer_types else None, "model.sliding_window"),
+        ("is_causal", spec.config.is_causal, cfg.is_causal, "model.is_causal"),
         (
             "intermediate_size",
             spec.config.intermediate_size,

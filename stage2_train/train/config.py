@@ -141,6 +141,10 @@ class CheckpointConfig(Section):
     """Write in a background thread after a CPU snapshot; false = the loop waits for the whole write."""
     dir: str | None = None
     """Where checkpoints go; null = <run_dir>/checkpoints. Several nodes need a shared file system."""
+    keep_best: bool = False
+    """Keep the checkpoint whose held-out walk_tau (the offline estimate of online tau) is the best of
+    the run's evals: a `best` pointer committed as `latest` is, never pruned; `export --checkpoint
+    best` and `eval --checkpoint best` use it. Needs eval.every_steps > 0."""
 
     def validate(self) -> None:
         self.require(self.every_steps >= 0, "every_steps", "must be >= 0 (0 = only the final save)")

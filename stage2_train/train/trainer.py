@@ -528,6 +528,7 @@ class Trainer:
         for event in self.detectors.update({"kind": "eval", "step": self.step, **row}):
             self.sink.event("warning", event["step"], **as_warning(event))
         self.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
+        self.checkpointer.note_eval(self.step, row.get("walk_tau"), self.state_dict)  # checkpoint.keep_best
         return row
 
     def summary(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ touches newer ones (an abandoned future).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,10 +69,35 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     complete = [p for p in candidates(ckpt_dir) if read_meta(p) is not None]
     return complete[-1] if complete else None
 
+BEST = "best"  # {"step": N, "walk_tau": x}: the best held-out checkpoint (checkpoint.keep_best)
+
+
 def prunable(ckpt_dir: Path, step: int, keep: int) -> list[Path]:
-    """Complete checkpoints older than the `keep` newest up to `step`; newer ones are never touched."""
+    """Complete checkpoints older than the `keep` newest up to `step`; newer ones and the `best`
+    one are never touched."""
     upto = [p for p in complete_checkpoints(ckpt_dir) if _step_of(p) <= step]
-    return upto[: max(0, len(upto) - keep)]
+    best = best_pointer(ckpt_dir)
+    old = upto[: max(0, len(upto) - keep)]
+    return [p for p in old if best is None or _step_of(p) != best["step"]]
+
+
+def best_pointer(ckpt_dir: str | os.PathLike) -> dict | None:
+    try:
+        pointer = json.loads((Path(ckpt_dir) / BEST).read_text())
+        return pointer if isinstance(pointer, dict) and isinstance(pointer.get("step"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_checkpoint(arg: str | None, ckpt_dir: str | os.PathLike) -> Path:
+    """What eval and export read: a path as given, `best` (the keep_best pointer), or (None) the
+    checkpoints folder, where the newest checkpoint that verifies is chosen."""
+    if arg != BEST:
+        return Path(arg) if arg else Path(ckpt_dir)
+    pointer = best_pointer(ckpt_dir)
+    if pointer is None:
+        raise CheckpointError(f"{Path(ckpt_dir) / BEST}: no best checkpoint recorded; train with checkpoint.keep_best=true and eval.every_steps > 0")
+    return Path(ckpt_dir) / f"step_{pointer['step']:06d}"
 
 def select_checkpoint(ckpt_dir: str | os.PathLike, rank: int = 0) -> Selection:
     """The newest checkpoint (not newer than `latest`) whose files all verify, and those skipped."""
