@@ -112,13 +112,14 @@ class FileLock:
 
 
 class LeaseLock:
-    def __init__(self, url: str, lease_s: float = LEASE_S):
+    def __init__(self, url: str, lease_s: float = LEASE_S, clock: Callable[[], float] = time.time):
         import fsspec
 
         self.url = url.rstrip("/")
         self.fs, root = fsspec.core.url_to_fs(self.url)
         self.path = f"{root}/{LEASE_NAME}"
         self.lease_s = lease_s
+        self.clock = clock  # wall clock (leases are compared across hosts); tests pass their own
         self.token = secrets.token_hex(8)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -130,12 +131,12 @@ class LeaseLock:
             return None
 
     def _write(self, command: str) -> None:
-        lease = {**_holder(command), "token": self.token, "expires": time.time() + self.lease_s}
+        lease = {**_holder(command), "token": self.token, "expires": self.clock() + self.lease_s}
         self.fs.pipe_file(self.path, json.dumps(lease).encode())
 
     def acquire(self, command: str) -> None:
         current = self._read()
-        if current and current.get("token") != self.token and current.get("expires", 0) > time.time():
+        if current and current.get("token") != self.token and current.get("expires", 0) > self.clock():
             raise BusyError(
                 f"{self.url} is in use by {_describe(current)} (lease until "
                 f"{time.strftime('%H:%M:%S', time.localtime(current['expires']))}); wait for it or stop it"

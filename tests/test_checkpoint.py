@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -244,17 +243,23 @@ def test_buffers_are_allocated_in_the_background_before_the_first_save(tmp_path)
 
 def test_due_save_waits_for_the_one_in_flight_and_logs_it(tmp_path, monkeypatch):
     real_write = ckpt_mod.write_part
+    release = threading.Event()
 
-    def slow_write(*args):
-        time.sleep(0.3)
+    def held_write(*args):
+        release.wait()  # step 1's write stays in flight until the test lets it go
         return real_write(*args)
 
-    monkeypatch.setattr(ckpt_mod, "write_part", slow_write)
+    monkeypatch.setattr(ckpt_mod, "write_part", held_write)
     sink = RecordingSink()
     ckpt = make_checkpointer(tmp_path, sink, every_steps=1)
     state = big_state(1)
     assert ckpt.maybe_save(1, lambda: state)
-    assert ckpt.maybe_save(2, lambda: state)  # due while step 1 writes: waits, never skips
+    second = threading.Thread(target=lambda: ckpt.maybe_save(2, lambda: state))
+    second.start()  # due while step 1 writes: waits, never skips
+    second.join(timeout=0.2)
+    assert second.is_alive(), "the due save did not wait for the one in flight"
+    release.set()
+    second.join()
     ckpt.finalize()
     kinds = [(kind, step) for kind, step, _ in sink.events]
     assert kinds == [

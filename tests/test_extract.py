@@ -160,14 +160,17 @@ def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_
     overrides = stage1_overrides(tiny_target_dir, data_file, tmp_path, **{"extract.window_shards": 1})
     command = [sys.executable, "-m", "stage1_extract", "extract", "--no-progress", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    parts = tmp_path / "store" / "parts"
-    deadline = time.time() + 60
-    while time.time() < deadline and not (parts.exists() and any(parts.iterdir())):
-        time.sleep(0.01)
+    paused = tmp_path / "first-shard-written"
+    hooked = {**env, "PYTHONPATH": f"{ROOT / 'tests' / 'hooks'}:{ROOT}", "DFLASH_PAUSE_AFTER_FIRST_SHARD": str(paused)}
+    proc = subprocess.Popen(command, cwd=ROOT, env=hooked, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120  # the hook holds the process after one shard: no race with the end
+    while not paused.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "extraction ended before its first shard"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "store" / "manifest.json").exists()
+    assert len(list((tmp_path / "store" / "parts").iterdir())) >= 1
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
     assert store_contents(str(tmp_path / "store")) == store_contents(store[2].url)
 

@@ -83,14 +83,19 @@ def test_a_second_train_on_a_run_dir_is_refused(tmp_path):
 
 def test_the_object_store_lease_refuses_a_live_holder_and_takes_an_expired_one():
     url = f"memory://lease-{time.time_ns()}"
-    first = LeaseLock(url, lease_s=0.3)
+    now = [1_000_000.0]  # an injected clock: expiry is decided by it, not by how long the test takes
+    clock = lambda: now[0]  # noqa: E731
+    first = LeaseLock(url, lease_s=300, clock=clock)
     first.acquire("stage1_extract extract")
     with pytest.raises(BusyError, match=r"in use by `stage1_extract extract`.*lease until"):
-        LeaseLock(url).acquire("stage1_extract reprocess")
+        LeaseLock(url, clock=clock).acquire("stage1_extract reprocess")
     first._stop.set()  # the holder dies without releasing: no more renewals
     first._renewer.join()
-    time.sleep(0.35)
-    second = LeaseLock(url)
+    now[0] += 299.0
+    with pytest.raises(BusyError):
+        LeaseLock(url, clock=clock).acquire("stage1_extract reprocess")  # not yet expired
+    now[0] += 2.0
+    second = LeaseLock(url, clock=clock)
     second.acquire("stage1_extract reprocess")  # the lease expired
     second.release()
     with exclusive(url, "again"):

@@ -118,6 +118,28 @@ def test_collate_without_topk_keeps_store_dtype():
     assert batch.labels_NB.tolist() == [[-100, -100, 10_005, 10_006]]  # position 4 = 8 // 2 is unsupervised
 
 
+class RecordingReader(FakeReader):
+    """Counts how often each sample was read: every sample is read once per epoch, so a sample read
+    e + 1 times has been read for epoch e."""
+
+    def __init__(self, lengths):
+        super().__init__(lengths)
+        self.reads: dict[int, int] = {}
+        self.cond = threading.Condition()
+
+    def __getitem__(self, i: int) -> dict:
+        sample = super().__getitem__(i)
+        with self.cond:
+            self.reads[i] = self.reads.get(i, 0) + 1
+            self.cond.notify_all()
+        return sample
+
+    def wait_served(self, key: tuple[int, list[int]], timeout: float) -> bool:
+        epoch, indices = key
+        with self.cond:
+            return self.cond.wait_for(lambda: all(self.reads.get(i, 0) >= epoch + 1 for i in indices), timeout)
+
+
 def build(lengths, *, reader=None, seed=0, world_size=1, rank=0, **loader_kwargs):
     cfg = SamplerConfig(micro_batch_tokens=256, grad_accum=2, max_anchors_per_seq=8)
     sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size)
@@ -250,19 +272,22 @@ def test_stream_crosses_epochs_in_order_and_prefetches_the_next_epoch():
     expected = list(per_epoch) + list(per_epoch) + list(per_epoch)[:2]  # epochs 0, 1 and two of 2
     assert [b.epoch for b in expected][-1] == 2
 
-    # Each sample takes 5 ms to read; the consumer works 0.3 s on the last batch of every epoch.
-    loader = build(lengths, seed=3, reader=FakeReader(lengths, delay_s=0.005), prefetch=3)
+    # The consumer holds the last micro-batch of every epoch until the reader has served every
+    # sample of the next epoch's first one: only a loader that streams across the boundary gets there.
+    reader = RecordingReader(lengths)
+    loader = build(lengths, seed=3, reader=reader, prefetch=3)
     got = []
     for loaded in loader.stream():
         got.append(loaded)
         if len(got) == len(expected):
             break
-        if loaded.epoch != expected[len(got)].epoch:
-            time.sleep(0.3)
+        upcoming = expected[len(got)]
+        if loaded.epoch != upcoming.epoch:
+            assert reader.wait_served((upcoming.epoch, upcoming.sample_indices), timeout=30), (
+                "the next epoch's first micro-batch was not read while this epoch's last one was in use"
+            )
     first_of_later_epochs = [b for i, b in enumerate(got) if i and b.epoch != got[i - 1].epoch]
     assert len(first_of_later_epochs) == 2
-    for b in first_of_later_epochs:  # loaded while the previous epoch's last batch was being used
-        assert b.data_wait_s < 0.005 * len(b.sample_indices) / 2
     assert [(b.epoch, b.step_in_epoch, b.micro_step) for b in got] == [
         (b.epoch, b.step_in_epoch, b.micro_step) for b in expected
     ]

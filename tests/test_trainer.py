@@ -230,8 +230,13 @@ def test_a_mismatched_store_is_refused_by_name(tiny_target_dir, store, tmp_path,
 
 
 def test_kl_with_matching_top_k_is_accepted(tiny_target_dir, store, tmp_path):
-    cfg = config(tiny_target_dir, store, tmp_path, **{"loss.kl_weight": 0.1})
+    """A store with top-k trains the KL term: every step's kl is finite and positive, and it is in the loss."""
+    cfg = config(tiny_target_dir, store, tmp_path, **{"loss.kl_weight": 0.1, "train.max_steps": 2})
     assert len(open_cfg_store(cfg)) == 40
+    commands.cmd_train(cfg, progress=False)
+    for row in read_log(tmp_path / "train_log.jsonl", "train"):
+        assert math.isfinite(row["kl"]) and row["kl"] > 0
+        assert row["loss"] == pytest.approx(row["ce"] + 0.1 * row["kl"], rel=1e-5)
 
 
 def test_heldout_samples_are_never_trained_on(tiny_target_dir, store, tmp_path):
@@ -274,6 +279,24 @@ def test_micro_batches_without_a_block_still_train(tiny_target_dir, store, tmp_p
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
         if row["blocks"] == 0:
             assert row["loss"] == 0.0 and row["grad_norm"] == 0.0 and row["accuracy"] == 0.0
+
+
+@pytest.mark.slow
+def test_micro_batches_without_a_block_still_train_on_two_ranks(tiny_target_dir, store, tmp_path):
+    """with_a_block exists for DDP: a rank whose micro-batch has no block must still run forward and
+    backward, or the other rank hangs in the gradient all_reduce. Two gloo ranks, half the samples
+    without a block: every step completes, the zero-block steps are exactly zero."""
+    extra = {"sampler.micro_batch_tokens": 160, "train.max_steps": 6}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "stage2_train", "train", "--no-progress", *overrides(tiny_target_dir, store, tmp_path, **extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'tests' / 'hooks'}:{REPO}",
+           "DFLASH_NO_ANCHORS_FOR_EVEN_SAMPLES": "1"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_log(tmp_path / "train_log.jsonl", "train")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and any(r["blocks"] > 0 for r in rows)
+    for row in rows:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
 
 
 # ---- resume ------------------------------------------------------------------------------------------

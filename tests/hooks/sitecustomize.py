@@ -5,6 +5,8 @@ it at start-up. Each hook is off unless its variable is set, and none changes wh
     DFLASH_STEP_SLEEP_S=S       each optimizer step sleeps S seconds first (time to signal mid-run)
     DFLASH_SAVE_SLEEP_S=S       each checkpoint file write sleeps S seconds first, after touching
     DFLASH_SAVING_MARKER=FILE   this file (so a test knows a save is under way)
+    DFLASH_PAUSE_AFTER_FIRST_SHARD=FILE   extraction touches FILE after its first shard and record, then hangs
+    DFLASH_NO_ANCHORS_FOR_EVEN_SAMPLES=1  samples with an even id yield no block (micro-batches without one)
 """
 
 import os
@@ -44,3 +46,26 @@ if os.environ.get("DFLASH_SAVE_SLEEP_S"):
         return _real_write(*args, **kwargs)
 
     saver.write_part = _slow_write
+
+if os.environ.get("DFLASH_PAUSE_AFTER_FIRST_SHARD"):
+    from stage1_extract import writer
+
+    _real_shard_write = writer.ShardWriter._write
+
+    def _pausing_write(self, shard, samples):
+        _real_shard_write(self, shard, samples)
+        open(os.environ["DFLASH_PAUSE_AFTER_FIRST_SHARD"], "a").close()  # one shard and its record are on disk
+        time.sleep(3600)  # until the test kills the process
+
+    writer.ShardWriter._write = _pausing_write
+
+if os.environ.get("DFLASH_NO_ANCHORS_FOR_EVEN_SAMPLES"):
+    from stage2_train.data import anchors
+
+    _real_anchors = anchors.AnchorSampler.anchors
+
+    def _odd_only(self, loss_mask_T, *, sample_id, epoch):
+        found = _real_anchors(self, loss_mask_T, sample_id=sample_id, epoch=epoch)
+        return found[:0] if sample_id % 2 == 0 else found  # as an answer of one token would
+
+    anchors.AnchorSampler.anchors = _odd_only
