@@ -204,6 +204,7 @@ def speculators_config(hf_config: dict[str, Any], arch: TargetArch, layer_ids: l
             "verifier": {"name_or_path": target_dir, "architectures": hf_config["dflash_pipeline"]["target"].get("architectures") or []},
         },
         "torch_dtype": hf_config["torch_dtype"],
+        "dtype": hf_config["torch_dtype"],
         "dflash_pipeline": hf_config["dflash_pipeline"],
     }
 
