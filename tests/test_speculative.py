@@ -271,6 +271,34 @@ def test_offline_eval_counts_every_block_and_matches_its_histogram(target, draft
     assert offline_eval(drafter, reader, [0, 1], max_anchors_per_seq=3)["walk_tau"] is None
 
 
+def test_offline_eval_pools_its_metrics_and_their_standard_errors_from_the_samples(target, drafter, layer_ids, prompts):
+    """ce is the decay-weighted CE of every scored slot, pooled; each *_se is the standard error of
+    the per-sample values (computed here from each sample alone)."""
+    import numpy as np
+
+    from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.config import SamplerConfig
+    from stage2_train.train.evaluate import DENSE_ANCHORS
+
+    samples = [greedy_sample(target, p, layer_ids, max_new=14, sample_id=i) for i, p in enumerate(prompts)]
+    reader = MemoryReader(samples)
+    result = offline_eval(drafter, reader, list(range(len(samples))), max_anchors_per_seq=None, gamma=4.0)
+    sampler = AnchorSampler(SamplerConfig(max_anchors_per_seq=DENSE_ANCHORS), block_size=BLOCK, seed=0)
+    ce_sum = w_sum = 0.0
+    per_sample_ce, per_sample_walk = [], []
+    for sample in samples:
+        anchors = sampler.anchors(sample["loss_mask_T"], sample_id=int(sample["sample_id"]), epoch=0)
+        batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=MASK_ID, gather_topk=False)
+        scored = score_blocks(drafter, batch, gamma=4.0)
+        ce_sum, w_sum = ce_sum + float((scored.w_NB * scored.ce_NB).sum()), w_sum + float(scored.w_NB.sum())
+        per_sample_ce.append(float((scored.w_NB * scored.ce_NB).sum() / scored.w_NB.sum()))
+        visits = decode_walk(dict(zip(anchors.tolist(), scored.accept_N.tolist())))
+        per_sample_walk.append(sum(a for _, a in visits) / len(visits))
+    assert result["ce"] == pytest.approx(ce_sum / w_sum, rel=1e-5)
+    assert result["ce_se"] == pytest.approx(np.std(per_sample_ce, ddof=1) / np.sqrt(len(samples)), rel=1e-5)
+    assert result["walk_tau_se"] == pytest.approx(np.std(per_sample_walk, ddof=1) / np.sqrt(len(samples)), rel=1e-5)
+
+
 def test_online_eval_reports_tau_and_exactness(target, prompts):
     max_new = 1 + 3 * BLOCK
     fulls = [p + target_greedy(target, p, max_new_tokens=max_new, eos_token_ids=None).tokens for p in prompts]

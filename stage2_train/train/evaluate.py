@@ -129,7 +129,7 @@ TOTAL_KEYS = (
     "walk_forwards",
     "num_samples",
     "num_samples_without_anchor",
-    *(f"{m}_{part}" for m in SAMPLE_METRICS for part in ("n", "sum", "sq")),
+    *(f"sample_{m}_{part}" for m in SAMPLE_METRICS for part in ("n", "sum", "sq")),
 )
 
 
@@ -195,9 +195,9 @@ def offline_totals(
             totals["accept_hist"] += torch.bincount(accept_N - 1, minlength=block_size).double()
             for metric, values in _sample_values(batch, scored, dense).items():
                 v = torch.tensor(values, dtype=torch.float64)
-                totals[f"{metric}_n"] += len(values)
-                totals[f"{metric}_sum"] += v.sum()
-                totals[f"{metric}_sq"] += v.square().sum()
+                totals[f"sample_{metric}_n"] += len(values)
+                totals[f"sample_{metric}_sum"] += v.sum()
+                totals[f"sample_{metric}_sq"] += v.square().sum()
             if dense:
                 tokens, forwards = _walk_totals(batch, accept_N)
                 totals["walk_tokens"] += tokens
@@ -235,7 +235,7 @@ def offline_row(totals: dict[str, torch.Tensor], gamma: float, dense: bool) -> d
 
 def _standard_error(totals: dict[str, torch.Tensor], metric: str) -> float | None:
     """std / sqrt(n) of the per-sample values (n >= 2), from their count, sum and sum of squares."""
-    n, total, sq = (float(totals[f"{metric}_{p}"]) for p in ("n", "sum", "sq"))
+    n, total, sq = (float(totals[f"sample_{metric}_{p}"]) for p in ("n", "sum", "sq"))
     if n < 2:
         return None
     variance = max(0.0, (sq - total * total / n) / (n - 1))
