@@ -30,6 +30,8 @@ BENCHES = {
     "checkpoint": ["bench/checkpoint.py"],
     "learning": ["bench/learning.py"],
     "scaling": ["bench/scaling.py", "--base-samples", "16", "--length-tokens", "8192"],
+    "eval_cost": ["bench/eval_cost.py"],
+    "projection": ["bench/projection.py"],
 }
 # Run on request only (`--only learning_long`): the long CPU preset trains up to an hour.
 EXTRA_BENCHES = {
@@ -73,6 +75,24 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             for gpu, best in p.get("largest_micro_batch_tokens", {}).items():
                 rows.append((f"{preset}: largest sampler.micro_batch_tokens that fits {gpu}", fmt(best["micro_batch_tokens"]), "",
                              f"traced peak {best['traced_peak_gib']} GiB + untraced {round(p['untraced_gib']['ddp_buckets'] + p['untraced_gib']['cuda_context_nccl_fragmentation'], 1)} GiB", ""))
+    if name == "eval_cost":
+        rows.append((f"held-out evals' share of training time ({r['evals_during_training']} evals of {r['offline_max_samples']} samples x "
+                     f"{r['anchors_per_sample_during_training']} anchors, every {r['every_steps']} of {r['steps']} steps)",
+                     f"{r['eval_share']:.1%}", "<= 5%", f"each {', '.join(str(x) for x in r['eval_s_each'])} s; median step {r['median_step_s']:.3g} s",
+                     yes(r["eval_share"] <= 0.05)))
+        rows.append(("the same curve with every anchor scored (final eval's cost x evals)", f"{r['dense_curve_share_estimate']:.1%}", "",
+                     f"final dense eval {r['final_dense_eval_s']} s, {r['final_dense_blocks']} blocks", ""))
+    if name == "projection":
+        for key, kept in r["energy_kept_heldout"].items():
+            rows.append((f"projection {key}: second moment kept on held-out shards / median relative error",
+                         f"{kept} / {r['relative_error_median'][key]}", "", f"fp8 storage error {r['fp8_relative_error_median']}", ""))
+        b = r["bytes_per_token_qwen3_8b"]
+        rows.append(("bytes/token at Qwen3-8B (5 x 4096, top-64): bf16 / fp8 / fp8 + projection r=H",
+                     f"{fmt(b['bf16'])} / {fmt(b['fp8'])} / {fmt(b['fp8+projection r=H'])}", "",
+                     f"fp8 {b['fp8_over_bf16']}x, projected {b['projected_over_bf16']}x of bf16", ""))
+        f = r["fold_exactness"]
+        rows.append(("export folds the projection into fc: max |logit diff| / argmax agreement", f"{f['max_abs_logit_diff']:.2g} / {f['argmax_agreement']}",
+                     "argmax 1.0", "", yes(f["argmax_agreement"] == 1.0)))
     if name == "extract":
         rows.append(("extraction wall time / pure target forward", fmt(r["extract_over_forward"]), "<= 1.15",
                      f"forward {r['forward_s']} s on {r['tokens']} tokens"

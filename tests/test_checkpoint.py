@@ -568,9 +568,14 @@ def test_keep_best_points_at_the_best_eval_and_pruning_never_takes_it(tmp_path):
     for step in (10, 12):
         ckpt.maybe_save(step, state)
         ckpt.finalize()
-    assert json.loads((tmp_path / "best").read_text()) == {"step": 4, "walk_tau": 1.3}
+    assert json.loads((tmp_path / "best").read_text()) == {"step": 4, "metric": "walk_tau", "value": 1.3}
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000004", "step_000010", "step_000012"]
     assert resolve_checkpoint("best", tmp_path).name == "step_000004"
     assert [step for step, _ in sink.of("best_checkpoint")] == [2, 4]
     again = make_checkpointer(tmp_path, every_steps=2, keep_best=True)  # a resume remembers the best value
     assert again.best_value == 1.3 and not again.note_eval(14, 1.29, state)
+    # evals that sample anchors have no walk_tau: the pointer switches metric instead of comparing across
+    assert again.note_eval(14, 1.05, state, metric="accept_len") and again.best_metric == "accept_len"
+    (tmp_path / "best").write_text(json.dumps({"step": 4, "walk_tau": 1.3}))  # a pointer written before it named its metric
+    older = make_checkpointer(tmp_path, every_steps=2, keep_best=True)
+    assert (older.best_metric, older.best_value) == ("walk_tau", 1.3)

@@ -255,6 +255,23 @@ def test_heldout_samples_are_never_trained_on(tiny_target_dir, store, tmp_path):
     assert set(other.reader.sample_ids[other.heldout_indices].tolist()) == heldout_ids
 
 
+def test_evals_during_training_sample_anchors_and_the_last_scores_every_one(tiny_target_dir, store, tmp_path):
+    """eval.offline_max_anchors_per_seq keeps the curve cheap (no walk_tau, a few blocks per sample);
+    the final eval scores every anchor and adds walk_tau; keep_best then compares accept_len."""
+    cfg = config(tiny_target_dir, store, tmp_path, **{"eval.every_steps": 3, "eval.offline_max_anchors_per_seq": 2,
+                                                       "checkpoint.keep_best": True, "train.max_steps": 7})
+    commands.cmd_train(cfg, progress=False)
+    evals = read_log(tmp_path / "train_log.jsonl", "eval")
+    assert [r["step"] for r in evals] == [3, 6, 7]
+    for row in evals[:-1]:
+        assert row["walk_tau"] is None and row["num_blocks"] <= 2 * row["num_samples"]
+    assert evals[-1]["walk_tau"] is not None and evals[-1]["num_blocks"] > 2 * evals[-1]["num_samples"]
+    best = json.loads((tmp_path / "checkpoints" / "best").read_text())
+    accept = {r["step"]: r["accept_len"] for r in evals}
+    assert best["metric"] == "accept_len" and best["value"] == max(accept.values())
+    assert accept[best["step"]] == best["value"]
+
+
 def no_anchor_for_even_samples(monkeypatch):
     """Samples whose id is even yield no block (as an answer of one token would)."""
     from stage2_train.data import anchors

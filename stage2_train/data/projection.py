@@ -53,10 +53,12 @@ def basis(moment_FF: torch.Tensor, tokens: int, rank: int, scale: str) -> tuple[
     return (U_FR.T / s_F[None, :]).float(), s_F
 
 
-def energy_kept(moment_FF: torch.Tensor, tokens: int, rank: int, scale: str) -> float:
+def energy_kept(moment_FF: torch.Tensor, tokens: int, rank: int, scale: str, measured_on: torch.Tensor | None = None) -> float:
     """The share of the features' second moment (trace of C) inside the basis' row space, measured
-    in the original units: tr(Pi C Pi^T) / tr(C) with Pi the oblique projector S U U^T S^-1."""
+    in the original units: tr(Pi C Pi^T) / tr(C) with Pi the oblique projector S U U^T S^-1 of the
+    basis fitted on `moment_FF`, and C `measured_on` (other samples' moment) or the same one."""
     P_RF, s_F = basis(moment_FF, tokens, rank, scale)
+    moment_FF = moment_FF if measured_on is None else measured_on
     U_FR = (P_RF.double() * s_F[None, :]).T  # back to the orthonormal basis of the scaled space
     back_FR = s_F[:, None] * U_FR  # reconstruction x_hat = back @ (P x)
     Pi = back_FR @ P_RF.double()

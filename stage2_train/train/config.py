@@ -143,8 +143,9 @@ class CheckpointConfig(Section):
     """Where checkpoints go; null = <run_dir>/checkpoints. Several nodes need a shared file system."""
     keep_best: bool = False
     """Keep the checkpoint whose held-out walk_tau (the offline estimate of online tau) is the best of
-    the run's evals: a `best` pointer committed as `latest` is, never pruned; `export --checkpoint
-    best` and `eval --checkpoint best` use it. Needs eval.every_steps > 0."""
+    the run's evals (accept_len when eval.offline_max_anchors_per_seq samples anchors): a `best`
+    pointer committed as `latest` is, never pruned; `export --checkpoint best` and `eval
+    --checkpoint best` use it. Needs eval.every_steps > 0."""
 
     def validate(self) -> None:
         self.require(self.every_steps >= 0, "every_steps", "must be >= 0 (0 = only the final save)")
@@ -170,7 +171,9 @@ class EvalConfig(Section):
     offline_max_samples: int = 16
     """Held-out samples scored by the offline eval."""
     offline_max_anchors_per_seq: int | None = None
-    """Anchors scored per sample; null = every anchor (gives walk_tau; dearer)."""
+    """Anchors scored per sample by the evals during training; null = every anchor (adds walk_tau;
+    dearer). The final eval of a run always scores every anchor. With a number, checkpoint.keep_best
+    compares accept_len instead of walk_tau."""
     offline_batch_tokens: int = 8192
     """Context tokens per offline-eval forward."""
     online_num_prompts: int = 8

@@ -302,7 +302,7 @@ class Trainer:
                         self.evaluate()
                     self.mark_epoch_end(stats)
                     self.checkpointer.maybe_save(self.step, self.state_dict)
-            self.evaluate()
+            self.evaluate(final=True)
             self.checkpointer.save(self.step, self.state_dict, blocking=True)  # skipped if just saved
         finally:
             if self._bar is not None:
@@ -485,14 +485,18 @@ class Trainer:
         every = self.cfg.eval.every_steps
         return bool(every) and self.step % every == 0 and not self.finished()
 
-    def evaluate(self) -> dict[str, Any] | None:
+    def evaluate(self, final: bool = False) -> dict[str, Any] | None:
         """The offline eval (`train/evaluate.py`: accuracy per position, accept_len, walk_tau and
         their standard errors) on the held-out samples, spread over the ranks: rank r scores samples
         r, r + W, ... of the first `eval.offline_max_samples`, and one all_reduce of the sums gives
         every rank the row one rank would compute. No rank waits in a collective while another
         evaluates alone (an NCCL timeout), and the eval takes 1/W of the time. A rank that fails
-        says so in the same reduction, so every rank raises together."""
+        says so in the same reduction, so every rank raises together.
+
+        Evals during training score `eval.offline_max_anchors_per_seq` anchors per sample (null:
+        every anchor, which adds walk_tau); the final one always scores every anchor."""
         data, cfg = self.data, self.cfg.eval
+        anchors = None if final else cfg.offline_max_anchors_per_seq
         if len(data.heldout_indices) == 0:
             return None
         start = time.perf_counter()
@@ -504,7 +508,7 @@ class Trainer:
                 self.model,
                 data.reader,
                 mine,
-                max_anchors_per_seq=cfg.offline_max_anchors_per_seq,
+                max_anchors_per_seq=anchors,
                 batch_tokens=cfg.offline_batch_tokens,
                 seed=self.cfg.seed,
                 gamma=self.cfg.loss.gamma,
@@ -518,7 +522,7 @@ class Trainer:
         if float(flat[-1]) > 0:
             raise RuntimeError("the held-out evaluation failed on another rank (its traceback is in that rank's log)")
         try:
-            row = offline_row(unflatten_totals(flat[:-1], self.model.block_size), self.cfg.loss.gamma, cfg.offline_max_anchors_per_seq is None)
+            row = offline_row(unflatten_totals(flat[:-1], self.model.block_size), self.cfg.loss.gamma, anchors is None)
         except ValueError as exc:  # e.g. no held-out sample long enough for one block
             self.sink.event("eval_skipped", self.step, reason=str(exc))
             return None
@@ -528,7 +532,9 @@ class Trainer:
         for event in self.detectors.update({"kind": "eval", "step": self.step, **row}):
             self.sink.event("warning", event["step"], **as_warning(event))
         self.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
-        self.checkpointer.note_eval(self.step, row.get("walk_tau"), self.state_dict)  # checkpoint.keep_best
+        # checkpoint.keep_best compares the evals' common metric: walk_tau only if they all score every anchor.
+        metric = "walk_tau" if cfg.offline_max_anchors_per_seq is None else "accept_len"
+        self.checkpointer.note_eval(self.step, row.get(metric), self.state_dict, metric=metric)
         return row
 
     def summary(self) -> dict[str, Any]:

@@ -109,7 +109,9 @@ class Checkpointer:
         self._job: _Job | None = None
         self._last_step: int | None = None
         best = best_pointer(self.dir) if cfg.keep_best else None
-        self.best_value: float | None = None if best is None else best.get("walk_tau")
+        # The pointer names its metric: walk_tau when the evals score every anchor, else accept_len.
+        self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
+        self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
         # A group of our own, so the writer thread's collective never interleaves with DDP's.
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
@@ -169,20 +171,28 @@ class Checkpointer:
             self._start_thread(self._write, job)
         return True
 
-    def note_eval(self, step: int, walk_tau: float | None, state_fn: Callable[[], dict[str, Any]]) -> bool:
-        """checkpoint.keep_best: when this eval's walk_tau beats every earlier one, save this step
-        (unless it is saved already) and point `best` at it once the save commits. Every rank calls
-        it with the same row (the eval is reduced over ranks). Returns whether it is the new best."""
-        if not self.cfg.keep_best or walk_tau is None or (self.best_value is not None and walk_tau <= self.best_value):
+    def note_eval(self, step: int, value: float | None, state_fn: Callable[[], dict[str, Any]], metric: str = "walk_tau") -> bool:
+        """checkpoint.keep_best: when this eval's `metric` (higher is better) beats every earlier one,
+        save this step (unless it is saved already) and point `best` at it once the save commits.
+        Every rank calls it with the same row (the eval is reduced over ranks). Returns whether it is
+        the new best. A pointer of another metric (the eval's anchors changed on resume) is replaced."""
+        if not self.cfg.keep_best or value is None:
             return False
-        self.best_value, self._best_step = walk_tau, step
+        if metric != self.best_metric:
+            self.best_metric, self.best_value = metric, None
+        if self.best_value is not None and value <= self.best_value:
+            return False
+        self.best_value, self._best_step = value, step
         if not self.save(step, state_fn) and self.rank == 0 and step == self._last_step and not self.busy:
             self._point_best()  # this step was committed before the eval named it the best
         return True
 
     def _point_best(self) -> None:
-        write_atomic(self.dir / BEST, json.dumps({"step": self._best_step, "walk_tau": self.best_value}))
-        self._event("best_checkpoint", self._best_step, walk_tau=self.best_value, path=str(self.dir / step_name(self._best_step)))
+        write_atomic(self.dir / BEST, json.dumps(self._best_record(self._best_step)))
+        self._event("best_checkpoint", self._best_step, **{self.best_metric: self.best_value}, path=str(self.dir / step_name(self._best_step)))
+
+    def _best_record(self, step: int) -> dict[str, Any]:
+        return {"step": step, "metric": self.best_metric, "value": self.best_value}
 
     def mark_saved(self, step: int) -> None:
         """`step` is already on disk (a resumed run that has nothing left to train): no final save."""
@@ -227,7 +237,7 @@ class Checkpointer:
             mode=job.mode,
         )
         if job.step == self._best_step:
-            self._event("best_checkpoint", job.step, walk_tau=self.best_value, path=str(path))
+            self._event("best_checkpoint", job.step, **{self.best_metric: self.best_value}, path=str(path))
 
     def _fix(self, error: BaseException) -> str:
         """What to do about a failed save: for a full disk, how much is free and what to change."""
@@ -363,7 +373,7 @@ class Checkpointer:
         fsync_dir(self.dir)
         write_atomic(self.dir / "latest", name + "\n")  # the commit
         if self._best_step == job.step:
-            write_atomic(self.dir / BEST, json.dumps({"step": job.step, "walk_tau": self.best_value}))
+            write_atomic(self.dir / BEST, json.dumps(self._best_record(job.step)))
         for old in prunable(self.dir, job.step, self.cfg.keep_latest_k):
             shutil.rmtree(old)
 

@@ -1,0 +1,112 @@
+"""The projected feature store, measured before it is built: how much of the target features' second
+moment a fitted basis keeps, what the store would weigh, and whether export is exact.
+
+    .venv/bin/python bench/projection.py [--store runs/default/store] [--json out.json] [--png out.png]
+
+- Energy kept (stage2_train/data/projection.py): a basis fitted on half the shards (the uncentred
+  second moment, with and without a per-dimension RMS scale), measured on the other half, at
+  r = H, H/2, H/4 (H = the target's hidden size; the features are layers x H wide).
+- Per-token relative reconstruction error ||x - x_hat|| / ||x|| on the held-out half, for comparison
+  with fp8 storage's error on the same tokens.
+- Bytes per token at Qwen3-8B's shape (5 x 4096, top-64): bf16, fp8, and fp8 + projection r = H.
+- Exactness: a drafter with a random fc on the projected features against its export (fc folded
+  with P) on full features: max |logit diff| and argmax agreement, fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import emit  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", default="runs/default/store")
+    parser.add_argument("--json")
+    parser.add_argument("--png", default=str(REPO / "bench" / "results" / "projection-energy.png"))
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    import torch
+
+    from shared.store import StoreReader, bytes_per_token, decode_hidden, encode_hidden
+    from stage2_train.data.projection import basis, energy_kept, second_moment
+
+    torch.set_num_threads(1)
+    reader = StoreReader(str(REPO / args.store) if not Path(args.store).is_absolute() else args.store)
+    L, H = reader.feature_shape
+    shard_of = [reader.locate(i)[0] for i in range(len(reader))]
+    fit = [i for i in range(len(reader)) if shard_of[i] % 2 == 0]
+    held = [i for i in range(len(reader)) if shard_of[i] % 2 == 1]
+    fit_moment, fit_tokens = second_moment(reader, fit)
+    held_moment, held_tokens = second_moment(reader, held)
+    x_TF = torch.cat([reader[i]["hidden_TLH"].flatten(1).float() for i in held])
+    ranks = {"H": H, "H/2": H // 2, "H/4": H // 4}
+    energy, error = {}, {}
+    for scale in ("none", "rms"):
+        for name, r in ranks.items():
+            energy[f"{scale} r={name}"] = round(energy_kept(fit_moment, fit_tokens, r, scale, measured_on=held_moment), 4)
+            P_RF, s_F = basis(fit_moment, fit_tokens, r, scale)
+            back_FR = (s_F[:, None] * (P_RF.double() * s_F[None, :]).T).float()
+            x_hat = (x_TF @ P_RF.T) @ back_FR.T
+            error[f"{scale} r={name}"] = round(float(((x_TF - x_hat).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+    bits, scale_TL = encode_hidden(x_TF.view(-1, L, H), "fp8")
+    fp8 = decode_hidden(bits, scale_TL, "fp8").float().flatten(1)
+    fp8_error = round(float(((x_TF - fp8).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+    bf16 = bytes_per_token("bf16", 5, 4096, 64)
+    fp8_only = bytes_per_token("fp8", 5, 4096, 64)
+    projected = bytes_per_token("fp8", 1, 4096, 64)  # r = H values per token, one fp8 scale
+    # exactness of the fold
+    from tests.test_model import three_sample_batch, tiny_arch, tiny_drafter
+
+    arch = tiny_arch(kv_heads=2)
+    a = tiny_drafter(arch, num_layers=2, feature_projection="pca", projection_dim=32)
+    batch = three_sample_batch(arch)
+    P_RF, _ = basis(batch.context_TF.double().T @ batch.context_TF.double(), batch.context_TF.shape[0], 32, "rms")
+    a.set_projection(P_RF)
+    b = tiny_drafter(arch, num_layers=2)
+    b.load_state_dict(a.folded_state_dict())
+    b.set_frozen_parts(a.embed_VH, a.lm_head_VH)
+    with torch.no_grad():
+        la, lb = a.logits(a(batch)).float(), b.logits(b(batch)).float()
+    result = {
+        "store": args.store, "feature_shape": [L, H], "fit_tokens": fit_tokens, "heldout_tokens": held_tokens,
+        "energy_kept_heldout": energy, "relative_error_median": error, "fp8_relative_error_median": fp8_error,
+        "bytes_per_token_qwen3_8b": {"bf16": bf16, "fp8": fp8_only, "fp8+projection r=H": projected,
+                                     "fp8_over_bf16": round(fp8_only / bf16, 3), "projected_over_bf16": round(projected / bf16, 3)},
+        "fold_exactness": {"max_abs_logit_diff": float((la - lb).abs().max()), "argmax_agreement": float((la.argmax(-1) == lb.argmax(-1)).float().mean())},
+    }
+    plot(energy, ranks, H, Path(args.png))
+    result["png"] = str(Path(args.png).relative_to(REPO)) if Path(args.png).is_relative_to(REPO) else args.png
+    return emit(result, args.json, t0)
+
+
+def plot(energy: dict, ranks: dict, H: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for scale, style in (("none", "o-"), ("rms", "s--")):
+        xs = list(ranks.values())
+        ax.plot(xs, [energy[f"{scale} r={n}"] for n in ranks], style, label=f"scale: {scale}")
+    ax.set_xlabel(f"basis rank r (hidden size H = {H})")
+    ax.set_ylabel("second moment kept (held-out half)")
+    ax.set_title("Target features inside a fitted basis (SmolLM2, layers 1/14/27)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
