@@ -142,6 +142,14 @@ def test_streak_counts_consecutive_hits_from_slot_one():
     assert m["accept_sum"].item() == (2 + 1) + (0 + 1)  # accepted run + the bonus, per scored block
     assert m["num_blocks"].item() == 2  # the block with nothing scored does not count
     assert m["accept_len"].item() == 2.0
+    # A block whose first slots are unscored (anchored in a prompt, loss.distill_positions=all)
+    # is no draft decoding would make: it counts for accuracy, not for accept_len.
+    labels = torch.tensor([[-100, 1, 2, 3, 4], [-100, -100, -100, 3, 4]])
+    preds = torch.tensor([[0, 1, 0, 3, 4], [0, 1, 2, 3, 4]])
+    hidden = torch.nn.functional.one_hot(preds, V).float() * 10
+    _, m = dflash_loss(hidden, torch.eye(V), labels_only_batch(labels), LossConfig())
+    assert m["num_blocks"].item() == 1 and m["accept_len"].item() == 2.0
+    assert m["correct_per_pos"].tolist() == [1, 0, 2, 2]
 
 
 # ---------------------------------------------------------------------------------------------

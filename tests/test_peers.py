@@ -484,3 +484,35 @@ def test_muon_split_equals_speculators():
             assert all(a is b for (_, a), (_, b) in zip(group_ours, group_theirs))
     muon, adamw = muon_params(drafter)
     assert "fc.weight" in dict(muon) and "norm.weight" in dict(adamw) and len(muon) == 3 * 7 + 1
+
+
+def test_accept_len_equals_speculators_eal_except_where_a_response_ends():
+    """speculators' `eal` adds the bonus token to every block; accept_len does not where the run of
+    correct drafts reaches the end of the response (decoding gets no token past it). Everywhere
+    else the per-block lengths are equal; the pooled numbers say how far apart they are."""
+    pytest.importorskip("speculators", reason="speculators not on DFLASH_PEERS")
+    from speculators.models.metrics import compute_accepted_length_counts
+
+    from stage2_train.model.loss import accept_lengths
+
+    gen = torch.Generator().manual_seed(7)
+    N, B = 4096, 16
+    correct_NB = torch.rand(N, B, generator=gen) < 0.85  # a strong drafter: long runs reach the ends
+    valid_NB = torch.arange(B)[None, :] <= torch.where(
+        torch.rand(N, 1, generator=gen) < 0.2, torch.randint(1, B, (N, 1), generator=gen), torch.full((N, 1), B - 1)
+    )  # 20% of the blocks run past the response's end
+    valid_NB[:, 0] = False
+    ours_N = accept_lengths(correct_NB, valid_NB)
+    per_block = []
+    for n in range(N):
+        s, t = compute_accepted_length_counts(correct_NB[n : n + 1, 1:], valid_NB[n : n + 1, 1:])
+        per_block.append(float(s / t))
+    theirs_N = torch.tensor(per_block)
+    run_N = (correct_NB[:, 1:] & valid_NB[:, 1:]).long().cumprod(1).sum(1)
+    ends_N = valid_NB[:, 1:].sum(1)
+    ran_out_N = (run_N == ends_N) & (ends_N < B - 1)
+    assert torch.equal(ours_N[~ran_out_N].float(), theirs_N[~ran_out_N])
+    assert torch.equal(ours_N[ran_out_N].float(), theirs_N[ran_out_N] - 1)
+    total_s, total_t = compute_accepted_length_counts(correct_NB[:, 1:], valid_NB[:, 1:])
+    print(f"accept_len {ours_N.float().mean():.3f} vs eal {float(total_s / total_t):.3f}; "
+          f"{int(ran_out_N.sum())} of {N} blocks ran out at a response end")

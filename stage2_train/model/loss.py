@@ -250,8 +250,11 @@ def block_counts(
     A block's acceptance length is what one verification of it would yield: its run of correct
     scored slots from slot 1, plus the target's bonus token, except when the run ran into an
     unscored slot (the end of the response): decoding stops there, with no bonus. So offline
-    blocks give decoding's numbers at response ends too."""
-    scored_N = valid_NB.any(1)
+    blocks give decoding's numbers at response ends too. Only blocks whose slot 1 is scored count
+    for accept_len: decoding drafts only where the next token is the response's (with
+    loss.distill_positions=all a block anchored in the prompt scores KL-only slots first and CE
+    slots later; its "run" would read 0)."""
+    scored_N = valid_NB[:, 1]
     accept_N = accept_lengths(correct_NB, valid_NB)
     return {
         "ce_sum": ce_sum.float(),
