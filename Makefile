@@ -5,7 +5,7 @@ ARGS    ?=
 LOG     ?=
 STAMP   := .venv/.installed
 
-.PHONY: setup preflight generate extract plan status verify reprocess train batches eval export doctor report test test-all bench lint clean
+.PHONY: setup preflight generate extract plan train-plan status verify reprocess train batches eval export doctor report test test-all bench lint clean
 
 # (Re)install when the venv is missing or pyproject.toml changed. CPU torch comes from the local
 # wheel (torch==2.13.0); an unpinned torch would pull a multi-GB CUDA build.
@@ -49,6 +49,10 @@ reprocess: setup
 
 train: extract
 	$(PY) -m stage2_train train --config $(CONFIG) $(ARGS)
+
+# The GPU memory of one training step of the config (fake tensors; ARGS=--search for the largest micro-batch).
+train-plan: setup
+	$(PY) -m stage2_train plan --config $(CONFIG) $(ARGS)
 
 batches: setup
 	$(PY) -m stage2_train batches --config $(CONFIG) --steps 20 --json $(ARGS)

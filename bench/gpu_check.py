@@ -1,7 +1,7 @@
 """One GPU check (one H200, under 8 minutes): extraction, bf16 drafter training and generation.
 
     bash bench/gpu_check.sh                    # installs carried wheels / the gpu extra, then runs this
-    python3 bench/gpu_check.py [--phases env,extract_smollm2,extract_8b,train,generate]
+    python3 bench/gpu_check.py [--phases env,gpu_paths,extract_smollm2,extract_8b,train,generate]
     .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~1-2 min)
 
 Phases, each timed and guarded (a failing phase prints its error and the next one runs; the exit
@@ -19,6 +19,10 @@ status is 1 when any phase failed):
                    train_log.jsonl after the first steps (compile warm-up). The model FLOPs of each
                    step are counted exactly (bench/gpu_flops.py) and taken against the device's dense
                    bf16 peak (989 TFLOP/s for an H100/H200; --peak-tflops for others).
+  gpu_paths        what CPU tests check only by structure: extraction's host copies read after their
+                   event on their own device's stream, the loader's pinned buffers reused, compiled
+                   flex (inductor) over 20 pack shapes (compilations counted, output checked), bf16
+                   autocast without an fp32 context copy; `train` adds planned vs measured memory.
   generate         `python -m stage1_extract generate` with generate.backend=vllm on SmolLM2 over a few
                    dozen default prompts: generated tokens/s, the engine's start timed apart.
 
@@ -746,12 +750,12 @@ def generate_worker(timing_path: str, argv: list[str]) -> int:
             if not returns_backend:
                 return made
 
-            def run(prompts: list[list[int]], seed: int) -> list[str]:
+            def run(*call_args: Any, **call_kwargs: Any) -> Any:  # whatever the backend's signature
                 t1 = time.perf_counter()
-                texts = made(prompts, seed)
+                out = made(*call_args, **call_kwargs)
                 timing["calls_s"] += time.perf_counter() - t1
                 timing["calls"] += 1
-                return texts
+                return out
 
             return run
 

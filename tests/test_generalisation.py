@@ -112,8 +112,8 @@ def test_turning_heldout_metrics_raise_one_event_at_the_best_eval():
     assert d["best_tau"] == {"metric": "walk_tau", "step": 600, "value": 2.30}
     assert ev["likely_cause"] == (
         "the drafter is memorising its training samples: more data, fewer epochs (train.epochs), the checkpoint "
-        "with the best held-out walk_tau (step 600; nearest checkpoint save: step 500), distilling on more "
-        "positions (epochs 1-2 began in steps 400-800, near the turn; training was in epoch 2: many epochs over "
+        "with the best held-out walk_tau (step 600; nearest checkpoint save: step 500; checkpoint.keep_best=true "
+        "keeps it), distilling on more positions (loss.distill_positions=all) (epochs 1-2 began in steps 400-800, near the turn; training was in epoch 2: many epochs over "
         "little data is the usual cause)"
     )
     assert diagnosis["summary"]["heldout"]["best"]["walk_tau"] == {"value": 2.30, "step": 600}

@@ -202,7 +202,8 @@ def memorising_cause(ev: dict[str, Any], near: list[dict[str, Any]], points: lis
         keep += f"; nearest checkpoint save: step {min(saves, key=lambda s: (abs(s - best_step), -s))}"
     cause = (
         "the drafter is memorising its training samples: more data, fewer epochs (train.epochs), "
-        f"the checkpoint with the {keep}), distilling on more positions"
+        f"the checkpoint with the {keep}; checkpoint.keep_best=true keeps it), distilling on more positions "
+        "(loss.distill_positions=all)"
     )
     epochs = [p for p in near if p["what"] == "epoch"]
     current = [p["epoch"] for p in points if p["what"] == "epoch" and p["step"] <= d["confirmed_step"]]
