@@ -31,6 +31,7 @@ BENCHES = {
     "learning": ["bench/learning.py"],
     "scaling": ["bench/scaling.py", "--base-samples", "16", "--length-tokens", "8192"],
     "eval_cost": ["bench/eval_cost.py"],
+    "attention": ["bench/attention.py"],
     "projection": ["bench/projection.py"],
 }
 # Run on request only (`--only learning_long`): the long CPU preset trains up to an hour.
@@ -82,6 +83,14 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
                      yes(r["eval_share"] <= 0.05)))
         rows.append(("the same curve with every anchor scored (final eval's cost x evals)", f"{r['dense_curve_share_estimate']:.1%}", "",
                      f"final dense eval {r['final_dense_eval_s']} s, {r['final_dense_blocks']} blocks", ""))
+    if name == "attention":
+        full = r["kinds"]["full"]
+        for kind, k in r["kinds"].items():
+            if kind == "full":
+                continue
+            rows.append((f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
+                         f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
+                         f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", ""))
     if name == "projection":
         for key, kept in r["energy_kept_heldout"].items():
             rows.append((f"projection {key}: second moment kept on held-out shards / median relative error",

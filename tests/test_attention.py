@@ -86,7 +86,7 @@ def test_a_window_shrinks_the_sdpa_plan_on_long_contexts():
     sliding = _plan_groups(batch, B, 64, "sdpa", MaskKind(512, True))
     full_bytes = sum(g.mask_QC.numel() for g in full.groups)
     sliding_bytes = sum(g.mask_QC.numel() for g in sliding.groups)
-    assert sliding_bytes * 2 < full_bytes, (sliding_bytes, full_bytes)  # bench/attention.py gives the figure
+    assert sliding_bytes * 2 < full_bytes, (sliding_bytes, full_bytes)  # bench/attention.py gives the figures
 
 
 def random_batch(rng: random.Random, arch, block_size=4):
