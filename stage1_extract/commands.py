@@ -58,9 +58,11 @@ def prompts_path(cfg: RunConfig) -> Path:
         return Path(cfg.data.path)
     from stage1_extract.corpus import write_default_prompts
 
-    path = Path(cfg.run_dir) / "data" / f"default_prompts_{cfg.data.num_default_prompts}.parquet"
+    share = cfg.data.default_question_share
+    suffix = "" if share == 0.25 else f"_questions{share:g}"  # 0.25 keeps the name earlier runs made
+    path = Path(cfg.run_dir) / "data" / f"default_prompts_{cfg.data.num_default_prompts}{suffix}.parquet"
     if not path.exists():
-        write_default_prompts(path, cfg.data.num_default_prompts)
+        write_default_prompts(path, cfg.data.num_default_prompts, share)
     return path
 
 

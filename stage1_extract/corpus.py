@@ -24,7 +24,12 @@ _QUESTIONS = (
 )
 
 
-def default_conversations(count: int, seed: int = 0) -> list[Conversation]:
+def is_question(i: int, question_share: float) -> bool:
+    """Prompt i of the default set is a short question: spread evenly, share 0.25 = every 4th (i % 4 == 3)."""
+    return int((i + 1) * question_share + 1e-9) > int(i * question_share + 1e-9)
+
+
+def default_conversations(count: int, seed: int = 0, question_share: float = 0.25) -> list[Conversation]:
     from pydoc_data.topics import topics
 
     rng = random.Random(seed)
@@ -38,7 +43,7 @@ def default_conversations(count: int, seed: int = 0) -> list[Conversation]:
     rng.shuffle(paragraphs)
     conversations = []
     for i in range(count):
-        if i % 4 == 3:
+        if is_question(i, question_share):
             # short questions keep the length distribution wide, as real chat data is
             prompt = _QUESTIONS[i % len(_QUESTIONS)].format(topic=names[i % len(names)].replace("-", " "))
         else:
@@ -48,6 +53,6 @@ def default_conversations(count: int, seed: int = 0) -> list[Conversation]:
     return conversations
 
 
-def write_default_prompts(path: Path, count: int) -> Path:
-    write_conversations_parquet(default_conversations(count), path)
+def write_default_prompts(path: Path, count: int, question_share: float = 0.25) -> Path:
+    write_conversations_parquet(default_conversations(count, question_share=question_share), path)
     return path

@@ -40,6 +40,9 @@ class DataConfig(Section):
     """A row longer than max_length: cut it, or leave it out (both counted in the manifest)."""
     num_default_prompts: int = 384
     """Size of the embedded default prompt set."""
+    default_question_share: float = 0.25
+    """Share of the default prompts that are short questions (the rest ask about a documentation
+    excerpt, whose prefill costs generation time but is not supervised)."""
     tokenize_workers: int = 0
     """Processes that template and tokenize the rows on the first command (0 = min(16, CPUs)); the result is cached under run_dir/cache/ for every later command and rank."""
     token_cache: bool = True
@@ -52,6 +55,7 @@ class DataConfig(Section):
         self.require(self.max_samples is None or self.max_samples > 0, "max_samples", "must be > 0")
         self.require(self.max_length >= 16, "max_length", "must be >= 16")
         self.require(self.num_default_prompts > 0, "num_default_prompts", "must be > 0")
+        self.require(0.0 <= self.default_question_share <= 1.0, "default_question_share", "must be in [0, 1]")
         self.require(self.tokenize_workers >= 0, "tokenize_workers", "must be >= 0 (0 = one per CPU, at most 16)")
 
 

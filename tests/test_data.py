@@ -118,6 +118,18 @@ def test_default_corpus_is_deterministic_and_varied():
     assert len({c.messages[0]["content"] for c in a}) == 64
 
 
+def test_the_question_share_spreads_short_questions_evenly():
+    from stage1_extract.corpus import is_question
+
+    assert [i for i in range(400) if is_question(i, 0.25)] == [i for i in range(400) if i % 4 == 3]  # the old default
+    for share in (0.0, 0.5, 0.75, 1.0):
+        flags = [is_question(i, share) for i in range(400)]
+        assert sum(flags) == 400 * share and sum(flags[:40]) == 40 * share
+    questions = default_conversations(64, question_share=1.0)
+    assert all(len(c.messages[0]["content"]) < 100 for c in questions)
+    assert [c.messages for c in default_conversations(64, question_share=0.25)] == [c.messages for c in default_conversations(64)]
+
+
 def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_path):
     from shared.config import load_run_config
     from stage1_extract import commands
