@@ -166,6 +166,10 @@ def main() -> None:
         "extract_over_forward": round(extract_loop_s / forward_s, 3),
         "extract_total_over_forward": round(extract_total_s / forward_s, 3),
         "writer_queue_wait_s": summary["writer_queue_wait_s"],
+        "writer_seconds": summary["writer_seconds"],  # summed over the writer threads
+        "writer_threads": summary["writer_threads"],
+        "writer_peak_queue_mb": summary["writer_peak_queue_mb"],
+        "extract_forward_s": summary["forward_seconds"],
         "forward_tok_per_s": round(tokens / forward_s, 1),
         "bytes_per_token": {k: round(v, 1) for k, v in sizes.items()},
         "bytes_per_token_by_array": by_array,

@@ -121,6 +121,10 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
         rows.append(("fp8 / bf16 bytes at Qwen3-8B size (formula)", fmt(r.get("fp8_over_bf16_at_qwen3_8b")), "<= 0.55", "", yes(r.get("fp8_over_bf16_at_qwen3_8b", 1) <= 0.55)))
         rows.append(("fp8 reconstruction error (relative L2, mean / p99)", f"{r['fp8_rel_error_mean']} / {r['fp8_rel_error_p99']}", "",
                      f"bf16 rounding alone: {r['bf16_rel_error_mean']}", ""))
+        if "writer_seconds" in r:
+            rows.append((f"who limits extraction: writer threads busy ({r['writer_threads']} threads, summed) / target forward",
+                         f"{r['writer_seconds']} s / {r['extract_forward_s']} s", "writer < forward",
+                         f"forward blocked on a full queue {r['writer_queue_wait_s']} s; peak queue {r['writer_peak_queue_mb']} MB", yes(r["writer_seconds"] / r["writer_threads"] < r["extract_forward_s"])))
         rows.append((f"random {r['read_window_tokens']}-token window reads", f"{r['read_windows_per_s']}/s ({r['read_mb_per_s']} MB/s)", "", "", ""))
     elif name == "data":
         res = r["results"]
