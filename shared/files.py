@@ -39,6 +39,16 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and folder under `root`, then `root` and its parent (its entry)."""
+    root = Path(root)
+    for folder, dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_file(Path(folder) / name)
+        fsync_dir(folder)
+    fsync_dir(root.parent)
+
+
 def temp_name(path: Path) -> Path:
     """A hidden name beside `path`, unique per process (two writers never share a temp file)."""
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")

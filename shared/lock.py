@@ -67,14 +67,16 @@ def exclusive_on_rank0(url: str, command: str, rank: int, all_ok: Callable[[bool
     once when it could not (a second writer is refused before any rank touches a file). `all_ok` is
     the agreement collective (True on every rank iff True on all); every rank calls it once."""
     with ExitStack() as stack:
-        error: BusyError | None = None
+        error: BaseException | None = None
         if rank == 0:
             try:
                 stack.enter_context(exclusive(url, command))
-            except BusyError as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure (busy, read-only, NFS) must reach the vote
                 error = exc
         if not all_ok(error is None):
-            raise error or BusyError(f"{url}: another command holds it (rank 0 could not lock it)")
+            if error is not None:
+                raise error
+            raise BusyError(f"{url}: rank 0 could not lock it (its error is in rank 0's output)")
         yield
 
 

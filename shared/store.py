@@ -39,7 +39,7 @@ import numpy as np
 
 from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
 from shared.errors import StoreError
-from shared.files import write_atomic
+from shared.files import fsync_tree, write_atomic
 from shared.section import Section
 
 SCHEMA_VERSION = 1
@@ -282,6 +282,10 @@ def write_shard(
         )
         array[...] = data
     files = StoreFiles(url)
+    if files.is_local:
+        # The part record that marks the shard done is fsynced; its data must be on disk before it,
+        # or a node crash leaves a "done" shard whose chunk files never reached the disk.
+        fsync_tree(Path(files.path(f"shards/{name}")))
     return {
         "name": name,
         "num_samples": len(samples),

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -579,3 +580,39 @@ def test_keep_best_points_at_the_best_eval_and_pruning_never_takes_it(tmp_path):
     (tmp_path / "best").write_text(json.dumps({"step": 4, "walk_tau": 1.3}))  # a pointer written before it named its metric
     older = make_checkpointer(tmp_path, every_steps=2, keep_best=True)
     assert (older.best_metric, older.best_value) == ("walk_tau", 1.3)
+
+
+def test_a_checkpoint_of_another_rank_count_is_refused_not_skipped(tmp_path):
+    """Skipping it would start afresh and later overwrite it at the same step numbers: every rank
+    reads the same meta.json and refuses alike, naming the launch that resumes it."""
+    ckpt = make_checkpointer(tmp_path, every_steps=1)
+    ckpt.save(3, lambda: big_state(1), blocking=True)
+    meta_path = tmp_path / "step_000003" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["world_size"] = 4  # as a 4-rank run would have written it
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"saved by 4 rank\(s\), this run has 1.*--nproc_per_node 4"):
+        make_checkpointer(tmp_path).select()
+
+
+def test_best_is_pointed_at_a_save_that_committed_while_the_eval_ran(tmp_path, monkeypatch):
+    """The final eval names step S the best while the writer thread, having committed S, is still
+    busy (pruning, agreeing with the other ranks): the pointer must still be written, once."""
+    real_commit = Checkpointer._commit
+
+    def commit_then_linger(self, job, tmp):
+        real_commit(self, job, tmp)
+        time.sleep(0.3)  # the thread has read _best_step already, and is still alive
+
+    monkeypatch.setattr(Checkpointer, "_commit", commit_then_linger)
+    sink = RecordingSink()
+    ckpt = make_checkpointer(tmp_path, sink, every_steps=4, keep_best=True)
+    state = lambda: big_state(1)  # noqa: E731
+    assert ckpt.maybe_save(4, state)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ckpt.busy and ckpt.note_eval(4, 1.7, state)
+    ckpt.finalize()
+    assert json.loads((tmp_path / "best").read_text()) == {"step": 4, "metric": "walk_tau", "value": 1.7}
+    assert [step for step, _ in sink.of("best_checkpoint")] == [4]

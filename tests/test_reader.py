@@ -215,3 +215,22 @@ def test_a_sample_whose_offsets_disagree_with_the_manifest_is_named_on_the_packe
                             mask_token_id=999)
     with pytest.raises(DataLoadError, match=r"sample 2 \(input row 2\) in shard shard-000000-x .*store's lengths say"):
         list(loader)
+
+
+def test_a_local_shard_is_on_disk_before_write_shard_returns(tmp_path, monkeypatch):
+    """The part record written next marks the shard done, so every file of the shard (and its
+    folders) is fsynced first: a node crash cannot leave a "done" shard without its data."""
+    import os
+
+    synced: set[str] = set()
+    real_fsync = os.fsync
+
+    def record(fd):
+        synced.add(os.path.realpath(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    write_shard(str(tmp_path), "shard-000000-x", samples(3), StoreConfig())
+    root = tmp_path / "shards" / "shard-000000-x"
+    everything = {str(p.resolve()) for p in root.rglob("*")} | {str(root.resolve()), str(root.parent.resolve())}
+    assert len(everything) > 10 and everything <= synced

@@ -145,7 +145,9 @@ class DecoderLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     # DDP must not broadcast the frozen target parts every step (they can be >1 GB).
-    _ddp_params_and_buffers_to_ignore: ClassVar[list[str]] = ["embed_VH", "lm_head_VH"]
+    # Frozen or constant, identical on every rank: DDP would otherwise broadcast them from rank 0 at
+    # every step (the projection is R x F fp32, 335 MB at Qwen3-8B's shape).
+    _ddp_params_and_buffers_to_ignore: ClassVar[list[str]] = ["embed_VH", "lm_head_VH", "projection_RF"]
 
     def __init__(self, cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int, mask_token_id: int):
         super().__init__()

@@ -151,7 +151,9 @@ class Trainer:
         self._cpu_start = time.process_time()
         self.nonfinite_in_a_row = 0
         self.last_row: dict[str, Any] = {}
-        self.epoch_blocks = torch.zeros((), dtype=torch.long)  # scored blocks of this epoch on this rank
+        # Scored blocks of this epoch on this rank, kept on the device: reading it every step would
+        # be a host sync before the optimizer's kernels are even launched.
+        self.epoch_blocks = torch.zeros((), dtype=torch.long, device=self.device)
         self.last_eval: dict[str, Any] | None = None
         self.components = self._register_components()
         self._start = time.perf_counter()
@@ -203,6 +205,10 @@ class Trainer:
             moment, tokens = packed[:-1].reshape(moment.shape), int(packed[-1])
         rank = self.cfg.model.projection_dim or self.data.target.arch.hidden_size
         P_RF, _ = projection_basis(moment, tokens, rank, self.cfg.model.projection_scale)
+        if self.world_size > 1:  # rank 0's bytes everywhere: eigh on other CPUs (nodes) may differ in the last bits
+            P_RF = P_RF.to(self.device)
+            torch.distributed.broadcast(P_RF, src=0)
+            P_RF = P_RF.cpu()
         return P_RF
 
     def _register_components(self) -> dict[str, Stateful]:
@@ -340,7 +346,7 @@ class Trainer:
             parts.append(counts)
             forward_s, backward_s = forward_s + f_s, backward_s + b_s
         counts = sum_counts(parts)
-        self.epoch_blocks = self.epoch_blocks + counts["num_blocks"].long().cpu()
+        self.epoch_blocks = self.epoch_blocks + counts["num_blocks"].long()
         lr, grad_norm, skipped, optim_s = self.optimizer_step(counts)
         for lb in loaded:
             self.data.loader.release(lb, copied)
@@ -468,7 +474,7 @@ class Trainer:
         if stats.step_in_epoch != stats.steps_in_epoch - 1:
             return
         blocks = int(self.accelerator.reduce(self.epoch_blocks.to(self.device), reduction="sum"))
-        self.epoch_blocks = torch.zeros((), dtype=torch.long)
+        self.epoch_blocks = torch.zeros((), dtype=torch.long, device=self.device)
         self.sink.event("epoch_end", self.step, epoch=stats.epoch, blocks=blocks, elapsed_s=round(self.elapsed_s(), 3))
         if blocks == 0:
             raise DataError(
@@ -495,11 +501,35 @@ class Trainer:
 
         Evals during training score `eval.offline_max_anchors_per_seq` anchors per sample (null:
         every anchor, which adds walk_tau); the final one always scores every anchor."""
-        data, cfg = self.data, self.cfg.eval
+        cfg = self.cfg.eval
         anchors = None if final else cfg.offline_max_anchors_per_seq
+        start = time.perf_counter()
+        row = self._heldout_row(anchors)
+        if row is None:
+            return None
+        row["eval_s"] = round(time.perf_counter() - start, 3)
+        self.sink.log(self.step, row, kind="eval")
+        # Eval time is not a stall; a held-out curve turning while training improves is a warning.
+        for event in self.detectors.update({"kind": "eval", "step": self.step, **row}):
+            self.sink.event("warning", event["step"], **as_warning(event))
+        self.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
+        # checkpoint.keep_best compares the evals' common metric with the evals' own estimator:
+        # walk_tau when they score every anchor, else accept_len over the same sampled anchors
+        # (the final, dense eval's accept_len weighs blocks differently, so it is not compared).
+        metric = "walk_tau" if cfg.offline_max_anchors_per_seq is None else "accept_len"
+        value = row.get(metric)
+        if final and metric == "accept_len" and self.cfg.checkpoint.keep_best:
+            sampled = self._heldout_row(cfg.offline_max_anchors_per_seq, quiet=True)
+            value = None if sampled is None else sampled["accept_len"]
+        self.checkpointer.note_eval(self.step, value, self.state_dict, metric=metric)
+        return row
+
+    def _heldout_row(self, anchors: int | None, quiet: bool = False) -> dict[str, Any] | None:
+        """The eval row of `anchors` per sample (None: every anchor), reduced over the ranks; None
+        when there is nothing to score (said in an `eval_skipped` event unless `quiet`)."""
+        data, cfg = self.data, self.cfg.eval
         if len(data.heldout_indices) == 0:
             return None
-        start = time.perf_counter()
         mine = data.heldout_indices[: cfg.offline_max_samples][self.rank :: self.world_size].tolist()
         error: BaseException | None = None
         totals = empty_totals(self.model.block_size)
@@ -522,20 +552,11 @@ class Trainer:
         if float(flat[-1]) > 0:
             raise RuntimeError("the held-out evaluation failed on another rank (its traceback is in that rank's log)")
         try:
-            row = offline_row(unflatten_totals(flat[:-1], self.model.block_size), self.cfg.loss.gamma, anchors is None)
+            return offline_row(unflatten_totals(flat[:-1], self.model.block_size), self.cfg.loss.gamma, anchors is None)
         except ValueError as exc:  # e.g. no held-out sample long enough for one block
-            self.sink.event("eval_skipped", self.step, reason=str(exc))
+            if not quiet:
+                self.sink.event("eval_skipped", self.step, reason=str(exc))
             return None
-        row["eval_s"] = round(time.perf_counter() - start, 3)
-        self.sink.log(self.step, row, kind="eval")
-        # Eval time is not a stall; a held-out curve turning while training improves is a warning.
-        for event in self.detectors.update({"kind": "eval", "step": self.step, **row}):
-            self.sink.event("warning", event["step"], **as_warning(event))
-        self.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
-        # checkpoint.keep_best compares the evals' common metric: walk_tau only if they all score every anchor.
-        metric = "walk_tau" if cfg.offline_max_anchors_per_seq is None else "accept_len"
-        self.checkpointer.note_eval(self.step, row.get(metric), self.state_dict, metric=metric)
-        return row
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shared.errors import UserError
+from shared.errors import CheckpointError, UserError
 from shared.files import file_sha256, fsync_dir, write_atomic
 from stage2_train.train.checkpoint.format import (
     FORMAT_VERSION,
@@ -58,6 +58,7 @@ from stage2_train.train.checkpoint.format import (
     check_finite_weights,
     checkpoint_problem,
     load_checkpoint,
+    read_meta,
     rank_stem,
     split_tensors,
     step_name,
@@ -113,6 +114,7 @@ class Checkpointer:
         self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
         self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
+        self._pointed_step: int | None = None  # the step `best` was last pointed at by this process
         # A group of our own, so the writer thread's collective never interleaves with DDP's.
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         if rank == 0:
@@ -183,13 +185,20 @@ class Checkpointer:
         if self.best_value is not None and value <= self.best_value:
             return False
         self.best_value, self._best_step = value, step
-        if not self.save(step, state_fn) and self.rank == 0 and step == self._last_step and not self.busy:
-            self._point_best()  # this step was committed before the eval named it the best
+        if not self.save(step, state_fn) and step == self._last_step and not self.busy:
+            self._point_best(step)  # this step was committed before the eval named it the best
+        # else: a save of this step is being written (begun now or before the eval); `_poll` points
+        # at it on the main thread once it has committed, whatever the writer thread saw.
         return True
 
-    def _point_best(self) -> None:
-        write_atomic(self.dir / BEST, json.dumps(self._best_record(self._best_step)))
-        self._event("best_checkpoint", self._best_step, **{self.best_metric: self.best_value}, path=str(self.dir / step_name(self._best_step)))
+    def _point_best(self, step: int) -> None:
+        """Rank 0 writes the `best` pointer at `step` (committed) and logs it, once per step."""
+        if step == self._pointed_step:
+            return
+        self._pointed_step = step
+        if self.rank == 0:
+            write_atomic(self.dir / BEST, json.dumps(self._best_record(step)))
+        self._event("best_checkpoint", step, **{self.best_metric: self.best_value}, path=str(self.dir / step_name(step)))
 
     def _best_record(self, step: int) -> dict[str, Any]:
         return {"step": step, "metric": self.best_metric, "value": self.best_value}
@@ -237,7 +246,7 @@ class Checkpointer:
             mode=job.mode,
         )
         if job.step == self._best_step:
-            self._event("best_checkpoint", job.step, **{self.best_metric: self.best_value}, path=str(path))
+            self._point_best(job.step)
 
     def _fix(self, error: BaseException) -> str:
         """What to do about a failed save: for a full disk, how much is free and what to change."""
@@ -396,12 +405,25 @@ class Checkpointer:
         chosen here is loaded with `load(path, verified=True)`, which reads without hashing again."""
         selection = Selection(None)
         for path in reversed(candidates(self.dir)):
+            self._refuse_other_world_size(path)
             problem = self.verify(path)
             if problem is None:
                 selection.path = path
                 return selection
             selection.skipped.append((str(path), problem))
         return selection
+
+    def _refuse_other_world_size(self, path: Path) -> None:
+        """A checkpoint saved by another number of ranks is this run's history, not damage: skipping
+        it would start afresh and later overwrite it. Every rank reads the same meta.json, so every
+        rank raises alike (no collective)."""
+        meta = read_meta(path)
+        if meta is not None and meta.get("world_size") not in (None, self.world_size):
+            raise CheckpointError(
+                f"{path}: saved by {meta['world_size']} rank(s), this run has {self.world_size}: the data position and "
+                f"per-rank state do not split across another rank count; relaunch with {meta['world_size']} processes "
+                f"(torchrun --nproc_per_node {meta['world_size']}), or start afresh in another run_dir (or train.resume=never)"
+            )
 
     def verify(self, path: str | os.PathLike) -> str | None:
         """Why some rank cannot use the checkpoint at `path`, agreed by every rank, or None. Each
