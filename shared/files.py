@@ -42,7 +42,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def fsync_tree(root: str | os.PathLike) -> None:
     """fsync every file and folder under `root`, then `root` and its parent (its entry)."""
     root = Path(root)
-    for folder, dirs, files in os.walk(root, topdown=False):
+    for folder, _dirs, files in os.walk(root, topdown=False):
         for name in files:
             fsync_file(Path(folder) / name)
         fsync_dir(folder)
