@@ -183,7 +183,7 @@ def test_check_explain_prints_every_key_with_its_documentation():
     )
     out = done.stdout
     assert "loss.kl_weight = 1.0   : float   (default 0.0)" in out and "Top-k KL against the stored target distribution" in out
-    assert "train.epochs = 25   : int   (default 6)" in out  # the preset's value, and the default beside it
+    assert "train.epochs = 31   : int   (default 6)" in out  # the preset's value, and the default beside it
     assert "store.dtype = 'bf16'" in out and "fp8 e4m3 with a per-token, per-layer scale" in out
 
 
