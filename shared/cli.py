@@ -71,6 +71,11 @@ def print_check(cfg: RunConfig, with_docs: bool = False, quiet: bool = False) ->
         print(f"WARNING: {warning}", file=sys.stderr)
     if not warnings:
         print("# no departures from the published DFlash recipe", file=sys.stderr)
+    alternatives = cfg.alternatives()
+    if alternatives:
+        print("# alternatives to the recipe, with what was measured (BENCHMARKS.md):", file=sys.stderr)
+        for line in alternatives:
+            print(f"#   {line}", file=sys.stderr)
     for line in cfg.describe_batch():
         print(f"# {line}", file=sys.stderr)
     for owner, names in cfg.unvalidated_by_owner().items():

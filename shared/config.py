@@ -154,6 +154,10 @@ class RunConfig:
                 warnings.extend(value.recipe_warnings())
         return warnings
 
+    def alternatives(self) -> list[str]:
+        """Every section's measured options beyond the recipe that this config does not use."""
+        return [line for value in self.sections.values() for line in value.alternatives()]
+
     def write_resolved(self, path: str | os.PathLike) -> Path:
         """Save the resolved config beside an output, atomically, so it always says what made it."""
         return write_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False))

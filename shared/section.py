@@ -30,6 +30,11 @@ class Section(BaseModel):
         """Values that are legal but depart from the published DFlash recipe."""
         return []
 
+    def alternatives(self) -> list[str]:
+        """Options this section offers beyond the recipe, with what was measured, while the recipe's
+        setting is in use (`check` lists them, so a user choosing a run sees every lever)."""
+        return []
+
     def require(self, ok: bool, key: str, what: str) -> None:
         if not ok:
             raise ValueError(f"{self.section}.{key} {what}, got {getattr(self, key)!r}")

@@ -110,6 +110,27 @@ def test_the_8b_presets_follow_the_recipe(preset):
     assert load_run_config(ROOT / "configs" / preset, []).recipe_warnings() == []
 
 
+def test_check_names_every_measured_alternative_the_config_does_not_use():
+    """The 8B presets keep the recipe; `check` names each lever beside it, and drops the ones in use."""
+    recipe = load_run_config(ROOT / "configs" / "qwen3-8b.yaml", [])
+    keys = [line.split("=")[0] for line in recipe.alternatives()]
+    assert keys == [
+        "model.layer_types", "model.feature_projection", "loss.weighting", "loss.distill_positions", "optim.name",
+        "checkpoint.keep_best",
+    ]
+    chosen = load_run_config(
+        ROOT / "configs" / "qwen3-8b.yaml", ["loss.weighting=dpace", "optim.name=muon", "checkpoint.keep_best=true"]
+    )
+    assert [line.split("=")[0] for line in chosen.alternatives()] == [
+        "model.layer_types", "model.feature_projection", "loss.distill_positions",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "stage2_train", "check", "--config", "configs/qwen3-8b.yaml"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )
+    assert "# alternatives to the recipe" in out.stderr and "#   loss.weighting=dpace: online tau +0.11" in out.stderr
+
+
 def test_every_field_of_every_section_documents_itself():
     """`check --explain` is the config's documentation: every key needs a description (and one that
     belongs to it: a docstring placed under the wrong field would describe its neighbour)."""

@@ -102,6 +102,21 @@ class DrafterConfig(Section):
                 )
         return out
 
+    def alternatives(self) -> list[str]:
+        out = []
+        if self.layer_types is None or "sliding_attention" not in self.layer_types:
+            out.append(
+                "model.layer_types=[sliding_attention, ..., full_attention] + model.sliding_window: attention cost "
+                "falls with W on long contexts (0.43x score pairs at 8K context, W=2048; BENCHMARKS.md \"attention\"); "
+                "tau +0.025 [+0.003, +0.047] with W=64 on the CPU default (\"levers\")"
+            )
+        if self.feature_projection == "none":
+            out.append(
+                "model.feature_projection=pca: measure whether a store projected to r values would do "
+                "(bench/projection.py); it lost 0.07 of tau at r=H on the CPU default"
+            )
+        return out
+
 
 class LossConfig(Section):
     section: ClassVar[str] = "loss"
@@ -179,3 +194,14 @@ class LossConfig(Section):
                     f"loss.gamma={self.gamma:g} departs from the recipe: {expected:g} for model.block_size={block_size}"
                 )
         return warnings
+
+    def alternatives(self) -> list[str]:
+        out = []
+        if self.weighting == "decay":
+            out.append(
+                "loss.weighting=dpace: online tau +0.11 [+0.08, +0.14] over decay on the CPU default (BENCHMARKS.md "
+                "\"levers\"); speculators reports mean accepted length 2.484 -> 2.617 on Qwen3-8B (its PR #736)"
+            )
+        if self.distill_positions == "assistant":
+            out.append("loss.distill_positions=all: KL on prompt text too; +0.003 [-0.018, +0.024] on the CPU default (noise)")
+        return out
