@@ -67,8 +67,14 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--skip-train", action="store_true", help="evaluate the runs already there")
     parser.add_argument("--json")
+    parser.add_argument("--png", default=None, help="default: bench/results/<name>.png")
+    parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNG of a result already written")
     parser.add_argument("overrides", nargs="*", help="for every variant")
     args = parser.parse_args()
+    png = Path(args.png or REPO / "bench" / "results" / f"{args.name}.png")
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), png)
+        return 0
     t0 = time.perf_counter()
     import numpy as np
     import torch
@@ -159,12 +165,49 @@ def main() -> int:
         "prompts": {k: len(v) for k, v in kinds.items()}, "max_new_tokens": args.max_new_tokens,
         "online_eval_s": eval_s, "results": table,
     }
+    plot(result, png)
+    result["png"] = str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png)
     (root / "compare.json").write_text(json.dumps(result, indent=1))
     for name, e in table.items():
         a = e["all"]
         diff = f"  diff {a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]" if "diff" in a else ""
         print(f"{name:>14}: tau {a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}]{diff}  walk {e.get('walk_tau')}  exact {e['exact']}", flush=True)
     return emit(result, args.json, t0)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Each drafter's online tau with its 95% interval over prompts, on all prompts and per kind; the
+    n-gram drafter's interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["results"])
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.2))
+    ngram = result["results"].get("ngram", {}).get("all")
+    if ngram:
+        ax.axvspan(ngram["lo"], ngram["hi"], color="0.9", label="n-gram interval")
+    for offset, kind, colour in ((-0.2, "all", "k"), (0.0, "excerpt", "tab:orange"), (0.2, "question", "tab:blue")):
+        ys, xs, lo, hi = [], [], [], []
+        for y, name in enumerate(names):
+            entry = result["results"][name].get(kind)
+            if entry:
+                ys.append(y + offset)
+                xs.append(entry["tau"])
+                lo.append(entry["tau"] - entry["lo"])
+                hi.append(entry["hi"] - entry["tau"])
+        ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", color=colour, ms=4, capsize=2,
+                    label=f"{kind} ({result['prompts'].get(kind, 0)} prompts)")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"online tau, {result['max_new_tokens']} new tokens per prompt (95% bootstrap interval over prompts)")
+    ax.set_title(f"{Path(result['config']).stem}, {result['steps']} steps, same seed", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,22 @@ BENCHES = {
 EXTRA_BENCHES = {
     "learning_long": ["bench/learning.py", "--config", "configs/cpu-long.yaml", "--n", "100"],
     "plan8b": ["bench/plan.py"],  # ~10 min of fake-tensor traces on 2 cores
+    # Settings at equal steps and seed, decoded on the same prompts with paired intervals (~2 h; ~1.5 h).
+    "levers": [
+        "bench/compare.py", "--name", "levers-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
+        "--variant", "base:loss.weighting=decay", "--variant", "dpace:loss.weighting=dpace",
+        "--variant", "muon:loss.weighting=decay,optim.name=muon",
+        "--variant", "distill:loss.weighting=decay,loss.distill_positions=all",
+        "--variant", "distill16:loss.weighting=decay,loss.distill_positions=all,sampler.max_anchors_per_seq=16",
+        "--variant", "sliding64:loss.weighting=decay,model.layer_types=[sliding_attention],model.sliding_window=64",
+        "--variant", "pcaH:loss.weighting=decay,model.feature_projection=pca",
+        "--variant", "pcaH2:loss.weighting=decay,model.feature_projection=pca,model.projection_dim=288",
+    ],
+    "levers_long": [
+        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "levers-cpu-long", "--steps", "1600",
+        "--heldout", "24", "--unseen", "16", "--variant", "dpace:", "--variant", "decay:loss.weighting=decay",
+        "--variant", "sliding64:model.layer_types=[sliding_attention],model.sliding_window=64",
+    ],
 }
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
@@ -91,6 +107,27 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             rows.append((f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
                          f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
                          f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", ""))
+    if name in ("levers", "levers_long"):
+        base = r["baseline"]
+        p = r["prompts"]
+        rows.append((f"prompts decoded ({r['max_new_tokens']} new tokens each, every output equal to the target's greedy one)",
+                     f"{p['all']}: {p['heldout']} held-out, {p['excerpt']} excerpt, {p['question']} question", "", "", ""))
+        for variant, v in r["results"].items():
+            a = v["all"]
+            paired = "" if variant == base or "diff" not in a else f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]"
+            extra = f"; walk_tau {v['walk_tau']} +- {v['walk_tau_se']}" if "walk_tau" in v else ""
+            extra += f"; {v['cpu_min']} CPU min of training" if "cpu_min" in v else ""
+            rows.append((f"online tau `{variant}` (95% interval over prompts) / excerpt / question",
+                         f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / {v['excerpt']['tau']:.3f} / {v['question']['tau']:.3f}",
+                         "", (f"paired vs `{base}`: {paired}" if paired else f"the baseline `{base}`") + extra,
+                         "" if v.get("exact", True) else "**outputs differ**"))
+        if "ngram" in r["results"] and r["results"].get(base):
+            best = max((k for k in r["results"] if k not in ("ngram", "untrained")), key=lambda k: r["results"][k]["all"]["tau"])
+            b, g = r["results"][best]["all"], r["results"]["ngram"]["all"]
+            rows.append((f"best drafter `{best}` against the n-gram drafter (same prompts)", f"{b['tau']:.3f} vs {g['tau']:.3f}",
+                         "above, interval clear", f"n-gram interval [{g['lo']:.3f}, {g['hi']:.3f}]", yes(b["lo"] > g["tau"])))
+        if r.get("png"):
+            rows.append(("plot", f"![{name}]({r['png']})", "", "", ""))
     if name == "projection":
         for key, kept in r["energy_kept_heldout"].items():
             rows.append((f"projection {key}: second moment kept on held-out shards / median relative error",
@@ -252,13 +289,21 @@ def yes(ok: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset")
+    parser.add_argument("--only", default=None, help="comma-separated subset (default: every BENCHES entry, none with --adopt)")
+    parser.add_argument("--adopt", action="append", default=[], metavar="NAME=JSON",
+                        help="record a result its own command wrote (a long EXTRA bench run by hand, in the background)")
     args = parser.parse_args()
     out_dir = REPO / "bench" / "results"
     out_dir.mkdir(exist_ok=True)
-    names = [n for n in args.only.split(",") if n]
+    only = args.only if args.only is not None else ("" if args.adopt else ",".join(BENCHES))
+    names = [n for n in only.split(",") if n]
     results_path = REPO / "bench" / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    for spec in args.adopt:
+        name, path = spec.split("=", 1)
+        result = json.loads(Path(path).read_text())
+        results[name] = {"result": result, "seconds": result.get("total_s", 0), "command": ".venv/bin/python " + " ".join({**BENCHES, **EXTRA_BENCHES}[name]),
+                         "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(Path(path).stat().st_mtime))}
     for name in names:
         print(f"== {name}", flush=True)
         results[name] = {**run(name, out_dir), "date": time.strftime("%Y-%m-%d %H:%M")}
