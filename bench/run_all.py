@@ -49,6 +49,11 @@ EXTRA_BENCHES = {
         "--variant", "pcaH:loss.weighting=decay,model.feature_projection=pca",
         "--variant", "pcaH2:loss.weighting=decay,model.feature_projection=pca,model.projection_dim=288",
     ],
+    # Needs the all-questions store first: make extract ARGS="run_dir=runs/questions data.default_question_share=1.0"
+    "questions": [
+        "bench/compare.py", "--name", "qmix", "--steps", "400", "--heldout", "0", "--unseen", "44",
+        "--variant", "mixed:", "--variant", "questions:store.path=runs/questions/store",
+    ],
     "levers_long": [
         "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "levers-cpu-long", "--steps", "1600",
         "--heldout", "24", "--unseen", "16", "--variant", "dpace:", "--variant", "decay:loss.weighting=decay",
@@ -107,7 +112,7 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             rows.append((f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
                          f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
                          f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", ""))
-    if name in ("levers", "levers_long"):
+    if name in ("levers", "levers_long", "questions"):
         base = r["baseline"]
         p = r["prompts"]
         rows.append((f"prompts decoded ({r['max_new_tokens']} new tokens each, every output equal to the target's greedy one)",
