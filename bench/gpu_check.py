@@ -471,7 +471,9 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
     for _ in range(20):
         small = ctx.sizes.smoke  # CPU: the same loop at a size aot_eager's dense fallback runs quickly
         lengths = [rng.randint(40, 90) if small else rng.randint(200, 900) for _ in range(rng.randint(2, 6))]
-        N_per = [rng.randint(2, 6) if small else rng.randint(8, 40) for _ in lengths]
+        # >= 10 blocks (160 query rows) a pack, as a training micro-batch has: a pack of <= 128 query
+        # rows (one flex block) compiles once more (a 0/1 specialisation of the query-block count), once
+        N_per = [rng.randint(5, 8) if small else rng.randint(8, 40) for _ in lengths]
         B, A, G, D = (16, 4, 2, 16) if small else (16, 32, 8, 128)
         seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
         pos = torch.cat([torch.arange(n) for n in lengths])

@@ -84,8 +84,10 @@ def cmd_plan(cfg: RunConfig, sample_tokens: int, search: bool = False, world_siz
     if cfg.target.path == EMBEDDED_DEFAULT or (folder / "config.json").is_file():
         arch, source = TargetArch.from_dir(resolve_target_dir(cfg.target)), "config.json"
     else:
-        name = PurePath(cfg.target.path).name.lower()
-        if name not in KNOWN_TARGETS:
+        folder_name = PurePath(cfg.target.path).name.lower()
+        # A folder named after its model: Llama-3.1-8B-Instruct, Meta-Llama-3.1-8B-Instruct, Qwen3-8B
+        name = next((known for known in KNOWN_TARGETS if known in folder_name), None)
+        if name is None:
             raise ConfigError(
                 f"target.path={cfg.target.path!r}: no config.json there and not a known shape ({', '.join(KNOWN_TARGETS)}); "
                 f"copy the target's config.json into that folder to plan for it"

@@ -82,9 +82,14 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     phases = result["phases"]
-    assert list(phases) == ["env", "extract_smollm2", "extract_8b", "train", "generate"]
+    assert list(phases) == ["env", "gpu_paths", "extract_smollm2", "extract_8b", "train", "generate"]
     assert {n: p["status"] for n, p in phases.items()} == dict.fromkeys(phases, "ok")
     assert phases["env"]["packages"]["zarr"] and phases["env"]["choices"]
+    paths = phases["gpu_paths"]
+    assert paths["copies_after_event"]["equal"] and paths["loader_buffers"]["allocated"] <= 3
+    graphs = paths["flex_20_shapes"]["graphs_after_each"]
+    assert len(graphs) == 20 and graphs[-1] <= 6 and graphs[9] == graphs[-1]  # no recompile per pack shape
+    assert paths["flex_20_shapes"]["max_abs_diff_vs_rule"] < 1e-5
 
     for name in ("extract_smollm2", "extract_8b"):
         p = phases[name]

@@ -268,7 +268,9 @@ def packed_attention(q_NBAD, k_ctx_TGD, v_ctx_TGD, k_blk_NBGD, v_blk_NBGD, plan:
         q = q_NBAD.reshape(N * B, A, D).transpose(0, 1)[None]
         k = torch.cat([k_ctx_TGD, k_blk_NBGD.reshape(N * B, G, D)]).transpose(0, 1)[None]
         v = torch.cat([v_ctx_TGD, v_blk_NBGD.reshape(N * B, G, D)]).transpose(0, 1)[None]
-        for t in (q, k, v):  # the sequence dims change every micro-batch
+        # The sequence dims change every micro-batch. A pack of <= 128 query rows (one flex block: a
+        # tail micro-batch of <= 8 blocks) compiles once more, then both graphs serve every shape.
+        for t in (q, k, v):
             torch._dynamo.maybe_mark_dynamic(t, 2)
         out = attend(q, k, v, block_mask=plan.block_mask, scale=scale, enable_gqa=G != A)
         return out[0].transpose(0, 1).reshape(N, B, A, D)
