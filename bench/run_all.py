@@ -122,8 +122,9 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             paired = "" if variant == base or "diff" not in a else f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]"
             extra = f"; walk_tau {v['walk_tau']} +- {v['walk_tau_se']}" if "walk_tau" in v else ""
             extra += f"; {v['cpu_min']} CPU min of training" if "cpu_min" in v else ""
-            rows.append((f"online tau `{variant}` (95% interval over prompts) / excerpt / question",
-                         f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / {v['excerpt']['tau']:.3f} / {v['question']['tau']:.3f}",
+            kinds = [k for k in ("heldout", "excerpt", "question") if k in v]
+            rows.append((f"online tau `{variant}` (95% interval over prompts) / " + " / ".join(kinds),
+                         f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / " + " / ".join(f"{v[k]['tau']:.3f}" for k in kinds),
                          "", (f"paired vs `{base}`: {paired}" if paired else f"the baseline `{base}`") + extra,
                          "" if v.get("exact", True) else "**outputs differ**"))
         if "ngram" in r["results"] and r["results"].get(base):
