@@ -107,6 +107,7 @@ class MetricsSink:
         self.wandb_mode = resolve_wandb_mode(cfg.wandb)
         self._file = None
         self._wandb_run = None
+        self._wandb_step = 0  # wandb drops a row whose step is below one it has seen
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,8 +143,7 @@ class MetricsSink:
             return
         record = {"kind": kind, "step": int(step), **plain(row), "time": time.time()}
         self._write(record)
-        if self._wandb_run is not None:
-            self._wandb_run.log(flatten_for_wandb(kind, plain(row)), step=int(step))
+        self._to_wandb(flatten_for_wandb(kind, plain(row)), int(step), kind)
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         """Something that happened in the run (run_start, epoch_end, checkpoint_saved, resume...)."""
@@ -152,8 +152,19 @@ class MetricsSink:
         record = {"kind": "event", "event": kind, "step": int(step), **plain(fields), "time": time.time()}
         self._write(record)
         if self._wandb_run is not None:
-            numbers = flatten_for_wandb(f"event/{kind}", {k: v for k, v in fields.items() if k != "config"})
-            self._wandb_run.log(numbers, step=int(step))
+            self._to_wandb(flatten_for_wandb(f"event/{kind}", {k: v for k, v in fields.items() if k != "config"}), int(step), f"event/{kind}")
+
+    def _to_wandb(self, numbers: dict[str, Any], step: int, prefix: str) -> None:
+        """wandb ignores a row logged at a step below one it has seen, and some rows come late: an
+        async checkpoint's checkpoint_end (the save's blocked and written seconds, what showed the
+        failed run's stalls) arrives after the next step's row. Such a row goes to wandb at the
+        latest step, carrying its own step as prefix/step; the JSONL keeps the true step."""
+        if self._wandb_run is None:
+            return
+        if step < self._wandb_step:
+            numbers = {**numbers, f"{prefix}/step": step}
+        self._wandb_step = max(self._wandb_step, step)
+        self._wandb_run.log(numbers, step=self._wandb_step)
 
     def close(self) -> None:
         if self._wandb_run is not None:
