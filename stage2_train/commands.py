@@ -145,11 +145,13 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     untrained = build_drafter(
         cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, seed=cfg.seed
     ).to(device).eval()
+    # Every anchor, as the run's final eval: `walk_tau` (the offline estimate of online tau) needs
+    # them all; eval.offline_max_anchors_per_seq samples the evals during training only.
     offline = offline_eval(
         trained,
         reader,
         heldout[: eval_cfg.offline_max_samples],
-        max_anchors_per_seq=eval_cfg.offline_max_anchors_per_seq,
+        max_anchors_per_seq=None,
         batch_tokens=eval_cfg.offline_batch_tokens,
         seed=cfg.seed,
         gamma=cfg.loss.gamma,
@@ -173,7 +175,7 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
 
     from shared.target import stop_token_ids
     from stage2_train.data.view import tokenizer_and_hash
-    from stage2_train.serve.online_eval import heldout_prompts, load_online_target, online_eval
+    from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, load_online_target, online_eval
     from stage2_train.serve.speculative import DFlashProposer, NgramProposer
 
     target_model = load_online_target(cfg.target, cfg.eval.online_dtype, device)
@@ -193,6 +195,12 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
         eos_token_ids=stop_token_ids(tokenizer, target_model),
     )
     online["sample_ids"] = [sid for sid, _ in prompts]
+    # A few prompts move tau by hundredths: each proposer's 95% interval over prompts, and the
+    # others' difference from the trained drafter paired over the same prompts.
+    trained_per = online["proposers"]["trained"]["per_prompt"]
+    for name, entry in online["proposers"].items():
+        paired = None if name == "trained" else trained_per
+        entry["interval"] = {k: round(v, 4) for k, v in bootstrap_tau(entry["per_prompt"], baseline=paired).items()}
     return online
 
 

@@ -382,4 +382,10 @@ def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
     assert set(online) == {"trained", "untrained", "ngram"}
     assert all(p["exact"] for p in online.values())
     assert result["gap"]["online_tau"] == online["trained"]["tau"]
+    assert result["offline"]["walk_tau"] is not None  # every anchor scored, as the final eval
+    for name, p in online.items():
+        interval = p["interval"]
+        assert interval["lo"] <= round(p["tau"], 4) == interval["tau"] <= interval["hi"]
+        assert ("diff" in interval) == (name != "trained")
+    assert online["untrained"]["interval"]["diff"] == round(online["untrained"]["tau"] - online["trained"]["tau"], 4)
     assert json.loads((run_dir / "eval" / "step_000010.json").read_text())["gap"] == result["gap"]

@@ -182,7 +182,7 @@ class EvalConfig(Section):
     """Held-out samples scored by the offline eval."""
     offline_max_anchors_per_seq: int | None = None
     """Anchors scored per sample by the evals during training; null = every anchor (adds walk_tau;
-    dearer). The final eval of a run always scores every anchor. With a number, checkpoint.keep_best
+    dearer). The final eval of a run and `eval` always score every anchor. With a number, checkpoint.keep_best
     compares accept_len instead of walk_tau."""
     offline_batch_tokens: int = 8192
     """Context tokens per offline-eval forward."""
