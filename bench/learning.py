@@ -74,7 +74,7 @@ def curve(cfg, run_dir: Path, n: int, prompts: int, max_new_tokens: int) -> dict
     rows = {r["step"]: r for r in read_log(run_dir / "train_log.jsonl", "train")}
     evals = {
         step: offline_eval(drafter, reader, heldout[: cfg.eval.offline_max_samples].tolist(),
-                           max_anchors_per_seq=cfg.eval.offline_max_anchors_per_seq, seed=cfg.seed, gamma=cfg.loss.gamma)
+                           max_anchors_per_seq=None, seed=cfg.seed, gamma=cfg.loss.gamma)  # every anchor: walk_tau
         for step, drafter in drafters.items()
     }
 
