@@ -153,6 +153,8 @@ def main() -> int:
     t0 = time.perf_counter()
     import torch
 
+    import stage1_extract  # noqa: F401 - each stage registers its config sections on import
+    import stage2_train  # noqa: F401
     from shared.config import load_run_config
 
     torch.set_num_threads(1)
