@@ -143,7 +143,7 @@ class MetricsSink:
             return
         record = {"kind": kind, "step": int(step), **plain(row), "time": time.time()}
         self._write(record)
-        self._to_wandb(flatten_for_wandb(kind, plain(row)), int(step), kind)
+        self._to_wandb(kind, plain(row), int(step))
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         """Something that happened in the run (run_start, epoch_end, checkpoint_saved, resume...)."""
@@ -151,16 +151,16 @@ class MetricsSink:
             return
         record = {"kind": "event", "event": kind, "step": int(step), **plain(fields), "time": time.time()}
         self._write(record)
-        if self._wandb_run is not None:
-            self._to_wandb(flatten_for_wandb(f"event/{kind}", {k: v for k, v in fields.items() if k != "config"}), int(step), f"event/{kind}")
+        self._to_wandb(f"event/{kind}", {k: v for k, v in fields.items() if k != "config"}, int(step))
 
-    def _to_wandb(self, numbers: dict[str, Any], step: int, prefix: str) -> None:
+    def _to_wandb(self, prefix: str, fields: dict[str, Any], step: int) -> None:
         """wandb ignores a row logged at a step below one it has seen, and some rows come late: an
         async checkpoint's checkpoint_end (the save's blocked and written seconds, what showed the
         failed run's stalls) arrives after the next step's row. Such a row goes to wandb at the
         latest step, carrying its own step as prefix/step; the JSONL keeps the true step."""
         if self._wandb_run is None:
             return
+        numbers = flatten_for_wandb(prefix, fields)
         if step < self._wandb_step:
             numbers = {**numbers, f"{prefix}/step": step}
         self._wandb_step = max(self._wandb_step, step)
