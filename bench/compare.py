@@ -82,10 +82,10 @@ def main() -> int:
     import stage1_extract  # noqa: F401 - both stages' config sections
     import stage2_train  # noqa: F401
     from shared.config import load_run_config
-    from shared.target import stop_token_ids
+    from shared.target import cached_tokenizer, resolve_target, stop_token_ids
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
-    from stage2_train.data.view import open_store, resolve_target, tokenizer_and_hash
+    from stage2_train.data.view import open_store
     from stage2_train.model.drafter import build_drafter
     from stage2_train.observe.metrics import read_log
     from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, load_online_target, online_eval
@@ -126,7 +126,7 @@ def main() -> int:
         rows[name] = read_log(root / name / "train_log.jsonl", "train")[-1]
     drafters["untrained"] = build_drafter(cfg0.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, seed=cfg0.seed).eval()
 
-    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    tokenizer, _ = cached_tokenizer(str(target.target_dir))
     prompts = [("heldout", p) for _, p in heldout_prompts(reader, heldout, args.heldout)]
     prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
     model = load_online_target(cfg0.target, cfg0.eval.online_dtype)

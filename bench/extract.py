@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.config import load_run_config  # noqa: E402
-from shared.store import (  # noqa: E402  # noqa: E402
+from shared.store import (  # noqa: E402
     SampleFeatures,
     StoreConfig,
     StoreReader,
@@ -36,10 +36,7 @@ from shared.store import (  # noqa: E402  # noqa: E402
     read_manifest,
     write_shard,
 )
-from shared.target import (
-    LayerCapture,  # noqa: E402
-    load_target_model,  # noqa: E402
-)
+from shared.target_model import LayerCapture, load_target_model  # noqa: E402
 from stage1_extract import commands as pipeline  # noqa: E402
 from stage1_extract.batching import token_budget_batches, windows_for_rank  # noqa: E402
 from stage1_extract.corpus import default_conversations  # noqa: E402

@@ -298,7 +298,7 @@ def build_random_target(out: Path, config: Any, tokenizer_dir: Path, device: str
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.target import pick_attn_implementation, resolve_dtype
+    from shared.target_model import pick_attn_implementation, resolve_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -319,7 +319,8 @@ def resolve_small_target(ctx: Context) -> None:
     there, else SmolLM2's shape with random weights from the carried config; a tiny Llama for the smoke."""
     from transformers import AutoConfig, LlamaConfig
 
-    from shared.target import EMBEDDED_DEFAULT, default_target_dir
+    from shared.embedded import default_target_dir
+    from shared.target import EMBEDDED_DEFAULT
 
     if ctx.small_target is not None:
         return
@@ -356,7 +357,7 @@ def resolve_small_target(ctx: Context) -> None:
 def phase_env(entry: dict[str, Any], ctx: Context) -> None:
     import torch
 
-    from shared.target import pick_attn_implementation
+    from shared.target_model import pick_attn_implementation
     from stage1_extract.generate import resolve_backend as generate_backend
     from stage2_train.model.attention import resolve_backend as drafter_backend
 
@@ -506,7 +507,7 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
 
 def pure_forward(model: Any, cfg: Any, prepared: Any, device: str) -> dict[str, Any]:
     """The target's forward over exactly the batches extraction forms, features left on the device."""
-    from shared.target import LayerCapture
+    from shared.target_model import LayerCapture
     from stage1_extract import commands as pipeline
     from stage1_extract.batching import token_budget_batches, windows_for_rank
     from stage1_extract.forward import forward_batch
@@ -539,7 +540,7 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     starts, or on the target loaded as extraction loads it), then the real
     `python -m stage1_extract extract` with the same config; returns stage 1's prepared rows."""
     from shared.config import load_run_config
-    from shared.target import load_target_model
+    from shared.target_model import load_target_model
     from stage1_extract import commands as pipeline
 
     device = ctx.sizes.device

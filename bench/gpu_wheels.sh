@@ -71,7 +71,7 @@ fi
 
 # The embedded target's config and tokenizer (no weights), converted from the GGUF by `make setup`.
 SHAPE=.whl/smollm2-135m-instruct-shape
-SRC=$("$PY" -c "from shared.target import default_target_dir; print(default_target_dir())")
+SRC=$("$PY" -c "from shared.embedded import default_target_dir; print(default_target_dir())")
 mkdir -p "$SHAPE"
 for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja special_tokens_map.json; do
     if [ -f "$SRC/$f" ]; then cp "$SRC/$f" "$SHAPE/"; fi

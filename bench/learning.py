@@ -45,10 +45,10 @@ def curve(cfg, run_dir: Path, n: int, prompts: int, max_new_tokens: int) -> dict
     import numpy as np
     import torch
 
-    from shared.target import stop_token_ids
+    from shared.target import cached_tokenizer, resolve_target, stop_token_ids
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
-    from stage2_train.data.view import open_store, resolve_target, tokenizer_and_hash
+    from stage2_train.data.view import open_store
     from stage2_train.model.drafter import build_drafter
     from stage2_train.observe.metrics import read_log
     from stage2_train.serve.online_eval import heldout_prompts, load_online_target, online_eval
@@ -79,7 +79,7 @@ def curve(cfg, run_dir: Path, n: int, prompts: int, max_new_tokens: int) -> dict
     }
 
     target_model = load_online_target(cfg.target, cfg.eval.online_dtype)
-    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    tokenizer, _ = cached_tokenizer(str(target.target_dir))
     chosen = heldout_prompts(reader, heldout, prompts)
     proposers = {f"step_{s}": DFlashProposer(d, target.layer_ids, feature_dtype=torch.bfloat16, name=f"step_{s}")
                  for s, d in drafters.items()}

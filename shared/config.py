@@ -112,6 +112,15 @@ class RunConfig:
             return sections[name]
         raise AttributeError(name)
 
+    def value(self, dotted: str, default: Any = None) -> Any:
+        """`section.key` as this process sees it: the validated section's value when this stage owns
+        the section, else the value given in the file (another stage's section), else `default`
+        (which must be that stage's own default: shared.identity lists the ones stage 2 reads)."""
+        name, key = dotted.split(".", 1)
+        if name in self.sections:
+            return getattr(self.sections[name], key)
+        return self.foreign.get(name, {}).get(key, default)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"run_dir": self.run_dir, "seed": self.seed}
         for name in SECTION_OWNERS:

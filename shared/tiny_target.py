@@ -15,7 +15,7 @@ def build_tiny_target(out: Path, *, seed: int = 0, max_positions: int = 2048, in
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from shared.target import default_target_dir
+    from shared.embedded import default_target_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
     config = LlamaConfig(

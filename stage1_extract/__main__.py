@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = command_parser("python -m stage1_extract", __doc__, COMMANDS)
     parser.add_argument("--force", action="store_true", help="extract even when the plan says the disk is too small")
     parser.add_argument("--repair", action="store_true", help="verify: re-extract every bad shard")
-    parser.add_argument("--deep", action="store_true", help="verify: also tokenize the data again and compare every stored sample")
+    parser.add_argument(
+        "--deep", action="store_true",
+        help="verify: also tokenize the data again and compare every stored sample; status: rehash the target's weights",
+    )
     return run_command(parser, argv, run)
 
 
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "extract":
         out = commands.cmd_extract(cfg, force=args.force, progress=progress)
     elif args.command == "status":
-        out = commands.cmd_status(cfg)
+        out = commands.cmd_status(cfg, deep=args.deep)
     elif args.command == "reprocess":
         out = commands.cmd_reprocess(cfg, force=args.force, progress=progress)
     else:

@@ -5,6 +5,7 @@ Each takes the composed RunConfig and returns a JSON-able dict; `__main__` only 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -15,34 +16,36 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
-from shared.errors import ConfigError, StoreError
-from shared.lock import exclusive
-from shared.store import StoreFiles, bytes_per_token, load_manifest
-from shared.target import (
-    load_target_model,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_target_dir,
-    stop_token_ids,
-    weights_fingerprint,
+from shared.errors import ConfigError, DataError, StoreError
+from shared.files import write_atomic
+from shared.identity import (
+    AUTO_SETTINGS,
+    generate_settings,
+    generation_inputs,
+    header_differences,
+    prompts_path,
 )
+from shared.lock import exclusive
+from shared.paths import RunPaths
+from shared.store import StoreFiles, bytes_per_token, load_manifest
+from shared.target import load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
+from shared.target_model import load_target_model, resolve_device, resolve_dtype, runnable_problem
+from shared.token_cache import source_fingerprint
 from stage1_extract.batching import ShardPlan, windows_for_rank
 from stage1_extract.data import ReadStats, read_conversations
-from stage1_extract.distributed import _barrier, distributed_context, rank_device, resolve_device, store_lock
+from stage1_extract.distributed import _barrier, distributed_context, rank_device, store_lock
 from stage1_extract.extract import estimate, run_shards
 from stage1_extract.generate import (
     generate_all,
     resolve_backend,
-    settings_key,
     transformers_backend,
     vllm_backend,
 )
-from stage1_extract.header import header_differences, load_or_pin_plan
+from stage1_extract.header import load_or_pin_plan
 from stage1_extract.merge import done_shards, merge_manifest, part_path
 from stage1_extract.prepare import (
     Prepared,
     discard_token_cache,
-    generated_path,
     planned_shards,
     prepare,
     shard_size,
@@ -52,29 +55,27 @@ from stage1_extract.verify import deep_problems, verify_store
 log = logging.getLogger(__name__)
 
 
-def prompts_path(cfg: RunConfig) -> Path:
-    """The conversations `generate` reads: data.path, or the embedded default prompt set."""
-    if cfg.data.path is not None:
-        return Path(cfg.data.path)
-    from stage1_extract.corpus import write_default_prompts
+def default_prompts(cfg: RunConfig) -> Path:
+    """The conversations `generate` reads (shared.identity.prompts_path), the embedded default prompt
+    set written under run_dir the first time it is needed."""
+    path = prompts_path(cfg)
+    if cfg.data.path is None and not path.exists():
+        from stage1_extract.corpus import write_default_prompts
 
-    share = cfg.data.default_question_share
-    suffix = "" if share == 0.25 else f"_questions{share:g}"  # 0.25 keeps the name earlier runs made
-    path = Path(cfg.run_dir) / "data" / f"default_prompts_{cfg.data.num_default_prompts}{suffix}.parquet"
-    if not path.exists():
-        write_default_prompts(path, cfg.data.num_default_prompts, share)
+        write_default_prompts(path, cfg.data.num_default_prompts, cfg.data.default_question_share)
     return path
 
 
 def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     if not cfg.data.regenerate:  # `make extract` always asks; with answers given there is nothing to do
         return {"skipped": "data.regenerate=false: extraction reads data.path as it is", "input": cfg.data.path}
-    source = prompts_path(cfg)
+    source = default_prompts(cfg)
     stats = ReadStats()
     conversations = list(
         read_conversations(source, on_bad_row=cfg.data.on_bad_row, max_samples=cfg.data.max_samples, stats=stats)
     )
-    out = generated_path(cfg)
+    paths = RunPaths.of(cfg)
+    out = paths.generated
     rank, world, local_rank = distributed_context()
     if rank == 0:
         cfg.write_resolved(out.with_name("generate_config.yaml"))
@@ -82,7 +83,8 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     backend_name = resolve_backend(cfg.generate.backend, device)
     tokenizer = load_tokenizer(cfg.target)
     model_dir = resolve_target_dir(cfg.target)
-    key = settings_key(cfg.generate, weights_fingerprint(model_dir), cfg.seed)
+    weights_sha256 = weights_fingerprint(model_dir)
+    settings = generate_settings(cfg, weights_sha256)
 
     def make_backend():
         if backend_name == "vllm":
@@ -93,12 +95,18 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         return transformers_backend(model, tokenizer, cfg.generate, cfg.seed)
 
     # Rank 0 holds the data folder; every other rank its own slot, so a second job is refused on each.
-    lock_dir = out.parent if rank == 0 else out.with_name(out.stem + ".parts") / "ranks" / str(rank)
+    lock_dir = out.parent if rank == 0 else paths.generated_parts / "ranks" / str(rank)
     with exclusive(str(lock_dir), "stage1_extract generate"):
+        if rank == 0:  # what the answers were made from goes with them: gone until they are rewritten
+            paths.generated_provenance.unlink(missing_ok=True)
         result = generate_all(
-            conversations, tokenizer, make_backend, out, cfg.generate, key, cfg.seed,
+            conversations, tokenizer, make_backend, out, cfg.generate, settings, cfg.seed,
             progress=progress and rank == 0, rank=rank, world=world,
         )
+        if rank == 0:
+            inputs = generation_inputs(cfg, weights_sha256, source_fingerprint(source))
+            provenance = {"prompts": str(source), "inputs": inputs, "num_conversations": result.num_conversations}
+            write_atomic(paths.generated_provenance, json.dumps(provenance, indent=1))
     return {
         "output": str(result.path),
         "conversations": result.num_conversations,
@@ -252,6 +260,8 @@ def _extract(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     prepared = _prepare_all_ranks(cfg, rank, world, local_rank)
+    if prepared.generated_problem is not None:  # every rank: each prepared the same inputs
+        raise DataError(prepared.generated_problem)
     prepare_seconds = time.perf_counter() - started
     shards = _pin_plan(cfg, prepared, rank, world, reprocess)
     files = prepared.files
@@ -296,8 +306,20 @@ def _run_windows(
     cfg: RunConfig, prepared: Prepared, windows: list[list[ShardPlan]], done: set[int], local_rank: int, progress: bool
 ) -> Any:
     device = rank_device(cfg.extract.device, local_rank)
-    model = load_target_model(cfg.target, device)
     settings = prepared.header["extraction"]  # what the header promises is what runs
+    problem = runnable_problem(settings, device)
+    if problem is not None:
+        chosen = [AUTO_SETTINGS[k] for k in ("attn_implementation", "compute_dtype", "packed")]
+        raise ConfigError(
+            f"{prepared.files.url} was extracted with {settings['attn_implementation']} attention, "
+            f"{settings['compute_dtype']} compute, packed={settings['packed']} ({', '.join(chosen)} left auto read them "
+            f"back from the store); {problem}. Run on a machine that can, or ask for other settings explicitly "
+            f"(e.g. target.attn_implementation=sdpa extract.packed=off), which makes every shard stale: `reprocess` "
+            f"re-extracts them all"
+        )
+    model = load_target_model(
+        cfg.target, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
+    )
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
@@ -311,7 +333,13 @@ def _run_windows(
 def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[str, Any]:
     """Rank 0: the manifest from every rank's part records, written last."""
     extra = {
-        "data": {"source": str(prepared.source), "num_rows": len(prepared.rows), "bad_rows_skipped": prepared.stats.bad_rows},
+        "data": {
+            "source": str(prepared.source),
+            "source_sha256": prepared.source_sha256,
+            "num_rows": len(prepared.rows),
+            "bad_rows_skipped": prepared.stats.bad_rows,
+        },
+        "target_source": {"path": cfg.target.path, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": shard_size(cfg, prepared),
         "created_unix": int(time.time()),
     }
@@ -368,13 +396,19 @@ def _shard_states(cfg: RunConfig, prepared: Prepared, every_record: bool) -> tup
         "counts": {**counts, "orphaned": len(orphaned)},
         "orphaned": orphaned,
         "shards": rows,
-        "complete": manifest is not None and counts["current"] == len(shards) and not orphaned,
+        # The generated conversations the shards were cut from belong to other prompts, target or
+        # sampling settings than the config gives (their provenance, `generate` writes it).
+        "generated_data": prepared.generated_problem or "current",
+        "complete": manifest is not None and counts["current"] == len(shards) and not orphaned
+        and prepared.generated_problem is None,
     }
     return report, shards, done
 
 
-def cmd_status(cfg: RunConfig) -> dict[str, Any]:
-    report, shards, done_indices = _shard_states(cfg, prepare(cfg), every_record=True)
+def cmd_status(cfg: RunConfig, deep: bool = False) -> dict[str, Any]:
+    """Every shard current, stale (and why), missing or orphaned, against the config and the data;
+    `deep` rehashes the target's weights instead of trusting the fingerprint cache."""
+    report, shards, done_indices = _shard_states(cfg, prepare(cfg, deep=deep), every_record=True)
     done = [s for s in shards if s.index in done_indices]
     report.update(
         {

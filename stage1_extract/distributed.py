@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shared.lock import exclusive_on_rank0
+from shared.target_model import resolve_device
 
 
 def distributed_context() -> tuple[int, int, int]:
@@ -46,15 +47,6 @@ def _all_ok(world: int, ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-def resolve_device(setting: str) -> str:
-    """`extract.device` as a device kind: auto = cuda when torch sees a GPU, else cpu."""
-    if setting != "auto":
-        return setting
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rank_device(setting: str, local_rank: int) -> str:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.config import Section
 from shared.store import SampleFeatures, StoreConfig, bytes_per_token
-from shared.target import LayerCapture
+from shared.target_model import LayerCapture
 from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
 from stage1_extract.forward import forward_batch
 from stage1_extract.writer import HostBatch, ShardWriter, WriterStats, host_bytes

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.target import LayerCapture
+from shared.target_model import LayerCapture
 from stage1_extract.batching import TokenizedRow
 
 

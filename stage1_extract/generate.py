@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from shared.config import Section
+from shared.config import Section, dotted_differences
 from shared.errors import DataError
 from shared.files import write_atomic
+from shared.identity import generate_settings_key
 from shared.target import stop_token_ids
 from stage1_extract.data import Conversation, write_conversations_parquet
 from stage1_extract.template import prompt_ids
@@ -156,7 +157,7 @@ def vllm_backend(model_dir: str, cfg: GenerateConfig, seed: int, dtype: str, sto
     carries its own seed; the answer is vLLM's token ids, never its text re-tokenized."""
     from vllm import LLM, SamplingParams  # GPU only: imported here so CPU installs never need it
 
-    from shared.target import TORCH_DTYPES
+    from shared.target_model import TORCH_DTYPES
 
     llm = LLM(model=model_dir, dtype=TORCH_DTYPES[dtype], seed=seed, tensor_parallel_size=cfg.tensor_parallel_size)
 
@@ -208,18 +209,6 @@ class GenerateResult:
     parts_reused: int
 
 
-def settings_key(cfg: GenerateConfig, target_fingerprint: str, seed: int) -> str:
-    """What makes a part's answers: the sampling settings, the target and the seed (the rows are
-    keyed per part, so appending or editing rows regenerates only the parts they fall in)."""
-    payload = {
-        "generate": {k: v for k, v in cfg.to_dict().items() if k not in ("batch_size", "chunk_size", "tensor_parallel_size")},
-        "chunk_size": cfg.chunk_size,
-        "target": target_fingerprint,
-        "seed": seed,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
-
-
 def part_name(number: int, chunk: list[Conversation]) -> str:
     rows = hashlib.sha256("".join(c.row_hash() for c in chunk).encode()).hexdigest()[:12]
     return f"part-{number:06d}-{rows}.parquet"
@@ -231,7 +220,7 @@ def generate_all(
     make_backend: Callable[[], Backend],
     out_path: Path,
     cfg: GenerateConfig,
-    key: str,
+    settings: dict[str, Any],
     seed: int,
     progress: bool = True,
     rank: int = 0,
@@ -248,14 +237,21 @@ def generate_all(
     parts_dir = out_path.with_name(out_path.stem + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
     meta_path = parts_dir / "settings.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()).get("key") != key:
-        raise DataError(
-            f"{parts_dir} holds parts made with other generate settings or another target; "
-            f"delete it (or choose another run_dir) to regenerate"
-        )
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        made = meta.get("settings")
+        if made is None:  # written before the settings themselves were kept: only their key
+            made = settings if meta.get("key") == generate_settings_key(settings) else {"settings": "unknown (older parts)"}
+        changed = dotted_differences(made, settings)
+        if changed:
+            what = ", ".join(f"{k} ({v[0]} -> {v[1]})" for k, v in changed.items())
+            raise DataError(
+                f"{parts_dir} holds answers made with other settings than the config gives: {what}. Its parts "
+                f"cannot be reused: delete that folder to regenerate everything, or choose another run_dir"
+            )
     failure = parts_dir / f".failed-rank-{rank}"
     if rank == 0:
-        write_atomic(meta_path, json.dumps({"key": key}))
+        write_atomic(meta_path, json.dumps({"settings": settings}))
         for stale in parts_dir.glob(".failed-rank-*"):  # an earlier run's (torchrun stops every rank on a failure)
             stale.unlink(missing_ok=True)
     failure.unlink(missing_ok=True)

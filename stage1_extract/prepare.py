@@ -5,22 +5,17 @@ token cache), and the store's identity header; no model weights are loaded.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
-from shared.errors import ConfigError, DataError, InputFileError
+from shared.errors import DataError
+from shared.identity import extraction_source, generated_problem, header_key, store_header
+from shared.paths import RunPaths
 from shared.store import StoreFiles, bytes_per_token
-from shared.target import (
-    TargetArch,
-    load_tokenizer,
-    resolve_layer_ids,
-    resolve_target_dir,
-    tokenizer_fingerprints,
-    weights_fingerprint,
-)
+from shared.target import TargetInfo, cached_tokenizer, resolve_target
+from shared.token_cache import DamagedCache, TokenCache, token_cache_key
 from stage1_extract.batching import (
     ShardPlan,
     TokenizedRow,
@@ -29,35 +24,9 @@ from stage1_extract.batching import (
     plan_shards,
 )
 from stage1_extract.data import ReadStats, read_conversations
-from stage1_extract.header import extraction_settings, header_key, settings_header
-from stage1_extract.tokens import DamagedCache, TokenCache, cache_key, resolve_workers, tokenize_all
+from stage1_extract.tokens import resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
-
-
-def generated_path(cfg: RunConfig) -> Path:
-    return Path(cfg.run_dir) / "data" / "generated.parquet"
-
-
-def extraction_input(cfg: RunConfig) -> Path:
-    """Extraction reads the target's regenerated conversations (the recipe), or data.path as is."""
-    if cfg.data.regenerate:
-        path = generated_path(cfg)
-        if not path.exists():
-            raise InputFileError(
-                f"{path} does not exist: run `python -m stage1_extract generate` first "
-                f"(or set data.regenerate=false to extract data.path as it is)"
-            )
-        return path
-    if cfg.data.path is None:
-        raise ConfigError("data.regenerate=false needs data.path: the default prompts have no answers")
-    path = Path(cfg.data.path)
-    if not path.exists():
-        raise InputFileError(
-            f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
-            f"check the path, or build it first (`make generate CONFIG=...` writes a preset's answers to run_dir/data)"
-        )
-    return path
 
 
 @dataclass
@@ -65,57 +34,59 @@ class Prepared:
     header: dict[str, Any]
     rows: list[TokenizedRow]
     files: StoreFiles
-    layer_ids: list[int]
+    target: TargetInfo
     stats: ReadStats
     source: Path
+    source_sha256: str
+    generated_problem: str | None = None  # the generated conversations belong to other inputs
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.target.layer_ids
 
 
-def prepare(cfg: RunConfig, use_token_cache: bool = True) -> Prepared:
+def pinned_extraction(files: StoreFiles) -> dict[str, Any] | None:
+    """The extraction settings an existing store was made with (plan.json, pinned by its first run):
+    `auto` settings are read back from it, never resolved again on another machine."""
+    if not files.exists("plan.json"):
+        return None
+    return files.read_json("plan.json").get("header", {}).get("extraction")
+
+
+def prepare(cfg: RunConfig, use_token_cache: bool = True, *, deep: bool = False) -> Prepared:
     """Tokenize the input (or read the token cache) and compute the identity header of the store
-    (no model weights loaded)."""
-    model_dir = resolve_target_dir(cfg.target)
-    arch = TargetArch.from_dir(model_dir)
-    layer_ids = resolve_layer_ids(cfg.target, arch)
-    tokenizer = load_tokenizer(cfg.target)
-    tokenizer_hashes = tokenizer_fingerprints(tokenizer)
-    source = extraction_input(cfg)
-    rows, stats = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source, use_cache=use_token_cache)
+    (no model weights loaded). `deep`: rehash the target's weights whatever the fingerprint cache says."""
+    target = resolve_target(cfg.target, deep=deep)
+    tokenizer, tokenizer_hashes = cached_tokenizer(str(target.target_dir))
+    source = extraction_source(cfg)
+    rows, stats, source_sha256 = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source, use_cache=use_token_cache)
     if not rows:
         raise DataError(f"{source}: no usable rows")
-    header = settings_header(
-        target_path=cfg.target.path,
-        weights_sha256=weights_fingerprint(model_dir),
-        arch=arch,
-        tokenizer_hashes=tokenizer_hashes,
-        layer_ids=layer_ids,
-        top_k=cfg.extract.top_k,
-        store=cfg.store,
-        max_length=cfg.data.max_length,
-        on_long=cfg.data.on_long,
-        extraction=extraction_settings(cfg.target, cfg.extract),
-    )
-    return Prepared(header, rows, StoreFiles(cfg.store.url(cfg.run_dir)), layer_ids, stats, source)
+    files = StoreFiles(RunPaths.of(cfg).store)
+    header = store_header(cfg, target, pinned_extraction(files))
+    return Prepared(header, rows, files, target, stats, source, source_sha256, generated_problem(cfg, target.weights_sha256))
 
 
-def token_cache_dir(cfg: RunConfig) -> Path:
-    return Path(os.path.expandvars(cfg.data.cache_dir)) if cfg.data.cache_dir else Path(cfg.run_dir) / "cache"
+def token_cache_settings(cfg: RunConfig) -> dict[str, Any]:
+    data = cfg.data
+    return {"max_length": data.max_length, "on_long": data.on_long, "on_bad_row": data.on_bad_row, "max_samples": data.max_samples}
 
 
 def tokenized_rows(
     cfg: RunConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path, use_cache: bool = True
-) -> tuple[list[TokenizedRow], ReadStats]:
-    """Every row of `source`, templated and tokenized: from the token cache when it matches, else
-    by `data.tokenize_workers` processes (then cached). Bad rows raise naming the file and row."""
+) -> tuple[list[TokenizedRow], ReadStats, str]:
+    """Every row of `source`, templated and tokenized, and the source's sha256: from the token cache
+    when it matches, else by `data.tokenize_workers` processes (then cached). Bad rows raise naming
+    the file and row."""
     data = cfg.data
+    key, inputs = token_cache_key(source, tokenizer_hashes, token_cache_settings(cfg))
     cache = None
     if data.token_cache and use_cache:
-        settings = {"max_length": data.max_length, "on_long": data.on_long, "on_bad_row": data.on_bad_row, "max_samples": data.max_samples}
-        key, inputs = cache_key(source, tokenizer_hashes, settings)
-        cache = TokenCache(token_cache_dir(cfg), key, inputs)
+        cache = TokenCache(RunPaths.of(cfg).token_cache, key, inputs)
         if cache.exists():
             try:
                 cached, stats = cache.load()
-                return [TokenizedRow(**r) for r in cached], stats
+                return [TokenizedRow(**r) for r in cached], ReadStats(**stats), inputs["source_sha256"]
             except DamagedCache as exc:  # a cache, not a record: rebuild it from the data and go on
                 log.warning("%s; tokenizing %s again and rebuilding the cache", exc, source)
                 cache.discard()
@@ -152,7 +123,7 @@ def tokenized_rows(
             cache.save(rows, stats)
         except OSError as exc:  # a read-only or full run_dir costs the next command a re-tokenize, not this one
             log.warning("could not write the token cache under %s (%s): later commands tokenize again", cache.root, exc)
-    return rows, stats
+    return rows, stats, inputs["source_sha256"]
 
 
 def unusable(sample: Any, max_length: int) -> str | None:
@@ -190,5 +161,5 @@ def discard_token_cache(cfg: RunConfig) -> None:
     """Remove every token cache of this run (the next command tokenizes again)."""
     import shutil
 
-    for folder in token_cache_dir(cfg).glob("tokens-*"):
+    for folder in RunPaths.of(cfg).token_cache.glob("tokens-*"):
         shutil.rmtree(folder, ignore_errors=True)

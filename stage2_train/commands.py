@@ -31,7 +31,7 @@ def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dic
 
 
 def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
-    from stage2_train.data.view import resolve_target
+    from shared.target import resolve_target
     from stage2_train.train.trainer import Trainer, make_accelerator
 
     init_weights = None
@@ -124,9 +124,10 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     the GPU when there is one; also written to run_dir/eval/<checkpoint>.json."""
     import numpy as np
 
+    from shared.target import resolve_target
     from shared.target_parts import load_embed_and_head
     from stage2_train.data.split import heldout_mask
-    from stage2_train.data.view import open_store, resolve_target
+    from stage2_train.data.view import open_store
     from stage2_train.model.drafter import build_drafter
     from stage2_train.serve.online_eval import acceptance_gap
     from stage2_train.train.evaluate import offline_eval
@@ -173,13 +174,12 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
     """Speculative decoding of held-out prompts with each drafter and the n-gram baseline."""
     import torch
 
-    from shared.target import stop_token_ids
-    from stage2_train.data.view import tokenizer_and_hash
+    from shared.target import cached_tokenizer, stop_token_ids
     from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, load_online_target, online_eval
     from stage2_train.serve.speculative import DFlashProposer, NgramProposer
 
     target_model = load_online_target(cfg.target, cfg.eval.online_dtype, device)
-    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    tokenizer, _ = cached_tokenizer(str(target.target_dir))
     prompts = heldout_prompts(reader, heldout, cfg.eval.online_num_prompts)
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
     proposers = {
@@ -207,12 +207,12 @@ def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: di
 def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None, format: str = "zlab") -> dict[str, Any]:
     """The newest (or given) checkpoint as a servable DFlash folder (default run_dir/export), weights
     in bfloat16 as the published drafters; `format` zlab (default) or speculators."""
-    from stage2_train.data.view import resolve_target, tokenizer_and_hash
+    from shared.target import cached_tokenizer, resolve_target
     from stage2_train.serve.export import WEIGHTS_NAME, export_drafter, mask_token_string, read_export_config
 
     target = resolve_target(cfg.target)
     drafter, source = _trained_drafter(cfg, target, checkpoint)
-    tokenizer, _ = tokenizer_and_hash(str(target.target_dir))
+    tokenizer, _ = cached_tokenizer(str(target.target_dir))
     out_dir = Path(out or Path(cfg.run_dir) / "export")
     target_info = {
         "path": cfg.target.path,

@@ -75,6 +75,19 @@ def stage1_overrides(target_dir: Path, data_path: Path, run_dir: Path, **extra) 
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()]
 
 
+def store_data(store: Path) -> Path:
+    """The data a test store was extracted from: the fixtures write `<root>/chat.jsonl` and extract it
+    into `<root>/run/store`."""
+    return Path(store).parent.parent / "chat.jsonl"
+
+
+def train_overrides_for(target_dir: Path, store: Path, run_dir: Path, settings: dict) -> list[str]:
+    """A stage-2 run on a test store with ONE config for both stages, as `make` uses it: the stage-1
+    settings that made the store (`train` refuses a store its config calls stale), the store's path,
+    and the run's own `settings` (dotted keys)."""
+    return stage1_overrides(target_dir, store_data(store), run_dir, **{"store.path": str(store), **settings})
+
+
 @pytest.fixture
 def copy_tree():
     def copy(src: Path, dst: Path) -> Path:

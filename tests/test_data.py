@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from shared.target import default_target_dir
+from shared.embedded import default_target_dir
 from stage1_extract.corpus import default_conversations
 from stage1_extract.data import ReadStats, read_conversations, write_conversations_parquet
 from stage1_extract.template import tokenize_conversation
@@ -157,7 +157,7 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
     assert [c.messages for c in read_conversations(second["output"])] == [c.messages for c in out]
     # Other settings must not silently mix with old parts.
     changed = load_run_config("configs/default.yaml", overrides + ["generate.temperature=0.2"])
-    with pytest.raises(ValueError, match="other generate settings"):
+    with pytest.raises(ValueError, match=r"other settings than the config gives: generate.temperature \(0.7 -> 0.2\)"):
         commands.cmd_generate(changed, progress=False)
 
 

@@ -300,22 +300,22 @@ def test_what_the_drafter_cannot_compute_is_refused_naming_the_field(exported, e
 
 
 def test_init_from_checks_the_drafter_against_the_target_and_model_config(exported):
-    from stage2_train.data.view import TargetInfo
+    from shared.target import TargetInfo
 
     out, drafter, _, _, arch, cfg = exported
-    target = TargetInfo(out, arch, LAYER_IDS, MASK_ID, "0" * 64, "0" * 64)
+    target = TargetInfo("", out, arch, LAYER_IDS, MASK_ID, "0" * 64, "0" * 64, "0" * 64)
     weights = init_weights_for(out, cfg, target)
     assert sorted(weights) == sorted(drafter.state_dict())
     assert torch.equal(weights["fc.weight"].float(), drafter.fc.weight.to(torch.bfloat16).float())
     for field, other, setting in (
-        ("target_layer_ids", TargetInfo(out, arch, [1, 2, 3], MASK_ID, "", ""), "target.layer_ids"),
-        ("mask_token_id", TargetInfo(out, arch, LAYER_IDS, 7, "", ""), "target.mask_token_id"),
+        ("target_layer_ids", TargetInfo("", out, arch, [1, 2, 3], MASK_ID, "", "", ""), "target.layer_ids"),
+        ("mask_token_id", TargetInfo("", out, arch, LAYER_IDS, 7, "", "", ""), "target.mask_token_id"),
     ):
         with pytest.raises(CheckpointError, match=rf"has {field}=.* \({setting}\); set {setting}="):
             init_weights_for(out, cfg, other)
     with pytest.raises(CheckpointError, match=r"num_hidden_layers=2 but this run has 1 \(model\.num_layers\)"):
         init_weights_for(out, DrafterConfig(num_layers=1, block_size=8), target)
-    wide = TargetInfo(out, TargetArch(**{**arch.__dict__, "hidden_size": 128}), LAYER_IDS, MASK_ID, "", "")
+    wide = TargetInfo("", out, TargetArch(**{**arch.__dict__, "hidden_size": 128}), LAYER_IDS, MASK_ID, "", "", "")
     with pytest.raises(CheckpointError, match=r"hidden_size=64 but this run has 128"):
         init_weights_for(out, cfg, wide)
 

@@ -17,7 +17,8 @@ import torch
 from shared.config import load_run_config
 from shared.errors import DataError, StoreError
 from shared.store import StoreReader, read_manifest, read_shard_arrays
-from shared.target import LayerCapture
+from shared.target_model import LayerCapture
+from shared.token_cache import source_fingerprint
 from stage1_extract import commands
 from stage1_extract import extract as extract_mod
 from stage1_extract import writer as writer_mod
@@ -97,7 +98,8 @@ def test_manifest_records_what_made_the_store(store, tiny_target_dir):
     manifest = reader.manifest
     assert manifest["schema_version"] == 1
     assert manifest["layer_ids"] == LAYERS and manifest["top_k"] == 8
-    assert manifest["target"]["path"] == str(tiny_target_dir)
+    assert "path" not in manifest["target"] and manifest["target_source"]["path"] == str(tiny_target_dir)
+    assert manifest["identity_version"] == 2 and manifest["data"]["source_sha256"] == source_fingerprint(Path(cfg.data.path))
     assert len(manifest["target"]["weights_sha256"]) == 64
     assert len(manifest["tokenizer_sha256"]) == 64 and len(manifest["chat_template_sha256"]) == 64
     assert manifest["storage"] == {"dtype": "bf16", "compression": "zstd", "zstd_level": 3, "chunk_tokens": 1024}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from shared.config import load_run_config
 from shared.errors import BusyError, ConfigError
 from shared.lock import LOCK_NAME, LeaseLock, exclusive
 from stage1_extract import commands as stage1
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from tests.conftest import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -221,14 +222,12 @@ def store(tiny_target_dir, tmp_path_factory):
 
 def train_overrides(target_dir, store_path, run_dir, **extra) -> list[str]:
     base = {
-        "run_dir": str(run_dir), "store.path": str(store_path), "target.path": str(target_dir),
-        "target.num_feature_layers": 3, "target.dtype": "fp32", "sampler.micro_batch_tokens": 512,
-        "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0, "optim.lr": 3e-3,
-        "train.max_steps": 6, "train.num_data_threads": 1, "checkpoint.every_steps": 2,
+        "sampler.micro_batch_tokens": 512, "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0,
+        "optim.lr": 3e-3, "train.max_steps": 6, "train.num_data_threads": 1, "checkpoint.every_steps": 2,
         "eval.holdout_fraction": 0.2, "eval.offline_max_samples": 3, "log.wandb": "disabled",
     }
     base.update(extra)
-    return [f"{k}={json.dumps(v)}" for k, v in base.items()]
+    return train_overrides_for(target_dir, store_path, run_dir, base)
 
 
 def train_config(target_dir, store_path, run_dir, **extra):
@@ -328,6 +327,47 @@ def test_a_refused_resume_leaves_train_config_yaml_as_it_was(store, tiny_target_
     with pytest.raises(CheckpointError, match=r"cannot resume: loss\.gamma: saved 4\.0, now 5\.0"):
         cmd_train(other, progress=False)
     assert (tmp_path / "train_config.yaml").read_text() == saved
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"eval.split_seed": 1}, r"eval\.split_seed: saved 0, now 1 \(the held-out split"),
+        ({"eval.holdout_fraction": 0.3}, r"eval\.holdout_fraction: saved 0\.2, now 0\.3"),
+        ({"model.num_layers": 2}, r"model\.num_layers: saved 1, now 2 \(the drafter's architecture"),
+        ({"model.intermediate_size": 96}, r"model\.intermediate_size: saved None, now 96"),
+        ({"model.feature_projection": "pca"}, r"model\.feature_projection: saved 'none', now 'pca'"),
+    ],
+)
+def test_a_refused_resume_names_the_config_key_that_changed(store, tiny_target_dir, tmp_path, change, named):
+    """Not the component that trips over it ("sampler state: num_samples was 20", a load_state_dict
+    traceback): the setting the user changed, with both values."""
+    from shared.errors import CheckpointError
+    from stage2_train.commands import cmd_train
+
+    cmd_train(train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 2}), progress=False)
+    other = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 4, **change})
+    with pytest.raises(CheckpointError, match=named):
+        cmd_train(other, progress=False)
+
+
+def test_init_from_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(store, tiny_target_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from shared.errors import CheckpointError
+    from stage2_train.commands import cmd_export, cmd_train
+
+    first = train_config(tiny_target_dir, store[1], tmp_path / "a", **{"train.max_steps": 1})
+    cmd_train(first, progress=False)
+    out = Path(cmd_export(first)["out_dir"])
+    weights = load_file(out / "model.safetensors")
+    wanted = tuple(weights["layers.0.mlp.up_proj.weight"].shape)
+    weights["layers.0.mlp.up_proj.weight"] = weights["layers.0.mlp.up_proj.weight"][:-8].contiguous()
+    save_file(weights, out / "model.safetensors")
+    bad = train_config(tiny_target_dir, store[1], tmp_path / "b", **{"model.init_from": str(out)})
+    shape = (wanted[0] - 8, wanted[1])
+    with pytest.raises(CheckpointError, match=re.escape(f"layers.0.mlp.up_proj.weight has shape {shape}, this drafter's is {wanted}")):
+        cmd_train(bad, progress=False)
 
 
 def test_a_block_size_longer_than_every_sample_is_refused(store, tiny_target_dir, tmp_path):
@@ -493,7 +533,8 @@ def test_pickle_only_targets_are_refused_and_the_target_folder_is_never_written(
 
     import torch
 
-    from shared.target import TargetConfig, load_target_model, weights_fingerprint
+    from shared.target import TargetConfig, weights_fingerprint
+    from shared.target_model import load_target_model
 
     before = sorted(p.name for p in tiny_target_dir.iterdir())
     weights_fingerprint(tiny_target_dir)

@@ -403,7 +403,7 @@ def test_speculators_loads_our_export_and_computes_our_blocks(speculators_export
 def test_our_reader_takes_speculators_folders(speculators_export, tmp_path):
     """Ours (format="speculators") and one speculators itself wrote (save_pretrained of what it
     loaded): the same spec, the same weights for init_from, the same drafter."""
-    from stage2_train.data.view import TargetInfo
+    from shared.target import TargetInfo
 
     drafter, folder, verifier = speculators_export
     resaved = tmp_path / "spec_resaved"
@@ -411,7 +411,7 @@ def test_our_reader_takes_speculators_folders(speculators_export, tmp_path):
     assert json.loads((resaved / "config.json").read_text())["aux_hidden_state_layer_ids"] == [
         i + 1 for i in LAYER_IDS
     ]
-    target = TargetInfo(verifier, drafter.arch, LAYER_IDS, MASK_ID, "", "")
+    target = TargetInfo("", verifier, drafter.arch, LAYER_IDS, MASK_ID, "", "", "")
     batch = pack(make_samples([12, 14], drafter.arch.hidden_size, seed=4), [[2, 6], [3, 8]])
     with torch.no_grad():
         ours_NBH = drafter(batch)

@@ -79,7 +79,8 @@ def test_changed_target_marks_every_shard_stale(built, tiny_target_dir, tmp_path
         commands.cmd_extract(changed, progress=False)
     report = commands.cmd_status(changed)
     assert report["counts"]["stale"] == 2
-    assert "target.weights_sha256" in report["shards"][0]["why"] and "target.path" in report["settings_changed"]
+    # The target's identity is its content: its folder is provenance, not identity.
+    assert "target.weights_sha256" in report["shards"][0]["why"] and report["settings_changed"] == ["target.weights_sha256"]
     out = commands.cmd_reprocess(changed, progress=False)
     assert out["reextracted"] == [0, 1]
     fresh = config(new_target, data, tmp_path / "fresh")
@@ -166,3 +167,33 @@ def test_part_records_are_listed_once_and_read_without_per_shard_exists(built, m
     assert len(part_reads) == 2 * shards  # the done check and the manifest merge
     assert not [rel for name, rel in calls if name == "exists" and rel.startswith("parts/")]
     assert [rel for name, rel in calls if name == "list"].count("parts") == 3  # done check, merge, orphan sweep
+
+
+def test_a_target_that_only_moved_is_the_same_target(built, tiny_target_dir, tmp_path):
+    cfg, data = built
+    moved = shutil.copytree(tiny_target_dir, tmp_path / "elsewhere" / "same-weights")
+    report = commands.cmd_status(config(moved, data, Path(cfg.run_dir)))
+    assert report["complete"] and report["counts"]["stale"] == 0 and report["settings_changed"] == []
+
+
+def test_weights_edited_in_place_with_size_and_mtime_restored_are_seen(built, tiny_target_dir, tmp_path):
+    """64 bytes of the weights changed, the file's size kept and its mtime set back: the fingerprint
+    cache must not answer from (size, mtime) alone; `status --deep` rehashes whatever it holds."""
+    import os
+
+    cfg, data = built
+    target = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    moved = config(target, data, Path(cfg.run_dir))
+    assert commands.cmd_status(moved)["complete"]  # fingerprint cached for this folder
+    weights = target / "model.safetensors"
+    before = weights.stat()
+    with open(weights, "r+b") as fh:
+        fh.seek(before.st_size - 200)
+        chunk = bytearray(fh.read(64))
+        fh.seek(before.st_size - 200)
+        fh.write(bytes(b ^ 0x55 for b in chunk))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_size == before.st_size and weights.stat().st_mtime_ns == before.st_mtime_ns
+    report = commands.cmd_status(moved)
+    assert report["counts"]["stale"] == 2 and report["settings_changed"] == ["target.weights_sha256"]
+    assert commands.cmd_status(moved, deep=True)["settings_changed"] == ["target.weights_sha256"]

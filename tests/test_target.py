@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.embedded import default_target_dir, embedded_gguf_path
 from shared.target import (
     TargetArch,
     TargetConfig,
     default_mask_token_id,
-    default_target_dir,
     dflash_layer_ids,
-    embedded_gguf_path,
     load_tokenizer,
     resolve_layer_ids,
 )

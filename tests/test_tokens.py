@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from shared import token_cache
 from shared.config import load_run_config
 from stage1_extract import commands, prepare, tokens
 from tests.conftest import chat_rows, stage1_overrides, write_jsonl
@@ -122,7 +123,7 @@ def test_a_damaged_token_cache_is_named_rebuilt_and_never_reaches_the_store(tiny
         a = read_shard_arrays(clean_cfg.store.url(clean_cfg.run_dir), record["name"])
         b = read_shard_arrays(cfg.store.url(cfg.run_dir), record["name"])
         assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert json.loads((cache / "meta.json").read_text())["inputs"]["version"] == tokens.TOKENS_VERSION
+    assert json.loads((cache / "meta.json").read_text())["inputs"]["version"] == token_cache.TOKENS_VERSION
     caplog.clear()
     commands.prepare(cfg)  # the rebuilt cache verifies: no warning
     assert "token cache" not in caplog.text
@@ -134,7 +135,7 @@ def test_an_unwritable_cache_folder_only_costs_a_retokenize(tiny_target_dir, tmp
     def full_disk(self, rows, stats):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tokens.TokenCache, "save", full_disk)
+    monkeypatch.setattr(token_cache.TokenCache, "save", full_disk)
     first = prepared(tiny_target_dir, data, tmp_path / "run")
     assert len(first.rows) == 6 and "could not write the token cache" in caplog.text
 
@@ -158,10 +159,10 @@ def test_verify_deep_proves_a_store_matches_its_data(tiny_target_dir, tmp_path, 
     real = prepare.tokenized_rows
 
     def one_token_became_another(*args, **kwargs):
-        rows, stats = real(*args, **kwargs)
+        rows, stats, sha = real(*args, **kwargs)
         rows[5].input_ids = rows[5].input_ids.copy()
         rows[5].input_ids[3] += 1
-        return rows, stats
+        return rows, stats, sha
 
     monkeypatch.setattr(prepare, "tokenized_rows", one_token_became_another)
     commands.cmd_extract(cfg, progress=False)

@@ -21,14 +21,15 @@ import yaml
 
 from shared.config import load_run_config
 from shared.store import StoreError
+from shared.target import resolve_target
 from stage2_train import commands
 from stage2_train.__main__ import main
 from stage2_train.data.run_data import open_run_data
-from stage2_train.data.view import open_store, resolve_target
+from stage2_train.data.view import open_store
 from stage2_train.observe.metrics import read_log
 from stage2_train.train.config import OptimConfig
 from stage2_train.train.schedules import lr_factor
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from tests.conftest import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 10
@@ -50,12 +51,6 @@ def store(tiny_target_dir, tmp_path_factory) -> Path:
 def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str]:
     """A small, fast stage-2 run: ~7 optimizer steps per epoch, lr high enough to move in 10 steps."""
     base = {
-        "run_dir": str(run_dir),
-        "store.path": str(store),
-        "target.path": str(target_dir),
-        "target.num_feature_layers": 3,
-        "target.dtype": "fp32",
-        "extract.top_k": 8,
         "sampler.micro_batch_tokens": 512,
         "sampler.grad_accum": 1,
         "sampler.max_anchors_per_seq": 4,
@@ -77,7 +72,7 @@ def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str
         "log.wandb": "disabled",
     }
     base.update(extra)
-    return [f"{k}={json.dumps(v)}" for k, v in base.items()]
+    return train_overrides_for(target_dir, store, run_dir, base)
 
 
 def config(target_dir, store, run_dir, **extra):

@@ -13,8 +13,9 @@ import torch
 
 from shared.config import RunConfig
 from shared.errors import ConfigError
+from shared.target import resolve_target
 from stage2_train.data.batch import IGNORE, DrafterBatch
-from stage2_train.data.view import DataSettings, TrainData, open_train_data, resolve_target
+from stage2_train.data.view import DataSettings, TrainData, open_train_data
 
 
 def open_run_data(

@@ -107,6 +107,17 @@ BIN_BITS = 20  # _lpt's heap keys hold the bin in their low bits: up to 1M micro
 
 # Settings that change the plan: a resume under different values would not replay the same batches.
 _PLAN_KEYS = ("seed", "world_size", "grad_accum", "micro_batch_tokens", "max_samples_per_batch", "window_slack")
+# The settings behind each planned quantity, for a refused resume.
+_CAUSES = {
+    "seed": "seed",
+    "world_size": "the number of ranks",
+    "grad_accum": "sampler.grad_accum",
+    "micro_batch_tokens": "sampler.micro_batch_tokens",
+    "max_samples_per_batch": "sampler.max_samples_per_batch",
+    "window_slack": "sampler.window_slack",
+    "num_samples": "the training split (eval.holdout_fraction, eval.split_seed) or the store's samples",
+    "lengths_digest": "the training split (eval.holdout_fraction, eval.split_seed) or the store's samples",
+}
 
 
 class LengthMixedSampler:
@@ -311,8 +322,8 @@ class LengthMixedSampler:
         for key in (*_PLAN_KEYS, "num_samples", "lengths_digest"):
             if state.get(key) != mine[key]:
                 raise CheckpointError(
-                    f"sampler state: {key} was {state.get(key)!r} when saved, is {mine[key]!r} now; "
-                    f"the batch plan would differ, so resuming exactly is impossible"
+                    f"sampler state: {key} was {state.get(key)!r} when saved, is {mine[key]!r} now ({_CAUSES.get(key, key)} "
+                    f"changed); the batch plan would differ, so resuming exactly is impossible"
                 )
         epoch, step, micro = int(state["epoch"]), int(state["step_in_epoch"]), int(state["micro_step"])
         if not (0 <= step < len(self.plan_epoch(epoch)) and 0 <= micro < self.cfg.grad_accum):

@@ -1,6 +1,6 @@
 """Stage 2's view of the feature store: open it, check it against the target, split, batch.
 
-    target = resolve_target(cfg.target)
+    target = resolve_target(cfg.target)                   # shared.target: the target's record
     data = open_train_data(cfg.store.url(cfg.run_dir), target, cfg.sampler, DataSettings(block_size=16))
     for loaded in data.loader: ...                         # this rank's micro-batches, train split only
 
@@ -16,25 +16,14 @@ sample ever reaches the training sampler (`TrainData.train_indices`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shared.errors import StoreError
 from shared.store import StoreReader, check_manifest_matches
-from shared.target import (
-    TargetArch,
-    TargetConfig,
-    default_mask_token_id,
-    load_tokenizer,
-    resolve_layer_ids,
-    resolve_target_dir,
-    tokenizer_fingerprints,
-    weights_fingerprint,
-)
+from shared.target import TargetInfo
 from stage2_train.data.anchors import AnchorSampler
 from stage2_train.data.loader import PrefetchLoader
 from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
@@ -68,39 +57,6 @@ class SubsetReader:
 
     def order_key(self, index: int) -> tuple[int, int]:
         return self.reader.order_key(int(self.indices[index]))
-
-
-@dataclass
-class TargetInfo:
-    """What stage 2 needs to know about the target (read from its folder, never the full model)."""
-
-    target_dir: Path
-    arch: TargetArch
-    layer_ids: list[int]
-    mask_token_id: int
-    weights_sha256: str
-    tokenizer_sha256: str
-
-
-@functools.lru_cache(maxsize=4)
-def tokenizer_and_hash(target_dir: str) -> tuple[Any, str]:
-    """Loading a tokenizer and hashing its vocabulary takes a second or two; do it once per folder."""
-    tokenizer = load_tokenizer(TargetConfig(path=target_dir))
-    return tokenizer, tokenizer_fingerprints(tokenizer)["tokenizer_sha256"]
-
-
-def resolve_target(cfg: TargetConfig) -> TargetInfo:
-    target_dir = resolve_target_dir(cfg)
-    arch = TargetArch.from_dir(target_dir)
-    tokenizer, tokenizer_sha256 = tokenizer_and_hash(str(target_dir))
-    return TargetInfo(
-        target_dir=target_dir,
-        arch=arch,
-        layer_ids=resolve_layer_ids(cfg, arch),
-        mask_token_id=default_mask_token_id(cfg, arch, tokenizer),
-        weights_sha256=weights_fingerprint(target_dir),
-        tokenizer_sha256=tokenizer_sha256,
-    )
 
 
 def expected_manifest(target: TargetInfo) -> dict[str, Any]:

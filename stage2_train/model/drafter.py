@@ -273,12 +273,7 @@ def build_drafter(
             torch.manual_seed(seed)
         drafter = DFlashDrafter(cfg, arch, num_feature_layers, mask_token_id)
     if weights is not None:
-        missing, unexpected = drafter.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"weights do not fit the drafter (model.num_layers={cfg.num_layers}, {num_feature_layers} feature "
-                f"layers): missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"
-            )
+        load_weights(drafter, weights, f"model.num_layers={cfg.num_layers}, {num_feature_layers} feature layers")
         drafter.to(next(iter(weights.values())).dtype)
     if frozen_dtype is not None:
         tied = embed_VH is lm_head_VH
@@ -286,6 +281,25 @@ def build_drafter(
         lm_head_VH = embed_VH if tied else lm_head_VH.to(frozen_dtype)
     drafter.set_frozen_parts(embed_VH, lm_head_VH)
     return drafter
+
+
+def load_weights(module: nn.Module, weights: dict[str, torch.Tensor], described: str) -> None:
+    """`module.load_state_dict(weights)`, refusing by name what does not fit: a missing or unexpected
+    tensor, or one whose shape differs (both shapes named), instead of torch's traceback."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights do not fit the drafter ({described}): missing {missing[:6]}, unexpected {unexpected[:6]}"
+        )
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"weights do not fit the drafter ({described}): {name} has shape {tuple(tensor.shape)}, this "
+                f"drafter's is {tuple(expected[name].shape)}"
+            )
+    module.load_state_dict(weights)
 
 
 def init_from_target_layers(drafter: DFlashDrafter, parts: dict[str, torch.Tensor]) -> list[str]:

@@ -27,7 +27,7 @@ from stage2_train.serve.speculative import Proposer, speculative_generate, targe
 def load_online_target(target_cfg: Any, online_dtype: str, device: str = "cpu") -> Any:
     """The target as online evaluation runs it: in `eval.online_dtype` (fp32 by default), so that
     bf16 ties do not make verification and greedy decoding disagree for reasons not the drafter's."""
-    from shared.target import load_target_model
+    from shared.target_model import load_target_model
 
     return load_target_model(target_cfg.model_copy(update={"dtype": online_dtype}), device)
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.target import LayerCapture
+from shared.target_model import LayerCapture
 from stage2_train.data.batch import IGNORE, DrafterBatch
 from stage2_train.model.drafter import DFlashDrafter
 

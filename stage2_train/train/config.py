@@ -37,6 +37,10 @@ class TrainConfig(Section):
     """Resume even when block size, gamma, layers, batch or ranks changed."""
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row with a non-finite loss or gradient norm (each skipped) before the run stops."""
+    allow_stale_store: bool = False
+    """Train on a store that `python -m stage1_extract status` calls stale against this config (edited
+    rows, another chat template, top_k or max_length, generated answers from other prompts). Refused by
+    default, naming the shards and `reprocess`; when set, the run logs a `stale_store` event saying what differs."""
 
     def validate(self) -> None:
         self.require(self.epochs >= 1, "epochs", "must be >= 1")

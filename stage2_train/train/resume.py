@@ -21,21 +21,53 @@ from shared.errors import CheckpointError, ConfigError
 # run config plus a "resolved" mapping of values known only at run time.
 COMPATIBILITY_FIELDS: dict[str, str] = {
     "model.block_size": "the drafter's block, hence anchors, attention and loss weights",
+    "model.num_layers": "the drafter's architecture (its weights would not fit)",
+    "model.intermediate_size": "the drafter's architecture (its weights would not fit)",
+    "model.feature_projection": "the drafter's architecture (its weights would not fit)",
+    "model.projection_dim": "the drafter's architecture (its weights would not fit)",
+    "model.layer_types": "the drafter's attention layout",
+    "model.sliding_window": "the drafter's attention layout",
+    "model.is_causal": "the drafter's attention layout",
     "loss.gamma": "the position weights of the loss",
+    "loss.distill_positions": "where anchors are drawn",
     "target.num_feature_layers": "how many target features the drafter fuses",
     "target.layer_ids": "which target layers feed the drafter, as configured",
     "resolved.layer_ids": "which target layers feed the drafter, as resolved against the target",
     "resolved.target_fingerprint": "the target weights the features came from",
+    "resolved.store_digest": "the store's contents (reprocessed, or another store): the samples and the batch plan",
+    "seed": "the batch plan, the anchors and the noise",
+    "eval.holdout_fraction": "the held-out split, hence which samples train and the batch plan",
+    "eval.split_seed": "the held-out split, hence which samples train and the batch plan",
     "sampler.micro_batch_tokens": "tokens per micro-batch: with grad_accum and world size, the global batch",
     "sampler.grad_accum": "micro-batches per optimizer step",
+    "sampler.max_samples_per_batch": "the batch plan",
+    "sampler.window_slack": "the batch plan",
+    "sampler.max_anchors_per_seq": "the anchors drawn per sample",
     "optim.name": "the optimizer, whose state the checkpoint holds",
     "resolved.world_size": "ranks: the global batch and the per-rank RNG and sampler states",
 }
 
-OPTIONAL_FIELDS = {"resolved.target_fingerprint", "optim.name"}  # compared only when both configs carry it
+# Compared only when both configs carry it (checkpoints written before the field was recorded).
+OPTIONAL_FIELDS = {
+    "resolved.target_fingerprint", "optim.name", "resolved.store_digest", "model.layer_types", "model.sliding_window",
+    "model.is_causal", "model.feature_projection", "model.projection_dim", "loss.distill_positions",
+}
 
-# A setting renamed since a checkpoint was written: its saved value is read under the old name.
-RENAMED_FIELDS = {"sampler.micro_batch_tokens": "sampler.micro_batch_tokens"}
+# Settings renamed since a checkpoint may have been written: new dotted key -> the old one. A saved
+# config is read under the new names before anything is compared.
+RENAMED_FIELDS = {
+    "sampler.micro_batch_tokens": "sampler.token_budget",
+    "eval.offline_batch_tokens": "eval.offline_token_budget",
+}
+
+
+def upgrade_saved(saved_config: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's saved config, flattened, with renamed keys under their new names."""
+    flat = flatten(saved_config)
+    for new, old in RENAMED_FIELDS.items():
+        if old in flat and new not in flat:
+            flat[new] = flat.pop(old)
+    return flat
 
 
 class _Absent:
@@ -50,10 +82,7 @@ def check_compatible(
     saved_config: dict[str, Any], current_config: dict[str, Any], force: bool = False
 ) -> list[str]:
     """Differences in COMPATIBILITY_FIELDS, as 'field: saved X, now Y'. Raises unless `force`."""
-    saved, current = flatten(saved_config), flatten(current_config)
-    for new, old in RENAMED_FIELDS.items():
-        if new not in saved and old in saved:
-            saved[new] = saved[old]
+    saved, current = upgrade_saved(saved_config), flatten(current_config)
     differences = []
     for key in COMPATIBILITY_FIELDS:
         if key not in saved and key not in current:
@@ -62,7 +91,7 @@ def check_compatible(
             continue
         before, now = saved.get(key, _ABSENT), current.get(key, _ABSENT)
         if before != now:
-            differences.append(f"{key}: saved {before!r}, now {now!r}")
+            differences.append(f"{key}: saved {before!r}, now {now!r} ({COMPATIBILITY_FIELDS[key]})")
     if differences and not force:
         raise CheckpointError(
             "cannot resume: "
@@ -73,8 +102,9 @@ def check_compatible(
 
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
-    """Dotted key -> [saved value, current value] for every resolved setting that changed."""
-    return dotted_differences(before, after)
+    """Dotted key -> [saved value, current value] for every resolved setting that changed (a renamed
+    key is one setting, not two)."""
+    return dotted_differences(upgrade_saved(before), flatten(after))
 
 
 @dataclass

@@ -45,8 +45,9 @@ import numpy as np
 import torch
 
 from shared.config import RunConfig
-from shared.errors import CheckpointError, ConfigError, DataError, DivergedError
+from shared.errors import CheckpointError, ConfigError, DataError, DivergedError, StoreError
 from shared.files import write_atomic
+from shared.freshness import Staleness, store_staleness
 from shared.target_parts import load_embed_and_head, load_target_layers
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.data.loader import LoadedBatch
@@ -54,7 +55,7 @@ from stage2_train.data.projection import basis as projection_basis
 from stage2_train.data.projection import second_moment
 from stage2_train.data.run_data import open_run_data, with_a_block
 from stage2_train.data.view import TrainData
-from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_target_layers
+from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_target_layers, load_weights
 from stage2_train.model.loss import (
     COUNT_KEYS,
     dflash_loss,
@@ -103,6 +104,14 @@ class StepStats:
     stop: str | None = None  # a rank was signalled (SIGTERM/SIGUSR1): every rank stops after this step
 
 
+def store_digest(manifest: dict[str, Any]) -> str:
+    """The store's contents in one hash (every listed shard's content checksum, in order): a resume
+    on a reprocessed store, or another one, is refused naming it."""
+    import hashlib
+
+    return hashlib.sha256("".join(r["checksum"] for r in manifest["shards"]).encode()).hexdigest()[:16]
+
+
 class Stateful:
     """A component of the checkpoint: how to take its state and how to put it back."""
 
@@ -126,8 +135,11 @@ class Trainer:
         self.compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
         self.show_progress = progress and self.rank == 0
         self.run_dir = Path(cfg.run_dir)
-        self.sink = MetricsSink(cfg.log, self.run_dir, rank=self.rank, run_config=cfg.to_dict())
+        # The store is opened and checked against the config before anything is written: a store
+        # that is missing, damaged or stale leaves no log, no wandb run and no checkpoint behind.
         self.data = self._build_data()
+        self.staleness = self._check_store()
+        self.sink = MetricsSink(cfg.log, self.run_dir, rank=self.rank, run_config=cfg.to_dict())
         self.model = self._build_model(init_weights)
         self.grad_accum = cfg.sampler.grad_accum
         # The schedule's length: epochs x epoch 0's steps (later epochs differ by a step or so and are
@@ -165,6 +177,15 @@ class Trainer:
     # ---- building -------------------------------------------------------------------------------
     def _build_data(self) -> TrainData:
         return open_run_data(self.cfg, rank=self.rank, world_size=self.world_size, pin_memory=self.device.type == "cuda")
+
+    def _check_store(self) -> Staleness:
+        """`status`'s verdict on the store (shared/freshness.py), refused when stale unless
+        train.allow_stale_store (then a `stale_store` event at the start says what differs). Every
+        rank computes the same verdict from the same files, so all raise or none do."""
+        report = store_staleness(self.cfg, self.data.target, self.data.reader.manifest)
+        if not report.current and not self.cfg.train.allow_stale_store:
+            raise StoreError(report.describe(self.data.reader.url))
+        return report
 
     def _build_model(self, init_weights: dict[str, torch.Tensor] | None) -> DFlashDrafter:
         """The drafter from cfg.seed (identical on every rank) or from `init_weights`, with the
@@ -215,7 +236,7 @@ class Trainer:
         """Every piece of state a resume needs, once: name -> how to save and load it."""
         data = self.data
         return {
-            "model": Stateful(self.model.state_dict, self.model.load_state_dict),
+            "model": Stateful(self.model.state_dict, lambda w: load_weights(self.model, w, "the checkpoint's model")),
             "optimizer": Stateful(
                 lambda: self.optimizers.state_dict(optimizer_state),
                 lambda s: self.optimizers.load_state_dict(s, load_optimizer_state),
@@ -241,6 +262,7 @@ class Trainer:
             "mask_token_id": data.target.mask_token_id,
             "world_size": self.world_size,
             "store": data.reader.url,
+            "store_digest": store_digest(data.reader.manifest),
             "num_train_samples": len(data.train_indices),
             "num_heldout_samples": len(data.heldout_indices),
         }
@@ -288,6 +310,8 @@ class Trainer:
             if self.finished() and resumed_from is not None:
                 return self._already_done(resumed_from)
             self.sink.event("run_start", self.step, **self.info, resumed_from=resumed_from)
+            if not self.staleness.current:  # train.allow_stale_store: trained on it, on the record
+                self.sink.event("stale_store", self.step, store=self.data.reader.url, **self.staleness.to_dict())
             if self.rank == 0:
                 for warning in self.info["hyperparameters"]["recipe_warnings"]:
                     print(f"note: {warning}", file=sys.stderr)

@@ -1,0 +1,129 @@
+"""Is a store still what its config makes? The check `stage2_train train` runs before it builds anything.
+
+    report = store_staleness(cfg, target, reader.manifest)
+    if not report.current:
+        raise StoreError(report.describe(store_url))      # unless train.allow_stale_store=true
+
+It asks what `python -m stage1_extract status` asks, with the same fingerprints (shared/identity.py):
+every shard record's header key against the header this config gives (target content, tokenizer and
+chat template, layer ids, top_k, storage, max_length, on_long, how the target ran), and its input rows
+against the data the config names. Rows are compared cheaply: through the token cache when one holds
+the current data (its key hashes the data's bytes, the tokenizer and the row settings; it keeps every
+row's hash), else by the data file's sha256 against the one the manifest recorded (unchanged bytes,
+unchanged rows). No target is loaded and nothing is tokenized. The generated conversations are checked
+against the prompts, target and sampling settings they must come from (their provenance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.config import RunConfig
+from shared.errors import ConfigError, InputFileError
+from shared.identity import (
+    extraction_source,
+    generated_problem,
+    header_differences,
+    header_key,
+    rows_sha256,
+    stage1_value,
+    store_header,
+)
+from shared.paths import RunPaths
+from shared.target import TargetInfo
+from shared.token_cache import DamagedCache, TokenCache, token_cache_key
+
+FIX = "run `python -m stage1_extract reprocess` with this config (it re-extracts only those)"
+
+
+@dataclass
+class Staleness:
+    """What differs between a store and its config: shards (index, why) and store-wide problems."""
+
+    stale: list[tuple[int, str]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    rows_checked_by: str = ""  # "token cache", "data sha256", or why the rows could not be checked
+
+    @property
+    def current(self) -> bool:
+        return not self.stale and not self.problems
+
+    def describe(self, url: str) -> str:
+        """One line for the refusal: the first reasons, the shards, the fix and the override."""
+        parts = list(self.problems)
+        if self.stale:
+            whys: dict[str, list[int]] = {}
+            for index, why in self.stale:
+                whys.setdefault(why, []).append(index)
+            for why, indices in whys.items():
+                shown = ", ".join(str(i) for i in indices[:8]) + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
+                parts.append(f"shard(s) {shown} stale ({why})")
+        return (
+            f"{url} is stale against this config, as `python -m stage1_extract status` would say: "
+            + "; ".join(parts)
+            + f". {FIX}, or set train.allow_stale_store=true to train on it as it is (logged as an event)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stale_shards": [{"index": i, "why": w} for i, w in self.stale], "problems": self.problems,
+                "rows_checked_by": self.rows_checked_by}
+
+
+def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]) -> Staleness:
+    report = Staleness()
+    header = store_header(cfg, target, manifest.get("extraction"))
+    key = header_key(header)
+    changed = header_differences(manifest, header)
+    for record in manifest["shards"]:
+        if record.get("header_key") != key:
+            report.stale.append((record["index"], "settings changed: " + ", ".join(changed or ["schema"])))
+    problem = generated_problem(cfg, target.weights_sha256)
+    if problem is not None:
+        report.problems.append(problem)
+    try:
+        source = extraction_source(cfg)
+    except (InputFileError, ConfigError) as exc:
+        report.rows_checked_by = "not checked: the data is missing"
+        report.problems.append(f"the data this config names cannot be read ({exc}), so the store cannot be checked against it")
+        return report
+    _check_rows(cfg, target, manifest, source, report)
+    return report
+
+
+def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], source: Any, report: Staleness) -> None:
+    settings = {k: stage1_value(cfg, f"data.{k}") for k in ("max_length", "on_long", "on_bad_row", "max_samples")}
+    hashes = {"tokenizer_sha256": target.tokenizer_sha256, "chat_template_sha256": target.chat_template_sha256}
+    key, inputs = token_cache_key(source, hashes, settings)
+    cache = TokenCache(RunPaths.of(cfg).token_cache, key, inputs)
+    if stage1_value(cfg, "data.token_cache") and cache.exists():
+        try:
+            row_hashes = cache.row_hashes()
+        except DamagedCache:
+            row_hashes = None  # the data's own hash still answers
+        if row_hashes is not None:
+            report.rows_checked_by = "token cache"
+            _compare_rows(manifest, row_hashes, report)
+            return
+    recorded = (manifest.get("data") or {}).get("source_sha256")
+    report.rows_checked_by = "data sha256"
+    if recorded != inputs["source_sha256"]:
+        report.problems.append(
+            f"{source} changed since extraction (sha256 {str(recorded)[:12]} -> {inputs['source_sha256'][:12]}); "
+            f"`python -m stage1_extract status` names the shards whose rows changed"
+        )
+
+
+def _compare_rows(manifest: dict[str, Any], row_hashes: list[str], report: Staleness) -> None:
+    per = int(manifest["samples_per_shard"])
+    records = {r["index"]: r for r in manifest["shards"]}
+    planned = [row_hashes[i : i + per] for i in range(0, len(row_hashes), per)]
+    already = {i for i, _ in report.stale}
+    for index, chunk in enumerate(planned):
+        record = records.get(index)
+        if record is None:
+            report.stale.append((index, "missing: rows added to the data"))
+        elif index not in already and record.get("rows_sha256") != rows_sha256(chunk):
+            report.stale.append((index, "input rows changed"))
+    for index in sorted(set(records) - set(range(len(planned)))):
+        report.stale.append((index, "orphaned: its rows left the data"))

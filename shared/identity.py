@@ -1,0 +1,235 @@
+"""A store's identity: what made it, computed the same way by stage 1 (`status`, `extract`,
+`reprocess`) and stage 2 (`train` refuses a store `status` would call stale), neither importing the other.
+
+    header = store_header(cfg, target, pinned=manifest_or_plan["extraction"])   # the settings that shape the bytes
+    key = header_key(header)        # every shard record carries the key of the settings that made it ...
+    rows_sha256(row_hashes)         # ... and a hash of its input rows (the token cache holds each row's hash)
+
+The header holds the target's content (weights, tokenizer and chat-template hashes, never its folder:
+a target that only moved is the same target), the layer ids, top_k, the storage settings, max_length
+and on_long, and how the target ran (`extraction_settings`). Settings left `auto` (the compute dtype,
+the attention kernel, packing) are resolved once, by the first extraction, and read back from the
+store afterwards: a store's identity never depends on the machine a command runs on (a CPU login node
+calls a GPU-made store current, and `reprocess` there keeps the GPU's settings or refuses).
+
+Stage-1 settings are keys of stage 1's sections, which stage 2 keeps as given (it never imports stage
+1); `STAGE1_DEFAULTS` holds the defaults that apply when a key is not set (tests/test_identity.py checks
+they are stage 1's own), and `stage1_value(cfg, "extract.top_k")` reads a value as stage 1 would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from shared.config import RunConfig, dotted_differences
+from shared.errors import ConfigError, InputFileError
+from shared.paths import RunPaths
+from shared.store import SCHEMA_VERSION
+from shared.target import TargetInfo
+from shared.target_model import pick_attn_implementation, resolve_device, resolve_dtype
+
+IDENTITY_VERSION = 2  # 2: the target by content (no path), auto settings read back from the store
+
+# Stage 1's defaults for every setting a store's identity reads (tests/test_identity.py: equal to the
+# defaults of stage 1's own sections).
+STAGE1_DEFAULTS: dict[str, Any] = {
+    "data.path": None,
+    "data.regenerate": True,
+    "data.max_samples": None,
+    "data.on_bad_row": "raise",
+    "data.max_length": 3072,
+    "data.on_long": "truncate",
+    "data.num_default_prompts": 384,
+    "data.default_question_share": 0.25,
+    "data.token_cache": True,
+    "extract.top_k": 64,
+    "extract.batch_tokens": 8192,
+    "extract.max_batch_samples": 64,
+    "extract.window_shards": 4,
+    "extract.lm_head_chunk": 2048,
+    "extract.device": "auto",
+    "extract.packed": "auto",
+    "generate.backend": "auto",
+    "generate.temperature": 0.7,
+    "generate.top_p": 0.8,
+    "generate.max_new_tokens": 512,
+    "generate.chunk_size": 128,
+}
+
+
+def stage1_value(cfg: RunConfig, key: str) -> Any:
+    """A stage-1 setting as stage 1 resolves it: its validated value, the value given, or its default."""
+    return cfg.value(key, STAGE1_DEFAULTS[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# The header
+
+
+def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """How the target runs. `auto` settings resolve from the device of this machine for a new store,
+    and are read back from the store's `pinned` settings for an existing one: the same store has the
+    same identity on a GPU node and on a CPU login node."""
+    pinned = pinned or {}
+    target = cfg.target
+    device = resolve_device(stage1_value(cfg, "extract.device"))
+    attn = target.attn_implementation
+    if attn == "auto":
+        attn = pinned.get("attn_implementation") or pick_attn_implementation("auto", device)
+    dtype = target.dtype
+    if dtype == "auto":
+        dtype = pinned.get("compute_dtype") or resolve_dtype("auto", device)
+    packed = stage1_value(cfg, "extract.packed")
+    if packed == "auto":
+        packed = pinned["packed"] if "packed" in pinned else attn == "flash_attention_2"
+    return {
+        "compute_dtype": dtype,
+        "attn_implementation": attn,
+        "packed": packed is True or packed == "on",
+        "batch_tokens": stage1_value(cfg, "extract.batch_tokens"),
+        "max_batch_samples": stage1_value(cfg, "extract.max_batch_samples"),
+        "window_shards": stage1_value(cfg, "extract.window_shards"),
+        "lm_head_chunk": stage1_value(cfg, "extract.lm_head_chunk"),
+    }
+
+
+AUTO_SETTINGS = {"compute_dtype": "target.dtype", "attn_implementation": "target.attn_implementation", "packed": "extract.packed"}
+
+
+def storage_settings(store: Any) -> dict[str, Any]:
+    return {"dtype": store.dtype, "compression": store.compression, "zstd_level": store.zstd_level, "chunk_tokens": store.chunk_tokens}
+
+
+def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything that determines the stored bytes: the identity section of the manifest (and of
+    plan.json). `pinned`: the extraction settings the store was made with, if it exists."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "identity_version": IDENTITY_VERSION,
+        "target": target.identity(),
+        "tokenizer_sha256": target.tokenizer_sha256,
+        "chat_template_sha256": target.chat_template_sha256,
+        "layer_ids": list(target.layer_ids),
+        "top_k": stage1_value(cfg, "extract.top_k"),
+        "storage": storage_settings(cfg.store),
+        "max_length": stage1_value(cfg, "data.max_length"),
+        "on_long": stage1_value(cfg, "data.on_long"),
+        "extraction": extraction_settings(cfg, pinned),
+    }
+
+
+def header_key(header: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()
+
+
+def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted names of the identity fields that differ ('target.weights_sha256', 'top_k', ...)."""
+    return list(dotted_differences({k: old.get(k) for k in new}, new))
+
+
+def rows_sha256(row_hashes: Iterable[str]) -> str:
+    """The identity of a shard's input rows (each row's hash, in order)."""
+    return hashlib.sha256("".join(row_hashes).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# What extraction reads, and what the generated answers were made from
+
+
+def prompts_path(cfg: RunConfig) -> Path:
+    """The conversations `generate` reads: data.path, or the embedded default prompt set."""
+    path = stage1_value(cfg, "data.path")
+    if path is not None:
+        return Path(path)
+    count, share = stage1_value(cfg, "data.num_default_prompts"), stage1_value(cfg, "data.default_question_share")
+    return RunPaths.of(cfg).default_prompts(count, share)
+
+
+def extraction_source(cfg: RunConfig) -> Path:
+    """Extraction reads the target's regenerated conversations (the recipe), or data.path as is."""
+    if stage1_value(cfg, "data.regenerate"):
+        path = RunPaths.of(cfg).generated
+        if not path.exists():
+            raise InputFileError(
+                f"{path} does not exist: run `python -m stage1_extract generate` first "
+                f"(or set data.regenerate=false to extract data.path as it is)"
+            )
+        return path
+    given = stage1_value(cfg, "data.path")
+    if given is None:
+        raise ConfigError("data.regenerate=false needs data.path: the default prompts have no answers")
+    path = Path(given)
+    if not path.exists():
+        raise InputFileError(
+            f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
+            f"check the path, or build it first (`make generate CONFIG=...` writes a preset's answers to run_dir/data)"
+        )
+    return path
+
+
+def generate_settings(cfg: RunConfig, weights_sha256: str) -> dict[str, Any]:
+    """What makes an answer: the sampling settings, the target, the seed and the part size (rows are
+    keyed per part, so appending or editing rows regenerates only the parts they fall in)."""
+    return {
+        "generate": {k: stage1_value(cfg, f"generate.{k}") for k in ("backend", "temperature", "top_p", "max_new_tokens")},
+        "chunk_size": stage1_value(cfg, "generate.chunk_size"),
+        "target": weights_sha256,
+        "seed": cfg.seed,
+    }
+
+
+def generate_settings_key(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def generation_inputs(cfg: RunConfig, weights_sha256: str, prompts_sha256: str) -> dict[str, Any]:
+    """What the generated conversations must have been made from to belong to this config: the
+    prompts by content (a prompts file that only moved is the same input)."""
+    return {
+        "prompts_sha256": prompts_sha256,
+        "max_samples": stage1_value(cfg, "data.max_samples"),
+        "on_bad_row": stage1_value(cfg, "data.on_bad_row"),
+        "settings": generate_settings(cfg, weights_sha256),
+    }
+
+
+def generated_problem(cfg: RunConfig, weights_sha256: str) -> str | None:
+    """Why the generated conversations do not belong to this config (other prompts, another target,
+    other sampling settings), naming both sides and the fix; None when they do (or data.regenerate
+    is off). Read from the provenance `generate` writes beside them."""
+    from shared.token_cache import source_fingerprint
+
+    if not stage1_value(cfg, "data.regenerate"):
+        return None
+    paths = RunPaths.of(cfg)
+    if not paths.generated.exists():
+        return None  # extraction_source names it
+    fix = "run `python -m stage1_extract generate` (it regenerates only what differs), then `reprocess`"
+    try:
+        made = json.loads(paths.generated_provenance.read_text())
+    except (OSError, ValueError):
+        return f"{paths.generated} does not say what it was made from ({paths.generated_provenance.name} missing or damaged); {fix}"
+    prompts = prompts_path(cfg)
+    if not prompts.exists():
+        return f"{paths.generated} answers {made.get('prompts')}, but the config's prompts {prompts} do not exist"
+    now = generation_inputs(cfg, weights_sha256, source_fingerprint(prompts))
+    changed = dotted_differences(made.get("inputs", {}), now)
+    if not changed:
+        return None
+    names = {
+        "prompts_sha256": f"the prompts' content ({prompts})", "settings.target": "the target's weights",
+        "max_samples": "data.max_samples", "on_bad_row": "data.on_bad_row", "settings.seed": "seed",
+    }
+    what = ", ".join(
+        f"{names.get(k, k.replace('settings.', ''))} ({_short(v[0])} -> {_short(v[1])})" for k, v in changed.items()
+    )
+    return f"{paths.generated} was generated from {made.get('prompts')} with other inputs than the config gives: {what}; {fix}"
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text[:12] if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else text

@@ -1,0 +1,195 @@
+"""A store's identity and freshness: what `status` calls stale, `train` refuses (issue 31, items 1, 2, 5).
+
+One config describes both stages (as `make extract` then `make train` use it). Each test copies a
+small extracted store with its data, changes one thing the way a user would, and checks that stage 1's
+`status` and stage 2's `train` agree, naming the same shards and fields.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shared.config import load_run_config
+from shared.errors import DataError, StoreError
+from shared.identity import STAGE1_DEFAULTS
+from stage1_extract import commands as stage1
+from stage2_train import commands as stage2
+from stage2_train.observe.metrics import read_log
+from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+
+TRAIN = {  # a one-step run: the check comes before it
+    "sampler.micro_batch_tokens": 512, "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0,
+    "train.max_steps": 1, "train.num_data_threads": 1, "eval.holdout_fraction": 0.2, "eval.offline_max_samples": 2,
+    "log.wandb": "disabled",
+}
+
+
+def test_stage1_defaults_known_to_shared_are_stage1s_own():
+    """shared.identity reads stage-1 settings with these defaults when a config does not set them
+    (stage 2 keeps stage 1's sections as given): they must be stage 1's own."""
+    from stage1_extract.data import DataConfig
+    from stage1_extract.extract import ExtractConfig
+    from stage1_extract.generate import GenerateConfig
+
+    sections = {"data": DataConfig(), "extract": ExtractConfig(), "generate": GenerateConfig()}
+    for key, default in STAGE1_DEFAULTS.items():
+        section, name = key.split(".")
+        assert getattr(sections[section], name) == default, key
+
+
+@pytest.fixture(scope="module")
+def built(tiny_target_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("identity")
+    write_jsonl(root / "chat.jsonl", chat_rows(30))
+    stage1.cmd_extract(config(tiny_target_dir, root), progress=False)
+    return root
+
+
+def config(target_dir: Path, root: Path, **extra):
+    settings = {**TRAIN, **extra}
+    return load_run_config("configs/default.yaml", stage1_overrides(target_dir, root / "chat.jsonl", root / "run", **settings))
+
+
+@pytest.fixture
+def root(built, tmp_path) -> Path:
+    return Path(shutil.copytree(built, tmp_path / "copy"))
+
+
+def stale_in_status(cfg) -> list[tuple[int, str]]:
+    return [(r["index"], r["why"]) for r in stage1.cmd_status(cfg)["shards"] if r["state"] != "current"]
+
+
+def test_a_current_store_trains(root, tiny_target_dir):
+    cfg = config(tiny_target_dir, root)
+    assert stale_in_status(cfg) == []
+    assert stage2.cmd_train(cfg, progress=False)["steps"] == 1
+
+
+def test_an_edited_row_is_refused_naming_its_shard(root, tiny_target_dir):
+    rows = [json.loads(line) for line in (root / "chat.jsonl").read_text().splitlines()]
+    rows[27]["messages"][1]["content"] = "an edited answer that is entirely new"
+    write_jsonl(root / "chat.jsonl", rows)
+    cfg = config(tiny_target_dir, root)
+    # Before any stage-1 command saw the edit: the data's hash tells, status names the shards.
+    with pytest.raises(StoreError, match=r"chat.jsonl changed since extraction .* `python -m stage1_extract status`"):
+        stage2.cmd_train(cfg, progress=False)
+    assert stale_in_status(cfg) == [(1, "input rows changed")]  # status tokenized it: the cache holds its rows
+    with pytest.raises(StoreError, match=r"shard\(s\) 1 stale \(input rows changed\).*reprocess.*allow_stale_store"):
+        stage2.cmd_train(cfg, progress=False)
+    assert not (root / "run" / "train_log.jsonl").exists()  # refused before anything was written
+    stage1.cmd_reprocess(cfg, progress=False)
+    assert stage2.cmd_train(cfg, progress=False)["steps"] == 1
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"extract.top_k": 4}, "top_k"),
+        ({"data.max_length": 128}, "max_length"),
+        ({"data.on_long": "skip"}, "on_long"),
+        ({"store.dtype": "fp8"}, "storage.dtype"),
+        ({"target.num_feature_layers": 2}, "layer_ids"),
+    ],
+)
+def test_a_changed_setting_is_refused_as_status_calls_it_stale(root, tiny_target_dir, change, field):
+    cfg = config(tiny_target_dir, root, **change)
+    assert {why for _, why in stale_in_status(cfg)} == {f"settings changed: {field}"}
+    # (layer ids and the target are also checked when the store is opened, naming the field there)
+    with pytest.raises(StoreError, match=rf"(shard\(s\) 0, 1 stale \(settings changed: |manifest.json: ){field}.*reprocess"):
+        stage2.cmd_train(cfg, progress=False)
+
+
+def test_a_changed_chat_template_is_refused(root, tiny_target_dir, tmp_path):
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    template = target / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_start|>system", "<|im_start|>system "))
+    cfg = config(target, root)
+    assert {why for _, why in stale_in_status(cfg)} == {"settings changed: chat_template_sha256"}
+    with pytest.raises(StoreError, match=r"settings changed: chat_template_sha256"):
+        stage2.cmd_train(cfg, progress=False)
+
+
+def test_allow_stale_store_trains_and_logs_what_differs(root, tiny_target_dir):
+    cfg = config(tiny_target_dir, root, **{"extract.top_k": 4, "train.allow_stale_store": True})
+    assert stage2.cmd_train(cfg, progress=False)["steps"] == 1
+    events = [r for r in read_log(root / "run" / "train_log.jsonl") if r.get("event") == "stale_store"]
+    assert len(events) == 1 and events[0]["stale_shards"][0] == {"index": 0, "why": "settings changed: top_k"}
+
+
+def test_a_data_file_the_config_names_that_is_missing_is_refused(root, tiny_target_dir):
+    (root / "chat.jsonl").unlink()
+    with pytest.raises(StoreError, match=r"data.path=.*chat.jsonl does not exist.*cannot be checked"):
+        stage2.cmd_train(config(tiny_target_dir, root), progress=False)
+
+
+# ---- item 1: generated answers belong to the prompts, target and settings they were made from ----
+
+
+def test_answers_generated_from_other_prompts_are_refused_and_status_says_so(tiny_target_dir, tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", chat_rows(4, seed=1))
+    b = write_jsonl(tmp_path / "b.jsonl", chat_rows(4, seed=2))
+
+    def cfg_for(data: Path):
+        return load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run", **{
+            "data.regenerate": True, "generate.max_new_tokens": 4, "generate.chunk_size": 2, "extract.device": "cpu",
+        }))
+
+    stage1.cmd_generate(cfg_for(a), progress=False)
+    with pytest.raises(DataError, match=rf"generated from {a} with other inputs .*the prompts' content \({b}\)"):
+        stage1.cmd_extract(cfg_for(b), progress=False)
+    assert not (tmp_path / "run" / "store" / "manifest.json").exists()
+    status = stage1.cmd_status(cfg_for(b))
+    assert str(a) in status["generated_data"] and not status["complete"]
+    stage1.cmd_extract(cfg_for(a), progress=False)  # the answers' own prompts: accepted
+    assert stage1.cmd_status(cfg_for(a))["generated_data"] == "current"
+    with pytest.raises(StoreError, match="generated from"):  # train agrees with status
+        stage2.cmd_train(load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, b, tmp_path / "run", **{
+            **TRAIN, "data.regenerate": True, "generate.max_new_tokens": 4, "generate.chunk_size": 2,
+        })), progress=False)
+    stage1.cmd_generate(cfg_for(b), progress=False)  # regenerated for b: b's store may be made
+    stage1.cmd_reprocess(cfg_for(b), progress=False)
+    assert stage1.cmd_status(cfg_for(b))["complete"]
+
+
+# ---- item 5: a store's identity does not depend on the machine a command runs on -------------------
+
+
+def test_auto_settings_are_read_back_from_the_store_not_resolved_again(root, tiny_target_dir, monkeypatch):
+    """A store made on a GPU node (flash-attn, packed, bf16 from `auto`) is current on a CPU login node,
+    and reprocess there refuses rather than re-extract it on CPU settings."""
+    import shared.identity as identity
+
+    cfg = config(tiny_target_dir, root, **{"target.dtype": "auto"})
+    plan = root / "run" / "store" / "plan.json"
+    manifest = root / "run" / "store" / "manifest.json"
+    gpu = {"compute_dtype": "bf16", "attn_implementation": "flash_attention_2", "packed": True}
+    # Rewrite the store as the GPU node would have made it (its auto settings resolved there).
+    monkeypatch.setattr(identity, "resolve_device", lambda setting: "cuda")
+    monkeypatch.setattr(identity, "pick_attn_implementation", lambda requested, device: "flash_attention_2")
+    gpu_header = identity.store_header(cfg, stage1.prepare(cfg).target)
+    assert gpu_header["extraction"] | gpu == gpu_header["extraction"]
+    monkeypatch.undo()
+    key = identity.header_key(gpu_header)
+    for path in (plan, manifest):
+        data = json.loads(path.read_text())
+        data.update(gpu_header) if path == manifest else data.update(header=gpu_header)
+        for record in data.get("shards", []):
+            record["header_key"] = key
+        path.write_text(json.dumps(data))
+    for part in (root / "run" / "store" / "parts").glob("*.json"):
+        record = json.loads(part.read_text())
+        part.write_text(json.dumps({**record, "header_key": key}))
+    # On this CPU machine: current for status and for train's check.
+    assert stage1.cmd_status(cfg)["complete"]
+    assert stage1.prepare(cfg).header["extraction"] == gpu_header["extraction"]
+    # An edited row: reprocess must not re-extract on CPU settings implicitly.
+    rows = [json.loads(line) for line in (root / "chat.jsonl").read_text().splitlines()]
+    rows[3]["messages"][1]["content"] = "edited"
+    write_jsonl(root / "chat.jsonl", rows)
+    with pytest.raises(ValueError, match=r"flash_attention_2 attention.*target.attn_implementation=sdpa"):
+        stage1.cmd_reprocess(cfg, progress=False)
+    assert json.loads(plan.read_text())["header"]["extraction"] == gpu_header["extraction"]  # plan.json untouched
