@@ -7,7 +7,6 @@ per node, by that node's local rank 0.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -74,14 +73,13 @@ def test_two_node_training_gives_the_losses_of_one_process(tiny_target_dir, tmp_
     stage1.cmd_extract(stage1_cfg, progress=False)
     store = stage1_cfg.store.url(stage1_cfg.run_dir)
     base = {
-        "store.path": store, "target.path": str(tiny_target_dir), "target.num_feature_layers": 3,
-        "target.dtype": "fp32", "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2,
+        "store.path": store, "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2,
         "model.block_size": 8, "loss.gamma": 4.0, "train.max_steps": 4, "train.resume": "never",
         "checkpoint.every_steps": 0, "eval.holdout_fraction": 0.1, "log.wandb": "disabled",
     }
 
-    def overrides(run_dir, grad_accum):
-        return [f"{k}={json.dumps(v)}" for k, v in {**base, "run_dir": str(run_dir), "sampler.grad_accum": grad_accum}.items()]
+    def overrides(run_dir, grad_accum):  # one config for both stages: the store is current against it
+        return stage1_overrides(tiny_target_dir, data, run_dir, **{**base, "sampler.grad_accum": grad_accum})
 
     cmd_train(load_run_config("configs/default.yaml", overrides(tmp_path / "one", 2)), progress=False)
     outs = two_nodes(["-m", "stage2_train", "train", "--no-progress", *overrides(tmp_path / "two", 1)])
