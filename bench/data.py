@@ -35,8 +35,8 @@ Plan = list[list[list[int]]]
 
 
 def ours(lengths: np.ndarray, budget: int, world_size: int, grad_accum: int, seed: int) -> Plan:
-    cfg = SamplerConfig(micro_batch_tokens=budget, grad_accum=grad_accum)
-    return LengthMixedSampler(cfg, lengths, seed=seed, world_size=world_size).plan_epoch(0)
+    cfg = SamplerConfig(micro_batch_tokens=budget)
+    return LengthMixedSampler(cfg, lengths, seed=seed, world_size=world_size, grad_accum=grad_accum).plan_epoch(0)
 
 
 def group_steps(batches: list[list[int]], per_step: int) -> Plan:

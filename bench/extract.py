@@ -78,15 +78,15 @@ def main() -> None:
     batches = [
         batch
         for window in windows
-        for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens, cfg.extract.max_batch_samples)
+        for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens, cfg.extract.max_samples_per_batch)
     ]
     padded_tokens = sum(len(b) * max(len(r.input_ids) for r in b) for b in batches)
     capture = LayerCapture(model, prepared.layer_ids)
-    forward_batch(model, capture, batches[0][:1], cfg.extract.top_k, cfg.extract.lm_head_chunk, False)  # warm-up
+    forward_batch(model, capture, batches[0][:1], cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, False)  # warm-up
     started = time.perf_counter()
     features = []
     for batch in batches:
-        for row, (hidden, values, ids) in zip(batch, forward_batch(model, capture, batch, cfg.extract.top_k, cfg.extract.lm_head_chunk, False)):
+        for row, (hidden, values, ids) in zip(batch, forward_batch(model, capture, batch, cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, False)):
             features.append(SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids))
     forward_s = time.perf_counter() - started
     capture.close()

@@ -119,14 +119,14 @@ GPU_SIZES = Sizes(
     small_samples=1024, small_overrides=("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256"),
     big_samples=80, big_answer_chars=7000, big_config=QWEN3_8B, big_overrides=("target.dtype=bf16",),
     train_steps=40, train_skip_steps=5, train_token_budget=16384, train_anchors=512,
-    train_overrides=("sampler.grad_accum=1",),
+    train_overrides=("train.grad_accum=1",),
     gen_prompts=64, gen_fallback_prompts=32, gen_max_new_tokens=160, deadline_s=450,
 )
 SMOKE_SIZES = Sizes(
     device="cpu", smoke=True,
     small_samples=12, small_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.top_k=8"),
     big_samples=12, big_answer_chars=400, big_config=QWEN3_TINY,
-    big_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.lm_head_chunk=256",
+    big_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.lm_head_chunk_tokens=256",
                    "store.shard_mb=1", "extract.top_k=8"),
     train_steps=6, train_skip_steps=2, train_token_budget=1024, train_anchors=8,
     train_overrides=("train.cpu_threads=1", "train.num_data_threads=1"),
@@ -515,12 +515,12 @@ def pure_forward(model: Any, cfg: Any, prepared: Any, device: str) -> dict[str, 
     windows = windows_for_rank(pipeline.planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
     batches = [batch for window in windows
                for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens,
-                                                 cfg.extract.max_batch_samples)]
+                                                 cfg.extract.max_samples_per_batch)]
     attn = model.config._attn_implementation
     packed = cfg.extract.packed == "on" or (cfg.extract.packed == "auto" and attn == "flash_attention_2")
     capture = LayerCapture(model, prepared.layer_ids)
     try:
-        args = (cfg.extract.top_k, cfg.extract.lm_head_chunk, packed)
+        args = (cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, packed)
         forward_batch(model, capture, batches[0][:1], *args)  # warm-up
         sync(device)
         started = time.perf_counter()

@@ -92,7 +92,7 @@ def replay_step_work(cfg: Any, store_url: str, loss_masks: dict[int, Any], rows:
     reader = StoreReader(store_url)
     train, _ = split_indices(reader, cfg.eval.holdout_fraction, cfg.eval.split_seed)
     sample_ids = reader.sample_ids[train]
-    sampler = LengthMixedSampler(cfg.sampler, reader.lengths[train], seed=cfg.seed)
+    sampler = LengthMixedSampler(cfg.sampler, reader.lengths[train], seed=cfg.seed, grad_accum=cfg.train.grad_accum)
     B = cfg.model.block_size
     anchor_sampler = AnchorSampler(cfg.sampler, block_size=B, seed=cfg.seed)
     slots = np.arange(1, B)

@@ -54,7 +54,7 @@ def hand_out(sampler: LengthMixedSampler, epochs: int) -> dict[str, float]:
         ref = next(stream)
         waits.append(time.perf_counter() - t0)
         sampler.mark_consumed(ref)
-        if ref.step_in_epoch == ref.steps_in_epoch - 1 and ref.micro_step == sampler.cfg.grad_accum - 1:
+        if ref.step_in_epoch == ref.steps_in_epoch - 1 and ref.micro_step == sampler.grad_accum - 1:
             time.sleep(2.0)  # an epoch takes hours on GPUs: the look-ahead plan has time to finish
     return {"micro_batches": len(waits), "max_wait_s": max(waits)}
 
@@ -68,14 +68,15 @@ def main() -> int:
     args = parser.parse_args()
     t_all = time.perf_counter()
     lengths = synthetic_lengths(args.samples)
-    cfg = SamplerConfig(micro_batch_tokens=49_152, grad_accum=4, max_anchors_per_seq=512)
+    cfg = SamplerConfig(micro_batch_tokens=49_152, max_anchors_per_seq=512)
+    grad_accum = 4
     results: dict = {
         "samples": args.samples,
         "tokens": int(lengths.sum()),
         "length_median": float(np.median(lengths)),
         "ranks": args.ranks,
         "micro_batch_tokens": cfg.micro_batch_tokens,
-        "grad_accum": cfg.grad_accum,
+        "grad_accum": grad_accum,
     }
 
     # Start-up: split, sampler (plans epoch 0), schedule length, first micro-batch.
@@ -83,7 +84,7 @@ def main() -> int:
     keys = np.arange(args.samples, dtype=np.int64)
     held = heldout_mask(keys, 0.01, 0)
     train_lengths = lengths[~held]
-    sampler = LengthMixedSampler(cfg, train_lengths, seed=0, rank=0, world_size=args.ranks)
+    sampler = LengthMixedSampler(cfg, train_lengths, seed=0, rank=0, world_size=args.ranks, grad_accum=grad_accum)
     total = sampler.estimated_total_steps(args.epochs)
     first = next(sampler.upcoming())
     results["startup"] = {
@@ -117,7 +118,7 @@ def main() -> int:
     results["baseline_plan_every_epoch_up_front_cpu_s"] = round(results["plan_cpu_s"] * args.epochs, 2)
 
     # Plan builds per epoch over 3 epochs handed out, and peak RSS after 1, 2, 4 epochs.
-    sampler = LengthMixedSampler(cfg, train_lengths, seed=0, rank=0, world_size=args.ranks)
+    sampler = LengthMixedSampler(cfg, train_lengths, seed=0, rank=0, world_size=args.ranks, grad_accum=grad_accum)
     builds_before = sampler.plan_builds
     rss, waits = {}, []
     for upto in (1, 2, 4):

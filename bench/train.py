@@ -159,8 +159,8 @@ def main() -> int:
 
     if not args.skip_ddp:
         small = base + [f"sampler.micro_batch_tokens={args.token_budget // 2}", "train.max_steps=4"]
-        wall_one = train(small + ["sampler.grad_accum=2"], root / "one", args.threads)
-        wall_two = train(small + ["sampler.grad_accum=1"], root / "two", args.threads, nproc=2)
+        wall_one = train(small + ["train.grad_accum=2"], root / "one", args.threads)
+        wall_two = train(small + ["train.grad_accum=1"], root / "two", args.threads, nproc=2)
         one = read_log(root / "one" / "train_log.jsonl", "train")
         two = read_log(root / "two" / "train_log.jsonl", "train")
         diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]

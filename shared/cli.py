@@ -76,7 +76,7 @@ def print_check(cfg: RunConfig, with_docs: bool = False, quiet: bool = False) ->
         print("# alternatives to the recipe, with what was measured (BENCHMARKS.md):", file=sys.stderr)
         for line in alternatives:
             print(f"#   {line}", file=sys.stderr)
-    for line in cfg.describe_batch():
+    for line in cfg.notes():
         print(f"# {line}", file=sys.stderr)
     for owner, names in cfg.unvalidated_by_owner().items():
         print(f"# sections {', '.join(names)} are {owner}'s: `python -m {owner} check` validates them", file=sys.stderr)

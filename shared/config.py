@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,10 @@ SECTION_OWNERS: dict[str, str] = {
     "doctor": "stage2_train",
 }
 _REGISTERED: dict[str, type[Section]] = {}
+# Rules across one stage's sections (gamma against the block size, the global batch), registered by
+# the stage that owns them: shared code knows no stage's rules.
+_CROSS_WARNINGS: list[Callable[[RunConfig], list[str]]] = []
+_NOTES: list[Callable[[RunConfig], list[str]]] = []
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 TOP_LEVEL_SCALARS = {"run_dir": str, "seed": int}
 TOP_LEVEL_DOCS = {
@@ -75,6 +80,17 @@ def register_sections(*classes: type[Section]) -> None:
         if cls.section not in SECTION_OWNERS:
             raise ValueError(f"section {cls.section!r} is not listed in SECTION_OWNERS")
         _REGISTERED[cls.section] = cls
+
+
+def register_rules(
+    warnings: Callable[[RunConfig], list[str]] | None = None, notes: Callable[[RunConfig], list[str]] | None = None
+) -> None:
+    """A stage's rules across its sections: departures from the recipe (`warnings`) and what `check`
+    should tell about the config (`notes`); each is called with the composed config."""
+    if warnings is not None and warnings not in _CROSS_WARNINGS:
+        _CROSS_WARNINGS.append(warnings)
+    if notes is not None and notes not in _NOTES:
+        _NOTES.append(notes)
 
 
 def _shared_sections() -> dict[str, type[Section]]:
@@ -140,28 +156,14 @@ class RunConfig:
             out.setdefault(SECTION_OWNERS[name], []).append(name)
         return out
 
-    def describe_batch(self) -> list[str]:
-        """What one optimizer step holds, for `check` (stage 2 only: the knob a user sets is per rank
-        per micro-batch, the recipe speaks of the global batch)."""
-        if "sampler" not in self.sections:
-            return []
-        sampler = self.sections["sampler"]
-        per_rank = sampler.micro_batch_tokens * sampler.grad_accum
-        return [
-            f"global batch: ranks x {sampler.grad_accum} micro-batches x {sampler.micro_batch_tokens} tokens = "
-            f"{per_rank} tokens per rank per optimizer step ({8 * per_rank} on 8 ranks); the run_start event "
-            f"gives the figure for the ranks it runs on"
-        ]
+    def notes(self) -> list[str]:
+        """What the stages' rules tell about this config (`check` prints them)."""
+        return [line for rule in _NOTES for line in rule(self)]
 
     def recipe_warnings(self) -> list[str]:
-        """Every section's departures from the published recipe; gamma is checked against the block size."""
-        warnings: list[str] = []
-        for name, value in self.sections.items():
-            if name == "loss" and "model" in self.sections:
-                warnings.extend(value.recipe_warnings(block_size=self.model.block_size))
-            else:
-                warnings.extend(value.recipe_warnings())
-        return warnings
+        """Every section's departures from the published recipe, then the stages' rules across sections."""
+        warnings = [w for value in self.sections.values() for w in value.recipe_warnings()]
+        return warnings + [w for rule in _CROSS_WARNINGS for w in rule(self)]
 
     def alternatives(self) -> list[str]:
         """Every section's measured options beyond the recipe that this config does not use."""

@@ -48,16 +48,16 @@ STAGE1_DEFAULTS: dict[str, Any] = {
     "data.token_cache": True,
     "extract.top_k": 64,
     "extract.batch_tokens": 8192,
-    "extract.max_batch_samples": 64,
+    "extract.max_samples_per_batch": 64,
     "extract.window_shards": 4,
-    "extract.lm_head_chunk": 2048,
+    "extract.lm_head_chunk_tokens": 2048,
     "extract.device": "auto",
     "extract.packed": "auto",
     "generate.backend": "auto",
     "generate.temperature": 0.7,
     "generate.top_p": 0.8,
     "generate.max_new_tokens": 512,
-    "generate.chunk_size": 128,
+    "generate.rows_per_part": 128,
 }
 
 
@@ -91,9 +91,9 @@ def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) ->
         "attn_implementation": attn,
         "packed": packed is True or packed == "on",
         "batch_tokens": stage1_value(cfg, "extract.batch_tokens"),
-        "max_batch_samples": stage1_value(cfg, "extract.max_batch_samples"),
+        "max_samples_per_batch": stage1_value(cfg, "extract.max_samples_per_batch"),
         "window_shards": stage1_value(cfg, "extract.window_shards"),
-        "lm_head_chunk": stage1_value(cfg, "extract.lm_head_chunk"),
+        "lm_head_chunk_tokens": stage1_value(cfg, "extract.lm_head_chunk_tokens"),
     }
 
 
@@ -176,7 +176,7 @@ def generate_settings(cfg: RunConfig, weights_sha256: str) -> dict[str, Any]:
     keyed per part, so appending or editing rows regenerates only the parts they fall in)."""
     return {
         "generate": {k: stage1_value(cfg, f"generate.{k}") for k in ("backend", "temperature", "top_p", "max_new_tokens")},
-        "chunk_size": stage1_value(cfg, "generate.chunk_size"),
+        "rows_per_part": stage1_value(cfg, "generate.rows_per_part"),
         "target": weights_sha256,
         "seed": cfg.seed,
     }

@@ -117,7 +117,7 @@ def _describe(cls: type[Section], exc: ValidationError) -> str:
         if old in cls.renamed:
             new = cls.renamed[old]
             if "." in new:  # moved to another section
-                return f"{key}: moved to {new} (one setting per stage); write {new}"
+                return f"{key}: moved to {new}; write {new}"
             return f"{key}: renamed to {cls.section}.{new} (`check --explain` says what it holds); write {cls.section}.{new}"
         return f"{key}: unknown key (known keys: {', '.join(cls.model_fields)})"
     if error["type"] == "literal_error":

@@ -32,12 +32,17 @@ log = logging.getLogger(__name__)
 
 class ExtractConfig(Section):
     section: ClassVar[str] = "extract"
-    renamed: ClassVar[dict[str, str]] = {"token_budget": "batch_tokens", "queue_batches": "writer_queue_mb"}
+    renamed: ClassVar[dict[str, str]] = {
+        "token_budget": "batch_tokens",
+        "queue_batches": "writer_queue_mb",
+        "max_batch_samples": "max_samples_per_batch",  # one spelling with sampler.max_samples_per_batch
+        "lm_head_chunk": "lm_head_chunk_tokens",
+    }
     top_k: int = 64
     """Log-probabilities of the target's k most likely next tokens stored per token (the KL term reads them)."""
     batch_tokens: int = 8192
     """Tokens per target forward batch (padding included on the padded path)."""
-    max_batch_samples: int = 64
+    max_samples_per_batch: int = 64
     """At most this many samples per target forward batch."""
     window_shards: int = 4
     """Shards whose samples are length-sorted together."""
@@ -46,7 +51,7 @@ class ExtractConfig(Section):
     blocks rather than exceed it (8 ranks x 2 GB = 16 GB per node). See stage1_extract/writer.py."""
     writer_threads: int = 2
     """Shards compressed, hashed and written in parallel, per rank (zstd and sha256 release the GIL)."""
-    lm_head_chunk: int = 2048
+    lm_head_chunk_tokens: int = 2048
     """Tokens per LM-head + log-softmax chunk."""
     device: str = "auto"
     """Where stage 1 runs the target (generate and extract): auto = the GPU of this rank when there is one, else CPU."""
@@ -56,11 +61,11 @@ class ExtractConfig(Section):
     def validate(self) -> None:
         self.require(1 <= self.top_k <= 1024, "top_k", "must be in 1..1024")
         self.require(self.batch_tokens >= 16, "batch_tokens", "must be >= 16")
-        self.require(self.max_batch_samples >= 1, "max_batch_samples", "must be >= 1")
+        self.require(self.max_samples_per_batch >= 1, "max_samples_per_batch", "must be >= 1")
         self.require(self.window_shards >= 1, "window_shards", "must be >= 1")
         self.require(self.writer_queue_mb >= 1, "writer_queue_mb", "must be >= 1")
         self.require(self.writer_threads >= 1, "writer_threads", "must be >= 1")
-        self.require(self.lm_head_chunk >= 1, "lm_head_chunk", "must be >= 1")
+        self.require(self.lm_head_chunk_tokens >= 1, "lm_head_chunk_tokens", "must be >= 1")
 
 
 @dataclass
@@ -153,11 +158,11 @@ def run_shards(
     try:
         for window in windows:
             rows = [r for s in window for r in s.kept]
-            for batch in token_budget_batches(rows, cfg.batch_tokens, cfg.max_batch_samples):
+            for batch in token_budget_batches(rows, cfg.batch_tokens, cfg.max_samples_per_batch):
                 if not any(r.sample_id in todo_ids for r in batch):
                     continue  # finished by an earlier run
                 forward_started = timer.start()
-                outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk, packed)
+                outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk_tokens, packed)
                 timer.stop(forward_started)
                 wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
                 host, ready = to_host([out for _, out in wanted], device)

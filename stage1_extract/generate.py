@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class GenerateConfig(Section):
     section: ClassVar[str] = "generate"
-    renamed: ClassVar[dict[str, str]] = {"device": "extract.device"}
+    renamed: ClassVar[dict[str, str]] = {"device": "extract.device", "chunk_size": "rows_per_part"}
     backend: Literal["auto", "transformers", "vllm"] = "auto"
     """auto: vllm on GPU when it is installed, else transformers (batched, left-padded)."""
     temperature: float = 0.7
@@ -44,7 +44,7 @@ class GenerateConfig(Section):
     """Longest regenerated answer, in tokens."""
     batch_size: int = 32
     """Sequences per transformers generate call."""
-    chunk_size: int = 128
+    rows_per_part: int = 128
     """Conversations per resumable Parquet part."""
     tensor_parallel_size: int = 1
     """vllm: GPUs per engine. Under torchrun each rank (or group of ranks) runs its own engine on its
@@ -55,7 +55,7 @@ class GenerateConfig(Section):
         self.require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         self.require(self.max_new_tokens > 0, "max_new_tokens", "must be > 0")
         self.require(self.batch_size > 0, "batch_size", "must be > 0")
-        self.require(self.chunk_size > 0, "chunk_size", "must be > 0")
+        self.require(self.rows_per_part > 0, "rows_per_part", "must be > 0")
         self.require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
 
     def recipe_warnings(self) -> list[str]:
@@ -241,7 +241,8 @@ def generate_all(
         meta = json.loads(meta_path.read_text())
         made = meta.get("settings")
         if made is None:  # written before the settings themselves were kept: only their key
-            made = settings if meta.get("key") == generate_settings_key(settings) else {"settings": "unknown (older parts)"}
+            legacy = {**{k: v for k, v in settings.items() if k != "rows_per_part"}, "chunk_size": settings["rows_per_part"]}
+            made = settings if meta.get("key") == generate_settings_key(legacy) else {"settings": "unknown (older parts)"}
         changed = dotted_differences(made, settings)
         if changed:
             what = ", ".join(f"{k} ({v[0]} -> {v[1]})" for k, v in changed.items())
@@ -257,7 +258,7 @@ def generate_all(
     failure.unlink(missing_ok=True)
     started = time.perf_counter()
     generated_tokens = reused = 0
-    chunks = [conversations[i : i + cfg.chunk_size] for i in range(0, len(conversations), cfg.chunk_size)]
+    chunks = [conversations[i : i + cfg.rows_per_part] for i in range(0, len(conversations), cfg.rows_per_part)]
     mine = [number for number in range(len(chunks)) if number % world == rank]
     bar = tqdm(total=sum(len(chunks[n]) for n in mine), desc="generate", unit="conv", disable=not progress)
     backend: Backend | None = None  # the model loads only when a part is left to write

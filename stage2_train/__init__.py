@@ -5,7 +5,7 @@ Importing the stage makes its config sections known to the shared loader (the ro
 validated by stage 1's entry point.
 """
 
-from shared.config import register_sections
+from shared.config import RunConfig, register_rules, register_sections
 from stage2_train.data.config import SamplerConfig
 from stage2_train.model.config import DrafterConfig, LossConfig
 from stage2_train.observe.detectors import DetectorConfig
@@ -16,3 +16,21 @@ register_sections(
     SamplerConfig, NoiseConfig, DrafterConfig, LossConfig, OptimConfig, TrainConfig, CheckpointConfig, EvalConfig,
     LogConfig, DetectorConfig,
 )
+
+
+def _gamma_for_block_size(cfg: RunConfig) -> list[str]:
+    """The recipe's gamma depends on the block size: a rule across the loss and model sections."""
+    return cfg.loss.gamma_warnings(cfg.model.block_size)
+
+
+def _global_batch(cfg: RunConfig) -> list[str]:
+    """What one optimizer step holds: the knob a user sets is per rank per micro-batch, the recipe
+    speaks of the global batch."""
+    tokens, accum = cfg.sampler.micro_batch_tokens, cfg.train.grad_accum
+    return [
+        f"global batch: ranks x {accum} micro-batches x {tokens} tokens = {tokens * accum} tokens per rank per "
+        f"optimizer step ({8 * tokens * accum} on 8 ranks); the run_start event gives the figure for the ranks it runs on"
+    ]
+
+
+register_rules(warnings=_gamma_for_block_size, notes=_global_batch)

@@ -382,7 +382,8 @@ def test_compatibility_refusal_names_the_field_and_both_values():
     saved = {
         "model": {"block_size": 16},
         "loss": {"gamma": 7.0},
-        "sampler": {"micro_batch_tokens": 8192, "grad_accum": 4},
+        "sampler": {"micro_batch_tokens": 8192},
+        "train": {"grad_accum": 4},
         "target": {"layer_ids": None},
         "resolved": {"layer_ids": [1, 14, 27], "world_size": 8},
     }
@@ -403,8 +404,8 @@ def test_compatibility_refusal_names_the_field_and_both_values():
     saved["resolved"]["target_fingerprint"] = "def"
     with pytest.raises(ValueError, match="resolved.target_fingerprint: saved 'def', now 'abc'"):
         check_compatible(saved, current)
-    del current["sampler"]["grad_accum"]
-    with pytest.raises(ValueError, match="sampler.grad_accum: saved 4, now <absent>"):
+    del current["train"]["grad_accum"]
+    with pytest.raises(ValueError, match="train.grad_accum: saved 4, now <absent>"):
         check_compatible(saved, current, force=False)
 
 
@@ -415,7 +416,7 @@ def test_a_checkpoint_saved_before_a_rename_resumes_under_the_new_name():
     from stage2_train.train.resume import config_changes
 
     written_then = {"sampler": {"token_budget": 8192, "grad_accum": 4}, "eval": {"offline_token_budget": 4096}}
-    now = {"sampler": {"micro_batch_tokens": 8192, "grad_accum": 4}, "eval": {"offline_batch_tokens": 4096}}
+    now = {"sampler": {"micro_batch_tokens": 8192}, "train": {"grad_accum": 4}, "eval": {"offline_batch_tokens": 4096}}
     assert check_compatible(written_then, now) == [] and config_changes(written_then, now) == {}
     now["sampler"]["micro_batch_tokens"] = 4096
     with pytest.raises(ValueError, match=r"sampler\.micro_batch_tokens: saved 8192, now 4096"):

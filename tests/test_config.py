@@ -167,5 +167,5 @@ def test_a_gpu_preset_takes_nothing_from_a_cpu_preset(preset):
     assert sorted(k for k, src in sources.items() if src in cpu) == []
     assert sources["log.every_steps"].name == "recipe.yaml" and sources["sampler.micro_batch_tokens"].name == "recipe.yaml"
     cfg = load_run_config(ROOT / "configs" / preset, [])
-    assert (cfg.log.every_steps, cfg.generate.chunk_size, cfg.train.cpu_threads) == (10, 1024, 0)
+    assert (cfg.log.every_steps, cfg.generate.rows_per_part, cfg.train.cpu_threads) == (10, 1024, 0)
     assert cfg.recipe_warnings() == []

@@ -142,7 +142,7 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
     data = write_jsonl(tmp_path / "p.jsonl", rows)
     overrides = [
         f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32",
-        f"data.path={data}", "generate.max_new_tokens=6", "generate.chunk_size=2", "extract.device=cpu",
+        f"data.path={data}", "generate.max_new_tokens=6", "generate.rows_per_part=2", "extract.device=cpu",
     ]
     cfg = load_run_config("configs/default.yaml", overrides)
     first = commands.cmd_generate(cfg, progress=False)
@@ -171,7 +171,7 @@ def test_appending_rows_regenerates_only_the_new_parts(tiny_target_dir, tmp_path
     data = write_jsonl(tmp_path / "p.jsonl", rows)
     overrides = [
         f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32",
-        f"data.path={data}", "generate.max_new_tokens=4", "generate.chunk_size=2", "extract.device=cpu",
+        f"data.path={data}", "generate.max_new_tokens=4", "generate.rows_per_part=2", "extract.device=cpu",
     ]
     cfg = load_run_config("configs/default.yaml", overrides)
     first = [c.messages for c in read_conversations(commands.cmd_generate(cfg, progress=False)["output"])]

@@ -161,7 +161,7 @@ def test_status_names_the_compute_dtype_packing_and_batching_that_made_a_shard(t
     manifest_extraction = StoreFiles(cfg.store.url(cfg.run_dir)).read_json("manifest.json")["extraction"]
     assert manifest_extraction == {
         "compute_dtype": "fp32", "attn_implementation": "sdpa", "packed": False,
-        "batch_tokens": 512, "max_batch_samples": 64, "window_shards": 1, "lm_head_chunk": 2048,
+        "batch_tokens": 512, "max_samples_per_batch": 64, "window_shards": 1, "lm_head_chunk_tokens": 2048,
     }
     for override, field in (("target.dtype=bf16", "extraction.compute_dtype"), ("extract.batch_tokens=1024", "extraction.batch_tokens")):
         changed = load_run_config(ROOT / "configs/default.yaml", [*stage1_overrides(tiny_target_dir, data, run), override])

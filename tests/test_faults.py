@@ -162,6 +162,17 @@ def test_a_renamed_key_names_its_new_name():
         load_run_config("configs/default.yaml", ["extract.token_budget=4096"])
     with pytest.raises(ConfigError, match=r"eval.offline_token_budget: renamed to eval.offline_batch_tokens"):
         load_run_config("configs/default.yaml", ["eval.offline_token_budget=4096"])
+    # Names that say what they mean (units, the section that owns the setting, one spelling).
+    for old, new in (
+        ("sampler.grad_accum=2", r"sampler.grad_accum: moved to train.grad_accum"),
+        ("loss.ce_chunk=64", r"loss.ce_chunk: renamed to loss.ce_chunk_blocks"),
+        ("extract.lm_head_chunk=64", r"extract.lm_head_chunk: renamed to extract.lm_head_chunk_tokens"),
+        ("extract.max_batch_samples=8", r"extract.max_batch_samples: renamed to extract.max_samples_per_batch"),
+        ("generate.chunk_size=8", r"generate.chunk_size: renamed to generate.rows_per_part"),
+        ("train.prefetch=2", r"train.prefetch: renamed to train.prefetch_micro_batches"),
+    ):
+        with pytest.raises(ConfigError, match=new):
+            load_run_config("configs/default.yaml", [old])
 
 
 def test_a_preset_is_found_by_name_from_any_folder(tmp_path):

@@ -66,7 +66,7 @@ def prompts_file(tmp_path, n=10):
 def generate_config(tiny_target_dir, data, run_dir, **extra):
     overrides = {
         "run_dir": str(run_dir), "target.path": str(tiny_target_dir), "target.dtype": "fp32", "data.path": str(data),
-        "generate.backend": "vllm", "generate.max_new_tokens": 12, "generate.chunk_size": 3, "extract.device": "cpu",
+        "generate.backend": "vllm", "generate.max_new_tokens": 12, "generate.rows_per_part": 3, "extract.device": "cpu",
         **extra,
     }
     return load_run_config("configs/default.yaml", [f"{k}={v}" for k, v in overrides.items()])
@@ -87,7 +87,7 @@ def test_vllm_answers_keep_their_token_ids_and_a_seed_per_row(tiny_target_dir, t
     texts = [c.messages[-1]["content"] for c in read_conversations(out["output"])]
     assert texts[0] == tokenizer.decode(got[0][0], skip_special_tokens=True)  # the text is for people
     # Another part size: the same answers (the seed belongs to the row, not to the call).
-    other = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "b", **{"generate.chunk_size": 4}), progress=False)
+    other = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "b", **{"generate.rows_per_part": 4}), progress=False)
     assert answers(other["output"]) == got
 
 

@@ -135,7 +135,7 @@ def test_answers_generated_from_other_prompts_are_refused_and_status_says_so(tin
 
     def cfg_for(data: Path):
         return load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run", **{
-            "data.regenerate": True, "generate.max_new_tokens": 4, "generate.chunk_size": 2, "extract.device": "cpu",
+            "data.regenerate": True, "generate.max_new_tokens": 4, "generate.rows_per_part": 2, "extract.device": "cpu",
         }))
 
     stage1.cmd_generate(cfg_for(a), progress=False)
@@ -148,7 +148,7 @@ def test_answers_generated_from_other_prompts_are_refused_and_status_says_so(tin
     assert stage1.cmd_status(cfg_for(a))["generated_data"] == "current"
     with pytest.raises(StoreError, match="generated from"):  # train agrees with status
         stage2.cmd_train(load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, b, tmp_path / "run", **{
-            **TRAIN, "data.regenerate": True, "generate.max_new_tokens": 4, "generate.chunk_size": 2,
+            **TRAIN, "data.regenerate": True, "generate.max_new_tokens": 4, "generate.rows_per_part": 2,
         })), progress=False)
     stage1.cmd_generate(cfg_for(b), progress=False)  # regenerated for b: b's store may be made
     stage1.cmd_reprocess(cfg_for(b), progress=False)

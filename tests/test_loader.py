@@ -141,8 +141,8 @@ class RecordingReader(FakeReader):
 
 
 def build(lengths, *, reader=None, seed=0, world_size=1, rank=0, **loader_kwargs):
-    cfg = SamplerConfig(micro_batch_tokens=256, grad_accum=2, max_anchors_per_seq=8)
-    sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size)
+    cfg = SamplerConfig(micro_batch_tokens=256, max_anchors_per_seq=8)
+    sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size, grad_accum=2)
     anchors = AnchorSampler(cfg, block_size=BLOCK, seed=seed)
     reader = reader or FakeReader(lengths)
     return PrefetchLoader(reader, sampler, anchors, mask_token_id=MASK_ID, **loader_kwargs)

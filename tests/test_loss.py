@@ -54,8 +54,8 @@ def labels_only_batch(labels_NB, topk_lp=None, topk_ids=None) -> DrafterBatch:
 def test_config_validation_and_recipe_warnings():
     with pytest.raises(ValueError, match=r"loss\.gamma must be a finite number > 0, got 0"):
         LossConfig.from_dict({"gamma": 0})
-    with pytest.raises(ValueError, match=r"loss\.ce_chunk"):
-        LossConfig.from_dict({"ce_chunk": 0})
+    with pytest.raises(ValueError, match=r"loss\.ce_chunk_blocks"):
+        LossConfig.from_dict({"ce_chunk_blocks": 0})
     with pytest.raises(ValueError, match=r"loss\.ce_weight and loss\.kl_weight must not both be 0"):
         LossConfig.from_dict({"ce_weight": 0})
     with pytest.raises(ValueError, match=r"loss\.decay: unknown key"):
@@ -213,7 +213,7 @@ def test_chunked_lm_head_gives_the_same_loss_and_gradients():
     results = []
     for chunk in (1, 3, 1000):
         h = hidden.clone().requires_grad_(True)
-        loss, m = dflash_loss(h, head, batch, LossConfig(kl_weight=0.3, ce_chunk=chunk))
+        loss, m = dflash_loss(h, head, batch, LossConfig(kl_weight=0.3, ce_chunk_blocks=chunk))
         loss.backward()
         results.append((loss.detach(), h.grad, m["correct_per_pos"]))
     for loss, grad, correct in results[:2]:

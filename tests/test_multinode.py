@@ -79,7 +79,7 @@ def test_two_node_training_gives_the_losses_of_one_process(tiny_target_dir, tmp_
     }
 
     def overrides(run_dir, grad_accum):  # one config for both stages: the store is current against it
-        return stage1_overrides(tiny_target_dir, data, run_dir, **{**base, "sampler.grad_accum": grad_accum})
+        return stage1_overrides(tiny_target_dir, data, run_dir, **{**base, "train.grad_accum": grad_accum})
 
     cmd_train(load_run_config("configs/default.yaml", overrides(tmp_path / "one", 2)), progress=False)
     outs = two_nodes(["-m", "stage2_train", "train", "--no-progress", *overrides(tmp_path / "two", 1)])

@@ -21,10 +21,10 @@ def skewed_lengths(n: int, seed: int = 0) -> np.ndarray:
     return np.where(long, rng.integers(1500, 3001, n), rng.integers(64, 257, n)).astype(np.int64)
 
 
-def rank_batches(cfg: SamplerConfig, lengths: np.ndarray, world_size: int, seed: int = 0, epoch: int = 0):
+def rank_batches(cfg: SamplerConfig, lengths: np.ndarray, world_size: int, seed: int = 0, epoch: int = 0, grad_accum: int = 1):
     out = []
     for rank in range(world_size):
-        sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size)
+        sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size, grad_accum=grad_accum)
         sampler.set_epoch(epoch)
         out.append(list(sampler))
     return out
@@ -33,8 +33,8 @@ def rank_batches(cfg: SamplerConfig, lengths: np.ndarray, world_size: int, seed:
 def test_config_validation_names_the_key():
     with pytest.raises(ValueError, match=r"sampler\.micro_batch_tokens must be > 0, got 0"):
         SamplerConfig(micro_batch_tokens=0)
-    with pytest.raises(ValueError, match=r"sampler\.grad_accum"):
-        SamplerConfig.from_dict({"grad_accum": 0})
+    with pytest.raises(ValueError, match=r"sampler\.grad_accum: moved to train\.grad_accum"):
+        SamplerConfig.from_dict({"grad_accum": 2})
     with pytest.raises(ValueError, match=r"sampler\.budget: unknown key"):
         SamplerConfig.from_dict({"budget": 10})
     assert SamplerConfig(max_anchors_per_seq=256).recipe_warnings()
@@ -50,13 +50,13 @@ def test_sample_longer_than_budget_is_named():
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_sample_exactly_once_per_epoch_and_equal_steps(world_size):
     lengths = lognormal_lengths(3000)
-    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192)
     for epoch in (0, 1):
-        per_rank = rank_batches(cfg, lengths, world_size, epoch=epoch)
+        per_rank = rank_batches(cfg, lengths, world_size, epoch=epoch, grad_accum=2)
         seen = [i for batches in per_rank for batch in batches for i in batch]
         assert sorted(seen) == list(range(len(lengths)))  # nothing dropped, nothing repeated
         counts = {len(batches) for batches in per_rank}
-        assert len(counts) == 1 and counts.pop() % cfg.grad_accum == 0  # same micro-batches on every rank
+        assert len(counts) == 1 and counts.pop() % 2 == 0  # same micro-batches on every rank
         for batches in per_rank:
             assert all(batch for batch in batches)  # no empty micro-batch
             assert max(int(lengths[b].sum()) for b in batches) <= cfg.micro_batch_tokens
@@ -72,7 +72,7 @@ def test_max_samples_cap():
 
 def test_tiny_data_set_is_an_error_not_a_hang():
     with pytest.raises(ValueError, match="cannot fill world_size \\* grad_accum = 8"):
-        LengthMixedSampler(SamplerConfig(grad_accum=4), np.full(5, 100), seed=0, world_size=2)
+        LengthMixedSampler(SamplerConfig(), np.full(5, 100), seed=0, world_size=2, grad_accum=4)
 
 
 def test_small_random_data_sets_plan_correctly_or_refuse():
@@ -84,10 +84,10 @@ def test_small_random_data_sets_plan_correctly_or_refuse():
         lengths = rng.integers(1, budget + 1, int(rng.integers(4, 40)))
         world_size, grad_accum = int(rng.integers(1, 4)), int(rng.integers(1, 3))
         cfg = SamplerConfig(
-            micro_batch_tokens=budget, grad_accum=grad_accum, window_slack=float(rng.random() * 0.2)
+            micro_batch_tokens=budget, window_slack=float(rng.random() * 0.2)
         )
         try:
-            sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=world_size)
+            sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=world_size, grad_accum=grad_accum)
         except ValueError as exc:
             assert "cannot fill" in str(exc) or "too few samples" in str(exc)
             refused += 1
@@ -125,7 +125,7 @@ def test_epochs_differ_and_are_reproducible():
 
 def test_iteration_rolls_over_to_the_next_epoch():
     lengths = lognormal_lengths(400)
-    sampler = LengthMixedSampler(SamplerConfig(micro_batch_tokens=8192, grad_accum=2), lengths, seed=0)
+    sampler = LengthMixedSampler(SamplerConfig(micro_batch_tokens=8192), lengths, seed=0, grad_accum=2)
     first = list(sampler)
     assert len(first) == 2 * len(sampler.plan_epoch(0))
     assert (sampler.epoch, sampler.step_in_epoch, sampler.micro_step) == (1, 0, 0)
@@ -136,11 +136,11 @@ def test_iteration_rolls_over_to_the_next_epoch():
 @pytest.mark.parametrize("consumed", [0, 5, 7, "epoch+3"])
 def test_resume_mid_epoch_replays_exactly(consumed):
     lengths = lognormal_lengths(1500)
-    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
-    reference = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192)
+    reference = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2, grad_accum=2)
     expected = list(reference) + list(reference)  # two uninterrupted epochs
 
-    first = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2)
+    first = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2, grad_accum=2)
     n = len(first.remaining()) + 3 if consumed == "epoch+3" else consumed
     got = []
     while len(got) < n:
@@ -151,7 +151,7 @@ def test_resume_mid_epoch_replays_exactly(consumed):
     state = first.state_dict()
     assert state["seed"] == 1 and "epoch" in state and "step_in_epoch" in state
 
-    resumed = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2)
+    resumed = LengthMixedSampler(cfg, lengths, seed=1, rank=1, world_size=2, grad_accum=2)
     resumed.load_state_dict(state)
     while len(got) < len(expected):
         got.extend(resumed)
@@ -176,8 +176,8 @@ def long_token_share(lengths: np.ndarray, indices: list[int]) -> float:
 
 def test_every_step_mixes_lengths_unlike_buckets():
     lengths = skewed_lengths(4000)
-    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
-    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192)
+    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2, grad_accum=2)
     data_share = long_token_share(lengths, list(range(len(lengths))))
     ours = []
     for step in sampler.plan_epoch(0):
@@ -198,8 +198,8 @@ def test_every_step_mixes_lengths_unlike_buckets():
 
 def test_describe_steps_reports_each_step():
     lengths = lognormal_lengths(800)
-    cfg = SamplerConfig(micro_batch_tokens=8192, grad_accum=2)
-    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2)
+    cfg = SamplerConfig(micro_batch_tokens=8192)
+    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=2, grad_accum=2)
     steps_epoch0 = len(sampler.plan_epoch(0))
     rows = describe_steps(sampler, steps_epoch0 + 2)
     assert len(rows) == steps_epoch0 + 2
@@ -219,8 +219,8 @@ def test_each_epoch_is_planned_once_and_ahead_of_its_boundary():
     import threading
 
     lengths = lognormal_lengths(3000, seed=5)
-    cfg = SamplerConfig(micro_batch_tokens=4096, grad_accum=2)
-    sampler = LengthMixedSampler(cfg, lengths, seed=1, rank=0, world_size=2)
+    cfg = SamplerConfig(micro_batch_tokens=4096)
+    sampler = LengthMixedSampler(cfg, lengths, seed=1, rank=0, world_size=2, grad_accum=2)
     built_on: list[str] = []
     real = sampler._build_plan
 

@@ -52,7 +52,7 @@ def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str
     """A small, fast stage-2 run: ~7 optimizer steps per epoch, lr high enough to move in 10 steps."""
     base = {
         "sampler.micro_batch_tokens": 512,
-        "sampler.grad_accum": 1,
+        "train.grad_accum": 1,
         "sampler.max_anchors_per_seq": 4,
         "model.num_layers": 1,
         "model.block_size": 8,
@@ -407,11 +407,11 @@ def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
     extra = {"train.max_steps": 4, "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2,
              "eval.every_steps": 2, "eval.offline_max_samples": 5}
     one = tmp_path / "one"
-    commands.cmd_train(config(tiny_target_dir, store, one, **{**extra, "sampler.grad_accum": 2}), progress=False)
+    commands.cmd_train(config(tiny_target_dir, store, one, **{**extra, "train.grad_accum": 2}), progress=False)
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "stage2_train", "train", "--no-progress"]
-    cmd += overrides(tiny_target_dir, store, two, **{**extra, "sampler.grad_accum": 1})
+    cmd += overrides(tiny_target_dir, store, two, **{**extra, "train.grad_accum": 1})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

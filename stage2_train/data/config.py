@@ -11,14 +11,12 @@ from shared.config import Section
 
 class SamplerConfig(Section):
     section: ClassVar[str] = "sampler"
-    renamed: ClassVar[dict[str, str]] = {"token_budget": "micro_batch_tokens"}
+    renamed: ClassVar[dict[str, str]] = {"token_budget": "micro_batch_tokens", "grad_accum": "train.grad_accum"}
     micro_batch_tokens: int = 16384
     """Real (unpadded) context tokens per micro-batch per rank (one optimizer step holds world_size x
-    grad_accum of them). Samples longer than this are an error."""
+    train.grad_accum of them). Samples longer than this are an error."""
     max_samples_per_batch: int | None = None
     """Optional cap on samples per micro-batch; None = tokens are the only limit."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step on each rank."""
     window_slack: float = 0.05
     """Each step's window over-fills the step by this fraction; the surplus carries to the next step."""
     max_anchors_per_seq: int = 512
@@ -31,7 +29,6 @@ class SamplerConfig(Section):
             "max_samples_per_batch",
             "must be > 0 or null",
         )
-        self.require(self.grad_accum >= 1, "grad_accum", "must be >= 1")
         self.require(0.0 <= self.window_slack <= 1.0, "window_slack", "must be in [0, 1]")
         self.require(self.max_anchors_per_seq >= 1, "max_anchors_per_seq", "must be >= 1")
 

@@ -36,10 +36,10 @@ def open_run_data(
         split_seed=cfg.eval.split_seed,
         gather_topk=cfg.loss.needs_topk,
         num_threads=num_threads or cfg.train.num_data_threads,
-        prefetch=prefetch or cfg.train.prefetch,
+        prefetch=prefetch or cfg.train.prefetch_micro_batches,
         reader_options=cfg.store.reader_options(),
         pin_memory=pin_memory,
-        held_by_consumer=cfg.sampler.grad_accum,
+        grad_accum=cfg.train.grad_accum,
         distill_all=cfg.loss.distill_positions == "all",
     )
     url = cfg.store.url(cfg.run_dir)

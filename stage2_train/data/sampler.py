@@ -111,7 +111,7 @@ _PLAN_KEYS = ("seed", "world_size", "grad_accum", "micro_batch_tokens", "max_sam
 _CAUSES = {
     "seed": "seed",
     "world_size": "the number of ranks",
-    "grad_accum": "sampler.grad_accum",
+    "grad_accum": "train.grad_accum",
     "micro_batch_tokens": "sampler.micro_batch_tokens",
     "max_samples_per_batch": "sampler.max_samples_per_batch",
     "window_slack": "sampler.window_slack",
@@ -128,11 +128,15 @@ class LengthMixedSampler:
     """
 
     def __init__(
-        self, cfg: SamplerConfig, lengths: np.ndarray, *, seed: int, rank: int = 0, world_size: int = 1
+        self, cfg: SamplerConfig, lengths: np.ndarray, *, seed: int, rank: int = 0, world_size: int = 1, grad_accum: int = 1
     ):
+        """`grad_accum` (train.grad_accum): micro-batches per optimizer step on each rank."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         self.cfg = cfg
+        if grad_accum < 1:
+            raise ValueError(f"train.grad_accum must be >= 1, got {grad_accum}")
+        self.grad_accum = grad_accum
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
             raise ValueError(f"lengths must be a non-empty 1-D array, got shape {self.lengths.shape}")
@@ -150,7 +154,7 @@ class LengthMixedSampler:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.num_bins = world_size * cfg.grad_accum
+        self.num_bins = world_size * grad_accum
         if len(self.lengths) < self.num_bins:
             raise DataError(
                 f"{len(self.lengths)} samples cannot fill world_size * grad_accum = {self.num_bins} "
@@ -282,7 +286,7 @@ class LengthMixedSampler:
 
     def _epoch_refs(self, epoch: int, from_step: int, from_micro: int) -> Iterator[MicroBatchRef]:
         plan = self.plan_epoch(epoch)
-        ga = self.cfg.grad_accum
+        ga = self.grad_accum
         num_steps = len(plan)
         for step in range(from_step, num_steps):
             tokens, samples = int(plan.step_tokens[step]), int(plan.step_samples[step])
@@ -296,7 +300,7 @@ class LengthMixedSampler:
         if (ref.epoch, ref.step_in_epoch, ref.micro_step) != here:
             raise RuntimeError(f"micro-batch {ref[:3]} consumed out of order; sampler is at {here}")
         self.micro_step += 1
-        if self.micro_step == self.cfg.grad_accum:
+        if self.micro_step == self.grad_accum:
             self.step_in_epoch, self.micro_step = self.step_in_epoch + 1, 0
             if self.step_in_epoch == len(self.plan_epoch(self.epoch)):
                 self.set_epoch(self.epoch + 1)
@@ -326,7 +330,7 @@ class LengthMixedSampler:
                     f"changed); the batch plan would differ, so resuming exactly is impossible"
                 )
         epoch, step, micro = int(state["epoch"]), int(state["step_in_epoch"]), int(state["micro_step"])
-        if not (0 <= step < len(self.plan_epoch(epoch)) and 0 <= micro < self.cfg.grad_accum):
+        if not (0 <= step < len(self.plan_epoch(epoch)) and 0 <= micro < self.grad_accum):
             raise CheckpointError(
                 f"sampler state: position (epoch {epoch}, step {step}, micro {micro}) is outside the plan"
             )
@@ -337,7 +341,7 @@ class LengthMixedSampler:
         return {
             "seed": self.seed,
             "world_size": self.world_size,
-            "grad_accum": cfg.grad_accum,
+            "grad_accum": self.grad_accum,
             "micro_batch_tokens": cfg.micro_batch_tokens,
             "max_samples_per_batch": cfg.max_samples_per_batch,
             "window_slack": cfg.window_slack,
@@ -429,7 +433,7 @@ def describe_steps(sampler: LengthMixedSampler, num_steps: int) -> list[dict[str
     For the dry run `python -m stage2_train batches`. Moves nothing.
     """
     cfg, lengths = sampler.cfg, sampler.lengths
-    ga = cfg.grad_accum
+    ga = sampler.grad_accum
     out: list[dict[str, Any]] = []
     epoch, step = sampler.epoch, sampler.step_in_epoch
     while len(out) < num_steps:

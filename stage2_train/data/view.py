@@ -110,7 +110,7 @@ class DataSettings:
     prefetch: int = 4
     reader_options: dict[str, Any] | None = None  # StoreReader's (caches)
     pin_memory: bool = False  # pinned, reused host buffers (a CUDA trainer: asynchronous copies)
-    held_by_consumer: int = 1  # micro-batches the trainer holds at once (grad_accum)
+    grad_accum: int = 1  # train.grad_accum: micro-batches per optimizer step (the trainer holds them at once)
     distill_all: bool = False  # blocks anywhere the target read (loss.distill_positions=all)
 
 
@@ -141,7 +141,9 @@ def open_train_data(
     reader = open_store(url, target, need_topk=settings.gather_topk, options=settings.reader_options)
     train, heldout = split_indices(reader, settings.holdout_fraction, settings.split_seed)
     train_reader = SubsetReader(reader, train)
-    sampler = LengthMixedSampler(sampler_cfg, train_reader.lengths, seed=settings.seed, rank=rank, world_size=world_size)
+    sampler = LengthMixedSampler(
+        sampler_cfg, train_reader.lengths, seed=settings.seed, rank=rank, world_size=world_size, grad_accum=settings.grad_accum
+    )
     anchors = AnchorSampler(sampler_cfg, block_size=settings.block_size, seed=settings.seed, everywhere=settings.distill_all)
     loader = PrefetchLoader(
         train_reader,
@@ -152,7 +154,7 @@ def open_train_data(
         prefetch=settings.prefetch,
         gather_topk=settings.gather_topk,
         pin_memory=settings.pin_memory,
-        held_by_consumer=settings.held_by_consumer,
+        held_by_consumer=settings.grad_accum,
         distill_all=settings.distill_all,
     )
     return TrainData(target, reader, train, heldout, train_reader, sampler, anchors, loader)

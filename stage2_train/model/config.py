@@ -120,13 +120,14 @@ class DrafterConfig(Section):
 
 class LossConfig(Section):
     section: ClassVar[str] = "loss"
+    renamed: ClassVar[dict[str, str]] = {"ce_chunk": "ce_chunk_blocks"}
     gamma: float = 7.0
     """Position decay; 7 for B=16 (5 for B=10, 4 for B=8)."""
     ce_weight: float = 1.0
     """Weight of cross-entropy against the stored next token."""
     kl_weight: float = 0.0
     """Top-k KL against the stored target distribution; 0 in the recipe."""
-    ce_chunk: int = 128
+    ce_chunk_blocks: int = 128
     """Blocks per LM-head chunk (Qwen3, V=151936: 128*16 rows ~ 1.2 GB fp32)."""
     full_vocab_slots: int | None = None
     """Slots 1..N get the softmax over the whole vocabulary; later slots a softmax over the stored
@@ -150,7 +151,7 @@ class LossConfig(Section):
         self.require(
             self.ce_weight + self.kl_weight > 0, "ce_weight", "and loss.kl_weight must not both be 0"
         )
-        self.require(self.ce_chunk >= 1, "ce_chunk", "must be >= 1")
+        self.require(self.ce_chunk_blocks >= 1, "ce_chunk_blocks", "must be >= 1")
         self.require(
             self.full_vocab_slots is None or self.full_vocab_slots >= 0, "full_vocab_slots", "must be >= 0 or null"
         )
@@ -182,18 +183,19 @@ class LossConfig(Section):
                 f"loss.full_vocab_slots={self.full_vocab_slots}: slots past it use a top-k candidate softmax; "
                 f"the recipe scores every slot over the full vocabulary"
             )
-        if block_size is not None:
-            expected = recipe_gamma(block_size)
-            if expected is None:
-                warnings.append(
-                    f"loss.gamma={self.gamma}: no published gamma for model.block_size={block_size} "
-                    f"(published: {', '.join(f'B={b}: {g:g}' for b, g in RECIPE_GAMMA.items())})"
-                )
-            elif self.gamma != expected:
-                warnings.append(
-                    f"loss.gamma={self.gamma:g} departs from the recipe: {expected:g} for model.block_size={block_size}"
-                )
-        return warnings
+        return warnings + (self.gamma_warnings(block_size) if block_size is not None else [])
+
+    def gamma_warnings(self, block_size: int) -> list[str]:
+        """gamma against the published value for `block_size` (model.block_size)."""
+        expected = recipe_gamma(block_size)
+        if expected is None:
+            return [
+                f"loss.gamma={self.gamma}: no published gamma for model.block_size={block_size} "
+                f"(published: {', '.join(f'B={b}: {g:g}' for b, g in RECIPE_GAMMA.items())})"
+            ]
+        if self.gamma != expected:
+            return [f"loss.gamma={self.gamma:g} departs from the recipe: {expected:g} for model.block_size={block_size}"]
+        return []
 
     def alternatives(self) -> list[str]:
         out = []

@@ -25,7 +25,7 @@ KL_topk = sum_k p_k * (log p_k - log q_k). It is >= 0 (sum_k q_k <= 1) and 0 onl
 drafter puts all its mass on the stored ids in the target's proportions; its gradient is that of
 cross-entropy against the soft target p.
 
-The LM head runs on scored rows only, in chunks of `ce_chunk` blocks' worth of rows, each chunk
+The LM head runs on scored rows only, in chunks of `ce_chunk_blocks` blocks' worth of rows, each chunk
 under activation checkpointing, so at most one chunk of [rows, V] logits exists at a time
 (forward and backward).
 
@@ -219,7 +219,7 @@ def dflash_loss(
     """
     N, B, _ = hidden_NBH.shape
     rows = scored_rows(hidden_NBH, batch, cfg.gamma, with_topk=cfg.needs_topk)
-    ce_M, kl_M, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk * B, hidden_NBH, cfg.full_vocab_slots)
+    ce_M, kl_M, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk_blocks * B, hidden_NBH, cfg.full_vocab_slots)
     if cfg.weighting == "dpace":
         ce_NB = torch.zeros(N * B, device=ce_M.device)
         ce_NB[rows.rows_M] = ce_M.detach()

@@ -17,17 +17,20 @@ RECIPE_BETAS = (0.9, 0.999)
 
 class TrainConfig(Section):
     section: ClassVar[str] = "train"
+    renamed: ClassVar[dict[str, str]] = {"prefetch": "prefetch_micro_batches"}
     epochs: int = 6
     """Passes over the training split (recipe: 6)."""
     max_steps: int | None = None
     """At most this many optimizer steps (the LR schedule spans them); null = every epoch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank (gradients accumulate; one update per step)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when torch sees a GPU, else CPU."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 autocast on GPU, fp32 on CPU."""
     num_data_threads: int = 2
     """Loader threads per rank."""
-    prefetch: int = 4
+    prefetch_micro_batches: int = 4
     """Micro-batches prepared ahead per rank."""
     cpu_threads: int = 0
     """Torch intra-op threads when training on CPU; 0 = torch's default."""
@@ -45,8 +48,9 @@ class TrainConfig(Section):
     def validate(self) -> None:
         self.require(self.epochs >= 1, "epochs", "must be >= 1")
         self.require(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1 or null")
+        self.require(self.grad_accum >= 1, "grad_accum", "must be >= 1")
         self.require(self.num_data_threads >= 1, "num_data_threads", "must be >= 1")
-        self.require(self.prefetch >= 1, "prefetch", "must be >= 1")
+        self.require(self.prefetch_micro_batches >= 1, "prefetch_micro_batches", "must be >= 1")
         self.require(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
         self.require(bool(self.resume), "resume", "must be auto, never, or a checkpoint path")
         self.require(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", "must be >= 0")

@@ -39,7 +39,7 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "eval.holdout_fraction": "the held-out split, hence which samples train and the batch plan",
     "eval.split_seed": "the held-out split, hence which samples train and the batch plan",
     "sampler.micro_batch_tokens": "tokens per micro-batch: with grad_accum and world size, the global batch",
-    "sampler.grad_accum": "micro-batches per optimizer step",
+    "train.grad_accum": "micro-batches per optimizer step",
     "sampler.max_samples_per_batch": "the batch plan",
     "sampler.window_slack": "the batch plan",
     "sampler.max_anchors_per_seq": "the anchors drawn per sample",
@@ -57,6 +57,7 @@ OPTIONAL_FIELDS = {
 # config is read under the new names before anything is compared.
 RENAMED_FIELDS = {
     "sampler.micro_batch_tokens": "sampler.token_budget",
+    "train.grad_accum": "sampler.grad_accum",
     "eval.offline_batch_tokens": "eval.offline_token_budget",
 }
 

@@ -141,7 +141,7 @@ class Trainer:
         self.staleness = self._check_store()
         self.sink = MetricsSink(cfg.log, self.run_dir, rank=self.rank, run_config=cfg.to_dict())
         self.model = self._build_model(init_weights)
-        self.grad_accum = cfg.sampler.grad_accum
+        self.grad_accum = cfg.train.grad_accum
         # The schedule's length: epochs x epoch 0's steps (later epochs differ by a step or so and are
         # planned in the background as training reaches them), or train.max_steps when smaller.
         full_steps = self.data.sampler.estimated_total_steps(cfg.train.epochs)
@@ -275,9 +275,9 @@ class Trainer:
             "warmup_steps": warmup_steps(self.total_steps, cfg.optim),
             "steps_per_epoch": data.sampler.steps_per_epoch,
             "world_size": self.world_size,
-            "grad_accum": cfg.sampler.grad_accum,
+            "grad_accum": cfg.train.grad_accum,
             "micro_batch_tokens": cfg.sampler.micro_batch_tokens,
-            "tokens_per_step": cfg.sampler.micro_batch_tokens * cfg.sampler.grad_accum * self.world_size,
+            "tokens_per_step": cfg.sampler.micro_batch_tokens * cfg.train.grad_accum * self.world_size,
             "max_anchors_per_seq": cfg.sampler.max_anchors_per_seq,
             "block_size": cfg.model.block_size,
             "num_layers": cfg.model.num_layers,
