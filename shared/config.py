@@ -115,12 +115,14 @@ class RunConfig:
         sections: dict[str, Section],
         source: str | None,
         foreign: dict[str, dict[str, Any]] | None = None,
+        overridden: frozenset[str] = frozenset(),
     ):
         self.run_dir = run_dir
         self.seed = seed
         self.sections = sections
         self.source = source
         self.foreign = foreign or {}  # other stages' sections, as given (their entry point validates them)
+        self.overridden = overridden  # dotted keys given on the command line (key=value), not in a file
 
     def __getattr__(self, name: str) -> Any:
         sections = self.__dict__.get("sections", {})
@@ -314,7 +316,9 @@ def resolve_preset(path: str | os.PathLike) -> Path:
 def load_run_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     data = load_yaml(resolve_preset(path)) if path is not None else {}
     data = apply_overrides(data, list(overrides))
-    return build_run_config(data, source=str(path) if path else None)
+    cfg = build_run_config(data, source=str(path) if path else None)
+    cfg.overridden = frozenset(".".join(parse_override(text)[0]) for text in overrides)
+    return cfg
 
 
 def explain(cfg: RunConfig) -> str:

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
-from shared.errors import StoreError
+from shared.errors import ConfigError, StoreError
 from shared.files import write_atomic
+from shared.paths import RunPaths
+from stage2_train.model.config import DrafterConfig
 
 # ---------------------------------------------------------------------------------------------
 # batches and train
@@ -32,11 +34,12 @@ def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dic
 
 def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     from shared.target import resolve_target
-    from stage2_train.train.trainer import Trainer, make_accelerator
+    from stage2_train.train.launch import make_accelerator
+    from stage2_train.train.trainer import Trainer
 
     init_weights = None
     if cfg.model.init_from:
-        from stage2_train.serve.export import init_weights_for
+        from stage2_train.serve.load import init_weights_for
 
         init_weights = init_weights_for(cfg.model.init_from, cfg.model, resolve_target(cfg.target))
     accelerator = make_accelerator(cfg.train)
@@ -105,133 +108,97 @@ def cmd_plan(cfg: RunConfig, sample_tokens: int, search: bool = False, world_siz
 # eval and export
 
 
-def _trained_drafter(cfg: RunConfig, target: Any, checkpoint_arg: str | None, device: Any = "cpu") -> tuple[Any, Path]:
-    """The drafter of `checkpoint_arg` (or of the run's newest checkpoint that verifies) and the file read."""
-    from shared.target_parts import load_embed_and_head
-    from stage2_train.model.drafter import build_drafter
-    from stage2_train.train.checkpoint.select import read_model_weights, resolve_checkpoint
+def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, checkpoint_arg: str | None, device: Any = "cpu") -> Any:
+    """The drafter of `checkpoint_arg` (`best`, a checkpoint, a drafter folder) or of the run's newest
+    checkpoint that verifies, as its saved description says. A `model.*` value given on the command
+    line that contradicts it is refused naming both; the config file's model section only says how to
+    run it (a note names what it would have changed)."""
+    import sys
 
-    weights, source = read_model_weights(resolve_checkpoint(checkpoint_arg, cfg.checkpoint.resolve_dir(cfg.run_dir)))
-    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
-    drafter = build_drafter(
-        cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, weights=weights
-    )
-    return drafter.to(device).eval(), source
+    from stage2_train.serve.evaluation import HeldoutSet
+    from stage2_train.serve.load import load_drafter
+    from stage2_train.train.checkpoint.select import resolve_checkpoint
+
+    source = resolve_checkpoint(checkpoint_arg, RunPaths.of(cfg).checkpoints)
+    if isinstance(heldout_or_target, HeldoutSet):
+        loaded = heldout_or_target.load(source, cfg.model, device)
+    else:
+        loaded = load_drafter(source, heldout_or_target, runtime=cfg.model)
+    given = {k for k in cfg.overridden if k.startswith("model.")}
+    contradictions = loaded.description.contradictions(cfg.model, given)
+    if contradictions:
+        raise ConfigError(
+            f"{loaded.weights_file.parent} holds another drafter than the command line describes: "
+            + "; ".join(contradictions)
+            + ". The drafter is rebuilt from its own description: drop those overrides (or train another drafter)"
+        )
+    ignored = loaded.description.contradictions(cfg.model, {f"model.{k}" for k in DrafterConfig.model_fields})
+    for line in ignored:
+        print(f"note: {line.replace('the command line gives', 'the config gives (ignored)')}", file=sys.stderr)
+    return loaded
 
 
 def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
-    """Offline and online evaluation of the newest (or given) checkpoint on the held-out split, on
-    the GPU when there is one; also written to run_dir/eval/<checkpoint>.json."""
-    import numpy as np
+    """Offline and online evaluation of the newest (or given) checkpoint on the held-out split, beside
+    an untrained drafter of the same description and the n-gram drafter, on the GPU when there is
+    one (`serve/evaluation.py`); also written to run_dir/eval/<checkpoint>.json."""
+    from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters, one_line
+    from stage2_train.train.launch import train_device
 
-    from shared.target import resolve_target
-    from shared.target_parts import load_embed_and_head
-    from stage2_train.data.split import heldout_mask
-    from stage2_train.data.view import open_store
-    from stage2_train.model.drafter import build_drafter
-    from stage2_train.serve.online_eval import acceptance_gap
-    from stage2_train.train.evaluate import offline_eval
-
-    target = resolve_target(cfg.target)
-    reader = open_store(cfg.store.url(cfg.run_dir), target)  # the trainer's checks: target, tokenizer, layers
-    eval_cfg = cfg.eval
-    heldout = np.flatnonzero(heldout_mask(reader.split_keys, eval_cfg.holdout_fraction, eval_cfg.split_seed))
-    if len(heldout) == 0:
-        raise StoreError(f"eval.holdout_fraction={eval_cfg.holdout_fraction} leaves no held-out sample among {len(reader)}")
-    from stage2_train.train.trainer import train_device
-
+    heldout = HeldoutSet.open(cfg)  # the trainer's checks: target, tokenizer, layers
+    if len(heldout.heldout) == 0:
+        raise StoreError(f"eval.holdout_fraction={cfg.eval.holdout_fraction} leaves no held-out sample among {len(heldout.reader)}")
     device = train_device(cfg.train)
-    trained, source = _trained_drafter(cfg, target, checkpoint, device)
-    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
-    untrained = build_drafter(
-        cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, seed=cfg.seed
-    ).to(device).eval()
-    # Every anchor, as the run's final eval: `walk_tau` (the offline estimate of online tau) needs
-    # them all; eval.offline_max_anchors_per_seq samples the evals during training only.
-    offline = offline_eval(
-        trained,
-        reader,
-        heldout[: eval_cfg.offline_max_samples],
-        max_anchors_per_seq=None,
-        batch_tokens=eval_cfg.offline_batch_tokens,
-        seed=cfg.seed,
-        gamma=cfg.loss.gamma,
+    loaded = _saved_drafter(cfg, heldout, checkpoint, device)
+    drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device)}
+    prompts = heldout.prompts(cfg.eval.online_num_prompts)
+    report = evaluate_drafters(
+        drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg, baseline="trained", offline=["trained"], device=device
     )
-    online = _online(cfg, target, reader, heldout, {"trained": trained, "untrained": untrained}, device)
+    report["online"]["sample_ids"] = [sid for sid, _ in prompts]
+    source = loaded.weights_file
     result = {
         "checkpoint": str(source),
-        "num_heldout": int(len(heldout)),
-        "offline": offline,
-        "online": online,
-        "gap": acceptance_gap(offline, online["proposers"]["trained"]["tau"]),
+        "num_heldout": int(len(heldout.heldout)),
+        "offline": report["offline"]["trained"],
+        "online": report["online"],
+        "gap": report["gap"]["trained"],
+        "summary": one_line(report),
     }
     name = source.parent.name if source.name == "model.safetensors" else source.stem
-    result["written_to"] = str(write_json(Path(cfg.run_dir) / "eval" / f"{name}.json", result))
+    result["written_to"] = str(write_json(RunPaths.of(cfg).eval_dir / f"{name}.json", result))
     return result
-
-
-def _online(cfg: RunConfig, target: Any, reader: Any, heldout: Any, drafters: dict[str, Any], device: str) -> dict[str, Any]:
-    """Speculative decoding of held-out prompts with each drafter and the n-gram baseline."""
-    import torch
-
-    from shared.target import cached_tokenizer, stop_token_ids
-    from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, load_online_target, online_eval
-    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
-
-    target_model = load_online_target(cfg.target, cfg.eval.online_dtype, device)
-    tokenizer, _ = cached_tokenizer(str(target.target_dir))
-    prompts = heldout_prompts(reader, heldout, cfg.eval.online_num_prompts)
-    feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
-    proposers = {
-        name: DFlashProposer(drafter, target.layer_ids, feature_dtype=feature_dtype, name=name)
-        for name, drafter in drafters.items()
-    }
-    proposers["ngram"] = NgramProposer(cfg.model.block_size - 1)
-    online = online_eval(
-        target_model,
-        proposers,
-        [p for _, p in prompts],
-        max_new_tokens=cfg.eval.online_max_new_tokens,
-        eos_token_ids=stop_token_ids(tokenizer, target_model),
-    )
-    online["sample_ids"] = [sid for sid, _ in prompts]
-    # A few prompts move tau by hundredths: each proposer's 95% interval over prompts, and the
-    # others' difference from the trained drafter paired over the same prompts.
-    trained_per = online["proposers"]["trained"]["per_prompt"]
-    for name, entry in online["proposers"].items():
-        paired = None if name == "trained" else trained_per
-        entry["interval"] = {k: round(v, 4) for k, v in bootstrap_tau(entry["per_prompt"], baseline=paired).items()}
-    return online
 
 
 def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None, format: str = "zlab") -> dict[str, Any]:
     """The newest (or given) checkpoint as a servable DFlash folder (default run_dir/export), weights
-    in bfloat16 as the published drafters; `format` zlab (default) or speculators."""
+    in bfloat16 as the published drafters; `format` zlab (default) or speculators. What is written is
+    the drafter the checkpoint describes."""
     from shared.target import cached_tokenizer, resolve_target
-    from stage2_train.serve.export import WEIGHTS_NAME, export_drafter, mask_token_string, read_export_config
+    from stage2_train.serve.export import WEIGHTS_NAME, export_drafter, mask_token_string
+    from stage2_train.serve.load import read_export_config
 
     target = resolve_target(cfg.target)
-    drafter, source = _trained_drafter(cfg, target, checkpoint)
+    loaded = _saved_drafter(cfg, target, checkpoint)
     tokenizer, _ = cached_tokenizer(str(target.target_dir))
-    out_dir = Path(out or Path(cfg.run_dir) / "export")
+    out_dir = Path(out or RunPaths.of(cfg).export)
     target_info = {
         "path": cfg.target.path,
-        "resolved_path": str(target.target_dir),
         "weights_sha256": target.weights_sha256,
-        "source_checkpoint": str(source),
         "mask_token": mask_token_string(tokenizer, target.mask_token_id),
         "architectures": json.loads((target.target_dir / "config.json").read_text()).get("architectures") or [],
     }
-    export_drafter(drafter, cfg.model, target.arch, target.layer_ids, target.mask_token_id, target_info, out_dir, format=format)
+    export_drafter(loaded.drafter, loaded.description, target_info, out_dir, format=format)
     cfg.write_resolved(out_dir / "dflash_pipeline_config.yaml")
     config = read_export_config(out_dir)
+    source = loaded.weights_file
     if format == "speculators":
         return {"out_dir": str(out_dir), "checkpoint": str(source), "format": format,
                 "aux_hidden_state_layer_ids": config["aux_hidden_state_layer_ids"], "block_size": config["block_size"]}
     return {
         "out_dir": str(out_dir),
         "checkpoint": str(source),
-        "num_tensors": len(drafter.folded_state_dict()),
+        "num_tensors": len(loaded.drafter.folded_state_dict()),
         "bytes": (out_dir / WEIGHTS_NAME).stat().st_size,
         "block_size": config["block_size"],
         "num_target_layers": config["num_target_layers"],

@@ -101,32 +101,46 @@ def test_zero_std_is_exactly_off():
     context = torch.randn(8, 6)
     for step in (0, 5, 10, 1000):
         assert schedule.std_at(step) == 0.0
-        assert schedule.apply(context, step, noise_generator(0, step, 0)) is context
+        before = context.clone()
+        assert schedule.apply_(context, step, noise_generator(0, step, 0)) is context and torch.equal(context, before)
 
 
 @pytest.mark.parametrize("kind", ["uniform", "gaussian"])
 def test_applied_noise_has_the_scheduled_std(kind):
     schedule = NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=100, kind=kind))
-    context = torch.zeros(400, 500)
     for step in (30, 100):
-        noise = schedule.apply(context, step, noise_generator(1, step, 0))
+        noise = schedule.apply_(torch.zeros(400, 500), step, noise_generator(1, step, 0), rows=128)
         want = schedule.std_at(step)
         assert noise.std().item() == pytest.approx(want, rel=0.02)
         assert abs(noise.mean().item()) < 0.01 * want
         if kind == "uniform":
             assert noise.abs().max().item() <= want * math.sqrt(3) + 1e-7
             assert noise.abs().max().item() > 0.99 * want * math.sqrt(3)
-    assert torch.equal(schedule.apply(context, 0, noise_generator(1, 0, 0)), context)
+    assert torch.equal(schedule.apply_(torch.zeros(400, 500), 0, noise_generator(1, 0, 0)), torch.zeros(400, 500))
+
+
+def test_noise_is_added_in_place_without_a_copy_of_the_context():
+    """The context of the step is noised where it lies: the result is the same tensor (storage), and
+    chunking the rows changes nothing of what a generator draws on CPU."""
+    schedule = NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=0))
+    context = torch.zeros(300, 40)
+    pointer = context.data_ptr()
+    out = schedule.apply_(context, 5, noise_generator(0, 5, 0), rows=64)
+    assert out.data_ptr() == pointer and context.std().item() > 0
+    whole = schedule.apply_(torch.zeros(300, 40), 5, noise_generator(0, 5, 0), rows=1000)
+    assert torch.equal(context, whole)
 
 
 def test_noise_is_reproducible_per_step_and_rank():
     schedule = NoiseSchedule(NoiseConfig(std=0.05))
-    context = torch.zeros(4, 16, dtype=torch.bfloat16)
-    a = schedule.apply(context, 3, noise_generator(0, 3, 0))
+    def noised(step, rank):
+        return schedule.apply_(torch.zeros(4, 16, dtype=torch.bfloat16), step, noise_generator(0, step, rank))
+
+    a = noised(3, 0)
     assert a.dtype == torch.bfloat16
-    assert torch.equal(a, schedule.apply(context, 3, noise_generator(0, 3, 0)))
-    assert not torch.equal(a, schedule.apply(context, 3, noise_generator(0, 3, 1)))
-    assert not torch.equal(a, schedule.apply(context, 4, noise_generator(0, 4, 0)))
+    assert torch.equal(a, noised(3, 0))
+    assert not torch.equal(a, noised(3, 1))
+    assert not torch.equal(a, noised(4, 0))
 
 
 def test_noise_state_refuses_another_schedule():

@@ -17,8 +17,10 @@ from shared.target import TargetArch
 from stage2_train.commands import cmd_export
 from stage2_train.data.batch import DrafterBatch
 from stage2_train.model.config import DrafterConfig
+from stage2_train.model.description import describe_parts
 from stage2_train.model.drafter import DFlashDrafter
-from stage2_train.serve.export import drafter_spec, export_drafter, init_weights_for, load_exported
+from stage2_train.serve.export import export_drafter
+from stage2_train.serve.load import folder_description, init_weights_for, load_exported
 from stage2_train.train.checkpoint.saver import Checkpointer
 from stage2_train.train.checkpoint.select import read_model_weights
 from stage2_train.train.config import CheckpointConfig
@@ -93,7 +95,7 @@ def exported(tmp_path):
     arch = arch_8_layers()
     cfg = DrafterConfig(num_layers=2, block_size=8, init_std=0.2)
     drafter, embed, head = make_drafter(arch, cfg)
-    out = export_drafter(drafter, cfg, arch, LAYER_IDS, MASK_ID, TARGET_INFO, tmp_path / "export")
+    out = export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, MASK_ID), TARGET_INFO, tmp_path / "export")
     return out, drafter, embed, head, arch, cfg
 
 
@@ -177,8 +179,7 @@ def test_reload_gives_identical_logits(exported, tmp_path):
     batch = one_sample_batch(arch, cfg.block_size)
     with torch.no_grad():
         # float32 export: bit-identical.
-        exact = export_drafter(
-            drafter, cfg, arch, LAYER_IDS, MASK_ID, TARGET_INFO, tmp_path / "fp32", dtype="float32"
+        exact = export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, MASK_ID), TARGET_INFO, tmp_path / "fp32", dtype="float32"
         )
         reloaded = load_exported(exact, embed, head)
         assert torch.equal(reloaded.logits(reloaded(batch)), drafter.logits(drafter(batch)))
@@ -193,20 +194,12 @@ def test_reload_gives_identical_logits(exported, tmp_path):
 
 def test_export_refuses_a_config_that_does_not_describe_the_drafter(exported, tmp_path):
     _, drafter, _, _, arch, cfg = exported
-    with pytest.raises(ValueError, match="feature layers"):
-        export_drafter(drafter, cfg, arch, [1, 3], MASK_ID, TARGET_INFO, tmp_path / "x")
-    with pytest.raises(ValueError, match="block_size"):
-        export_drafter(
-            drafter,
-            DrafterConfig(num_layers=2, block_size=16),
-            arch,
-            LAYER_IDS,
-            MASK_ID,
-            TARGET_INFO,
-            tmp_path / "x",
-        )
-    with pytest.raises(ValueError, match="mask_token_id"):
-        export_drafter(drafter, cfg, arch, LAYER_IDS, 7, TARGET_INFO, tmp_path / "x")
+    with pytest.raises(ValueError, match="is not this drafter's"):
+        export_drafter(drafter, describe_parts(cfg, arch, [1, 3], MASK_ID), TARGET_INFO, tmp_path / "x")
+    with pytest.raises(ValueError, match="block 16"):
+        export_drafter(drafter, describe_parts(DrafterConfig(num_layers=2, block_size=16), arch, LAYER_IDS, MASK_ID), TARGET_INFO, tmp_path / "x")
+    with pytest.raises(ValueError, match="mask 7"):
+        export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, 7), TARGET_INFO, tmp_path / "x")
 
 
 def test_cmd_export_end_to_end(tmp_path, tiny_target_dir):
@@ -218,7 +211,8 @@ def test_cmd_export_end_to_end(tmp_path, tiny_target_dir):
     torch.manual_seed(5)
     trained = DFlashDrafter(cfg_model, arch, 3, 16)
     ckpt = Checkpointer(CheckpointConfig(), tmp_path / "run" / "checkpoints")
-    ckpt.save(50, lambda: {"model": trained.state_dict(), "trainer": {"step": 50}}, blocking=True)
+    description = describe_parts(cfg_model, arch, [1, 2, 3], 16)
+    ckpt.save(50, lambda: {"model": trained.state_dict(), "trainer": {"step": 50}, "drafter": description.to_dict()}, blocking=True)
     step = tmp_path / "run" / "checkpoints" / "step_000050"
     data = {
         "run_dir": str(tmp_path / "run"),
@@ -236,7 +230,7 @@ def test_cmd_export_end_to_end(tmp_path, tiny_target_dir):
         "mask_token_id": 16,
         "mask_token": "<empty_output>",
     }
-    assert config["dflash_pipeline"]["target"]["source_checkpoint"] == str(step / "model.safetensors")
+    assert config["dflash_pipeline"]["drafter"] == {**description.to_dict(), "target_weights_sha256": None}
     assert len(config["dflash_pipeline"]["target"]["weights_sha256"]) == 64
     assert (out / "dflash_pipeline_config.yaml").is_file()
     reloaded = load_exported(out, *load_embed_and_head(tiny_target_dir))
@@ -261,8 +255,8 @@ def test_the_newer_zlab_layout_with_dflash_fields_inside_dflash_config_loads(exp
         config["dflash_config"].update(block_size=block, num_target_layers=num_target)
 
     rewrite_config(out, newer_layout)
-    spec = drafter_spec(out)
-    assert (spec.config.block_size, spec.layer_ids, spec.mask_token_id) == (8, LAYER_IDS, MASK_ID)
+    spec = folder_description(out)
+    assert (spec.block_size, list(spec.target_layer_ids), spec.mask_token_id) == (8, LAYER_IDS, MASK_ID)
     batch = one_sample_batch(arch, cfg.block_size)
     with torch.no_grad():
         cast = DFlashDrafter(cfg, arch, len(LAYER_IDS), MASK_ID)
@@ -275,7 +269,8 @@ def test_the_newer_zlab_layout_with_dflash_fields_inside_dflash_config_loads(exp
 def test_layer_ids_follow_zlab_rule_when_only_num_target_layers_is_given(exported):
     out = exported[0]
     rewrite_config(out, lambda c: c["dflash_config"].pop("target_layer_ids"))
-    assert drafter_spec(out).layer_ids == [1, 5]  # 2 draft layers over 8 target layers: 1 .. L-3
+    rewrite_config(out, lambda c: c["dflash_pipeline"].pop("drafter"))  # as z-lab writes it: no description of ours
+    assert list(folder_description(out).target_layer_ids) == [1, 5]  # 2 draft layers over 8 target layers: 1 .. L-3
 
 
 @pytest.mark.parametrize(
@@ -296,7 +291,7 @@ def test_layer_ids_follow_zlab_rule_when_only_num_target_layers_is_given(exporte
 def test_what_the_drafter_cannot_compute_is_refused_naming_the_field(exported, edit, message):
     out = rewrite_config(exported[0], edit)
     with pytest.raises(CheckpointError, match=message):
-        drafter_spec(out)
+        folder_description(out)
 
 
 def test_init_from_checks_the_drafter_against_the_target_and_model_config(exported):
@@ -329,12 +324,12 @@ def test_a_sliding_window_drafter_exports_and_loads_back_equal(tmp_path):
     types = ("sliding_attention", "sliding_attention", "full_attention")
     drafter = tiny_drafter(arch, num_layers=3, layer_types=types, sliding_window=5, attention="sdpa")
     cfg = drafter.cfg
-    export_drafter(drafter, cfg, arch, [1, 3], MASK_ID, {"path": "x"}, tmp_path / "out", dtype="float32")
+    export_drafter(drafter, describe_parts(cfg, arch, [1, 3], MASK_ID), {"path": "x"}, tmp_path / "out", dtype="float32")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["layer_types"], config["sliding_window"], config["use_sliding_window"]) == (list(types), 5, True)
     assert "is_causal" not in config  # unset: sliding layers causal in the block, full ones not (z-lab's default)
-    spec = drafter_spec(tmp_path / "out")
-    assert (spec.config.layer_types, spec.config.sliding_window, spec.config.is_causal) == (types, 5, None)
+    spec = folder_description(tmp_path / "out")
+    assert (spec.layer_types, spec.sliding_window, spec.is_causal) == (types, 5, None)
     loaded = load_exported(tmp_path / "out", drafter.embed_VH, drafter.lm_head_VH)
     loaded.attention_backend = drafter.attention_backend = "sdpa"
     batch = three_sample_batch(arch)
@@ -346,19 +341,18 @@ def test_the_speculators_format_round_trips_into_init_from(exported, tmp_path):
     """export --format speculators: speculators' config.json over the same tensors (its converter's
     mapping: ids + 1, verifier as a local folder); read back, it gives the same drafter spec and
     weights. (tests/test_peers.py loads it in speculators' own class where speculators is installed.)"""
-    from stage2_train.serve.export import drafter_spec as spec_of
+    from stage2_train.serve.load import folder_description as spec_of
 
     out, drafter, _, _, arch, cfg = exported
     again = tmp_path / "spec"
-    export_drafter(drafter, cfg, arch, LAYER_IDS, MASK_ID, {"path": "/models/target", "resolved_path": "/models/target", "architectures": ["Qwen3ForCausalLM"]},
+    export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, MASK_ID), {"path": "/models/target", "resolved_path": "/models/target", "architectures": ["Qwen3ForCausalLM"]},
                    again, format="speculators")
     config = json.loads((again / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [i + 1 for i in LAYER_IDS]
     assert config["speculators_config"]["verifier"] == {"name_or_path": "/models/target", "architectures": ["Qwen3ForCausalLM"]}
     assert config["transformer_layer_config"]["num_hidden_layers"] == cfg.num_layers and config["block_size"] == cfg.block_size
     zlab, spec = spec_of(out), spec_of(again)
-    assert (spec.layer_ids, spec.mask_token_id, spec.config.block_size, spec.config.num_layers) == (
-        zlab.layer_ids, zlab.mask_token_id, zlab.config.block_size, zlab.config.num_layers)
+    assert spec == zlab
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
@@ -368,4 +362,31 @@ def test_a_sliding_drafter_is_refused_in_the_speculators_format(tmp_path):
     arch = tiny_arch(kv_heads=2)
     drafter = tiny_drafter(arch, num_layers=2, layer_types=("sliding_attention", "full_attention"), sliding_window=8)
     with pytest.raises(CheckpointError, match="speculators computes them"):
-        export_drafter(drafter, drafter.cfg, arch, [1, 3], MASK_ID, {"path": "x"}, tmp_path / "o", format="speculators")
+        export_drafter(drafter, describe_parts(drafter.cfg, arch, [1, 3], MASK_ID), {"path": "x"}, tmp_path / "o", format="speculators")
+
+
+def test_export_builds_the_drafter_its_checkpoint_describes(tmp_path, tiny_target_dir, capsys):
+    """A drafter trained with sliding_window=32: a command line giving 8 is refused naming both; a
+    config file giving 8 is ignored (and said): the export is the trained drafter, window 32."""
+    import yaml
+
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+
+    arch = TargetArch.from_dir(tiny_target_dir)
+    trained_cfg = DrafterConfig(num_layers=1, block_size=4, layer_types=("sliding_attention",), sliding_window=32)
+    torch.manual_seed(5)
+    trained = DFlashDrafter(trained_cfg, arch, 3, 16)
+    description = describe_parts(trained_cfg, arch, [1, 2, 3], 16)
+    ckpt = Checkpointer(CheckpointConfig(), tmp_path / "run" / "checkpoints")
+    ckpt.save(5, lambda: {"model": trained.state_dict(), "drafter": description.to_dict()}, blocking=True)
+    common = [f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.num_feature_layers=3"]
+    given = ["model.block_size=4", "model.layer_types=[sliding_attention]", "model.sliding_window=8"]
+    with pytest.raises(ConfigError, match=r"model\.sliding_window: the drafter has 32, the command line gives 8"):
+        cmd_export(load_run_config(None, common + given))
+    file = tmp_path / "other.yaml"
+    file.write_text(yaml.safe_dump({"model": {"block_size": 4, "layer_types": ["sliding_attention"], "sliding_window": 8}}))
+    cmd_export(load_run_config(file, common))
+    config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    assert (config["sliding_window"], config["layer_types"], config["block_size"]) == (32, ["sliding_attention"], 4)
+    assert "model.sliding_window: the drafter has 32, the config gives (ignored) 8" in capsys.readouterr().err

@@ -487,11 +487,13 @@ def test_drafter_layers_can_start_as_the_targets_last_layers(tiny_target_dir):
     from safetensors.torch import load_file
 
     from shared.target_parts import load_target_layers
+    from stage2_train.model.description import describe_parts
     from stage2_train.model.drafter import build_drafter, init_from_target_layers
 
     arch = TargetArch.from_dir(tiny_target_dir)  # 6 layers, 64 wide (Llama: no q/k norms)
     embed, head = load_embed_and_head(tiny_target_dir)
-    drafter = build_drafter(DrafterConfig(num_layers=2, block_size=4), arch, 3, 16, embed, head, seed=0)
+    description = describe_parts(DrafterConfig(num_layers=2, block_size=4), arch, [1, 2, 3], 16)
+    drafter = build_drafter(description, embed, head, seed=0)
     copied = init_from_target_layers(drafter, load_target_layers(tiny_target_dir, [4, 5]))
     target = load_file(tiny_target_dir / "model.safetensors")
     assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, target["model.layers.4.self_attn.q_proj.weight"])

@@ -62,7 +62,7 @@ def test_a_projected_drafter_exports_as_a_standard_one_computing_the_same():
 
 
 def test_init_from_a_full_drafter_maps_fc_through_the_basis():
-    from stage2_train.train.trainer import project_init_weights
+    from stage2_train.data.projection import project_init_weights
 
     arch = tiny_arch(kv_heads=2)
     full = tiny_drafter(arch, num_layers=1)

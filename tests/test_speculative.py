@@ -355,8 +355,12 @@ def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
     run_dir = tmp_path / "run"
     cfg1 = load_run_config(None, stage1_overrides(tiny_target_dir, chat_file, run_dir))
     cmd_extract(cfg1, progress=False)
+    from shared.target import resolve_target
+    from stage2_train.model.description import describe
+
+    description = describe(DrafterConfig(num_layers=1, block_size=BLOCK), resolve_target(cfg1.target))
     ckpt = Checkpointer(CheckpointConfig(), run_dir / "checkpoints")
-    ckpt.save(10, lambda: {"model": drafter.state_dict(), "trainer": {"step": 10}}, blocking=True)
+    ckpt.save(10, lambda: {"model": drafter.state_dict(), "trainer": {"step": 10}, "drafter": description.to_dict()}, blocking=True)
 
     data = {
         "run_dir": str(run_dir),
@@ -389,3 +393,11 @@ def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
         assert ("diff" in interval) == (name != "trained")
     assert online["untrained"]["interval"]["diff"] == round(online["untrained"]["tau"] - online["trained"]["tau"], 4)
     assert json.loads((run_dir / "eval" / "step_000010.json").read_text())["gap"] == result["gap"]
+    assert result["summary"].startswith("trained tau ") and "untrained tau" in result["summary"] and "ngram tau" in result["summary"]
+    # The drafter is the checkpoint's: a command line that describes another one is refused by name.
+    from shared.errors import ConfigError
+
+    other = build_run_config({**data, "model": {**data["model"], "num_layers": 2}})
+    other.overridden = frozenset({"model.num_layers"})
+    with pytest.raises(ConfigError, match=r"model\.num_layers: the drafter has 1, the command line gives 2"):
+        cmd_eval(other)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from shared.errors import CheckpointError
+
 
 def second_moment(reader: Any, indices: Iterable[int]) -> tuple[torch.Tensor, int]:
     """(sum over tokens of x x^T in float64 [F, F], tokens) of the samples `indices`."""
@@ -68,3 +70,34 @@ def energy_kept(moment_FF: torch.Tensor, tokens: int, rank: int, scale: str, mea
 def fit_projection(reader: Any, indices: Iterable[int], rank: int, scale: str) -> torch.Tensor:
     moment, tokens = second_moment(reader, indices)
     return basis(moment, tokens, rank, scale)[0]
+
+
+def fit_distributed(
+    reader: Any, rank: int, world_size: int, dim: int, scale: str, reduce_sum: Any = None, broadcast: Any = None
+) -> torch.Tensor:
+    """`fit_projection` over the training split shared by the ranks: each rank sums the second moments
+    of samples rank, rank + W, ...; `reduce_sum` (one all_reduce) gives every rank the total, and rank
+    0's basis is `broadcast` to all (eigh on other CPUs or nodes may differ in the last bits), so every
+    rank holds the same bytes."""
+    import numpy as np
+
+    moment, tokens = second_moment(reader, np.arange(len(reader))[rank::world_size])
+    if world_size > 1:
+        packed = reduce_sum(torch.cat([moment.reshape(-1), torch.tensor([float(tokens)], dtype=torch.float64)]))
+        moment, tokens = packed[:-1].reshape(moment.shape), int(packed[-1])
+    P_RF, _ = basis(moment, tokens, dim, scale)
+    return broadcast(P_RF) if world_size > 1 else P_RF
+
+
+def project_init_weights(weights: dict[str, torch.Tensor], P_RF: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A full-feature drafter's weights (model.init_from) for a projected run: fc_r = W pinv(P),
+    the least-squares fc on the basis (with P = U^T S^-1, pinv(P) = S U, so fc_r P = W on P's row
+    space). A projected drafter has no full-feature form to start from but its own export."""
+    if "projection_RF" in weights:
+        return weights
+    W_HF = weights["fc.weight"].double()
+    if W_HF.shape[1] != P_RF.shape[1]:
+        raise CheckpointError(
+            f"model.init_from: its fc reads {W_HF.shape[1]} features, the projection expects {P_RF.shape[1]}"
+        )
+    return {**weights, "fc.weight": (W_HF @ torch.linalg.pinv(P_RF.double())).float(), "projection_RF": P_RF.float()}

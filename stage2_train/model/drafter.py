@@ -24,7 +24,7 @@ H hidden, A attention heads, G key/value heads, D head dim, I MLP width, V vocab
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from stage2_train.model.attention import (
     plan_attention,
 )
 from stage2_train.model.config import DrafterConfig
+from stage2_train.model.description import DrafterDescription
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
@@ -181,6 +182,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_VH", None, persistent=False)
         self.register_buffer("lm_head_VH", None, persistent=False)
         self.attention_backend = cfg.attention  # resolved per batch device; tests set "naive"
+        self.description: DrafterDescription | None = None  # set by build_drafter: what the drafter is
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -234,6 +236,12 @@ class DFlashDrafter(nn.Module):
                 h_NBH = layer(h_NBH, ctx_TH, rope, plans)
         return self.norm(h_NBH)
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """nn.Module's, refusing weights that do not fit by name and shape (a resume, an init_from)."""
+        if strict:
+            check_fit(self, state_dict, "the checkpoint's model")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def set_projection(self, P_RF: torch.Tensor) -> None:
         if self.cfg.feature_projection != "pca" or tuple(P_RF.shape) != tuple(self.projection_RF.shape):
             raise ValueError(f"a projection of shape {tuple(P_RF.shape)} does not fit this drafter")
@@ -254,26 +262,29 @@ class DFlashDrafter(nn.Module):
 
 
 def build_drafter(
-    cfg: DrafterConfig,
-    arch: TargetArch,
-    num_feature_layers: int,
-    mask_token_id: int,
+    description: DrafterDescription,
     embed_VH: torch.Tensor,
     lm_head_VH: torch.Tensor,
     *,
+    runtime: DrafterConfig | None = None,
     weights: dict[str, torch.Tensor] | None = None,
     seed: int | None = None,
     frozen_dtype: torch.dtype | None = None,
 ) -> DFlashDrafter:
-    """A drafter with the target's frozen parts (cast to `frozen_dtype` when given) and, when given,
-    `weights` (names checked strictly; the drafter takes their dtype). Without weights it is
-    initialised from `seed` without touching the global RNG."""
+    """The drafter `description` describes (model/description.py), with the target's frozen parts
+    (cast to `frozen_dtype` when given) and, when given, `weights` (every name and shape checked; the
+    drafter takes their dtype). `runtime`: how to run it (attention backend, activation checkpointing,
+    init scale), which a description leaves open. Without weights it is initialised from `seed`
+    without touching the global RNG."""
+    cfg = description.model_config(runtime)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        drafter = DFlashDrafter(cfg, arch, num_feature_layers, mask_token_id)
+        drafter = DFlashDrafter(cfg, description.arch(), len(description.target_layer_ids), description.mask_token_id)
+    drafter.description = description
     if weights is not None:
-        load_weights(drafter, weights, f"model.num_layers={cfg.num_layers}, {num_feature_layers} feature layers")
+        check_fit(drafter, weights, f"model.num_layers={cfg.num_layers}, {len(description.target_layer_ids)} feature layers")
+        drafter.load_state_dict(weights)
         drafter.to(next(iter(weights.values())).dtype)
     if frozen_dtype is not None:
         tied = embed_VH is lm_head_VH
@@ -283,9 +294,9 @@ def build_drafter(
     return drafter
 
 
-def load_weights(module: nn.Module, weights: dict[str, torch.Tensor], described: str) -> None:
-    """`module.load_state_dict(weights)`, refusing by name what does not fit: a missing or unexpected
-    tensor, or one whose shape differs (both shapes named), instead of torch's traceback."""
+def check_fit(module: nn.Module, weights: dict[str, torch.Tensor], described: str) -> None:
+    """Refuse by name weights that do not fit `module`: a missing or unexpected tensor, or one whose
+    shape differs (both shapes named), instead of torch's traceback."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -299,7 +310,6 @@ def load_weights(module: nn.Module, weights: dict[str, torch.Tensor], described:
                 f"weights do not fit the drafter ({described}): {name} has shape {tuple(tensor.shape)}, this "
                 f"drafter's is {tuple(expected[name].shape)}"
             )
-    module.load_state_dict(weights)
 
 
 def init_from_target_layers(drafter: DFlashDrafter, parts: dict[str, torch.Tensor]) -> list[str]:

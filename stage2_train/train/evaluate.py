@@ -309,3 +309,45 @@ def _walk_totals(batch: DrafterBatch, accept_N: torch.Tensor) -> tuple[int, int]
         tokens += sum(a for _, a in visits)
         forwards += len(visits)
     return tokens, forwards
+
+
+class HeldoutEvaluator:
+    """The held-out evaluation during training, spread over the ranks: rank r scores samples r, r + W,
+    ... of the first `eval.offline_max_samples` held-out samples, and one all_reduce of the sums
+    (`reduce_sum`) gives every rank the row one rank would compute. No rank waits in a collective
+    while another evaluates alone (an NCCL timeout), and the eval takes 1/W of the time. A rank that
+    fails says so in the same reduction, so every rank raises together."""
+
+    def __init__(
+        self, reader: Any, heldout: np.ndarray, *, max_samples: int, batch_tokens: int, seed: int, gamma: float,
+        rank: int, world_size: int, reduce_sum: Any,
+    ):
+        self.reader, self.seed, self.gamma, self.batch_tokens = reader, seed, gamma, batch_tokens
+        self.mine = heldout[:max_samples][rank::world_size].tolist()
+        self.any = len(heldout) > 0
+        self.reduce_sum = reduce_sum
+
+    def row(self, model: DFlashDrafter, anchors: int | None) -> dict[str, Any] | str | None:
+        """The eval row of `anchors` per sample (None: every anchor) reduced over the ranks; None when
+        there is no held-out sample, or why nothing could be scored (a string)."""
+        if not self.any:
+            return None
+        error: BaseException | None = None
+        totals = empty_totals(model.block_size)
+        try:
+            totals = offline_totals(
+                model, self.reader, self.mine, max_anchors_per_seq=anchors, batch_tokens=self.batch_tokens,
+                seed=self.seed, gamma=self.gamma,
+            )
+        except Exception as exc:  # noqa: BLE001 - raised after the reduction, on every rank
+            error = exc
+        flat = torch.cat([flatten_totals(totals), torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)])
+        flat = self.reduce_sum(flat).cpu()
+        if error is not None:
+            raise error
+        if float(flat[-1]) > 0:
+            raise RuntimeError("the held-out evaluation failed on another rank (its traceback is in that rank's log)")
+        try:
+            return offline_row(unflatten_totals(flat[:-1], model.block_size), self.gamma, anchors is None)
+        except ValueError as exc:  # e.g. no held-out sample long enough for one block
+            return str(exc)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from shared.errors import CheckpointError
+from stage2_train.train.checkpoint.format import load_optimizer_state, optimizer_state
 from stage2_train.train.config import NoiseConfig, OptimConfig
 
 
@@ -59,19 +60,24 @@ class NoiseSchedule:
             return cfg.std
         return cfg.std * max(step, 0) / cfg.warmup_steps
 
-    def apply(self, context_TF: torch.Tensor, step: int, generator: torch.Generator) -> torch.Tensor:
-        """context + noise of std std_at(step), drawn from `generator` (on context's device)."""
+    def apply_(self, context_TF: torch.Tensor, step: int, generator: torch.Generator, rows: int = 4096) -> torch.Tensor:
+        """Add noise of std std_at(step), drawn from `generator` (on context's device), to the context
+        in place, `rows` tokens at a time: neither a noisy copy of the context nor a noise tensor of
+        its size ever exists (at the 8B preset those were ~0.6 GiB each). The context is the step's
+        own copy of the micro-batch (the loader's buffer on CPU, read by nothing else afterwards)."""
         std = self.std_at(step)
         if std == 0.0:
             return context_TF
-        shape, device = context_TF.shape, context_TF.device
-        if self.cfg.kind == "uniform":
-            half_width = std * math.sqrt(3.0)
-            noise = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
-            noise = noise.mul_(2.0 * half_width).sub_(half_width)
-        else:
-            noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32).mul_(std)
-        return context_TF + noise.to(context_TF.dtype)
+        for start in range(0, context_TF.shape[0], rows):
+            part = context_TF[start : start + rows]
+            if self.cfg.kind == "uniform":
+                half_width = std * math.sqrt(3.0)
+                noise = torch.rand(part.shape, generator=generator, device=part.device, dtype=torch.float32)
+                noise = noise.mul_(2.0 * half_width).sub_(half_width)
+            else:
+                noise = torch.randn(part.shape, generator=generator, device=part.device, dtype=torch.float32).mul_(std)
+            part.add_(noise.to(part.dtype))
+        return context_TF
 
     def state_dict(self) -> dict[str, Any]:
         return self.cfg.to_dict()
@@ -148,27 +154,37 @@ class Optimizers:
         scheduler = self.schedulers.get("adamw") or next(iter(self.schedulers.values()))
         return scheduler.get_last_lr()[0]
 
-    def state_dict(self, wrap: Any) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """AdamW alone: its state as before (older checkpoints load); with Muon: one entry each."""
         if list(self.named) == ["adamw"]:
-            return wrap(self.named["adamw"])
-        return {name: wrap(opt) for name, opt in self.named.items()}
+            return optimizer_state(self.named["adamw"])
+        return {name: optimizer_state(opt) for name, opt in self.named.items()}
 
-    def load_state_dict(self, state: dict[str, Any], unwrap: Any) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(self.named) == ["adamw"]:
-            unwrap(self.named["adamw"], state)
+            load_optimizer_state(self.named["adamw"], state)
             return
         for name, opt in self.named.items():
             if name not in state:
                 raise CheckpointError(f"optimizer state has no {name!r} part: the checkpoint was trained with another optim.name")
-            unwrap(opt, state[name])
+            load_optimizer_state(opt, state[name])
 
-    def scheduler_state(self) -> dict[str, Any]:
+    @property
+    def schedule(self) -> Schedule:
+        """The schedulers as a checkpoint component of their own ("scheduler")."""
+        return Schedule(self.schedulers)
+
+
+class Schedule:
+    def __init__(self, schedulers: dict[str, Any]):
+        self.schedulers = schedulers
+
+    def state_dict(self) -> dict[str, Any]:
         if list(self.schedulers) == ["adamw"]:
             return self.schedulers["adamw"].state_dict()
         return {name: s.state_dict() for name, s in self.schedulers.items()}
 
-    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(self.schedulers) == ["adamw"]:
             self.schedulers["adamw"].load_state_dict(state)
             return

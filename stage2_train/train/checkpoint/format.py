@@ -4,6 +4,7 @@
       latest                     "step_000500": replaced atomically, after the directory is complete
       step_000500/
         model.safetensors        state["model"] under the model's own names (rank 0; export reads it)
+        drafter.json             state["drafter"]: the drafter's description, to rebuild it (rank 0)
         shared.safetensors       the other tensors of SHARED_KEYS, e.g. the optimizer state (rank 0)
         shared.json              the plain values of SHARED_KEYS (rank 0)
         rank_00000.safetensors   tensors of every other component (RNG states, ...), one pair per rank
@@ -45,6 +46,8 @@ from shared.files import file_sha256, fsync_file, write_atomic
 FORMAT_VERSION = 2
 
 SHARED_KEYS = ("model", "optimizer")  # identical on every DDP rank: written once, by rank 0
+DESCRIPTION_KEY = "drafter"  # what the model is (model/description.py): drafter.json, written by rank 0
+DESCRIPTION_FILE = "drafter.json"
 
 STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -162,11 +165,14 @@ def check_finite_weights(tensors: dict[str, torch.Tensor], step: int) -> None:
 
 # ---- files ---------------------------------------------------------------------------------------
 def write_part(directory: Path, stem: str, plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
-    """Write `<stem>.safetensors` (and `<stem>.json` unless it is the model), fsynced. Returns bytes."""
-    tensor_path = directory / f"{stem}.safetensors"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tensor_path, metadata=SAFETENSORS_META)
-    fsync_file(tensor_path)
-    num_bytes = tensor_path.stat().st_size
+    """Write `<stem>.safetensors` (unless it is the description) and `<stem>.json` (unless it is the
+    model), fsynced. Returns bytes."""
+    num_bytes = 0
+    if stem != DESCRIPTION_KEY:
+        tensor_path = directory / f"{stem}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tensor_path, metadata=SAFETENSORS_META)
+        fsync_file(tensor_path)
+        num_bytes = tensor_path.stat().st_size
     if stem != "model":
         data = json.dumps(plain).encode()
         write_atomic(directory / f"{stem}.json", data)
@@ -225,6 +231,8 @@ def load_checkpoint(path: str | os.PathLike, rank: int = 0, *, verified: bool = 
     state: dict[str, Any] = {}
     if MODEL_FILE in meta["files"]:
         state["model"] = load_file(path / MODEL_FILE)
+    if DESCRIPTION_FILE in meta["files"]:
+        state[DESCRIPTION_KEY] = json.loads((path / DESCRIPTION_FILE).read_text())
     if "shared.json" in meta["files"]:
         shared = json.loads((path / "shared.json").read_text())
         state.update(join_tensors(shared, load_file(path / "shared.safetensors")))

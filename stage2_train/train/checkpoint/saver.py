@@ -5,14 +5,19 @@
 
 Use from the trainer:
 
-    ckpt = Checkpointer(cfg, cfg.resolve_dir(run_dir), sink, rank, world_size)
+    ckpt = Checkpointer(cfg, paths.checkpoints, sink, rank, world_size)
+    ckpt.register({"model": model, "optimizer": optimizers, ...})   # components with their own state_dict
     selection = ckpt.select()                          # newest complete checkpoint whose checksums hold
-    state = ckpt.load(selection.path)                  # verified once, in select
+    ckpt.load_state_dict(ckpt.load(selection.path))    # verified once, in select; every component restored
     for step in ...:                                   # step = optimizer steps completed
         train_step()
-        ckpt.maybe_save(step, state_fn)                # every `every_steps`; returns after a CPU copy
-    ckpt.save(step, state_fn, blocking=True)           # the final checkpoint (skipped if already saved)
+        ckpt.maybe_save(step)                          # every `every_steps`; returns after a CPU copy
+    ckpt.save(step, blocking=True)                     # the final checkpoint (skipped if already saved)
     ckpt.finalize()                                    # in `finally`: waits, re-raises a writer error
+
+The checkpointer owns the registry of what a checkpoint holds: each component's `state_dict()` is
+taken at the snapshot, and a resume calls each one's `load_state_dict` (a component renamed since a
+checkpoint was written is read under its old name: COMPONENT_RENAMES).
 
 A save has two halves. The snapshot is the only time the loop waits: `state_fn()` is called and every
 tensor is copied into a CPU buffer kept between saves (pinned memory and non_blocking copies on CUDA,
@@ -51,6 +56,7 @@ import torch.distributed as dist
 from shared.errors import CheckpointError, UserError
 from shared.files import file_sha256, fsync_dir, write_atomic
 from stage2_train.train.checkpoint.format import (
+    DESCRIPTION_KEY,
     FORMAT_VERSION,
     SHARED_KEYS,
     TMP_PREFIX,
@@ -90,6 +96,11 @@ class _Job:
     num_bytes: int = 0
     error: BaseException | None = None
 
+# Components renamed since checkpoints were written (new name -> old), and those older checkpoints lack.
+COMPONENT_RENAMES = {"loader": "sampler"}
+OPTIONAL_COMPONENTS = {"drafter"}
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -105,6 +116,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint: world_size {world_size} needs torch.distributed initialised")
         self.cfg, self.dir, self.sink = cfg, Path(ckpt_dir), sink
         self.rank, self.world_size = rank, world_size
+        self.components: dict[str, Any] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
@@ -124,6 +136,24 @@ class Checkpointer:
         if self._group is not None:
             dist.barrier(group=self._group)
 
+    # ---- the registry -------------------------------------------------------------------------
+    def register(self, components: Mapping[str, Any]) -> None:
+        """What a checkpoint holds: name -> a component with `state_dict()` and `load_state_dict()`."""
+        self.components = dict(components)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: component.state_dict() for name, component in self.components.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Every registered component from a checkpoint's state (old component names read too)."""
+        state = {new: state[old] for new, old in COMPONENT_RENAMES.items() if old in state and new not in state} | dict(state)
+        missing = [n for n in self.components if n not in state and n not in OPTIONAL_COMPONENTS]
+        if missing:
+            raise CheckpointError(f"checkpoint state lacks {missing}; it was written by another version")
+        for name, component in self.components.items():
+            if name in state:
+                component.load_state_dict(state[name])
+
     # ---- saving -----------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
@@ -133,21 +163,24 @@ class Checkpointer:
     def is_due(self, step: int) -> bool:
         return self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0
 
-    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> bool:
+    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]] | None = None) -> bool:
         """Save if `step` is a multiple of `every_steps`. Returns whether a save started.
 
         At the first call that is not a save step, the snapshot buffers are allocated (and their
         pages touched) in the background, so that no save pays for it inside the loop.
         """
         self._poll()
+        state_fn = state_fn or self.state_dict
         if self.is_due(step):
             return self.save(step, state_fn)
         if self.cfg.async_save and self.cfg.every_steps > 0 and not self._buffers and not self.busy:
             self._start_thread(self._allocate, self._snapshot(step, state_fn(), copy=False))
         return False
 
-    def save(self, step: int, state_fn: Callable[[], dict[str, Any]], blocking: bool = False) -> bool:
-        """Save now (async unless `blocking` or `async_save` is off). False if `step` is already saved."""
+    def save(self, step: int, state_fn: Callable[[], dict[str, Any]] | None = None, blocking: bool = False) -> bool:
+        """Save now (async unless `blocking` or `async_save` is off). False if `step` is already saved.
+        `state_fn`: the state to save; the registered components' by default."""
+        state_fn = state_fn or self.state_dict
         t0 = time.perf_counter()
         self._poll()
         if step == self._last_step:
@@ -173,7 +206,9 @@ class Checkpointer:
             self._start_thread(self._write, job)
         return True
 
-    def note_eval(self, step: int, value: float | None, state_fn: Callable[[], dict[str, Any]], metric: str = "walk_tau") -> bool:
+    def note_eval(
+        self, step: int, value: float | None, state_fn: Callable[[], dict[str, Any]] | None = None, metric: str = "walk_tau"
+    ) -> bool:
         """checkpoint.keep_best: when this eval's `metric` (higher is better) beats every earlier one,
         save this step (unless it is saved already) and point `best` at it once the save commits.
         Every rank calls it with the same row (the eval is reduced over ranks). Returns whether it is
@@ -298,12 +333,14 @@ class Checkpointer:
                 if k in state and k != "model"
             }
             parts.append(("shared", plain, shared_tensors))
+        if self.rank == 0 and DESCRIPTION_KEY in state:
+            parts.append((DESCRIPTION_KEY, state[DESCRIPTION_KEY], {}))
         rank_tensors: dict[str, torch.Tensor] = {}
         stem = rank_stem(self.rank)
         plain = {
             k: split_tensors(v, k, rank_tensors, lambda key, t: copy_out(f"{stem}/{key}", t))
             for k, v in state.items()
-            if k not in SHARED_KEYS
+            if k not in SHARED_KEYS and k != DESCRIPTION_KEY
         }
         parts.append((stem, plain, rank_tensors))
         for device in devices:

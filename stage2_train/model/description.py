@@ -1,0 +1,199 @@
+"""What a drafter is, written beside its weights: everything needed to rebuild it.
+
+    description = describe(cfg.model, target)          # a new drafter for this config and target
+    description.to_dict()                               # -> checkpoint drafter.json, export config.json
+    DrafterDescription.from_dict(json.load(...))        # -> build_drafter(description, parts, weights=...)
+
+A checkpoint and an export carry their drafter's description (variant, architecture, block size,
+attention layout, target layer ids, mask token, feature projection, and the target it was trained
+against), so `eval`, `export`, `model.init_from`, a resume and the benchmarks rebuild the drafter
+that was trained, never the one today's command line describes: a value given on the command line
+that contradicts it is refused by name (`contradictions`). No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+from shared.errors import CheckpointError
+from shared.target import TargetArch, TargetInfo
+from stage2_train.model.config import DrafterConfig
+
+DESCRIPTION_VERSION = 1
+VARIANTS = ("dflash",)
+
+
+@dataclass(frozen=True)
+class DrafterDescription:
+    variant: str
+    block_size: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    is_causal: bool | None
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    mask_token_id: int
+    feature_projection: str = "none"
+    projection_dim: int | None = None
+    target_model_type: str = "unknown"
+    target_weights_sha256: str | None = None  # None for a published drafter that does not say
+    version: int = DESCRIPTION_VERSION
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise CheckpointError(f"drafter variant {self.variant!r} is not one this pipeline builds ({', '.join(VARIANTS)})")
+        if len(self.layer_types) != self.num_layers:
+            raise CheckpointError(f"the drafter lists {len(self.layer_types)} layer types for {self.num_layers} layers")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise CheckpointError(f"the drafter's mask_token_id {self.mask_token_id} is outside its vocabulary [0, {self.vocab_size})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"the drafter's num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}"
+            )
+
+    # ---- serialisation ----
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["layer_types"], out["target_layer_ids"] = list(self.layer_types), list(self.target_layer_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "drafter description") -> DrafterDescription:
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{where}: expected an object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise CheckpointError(f"{where}: unknown fields {unknown} (written by a newer version?)")
+        version = data.get("version", DESCRIPTION_VERSION)
+        if version > DESCRIPTION_VERSION:
+            raise CheckpointError(f"{where}: version {version}, this code reads up to {DESCRIPTION_VERSION}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING)
+        if missing:
+            raise CheckpointError(f"{where}: missing fields {missing}")
+        values = dict(data)
+        values["layer_types"] = tuple(values["layer_types"])
+        values["target_layer_ids"] = tuple(values["target_layer_ids"])
+        return cls(**values)
+
+    # ---- what the modules are built from ----
+    def arch(self) -> TargetArch:
+        """The dimensions the drafter's modules take (those of its target, for DFlash)."""
+        return TargetArch(
+            model_type=self.target_model_type,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_target_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
+
+    def model_config(self, runtime: DrafterConfig | None = None) -> DrafterConfig:
+        """The architecture of this description with `runtime`'s options for running it (attention
+        backend and chunking, activation checkpointing, init scale), which the description leaves open."""
+        runtime = runtime or DrafterConfig()
+        sliding = "sliding_attention" in self.layer_types
+        return runtime.model_copy(
+            update={
+                "num_layers": self.num_layers,
+                "block_size": self.block_size,
+                "intermediate_size": self.intermediate_size,
+                "layer_types": self.layer_types if sliding else None,
+                "sliding_window": self.sliding_window if sliding else None,
+                "is_causal": self.is_causal,
+                "feature_projection": self.feature_projection,
+                "projection_dim": self.projection_dim,
+            }
+        )
+
+    # ---- checks ----
+    def contradictions(self, cfg: DrafterConfig, given: set[str] | frozenset[str]) -> list[str]:
+        """Settings in `given` (dotted `model.*` keys set on the command line) whose value differs from
+        this description, as 'model.key: the drafter has X, the command line gives Y'."""
+        ours = describe_model(cfg, self.hidden_size, self.intermediate_size_default(cfg))
+        out = []
+        for key, value in ours.items():
+            if f"model.{key}" in given and value != getattr(self, key):
+                out.append(f"model.{key}: the drafter has {_plain(getattr(self, key))}, the command line gives {_plain(value)}")
+        return out
+
+    def intermediate_size_default(self, cfg: DrafterConfig) -> int:
+        return cfg.intermediate_size if cfg.intermediate_size is not None else self.intermediate_size
+
+    def check_target(self, target: TargetInfo, where: str) -> None:
+        """Refuse a target this drafter cannot run with, naming the field: its width, its vocabulary,
+        and layers it does not have."""
+        checks = [
+            ("hidden_size", self.hidden_size, target.arch.hidden_size),
+            ("vocab_size", self.vocab_size, target.arch.vocab_size),
+        ]
+        for name, ours, theirs in checks:
+            if ours != theirs:
+                raise CheckpointError(f"{where}: the drafter was made for a target with {name}={ours}, this target has {theirs}")
+        if max(self.target_layer_ids) >= target.arch.num_hidden_layers:
+            raise CheckpointError(f"{where}: target_layer_ids {list(self.target_layer_ids)} exceed the target's layers")
+
+
+def describe_model(cfg: DrafterConfig, hidden_size: int, intermediate_size: int) -> dict[str, Any]:
+    """The architecture fields a model config gives (what `contradictions` compares)."""
+    return {
+        "num_layers": cfg.num_layers,
+        "block_size": cfg.block_size,
+        "intermediate_size": intermediate_size,
+        "layer_types": tuple(cfg.layer_types or ("full_attention",) * cfg.num_layers),
+        "sliding_window": cfg.sliding_window if cfg.layer_types and "sliding_attention" in cfg.layer_types else None,
+        "is_causal": cfg.is_causal,
+        "feature_projection": cfg.feature_projection,
+        "projection_dim": (cfg.projection_dim or hidden_size) if cfg.feature_projection == "pca" else None,
+    }
+
+
+def describe(cfg: DrafterConfig, target: TargetInfo) -> DrafterDescription:
+    """The description of a new drafter for this model config and target."""
+    return describe_parts(cfg, target.arch, target.layer_ids, target.mask_token_id, target.weights_sha256 or None)
+
+
+def describe_parts(
+    cfg: DrafterConfig, arch: TargetArch, layer_ids: list[int] | tuple[int, ...], mask_token_id: int,
+    target_weights_sha256: str | None = None,
+) -> DrafterDescription:
+    """The description from its pieces: a model config, the target's dimensions, layer ids and mask."""
+    return DrafterDescription(
+        variant="dflash",
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        max_position_embeddings=arch.max_position_embeddings,
+        vocab_size=arch.vocab_size,
+        target_layer_ids=tuple(layer_ids),
+        num_target_layers=arch.num_hidden_layers,
+        mask_token_id=mask_token_id,
+        target_model_type=arch.model_type,
+        target_weights_sha256=target_weights_sha256,
+        **describe_model(cfg, arch.hidden_size, cfg.intermediate_size or arch.intermediate_size),
+    )
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value

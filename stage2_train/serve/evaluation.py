@@ -1,0 +1,141 @@
+"""One evaluation of a set of drafters on a set of prompts: what `stage2_train eval`, `bench/compare.py`
+and `bench/learning.py` all call.
+
+    heldout = HeldoutSet.open(cfg)                                  # the target, the store, the one held-out rule
+    drafters = {"trained": heldout.load(checkpoint, cfg.model).drafter, "untrained": heldout.untrained(cfg)}
+    report = evaluate_drafters(drafters, heldout, prompts=heldout.prompts(12), eval_cfg=cfg.eval, ...)
+
+Offline, each drafter scores every anchor of the held-out store samples (`train/evaluate.py`: accuracy
+per position, accept_len, walk_tau and their standard errors). Online, the target decodes the same
+prompts greedily and with speculative decoding under each drafter and the n-gram drafter
+(`serve/online_eval.py`); every output must equal the target's own greedy output. Each proposer's tau
+carries its 95% bootstrap interval over prompts and, against the baseline drafter, the paired
+difference (the prompts resampled together, so their own spread cancels), on all prompts and per group
+of prompts (`groups`: e.g. documentation excerpts against short questions). The target's embedding and
+LM head are read once for every drafter of the set (at 8B they are ~5 GB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.config import RunConfig
+from shared.paths import RunPaths
+from shared.target import TargetInfo, cached_tokenizer, resolve_target, stop_token_ids
+from shared.target_parts import load_embed_and_head
+from stage2_train.data.view import open_store, split_indices
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.description import describe
+from stage2_train.model.drafter import DFlashDrafter, build_drafter
+from stage2_train.serve.load import LoadedDrafter, load_drafter
+from stage2_train.serve.online_eval import (
+    acceptance_gap,
+    bootstrap_tau,
+    heldout_prompts,
+    load_online_target,
+    online_eval,
+)
+from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+from stage2_train.train.evaluate import offline_eval
+
+
+@dataclass
+class HeldoutSet:
+    """The target, its store and the store's held-out samples (`data/view.split_indices`: the one
+    rule, by content hash and eval.split_seed), with the target's frozen parts read once."""
+
+    target: TargetInfo
+    reader: Any
+    heldout: np.ndarray  # indices into `reader`
+    parts: tuple[torch.Tensor, torch.Tensor]  # (embed_VH, lm_head_VH), shared by every drafter
+
+    @classmethod
+    def open(cls, cfg: RunConfig) -> HeldoutSet:
+        target = resolve_target(cfg.target)
+        reader = open_store(RunPaths.of(cfg).store, target, options=cfg.store.reader_options())
+        _, heldout = split_indices(reader, cfg.eval.holdout_fraction, cfg.eval.split_seed)
+        return cls(target, reader, heldout, load_embed_and_head(target.target_dir))
+
+    def load(self, source: Any, runtime: DrafterConfig | None = None, device: Any = "cpu") -> LoadedDrafter:
+        """A saved drafter (checkpoint or folder), as its description says, on `device`."""
+        loaded = load_drafter(source, self.target, runtime=runtime, parts=self.parts)
+        loaded.drafter.to(device)
+        return loaded
+
+    def untrained(self, cfg: RunConfig, like: Any = None, device: Any = "cpu") -> DFlashDrafter:
+        """A drafter of the same description as `like` (or the config's) from cfg.seed: the floor."""
+        description = like if like is not None else describe(cfg.model, self.target)
+        return build_drafter(description, *self.parts, runtime=cfg.model, seed=cfg.seed).to(device).eval()
+
+    def prompts(self, count: int) -> list[tuple[int, list[int]]]:
+        """(sample id, prompt ids) of up to `count` held-out conversations."""
+        return heldout_prompts(self.reader, self.heldout, count)
+
+
+def evaluate_drafters(
+    drafters: dict[str, DFlashDrafter],
+    heldout: HeldoutSet,
+    *,
+    prompts: Sequence[list[int]],
+    cfg: RunConfig,
+    baseline: str,
+    offline: Sequence[str] | None = None,
+    groups: dict[str, Sequence[int]] | None = None,
+    max_new_tokens: int | None = None,
+    device: Any = "cpu",
+) -> dict[str, Any]:
+    """Offline (the drafters named in `offline`, default all) and online evaluation of `drafters` and
+    the n-gram drafter on `prompts`; intervals on all prompts and on each of `groups` (prompt indices),
+    paired against `baseline`."""
+    eval_cfg = cfg.eval
+    offline_rows = {
+        name: offline_eval(
+            drafters[name], heldout.reader, heldout.heldout[: eval_cfg.offline_max_samples].tolist(),
+            max_anchors_per_seq=None, batch_tokens=eval_cfg.offline_batch_tokens, seed=cfg.seed, gamma=cfg.loss.gamma,
+        )  # every anchor, as a run's final eval: walk_tau needs them all
+        for name in (offline if offline is not None else drafters)
+    }
+    target_model = load_online_target(cfg.target, eval_cfg.online_dtype, device)
+    tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
+    feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
+    proposers = {n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n) for n, d in drafters.items()}
+    block_size = next(iter(drafters.values())).block_size
+    proposers["ngram"] = NgramProposer(block_size - 1)
+    online = online_eval(
+        target_model, proposers, list(prompts), max_new_tokens=max_new_tokens or eval_cfg.online_max_new_tokens,
+        eos_token_ids=stop_token_ids(tokenizer, target_model),
+    )
+    groups = {"all": range(len(prompts)), **(groups or {})}
+    base = online["proposers"][baseline]["per_prompt"]
+    for name, entry in online["proposers"].items():
+        entry["groups"] = {}
+        for group, index in groups.items():
+            index = list(index)
+            if not index:
+                continue
+            paired = None if name == baseline else [base[i] for i in index]
+            interval = bootstrap_tau([entry["per_prompt"][i] for i in index], baseline=paired)
+            entry["groups"][group] = {k: round(v, 4) for k, v in interval.items()}
+        entry["interval"] = entry["groups"]["all"]
+    gaps = {name: acceptance_gap(row, online["proposers"][name]["tau"]) for name, row in offline_rows.items()}
+    return {"offline": offline_rows, "online": online, "gap": gaps, "baseline": baseline}
+
+
+def one_line(report: dict[str, Any], trained: str = "trained") -> str:
+    """`eval`'s last line: trained tau [interval] vs untrained vs n-gram, each with its interval."""
+    parts = []
+    for name in (trained, "untrained", "ngram"):
+        entry = report["online"]["proposers"].get(name)
+        if entry is None:
+            continue
+        i = entry["interval"]
+        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}]"
+        if "diff" in i:
+            text += f" ({i['diff']:+.3f} [{i['diff_lo']:+.3f}, {i['diff_hi']:+.3f}] vs {trained})"
+        parts.append(text)
+    return " | ".join(parts)

@@ -1,0 +1,297 @@
+"""Reading drafters back: from a training checkpoint or a drafter folder (ours, z-lab's, SpecForge's,
+speculators'), always as the drafter that was saved.
+
+    loaded = load_drafter("runs/default/checkpoints", target)     # or a step folder, or an export folder
+    loaded.drafter, loaded.description, loaded.weights_file
+    weights = init_weights_for(folder, cfg.model, target)         # model.init_from, checked against this run
+
+A checkpoint's `drafter.json` (or, for checkpoints written before it existed, the model section of the
+run config it saved) and a folder's config.json describe the drafter; the description decides what is
+built, and the command line's model section only says how to run it (`model/description.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.errors import CheckpointError
+from shared.target import TargetArch, TargetInfo, dflash_layer_ids
+from shared.target_parts import load_embed_and_head
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.description import DrafterDescription, describe
+from stage2_train.model.drafter import DFlashDrafter, build_drafter
+from stage2_train.serve.export import CONFIG_NAME, WEIGHTS_NAME
+from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, load_checkpoint, read_weights
+from stage2_train.train.checkpoint.select import select_checkpoint
+
+
+@dataclass
+class LoadedDrafter:
+    drafter: DFlashDrafter
+    description: DrafterDescription
+    weights_file: Path  # the model.safetensors read
+
+
+def load_drafter(
+    source: str | os.PathLike,
+    target: TargetInfo,
+    *,
+    runtime: DrafterConfig | None = None,
+    parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+    frozen_dtype: torch.dtype | None = None,
+) -> LoadedDrafter:
+    """The drafter saved at `source`: a checkpoint step folder, a checkpoints folder (the newest
+    checkpoint that verifies), or a drafter folder with config.json. Built as its description says,
+    checked against `target` (width, vocabulary, layers), with the target's frozen embedding and LM
+    head (`parts`, read from the target's safetensors when not given); `runtime` says how to run it."""
+    path = Path(source)
+    if (path / CONFIG_NAME).is_file() and not (path / "meta.json").is_file():
+        description, (weights, file) = folder_description(path), read_weights(path / WEIGHTS_NAME)
+    else:
+        if path.is_dir() and not (path / WEIGHTS_NAME).is_file():
+            selection = select_checkpoint(path)
+            if selection.path is None:
+                reasons = "; ".join(f"{p}: {why}" for p, why in selection.skipped) or "none saved yet"
+                raise CheckpointError(f"no usable checkpoint in {path} ({reasons}); train first (`make train`)")
+            path = selection.path
+        weights, file = read_weights(path)  # verified against the checkpoint's checksums
+        description = checkpoint_description(file.parent, target)
+    description.check_target(target, str(path))
+    embed_VH, lm_head_VH = parts if parts is not None else load_embed_and_head(target.target_dir)
+    drafter = build_drafter(description, embed_VH, lm_head_VH, runtime=runtime, weights=weights, frozen_dtype=frozen_dtype)
+    return LoadedDrafter(drafter.eval(), description, file)
+
+
+def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescription:
+    """A checkpoint's drafter.json; for one written before descriptions were saved, the description
+    rebuilt from the run config it saved (its model section and the layer ids and mask it resolved)."""
+    if (step_dir / DESCRIPTION_FILE).is_file():
+        return DrafterDescription.from_dict(json.loads((step_dir / DESCRIPTION_FILE).read_text()), str(step_dir / DESCRIPTION_FILE))
+    saved = load_checkpoint(step_dir, verified=True).get("config")
+    if not isinstance(saved, dict) or "model" not in saved:
+        raise CheckpointError(f"{step_dir}: no {DESCRIPTION_FILE} and no saved run config to describe its drafter")
+    resolved = saved.get("resolved") or {}
+    model = DrafterConfig.from_dict({k: v for k, v in saved["model"].items() if k in DrafterConfig.model_fields})
+    legacy = TargetInfo(
+        path=target.path, target_dir=target.target_dir, arch=target.arch,
+        layer_ids=list(resolved.get("layer_ids", target.layer_ids)), mask_token_id=resolved.get("mask_token_id", target.mask_token_id),
+        weights_sha256=resolved.get("target_fingerprint", ""), tokenizer_sha256="", chat_template_sha256="",
+    )
+    return describe(model, legacy)
+
+
+def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"no DFlash drafter at {folder} ({CONFIG_NAME} missing)")
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A speculators DFlash config.json read as the z-lab layout `drafter_spec` reads (its weights
+    need no renaming). Layer ids come back as id - 1; sliding layers are refused (other semantics)."""
+    layer = dict(config.get("transformer_layer_config") or {})
+    if not layer:
+        raise CheckpointError(f"{where}: speculators_model_type=dflash but no transformer_layer_config")
+    if "sliding_attention" in (layer.get("layer_types") or []):
+        raise CheckpointError(
+            f"{where}: transformer_layer_config.layer_types has sliding_attention: speculators fixes each block's window "
+            f"at its anchor (PR #749), which this drafter does not compute; start from a full-attention drafter"
+        )
+    if config.get("sample_from_anchor"):
+        raise CheckpointError(f"{where}: sample_from_anchor=true is not the DFlash block this pipeline trains")
+    dflash = dict(config.get("dflash_config") or {})
+    block = dflash.get("block_size", config.get("block_size", 16))
+    aux = config.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not aux:
+        raise CheckpointError(f"{where}: aux_hidden_state_layer_ids is missing")
+    layer.pop("layer_types", None)
+    layer.update({"use_sliding_window": False, "sliding_window": None})
+    return {
+        **layer,
+        **({"dflash_pipeline": config["dflash_pipeline"]} if "dflash_pipeline" in config else {}),
+        "block_size": block,
+        "dflash_config": {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id"))},
+    }
+
+
+def folder_description(folder: str | os.PathLike) -> DrafterDescription:
+    """What a drafter folder holds (ours, z-lab's in either layout, SpecForge's, speculators'), read
+    from its config.json; what DFlashDrafter cannot compute is refused naming the field (YaRN or
+    other scaled RoPE, a sliding layer without a window, biases, ...). Our own exports carry the
+    description itself (`dflash_pipeline.drafter`), checked against the fields the loaders read, so
+    a hand-edited config.json cannot silently describe another drafter."""
+    config = read_export_config(folder)
+    where = Path(folder) / CONFIG_NAME
+    if config.get("speculators_model_type") == "dflash":
+        config = from_speculators(config, where)
+    dflash = config.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise CheckpointError(f"{where}: dflash_config must be an object, got {dflash!r}")
+
+    def value(name: str, default: Any = None) -> Any:
+        return dflash.get(name, config.get(name, default))
+
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(config.get(key), int):
+            raise CheckpointError(f"{where}: `{key}` missing or not an integer; not a DFlash drafter config")
+    refuse_unsupported(config, where)
+    mask_token_id = value("mask_token_id")
+    if not isinstance(mask_token_id, int):
+        raise CheckpointError(
+            f"{where}: dflash_config.mask_token_id is missing; set it to the target's mask token id "
+            f"(the published Qwen3 drafters use 151669)"
+        )
+    num_target_layers = value("num_target_layers")
+    layer_ids = value("target_layer_ids")
+    if layer_ids is None:
+        if not isinstance(num_target_layers, int):
+            raise CheckpointError(f"{where}: neither dflash_config.target_layer_ids nor num_target_layers is given")
+        layer_ids = dflash_layer_ids(num_target_layers, config["num_hidden_layers"])
+    rope = config.get("rope_parameters") or {}
+    heads = config["num_attention_heads"]
+    arch = TargetArch(
+        model_type=(config.get("dflash_pipeline") or {}).get("target", {}).get("model_type", "unknown"),
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=num_target_layers if isinstance(num_target_layers, int) else max(layer_ids) + 3,
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        vocab_size=config.get("vocab_size", 0),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=False,
+    )
+    block_size = value("block_size", 16)
+    types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    sliding = "sliding_attention" in types
+    described = DrafterDescription(
+        variant="dflash",
+        block_size=block_size,
+        num_layers=config["num_hidden_layers"],
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        max_position_embeddings=arch.max_position_embeddings,
+        vocab_size=arch.vocab_size,
+        layer_types=tuple(types),
+        sliding_window=config.get("sliding_window") if sliding else None,
+        is_causal=config.get("is_causal"),
+        target_layer_ids=tuple(layer_ids),
+        num_target_layers=arch.num_hidden_layers,
+        mask_token_id=mask_token_id,
+        target_model_type=arch.model_type,
+        target_weights_sha256=(config.get("dflash_pipeline") or {}).get("target", {}).get("weights_sha256"),
+    )
+    own = (config.get("dflash_pipeline") or {}).get("drafter")
+    if own is None:
+        return described
+    recorded = DrafterDescription.from_dict(own, f"{where}: dflash_pipeline.drafter")
+    differ = [k for k, v in described.to_dict().items() if k in _READ_BY_LOADERS and recorded.to_dict()[k] != v]
+    if differ:
+        k = differ[0]
+        raise CheckpointError(
+            f"{where}: the fields serving engines read say {k}={described.to_dict()[k]!r}, but the drafter's own "
+            f"description (dflash_pipeline.drafter) says {recorded.to_dict()[k]!r}: config.json was edited after "
+            f"export; export again, or make them agree"
+        )
+    return recorded
+
+
+# What the engines read from config.json, which must agree with our own description of the drafter.
+_READ_BY_LOADERS = (
+    "block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "layer_types", "sliding_window", "is_causal", "target_layer_ids", "mask_token_id", "rope_theta",
+)
+
+
+def refuse_unsupported(config: dict[str, Any], where: Path) -> None:
+    rope_types = {
+        (config.get(key) or {}).get("rope_type", (config.get(key) or {}).get("type"))
+        for key in ("rope_scaling", "rope_parameters")
+    }
+    rope_type = next((t for t in sorted(rope_types - {None, "default"}, key=str)), None)
+    if rope_type is not None:
+        raise CheckpointError(
+            f"{where}: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported; this pipeline "
+            f"computes plain RoPE only, so the drafter's outputs would be wrong"
+        )
+    layer_types = config.get("layer_types") or []
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise CheckpointError(f"{where}: layer_types {other} are not supported (full_attention and sliding_attention are)")
+    if layer_types and len(layer_types) != config.get("num_hidden_layers"):
+        raise CheckpointError(f"{where}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {config.get('num_hidden_layers')}")
+    if "sliding_attention" in layer_types:
+        window = config.get("sliding_window")
+        if not config.get("use_sliding_window") or not isinstance(window, int) or window < 1:
+            raise CheckpointError(
+                f"{where}: layer_types has sliding_attention but use_sliding_window={config.get('use_sliding_window')!r}, "
+                f"sliding_window={window!r}: z-lab would then run those layers causal without a window and SpecForge "
+                f"refuses the file; set use_sliding_window: true and a sliding_window"
+            )
+    elif config.get("use_sliding_window") and not layer_types:
+        raise CheckpointError(
+            f"{where}: use_sliding_window=true without layer_types (Qwen3's max_window_layers rule): list layer_types"
+        )
+    if config.get("is_causal") is not None and not isinstance(config.get("is_causal"), bool):
+        raise CheckpointError(f"{where}: is_causal must be true, false or absent, got {config.get('is_causal')!r}")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{where}: {key}=true is not supported (the drafter's projections have no bias)")
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act={config['hidden_act']!r} is not supported (silu only)")
+
+
+def load_exported(folder: str | os.PathLike, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> DFlashDrafter:
+    """A drafter folder (ours, z-lab's, SpecForge's, speculators') as a DFlashDrafter; weights keep their dtype."""
+    weights, _ = read_weights(Path(folder) / WEIGHTS_NAME)
+    return build_drafter(folder_description(folder), embed_VH, lm_head_VH, weights=weights).eval()
+
+
+def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any) -> dict[str, torch.Tensor]:
+    """The weights of a published or exported drafter, to start training from (`model.init_from`),
+    after checking it fits this target and model config; every mismatch names the field to set."""
+    theirs = folder_description(folder)
+    ours = describe(cfg.model_copy(update={"feature_projection": "none"}), target)
+    where = f"model.init_from={str(folder)!r}"
+    checks = [
+        ("hidden_size", theirs.hidden_size, ours.hidden_size, "the target's hidden size"),
+        ("target_layer_ids", theirs.target_layer_ids, ours.target_layer_ids, "target.layer_ids"),
+        ("mask_token_id", theirs.mask_token_id, ours.mask_token_id, "target.mask_token_id"),
+        ("num_hidden_layers", theirs.num_layers, ours.num_layers, "model.num_layers"),
+        ("block_size", theirs.block_size, ours.block_size, "model.block_size"),
+        ("layer_types", theirs.layer_types, ours.layer_types, "model.layer_types"),
+        ("sliding_window", theirs.sliding_window, ours.sliding_window, "model.sliding_window"),
+        ("is_causal", theirs.is_causal, ours.is_causal, "model.is_causal"),
+        ("intermediate_size", theirs.intermediate_size, ours.intermediate_size, "model.intermediate_size"),
+        ("num_attention_heads", theirs.num_attention_heads, ours.num_attention_heads, "the target's heads"),
+        ("num_key_value_heads", theirs.num_key_value_heads, ours.num_key_value_heads, "the target's kv heads"),
+    ]
+    for name, have, want, setting in checks:
+        have, want = (list(v) if isinstance(v, tuple) else v for v in (have, want))
+        if have != want:
+            raise CheckpointError(
+                f"{where}: the drafter has {name}={have!r} but this run has {want!r} ({setting}); "
+                f"set {setting}={have!r} or start from another drafter"
+            )
+    weights, _ = read_weights(Path(folder) / WEIGHTS_NAME)
+    return weights

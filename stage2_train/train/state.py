@@ -1,0 +1,99 @@
+"""The small stateful components of a run, each with its own `state_dict` / `load_state_dict`, as
+the checkpointer's registry expects (`saver.Checkpointer.register`):
+
+    Progress      step, tokens seen, time spent (wall and CPU), the last train and eval rows
+    RngState      this rank's Python, numpy, torch and CUDA generators (one file per rank)
+    RunRecord     the resolved run config, saved for the resume check (compared before anything loads)
+    Description   the drafter's description (drafter.json): what the weights are
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from stage2_train.model.description import DrafterDescription
+from stage2_train.train.checkpoint.format import rng_state, set_rng_state
+
+
+class Progress:
+    """Where the run is, and what it has cost so far (resumed runs add to the earlier runs' time)."""
+
+    def __init__(self) -> None:
+        self.step = 0  # optimizer steps done
+        self.tokens_seen = 0
+        self.elapsed_before = 0.0  # wall time of earlier runs of this training
+        self.cpu_before = 0.0  # process CPU time of earlier runs (all threads: what a CPU run costs)
+        self.total_steps = 0
+        self.world_size = 1
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.last_row: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] | None = None
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self._start, self._cpu_start = time.perf_counter(), time.process_time()
+
+    def elapsed_s(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self._start
+
+    def cpu_s(self) -> float:
+        return self.cpu_before + time.process_time() - self._cpu_start
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "tokens_seen": self.tokens_seen,
+            "elapsed_s": self.elapsed_s(),
+            "cpu_s": self.cpu_s(),
+            "total_steps": self.total_steps,
+            "world_size": self.world_size,
+            "last_row": self.last_row,
+            "last_eval": self.last_eval,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.elapsed_before = float(state["elapsed_s"])
+        self.cpu_before = float(state.get("cpu_s", 0.0))
+        self.last_row = state.get("last_row") or {}
+        self.last_eval = state.get("last_eval")
+        self.restart_clock()
+
+
+class RngState:
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_rng_state(state)
+
+
+class RunRecord:
+    """The run's resolved config: saved so a resume can compare (train/resume.py) before loading."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.config
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: the resume has already compared it and refused what changed."""
+
+
+class Description:
+    """The drafter's description (drafter.json), beside its weights."""
+
+    def __init__(self, description: DrafterDescription):
+        self.description = description
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.description.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Checked against the run's own description by the resume's config comparison."""
