@@ -13,7 +13,7 @@ import sys
 from shared.cli import command_parser, load_config, print_check, run_command, to_json
 from stage1_extract import commands
 
-COMMANDS = ("generate", "plan", "extract", "status", "verify", "reprocess", "check")
+COMMANDS = ("download", "generate", "plan", "extract", "status", "verify", "reprocess", "check")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
         print_check(cfg, with_docs=args.explain, quiet=args.quiet)
         return 0
     progress = not args.no_progress
-    if args.command == "generate":
+    if args.command == "download":
+        out = commands.cmd_download(cfg)
+    elif args.command == "generate":
         out = commands.cmd_generate(cfg, progress=progress)
     elif args.command == "plan":
         out = commands.cmd_plan(cfg)

@@ -55,6 +55,23 @@ from stage1_extract.verify import deep_problems, verify_store
 log = logging.getLogger(__name__)
 
 
+def cmd_download(cfg: RunConfig) -> dict[str, Any]:
+    """Fetch the Hub ids the config names, target.path and model.init_from, into the local Hugging
+    Face cache: the one command that reaches the network (every other one reads the cache only)."""
+    from shared.hub import download, is_hub_id
+
+    fetched = {}
+    for setting in ("target.path", "model.init_from"):
+        value = cfg.value(setting)
+        if isinstance(value, str) and is_hub_id(value):
+            log.info("downloading %s=%s", setting, value)
+            snapshot = download(value)
+            fetched[setting] = {**snapshot.record(), "folder": str(snapshot.folder)}
+    if not fetched:
+        return {"downloaded": {}, "note": "target.path and model.init_from name no Hub id (org/name[@revision]): nothing to fetch"}
+    return {"downloaded": fetched}
+
+
 def default_prompts(cfg: RunConfig) -> Path:
     """The conversations `generate` reads (shared.identity.prompts_path), the embedded default prompt
     set written under run_dir the first time it is needed."""
@@ -339,7 +356,7 @@ def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[
             "num_rows": len(prepared.rows),
             "bad_rows_skipped": prepared.stats.bad_rows,
         },
-        "target_source": {"path": cfg.target.path, "folder": str(prepared.target.target_dir)},  # provenance, not identity
+        "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": shard_size(cfg, prepared),
         "created_unix": int(time.time()),
     }

@@ -175,7 +175,7 @@ def test_a_renamed_key_names_its_new_name():
             load_run_config("configs/default.yaml", [old])
 
 
-def test_a_preset_is_found_by_name_from_any_folder(tmp_path):
+def test_a_preset_is_found_by_name_from_any_folder(tmp_path, hub_8b):
     done = subprocess.run(
         [sys.executable, "-m", "stage2_train", "check", "--config", "qwen3-8b", "--quiet"],
         cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
