@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=None, help="eval/export: a checkpoint folder, or `best` (checkpoint.keep_best; default: the newest that verifies)")
     parser.add_argument("--out", default=None, help="export, report: output folder")
     parser.add_argument("--format", choices=("zlab", "speculators"), default="zlab", help="export: z-lab's layout (SGLang, vLLM dflash) or speculators'")
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO", help="export: upload the folder to this Hub repo (org/name)")
     parser.add_argument("--sample-tokens", type=int, default=1024, help="plan: tokens per sample of the traced micro-batch")
     parser.add_argument("--search", action="store_true", help="plan: also the largest micro_batch_tokens that fits each GPU")
     return run_command(parser, argv, run)
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "eval":
         print(to_json(commands.cmd_eval(cfg, args.checkpoint)))
         return 0
-    print(to_json(commands.cmd_export(cfg, args.checkpoint, args.out, args.format)))
+    print(to_json(commands.cmd_export(cfg, args.checkpoint, args.out, args.format, push_to_hub=args.push_to_hub)))
     return 0
 
 
