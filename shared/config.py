@@ -58,8 +58,10 @@ SECTION_OWNERS: dict[str, str] = {
     "checkpoint": "stage2_train",
     "eval": "stage2_train",
     "log": "stage2_train",
-    "doctor": "stage2_train",
+    "detectors": "stage2_train",
 }
+# A section renamed since configs were written: the old name is refused naming the new one.
+RENAMED_SECTIONS: dict[str, str] = {"doctor": "detectors"}
 _REGISTERED: dict[str, type[Section]] = {}
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 TOP_LEVEL_SCALARS = {"run_dir": str, "seed": int}
@@ -265,6 +267,12 @@ def _merge(into: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
 
 def build_run_config(data: dict[str, Any], source: str | None = None) -> RunConfig:
     for key in data:
+        if key in RENAMED_SECTIONS:
+            new = RENAMED_SECTIONS[key]
+            raise ConfigError(
+                f"{key}: section renamed to {new} (`check --explain` says what it holds); write {new}: "
+                f"(or {new}.KEY=VALUE on the command line)"
+            )
         if key not in SECTION_OWNERS and key not in TOP_LEVEL_SCALARS:
             known = ", ".join(list(TOP_LEVEL_SCALARS) + list(SECTION_OWNERS))
             raise ConfigError(f"{key}: unknown top-level key (known: {known})")

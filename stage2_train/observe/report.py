@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
-from stage2_train.observe.detectors import finite, normalize
-from stage2_train.observe.doctor import context_points, describe, diagnose, resolve_log
+from stage2_train.observe.doctor import diagnose, resolve_log
+from stage2_train.observe.explain import context_points, describe
 from stage2_train.observe.metrics import read_records
+from stage2_train.observe.records import finite, normalize
 
 PANELS = (  # (field, file stem, axis label)
     ("loss", "loss", "loss"),
@@ -295,8 +296,10 @@ def save(fig, path: Path, plt) -> Path:
 
 def verdict(diagnosis: dict[str, Any]) -> str:
     s = diagnosis["summary"]
-    if s["healthy"]:
+    if s["verdict"] == "healthy":
         return "healthy, no events"
+    if s["verdict"] == "cannot tell":
+        return "no events, cannot tell overfitting"
     return ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
 
 

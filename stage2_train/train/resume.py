@@ -15,6 +15,7 @@ from typing import Any
 
 from shared.config import dotted_differences, flatten
 from shared.errors import CheckpointError, ConfigError
+from stage2_train.observe.config import DetectorConfig
 
 # Fields that change what training computes: resuming with a different value is refused (unless
 # forced). Dotted paths into the config dict the trainer stores under state["config"]: its resolved
@@ -36,6 +37,8 @@ OPTIONAL_FIELDS = {"resolved.target_fingerprint", "optim.name"}  # compared only
 
 # A setting renamed since a checkpoint was written: its saved value is read under the old name.
 RENAMED_FIELDS = {"sampler.micro_batch_tokens": "sampler.micro_batch_tokens"}
+# The `doctor` section configures the live detectors: renamed `detectors`, every key kept.
+RENAMED_FIELDS.update({f"detectors.{key}": f"doctor.{key}" for key in DetectorConfig.model_fields})
 
 
 class _Absent:
@@ -73,8 +76,13 @@ def check_compatible(
 
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
-    """Dotted key -> [saved value, current value] for every resolved setting that changed."""
-    return dotted_differences(before, after)
+    """Dotted key -> [saved value, current value] for every resolved setting that changed; a saved
+    setting renamed since (RENAMED_FIELDS) is compared under its new name."""
+    saved = flatten(before)
+    for new, old in RENAMED_FIELDS.items():
+        if new not in saved and old in saved:
+            saved[new] = saved.pop(old)
+    return dotted_differences(saved, after)
 
 
 @dataclass

@@ -139,7 +139,7 @@ class Trainer:
         self.optimizers.replace(prepared)
         self.noise = NoiseSchedule(cfg.noise)
         # The doctor's detectors, live: a spike, stall or cliff is a warning event the moment it shows.
-        self.detectors = LiveDetectors(cfg.doctor)
+        self.detectors = LiveDetectors(cfg.detectors)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, cfg.checkpoint.resolve_dir(self.run_dir), self.sink, self.rank, self.world_size
         )
