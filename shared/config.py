@@ -18,8 +18,8 @@ each stage registers the sections it owns when it is imported (`stage1_extract/_
 file may hold and which stage owns it, so a section of the other stage is kept as given, checked to
 be a mapping, and validated by its own entry point (`make extract` / `make train` run both
 stages' `check --quiet` first, so a typo in the other stage's section still stops at once). Unknown
-keys and bad values raise ConfigError naming the dotted key and the value; a renamed key is refused
-naming its new name.
+keys and bad values raise ConfigError naming the dotted key and the value; a renamed key or section
+is refused naming its new name.
 
 A preset is a path, or the name of a file in the project's `configs/` folder (`qwen3-8b`).
 

@@ -1,19 +1,19 @@
 """The training doctor: every stall, spike, cliff, NaN, slowdown and held-out turn (overfitting) of a
-run, with its likely cause.
+run, with its likely cause, from any trainer's log.
 
-    python -m stage2_train doctor runs/default/train_log.jsonl          # text; exit 1 with events, else 0
-    python -m stage2_train doctor runs/default/train_log.jsonl --json   # {"events": [...], "summary": {...}}
+    python -m stage2_train doctor runs/default                 # text; exit 1 with events, else 0
+    python -m stage2_train doctor runs/default --json          # {"events": [...], "summary": {...}}
+    python -m stage2_train doctor wandb/offline-run-...        # a wandb run; a TensorBoard folder; a CSV
 
-`diagnose(records)` runs the detectors of `detectors.py` over the log, then explains each event
-from what the log says happened near it: a checkpoint save, a resume, an eval, an epoch boundary
-(epoch field or epoch events), a stall, a non-finite loss, an lr or noise schedule change (warmup
-ending, a jump), a starved data loader. A generalisation event (held-out quality turning while
-training improves) gets the advice against memorising, and the epoch boundaries near the turn.
-Each event gets `likely_cause` (one string) and `near` (everything found in its window). Logs
-of other trainers work too: kind is inferred, field aliases are read, and what the log cannot tell
-is listed in `summary.cannot_tell` (overfitting, without two held-out evals or more); a log without
-event rows has its stalls taken for probable checkpoint saves. `summary.heldout` gives the best and
-last held-out values. `diagnose(records, source=path)` names the log in its errors.
+`doctor(path)` reads the log (`sources.load_log`: this project's JSONL, a wandb run, a TensorBoard
+folder, CSV or JSONL history exports, other trainers' metric names mapped by `peers.py`), then
+`diagnose(records)` runs the detectors (`detectors.py`, `generalisation.py`) and explains each event
+from what the log says happened near it (`explain.py`). Each event gets `likely_cause` (one string)
+and `near` (everything found in its window). What the log cannot tell is listed in
+`summary.cannot_tell`: each detector whose input the log lacks, and overfitting when no held-out
+metric could be judged (then `summary.verdict` is "cannot tell", not "healthy").
+`summary.read_as` names the log's own metric behind each detector input; `summary.heldout` gives
+the best and last held-out values. `diagnose(records, source=path)` names the log in its errors.
 """
 
 from __future__ import annotations
@@ -24,29 +24,20 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from shared.errors import DataError, InputFileError
+from shared.errors import DataError
 from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.detectors import LiveDetectors
 from stage2_train.observe.explain import context_points, describe, explain
-from stage2_train.observe.metrics import read_records
 from stage2_train.observe.records import finite, normalize
-
-
-def resolve_log(path: Path) -> Path:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "train_log.jsonl"
-    if not path.is_file():
-        raise InputFileError(f"no training log at {path}")
-    return path
+from stage2_train.observe.sources import load_log
 
 
 # ---- the whole log -------------------------------------------------------------------------------
 def cannot_tell(
     train: list[dict[str, Any]], has_events: bool, has_epoch_events: bool, cfg: DetectorConfig, num_evals: int = 0
 ) -> list[str]:
-    def present(field: str) -> bool:
-        return any(r[field] is not None for r in train)
+    def present(fields: str) -> bool:
+        return any(r[f] is not None for r in train for f in fields.split())
 
     out = []
     needed = cfg.warmup_rows + cfg.min_history_rows + 1
@@ -60,10 +51,10 @@ def cannot_tell(
     if not has_events:
         out.append("checkpoint saves and resumes: no event rows (stalls are taken for probable saves)")
     for field, what in (
-        ("t", "stalls: no elapsed_s or time field"),
+        ("t", "stalls: no clock (elapsed_s or time; wandb's _runtime, TensorBoard's wall time)"),
         ("loss", "loss spikes: no loss field"),
         ("accuracy", "accuracy cliffs: no accuracy field"),
-        ("tok_per_s", "throughput drops: no tok_per_s field"),
+        ("tok_per_s samples_per_s", "throughput drops: no tokens/s (or samples/s) field"),
         ("grad_norm", "non-finite gradients: no grad_norm field"),
         ("lr", "lr schedule changes: no lr field"),
         ("noise_std", "noise schedule changes: no noise_std field"),
@@ -215,6 +206,9 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
         f"{log_path}: {s['train_rows']} train rows, steps {s['steps'][0]}-{s['steps'][1]}, "
         f"logged every {s['log_every_steps']} step(s){pace}; {s['event_rows']} event rows"
     ]
+    if s.get("read_as"):
+        lines.append(f"read as ({s['format']}): " + "; ".join(f"{k} <- {', '.join(v)}" for k, v in s["read_as"].items()))
+    lines += [f"  {note}" for note in s.get("reader_notes", [])]
     for ev in diagnosis["events"]:
         lines.append(f"  {describe(ev)}")
         lines.append(f"      likely cause: {ev['likely_cause']}")
@@ -251,13 +245,14 @@ def doctor(log_path: Path, as_json: bool, cfg: DetectorConfig | None = None) -> 
     tell), 1 when it shows any. The thresholds are the `detectors` section's, the same the trainer's
     live detectors use.
 
-    `log_path` may be a run directory (its train_log.jsonl is read)."""
-    path = resolve_log(log_path)
-    records, unreadable = read_records(path)
-    diagnosis = diagnose(records, cfg, source=path)
-    diagnosis["summary"]["unreadable_lines"] = unreadable
-    diagnosis["summary"]["log"] = str(path)
-    code = 1 if diagnosis["summary"]["num_events"] else 0
+    `log_path` is anything `sources.load_log` reads: a run directory, a JSONL or CSV file, a wandb
+    run, a TensorBoard folder."""
+    log = load_log(log_path)
+    diagnosis = diagnose(log.records, cfg, source=log.path)
+    summary = diagnosis["summary"]
+    summary.update(log=str(log.path), format=log.kind, unreadable_lines=log.unreadable, read_as=log.names)
+    summary["reader_notes"] = log.notes
+    code = 1 if summary["num_events"] else 0
     if as_json:
         return json.dumps(diagnosis, indent=1, allow_nan=False, default=str), code
-    return format_text(diagnosis, path), code
+    return format_text(diagnosis, log.path), code

@@ -233,7 +233,8 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         rec = f"back in {back} steps" if back is not None else "never back"
         return f"accuracy cliff at step {ev['step']}: {d['before']:.3g} -> {d['after']:.3g}, {rec}"
     if kind == "throughput_drop":
-        return f"throughput drop at step {ev['step']}: {d['before']:.0f} -> {d['after']:.0f} tok/s (-{100 * size:.0f}%)"
+        unit = d.get("unit", "tok/s")
+        return f"throughput drop at step {ev['step']}: {d['before']:.0f} -> {d['after']:.0f} {unit} (-{100 * size:.0f}%)"
     if kind == "nan":
         return f"non-finite {', '.join(f'{k}={v}' for k, v in d['fields'].items())} at step {ev['step']}"
     if kind == "generalisation":
