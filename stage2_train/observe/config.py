@@ -73,8 +73,8 @@ class DetectorConfig(Section):
     also be worse than its best by at least this fraction of it; so must the last eval of a trend."""
     generalisation_trend_alpha: float = 0.002
     """The trend rule's test level: the evals since a metric's best fall with a one-sided Mann-Kendall
-    p-value at most this, at generalisation_sustain consecutive evals (with 0.002: six evals after the
-    best at least, seven to confirm)."""
+    p-value at most this (divided by k at the k-th test since the best), at generalisation_sustain
+    consecutive evals (with 0.002: six evals after the best at least, seven to confirm)."""
 
     def validate(self) -> None:
         for key in ("window_rows", "min_history_rows", "sustain_rows", "generalisation_sustain"):

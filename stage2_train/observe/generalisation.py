@@ -14,12 +14,15 @@ the best eval's step), by either of two rules:
   training did not improve, or the metric is back within the margin, restarts the count);
 - trend: the evals since the best fall steadily, even when each step is within the noise: a
   one-sided Mann-Kendall test on them (exact for up to 12 evals, the normal approximation beyond;
-  the best eval itself is left out, it is the maximum by selection) gives p <=
-  `generalisation_trend_alpha` at `generalisation_sustain` consecutive evals, and the eval is worse
-  than the best by at least `generalisation_min_rel` of it. Rank-based, it needs no noise model.
-  With 0.002 and 2 it needs six evals after the best and confirms at the seventh; on healthy logs
-  of pure noise (a flat held-out level, three metrics, each eval independent) it fires on 0.3% of
-  logs of 12 evals, 0.9% of 30 and 2.4% of 60 (tests/test_generalisation.py measures it).
+  the best eval itself is left out, it is the maximum by selection) passes at
+  `generalisation_sustain` consecutive evals, and the eval is worse than the best by at least
+  `generalisation_min_rel` of it. The k-th test since the best passes at p <=
+  `generalisation_trend_alpha` / k: a long plateau is tested at every eval, and without the 1/k it
+  would, by chance, fall once (a real fall's p-value shrinks much faster than 1/k). Rank-based, it
+  needs no noise model. With 0.002 and 2 it needs six evals after the best and confirms at the
+  seventh. Its false alarms, measured on logs of pure noise (a flat held-out level, three metrics,
+  independent evals, training improving): 1 of 300 logs of 30 evals, 1 of 100 of 200 evals
+  (tests/test_generalisation.py).
 
 The standard errors are the row's `<metric>_se` (over held-out samples). When they are absent (older
 logs, other trainers) they are derived from the eval's size, from the best unit the row counts:
@@ -70,14 +73,21 @@ def _inversion_counts(n: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def falling_p_value(values: list[float]) -> float:
+def kendall_s(values: list[float], start: int = 0, s: int = 0) -> int:
+    """Mann-Kendall S = sum over pairs i < j of sign(v_j - v_i), given S of values[:start] (an eval
+    adds its n - 1 pairs, so a run's statistic costs n, not n^2, per eval)."""
+    for j in range(max(start, 1), len(values)):
+        s += sum((values[j] > a) - (values[j] < a) for a in values[:j])
+    return s
+
+
+def falling_p_value(values: list[float], s: int | None = None) -> float:
     """One-sided Mann-Kendall p-value that `values` (in time order) fall: P(S <= s) under
-    exchangeable noise, S = sum over pairs i < j of sign(v_j - v_i). Ties count 0, which only makes
-    the p-value larger (the quiet side)."""
+    exchangeable noise. Ties count 0, which only makes the p-value larger (the quiet side)."""
     n = len(values)
     if n < 2:
         return 1.0
-    s = sum((b > a) - (b < a) for i, a in enumerate(values) for b in values[i + 1 :])
+    s = kendall_s(values) if s is None else s
     pairs = n * (n - 1) // 2
     if n <= 12:  # exact: S = pairs - 2 * inversions; S <= s means inversions >= (pairs - s) / 2
         counts = _inversion_counts(n)
@@ -120,6 +130,7 @@ class Generalisation:
         self.best: dict[str, dict[str, Any]] = {}  # name -> {"index", "step", "value", "se", "source"}
         self.count: dict[str, int] = {}  # name -> consecutive evals past the distance margin while training improved
         self.trend_count: dict[str, int] = {}  # name -> consecutive evals whose trend test passed
+        self.trend_s: dict[str, tuple[int, int]] = {}  # name -> (evals since the best counted, their S)
         self.turn: list[str] | None = None  # the metrics of the event raised, until one makes a new best
 
     def add_train(self, step: int, loss: float | None, accuracy: float | None) -> None:
@@ -196,6 +207,7 @@ class Generalisation:
             if best is None or (value - best["value"]) * sign > 0:
                 self.best[name] = {"index": index, "step": step, "value": value, "se": se, "source": source}
                 self.count[name] = self.trend_count[name] = 0
+                self.trend_s[name] = (0, 0)
                 if self.turn is not None and name in self.turn:  # the turn is over: count afresh
                     self.turn = None
                     self.count = dict.fromkeys(self.count, 0)
@@ -218,9 +230,12 @@ class Generalisation:
                 }
                 continue
             since = [v * sign for v in self._since_best(name, index)]
+            counted, stat = self.trend_s.get(name, (0, 0))
+            self.trend_s[name] = (len(since), kendall_s(since, counted, stat))
             floor = cfg.generalisation_min_rel * abs(best["value"])
-            p = falling_p_value(since) if len(since) >= min_trend_evals(cfg.generalisation_trend_alpha) else 1.0
-            falling = improved and fall >= floor and p <= cfg.generalisation_trend_alpha
+            looks = len(since) - min_trend_evals(cfg.generalisation_trend_alpha) + 1  # tests since the best
+            p = falling_p_value(since, self.trend_s[name][1]) if looks >= 1 else 1.0
+            falling = improved and fall >= floor and looks >= 1 and p <= cfg.generalisation_trend_alpha / looks
             self.trend_count[name] = self.trend_count.get(name, 0) + 1 if falling else 0
             if self.trend_count[name] >= cfg.generalisation_sustain:
                 turned[name] = {
