@@ -35,7 +35,9 @@ def history(steps: int = 400) -> list[dict]:
         row = {
             "step": step,
             "elapsed_s": 0.5 * step,
-            "loss": (0.6 + 3 * math.exp(-step / 120)) * (4.0 if step in (300, 301) else 1.0) * (1 + 0.01 * math.sin(step)),
+            "loss": (0.6 + 3 * math.exp(-step / 120))
+            * (4.0 if step in (300, 301) else 1.0)
+            * (1 + 0.01 * math.sin(step)),
             "accuracy": 0.45 * (1 - math.exp(-step / 120)) + 0.003 * math.cos(step),
             "accept_len": 1 + 4 * (1 - math.exp(-step / 120)),
             "lr": 6e-4 * min(1.0, step / 20),
@@ -78,7 +80,9 @@ def specforge_row(row: dict) -> dict:
     }
     if "eval" in row:  # DFlash: simulated_acc_len is avg_acc itself, so it is not an acceptance length
         e = row["eval"]
-        out.update({"eval/avg_loss": e["ce"], "eval/avg_acc": e["accuracy"], "eval/simulated_acc_len": e["accuracy"]})
+        out.update(
+            {"eval/avg_loss": e["ce"], "eval/avg_acc": e["accuracy"], "eval/simulated_acc_len": e["accuracy"]}
+        )
     return out
 
 
@@ -146,7 +150,9 @@ def test_a_folder_of_two_different_wandb_runs_is_refused_naming_them(tmp_path, m
     with pytest.raises(InputFileError, match=r"2 different wandb runs \(.*\); give one run's folder"):
         load_log(tmp_path)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(InputFileError, match="no training log at .*empty: looked for train_log.jsonl, a wandb run"):
+    with pytest.raises(
+        InputFileError, match="no training log at .*empty: looked for train_log.jsonl, a wandb run"
+    ):
         load_log(tmp_path / "empty")
 
 
@@ -195,7 +201,14 @@ def speculators_rows(row: dict) -> list[dict]:
     out = [train]
     if "eval" in row:
         e = row["eval"]
-        out.append({"val/loss_epoch": e["ce"], "val/full_acc_epoch": e["accuracy"], "val/eal_epoch": e["accept_len"], "epoch": row["step"] // 200})
+        out.append(
+            {
+                "val/loss_epoch": e["ce"],
+                "val/full_acc_epoch": e["accuracy"],
+                "val/eal_epoch": e["accept_len"],
+                "epoch": row["step"] // 200,
+            }
+        )
     return out
 
 
@@ -215,7 +228,8 @@ SPECULATORS_READ_AS = {
 
 def test_a_tensorboard_folder_written_by_summary_writer_with_speculators_names(tmp_path):
     pytest.importorskip(
-        "tensorboard", reason="the tensorboard package (the `tensorboard` extra, in `dev`) writes and reads the log"
+        "tensorboard",
+        reason="the tensorboard package (the `tensorboard` extra, in `dev`) writes and reads the log",
     )
     from torch.utils.tensorboard import SummaryWriter
 
@@ -241,7 +255,9 @@ def test_a_tensorboard_log_without_the_extra_names_it(tmp_path, monkeypatch):
     (tmp_path / "events.out.tfevents.1.host").write_bytes(b"")
     for name in [m for m in sys.modules if m.split(".")[0] == "tensorboard"] + ["tensorboard"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
-    with pytest.raises(InputFileError, match=r"needs the tensorboard package: pip install -e '\.\[tensorboard\]'"):
+    with pytest.raises(
+        InputFileError, match=r"needs the tensorboard package: pip install -e '\.\[tensorboard\]'"
+    ):
         load_log(tmp_path)
 
 
@@ -250,7 +266,14 @@ def test_a_csv_history_dump_with_speculators_names(tmp_path):
     rows = []
     for row in history():
         merged = {k: v for flat in speculators_rows(row) for k, v in flat.items()}
-        rows.append({"_step": row["step"], "_runtime": row["elapsed_s"], "_timestamp": 1e9 + row["elapsed_s"], **merged})
+        rows.append(
+            {
+                "_step": row["step"],
+                "_runtime": row["elapsed_s"],
+                "_timestamp": 1e9 + row["elapsed_s"],
+                **merged,
+            }
+        )
     columns = sorted({k for r in rows for k in r})
     path = tmp_path / "history.csv"
     with path.open("w", newline="") as f:
@@ -268,7 +291,13 @@ def test_jsonl_history_dumps_one_row_per_line_or_one_array(tmp_path):
     (scripts/train_dflash.py: train/loss, train/accuracy, train/lr, eval/loss, eval/accuracy)."""
     rows = []
     for row in history():
-        out = {"_step": row["step"], "_runtime": row["elapsed_s"], "train/loss": row["loss"], "train/accuracy": row["accuracy"], "train/lr": row["lr"]}
+        out = {
+            "_step": row["step"],
+            "_runtime": row["elapsed_s"],
+            "train/loss": row["loss"],
+            "train/accuracy": row["accuracy"],
+            "train/lr": row["lr"],
+        }
         if "eval" in row:
             out.update({"eval/loss": row["eval"]["ce"], "eval/accuracy": row["eval"]["accuracy"]})
         rows.append(out)

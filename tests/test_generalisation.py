@@ -295,7 +295,8 @@ def test_a_steady_turn_without_standard_errors_is_named():
     assert found(events) == [("generalisation", 700)] and events[0]["details"]["confirmed_step"] == 1400
     turned = events[0]["details"]["metrics"]
     assert {n: m["rule"] for n, m in turned.items()} == {"walk_tau": "trend", "accuracy": "trend", "ce": "trend"}
-    assert turned["accuracy"]["evals_since_best"] == 7 and turned["accuracy"]["p_value"] == pytest.approx(1 / 5040, abs=1e-6)
+    assert turned["accuracy"]["evals_since_best"] == 7
+    assert turned["accuracy"]["p_value"] == pytest.approx(1 / 5040, abs=1e-6)
     assert rows[-1]["accuracy"] < 0.5 * turned["accuracy"]["best"]  # by the end: more than halved
     assert found(detect(rows, DetectorConfig(generalisation_trend_alpha=1e-9))) == []  # the distance rule alone
     # The same log from a trainer that logs no eval size at all.
@@ -324,10 +325,9 @@ def test_trend_rule_false_alarms_on_pure_noise_are_rare():
         rows = []
         for i in range(num_evals):
             step = 100 * (i + 1)
-            rows.append({"kind": "train", "step": step, "loss": 3.0 / (1 + step / 300), "accuracy": 0.5 - 0.5 / (1 + step / 300)})
-            rows.append(
-                {"kind": "eval", "step": step, "walk_tau": rng.gauss(2.0, 0.2), "accuracy": rng.gauss(0.2, 0.02), "ce": rng.gauss(2.0, 0.2)}
-            )
+            train = {"loss": 3.0 / (1 + step / 300), "accuracy": 0.5 - 0.5 / (1 + step / 300)}
+            heldout = {"walk_tau": rng.gauss(2.0, 0.2), "accuracy": rng.gauss(0.2, 0.02), "ce": rng.gauss(2.0, 0.2)}
+            rows += [{"kind": "train", "step": step, **train}, {"kind": "eval", "step": step, **heldout}]
         return rows
 
     rng = random.Random(0)

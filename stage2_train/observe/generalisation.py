@@ -123,12 +123,16 @@ class Generalisation:
         self.cfg = cfg
         # {"step", "metrics": {name: [value, se or None, noise source or None]}, "train": level}
         self.evals: list[dict[str, Any]] = []
-        self.train: deque[list[Any]] = deque(maxlen=cfg.window_rows)  # [step, loss, accuracy] since the last eval
+        self.train: deque[list[Any]] = deque(
+            maxlen=cfg.window_rows
+        )  # [step, loss, accuracy] since the last eval
         self._reset()
 
     def _reset(self) -> None:
         self.best: dict[str, dict[str, Any]] = {}  # name -> {"index", "step", "value", "se", "source"}
-        self.count: dict[str, int] = {}  # name -> consecutive evals past the distance margin while training improved
+        self.count: dict[
+            str, int
+        ] = {}  # name -> consecutive evals past the distance margin while training improved
         self.trend_count: dict[str, int] = {}  # name -> consecutive evals whose trend test passed
         self.trend_s: dict[str, tuple[int, int]] = {}  # name -> (evals since the best counted, their S)
         self.turn: list[str] | None = None  # the metrics of the event raised, until one makes a new best
@@ -235,16 +239,18 @@ class Generalisation:
             floor = cfg.generalisation_min_rel * abs(best["value"])
             looks = len(since) - min_trend_evals(cfg.generalisation_trend_alpha) + 1  # tests since the best
             p = falling_p_value(since, self.trend_s[name][1]) if looks >= 1 else 1.0
-            falling = improved and fall >= floor and looks >= 1 and p <= cfg.generalisation_trend_alpha / looks
+            falling = (
+                improved and fall >= floor and looks >= 1 and p <= cfg.generalisation_trend_alpha / looks
+            )
             self.trend_count[name] = self.trend_count.get(name, 0) + 1 if falling else 0
             if self.trend_count[name] >= cfg.generalisation_sustain:
                 turned[name] = {
-                        **common,
-                        "rule": "trend",
-                        "threshold": r6(floor),
-                        "evals_since_best": len(since),
-                        "p_value": r6(p),
-                    }
+                    **common,
+                    "rule": "trend",
+                    "threshold": r6(floor),
+                    "evals_since_best": len(since),
+                    "p_value": r6(p),
+                }
         if not turned or self.turn is not None:
             return None
         self.turn = list(turned)
@@ -284,12 +290,20 @@ class Generalisation:
             since = self._since_best(name, len(self.evals) - 1)
             value, se, source = next(r for r in reversed(self.evals) if name in r["metrics"])["metrics"][name]
             margin = self._margin(best, se, source)
-            if not since or len(since) >= need or (margin is not None and margin < BLIND_REL * abs(best["value"])):
+            if (
+                not since
+                or len(since) >= need
+                or (margin is not None and margin < BLIND_REL * abs(best["value"]))
+            ):
                 return []  # at its best now, or a rule could judge it
             if margin is None:
-                noise = "no standard errors or eval sizes (num_blocks, num_tokens, num_samples) in the eval rows"
+                noise = (
+                    "no standard errors or eval sizes (num_blocks, num_tokens, num_samples) in the eval rows"
+                )
             else:
-                origin = "its logged standard errors" if source == "logged" else f"its noise derived from {source}"
+                origin = (
+                    "its logged standard errors" if source == "logged" else f"its noise derived from {source}"
+                )
                 noise = f"{origin} need a worsening of {margin:.3g} to count, more than half the best"
             out.append(
                 f"{name} {value:.4g}, best {best['value']:.4g} at step {best['step']}, {len(since)} eval(s) since "
@@ -334,8 +348,10 @@ class Generalisation:
         for record in self.evals:
             for name, (value, se, source) in record["metrics"].items():
                 if isinstance(source, bool):
-                    record["metrics"][name] = [value, se, "size"] if source and se else (
-                        [value, None, None] if source else [value, se, "logged"]
+                    record["metrics"][name] = (
+                        [value, se, "size"]
+                        if source and se
+                        else ([value, None, None] if source else [value, se, "logged"])
                     )
         self.train.clear()
         self.train.extend(state["train"])

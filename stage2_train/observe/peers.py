@@ -132,18 +132,33 @@ def split_row(row: dict[str, Any], names: dict[str, list[str]]) -> list[dict[str
     if any(k in record for k in ("ce", "accuracy", "accept_len", "walk_tau")):
         records.append({"kind": "eval", **base, **record})
     for event, fields in events.items():
-        own = number(fields.pop("step", None))  # MetricsSink logs a late row at the latest step, its own as step
-        records.append({"kind": "event", "event": event, **base, **fields, "step": int(own) if own is not None else base["step"]})
+        own = number(
+            fields.pop("step", None)
+        )  # MetricsSink logs a late row at the latest step, its own as step
+        records.append(
+            {
+                "kind": "event",
+                "event": event,
+                **base,
+                **fields,
+                "step": int(own) if own is not None else base["step"],
+            }
+        )
     return records
 
 
 def _mapped(
-    fields: dict[str, tuple[str, Any]], table: dict[str, tuple[str, ...]], names: dict[str, list[str]], label: str
+    fields: dict[str, tuple[str, Any]],
+    table: dict[str, tuple[str, ...]],
+    names: dict[str, list[str]],
+    label: str,
 ) -> dict[str, Any]:
     """The canonical fields found in `fields` (numbers only), noting the log's names they came from."""
     out: dict[str, Any] = {}
     for canonical, candidates in table.items():
-        found = next((fields[c] for c in candidates if c in fields and number(fields[c][1]) is not None), None)
+        found = next(
+            (fields[c] for c in candidates if c in fields and number(fields[c][1]) is not None), None
+        )
         if found is None:
             continue
         out[canonical] = number(found[1])

@@ -112,7 +112,9 @@ def wandb_runs(path: Path) -> list[Path]:
         ids = {f.stem.removeprefix("run-") for f in files}
         if len(ids) > 1:
             listed = ", ".join(f.parent.name for f in files[:8])
-            raise InputFileError(f"{folder}: {len(ids)} different wandb runs ({listed}); give one run's folder")
+            raise InputFileError(
+                f"{folder}: {len(ids)} different wandb runs ({listed}); give one run's folder"
+            )
         if files:
             return files
     return []
@@ -140,9 +142,14 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
         columns = [c for c in reader.fieldnames or [] if c and not c.startswith("Unnamed:")]
         runs = {c.rsplit(" - ", 1)[0] for c in columns if " - " in c}
         if len(runs) > 1:
-            raise InputFileError(f"{path}: columns of {len(runs)} runs ({', '.join(sorted(runs)[:8])}); export one run")
+            raise InputFileError(
+                f"{path}: columns of {len(runs)} runs ({', '.join(sorted(runs)[:8])}); export one run"
+            )
         keep = {c: c.rsplit(" - ", 1)[-1] for c in columns if not c.endswith(("__MIN", "__MAX"))}
-        return [{name: value for c, name in keep.items() if (value := row.get(c)) not in (None, "")} for row in reader]
+        return [
+            {name: value for c, name in keep.items() if (value := row.get(c)) not in (None, "")}
+            for row in reader
+        ]
 
 
 def read_wandb(files: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -150,11 +157,21 @@ def read_wandb(files: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
     try:
         from wandb.util import get_core_path
     except ImportError:
-        raise InputFileError(f"{files[0]}: reading a wandb run needs the wandb package (pip install wandb)") from None
+        raise InputFileError(
+            f"{files[0]}: reading a wandb run needs the wandb package (pip install wandb)"
+        ) from None
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     for path in files:
-        command = [get_core_path(), "leet", "inspect", "--json", "--no-observability", "--run-file", str(path)]
+        command = [
+            get_core_path(),
+            "leet",
+            "inspect",
+            "--json",
+            "--no-observability",
+            "--run-file",
+            str(path),
+        ]
         with subprocess.Popen(
             [*command, str(path.parent.parent)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         ) as reader:  # streamed: a long run has a history row per logged step
@@ -171,7 +188,9 @@ def read_wandb(files: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
                 f"{path}: wandb's reader (wandb leet inspect) failed: {said[-1] if said else 'no message'}; "
                 "it needs a wandb with `wandb leet inspect` (pip install -U wandb)"
             )
-        notes += [f"{path.name}: {line.removeprefix('wandb leet inspect: ')}" for line in said if line.strip()]
+        notes += [
+            f"{path.name}: {line.removeprefix('wandb leet inspect: ')}" for line in said if line.strip()
+        ]
     return rows, notes
 
 
