@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def log_command(args: argparse.Namespace) -> int:
     """doctor/report read a training log: the path given as the first argument, else the config's
-    run_dir's; the doctor's thresholds are the config's `doctor` section (defaults unless set)."""
+    run_dir's; the doctor's thresholds are the config's `detectors` section (the live detectors' own)."""
     paths = [o for o in args.overrides if "=" not in o]
     if len(paths) > 1:
         raise ConfigError(f"{args.command} takes one log path (or run directory), got {paths}")

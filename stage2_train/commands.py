@@ -253,7 +253,7 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], weights_file: Path)
 def cmd_doctor(log_path: Path, as_json: bool, cfg: RunConfig | None = None) -> tuple[str, int]:
     from stage2_train.observe.doctor import doctor
 
-    return doctor(log_path, as_json, cfg.doctor if cfg is not None else None)
+    return doctor(log_path, as_json, cfg.detectors if cfg is not None else None)
 
 
 def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:

@@ -16,9 +16,11 @@ import random
 
 import pytest
 
-from stage2_train.observe.detectors import DetectorConfig, LiveDetectors, as_warning, detect, normalize
+from stage2_train.observe.config import DetectorConfig
+from stage2_train.observe.detectors import LiveDetectors, as_warning, detect
 from stage2_train.observe.doctor import diagnose
 from stage2_train.observe.doctor import doctor as cmd_doctor
+from stage2_train.observe.records import normalize
 from stage2_train.observe.report import report as cmd_report
 
 
@@ -376,7 +378,7 @@ def test_resume_warms_the_pace_up_again():
         assert found(restored.update(slow)) == expected
     with pytest.raises(ValueError, match="unknown version"):
         LiveDetectors().load_state_dict({"version": 9})
-    with pytest.raises(ValueError, match="doctor.min_history_rows must be <= window_rows"):
+    with pytest.raises(ValueError, match="detectors.min_history_rows must be <= window_rows"):
         DetectorConfig(min_history_rows=80)
 
 

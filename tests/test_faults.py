@@ -173,6 +173,10 @@ def test_a_renamed_key_names_its_new_name():
     ):
         with pytest.raises(ConfigError, match=new):
             load_run_config("configs/default.yaml", [old])
+    # A whole section renamed: the live detectors' thresholds were the `doctor` section.
+    with pytest.raises(ConfigError, match=r"^doctor: section renamed to detectors .*; write detectors:"):
+        load_run_config("configs/default.yaml", ["doctor.spike_k=8"])
+    assert load_run_config("configs/default.yaml", ["detectors.spike_k=8"]).detectors.spike_k == 8.0
 
 
 def test_a_preset_is_found_by_name_from_any_folder(tmp_path, hub_8b):
@@ -527,7 +531,7 @@ def test_the_doctor_survives_a_torn_or_non_utf8_last_line_and_flags_steps_going_
 
 
 def test_the_doctor_uses_the_configured_thresholds(tmp_path):
-    from stage2_train.observe.detectors import DetectorConfig
+    from stage2_train.observe.config import DetectorConfig
     from stage2_train.observe.doctor import doctor
     from tests.test_doctor import failed_run_records, write_log
 

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
-from stage2_train.observe.detectors import finite, normalize
-from stage2_train.observe.doctor import context_points, describe, diagnose, resolve_log
-from stage2_train.observe.metrics import read_records
+from stage2_train.observe.doctor import diagnose
+from stage2_train.observe.explain import context_points, describe
+from stage2_train.observe.records import finite, normalize
+from stage2_train.observe.sources import load_log
 
 PANELS = (  # (field, file stem, axis label)
     ("loss", "loss", "loss"),
@@ -68,10 +69,10 @@ def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = resolve_log(log_path)
-    out_dir = Path(out_dir) if out_dir is not None else path.parent / "doctor"
+    log = load_log(log_path)
+    path, records, unreadable = log.path, log.records, log.unreadable
+    out_dir = Path(out_dir) if out_dir is not None else log.home / "doctor"
     out_dir.mkdir(parents=True, exist_ok=True)
-    records, unreadable = read_records(path)
     diagnosis = diagnose(records, source=path)
     rows = [(normalize(r), r) for r in records]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
@@ -295,8 +296,10 @@ def save(fig, path: Path, plt) -> Path:
 
 def verdict(diagnosis: dict[str, Any]) -> str:
     s = diagnosis["summary"]
-    if s["healthy"]:
+    if s["verdict"] == "healthy":
         return "healthy, no events"
+    if s["verdict"] == "cannot tell":
+        return "no events, cannot tell overfitting"
     return ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
 
 

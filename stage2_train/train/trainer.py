@@ -123,7 +123,7 @@ class Trainer:
             del self.model.forward
         self.noise = NoiseSchedule(cfg.noise)
         # The doctor's detectors, live: a spike, stall or cliff is a warning event the moment it shows.
-        self.detectors = LiveDetectors(cfg.doctor)
+        self.detectors = LiveDetectors(cfg.detectors)
         self.heldout = HeldoutEvaluator(
             self.data.reader, self.data.heldout_indices, max_samples=cfg.eval.offline_max_samples,
             batch_tokens=cfg.eval.offline_batch_tokens, seed=cfg.seed, gamma=cfg.loss.gamma,
