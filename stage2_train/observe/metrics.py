@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared.paths import RunPaths
 from stage2_train.observe.config import LogConfig
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -85,7 +86,7 @@ class MetricsSink:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.active = rank == 0
-        self.path = self.run_dir / "train_log.jsonl"
+        self.path = RunPaths(self.run_dir).log
         self.wandb_mode = resolve_wandb_mode(cfg.wandb)
         self._file = None
         self._wandb_run = None

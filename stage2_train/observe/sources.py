@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import InputFileError
+from shared.paths import RunPaths
 from stage2_train.observe.metrics import read_records
 from stage2_train.observe.peers import translate
 from stage2_train.observe.records import number
@@ -80,8 +81,8 @@ def locate(path: Path) -> tuple[str, list[Path]]:
         return ("csv" if path.suffix == ".csv" else "jsonl"), [path]
     if not path.is_dir():
         raise InputFileError(f"no training log at {path}")
-    if (path / "train_log.jsonl").is_file():
-        return "jsonl", [path / "train_log.jsonl"]
+    if RunPaths(path).log.is_file():
+        return "jsonl", [RunPaths(path).log]
     runs = wandb_runs(path)
     if runs:
         return "wandb", runs
