@@ -174,7 +174,7 @@ def local_device_count() -> int:
 
 
 
-def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
+def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None, *, gpu: str | None = None, gpus: int = 8) -> dict[str, Any]:
     prepared = prepared or prepare(cfg)
     plan = estimate(prepared.rows, prepared.header, cfg.store)
     free = prepared.files.free_bytes()

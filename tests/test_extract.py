@@ -160,7 +160,7 @@ def test_crash_then_resume_equals_an_uninterrupted_run(tiny_target_dir, data_fil
 
 def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_file, tmp_path, store):
     overrides = stage1_overrides(tiny_target_dir, data_file, tmp_path, **{"extract.window_shards": 1})
-    command = [sys.executable, "-m", "stage1_extract", "extract", "--no-progress", *overrides]
+    command = [sys.executable, "-m", "stage1_extract", "extract", "--json", "--no-progress", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     paused = tmp_path / "first-shard-written"
     hooked = {**env, "PYTHONPATH": f"{ROOT / 'tests' / 'hooks'}:{ROOT}", "DFLASH_PAUSE_AFTER_FIRST_SHARD": str(paused)}
@@ -304,7 +304,7 @@ def test_two_processes_split_shards_and_equal_one_process(tiny_target_dir, data_
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "stage1_extract", "extract", "--no-progress", *overrides,
+        "-m", "stage1_extract", "extract", "--json", "--no-progress", *overrides,
     ]
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -321,7 +321,7 @@ def test_bad_input_under_two_processes_fails_on_every_rank_naming_the_row(tiny_t
     data = write_jsonl(tmp_path / "bad.jsonl", rows)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "stage1_extract", "extract", "--no-progress", *stage1_overrides(tiny_target_dir, data, tmp_path / "run"),
+        "-m", "stage1_extract", "extract", "--json", "--no-progress", *stage1_overrides(tiny_target_dir, data, tmp_path / "run"),
     ]
     out = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0  # and within the timeout: no rank is left waiting at the barrier

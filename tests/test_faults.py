@@ -617,7 +617,7 @@ def test_a_missing_data_file_is_named_by_every_command(tiny_target_dir, tmp_path
 def start_training(args, env_extra, tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests' / 'hooks'}:{REPO}", "OMP_NUM_THREADS": "1", **env_extra}
     return subprocess.Popen(
-        [sys.executable, "-m", "stage2_train", "train", "--no-progress", *args],
+        [sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
