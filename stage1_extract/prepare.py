@@ -24,6 +24,7 @@ from stage1_extract.batching import (
     plan_shards,
 )
 from stage1_extract.data import ReadStats, read_conversations
+from stage1_extract.forward import check_packing
 from stage1_extract.tokens import resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
@@ -57,13 +58,15 @@ def prepare(cfg: RunConfig, use_token_cache: bool = True, *, deep: bool = False)
     """Tokenize the input (or read the token cache) and compute the identity header of the store
     (no model weights loaded). `deep`: rehash the target's weights whatever the fingerprint cache says."""
     target = resolve_target(cfg.target, deep=deep)
+    files = StoreFiles(RunPaths.of(cfg).store)
+    header = store_header(cfg, target, pinned_extraction(files))
+    if header["extraction"]["packed"]:  # before any row is read: a refused setting costs nothing
+        check_packing(header["extraction"]["attn_implementation"], target.arch.model_type)
     tokenizer, tokenizer_hashes = cached_tokenizer(str(target.target_dir))
     source = extraction_source(cfg)
     rows, stats, source_sha256 = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source, use_cache=use_token_cache)
     if not rows:
         raise DataError(f"{source}: no usable rows")
-    files = StoreFiles(RunPaths.of(cfg).store)
-    header = store_header(cfg, target, pinned_extraction(files))
     return Prepared(header, rows, files, target, stats, source, source_sha256, generated_problem(cfg, target.weights_sha256))
 
 
