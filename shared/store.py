@@ -41,6 +41,7 @@ from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
 from shared.errors import StoreError
 from shared.files import fsync_tree, write_atomic
 from shared.section import Section
+from shared.shard_records import record_problem
 
 SCHEMA_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -349,6 +350,10 @@ def load_manifest(files: StoreFiles) -> dict[str, Any]:
     for key, kind in MANIFEST_KEYS.items():
         if not isinstance(manifest.get(key), kind):
             raise StoreError(f"{files.url}/manifest.json is damaged ({key!r} missing or not a {kind.__name__}); {fix}")
+    for position, record in enumerate(manifest["shards"]):
+        problem = record_problem(record, position)
+        if problem is not None:
+            raise StoreError(f"{files.url}/manifest.json is damaged ({problem}); {fix}")
     return manifest
 
 
