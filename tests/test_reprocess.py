@@ -197,3 +197,56 @@ def test_weights_edited_in_place_with_size_and_mtime_restored_are_seen(built, ti
     report = commands.cmd_status(moved)
     assert report["counts"]["stale"] == 2 and report["settings_changed"] == ["target.weights_sha256"]
     assert commands.cmd_status(moved, deep=True)["settings_changed"] == ["target.weights_sha256"]
+
+
+def shift_lengths(record: dict) -> None:
+    """Five tokens moved from the record's second sample to its first: the sum (num_tokens) holds."""
+    record["lengths"][0] += 5
+    record["lengths"][1] -= 5
+
+
+@pytest.mark.parametrize(
+    "field, edit",
+    [
+        ("lengths", shift_lengths),
+        ("sample_ids", lambda r: r["sample_ids"].__setitem__(slice(0, 2), r["sample_ids"][1::-1])),
+        ("content_hashes", lambda r: r["content_hashes"].__setitem__(3, "0" * 16)),
+        ("bytes", lambda r: r.update(bytes=r["bytes"] + 1)),
+        ("checksum", lambda r: r.update(checksum="0" * 64)),
+        ("index", lambda r: r.update(name=r["name"].replace("shard-000001-", "shard-000007-"))),
+    ],
+)
+def test_verify_names_a_manifest_field_that_contradicts_its_shard_and_repair_rebuilds_the_record(built, field, edit):
+    """The manifest record alone is wrong (its part record agrees with the shard): verify names the
+    shard and the field, and --repair rebuilds the record without extracting anything."""
+    cfg, _ = built
+    url = cfg.store.url(cfg.run_dir)
+    good = read_manifest(url)
+    manifest = json.loads((Path(url) / "manifest.json").read_text())
+    name = manifest["shards"][1]["name"]
+    edit(manifest["shards"][1])
+    (Path(url) / "manifest.json").write_text(json.dumps(manifest))
+    report = commands.cmd_verify(cfg)
+    (bad,) = report["bad_shards"]
+    wanted = "name" if field == "index" else field  # a renamed group is not there
+    assert not report["ok"] and wanted in bad["fields"] and bad["fix"] == "rebuild the record"
+    assert bad["shard"] == manifest["shards"][1]["name"] and bad["index"] == 1
+    repaired = commands.cmd_verify(cfg, repair=True, progress=False)
+    assert repaired["ok"] and repaired["records_rebuilt"] == [bad["shard"]] and repaired["reextracted"] == []
+    assert read_manifest(url)["shards"] == good["shards"] and read_manifest(url)["shards"][1]["name"] == name
+
+
+def test_verify_extracts_again_when_the_part_record_is_wrong_too(built):
+    cfg, _ = built
+    url = Path(cfg.store.url(cfg.run_dir))
+    good = contents(cfg)
+    for path in (url / "manifest.json", url / "parts" / "shard-000000.json"):
+        data = json.loads(path.read_text())
+        shift_lengths(data["shards"][0] if "shards" in data else data)
+        path.write_text(json.dumps(data))
+    (bad,) = commands.cmd_verify(cfg)["bad_shards"]
+    assert bad["fields"] == ["lengths"] and bad["fix"] == "extract again"
+    assert bad["error"].startswith("lengths: sample 0 has") and bad["index"] == 0
+    repaired = commands.cmd_verify(cfg, repair=True, progress=False)
+    assert repaired["ok"] and repaired["reextracted"] == [bad["shard"]]
+    assert contents(cfg) == good
