@@ -17,7 +17,7 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.errors import ConfigError, DataError, StoreError
-from shared.files import write_atomic
+from shared.files import human_bytes, write_atomic
 from shared.identity import (
     AUTO_SETTINGS,
     generate_settings,
@@ -259,17 +259,6 @@ def check_space(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], don
             f"left) but {files.url} has {human_bytes(free)} free; free space, change store.dtype/compression, "
             f"or pass --force"
         )
-
-
-def human_bytes(n: float) -> str:
-    """3 significant figures in the largest unit that keeps the number >= 1 (0.00 GiB hides 500 MB)."""
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "TiB":
-            break
-    return f"{n:.3g} {unit}"
 
 
 def _extract(
