@@ -250,3 +250,70 @@ def test_verify_extracts_again_when_the_part_record_is_wrong_too(built):
     repaired = commands.cmd_verify(cfg, repair=True, progress=False)
     assert repaired["ok"] and repaired["reextracted"] == [bad["shard"]]
     assert contents(cfg) == good
+
+
+# ---- writers and a training run reading the same store ---------------------------------------------
+def test_writers_are_refused_while_training_reads_the_store_naming_the_reader(built):
+    """Training claims a local store for its run: `reprocess` and `extract` are refused naming it
+    (command, pid, host, since); once training closes its data they run; a claim whose process
+    died is passed over; and training does not start while a writer holds the store."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from shared.errors import BusyError
+    from shared.lock import exclusive
+    from shared.target import resolve_target
+    from stage2_train.data.view import DataSettings, open_train_data
+
+    cfg, _ = built
+    url = cfg.store.url(cfg.run_dir)
+    data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, DataSettings(block_size=4, holdout_fraction=0.0))
+    reader = rf"is being read by `stage2_train train` \(pid {os.getpid()} on {socket.gethostname()}, since [\d-]+ [\d:]+\)"
+    with pytest.raises(BusyError, match=reader + r"; wait for it to finish or stop it \(`stage1_extract reprocess` would replace shards under it\)"):
+        commands.cmd_reprocess(cfg, progress=False)
+    with pytest.raises(BusyError, match=reader):
+        commands.cmd_extract(cfg, progress=False)
+    data.close()
+    assert commands.cmd_reprocess(cfg, progress=False)["shards_extracted_here"] == 0
+
+    claim = "from shared.store import StoreReader; import sys, time; r = StoreReader(sys.argv[1]).hold('stage2_train train'); print('held', flush=True); time.sleep(60)"
+    dead = subprocess.Popen([sys.executable, "-c", claim, url], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert dead.stdout.readline().strip() == "held"
+    with pytest.raises(BusyError, match=rf"is being read by `stage2_train train` \(pid {dead.pid} "):
+        commands.cmd_reprocess(cfg, progress=False)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    commands.cmd_reprocess(cfg, progress=False)  # the kernel dropped the dead reader's flock
+    assert not list((Path(url) / ".dflash.readers").iterdir())
+
+    with exclusive(url, "stage1_extract reprocess"):
+        with pytest.raises(BusyError, match=r"is being written by `stage1_extract reprocess` .*; wait for it to finish before `stage2_train train` reads it"):
+            open_train_data(url, resolve_target(cfg.target), cfg.sampler, DataSettings(block_size=4, holdout_fraction=0.0))
+
+
+def test_a_shard_replaced_under_a_reader_without_a_claim_is_named_as_a_rewrite(built):
+    """An object store (or a folder where no claim can be made): a reader finds a shard gone after
+    `reprocess` replaced it. The store is fine: the error says it was rewritten while being read,
+    not to repair it."""
+    from shared.errors import StoreError
+    from shared.store import StoreReader
+
+    cfg, data = built
+    url = cfg.store.url(cfg.run_dir)
+    reader = StoreReader(url)  # no claim
+    old = reader.manifest["shards"][1]["name"]
+    reader[0]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[27]["messages"][1]["content"] = "an edited answer"
+    write_jsonl(data, rows)
+    assert commands.cmd_reprocess(cfg, progress=False)["reextracted"] == [1]
+    with pytest.raises(StoreError, match=rf"shard {old} cannot be opened .*, and manifest\.json changed since this run opened the store: it was rewritten") as caught:
+        reader[len(reader) - 1]
+    assert "run `python -m stage1_extract verify --repair`" not in str(caught.value)
+    fresh = StoreReader(url)  # a store damaged under an unchanged manifest still says what repairs it
+    shutil.rmtree(Path(url) / "shards" / fresh.manifest["shards"][1]["name"] / "hidden")
+    with pytest.raises(StoreError, match=r"lacks the array\(s\) \['hidden'\]; run `python -m stage1_extract verify --repair`"):
+        fresh[len(fresh) - 1]
