@@ -418,13 +418,30 @@ def store_copy(store, tmp_path):
     return load_run_config("configs/default.yaml", overrides), copy
 
 
+def edit_record(text: str, position: int, **edits) -> str:
+    """manifest.json with shards[position]'s fields edited: None drops one, a callable maps its value."""
+    manifest = json.loads(text)
+    record = manifest["shards"][position]
+    for field, edit in edits.items():
+        if edit is None:
+            del record[field]
+        else:
+            record[field] = edit(record[field])
+    return json.dumps(manifest)
+
+
 @pytest.mark.parametrize(
     "damage, what",
     [
         (lambda text: text[: len(text) // 2], "not valid JSON"),
         (lambda text: "[1, 2, 3]", "a JSON list, not an object"),
         (lambda text: json.dumps({**json.loads(text), "shards": None}), "'shards' missing or not a list"),
+        (lambda text: edit_record(text, 0, sample_ids=None), r"shards\[0\] \(shard-000000-\w+\) has no 'sample_ids'"),
+        (lambda text: edit_record(text, 0, lengths=lambda v: v[:-1]), r"shards\[0\] \(shard-000000-\w+\)\.lengths has \d+ entries, num_samples is \d+"),
+        (lambda text: edit_record(text, 0, num_tokens=lambda v: str(v)), r"shards\[0\] \(shard-000000-\w+\)\.num_tokens is '\d+', not an integer"),
+        (lambda text: edit_record(text, 0, lengths=lambda v: [v[0] + 5] + v[1:]), r"shards\[0\] \(\S+\)\.lengths sum to \d+, num_tokens is \d+"),
     ],
+    ids=["torn", "a-list", "no-shards", "no-sample_ids", "lengths-short", "num_tokens-a-string", "lengths-sum"],
 )
 def test_a_damaged_manifest_is_named_and_reprocess_rebuilds_it(store_copy, damage, what):
     from shared.errors import StoreError
