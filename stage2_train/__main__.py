@@ -4,6 +4,7 @@
     python -m stage2_train batches --steps 20 --json          # one JSON object per optimizer step
     python -m stage2_train check --explain                    # every key, its value, default and meaning
     python -m stage2_train doctor [runs/default/train_log.jsonl] [--json]   # default: the config's run_dir
+    python -m stage2_train doctor --export DIR --target PATH_OR_ID [--store PATH] [--prompts 4] [--json]
     torchrun --standalone --nproc_per_node 2 -m stage2_train train train.max_steps=50
 
 Parses the config, runs one command from `commands.py`, prints its JSON summary.
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--push-to-hub", default=None, metavar="REPO", help="export: upload the folder to this Hub repo (org/name)")
     parser.add_argument("--sample-tokens", type=int, default=1024, help="plan: tokens per sample of the traced micro-batch")
     parser.add_argument("--search", action="store_true", help="plan: also the largest micro_batch_tokens that fits each GPU")
+    parser.add_argument("--export", default=None, metavar="DIR", help="doctor: check this exported drafter folder (or Hub id) against its target")
+    parser.add_argument("--target", default=None, metavar="PATH_OR_ID", help="doctor --export: the target (default: the config's target.path)")
+    parser.add_argument("--store", default=None, metavar="PATH", help="doctor --export: the store the drafter was trained on (default: the config's, if it exists)")
+    parser.add_argument("--data", default=None, metavar="PATH", help="doctor --export: the conversations the store was made from (default: its manifest's data.source)")
+    parser.add_argument("--prompts", type=int, default=4, help="doctor --export: prompts to decode the drafter on (0: none)")
     return run_command(parser, argv, run)
 
 
@@ -73,8 +79,16 @@ def run(args: argparse.Namespace) -> int:
 
 def log_command(args: argparse.Namespace) -> int:
     """doctor/report read a training log: the path given as the first argument, else the config's
-    run_dir's; the doctor's thresholds are the config's `detectors` section (the live detectors' own)."""
+    run_dir's; the doctor's thresholds are the config's `detectors` section (the live detectors' own).
+    `doctor --export DIR` checks an exported drafter against its target instead (`serve/diagnose.py`)."""
     paths = [o for o in args.overrides if "=" not in o]
+    if args.command == "doctor" and args.export:
+        if paths:
+            raise ConfigError(f"doctor --export takes no log path, got {paths}")
+        cfg = load_config(args)
+        text, code = commands.cmd_doctor_export(cfg, args.export, args.target, args.store, args.data, args.prompts, args.json)
+        print(text)
+        return code
     if len(paths) > 1:
         raise ConfigError(f"{args.command} takes one log path (or run directory), got {paths}")
     args.overrides = [o for o in args.overrides if "=" in o]
