@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 8 -m stage2_train train --config my-qwen3.yaml
     python -m stage2_train eval --checkpoint best               # held-out tau [interval] vs untrained vs n-gram
     python -m stage2_train doctor runs/default                  # a run's log (or a wandb / TensorBoard / CSV log)
+    python -m stage2_train doctor --export DIR --target ID      # an exported drafter against its target
 
 Every command prints a short summary for people; `--json` prints the full result for scripts.
 Logic lives in `commands.py` and the rooms it composes.
@@ -49,8 +50,15 @@ def check(args: argparse.Namespace) -> None:
 
 def log_command(args: argparse.Namespace) -> Any:
     """doctor/report read a training log: the path given as the first argument, else the config's
-    run_dir's; the detectors' thresholds are the config's `detectors` section (defaults unless set)."""
+    run_dir's; the doctor's thresholds are the config's `detectors` section (the live detectors' own).
+    `doctor --export DIR` checks an exported drafter against its target instead (`serve/diagnose.py`)."""
     paths = [o for o in args.overrides if "=" not in o]
+    if args.command == "doctor" and args.export:
+        if paths:
+            raise ConfigError(f"doctor --export takes no log path, got {paths}")
+        cfg = load_config(args)
+        text, code = commands.cmd_doctor_export(cfg, args.export, args.target, args.store, args.data, args.prompts, args.json)
+        return {"text": text, "code": code}
     if len(paths) > 1:
         raise ConfigError(f"{args.command} takes one log path (or run directory), got {paths}")
     args.overrides = [o for o in args.overrides if "=" in o]
@@ -149,6 +157,14 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=8, help="ranks (DDP buckets); default 8")
 
 
+def doctor_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--export", default=None, metavar="DIR", help="check this exported drafter folder (or Hub id) against its target")
+    parser.add_argument("--target", default=None, metavar="PATH_OR_ID", help="with --export: the target (default: the config's target.path)")
+    parser.add_argument("--store", default=None, metavar="PATH", help="with --export: the store the drafter was trained on (default: the config's, if it exists)")
+    parser.add_argument("--data", default=None, metavar="PATH", help="with --export: the conversations the store was made from (default: its manifest's data.source)")
+    parser.add_argument("--prompts", type=int, default=4, help="with --export: prompts to decode the drafter on (0: none)")
+
+
 def out_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output folder (default: the log's folder/doctor)")
 
@@ -171,7 +187,10 @@ VERBS = [
          lambda a: commands.cmd_export(load_config(a), a.checkpoint, a.out, a.format, push_to_hub=a.push_to_hub),
          show=show_export, options=export_options),
     Verb("doctor", "diagnose a training log: stalls, spikes, cliffs, overfitting (ours, wandb, TensorBoard, CSV)",
-         log_command, show=lambda out: out["text"], as_json=lambda out: out["text"], exit_code=lambda out: out["code"]),
+         log_command, show=lambda out: out["text"], as_json=lambda out: out["text"], exit_code=lambda out: out["code"],
+         options=doctor_options, description="Diagnose a training log (this trainer's, a wandb run, a TensorBoard "
+         "folder, a CSV/JSONL history); or, with --export, check an exported drafter against its target: mask token, "
+         "layer ids, shapes, rotary settings, the chat template the data was rendered with, then decode a few prompts."),
     Verb("report", "plots of a training log with the doctor's events marked, and a Markdown summary", log_command,
          show=show_report, options=out_option),
 ]

@@ -2,7 +2,7 @@
 
 Each takes the composed RunConfig and returns a JSON-able value; `__main__` only parses and prints.
 This is the one module that composes the rooms (data, model, train, observe, serve); the heavier
-ones are imported inside the command that needs them, so `doctor` never loads torch models and
+ones are imported inside the command that needs them, so the log `doctor` never loads torch models and
 `train` never loads the speculative decoder. Stage 2 never imports stage 1: the stages talk only
 through the store.
 """
@@ -254,6 +254,29 @@ def cmd_doctor(log_path: Path, as_json: bool, cfg: RunConfig | None = None) -> t
     from stage2_train.observe.doctor import doctor
 
     return doctor(log_path, as_json, cfg.detectors if cfg is not None else None)
+
+
+def cmd_doctor_export(
+    cfg: RunConfig, export: str, target: str | None, store: str | None, data: str | None, num_prompts: int, as_json: bool
+) -> tuple[str, int]:
+    """The export doctor (`serve/diagnose.py`): the drafter folder against `target` (default the config's
+    target.path, its other target settings kept), and against `store` (default the config's store, when
+    it has a manifest); the `eval` section says how the drafter that passes is decoded."""
+    from shared.store import StoreFiles
+    from stage2_train.serve.diagnose import DecodeSettings, doctor_export
+    from stage2_train.train.launch import train_device
+
+    target_cfg = cfg.target.model_copy(update={"path": target}) if target else cfg.target
+    if store is None:
+        configured = RunPaths.of(cfg).store
+        store = configured if StoreFiles(configured).exists("manifest.json") else None
+    if num_prompts < 0:
+        raise ConfigError(f"--prompts must be >= 0, got {num_prompts}")
+    settings = DecodeSettings(
+        num_prompts=num_prompts, max_new_tokens=cfg.eval.online_max_new_tokens, dtype=cfg.eval.online_dtype,
+        holdout_fraction=cfg.eval.holdout_fraction, split_seed=cfg.eval.split_seed, device=train_device(cfg.train),
+    )
+    return doctor_export(as_json, export=export, target_cfg=target_cfg, store=store, data=data, settings=settings)
 
 
 def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:

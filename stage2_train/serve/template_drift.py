@@ -1,0 +1,239 @@
+"""Was the drafter's training data rendered the way the target renders conversations today?
+
+    findings, notes = store_findings(reader, target, drafter_layer_ids, data=None)
+
+A store's manifest records the target's weights, tokenizer and chat-template hashes it was made
+with; the target's folder may have changed since (a new revision, an edited tokenizer_config.json).
+When the conversations the store was extracted from can be read (the manifest's `data.source`, or
+`data` given), a few stored samples' prompts (the tokens before their first supervised token) are
+compared with what the target's template renders today for the same messages; when they differ and
+the template has a thinking switch (Qwen3's `enable_thinking`), each setting is tried, to say which
+one the data used (z-lab #133: a thinking-mode mismatch took acceptance from 60% to 25%).
+
+Stage 2 never imports stage 1, so the few lines that read a data row (a JSONL line or a Parquet row,
+numbered as stage 1 numbers them: `sample_id` is the row's index in its file) are here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stage2_train.serve.export_view import Finding, TargetSide
+
+THINKING_SWITCH = "enable_thinking"
+REEXTRACT = "`python -m stage1_extract reprocess` re-extracts it with the target's current tokenizer and template, then retrain"
+
+
+def store_findings(
+    reader: Any,
+    target: TargetSide,
+    layer_ids: list[int] | None,
+    *,
+    data: str | None = None,
+    max_samples: int = 8,
+) -> tuple[list[Finding], list[str]]:
+    """Findings about a store (its target, layers, tokenizer and template) against `target`, and notes."""
+    manifest = reader.manifest
+    out, notes = [], []
+    made_from = (manifest.get("target") or {}).get("weights_sha256")
+    if made_from and made_from != target.weights_sha256:
+        out.append(
+            Finding(
+                "error",
+                "manifest target.weights_sha256",
+                f"the store was extracted from target weights {made_from[:12]}, this target's are {target.weights_sha256[:12]}",
+                f"use the target the store was made from, or re-extract: {REEXTRACT}",
+            )
+        )
+    stored = list(manifest.get("layer_ids") or [])
+    if layer_ids is not None and stored and stored != list(layer_ids):
+        out.append(
+            Finding(
+                "warning",
+                "manifest layer_ids",
+                f"the store holds layers {stored}, the drafter reads {list(layer_ids)}: "
+                f"it was not trained on this store, or its layer ids were changed",
+                "check which layers the drafter was trained on",
+            )
+        )
+    if manifest.get("tokenizer_sha256") not in (None, target.tokenizer_sha256):
+        out.append(
+            Finding(
+                "error",
+                "manifest tokenizer_sha256",
+                f"the data was tokenized with another vocabulary ({manifest['tokenizer_sha256'][:12]}) "
+                f"than the target's tokenizer has now ({target.tokenizer_sha256[:12]})",
+                f"serve with the tokenizer the data used, or {REEXTRACT}",
+            )
+        )
+    template_changed = manifest.get("chat_template_sha256") not in (None, target.chat_template_sha256)
+    rendered = compare_renders(reader, target, data, max_samples)
+    if rendered["status"] != "compared":
+        notes.append(rendered["why"])
+    if template_changed:
+        agree = rendered["status"] == "compared" and not rendered["differ"]
+        out.append(
+            Finding(
+                "warning" if agree else "error",
+                "manifest chat_template_sha256",
+                f"the data was rendered with another chat template ({manifest['chat_template_sha256'][:12]}) than the target "
+                f"has now ({target.chat_template_sha256[:12]})"
+                + (
+                    f"; the {rendered['num_samples']} samples compared still render the same" if agree else ""
+                ),
+                f"serve with the template the data used (vLLM / SGLang --chat-template FILE), or {REEXTRACT}",
+            )
+        )
+    if rendered["status"] == "compared":
+        out += rendered["differ"]
+        if rendered.get("mode"):
+            notes.append(rendered["mode"])
+        if not rendered["differ"]:
+            notes.append(
+                f"chat template: {rendered['num_samples']} stored prompts equal today's rendering of their messages"
+            )
+    return out, notes
+
+
+def compare_renders(reader: Any, target: TargetSide, data: str | None, max_samples: int) -> dict[str, Any]:
+    """The stored prompts of up to `max_samples` samples against today's render of their messages."""
+    source = data or (reader.manifest.get("data") or {}).get("source")
+    if not source or not Path(source).exists():
+        return {
+            "status": "skipped",
+            "why": f"chat template: the data the store was made from ({source or 'not recorded'}) is not "
+            f"readable here, so only the template hashes were compared (--data PATH gives it)",
+        }
+    tokenizer = target.tokenizer
+    indices = list(range(min(len(reader), max_samples)))
+    rows = read_rows(Path(source), {int(reader.sample_ids[i]) for i in indices})
+    differ: list[Finding] = []
+    modes: set[str] = set()
+    compared = 0
+    for index in indices:
+        sample_id = int(reader.sample_ids[index])
+        messages = rows.get(sample_id)
+        sample = reader[index]
+        mask = sample["loss_mask_T"].bool()
+        if messages is None or not mask.any() or "assistant" not in [m["role"] for m in messages]:
+            continue
+        first = int(mask.nonzero()[0])
+        stored = tokenizer.decode(sample["input_ids_T"][:first].tolist(), skip_special_tokens=False)
+        turn = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        answer = messages[turn]["content"]
+        today = render(tokenizer, messages[:turn])
+        compared += 1
+        thinking = (
+            {v: render(tokenizer, messages[:turn], **{THINKING_SWITCH: v}) for v in (False, True)}
+            if has_switch(tokenizer)
+            else {}
+        )
+        matching = [v for v, text in thinking.items() if same_prompt(stored, text, answer)]
+        if matching and len(set(thinking.values())) > 1:
+            modes.add(f"{THINKING_SWITCH}={matching[0]}")
+        if same_prompt(stored, today, answer) or differ:
+            continue  # one finding says it: the samples share their template
+        where = f"sample {index} (input row {sample_id})"
+        if matching:
+            differ.append(
+                Finding(
+                    "error",
+                    f"chat template ({THINKING_SWITCH})",
+                    f"{where}: the stored prompt is what today's template renders with {THINKING_SWITCH}={matching[0]} "
+                    f"(ends {stored[-40:]!r}), but its default renders {today[-40:]!r}: the drafter was trained in the other "
+                    f"thinking mode than the default serves",
+                    f'serve with chat_template_kwargs={{"{THINKING_SWITCH}": {str(matching[0]).lower()}}} (vLLM / SGLang request '
+                    f"field), or render the data in the mode you serve and {REEXTRACT}",
+                )
+            )
+        else:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(stored, today, strict=False)) if a != b),
+                min(len(stored), len(today)),
+            )
+            differ.append(
+                Finding(
+                    "error",
+                    "chat template",
+                    f"{where}: the stored prompt and today's rendering of its messages differ at character {at}: stored "
+                    f"{stored[max(0, at - 20) : at + 30]!r}, today {today[max(0, at - 20) : at + 30]!r}",
+                    f"serve with the template the data was rendered with (--chat-template FILE), or {REEXTRACT}",
+                )
+            )
+    if not compared:
+        return {
+            "status": "skipped",
+            "why": f"chat template: no stored sample could be matched to a row of {source}",
+        }
+    mode = None
+    if modes:
+        mode = (
+            f"thinking mode: the stored prompts render as {', '.join(sorted(modes))}; serve in the same mode "
+            f"(chat_template_kwargs) or acceptance falls"
+        )
+    return {"status": "compared", "num_samples": compared, "differ": differ, "mode": mode}
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> str:
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def has_switch(tokenizer: Any) -> bool:
+    return THINKING_SWITCH in str(getattr(tokenizer, "chat_template", None) or "")
+
+
+def same_prompt(stored: str, rendered: str, answer: str) -> bool:
+    """Equal, or equal up to a token that straddles the prompt's end and the answer's start (stage 1
+    cuts the prompt at the first supervised token)."""
+    return stored == rendered or (stored.startswith(rendered) and answer.startswith(stored[len(rendered) :]))
+
+
+def read_rows(path: Path, wanted: set[int]) -> dict[int, list[dict[str, str]]]:
+    """{row index: messages} of the rows in `wanted` (a JSONL line index counts blank lines, as stage 1
+    does; Parquet rows count across the folder's files in name order). Unreadable rows are left out."""
+    found: dict[int, list[dict[str, str]]] = {}
+    if path.suffix in (".jsonl", ".json"):
+        with path.open("rb") as fh:
+            for i, line in enumerate(fh):
+                if i in wanted and line.strip():
+                    try:
+                        found[i] = messages_of(json.loads(line.decode("utf-8").lstrip("\ufeff")))
+                    except ValueError:
+                        continue
+                if len(found) == len(wanted):
+                    break
+        return found
+    import pyarrow.parquet as pq
+
+    row = 0
+    for file in sorted(path.glob("*.parquet")) if path.is_dir() else [path]:
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                if row in wanted:
+                    try:
+                        found[row] = messages_of(record)
+                    except ValueError:
+                        pass
+                row += 1
+    return {k: v for k, v in found.items() if v}
+
+
+def messages_of(record: Any) -> list[dict[str, str]]:
+    """A row's messages (`messages`, or `prompt` + `completion`), role and content only."""
+    if not isinstance(record, dict):
+        raise ValueError("not an object")
+    if isinstance(record.get("messages"), list):
+        return [
+            {"role": str(m["role"]), "content": str(m["content"])}
+            for m in record["messages"]
+            if isinstance(m, dict) and "role" in m
+        ]
+    if isinstance(record.get("prompt"), str):
+        out = [{"role": "user", "content": record["prompt"]}]
+        if isinstance(record.get("completion"), str):
+            out.append({"role": "assistant", "content": record["completion"]})
+        return out
+    raise ValueError("no messages")
