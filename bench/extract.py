@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.config import load_run_config  # noqa: E402
+from shared.conversations import Conversation  # noqa: E402
 from shared.store import (  # noqa: E402
     SampleFeatures,
     StoreConfig,
@@ -40,8 +41,10 @@ from shared.target_model import LayerCapture, load_target_model  # noqa: E402
 from stage1_extract import commands as pipeline  # noqa: E402
 from stage1_extract.batching import token_budget_batches, windows_for_rank  # noqa: E402
 from stage1_extract.corpus import default_conversations  # noqa: E402
-from stage1_extract.data import Conversation, write_conversations_parquet  # noqa: E402
+from stage1_extract.data import write_conversations_parquet  # noqa: E402
 from stage1_extract.forward import forward_batch  # noqa: E402
+from stage1_extract.prepare import planned_shards  # noqa: E402
+from stage1_extract.resolve import prepare_run  # noqa: E402
 
 
 def build_data(path: Path, count: int) -> Path:
@@ -67,14 +70,14 @@ def main() -> None:
     data = build_data(work / "data.parquet", args.samples)
     overrides = [f"run_dir={work}", f"data.path={data}", "data.regenerate=false", "store.shard_mb=16", "extract.device=cpu"]
     cfg = load_run_config("configs/default.yaml", overrides)
-    prepared = pipeline.prepare(cfg)
+    prepared = prepare_run(cfg)
     model = load_target_model(cfg.target, "cpu")
     rows = [r for r in prepared.rows if not r.skipped]
     tokens = sum(len(r.input_ids) for r in rows)
 
     # 1. Pure forward over the same batches extraction will use (formed per window of shards, as
     # run_shards forms them), features kept in memory.
-    windows = windows_for_rank(pipeline.planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
+    windows = windows_for_rank(planned_shards(prepared, cfg.store), cfg.extract.window_shards, 0, 1)
     batches = [
         batch
         for window in windows

@@ -277,8 +277,9 @@ def build_chats(path: Path, count: int, answer_chars: int, seed: int = 1) -> Pat
     with no generate run."""
     from pydoc_data.topics import topics
 
+    from shared.conversations import Conversation
     from stage1_extract.corpus import default_conversations
-    from stage1_extract.data import Conversation, write_conversations_parquet
+    from stage1_extract.data import write_conversations_parquet
 
     paragraphs = [p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if 300 < len(p.strip()) < 1500]
     rng = random.Random(seed)
@@ -508,11 +509,11 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
 def pure_forward(model: Any, cfg: Any, prepared: Any, device: str) -> dict[str, Any]:
     """The target's forward over exactly the batches extraction forms, features left on the device."""
     from shared.target_model import LayerCapture
-    from stage1_extract import commands as pipeline
     from stage1_extract.batching import token_budget_batches, windows_for_rank
     from stage1_extract.forward import forward_batch
+    from stage1_extract.prepare import planned_shards
 
-    windows = windows_for_rank(pipeline.planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
+    windows = windows_for_rank(planned_shards(prepared, cfg.store), cfg.extract.window_shards, 0, 1)
     batches = [batch for window in windows
                for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens,
                                                  cfg.extract.max_samples_per_batch)]
@@ -541,12 +542,12 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     `python -m stage1_extract extract` with the same config; returns stage 1's prepared rows."""
     from shared.config import load_run_config
     from shared.target_model import load_target_model
-    from stage1_extract import commands as pipeline
+    from stage1_extract.resolve import prepare_run
 
     device = ctx.sizes.device
     cfg = load_run_config(config, overrides)
     started = time.perf_counter()
-    prepared = pipeline.prepare(cfg)  # tokenizes, and hashes the weights once (cached for the subprocesses)
+    prepared = prepare_run(cfg)  # tokenizes, and hashes the weights once (cached for the subprocesses)
     entry["prepare_s"] = round(time.perf_counter() - started, 1)
     # The memory poller (a thread) starts after prepare: its tokenizer pool forks this process.
     with GpuMemoryPeak(device == "cuda") as memory:
@@ -741,7 +742,7 @@ def generate_worker(timing_path: str, argv: list[str]) -> int:
     """`python -m stage1_extract <argv>` with the backend's start (model load, vllm engine) and its
     generate calls timed apart: with a few dozen prompts the engine's start would swamp the figure."""
     from stage1_extract import __main__ as cli
-    from stage1_extract import commands as pipeline
+    from stage1_extract import generate_command as pipeline
 
     timing = {"start_s": 0.0, "calls_s": 0.0, "calls": 0}
 

@@ -54,6 +54,8 @@ def show_generate(out: dict[str, Any]) -> str:
         f"{out['conversations']} conversations answered by the target ({out['generated_tokens']} new tokens in "
         f"{out['seconds']:.0f} s, {out['backend']}, {out['world_size']} rank(s); {out['parts_reused']} part(s) reused) "
         f"-> {out['output']}"
+        + (f"\n{out['tool_call_turns_kept']} assistant turn(s) that call tools kept as the data has them"
+           if out.get("tool_call_turns_kept") else "")
     )
 
 
