@@ -18,13 +18,13 @@ from typing import Any
 from shared.config import RunConfig
 from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
-from shared.identity import AUTO_SETTINGS, header_differences
+from shared.identity import AUTO_SETTINGS, header_differences, header_key
 from shared.lock import exclusive
 from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles, load_manifest
 from shared.target import TargetConfig
 from shared.target_model import load_target_model, runnable_problem
-from stage1_extract.batching import ShardPlan, windows_for_rank
+from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
 from stage1_extract.distributed import _barrier, distributed_context, rank_device, store_lock
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
@@ -32,7 +32,7 @@ from stage1_extract.header import load_or_pin_plan
 from stage1_extract.merge import done_shards, merge_manifest, part_path
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.prepare import Prepared, discard_token_cache, planned_shards, shard_size, token_bytes
-from stage1_extract.resolve import prepare_run, source_format
+from stage1_extract.resolve import prepare_run
 from stage1_extract.verify import EXTRACT, REBUILD, deep_problems, verify_store
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,10 @@ def _extract(
     if prepared.generated_problem is not None:  # every rank: each prepared the same inputs
         raise DataError(prepared.generated_problem)
     prepare_seconds = time.perf_counter() - started
-    shards = _pin_plan(cfg, prepared, rank, world, reprocess)
+    shards, samples_per_shard = _pin_plan(cfg, prepared, rank, world, reprocess)
     return extract_store(
-        prepared, shards, cfg.store, cfg.extract, cfg.target, (rank, world, local_rank),
-        force=force, progress=progress, prepare_seconds=prepare_seconds, data_format=source_format(cfg.data),
+        prepared, shards, samples_per_shard, cfg.store, cfg.extract, cfg.target, (rank, world, local_rank),
+        force=force, progress=progress, prepare_seconds=prepare_seconds,
     )
 
 
@@ -111,18 +111,20 @@ def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -
     return prepared
 
 
-def _pin_plan(cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool) -> list[ShardPlan]:
+def _pin_plan(
+    cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool
+) -> tuple[list[ShardPlan], int]:
     """Rank 0 pins samples_per_shard (the computed size, not the first shard's, which a short first
     run would make small forever) and saves the resolved config beside the store; every rank then
-    checks the pinned header and plans the shards."""
+    checks the pinned header and plans the shards: (the shards, samples_per_shard)."""
     files = prepared.files
     if rank == 0:
         load_or_pin_plan(files, prepared.header, shard_size(prepared, cfg.store), len(prepared.rows), repin=reprocess)
         if "://" not in files.url:
             cfg.write_resolved(Path(files.url) / "extract_config.yaml")
     _barrier(world)
-    load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
-    return planned_shards(prepared, cfg.store)
+    samples_per_shard = load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
+    return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard
 
 
 def check_space(prepared: Prepared, shards: list[ShardPlan], done: set[int], force: bool) -> None:
@@ -144,6 +146,7 @@ def check_space(prepared: Prepared, shards: list[ShardPlan], done: set[int], for
 def extract_store(
     prepared: Prepared,
     shards: list[ShardPlan],
+    samples_per_shard: int,
     store: StoreConfig,
     extract: ExtractConfig,
     target_cfg: TargetConfig,
@@ -152,7 +155,6 @@ def extract_store(
     force: bool,
     progress: bool,
     prepare_seconds: float,
-    data_format: str,
 ) -> dict[str, Any]:
     """Extract this rank's shards not yet done (`ranks`: rank, world size, local rank), then rank 0
     merges the manifest."""
@@ -193,7 +195,7 @@ def extract_store(
             }
         )
     if rank == 0:
-        summary.update(_merge(prepared, shards, store, data_format))
+        summary.update(_merge(prepared, shards, samples_per_shard))
     _barrier(world)
     return summary
 
@@ -230,18 +232,18 @@ def _run_windows(
     return run_shards(model, windows, done, prepared.files.url, store, extract, prepared.layer_ids, settings["packed"], progress)
 
 
-def _merge(prepared: Prepared, shards: list[ShardPlan], store: StoreConfig, data_format: str) -> dict[str, Any]:
+def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int) -> dict[str, Any]:
     """Rank 0: the manifest from every rank's part records, written last."""
     extra = {
         "data": {
             "source": str(prepared.source),
             "source_sha256": prepared.source_sha256,
-            "format": data_format,  # how the export doctor reads the rows again
+            "format": prepared.data_format,  # how the export doctor reads the rows again
             "num_rows": len(prepared.rows),
             "bad_rows_skipped": prepared.stats.bad_rows,
         },
         "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
-        "samples_per_shard": shard_size(prepared, store),
+        "samples_per_shard": samples_per_shard,
         "created_unix": int(time.time()),
     }
     started = time.perf_counter()

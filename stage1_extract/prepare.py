@@ -43,6 +43,7 @@ class Prepared:
     stats: ReadStats
     source: Path
     source_sha256: str
+    data_format: str = "auto"  # how `source` was read: the manifest records it for the export doctor
     generated_problem: str | None = None  # the generated conversations belong to other inputs
 
     @property
@@ -76,7 +77,7 @@ def prepare(
     rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, data.on_bad_row)
     if not rows:
         raise DataError(f"{source}: no usable rows")
-    return Prepared(header, rows, files, target, stats, source, source_sha256)
+    return Prepared(header, rows, files, target, stats, source, source_sha256, data_format)
 
 
 def token_cache_settings(data: DataConfig) -> dict[str, Any]:
