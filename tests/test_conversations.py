@@ -266,8 +266,8 @@ STRUCTURED = (  # a template that takes tools and tool calls as fields, as Qwen3
     "{%- if m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response id=' + m.tool_call_id + '>\\n' + m.content + "
     "'\\n</tool_response><|im_end|>\\n' }}"
     "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}"
-    "{%- for c in m.tool_calls or [] %}{{ '<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
-    "(c.function.arguments | tojson) + '}\\n</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for c in m.tool_calls or [] %}{{ '<call ' + c.function.name + '>' + (c.function.arguments | tojson) + '</call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
@@ -280,5 +280,5 @@ def test_a_template_that_knows_tool_calls_gets_them_as_fields(tmp_path):
     text = tokenizer.decode(sample.input_ids)
     assert text.startswith('<|im_start|>system\n# Tools\n{"type": "function", "function": {"name": "get_weather"')
     assert '<tool_response id=call_1>\n{"sky": "sunny"}\n</tool_response>' in text
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    call = '<call get_weather>{"city": "Paris"}</call>'  # the template's own rendering: the fields reached it
     assert supervised(tokenizer, sample) == f"{call}<|im_end|>\nIt is sunny.<|im_end|>\nYou're welcome.<|im_end|>\n"
