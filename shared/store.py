@@ -325,8 +325,11 @@ def read_shard_arrays(url: str, name: str) -> dict[str, np.ndarray]:
 def read_manifest(url: str) -> dict[str, Any]:
     files = StoreFiles(url)
     if not files.exists("manifest.json"):
-        hint = " (extraction has not finished: run `python -m stage1_extract status`)" if files.exists("plan.json") else ""
-        raise StoreError(f"{url}: no manifest.json{hint}")
+        if files.exists("plan.json"):
+            hint = "extraction has not finished: `python -m stage1_extract status` says what is left, `extract` resumes it"
+        else:
+            hint = "no store was extracted here: `python -m stage1_extract extract --config ...` builds it (`make extract`)"
+        raise StoreError(f"{url}: no manifest.json; {hint}")
     manifest = load_manifest(files)
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:

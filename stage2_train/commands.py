@@ -33,10 +33,13 @@ def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dic
 
 
 def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    from shared.paths import RunPaths
+    from shared.store import read_manifest
     from shared.target import resolve_target
     from stage2_train.train.launch import make_accelerator
     from stage2_train.train.trainer import Trainer
 
+    read_manifest(RunPaths.of(cfg).store)  # no store yet: refused naming extract, before anything is created
     init_weights = None
     if cfg.model.init_from:
         from stage2_train.serve.load import init_weights_for
