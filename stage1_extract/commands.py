@@ -26,6 +26,7 @@ from shared.identity import (
     prompts_path,
 )
 from shared.lock import exclusive
+from shared.network import check_gloo_network
 from shared.paths import RunPaths
 from shared.store import StoreFiles, bytes_per_token, load_manifest
 from shared.target import load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
@@ -197,6 +198,7 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, repr
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            check_gloo_network()  # a hostname on loopback would hang the first barrier for its 6 hours
             # Only barriers travel; gloo works on CPU and GPU nodes. They wait for the slowest rank's
             # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
             dist.init_process_group("gloo", timeout=timedelta(hours=6))

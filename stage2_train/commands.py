@@ -33,12 +33,14 @@ def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dic
 
 
 def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    from shared.network import check_gloo_network
     from shared.paths import RunPaths
     from shared.store import read_manifest
     from shared.target import resolve_target
     from stage2_train.train.launch import make_accelerator
     from stage2_train.train.trainer import Trainer
 
+    check_gloo_network()  # the checkpoint agreement group is gloo: a hostname on loopback hangs its first save
     read_manifest(RunPaths.of(cfg).store)  # no store yet: refused naming extract, before anything is created
     init_weights = None
     if cfg.model.init_from:
