@@ -434,6 +434,7 @@ class StoreReader:
         self._zarr_store = None
         self._feature_shape: tuple[int, int] | None = None
         self._claim: Any = None
+        self.claim = "none"  # what `hold` could claim: "flock", or "none (why)"
 
     def __len__(self) -> int:
         return int(self._shard_start[-1])
@@ -443,17 +444,26 @@ class StoreReader:
         are refused naming this process, and this is refused while one writes. Where no claim can
         be made (an object store, a read-only folder) a failed read still says whether the store
         was rewritten meanwhile (`_damaged`)."""
-        from shared.lock import ReaderClaim
+        from shared.lock import FlockUnsupported, ReaderClaim
 
         if "://" in self.url and not self.url.startswith("file://"):
+            self.claim = "none (object store)"
             return self
         claim = ReaderClaim(self.url)
         try:
             claim.acquire(command)
+        except FlockUnsupported as exc:
+            self.claim = "none (no flock here)"
+            log.warning(
+                "%s; no reader claim: writers are not refused while `%s` reads (keep them off this store), and a "
+                "rewrite under it is named if a read fails", exc.strerror, command,
+            )
+            return self
         except OSError as exc:
+            self.claim = f"none ({exc.strerror or exc})"
             log.info("%s: no reader claim (%s); a concurrent rewrite is still named if a read fails", self.url, exc)
             return self
-        self._claim = claim
+        self._claim, self.claim = claim, "flock"
         return self
 
     def close(self) -> None:

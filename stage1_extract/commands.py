@@ -26,6 +26,7 @@ from shared.identity import (
     prompts_path,
 )
 from shared.lock import exclusive
+from shared.network import check_gloo_network
 from shared.paths import RunPaths
 from shared.store import StoreFiles, bytes_per_token, load_manifest
 from shared.target import load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
@@ -113,7 +114,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
 
     # Rank 0 holds the data folder; every other rank its own slot, so a second job is refused on each.
     lock_dir = out.parent if rank == 0 else paths.generated_parts / "ranks" / str(rank)
-    with exclusive(str(lock_dir), "stage1_extract generate"):
+    with exclusive(str(lock_dir), "stage1_extract generate") as lock:
         if rank == 0:  # what the answers were made from goes with them: gone until they are rewritten
             paths.generated_provenance.unlink(missing_ok=True)
         result = generate_all(
@@ -134,6 +135,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "backend": backend_name,
         "rank": rank,
         "world_size": world,
+        "lock": lock,
     }
 
 
@@ -196,12 +198,13 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, repr
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            check_gloo_network()  # a hostname on loopback would hang the first barrier for its 6 hours
             # Only barriers travel; gloo works on CPU and GPU nodes. They wait for the slowest rank's
             # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
             dist.init_process_group("gloo", timeout=timedelta(hours=6))
     try:
-        with store_lock(cfg.store.url(cfg.run_dir), rank, world, "reprocess" if reprocess else "extract"):
-            return _extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess)
+        with store_lock(cfg.store.url(cfg.run_dir), rank, world, "reprocess" if reprocess else "extract") as lock:
+            return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
     finally:
         if world > 1:
             import torch.distributed as dist

@@ -35,6 +35,8 @@ ranks agree (one all_reduce on a gloo group of their own, so the writer thread n
 collective with DDP); then rank 0 hashes every file, writes meta.json, renames the directory to
 `step_N`, updates `latest`, and prunes to `keep_latest_k` (`select.py`). A crash at any point leaves
 the previous checkpoint intact. Several nodes need `ckpt_dir` on a shared file system.
+Rank 0 names the files it hashes (`format.expected_files`) rather than listing the directory: on NFS
+a cached listing can miss another node's files, and a resume would skip that checkpoint.
 """
 
 from __future__ import annotations
@@ -63,12 +65,14 @@ from stage2_train.train.checkpoint.format import (
     _model_tensors,
     check_finite_weights,
     checkpoint_problem,
+    expected_files,
     load_checkpoint,
     rank_stem,
     read_meta,
     split_tensors,
     step_name,
     write_part,
+    written_sizes,
 )
 from stage2_train.train.checkpoint.select import (
     BEST,
@@ -398,7 +402,8 @@ class Checkpointer:
     def _commit(self, job: _Job, tmp: Path) -> None:
         """Rank 0: meta.json (every file's size and sha256), rename, `latest`, prune."""
         name = tmp.name[len(TMP_PREFIX) :]
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())}
+        sizes = written_sizes(tmp, expected_files([stem for stem, _, _ in job.parts], self.world_size))
+        files = {n: {"bytes": size, "sha256": file_sha256(tmp / n)} for n, size in sizes.items()}
         meta = {
             "format_version": FORMAT_VERSION,
             "step": job.step,
