@@ -234,11 +234,11 @@ def test_buffers_are_allocated_in_the_background_before_the_first_save(tmp_path)
     ckpt = make_checkpointer(tmp_path, sink, every_steps=3)
     assert not ckpt.maybe_save(1, lambda: state)  # allocates, off the loop
     ckpt.finalize()
-    buffers = dict(ckpt._buffers)
+    buffers = dict(ckpt._snapshots.buffers)
     assert sorted(buffers) == ["model/w", "shared/optimizer/state/0/exp_avg"]
     assert ckpt.maybe_save(3, lambda: state)
     ckpt.finalize()
-    assert all(ckpt._buffers[k] is buffers[k] for k in buffers)  # the snapshot used them
+    assert all(ckpt._snapshots.buffers[k] is buffers[k] for k in buffers)  # the snapshot used them
     assert torch.equal(ckpt.load(ckpt.latest())["model"]["w"], state["model"]["w"])
     assert [kind for kind, _, _ in sink.events] == ["checkpoint_start", "checkpoint_end"]
 
