@@ -17,7 +17,7 @@ from typing import Any
 from shared.config import RunConfig
 from shared.errors import ConfigError, StoreError
 from shared.lock import exclusive
-from shared.store import StoreFiles, bytes_per_token, load_manifest
+from shared.store import StoreFiles, load_manifest
 from shared.target import (
     load_target_model,
     load_tokenizer,
@@ -39,6 +39,7 @@ from stage1_extract.generate import (
 )
 from stage1_extract.header import header_differences, load_or_pin_plan
 from stage1_extract.merge import done_shards, merge_manifest, part_path
+from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.prepare import (
     Prepared,
     discard_token_cache,
@@ -148,7 +149,6 @@ def local_device_count() -> int:
     return torch.cuda.device_count()
 
 
-
 def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
     prepared = prepared or prepare(cfg)
     plan = estimate(prepared.rows, prepared.header, cfg.store)
@@ -156,7 +156,7 @@ def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]
     plan.update(
         {
             "store": prepared.files.url,
-            "storage": f"{cfg.store.dtype}+{cfg.store.compression}",
+            "storage": cfg.store.describe(),
             "free_bytes": free,
             "fits": None if free is None else plan["total_bytes"] <= free,
             "bad_rows_skipped": prepared.stats.bad_rows,
@@ -204,17 +204,29 @@ def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -
     return prepared
 
 
-def _pin_plan(cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool) -> list[ShardPlan]:
+def _pin_plan(
+    cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool, local_rank: int
+) -> tuple[list[ShardPlan], Any]:
     """Rank 0 pins samples_per_shard (the computed size, not the first shard's, which a short first
-    run would make small forever); every rank then checks the pinned header and plans the shards."""
-    files = prepared.files
+    run would make small forever) and, for fp4, the outlier channels (a bounded forward the others
+    wait for); every rank then checks the pinned header and plans the shards (returned with the
+    target when rank 0 loaded it to fit)."""
+    files, model, error = prepared.files, None, None
     if rank == 0:
-        load_or_pin_plan(files, prepared.header, shard_size(cfg, prepared), len(prepared.rows), repin=reprocess)
-        if "://" not in files.url:
-            cfg.write_resolved(Path(files.url) / "extract_config.yaml")
+        try:
+            before = files.read_json("plan.json")["header"] if files.exists("plan.json") else None
+            load_or_pin_plan(files, prepared.header, shard_size(cfg, prepared), len(prepared.rows), repin=reprocess)
+            if "://" not in files.url:
+                cfg.write_resolved(Path(files.url) / "extract_config.yaml")
+            if cfg.store.dtype == "fp4":
+                model = ensure_outlier_channels(cfg, prepared, before, local_rank)
+        except BaseException as exc:  # noqa: BLE001 - raised after the barrier, which every rank reaches
+            error = exc
     _barrier(world)
+    if error is not None:
+        raise error
     load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
-    return planned_shards(cfg, prepared)
+    return planned_shards(cfg, prepared), model
 
 
 def check_space(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], done: set[int], force: bool) -> None:
@@ -224,9 +236,7 @@ def check_space(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], don
     free = files.free_bytes()
     if free is None or force:
         return
-    per_token = bytes_per_token(
-        cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
-    )
+    per_token = cfg.store.bytes_per_token(len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k)
     left = sum(len(r.input_ids) for s in shards if s.index not in done for r in s.kept) * per_token
     if left > free:
         raise StoreError(
@@ -253,13 +263,14 @@ def _extract(
     started = time.perf_counter()
     prepared = _prepare_all_ranks(cfg, rank, world, local_rank)
     prepare_seconds = time.perf_counter() - started
-    shards = _pin_plan(cfg, prepared, rank, world, reprocess)
+    shards, model = _pin_plan(cfg, prepared, rank, world, reprocess, local_rank)
     files = prepared.files
+    channels = pinned_outlier_channels(files, cfg.store, len(prepared.layer_ids))
     done = done_shards(files, shards)
     check_space(cfg, prepared, shards, done, force)
     windows = windows_for_rank(shards, cfg.extract.window_shards, rank, world)
     mine = [s for w in windows for s in w if s.index not in done]
-    result = _run_windows(cfg, prepared, windows, done, local_rank, progress) if mine else None
+    result = _run_windows(cfg, prepared, windows, done, local_rank, progress, model, channels) if mine else None
     _barrier(world)
     summary: dict[str, Any] = {
         "store": files.url,
@@ -287,16 +298,16 @@ def _extract(
             }
         )
     if rank == 0:
-        summary.update(_merge(cfg, prepared, shards))
+        summary.update(_merge(cfg, prepared, shards, channels))
     _barrier(world)
     return summary
 
 
 def _run_windows(
-    cfg: RunConfig, prepared: Prepared, windows: list[list[ShardPlan]], done: set[int], local_rank: int, progress: bool
+    cfg: RunConfig, prepared: Prepared, windows: list[list[ShardPlan]], done: set[int], local_rank: int, progress: bool,
+    model: Any = None, channels: Any = None,
 ) -> Any:
-    device = rank_device(cfg.extract.device, local_rank)
-    model = load_target_model(cfg.target, device)
+    model = model if model is not None else load_target_model(cfg.target, rank_device(cfg.extract.device, local_rank))
     settings = prepared.header["extraction"]  # what the header promises is what runs
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
@@ -304,17 +315,19 @@ def _run_windows(
             f"{settings['attn_implementation']!r}"
         )
     return run_shards(
-        model, windows, done, prepared.files.url, cfg.store, cfg.extract, prepared.layer_ids, settings["packed"], progress
+        model, windows, done, prepared.files.url, cfg.store, cfg.extract, prepared.layer_ids, settings["packed"], progress, channels
     )
 
 
-def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[str, Any]:
+def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], channels: Any) -> dict[str, Any]:
     """Rank 0: the manifest from every rank's part records, written last."""
     extra = {
         "data": {"source": str(prepared.source), "num_rows": len(prepared.rows), "bad_rows_skipped": prepared.stats.bad_rows},
         "samples_per_shard": shard_size(cfg, prepared),
         "created_unix": int(time.time()),
     }
+    if channels is not None:
+        extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
     out = {"merge_seconds": round(time.perf_counter() - started, 2)}

@@ -50,12 +50,7 @@ def settings_header(
         "chat_template_sha256": tokenizer_hashes["chat_template_sha256"],
         "layer_ids": list(layer_ids),
         "top_k": top_k,
-        "storage": {
-            "dtype": store.dtype,
-            "compression": store.compression,
-            "zstd_level": store.zstd_level,
-            "chunk_tokens": store.chunk_tokens,
-        },
+        "storage": store.identity(),
         "max_length": max_length,
         "on_long": on_long,
         "extraction": dict(extraction),

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.store import StoreFiles, content_checksum, read_manifest, read_shard_arrays
+from shared.store import (
+    StoreFiles,
+    content_checksum,
+    hidden_array_specs,
+    hidden_problem,
+    read_manifest,
+    read_shard_arrays,
+)
 
 
 def verify_store(url: str) -> dict[str, Any]:
@@ -16,6 +23,7 @@ def verify_store(url: str) -> dict[str, Any]:
 
     manifest = read_manifest(url)
     layers, hidden, top_k = len(manifest["layer_ids"]), manifest["target"]["hidden_size"], manifest["top_k"]
+    storage = manifest["storage"]
     files = StoreFiles(url)
     present = set(files.list("shards"))
     bad: list[dict[str, Any]] = []
@@ -28,7 +36,7 @@ def verify_store(url: str) -> dict[str, Any]:
             arrays = read_shard_arrays(url, record["name"])
             tokens = record["num_tokens"]
             expect = {
-                "hidden": ((tokens, layers, hidden), np.uint16 if manifest["storage"]["dtype"] == "bf16" else np.uint8),
+                **hidden_array_specs(storage["dtype"], tokens, layers, hidden, storage.get("fp4_outlier_channels", 0)),
                 "topk_logprobs": ((tokens, top_k), np.float16),
                 "topk_ids": ((tokens, top_k), np.int32),
                 "input_ids": ((tokens,), np.int32),
@@ -43,10 +51,9 @@ def verify_store(url: str) -> dict[str, Any]:
                     raise ValueError(f"{name} is {arrays[name].dtype}{arrays[name].shape}, expected {np.dtype(dtype)}{shape}")
             if arrays["sample_ids"].tolist() != record["sample_ids"]:
                 raise ValueError("sample ids differ from the manifest")
-            bits = arrays["hidden"]
-            nonfinite = ((bits & 0x7F80) == 0x7F80) if bits.dtype == np.uint16 else ((bits & 0x7F) == 0x7F)
-            if nonfinite.any():
-                raise ValueError(f"{int(nonfinite.sum())} non-finite hidden values")
+            problem = hidden_problem(arrays, storage["dtype"], manifest.get("fp4_outlier_channels"))
+            if problem:
+                raise ValueError(problem)
             if not np.isfinite(arrays["topk_logprobs"]).all():
                 raise ValueError("non-finite top-k log-probs")
             if content_checksum(arrays) != record["checksum"]:
