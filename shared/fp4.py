@@ -36,7 +36,6 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 TOKEN_RANGE = E2M1_MAX * E4M3_MAX  # s maps the token's largest value to the largest group scale x 6
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; code | 8 is the negative value
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def bytes_per_token(num_layers: int, hidden_size: int, outlier_channels: int) -> int:
@@ -65,35 +64,37 @@ def fit_outlier_channels(abs_sum_LH: np.ndarray, outlier_channels: int) -> np.nd
 
 
 def e2m1_codes(y: Any) -> Any:
-    """fp32 tensor -> uint8 e2m1 codes: round to nearest, ties to the even code, |y| clamped to 6."""
+    """fp32 tensor -> uint8 e2m1 codes: round to nearest, ties to the even code, |y| clamped to 6.
+    Codes 2..7 are the fp32 value rounded to one mantissa bit (read off its bits); below 1, steps of 0.5."""
     import torch
 
-    a = y.abs().clamp(max=E2M1_MAX)
-    mid = torch.tensor(_MIDPOINTS, dtype=torch.float32)
-    low = torch.bucketize(a, mid, right=False)  # a value on a midpoint goes to the lower code...
-    high = torch.bucketize(a, mid, right=True)  # ...or to the upper one
-    code = torch.where((low != high) & (low % 2 == 1), high, low)  # on a midpoint, the even code
+    a = y.abs().clamp_(max=E2M1_MAX)
+    below_one = (a * 2).round_().to(torch.int32)  # 0, 0.5, 1 -> codes 0, 1, 2 (round: half to even)
+    bits = a.clamp(min=1.0).view(torch.int32)
+    bits = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22  # round off 22 of 23 mantissa bits, ties to even
+    code = torch.where(a < 1, below_one, bits - 252)  # (127 + e) * 2 + m - 252 = 2 + 2e + m
     negative = (y < 0) & (code > 0)  # no -0: the bits of a value are unique
-    return (code | (negative.to(code.dtype) << 3)).to(torch.uint8)
+    return (code | (negative.to(torch.int32) << 3)).to(torch.uint8)
 
 
 def encode_fp4(hidden_TLH: Any, channels_LN: np.ndarray) -> dict[str, np.ndarray]:
     """torch [T, L, H] (bf16 or fp32) -> the stored arrays (see the module docstring)."""
     import torch
 
-    x_TLH = hidden_TLH.float()
+    x_TLH = hidden_TLH.to(torch.float32, copy=True)  # zeroed in place below
     T, L, H = x_TLH.shape
     G = H // GROUP
     index_TLN = torch.as_tensor(np.asarray(channels_LN), dtype=torch.long)[None].expand(T, L, -1)
     outliers_TLN = x_TLH.gather(2, index_TLN).to(torch.bfloat16)
-    x_TLH = x_TLH.scatter(2, index_TLN, 0.0)
+    x_TLH.scatter_(2, index_TLN, 0.0)
     amax_TL = x_TLH.abs().amax(dim=-1)
     scale_TL = torch.where(amax_TL > 0, amax_TL / TOKEN_RANGE, torch.ones_like(amax_TL))
     x_TLGS = x_TLH.view(T, L, G, GROUP)
     group_TLG = (x_TLGS.abs().amax(dim=-1) / scale_TL[..., None] / E2M1_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step_TLG = group_TLG.float() * scale_TL[..., None]
-    y_TLGS = torch.where(step_TLG[..., None] > 0, x_TLGS / step_TLG[..., None], torch.zeros((), dtype=torch.float32))
-    codes_TLH = e2m1_codes(y_TLGS).view(T, L, H)
+    # x / inf = 0: a group whose scale is 0 stores codes 0, with no pass over the whole tensor for it.
+    step_TLG = torch.where(step_TLG > 0, step_TLG, torch.tensor(float("inf")))
+    codes_TLH = e2m1_codes(x_TLGS.div_(step_TLG[..., None])).view(T, L, H)
     packed_TLB = codes_TLH[..., 0::2] | (codes_TLH[..., 1::2] << 4)
     return {
         "hidden": packed_TLB.numpy(),
