@@ -87,17 +87,22 @@ def encode_fp4(hidden_TLH: Any, channels_LN: np.ndarray) -> dict[str, np.ndarray
     index_TLN = torch.as_tensor(np.asarray(channels_LN), dtype=torch.long)[None].expand(T, L, -1)
     outliers_TLN = x_TLH.gather(2, index_TLN).to(torch.bfloat16)
     x_TLH.scatter_(2, index_TLN, 0.0)
-    amax_TL = x_TLH.abs().amax(dim=-1)
-    scale_TL = torch.where(amax_TL > 0, amax_TL / TOKEN_RANGE, torch.ones_like(amax_TL))
     x_TLGS = x_TLH.view(T, L, G, GROUP)
-    group_TLG = (x_TLGS.abs().amax(dim=-1) / scale_TL[..., None] / E2M1_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    group_amax_TLG = x_TLGS.abs().amax(dim=-1)
+    amax_TL = group_amax_TLG.amax(dim=-1)
+    scale_TL = torch.where(amax_TL > 0, amax_TL / TOKEN_RANGE, torch.ones_like(amax_TL))
+    group_TLG = (group_amax_TLG / scale_TL[..., None] / E2M1_MAX).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step_TLG = group_TLG.float() * scale_TL[..., None]
     # x / inf = 0: a group whose scale is 0 stores codes 0, with no pass over the whole tensor for it.
     step_TLG = torch.where(step_TLG > 0, step_TLG, torch.tensor(float("inf")))
-    codes_TLH = e2m1_codes(x_TLGS.div_(step_TLG[..., None])).view(T, L, H)
+    bits_TLH = x_TLGS.div_(step_TLG[..., None]).numpy().view(np.uint32).reshape(T, L, H)
+    # The code depends only on sign, exponent, the top 2 mantissa bits and whether any other is set.
+    index_TLH = (bits_TLH >> 20) & 0xFFE
+    index_TLH |= (bits_TLH & 0x1FFFFF) != 0
+    codes_TLH = np.take(_code_table(), index_TLH)
     packed_TLB = codes_TLH[..., 0::2] | (codes_TLH[..., 1::2] << 4)
     return {
-        "hidden": packed_TLB.numpy(),
+        "hidden": packed_TLB,
         "hidden_scale": scale_TL.numpy().astype(np.float32),
         "hidden_group_scale": group_TLG.view(torch.uint8).numpy(),
         "hidden_outliers": outliers_TLN.view(torch.int16).numpy().view(np.uint16),
@@ -106,13 +111,22 @@ def encode_fp4(hidden_TLH: Any, channels_LN: np.ndarray) -> dict[str, np.ndarray
 
 
 @cache
-def _pair_values() -> Any:
-    """byte -> (low nibble's value, high nibble's value), fp32 [256, 2]."""
+def _code_table() -> np.ndarray:
+    """uint8 [4096]: e2m1_codes of every fp32 value class (sign, exponent, mantissa bits 22 and 21,
+    any lower bit set): the encoder's lookup, made from the definition above."""
     import torch
 
-    values = torch.tensor(list(E2M1_GRID) + [-v for v in E2M1_GRID], dtype=torch.float32)
-    codes = torch.arange(256)
-    return torch.stack([values[codes & 15], values[codes >> 4]], dim=1)
+    index = np.arange(4096, dtype=np.uint32)
+    bits = ((index >> 1) << 21) | (index & 1)
+    return e2m1_codes(torch.from_numpy(bits.view(np.float32))).numpy()
+
+
+@cache
+def _pair_values() -> np.ndarray:
+    """byte -> (low nibble's value, high nibble's value), fp32 [256, 2]."""
+    values = np.array(list(E2M1_GRID) + [-v for v in E2M1_GRID], dtype=np.float32)
+    codes = np.arange(256)
+    return np.stack([values[codes & 15], values[codes >> 4]], axis=1)
 
 
 def decode_fp4(
@@ -122,10 +136,9 @@ def decode_fp4(
     """The stored arrays -> bf16 torch [T, L, H]."""
     import torch
 
-    packed_TLB = torch.from_numpy(np.ascontiguousarray(hidden))
-    T, L, B = packed_TLB.shape
+    T, L, B = hidden.shape
     H = 2 * B
-    values_TLGS = _pair_values()[packed_TLB.long()].view(T, L, H // GROUP, GROUP)
+    values_TLGS = torch.from_numpy(np.take(_pair_values(), hidden, axis=0)).view(T, L, H // GROUP, GROUP)
     group_TLG = torch.from_numpy(np.ascontiguousarray(hidden_group_scale)).view(torch.float8_e4m3fn).float()
     step_TLG = group_TLG * torch.from_numpy(np.ascontiguousarray(hidden_scale))[..., None]
     x_TLH = values_TLGS.mul_(step_TLG[..., None]).view(T, L, H)
