@@ -28,7 +28,7 @@ from shared.identity import (
 from shared.lock import exclusive
 from shared.network import check_gloo_network
 from shared.paths import RunPaths
-from shared.store import StoreFiles, bytes_per_token, load_manifest
+from shared.store import StoreFiles, load_manifest
 from shared.target import load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
 from shared.target_model import load_target_model, resolve_device, resolve_dtype, runnable_problem
 from shared.token_cache import source_fingerprint
@@ -44,6 +44,7 @@ from stage1_extract.generate import (
 )
 from stage1_extract.header import load_or_pin_plan
 from stage1_extract.merge import done_shards, merge_manifest, part_path
+from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.prepare import (
     Prepared,
     discard_token_cache,
@@ -183,7 +184,7 @@ def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None, *, gpu: str | Non
     plan.update(
         {
             "store": prepared.files.url,
-            "storage": f"{cfg.store.dtype}+{cfg.store.compression}",
+            "storage": cfg.store.describe(),
             "free_bytes": free,
             "fits": None if free is None else plan["total_bytes"] <= free,
             "bad_rows_skipped": prepared.stats.bad_rows,
@@ -232,17 +233,29 @@ def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -
     return prepared
 
 
-def _pin_plan(cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool) -> list[ShardPlan]:
+def _pin_plan(
+    cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool, local_rank: int
+) -> tuple[list[ShardPlan], Any]:
     """Rank 0 pins samples_per_shard (the computed size, not the first shard's, which a short first
-    run would make small forever); every rank then checks the pinned header and plans the shards."""
-    files = prepared.files
+    run would make small forever) and, for fp4, the outlier channels (a bounded forward the others
+    wait for); every rank then checks the pinned header and plans the shards (returned with the
+    target when rank 0 loaded it to fit)."""
+    files, model, error = prepared.files, None, None
     if rank == 0:
-        load_or_pin_plan(files, prepared.header, shard_size(cfg, prepared), len(prepared.rows), repin=reprocess)
-        if "://" not in files.url:
-            cfg.write_resolved(Path(files.url) / "extract_config.yaml")
+        try:
+            before = files.read_json("plan.json")["header"] if files.exists("plan.json") else None
+            load_or_pin_plan(files, prepared.header, shard_size(cfg, prepared), len(prepared.rows), repin=reprocess)
+            if "://" not in files.url:
+                cfg.write_resolved(Path(files.url) / "extract_config.yaml")
+            if cfg.store.dtype == "fp4":
+                model = ensure_outlier_channels(cfg, prepared, before, local_rank)
+        except BaseException as exc:  # noqa: BLE001 - raised after the barrier, which every rank reaches
+            error = exc
     _barrier(world)
+    if error is not None:
+        raise error
     load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
-    return planned_shards(cfg, prepared)
+    return planned_shards(cfg, prepared), model
 
 
 def check_space(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], done: set[int], force: bool) -> None:
@@ -252,9 +265,7 @@ def check_space(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], don
     free = files.free_bytes()
     if free is None or force:
         return
-    per_token = bytes_per_token(
-        cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
-    )
+    per_token = cfg.store.bytes_per_token(len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k)
     left = sum(len(r.input_ids) for s in shards if s.index not in done for r in s.kept) * per_token
     if left > free:
         raise StoreError(
@@ -272,13 +283,14 @@ def _extract(
     if prepared.generated_problem is not None:  # every rank: each prepared the same inputs
         raise DataError(prepared.generated_problem)
     prepare_seconds = time.perf_counter() - started
-    shards = _pin_plan(cfg, prepared, rank, world, reprocess)
+    shards, model = _pin_plan(cfg, prepared, rank, world, reprocess, local_rank)
     files = prepared.files
+    channels = pinned_outlier_channels(files, cfg.store, len(prepared.layer_ids))
     done = done_shards(files, shards)
     check_space(cfg, prepared, shards, done, force)
     windows = windows_for_rank(shards, cfg.extract.window_shards, rank, world)
     mine = [s for w in windows for s in w if s.index not in done]
-    result = _run_windows(cfg, prepared, windows, done, local_rank, progress) if mine else None
+    result = _run_windows(cfg, prepared, windows, done, local_rank, progress, model, channels) if mine else None
     _barrier(world)
     summary: dict[str, Any] = {
         "store": files.url,
@@ -306,18 +318,19 @@ def _extract(
             }
         )
     if rank == 0:
-        summary.update(_merge(cfg, prepared, shards))
+        summary.update(_merge(cfg, prepared, shards, channels))
     _barrier(world)
     return summary
 
 
 def _run_windows(
-    cfg: RunConfig, prepared: Prepared, windows: list[list[ShardPlan]], done: set[int], local_rank: int, progress: bool
+    cfg: RunConfig, prepared: Prepared, windows: list[list[ShardPlan]], done: set[int], local_rank: int, progress: bool,
+    model: Any = None, channels: Any = None,
 ) -> Any:
     device = rank_device(cfg.extract.device, local_rank)
     settings = prepared.header["extraction"]  # what the header promises is what runs
     problem = runnable_problem(settings, device)
-    if problem is not None:
+    if problem is not None and model is None:
         chosen = [AUTO_SETTINGS[k] for k in ("attn_implementation", "compute_dtype", "packed")]
         raise ConfigError(
             f"{prepared.files.url} was extracted with {settings['attn_implementation']} attention, "
@@ -326,20 +339,21 @@ def _run_windows(
             f"(e.g. target.attn_implementation=sdpa extract.packed=off), which makes every shard stale: `reprocess` "
             f"re-extracts them all"
         )
-    model = load_target_model(
-        cfg.target, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
-    )
+    if model is None:  # else rank 0's, loaded with these settings to fit fp4's outlier channels
+        model = load_target_model(
+            cfg.target, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
+        )
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
             f"{settings['attn_implementation']!r}"
         )
     return run_shards(
-        model, windows, done, prepared.files.url, cfg.store, cfg.extract, prepared.layer_ids, settings["packed"], progress
+        model, windows, done, prepared.files.url, cfg.store, cfg.extract, prepared.layer_ids, settings["packed"], progress, channels
     )
 
 
-def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[str, Any]:
+def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], channels: Any) -> dict[str, Any]:
     """Rank 0: the manifest from every rank's part records, written last."""
     extra = {
         "data": {
@@ -352,6 +366,8 @@ def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[
         "samples_per_shard": shard_size(cfg, prepared),
         "created_unix": int(time.time()),
     }
+    if channels is not None:
+        extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
     out = {"merge_seconds": round(time.perf_counter() - started, 2)}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from shared.config import Section
-from shared.store import SampleFeatures, StoreConfig, bytes_per_token
+from shared.store import SampleFeatures, StoreConfig
 from shared.target_model import LayerCapture
 from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
 from stage1_extract.forward import forward_batch
@@ -142,6 +142,7 @@ def run_shards(
     layer_ids: list[int],
     packed: bool,
     progress: bool = True,
+    outlier_channels: Any = None,
 ) -> ExtractResult:
     """Extract this rank's unfinished shards, window by window, and write them."""
     from tqdm import tqdm
@@ -153,7 +154,7 @@ def run_shards(
     started = time.perf_counter()
     device = next(model.parameters()).device
     capture = LayerCapture(model, layer_ids)
-    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads)
+    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads, outlier_channels)
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:
@@ -191,9 +192,7 @@ def run_shards(
 def estimate(rows: list[TokenizedRow], header: dict[str, Any], store_cfg: StoreConfig) -> dict[str, Any]:
     kept = [r for r in rows if not r.skipped]
     tokens = int(sum(len(r.input_ids) for r in kept))
-    per_token = bytes_per_token(
-        store_cfg.dtype, len(header["layer_ids"]), header["target"]["hidden_size"], header["top_k"]
-    )
+    per_token = store_cfg.bytes_per_token(len(header["layer_ids"]), header["target"]["hidden_size"], header["top_k"])
     return {
         "samples": len(kept),
         "samples_truncated": sum(r.truncated for r in rows),

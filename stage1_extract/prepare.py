@@ -13,7 +13,7 @@ from shared.config import RunConfig
 from shared.errors import ConfigError, DataError
 from shared.identity import extraction_source, generated_problem, header_key, store_header
 from shared.paths import RunPaths
-from shared.store import StoreFiles, bytes_per_token
+from shared.store import StoreFiles
 from shared.target import TargetInfo, cached_tokenizer, resolve_target
 from shared.token_cache import DamagedCache, TokenCache, token_cache_key
 from stage1_extract.batching import (
@@ -208,9 +208,7 @@ def shard_size(cfg: RunConfig, prepared: Prepared) -> int:
     files = prepared.files
     if files.exists("plan.json"):
         return int(files.read_json("plan.json")["samples_per_shard"])
-    token_bytes = bytes_per_token(
-        cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
-    )
+    token_bytes = cfg.store.bytes_per_token(len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k)
     return choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
 
 

@@ -49,7 +49,7 @@ def test_unknown_section_is_rejected():
     [
         ("extract.top_k=0", r"extract\.top_k must be in 1\.\.1024, got 0"),
         ("extract.top_k=abc", r"extract\.top_k must be an integer, got 'abc'"),
-        ("store.dtype=fp4", r"store\.dtype must be one of \['bf16', 'fp8'\], got 'fp4'"),
+        ("store.dtype=fp2", r"store\.dtype must be one of \['bf16', 'fp8', 'fp4'\], got 'fp2'"),
         ("generate.top_p=1.5", r"generate\.top_p must be in \(0, 1\], got 1\.5"),
         ("data.on_bad_row=ignore", r"data\.on_bad_row must be one of"),
         ("target.layer_ids=[3,1]", r"target\.layer_ids must be distinct, ascending"),
