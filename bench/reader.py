@@ -94,7 +94,8 @@ def uncompressed_copy(reader: StoreReader, out: Path) -> Path:
                     topk_ids_TK=s["topk_ids_TK"].to(torch.int32),
                 )
             )
-        record.update(write_shard(str(out), record["name"], samples, cfg))
+        channels = manifest.get("fp4_outlier_channels")  # fp4: re-encoded with the store's channel set
+        record.update(write_shard(str(out), record["name"], samples, cfg, None if channels is None else np.asarray(channels)))
     manifest["storage"]["compression"] = "none"
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out

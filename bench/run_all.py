@@ -54,6 +54,21 @@ EXTRA_BENCHES = {
         "bench/compare.py", "--name", "qmix", "--steps", "400", "--heldout", "0", "--unseen", "44",
         "--variant", "mixed:", "--variant", "questions:store.path=runs/questions/store",
     ],
+    # fp4 hidden states: the same data extracted as bf16, fp8 and fp4 (bench/fp4.py builds the stores
+    # and measures the codec, ~15 min), then drafters trained from each at equal steps and seed.
+    "fp4": ["bench/fp4.py", "--config", "configs/default.yaml", "--run-dir", "runs/fp4-default"],
+    "fp4_compare": [
+        "bench/compare.py", "--name", "fp4-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
+        "--variant", "fp8:store.path=runs/fp4-default/store-fp8", "--variant", "bf16:store.path=runs/fp4-default/store-bf16",
+        "--variant", "fp4:store.path=runs/fp4-default/store-fp4", "store.path=runs/fp4-default/store-bf16",
+    ],
+    "fp4_long": ["bench/fp4.py", "--config", "configs/cpu-long.yaml", "--run-dir", "runs/fp4-cpu-long"],
+    "fp4_compare_long": [
+        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "fp4-cpu-long", "--steps", "1600",
+        "--heldout", "24", "--unseen", "16",
+        "--variant", "fp8:store.path=runs/fp4-cpu-long/store-fp8", "--variant", "bf16:store.path=runs/fp4-cpu-long/store-bf16",
+        "--variant", "fp4:store.path=runs/fp4-cpu-long/store-fp4", "store.path=runs/fp4-cpu-long/store-bf16",
+    ],
     "levers_long": [
         "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "levers-cpu-long", "--steps", "1600",
         "--heldout", "24", "--unseen", "16", "--variant", "dpace:", "--variant", "decay:loss.weighting=decay",
@@ -112,7 +127,25 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             rows.append((f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
                          f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
                          f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", ""))
-    if name in ("levers", "levers_long", "questions"):
+    if name in ("fp4", "fp4_long"):
+        layers = ", ".join(str(i) for i in r["layer_ids"])
+        for codec, errors in r["relative_error_median_per_layer"].items():
+            rows.append((f"{codec}: median per-token relative error, layers {layers} ({r['features']}, {r['tokens']:,} tokens)",
+                         " / ".join(str(e) for e in errors), "", f"all layers {r['relative_error_median'][codec]}", ""))
+        disk, b8, over = r["bytes_per_token_on_disk"], r["bytes_per_token_qwen3_8b"], r["over_bf16_qwen3_8b"]
+        rows.append((f"bytes/token on disk, bf16 / fp8 / fp4 ({r['compression']}, incl. top-64)",
+                     f"{fmt(disk['bf16'])} / {fmt(disk['fp8'])} / {fmt(disk['fp4'])}", "", "", ""))
+        rows.append(("bytes/token at Qwen3-8B (5 x 4096, top-64, formula): bf16 / fp8 / fp4",
+                     f"{fmt(b8['bf16'])} / {fmt(b8['fp8'])} / {fmt(b8['fp4'])}", "", f"{over['fp8']}x / {over['fp4']}x of bf16", ""))
+        rows.append(("decode / encode MB/s of bf16 output, one thread: fp8 / fp4",
+                     f"{fmt(r['decode_mb_per_s']['fp8'])} / {fmt(r['decode_mb_per_s']['fp4'])} (encode "
+                     f"{fmt(r['encode_mb_per_s']['fp8'])} / {fmt(r['encode_mb_per_s']['fp4'])})", "", "", ""))
+    if name in ("fp4_compare", "fp4_compare_long") and "fp4" in r["results"]:
+        a = r["results"]["fp4"]["all"]
+        holds = a["diff_lo"] <= 0 <= a["diff_hi"]
+        rows.append(("decision rule: fp4 - fp8 paired online tau interval contains 0", f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]",
+                     "contains 0", "", yes(holds)))
+    if name in ("levers", "levers_long", "questions", "fp4_compare", "fp4_compare_long"):
         base = r["baseline"]
         p = r["prompts"]
         rows.append((f"prompts decoded ({r['max_new_tokens']} new tokens each, every output equal to the target's greedy one)",

@@ -102,7 +102,7 @@ AUTO_SETTINGS = {"compute_dtype": "target.dtype", "attn_implementation": "target
 
 
 def storage_settings(store: Any) -> dict[str, Any]:
-    return {"dtype": store.dtype, "compression": store.compression, "zstd_level": store.zstd_level, "chunk_tokens": store.chunk_tokens}
+    return store.identity()  # the codec and what it keeps (shared/store.py StoreConfig.identity)
 
 
 def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -7,21 +7,26 @@ fsspec URL such as s3://bucket/store or memory://x):
     plan.json                  the shard plan, pinned at the first run (resume and reprocess reuse it)
     parts/shard-000003.json    one record per finished shard, written right after the shard's data
     shards/shard-000003-<tag>/ one Zarr group per shard, written whole, once, by one writer:
-        hidden        [T, L, H]  bf16 (as uint16 bits) or fp8 e4m3 (as uint8 bits)
-        hidden_scale  [T, L]     float32, fp8 only: per-token, per-layer scale (amax / 448)
+        hidden        [T, L, H]  bf16 (as uint16 bits) or fp8 e4m3 (as uint8 bits); fp4: [T, L, H/2]
+                                 uint8, two e2m1 codes a byte (shared/fp4.py)
+        hidden_scale  [T, L]     float32, fp8 and fp4: per-token, per-layer scale (amax / 448; fp4 amax / 2688)
         topk_logprobs [T, K]     float16, log-softmax of the target's logits after final norm + LM head
         topk_ids      [T, K]     int32
         input_ids     [T]        int32
         loss_mask     [T]        bool
         offsets       [S + 1]    int64, sample s is tokens offsets[s]:offsets[s+1]
         sample_ids    [S]        int64, the sample's index in the input data
+      fp4 only (shared/fp4.py):
+        hidden_group_scale      [T, L, H/16]  uint8, e4m3 bits: one scale per 16 channels
+        hidden_outliers         [T, L, N]     uint16, bf16 bits of the outlier channels, exact
+        hidden_outlier_channels [L, N]        int32, those channels (one set for the whole store)
 
 The shard tag hashes the shard's inputs and the extraction settings, so a rewritten shard gets
 a new name and the manifest switches to it in one write: replacing a shard needs no rename,
 which object stores lack. Every array is one Zarr shard of `chunk_tokens`-token chunks, so any
 zarr client (xarray, dask) can open a group, and a random window read touches few chunks.
 
-Shape legend: T tokens, L feature layers, H hidden size, K top-k, S samples.
+Shape legend: T tokens, L feature layers, H hidden size, K top-k, S samples, N outlier channels.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from shared import fp4
 from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
 from shared.errors import StoreError
 from shared.files import fsync_tree, write_atomic
@@ -48,15 +54,23 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-ARRAY_NAMES = ("hidden", "hidden_scale", "topk_logprobs", "topk_ids", "input_ids", "loss_mask", "offsets", "sample_ids")
+ARRAY_NAMES = (
+    "hidden", "hidden_scale", "topk_logprobs", "topk_ids", "input_ids", "loss_mask", "offsets", "sample_ids",
+    "hidden_group_scale", "hidden_outliers", "hidden_outlier_channels",
+)
+FP4_ARRAYS = ("hidden_group_scale", "hidden_outliers")  # token-major, besides hidden and hidden_scale
+NOT_TOKEN_MAJOR = ("offsets", "sample_ids", "hidden_outlier_channels")
 
 
 class StoreConfig(Section):
     section: ClassVar[str] = "store"
     path: str | None = None
     """Local folder or fsspec URL (s3://bucket/store); null = <run_dir>/store."""
-    dtype: Literal["bf16", "fp8"] = "bf16"
-    """Hidden states as bf16, or fp8 e4m3 with a per-token, per-layer scale (half the bytes)."""
+    dtype: Literal["bf16", "fp8", "fp4"] = "bf16"
+    """Hidden states as bf16, or fp8 e4m3 with a per-token, per-layer scale (half the bytes), or fp4: e2m1
+    in groups of 16 with e4m3 group scales plus fp4_outlier_channels exact channels (0.29x at 8B)."""
+    fp4_outlier_channels: int = 8
+    """fp4 only: per layer, this many channels (largest mean |x| on the first shard, fixed per store) stored exact."""
     compression: Literal["none", "zstd"] = "zstd"
     """Codec of every array (zstd saves ~1.3x on hidden states, ~2x on top-k)."""
     zstd_level: int = 3
@@ -78,6 +92,25 @@ class StoreConfig(Section):
         self.require(self.chunk_tokens >= 16, "chunk_tokens", "must be >= 16")
         self.require(self.read_cache_mb >= 0, "read_cache_mb", "must be >= 0")
         self.require(self.local_cache_gb >= 0, "local_cache_gb", "must be >= 0")
+        self.require(0 <= self.fp4_outlier_channels <= 256, "fp4_outlier_channels", "must be in 0..256")
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that change a shard's bytes (the header's `storage`); the outlier count only
+        for fp4, so the identity of bf16 and fp8 stores is what it was before fp4 existed."""
+        out: dict[str, Any] = {"dtype": self.dtype, "compression": self.compression, "zstd_level": self.zstd_level,
+                               "chunk_tokens": self.chunk_tokens}
+        if self.dtype == "fp4":
+            out["fp4_outlier_channels"] = self.fp4_outlier_channels
+        return out
+
+    def bytes_per_token(self, num_layers: int, hidden_size: int, top_k: int) -> int:
+        """Uncompressed bytes one token costs in a store of these settings."""
+        return bytes_per_token(self.dtype, num_layers, hidden_size, top_k, self.fp4_outlier_channels)
+
+    def describe(self) -> str:
+        """'fp8+zstd', 'fp4 (e2m1/16 + e4m3 scales + 8 exact channels)+zstd'."""
+        codec = f"fp4 (e2m1/16 + e4m3 scales + {self.fp4_outlier_channels} exact channels)" if self.dtype == "fp4" else self.dtype
+        return f"{codec}+{self.compression}"
 
     def reader_options(self) -> dict[str, Any]:
         """StoreReader's keyword arguments from this section."""
@@ -89,9 +122,12 @@ class StoreConfig(Section):
         return self.path or str(Path(run_dir) / "store")
 
 
-def bytes_per_token(dtype: str, num_layers: int, hidden_size: int, top_k: int) -> int:
-    """Uncompressed bytes one token costs in the store."""
-    hidden = num_layers * hidden_size * (2 if dtype == "bf16" else 1) + (4 * num_layers if dtype == "fp8" else 0)
+def bytes_per_token(dtype: str, num_layers: int, hidden_size: int, top_k: int, outlier_channels: int = 8) -> int:
+    """Uncompressed bytes one token costs in the store (`outlier_channels`: fp4's, per layer)."""
+    if dtype == "fp4":
+        hidden = fp4.bytes_per_token(num_layers, hidden_size, outlier_channels)
+    else:
+        hidden = num_layers * hidden_size * (2 if dtype == "bf16" else 1) + (4 * num_layers if dtype == "fp8" else 0)
     return hidden + top_k * (2 + 4) + 4 + 1
 
 
@@ -194,21 +230,30 @@ class EncodedSample:
     sample_id: int
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # bool [T]
-    hidden_bits: np.ndarray  # uint16 (bf16) or uint8 (fp8) [T, L, H]
-    hidden_scale: np.ndarray | None  # float32 [T, L], fp8 only
+    hidden_bits: np.ndarray  # uint16 (bf16) or uint8 (fp8) [T, L, H]; fp4: uint8 [T, L, H/2]
+    hidden_scale: np.ndarray | None  # float32 [T, L], fp8 and fp4
     topk_logprobs: np.ndarray  # float16 [T, K]
     topk_ids: np.ndarray  # int32 [T, K]
+    fp4_parts: dict[str, np.ndarray] | None = None  # fp4: FP4_ARRAYS and hidden_outlier_channels
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.input_ids, self.loss_mask, self.hidden_bits, self.hidden_scale, self.topk_logprobs, self.topk_ids)
+        arrays = (self.input_ids, self.loss_mask, self.hidden_bits, self.hidden_scale, self.topk_logprobs, self.topk_ids,
+                  *(self.fp4_parts or {}).values())
         return sum(a.nbytes for a in arrays if a is not None)
 
 
-def encode_sample(sample: SampleFeatures, dtype: str) -> EncodedSample:
+def encode_sample(sample: SampleFeatures, dtype: str, outlier_channels: np.ndarray | None = None) -> EncodedSample:
     """A host sample in stored form. Every array is a copy: the caller may reuse (pinned) buffers
-    the moment this returns."""
-    bits, scale = encode_hidden(sample.hidden_TLH, dtype)
+    the moment this returns. fp4 needs the store's outlier channels [L, N]."""
+    parts = None
+    if dtype == "fp4":
+        if outlier_channels is None:
+            raise ValueError("fp4 encoding needs the store's outlier channels")
+        parts = fp4.encode_fp4(sample.hidden_TLH, outlier_channels)
+        bits, scale = parts.pop("hidden"), parts.pop("hidden_scale")
+    else:
+        bits, scale = encode_hidden(sample.hidden_TLH, dtype)
     return EncodedSample(
         sample_id=sample.sample_id,
         input_ids=np.array(sample.input_ids_T, dtype=np.int32),
@@ -217,12 +262,16 @@ def encode_sample(sample: SampleFeatures, dtype: str) -> EncodedSample:
         hidden_scale=scale,
         topk_logprobs=sample.topk_logprobs_TK.float().numpy().astype(np.float16),
         topk_ids=sample.topk_ids_TK.numpy().astype(np.int32),
+        fp4_parts=parts,
     )
 
 
-def decode_hidden(bits_TLH: np.ndarray, scale_TL: np.ndarray | None, dtype: str) -> Any:
+def decode_hidden(bits_TLH: np.ndarray, scale_TL: np.ndarray | None, dtype: str, **fp4_parts: np.ndarray) -> Any:
+    """Stored bits -> bf16 torch [T, L, H]; fp4 also takes its FP4_ARRAYS and hidden_outlier_channels."""
     import torch
 
+    if dtype == "fp4":
+        return fp4.decode_fp4(bits_TLH, scale_TL, **fp4_parts)
     if dtype == "bf16":
         return torch.from_numpy(np.ascontiguousarray(bits_TLH).view(np.int16)).view(torch.bfloat16)
     q_TLH = torch.from_numpy(np.ascontiguousarray(bits_TLH)).view(torch.float8_e4m3fn)
@@ -246,15 +295,17 @@ def shard_name(index: int, tag: str) -> str:
 
 
 def write_shard(
-    url: str, name: str, samples: list[SampleFeatures] | list[EncodedSample], cfg: StoreConfig
+    url: str, name: str, samples: list[SampleFeatures] | list[EncodedSample], cfg: StoreConfig,
+    outlier_channels: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Write one whole shard group and return its record (tokens, bytes, checksum)."""
+    """Write one whole shard group and return its record (tokens, bytes, checksum). fp4 samples not
+    yet encoded need the store's `outlier_channels`."""
     import zarr
     from zarr.codecs import ZstdCodec
 
     if not samples:
         raise ValueError(f"shard {name}: no samples to write")
-    encoded = [s if isinstance(s, EncodedSample) else encode_sample(s, cfg.dtype) for s in samples]
+    encoded = [s if isinstance(s, EncodedSample) else encode_sample(s, cfg.dtype, outlier_channels) for s in samples]
     arrays: dict[str, np.ndarray] = {
         "hidden": np.concatenate([s.hidden_bits for s in encoded]),
         "topk_logprobs": np.concatenate([s.topk_logprobs for s in encoded]),
@@ -264,14 +315,21 @@ def write_shard(
         "offsets": np.concatenate([[0], np.cumsum([len(s.input_ids) for s in encoded])]).astype(np.int64),
         "sample_ids": np.asarray([s.sample_id for s in encoded], dtype=np.int64),
     }
-    if cfg.dtype == "fp8":
+    if cfg.dtype in ("fp8", "fp4"):
         arrays["hidden_scale"] = np.concatenate([s.hidden_scale for s in encoded])
+    if cfg.dtype == "fp4":
+        for key in FP4_ARRAYS:
+            arrays[key] = np.concatenate([s.fp4_parts[key] for s in encoded])
+        channels = encoded[0].fp4_parts["hidden_outlier_channels"]
+        if any(not np.array_equal(s.fp4_parts["hidden_outlier_channels"], channels) for s in encoded):
+            raise ValueError(f"shard {name}: samples encoded with different outlier channels")
+        arrays["hidden_outlier_channels"] = channels
     num_tokens = int(arrays["offsets"][-1])
     compressors = ZstdCodec(level=cfg.zstd_level) if cfg.compression == "zstd" else None
     group = zarr.open_group(store=_zarr_store(url, read_only=False), path=f"shards/{name}", mode="w", zarr_format=3)
     group.attrs.update({"schema_version": SCHEMA_VERSION, "hidden_dtype": cfg.dtype, "num_tokens": num_tokens})
     for key, data in arrays.items():
-        token_major = key not in ("offsets", "sample_ids")
+        token_major = key not in NOT_TOKEN_MAJOR
         # Equal chunks of at most chunk_tokens: an uncompressed partial tail chunk would be stored
         # padded to full size, which costs up to a chunk of padding per shard.
         num_chunks = -(-len(data) // cfg.chunk_tokens) if token_major else 1
@@ -325,8 +383,11 @@ def read_shard_arrays(url: str, name: str) -> dict[str, np.ndarray]:
 def read_manifest(url: str) -> dict[str, Any]:
     files = StoreFiles(url)
     if not files.exists("manifest.json"):
-        hint = " (extraction has not finished: run `python -m stage1_extract status`)" if files.exists("plan.json") else ""
-        raise StoreError(f"{url}: no manifest.json{hint}")
+        if files.exists("plan.json"):
+            hint = "extraction has not finished: `python -m stage1_extract status` says what is left, `extract` resumes it"
+        else:
+            hint = "no store was extracted here: `python -m stage1_extract extract --config ...` builds it (`make extract`)"
+        raise StoreError(f"{url}: no manifest.json; {hint}")
     manifest = load_manifest(files)
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
@@ -377,6 +438,52 @@ def check_manifest_matches(manifest: dict[str, Any], expected: dict[str, Any], u
 # Reading
 
 
+def hidden_array_names(dtype: str) -> tuple[str, ...]:
+    """The arrays a shard of this codec holds besides StoreReader.REQUIRED."""
+    return {"bf16": (), "fp8": ("hidden_scale",)}.get(dtype, ("hidden_scale", *FP4_ARRAYS, "hidden_outlier_channels"))
+
+
+def hidden_array_specs(dtype: str, tokens: int, layers: int, hidden: int, outlier_channels: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Name -> (shape, numpy dtype) of the hidden-state arrays of a shard (for verify)."""
+    if dtype == "bf16":
+        return {"hidden": ((tokens, layers, hidden), np.uint16)}
+    if dtype == "fp8":
+        return {"hidden": ((tokens, layers, hidden), np.uint8), "hidden_scale": ((tokens, layers), np.float32)}
+    return {
+        "hidden": ((tokens, layers, hidden // 2), np.uint8),
+        "hidden_scale": ((tokens, layers), np.float32),
+        "hidden_group_scale": ((tokens, layers, hidden // fp4.GROUP), np.uint8),
+        "hidden_outliers": ((tokens, layers, outlier_channels), np.uint16),
+        "hidden_outlier_channels": ((layers, outlier_channels), np.int32),
+    }
+
+
+def hidden_problem(arrays: dict[str, np.ndarray], dtype: str, channels: list[list[int]] | None = None) -> str | None:
+    """What is wrong with a shard's decoded hidden-state arrays (non-finite values or scales, an
+    outlier channel set other than the store's `channels`), or None."""
+    bits = arrays["hidden"]
+    if dtype == "bf16":
+        bad = int(((bits & 0x7F80) == 0x7F80).sum())
+    elif dtype == "fp8":
+        bad = int(((bits & 0x7F) == 0x7F).sum())
+    else:
+        bad = int(((arrays["hidden_outliers"] & 0x7F80) == 0x7F80).sum())  # e2m1 codes have no inf/NaN
+    if bad:
+        return f"{bad} non-finite hidden values"
+    if dtype == "bf16":
+        return None
+    scale = arrays["hidden_scale"]
+    if not (np.isfinite(scale) & (scale > 0)).all():
+        return f"{int((~(np.isfinite(scale) & (scale > 0))).sum())} hidden_scale values not finite and > 0"
+    if dtype == "fp4":
+        group = arrays["hidden_group_scale"]
+        if ((group & 0x7F) == 0x7F).any() or (group & 0x80).any():
+            return f"{int((((group & 0x7F) == 0x7F) | ((group & 0x80) > 0)).sum())} group scales NaN or negative"
+        if channels is None or arrays["hidden_outlier_channels"].tolist() != channels:
+            return "outlier channels differ from the store's (manifest fp4_outlier_channels)"
+    return None
+
+
 def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.ndarray:
     """int64 per sample: a hash of its tokens and loss mask when every shard record lists them
     (`content_hashes`), so identical samples share a key and the held-out split keeps them on one
@@ -425,12 +532,13 @@ class StoreReader:
             local_cache = LocalChunkCache(local_cache_dir, int(local_cache_gb * 2**30))
         self._source = ChunkSource(files.fs, files.root, files.is_local, local_cache)
         self._chunks = DecodedChunks(cache_mb * 2**20)
-        self._open: OrderedDict[int, tuple[dict[str, Any], np.ndarray]] = OrderedDict()
+        self._open: OrderedDict[int, tuple[dict[str, Any], np.ndarray, np.ndarray | None]] = OrderedDict()
         self._cache_shards = cache_shards
         self._lock = threading.Lock()
         self._zarr_store = None
         self._feature_shape: tuple[int, int] | None = None
         self._claim: Any = None
+        self.claim = "none"  # what `hold` could claim: "flock", or "none (why)"
 
     def __len__(self) -> int:
         return int(self._shard_start[-1])
@@ -440,17 +548,26 @@ class StoreReader:
         are refused naming this process, and this is refused while one writes. Where no claim can
         be made (an object store, a read-only folder) a failed read still says whether the store
         was rewritten meanwhile (`_damaged`)."""
-        from shared.lock import ReaderClaim
+        from shared.lock import FlockUnsupported, ReaderClaim
 
         if "://" in self.url and not self.url.startswith("file://"):
+            self.claim = "none (object store)"
             return self
         claim = ReaderClaim(self.url)
         try:
             claim.acquire(command)
+        except FlockUnsupported as exc:
+            self.claim = "none (no flock here)"
+            log.warning(
+                "%s; no reader claim: writers are not refused while `%s` reads (keep them off this store), and a "
+                "rewrite under it is named if a read fails", exc.strerror, command,
+            )
+            return self
         except OSError as exc:
+            self.claim = f"none ({exc.strerror or exc})"
             log.info("%s: no reader claim (%s); a concurrent rewrite is still named if a read fails", self.url, exc)
             return self
-        self._claim = claim
+        self._claim, self.claim = claim, "flock"
         return self
 
     def close(self) -> None:
@@ -488,8 +605,9 @@ class StoreReader:
                 "run `python -m stage1_extract verify --repair` or `reprocess`",
             )
 
-    def _shard(self, shard: int) -> tuple[dict[str, Any], np.ndarray]:
-        """The shard's arrays (metadata and chunk indexes read once) and its offsets."""
+    def _shard(self, shard: int) -> tuple[dict[str, Any], np.ndarray, np.ndarray | None]:
+        """The shard's arrays (metadata and chunk indexes read once), its offsets and (fp4) its
+        outlier channels."""
         with self._lock:
             if shard in self._open:
                 self._open.move_to_end(shard)
@@ -498,6 +616,10 @@ class StoreReader:
         try:
             arrays = self._open_arrays(name)
             offsets = self._read(arrays["offsets"], 0, self._shards[shard]["num_samples"] + 1, (shard, "offsets"))
+            channels = None
+            if self.hidden_dtype == "fp4":
+                num_layers = arrays["hidden"].shape[1]
+                channels = self._read(arrays["hidden_outlier_channels"], 0, num_layers, (shard, "hidden_outlier_channels"))
         except StoreError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure here means a damaged (or replaced) shard
@@ -511,10 +633,10 @@ class StoreReader:
                 f"{info['num_samples']} / {info['num_tokens']}", "run `python -m stage1_extract reprocess`",
             )
         with self._lock:
-            self._open[shard] = (arrays, offsets)
+            self._open[shard] = (arrays, offsets, channels)
             while len(self._open) > self._cache_shards:
                 self._open.popitem(last=False)
-        return arrays, offsets
+        return arrays, offsets, channels
 
     def _open_arrays(self, name: str) -> dict[str, Any]:
         from shared.chunks import open_shard_array
@@ -523,9 +645,7 @@ class StoreReader:
             p.name for p in Path(self._source.root, "shards", name).iterdir()
         }
         wanted = [a for a in ARRAY_NAMES if a in present]
-        missing = [a for a in self.REQUIRED if a not in present] + (
-            ["hidden_scale"] if self.hidden_dtype == "fp8" and "hidden_scale" not in present else []
-        )
+        missing = [a for a in (*self.REQUIRED, *hidden_array_names(self.hidden_dtype)) if a not in present]
         if missing:
             raise self._damaged(
                 name, f"lacks the array(s) {missing}", "run `python -m stage1_extract verify --repair` to extract it again"
@@ -534,6 +654,14 @@ class StoreReader:
         for array in wanted:
             fast = open_shard_array(self._source, f"shards/{name}/{array}")
             arrays[array] = fast if fast is not None else self._zarr_array(name, array)
+        # A shard of another codec (an fp4 shard listed as fp8) has another width: refuse it by name.
+        hidden_size = self.manifest["target"].get("hidden_size")
+        width = arrays["hidden"].shape[2] * (2 if self.hidden_dtype == "fp4" else 1)
+        if hidden_size is not None and width != hidden_size:
+            raise StoreError(
+                f"{self.url}: shard {name} holds hidden states {width} wide as {self.hidden_dtype}, the manifest says "
+                f"{hidden_size}: it was written with another store.dtype; run `python -m stage1_extract verify --repair`"
+            )
         return arrays
 
     def _zarr_array(self, name: str, array: str) -> Any:
@@ -557,8 +685,9 @@ class StoreReader:
     def feature_shape(self) -> tuple[int, int] | None:
         """(layers, hidden) of the stored features; None for an empty store."""
         if self._feature_shape is None and len(self):
-            arrays, _ = self._shard(0)
-            self._feature_shape = tuple(int(d) for d in arrays["hidden"].shape[1:])
+            arrays, _, _ = self._shard(0)
+            layers, width = (int(d) for d in arrays["hidden"].shape[1:])
+            self._feature_shape = (layers, width * 2 if self.hidden_dtype == "fp4" else width)
         return self._feature_shape
 
     def describe(self, index: int) -> str:
@@ -588,7 +717,7 @@ class StoreReader:
         import torch
 
         shard, local = self.locate(index)
-        arrays, offsets = self._shard(shard)
+        arrays, offsets, channels = self._shard(shard)
         begin, end = int(offsets[local]), int(offsets[local + 1])
         stop = end - begin if stop is None else min(stop, end - begin)
         lo, hi = begin + start, begin + stop
@@ -609,14 +738,17 @@ class StoreReader:
                     "run `python -m stage1_extract verify --repair`",
                 ) from exc
 
-        scale = get("hidden_scale") if self.hidden_dtype == "fp8" else None
+        scale = get("hidden_scale") if self.hidden_dtype != "bf16" else None
+        parts = {key: get(key) for key in FP4_ARRAYS} if self.hidden_dtype == "fp4" else {}
+        if channels is not None:
+            parts["hidden_outlier_channels"] = channels
         if hidden_out is None:
-            hidden_TLH = decode_hidden(get("hidden"), scale, self.hidden_dtype)
+            hidden_TLH = decode_hidden(get("hidden"), scale, self.hidden_dtype, **parts)
         elif self.hidden_dtype == "bf16":
             get("hidden", hidden_out.view(torch.int16).numpy().view(np.uint16))
             hidden_TLH = hidden_out
         else:
-            hidden_TLH = hidden_out.copy_(decode_hidden(get("hidden"), scale, self.hidden_dtype))
+            hidden_TLH = hidden_out.copy_(decode_hidden(get("hidden"), scale, self.hidden_dtype, **parts))
         return {
             "sample_id": int(self.sample_ids[index]),
             "input_ids_T": torch.from_numpy(get("input_ids").astype(np.int64)),

@@ -20,6 +20,7 @@ from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
 from shared.identity import AUTO_SETTINGS, header_differences, header_key
 from shared.lock import exclusive
+from shared.network import check_gloo_network
 from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles, load_manifest
 from shared.target import TargetConfig
@@ -30,6 +31,7 @@ from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.header import load_or_pin_plan
 from stage1_extract.merge import done_shards, merge_manifest, part_path
+from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.prepare import Prepared, discard_token_cache, planned_shards, shard_size, token_bytes
 from stage1_extract.resolve import prepare_run
@@ -61,12 +63,13 @@ def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, repr
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            check_gloo_network()  # a hostname on loopback would hang the first barrier for its 6 hours
             # Only barriers travel; gloo works on CPU and GPU nodes. They wait for the slowest rank's
             # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
             dist.init_process_group("gloo", timeout=timedelta(hours=6))
     try:
-        with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract"):
-            return _extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess)
+        with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract") as lock:
+            return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
     finally:
         if world > 1:
             import torch.distributed as dist
@@ -85,10 +88,10 @@ def _extract(
     if prepared.generated_problem is not None:  # every rank: each prepared the same inputs
         raise DataError(prepared.generated_problem)
     prepare_seconds = time.perf_counter() - started
-    shards, samples_per_shard = _pin_plan(cfg, prepared, rank, world, reprocess)
+    shards, samples_per_shard, model = _pin_plan(cfg, prepared, rank, world, reprocess, local_rank)
     return extract_store(
         prepared, shards, samples_per_shard, cfg.store, cfg.extract, cfg.target, (rank, world, local_rank),
-        force=force, progress=progress, prepare_seconds=prepare_seconds,
+        force=force, progress=progress, prepare_seconds=prepare_seconds, model=model,
     )
 
 
@@ -112,29 +115,40 @@ def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -
 
 
 def _pin_plan(
-    cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool
-) -> tuple[list[ShardPlan], int]:
+    cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool, local_rank: int
+) -> tuple[list[ShardPlan], int, Any]:
     """Rank 0 pins samples_per_shard (the computed size, not the first shard's, which a short first
-    run would make small forever) and saves the resolved config beside the store; every rank then
-    checks the pinned header and plans the shards: (the shards, samples_per_shard)."""
-    files = prepared.files
+    run would make small forever), saves the resolved config beside the store and, for fp4, pins the
+    outlier channels (a bounded forward the others wait for); every rank then checks the pinned
+    header and plans the shards: (the shards, samples_per_shard, the target when rank 0 loaded it
+    to fit the channels)."""
+    files, model, error = prepared.files, None, None
     if rank == 0:
-        load_or_pin_plan(files, prepared.header, shard_size(prepared, cfg.store), len(prepared.rows), repin=reprocess)
-        if "://" not in files.url:
-            cfg.write_resolved(Path(files.url) / "extract_config.yaml")
+        try:
+            before = files.read_json("plan.json")["header"] if files.exists("plan.json") else None
+            load_or_pin_plan(files, prepared.header, shard_size(prepared, cfg.store), len(prepared.rows), repin=reprocess)
+            if "://" not in files.url:
+                cfg.write_resolved(Path(files.url) / "extract_config.yaml")
+            if cfg.store.dtype == "fp4":
+                device = rank_device(cfg.extract.device, local_rank)
+                model = ensure_outlier_channels(prepared, before, cfg.store, cfg.extract, cfg.target, device)
+        except BaseException as exc:  # noqa: BLE001 - raised after the barrier, which every rank reaches
+            error = exc
     _barrier(world)
+    if error is not None:
+        raise error
     samples_per_shard = load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
-    return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard
+    return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard, model
 
 
-def check_space(prepared: Prepared, shards: list[ShardPlan], done: set[int], force: bool) -> None:
+def check_space(prepared: Prepared, store: StoreConfig, shards: list[ShardPlan], done: set[int], force: bool) -> None:
     """Refuse to start when the shards still to write will not fit (`--force` overrides). Only the
     shards left count: after a full disk and some space freed, the rest of the job may well fit."""
     files = prepared.files
     free = files.free_bytes()
     if free is None or force:
         return
-    left = sum(len(r.input_ids) for s in shards if s.index not in done for r in s.kept) * token_bytes(prepared.header)
+    left = sum(len(r.input_ids) for s in shards if s.index not in done for r in s.kept) * token_bytes(prepared.header, store)
     if left > free:
         raise StoreError(
             f"extraction still needs about {human_bytes(left)} ({len(shards) - len(done)} of {len(shards)} shards "
@@ -155,19 +169,21 @@ def extract_store(
     force: bool,
     progress: bool,
     prepare_seconds: float,
+    model: Any = None,
 ) -> dict[str, Any]:
     """Extract this rank's shards not yet done (`ranks`: rank, world size, local rank), then rank 0
-    merges the manifest."""
+    merges the manifest. `model`: the target when rank 0 already loaded it (fp4's channel fit)."""
     rank, world, local_rank = ranks
     files = prepared.files
+    channels = pinned_outlier_channels(files, store, len(prepared.layer_ids))
     done = done_shards(files, shards)
-    check_space(prepared, shards, done, force)
+    check_space(prepared, store, shards, done, force)
     windows = windows_for_rank(shards, extract.window_shards, rank, world)
     mine = [s for w in windows for s in w if s.index not in done]
     result = None
     if mine:
         device = rank_device(extract.device, local_rank)
-        result = _run_windows(prepared, windows, done, device, target_cfg, store, extract, progress)
+        result = _run_windows(prepared, windows, done, device, target_cfg, store, extract, progress, model, channels)
     _barrier(world)
     summary: dict[str, Any] = {
         "store": files.url,
@@ -195,7 +211,7 @@ def extract_store(
             }
         )
     if rank == 0:
-        summary.update(_merge(prepared, shards, samples_per_shard))
+        summary.update(_merge(prepared, shards, samples_per_shard, channels))
     _barrier(world)
     return summary
 
@@ -209,10 +225,12 @@ def _run_windows(
     store: StoreConfig,
     extract: ExtractConfig,
     progress: bool,
+    model: Any = None,
+    channels: Any = None,
 ) -> Any:
     settings = prepared.header["extraction"]  # what the header promises is what runs
     problem = runnable_problem(settings, device)
-    if problem is not None:
+    if problem is not None and model is None:
         chosen = [AUTO_SETTINGS[k] for k in ("attn_implementation", "compute_dtype", "packed")]
         raise ConfigError(
             f"{prepared.files.url} was extracted with {settings['attn_implementation']} attention, "
@@ -221,18 +239,21 @@ def _run_windows(
             f"(e.g. target.attn_implementation=sdpa extract.packed=off), which makes every shard stale: `reprocess` "
             f"re-extracts them all"
         )
-    model = load_target_model(
-        target_cfg, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
-    )
+    if model is None:  # else rank 0's, loaded with these settings to fit fp4's outlier channels
+        model = load_target_model(
+            target_cfg, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
+        )
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
             f"{settings['attn_implementation']!r}"
         )
-    return run_shards(model, windows, done, prepared.files.url, store, extract, prepared.layer_ids, settings["packed"], progress)
+    return run_shards(
+        model, windows, done, prepared.files.url, store, extract, prepared.layer_ids, settings["packed"], progress, channels
+    )
 
 
-def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int) -> dict[str, Any]:
+def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, channels: Any) -> dict[str, Any]:
     """Rank 0: the manifest from every rank's part records, written last."""
     extra = {
         "data": {
@@ -246,6 +267,8 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int) 
         "samples_per_shard": samples_per_shard,
         "created_unix": int(time.time()),
     }
+    if channels is not None:
+        extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
     out = {"merge_seconds": round(time.perf_counter() - started, 2)}

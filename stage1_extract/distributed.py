@@ -32,10 +32,11 @@ def _barrier(world: int) -> None:
 
 
 @contextmanager
-def store_lock(url: str, rank: int, world: int, command: str) -> Iterator[None]:
-    """Rank 0 holds the store's lock for the whole job; every rank learns at once if it could not."""
-    with exclusive_on_rank0(url, f"stage1_extract {command}", rank, lambda ok: _all_ok(world, ok)):
-        yield
+def store_lock(url: str, rank: int, world: int, command: str) -> Iterator[str | None]:
+    """Rank 0 holds the store's lock for the whole job; every rank learns at once if it could not.
+    Yields the lock's kind on rank 0 ("flock", or "lease" where the file system has no flock)."""
+    with exclusive_on_rank0(url, f"stage1_extract {command}", rank, lambda ok: _all_ok(world, ok)) as kind:
+        yield kind
 
 
 def _all_ok(world: int, ok: bool) -> bool:

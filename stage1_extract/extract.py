@@ -141,6 +141,7 @@ def run_shards(
     layer_ids: list[int],
     packed: bool,
     progress: bool = True,
+    outlier_channels: Any = None,
 ) -> ExtractResult:
     """Extract this rank's unfinished shards, window by window, and write them."""
     from tqdm import tqdm
@@ -152,7 +153,7 @@ def run_shards(
     started = time.perf_counter()
     device = next(model.parameters()).device
     capture = LayerCapture(model, layer_ids)
-    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads)
+    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads, outlier_channels)
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:

@@ -80,7 +80,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
 
     # Rank 0 holds the data folder; every other rank its own slot, so a second job is refused on each.
     lock_dir = out.parent if rank == 0 else paths.generated_parts / "ranks" / str(rank)
-    with exclusive(str(lock_dir), "stage1_extract generate"):
+    with exclusive(str(lock_dir), "stage1_extract generate") as lock:
         if rank == 0:  # what the answers were made from goes with them: gone until they are rewritten
             paths.generated_provenance.unlink(missing_ok=True)
         result = generate_all(
@@ -102,6 +102,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "backend": backend_name,
         "rank": rank,
         "world_size": world,
+        "lock": lock,
     }
 
 

@@ -120,7 +120,7 @@ def cmd_plan(cfg: RunConfig, *, gpu: str | None = None, gpus: int = 8) -> dict[s
     plan.update(
         {
             "store": files.url,
-            "storage": f"{cfg.store.dtype}+{cfg.store.compression}",
+            "storage": cfg.store.describe(),
             "free_bytes": free,
             "fits": None if free is None else plan["total_bytes"] <= free,
             "time": stage_hours(target.arch, plan, generate_tokens, kind, gpus, int(cfg.value("train.epochs", 6))),
@@ -134,7 +134,7 @@ def store_size(
 ) -> dict[str, Any]:
     """The store's samples, tokens and bytes (of the samples kept; estimates are rounded)."""
     samples, tokens = int(round(samples)), int(round(float(tokens)))
-    per_token = token_bytes(header)
+    per_token = token_bytes(header, cfg.store)
     total = tokens * per_token
     return {
         "samples": samples,

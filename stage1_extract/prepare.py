@@ -18,7 +18,7 @@ from shared.conversation_files import read_conversations
 from shared.conversations import ReadStats, RowLimits
 from shared.errors import ConfigError, DataError
 from shared.identity import header_key
-from shared.store import StoreConfig, StoreFiles, bytes_per_token
+from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetInfo, cached_tokenizer
 from shared.token_cache import ROW_SETTINGS, DamagedCache, TokenCache, token_cache_key
 from stage1_extract.batching import (
@@ -214,11 +214,9 @@ def unusable(sample: Any, max_length: int) -> str | None:
     return "no assistant tokens to supervise after templating"
 
 
-def token_bytes(header: dict[str, Any]) -> int:
-    """Bytes per stored token of the store this header describes."""
-    return bytes_per_token(
-        header["storage"]["dtype"], len(header["layer_ids"]), header["target"]["hidden_size"], header["top_k"]
-    )
+def token_bytes(header: dict[str, Any], store: StoreConfig) -> int:
+    """Bytes per stored token of the store this header and storage section describe."""
+    return store.bytes_per_token(len(header["layer_ids"]), header["target"]["hidden_size"], header["top_k"])
 
 
 def shard_size(prepared: Prepared, store: StoreConfig) -> int:
@@ -226,7 +224,7 @@ def shard_size(prepared: Prepared, store: StoreConfig) -> int:
     files = prepared.files
     if files.exists("plan.json"):
         return int(files.read_json("plan.json")["samples_per_shard"])
-    return choose_samples_per_shard(prepared.rows, store.shard_mb, token_bytes(prepared.header))
+    return choose_samples_per_shard(prepared.rows, store.shard_mb, token_bytes(prepared.header, store))
 
 
 def planned_shards(prepared: Prepared, store: StoreConfig) -> list[ShardPlan]:

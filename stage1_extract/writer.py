@@ -61,11 +61,14 @@ class WriterStats:
 class ShardWriter:
     """Collects samples per shard; writes each complete shard, then its part record, in a pool."""
 
-    def __init__(self, url: str, store_cfg: StoreConfig, shards: list[ShardPlan], queue_mb: int, threads: int = 1):
+    def __init__(
+        self, url: str, store_cfg: StoreConfig, shards: list[ShardPlan], queue_mb: int, threads: int = 1, outlier_channels: Any = None
+    ):
         if queue_mb < 1 or threads < 1:
             raise ValueError(f"queue_mb and threads must be >= 1, got {queue_mb} and {threads}")
         self.url = url
         self.cfg = store_cfg
+        self.outlier_channels = outlier_channels  # fp4: the store's, pinned in plan.json
         self.files = StoreFiles(url)
         self.limit = queue_mb * 2**20
         self.pending = {s.index: s for s in shards}
@@ -157,7 +160,7 @@ class ShardWriter:
         for sample in batch.samples:
             check_finite(sample)
             index = self.shard_of[sample.sample_id]
-            self.received[index][sample.sample_id] = encode_sample(sample, self.cfg.dtype)
+            self.received[index][sample.sample_id] = encode_sample(sample, self.cfg.dtype, self.outlier_channels)
             touched.add(index)
         with self._cond:
             self._bytes -= batch.nbytes

@@ -33,10 +33,15 @@ def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dic
 
 
 def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    from shared.network import check_gloo_network
+    from shared.paths import RunPaths
+    from shared.store import read_manifest
     from shared.target import resolve_target
     from stage2_train.train.launch import make_accelerator
     from stage2_train.train.trainer import Trainer
 
+    check_gloo_network()  # the checkpoint agreement group is gloo: a hostname on loopback hangs its first save
+    read_manifest(RunPaths.of(cfg).store)  # no store yet: refused naming extract, before anything is created
     init_weights = None
     if cfg.model.init_from:
         from stage2_train.serve.load import init_weights_for
@@ -46,20 +51,22 @@ def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     trainer = None
     try:
         with ExitStack() as stack:
-            run_dir_lock(stack, accelerator, str(cfg.run_dir))
+            lock = run_dir_lock(stack, accelerator, str(cfg.run_dir))
             trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress)
             summary = trainer.fit()
         rank, world = accelerator.process_index, accelerator.num_processes
-        return {**summary, "rank": rank, "world_size": world, "run_dir": str(cfg.run_dir)}
+        where = {"rank": rank, "world_size": world, "run_dir": str(cfg.run_dir)}
+        return {**summary, **where, "lock": lock, "store_claim": trainer.data.reader.claim}
     finally:
         if trainer is not None:
             trainer.close()
         accelerator.end_training()  # destroys the process group: a clean exit under torchrun
 
 
-def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> None:
+def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> str | None:
     """Rank 0 holds run_dir's lock while training; every rank learns at once if another command has it
-    (two trainings would interleave one log, one config and one checkpoint folder)."""
+    (two trainings would interleave one log, one config and one checkpoint folder). Returns the
+    lock's kind on rank 0 ("flock", or "lease" where the file system has no flock)."""
     import torch
 
     from shared.lock import exclusive_on_rank0
@@ -70,7 +77,7 @@ def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> None:
         flag = torch.tensor([1 if ok else 0], device=accelerator.device)
         return int(accelerator.reduce(flag, reduction="sum").item()) == accelerator.num_processes
 
-    stack.enter_context(exclusive_on_rank0(run_dir, "stage2_train train", accelerator.process_index, all_ok))
+    return stack.enter_context(exclusive_on_rank0(run_dir, "stage2_train train", accelerator.process_index, all_ok))
 
 
 def cmd_plan(cfg: RunConfig, sample_tokens: int, search: bool = False, world_size: int = 8) -> dict[str, Any]:

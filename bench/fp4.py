@@ -1,0 +1,122 @@
+"""The fp4 store's codec figures: the same data extracted as bf16, fp8 and fp4 stores, then per layer
+the median per-token relative error of each against bf16, the bytes per token (on disk, and by
+formula at the Qwen3-8B shape) and the single-thread decode rate. The drafters trained from those
+stores are compared by bench/compare.py (`run_all.py --only fp4_compare,fp4_compare_long`).
+
+    .venv/bin/python bench/fp4.py [--config configs/default.yaml] [--run-dir runs/fp4-default] [--json out.json]
+
+Generates the answers once (run_dir/data) and extracts them into run_dir/store-bf16, store-fp8 and
+store-fp4 when those are missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import emit  # noqa: E402
+
+DTYPES = ("bf16", "fp8", "fp4")
+
+
+def stage1(verb: str, config: str, run_dir: Path, *overrides: str) -> None:
+    command = [sys.executable, "-m", "stage1_extract", verb, "--no-progress", "--config", config, f"run_dir={run_dir}", *overrides]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command[1:])} failed:\n{done.stderr[-2000:]}")
+
+
+def ensure_stores(config: str, run_dir: Path) -> dict[str, Path]:
+    if not (run_dir / "data" / "generated.parquet").is_file():
+        stage1("generate", config, run_dir)
+    stores = {dtype: run_dir / f"store-{dtype}" for dtype in DTYPES}
+    for dtype, path in stores.items():
+        if not (path / "manifest.json").is_file():
+            stage1("extract", config, run_dir, f"store.path={path}", f"store.dtype={dtype}")
+    return stores
+
+
+def rate(fn, nbytes: int, min_s: float = 0.5) -> float:
+    started, runs = time.perf_counter(), 0
+    while time.perf_counter() - started < min_s:
+        fn()
+        runs += 1
+    return nbytes / 1e6 / ((time.perf_counter() - started) / runs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--run-dir", default="runs/fp4-default")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    import torch
+
+    from shared.fp4 import decode_fp4, encode_fp4
+    from shared.store import StoreReader, bytes_per_token, decode_hidden, encode_hidden, read_shard_arrays
+
+    torch.set_num_threads(1)
+    stores = ensure_stores(args.config, Path(args.run_dir))
+    readers = {dtype: StoreReader(str(path)) for dtype, path in stores.items()}
+    exact = readers["bf16"]
+    if not all(np.array_equal(r.sample_ids, exact.sample_ids) for r in readers.values()):
+        raise SystemExit(f"{args.run_dir}: the three stores hold different samples; remove them and rerun")
+    num_layers, hidden = exact.feature_shape
+    channels = np.asarray(readers["fp4"].manifest["fp4_outlier_channels"], dtype=np.int32)
+    none_apart = np.zeros((num_layers, 0), dtype=np.int32)
+    errors: dict[str, list[np.ndarray]] = {"fp8": [], "fp4": [], "fp4, no exact channels": []}
+    for index in range(len(exact)):
+        x_TLH = exact[index]["hidden_TLH"].float()
+        norm_TL = x_TLH.norm(dim=-1).clamp_min(1e-30)
+        decoded = {
+            "fp8": readers["fp8"][index]["hidden_TLH"],
+            "fp4": readers["fp4"][index]["hidden_TLH"],
+            "fp4, no exact channels": decode_fp4(**encode_fp4(x_TLH, none_apart)),
+        }
+        for name, y_TLH in decoded.items():
+            errors[name].append(((y_TLH.float() - x_TLH).norm(dim=-1) / norm_TL).numpy())
+    per_layer = {name: [round(float(v), 4) for v in np.median(np.concatenate(e), axis=0)] for name, e in errors.items()}
+    overall = {name: round(float(np.median(np.concatenate(e))), 4) for name, e in errors.items()}
+
+    tokens = int(exact.lengths.sum())
+    on_disk = {dtype: sum(p.stat().st_size for p in (path / "shards").rglob("*") if p.is_file()) for dtype, path in stores.items()}
+    formula_8b = {dtype: bytes_per_token(dtype, 5, 4096, 64, outlier_channels=len(channels[0])) for dtype in DTYPES}
+
+    # Decode rate of one shard's hidden states, one thread, from the stored arrays (no I/O).
+    arrays = {dtype: read_shard_arrays(str(stores[dtype]), r.manifest["shards"][0]["name"]) for dtype, r in readers.items()}
+    decoded_bytes = arrays["bf16"]["hidden"].nbytes  # what every decode returns (bf16)
+    fp4_parts = {k: arrays["fp4"][k] for k in ("hidden_group_scale", "hidden_outliers", "hidden_outlier_channels")}
+    decode_mb_s = {
+        "fp8": round(rate(lambda: decode_hidden(arrays["fp8"]["hidden"], arrays["fp8"]["hidden_scale"], "fp8"), decoded_bytes)),
+        "fp4": round(rate(lambda: decode_hidden(arrays["fp4"]["hidden"], arrays["fp4"]["hidden_scale"], "fp4", **fp4_parts), decoded_bytes)),
+    }
+    x_TLH = decode_hidden(arrays["bf16"]["hidden"], None, "bf16")
+    encode_mb_s = {
+        "fp8": round(rate(lambda: encode_hidden(x_TLH, "fp8"), decoded_bytes)),
+        "fp4": round(rate(lambda: encode_fp4(x_TLH, channels), decoded_bytes)),
+    }
+    result = {
+        "config": args.config, "run_dir": args.run_dir, "samples": len(exact), "tokens": tokens,
+        "features": f"{num_layers} layers x {hidden}", "layer_ids": exact.manifest["layer_ids"],
+        "outlier_channels": channels.tolist(),
+        "relative_error_median_per_layer": per_layer, "relative_error_median": overall,
+        "bytes_per_token_on_disk": {d: round(b / tokens, 1) for d, b in on_disk.items()},
+        "bytes_per_token_qwen3_8b": formula_8b,
+        "over_bf16_qwen3_8b": {d: round(formula_8b[d] / formula_8b["bf16"], 3) for d in DTYPES},
+        "decode_mb_per_s": decode_mb_s, "encode_mb_per_s": encode_mb_s,
+        "compression": exact.manifest["storage"]["compression"],
+    }
+    return emit(result, args.json, t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
