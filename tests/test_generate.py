@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shared.config import load_run_config
-from shared.store import StoreReader
+from shared.reader import StoreReader
 from shared.target import load_tokenizer
 from stage1_extract import commands
 from stage1_extract.data import Conversation, read_conversations, write_conversations_parquet
