@@ -46,7 +46,7 @@ QWEN3_8B = DrafterShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, interme
 def synthetic_sample(sample_id: int, rng: np.random.Generator):
     import torch
 
-    from shared.store import SampleFeatures
+    from shared.codecs import SampleFeatures
 
     hidden = torch.from_numpy(rng.standard_normal((TOKENS, LAYERS, HIDDEN), dtype=np.float32)).to(torch.bfloat16)
     return SampleFeatures(
@@ -93,7 +93,7 @@ def sequential_read(root: Path) -> float:
 def loader_epochs(root: Path, threads: int, epochs: int) -> list[dict]:
     """Samples and MB/s the PrefetchLoader delivers per epoch: every sample once in a random order,
     each collated with up to 512 anchors and the stored top-k (the KL term's inputs)."""
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
     from stage2_train.data.anchors import AnchorSampler
     from stage2_train.data.config import SamplerConfig
     from stage2_train.data.loader import PrefetchLoader
@@ -132,7 +132,8 @@ def h200_samples_per_s(mfu: float = 0.4, peak: float = 989e12) -> dict:
 def zstd_decode_rate(root: Path) -> float:
     """MB/s of decoding one shard's zstd chunks (decoded bytes), as the reader does with a zstd store."""
     from shared.chunks import ChunkSource, decode_chunk, open_shard_array
-    from shared.store import StoreFiles, StoreReader
+    from shared.reader import StoreReader
+    from shared.store import StoreFiles
 
     reader = StoreReader(str(root))
     name = reader.manifest["shards"][0]["name"]

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from shared.codecs import SampleFeatures
 from shared.config import Section
-from shared.store import SampleFeatures, StoreConfig
+from shared.store import StoreConfig
 from shared.target_model import LayerCapture
 from stage1_extract.batching import ShardPlan, token_budget_batches
 from stage1_extract.forward import forward_batch

@@ -16,7 +16,8 @@ import torch
 
 from shared.config import load_run_config
 from shared.errors import DataError, StoreError
-from shared.store import StoreReader, read_manifest, read_shard_arrays
+from shared.reader import StoreReader
+from shared.store import read_manifest, read_shard_arrays
 from shared.target_model import LayerCapture
 from shared.token_cache import source_fingerprint
 from stage1_extract import commands

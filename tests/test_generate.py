@@ -18,7 +18,7 @@ import pytest
 from shared.config import load_run_config
 from shared.conversation_files import read_conversations
 from shared.conversations import Conversation
-from shared.store import StoreReader
+from shared.reader import StoreReader
 from shared.target import load_tokenizer
 from stage1_extract import commands, generate
 from stage1_extract.data import write_conversations_parquet
