@@ -27,22 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.codecs import SampleFeatures, decode_hidden, encode_hidden  # noqa: E402
 from shared.config import load_run_config  # noqa: E402
-<<<<<<< HEAD
 from shared.conversations import Conversation  # noqa: E402
-from shared.store import (  # noqa: E402
-    SampleFeatures,
-    StoreConfig,
-    StoreReader,
-    bytes_per_token,
-    decode_hidden,
-    encode_hidden,
-    read_manifest,
-    write_shard,
-)
-=======
 from shared.reader import StoreReader  # noqa: E402
 from shared.store import StoreConfig, bytes_per_token, read_manifest, write_shard  # noqa: E402
->>>>>>> main
 from shared.target_model import LayerCapture, load_target_model  # noqa: E402
 from stage1_extract import commands as pipeline  # noqa: E402
 from stage1_extract.batching import token_budget_batches, windows_for_rank  # noqa: E402
