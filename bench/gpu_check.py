@@ -727,7 +727,7 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
     entry["overrides"] = overrides
     with GpuMemoryPeak(sizes.device == "cuda") as memory:
         summary = ctx.run_cli([str(Path(__file__).resolve().relative_to(REPO)), "_generate_worker", str(timing_path), "generate",
-                               "--no-progress", "--config", "configs/default.yaml", *overrides], "generate", ctx.rec.left() - 5)
+                               "--json", "--no-progress", "--config", "configs/default.yaml", *overrides], "generate", ctx.rec.left() - 5)
     entry["gpu_memory_peak_gib"] = memory.gib
     timing = json.loads(timing_path.read_text())
     tokens = summary["generated_tokens"]
@@ -739,35 +739,37 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
 
 
 def generate_worker(timing_path: str, argv: list[str]) -> int:
-    """`python -m stage1_extract <argv>` with the backend's start (model load, vllm engine) and its
-    generate calls timed apart: with a few dozen prompts the engine's start would swamp the figure."""
+    """`python -m stage1_extract <argv>` with the backend's start (model load, vllm engine) and the
+    engine's answering (its `collect` calls) timed apart: with a few dozen prompts the engine's start
+    would swamp the figure."""
     from stage1_extract import __main__ as cli
     from stage1_extract import generate_command as pipeline
 
     timing = {"start_s": 0.0, "calls_s": 0.0, "calls": 0}
 
-    def timed(make: Any, returns_backend: bool) -> Any:
+    def timed_start(make: Any) -> Any:
         def start(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             made = make(*args, **kwargs)
             timing["start_s"] += time.perf_counter() - t0
-            if not returns_backend:
-                return made
+            if hasattr(made, "collect"):  # an engine: time what it spends answering
+                collect = made.collect
 
-            def run(*call_args: Any, **call_kwargs: Any) -> Any:  # whatever the backend's signature
-                t1 = time.perf_counter()
-                out = made(*call_args, **call_kwargs)
-                timing["calls_s"] += time.perf_counter() - t1
-                timing["calls"] += 1
-                return out
+                def timed_collect() -> Any:
+                    t1 = time.perf_counter()
+                    out = collect()
+                    timing["calls_s"] += time.perf_counter() - t1
+                    timing["calls"] += 1
+                    return out
 
-            return run
+                made.collect = timed_collect
+            return made
 
         return start
 
-    pipeline.vllm_backend = timed(pipeline.vllm_backend, True)
-    pipeline.transformers_backend = timed(pipeline.transformers_backend, True)
-    pipeline.load_target_model = timed(pipeline.load_target_model, False)
+    pipeline.vllm_engine = timed_start(pipeline.vllm_engine)
+    pipeline.BatchEngine = timed_start(pipeline.BatchEngine)
+    pipeline.load_target_model = timed_start(pipeline.load_target_model)
     try:
         return cli.main(argv)
     finally:
