@@ -8,7 +8,14 @@ documentation paragraphs as answers, so the stored features are real activations
 - bytes per token for bf16, bf16+zstd, fp8, fp8+zstd and the peers' format (one torch.save file
   per sample with the stacked layers in bf16, as SpecForge stores it), fp8 at most 0.55 of bf16,
   with fp8's reconstruction error;
-- random sample-window reads from the store (windows/s and MB/s).
+- random sample-window reads from the store (windows/s and MB/s);
+- the shard writer at the 8B shape (`writer_at_8b`, also alone with `--only-8b`): Qwen3-8B-shaped
+  host batches (5 x 4096 bf16 states, top-64, samples of 2,048 tokens, random values) handed to the
+  real ShardWriter (bf16 + zstd, the recipe's storage) at the pace of the target's forward on an
+  H100 (stage1_extract.plan's rate model), scaled down 8x (8,192-token batches for the preset's
+  65,536): the absorbing thread's busy time per batch with the device's finiteness sum against the
+  host scan it replaced, the writer threads' busy time, both per 65K-token batch beside the
+  forward's, and how long the forward waited on the queue.
 """
 
 from __future__ import annotations
@@ -53,12 +60,86 @@ def build_data(path: Path, count: int) -> Path:
     return path
 
 
+def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
+    """The shard writer against the target's forward at the 8B preset's shape, scaled down `scale`x."""
+    import numpy as np
+
+    from shared.target import TargetArch
+    from stage1_extract.batching import ShardPlan, TokenizedRow
+    from stage1_extract.extract import ExtractConfig, host_token_bytes, writer_queue_mb
+    from stage1_extract.plan import EXTRACT_MFU, GPUS, target_params
+    from stage1_extract.writer import HostBatch, ShardWriter, host_bytes
+
+    layers, hidden, top_k, sample_tokens = 5, 4096, 64, 2048
+    qwen3_8b = TargetArch("qwen3", hidden, 12288, 36, 32, 8, 128, 151936, 1e-6, 1e6, 40960, False)
+    batch_tokens = 65536 // scale
+    per_batch = batch_tokens // sample_tokens
+    flops = 2 * target_params(qwen3_8b) + 4 * sample_tokens * hidden * 36
+    forward_s = batch_tokens * flops / (GPUS["h100"].bf16_tflops * 1e12 * EXTRACT_MFU)
+    rng = np.random.default_rng(0)
+    samples = []
+    for sid in range(batches * per_batch):
+        samples.append(SampleFeatures(
+            sid, rng.integers(0, 151936, sample_tokens).astype(np.int32), np.ones(sample_tokens, bool),
+            torch.from_numpy(rng.standard_normal((sample_tokens, layers, hidden), dtype=np.float32)).to(torch.bfloat16),
+            torch.from_numpy(-rng.random((sample_tokens, top_k), dtype=np.float32) * 10),
+            torch.from_numpy(rng.integers(0, 151936, (sample_tokens, top_k)).astype(np.int32)),
+        ))
+    rows = [TokenizedRow(s.sample_id, str(s.sample_id), s.input_ids_T, s.loss_mask_T) for s in samples]
+    per_shard = 12  # shard_mb 1024 at ~84 MB per sample
+    shards = [ShardPlan(i, rows[a : a + per_shard], f"b{i}", "bench") for i, a in enumerate(range(0, len(rows), per_shard))]
+    queue_mb = writer_queue_mb(ExtractConfig(batch_tokens=batch_tokens), host_token_bytes(layers, hidden, 2, top_k))
+    out: dict = {"batch_tokens": batch_tokens, "scale": scale, "batches": batches, "queue_mb": queue_mb,
+                 "forward_s_per_batch_h100": round(forward_s, 3), "store": "bf16 + zstd", "writer_threads": threads}
+    # The absorbing thread's own work per sample, alone on the machine: encoding (a copy of the
+    # states) against the host scan the device's sum replaced.
+    from shared.codecs import encode_sample
+    from stage1_extract.writer import check_finite
+
+    for name, work in (("encode", lambda s: encode_sample(s, "bf16")), ("host_scan", check_finite)):
+        started = time.perf_counter()
+        for sample in samples[:per_batch]:
+            work(sample)
+        out[f"{name}_s_per_65k_batch_alone"] = round((time.perf_counter() - started) * scale, 2)
+    # The sums the device computes during its forward (here ahead of the timed run).
+    sums = [torch.stack([t.sum(dtype=torch.float32) for s in samples[b * per_batch : (b + 1) * per_batch]
+                         for t in (s.hidden_TLH, s.topk_logprobs_TK)]).sum() for b in range(batches)]
+    for name, device_sum in (("device_sum", True), ("host_scan", False)):
+        root = Path(tempfile.mkdtemp(prefix="bench_writer8b_"))
+        try:
+            writer = ShardWriter(str(root), StoreConfig(dtype="bf16", compression="zstd", shard_mb=1024), shards, queue_mb, threads)
+            started = time.perf_counter()
+            for b in range(batches):
+                batch = samples[b * per_batch : (b + 1) * per_batch]
+                time.sleep(forward_s)  # the target's forward of the next batch, on the GPU
+                writer.put(HostBatch(batch, None, host_bytes(batch), sums[b] if device_sum else None))
+            stats = writer.finish()
+            wall = time.perf_counter() - started
+        finally:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+        out[name] = {
+            "absorb_s_per_65k_batch": round(stats.absorb_seconds / batches * scale, 2),
+            "writer_s_per_65k_batch": round(stats.write_seconds / batches * scale / threads, 2),  # per thread
+            "forward_waited_s": round(stats.queue_wait_seconds, 2),
+            "wall_over_forward": round(wall / (batches * forward_s), 3),
+            "host_checked_batches": stats.host_checked_batches,
+        }
+    out["forward_s_per_65k_batch_h100"] = round(forward_s * scale, 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only-8b", action="store_true", help="only the writer at the 8B shape")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.only_8b:
+        print(json.dumps({"writer_at_8b": writer_at_8b()}, indent=1))
+        return
     work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     data = build_data(work / "data.parquet", args.samples)
     overrides = [f"run_dir={work}", f"data.path={data}", "data.regenerate=false", "store.shard_mb=16", "extract.device=cpu"]
@@ -179,6 +260,7 @@ def main() -> None:
         "read_mb_per_s": round(nbytes / read_s / 2**20, 1),
         "read_window_tokens": window,
         "store_shards": len(manifest["shards"]),
+        "writer_at_8b": writer_at_8b(),
     }
     print(json.dumps(results, indent=1))
     if args.json:
