@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=None, help="eval/export: a checkpoint folder, or `best` (checkpoint.keep_best; default: the newest that verifies)")
     parser.add_argument("--out", default=None, help="export, report: output folder")
     parser.add_argument("--format", choices=("zlab", "speculators"), default="zlab", help="export: z-lab's layout (SGLang, vLLM dflash) or speculators'")
-    parser.add_argument("--sample-tokens", type=int, default=1024, help="plan: tokens per sample of the traced micro-batch")
-    parser.add_argument("--search", action="store_true", help="plan: also the largest micro_batch_tokens that fits each GPU")
+    parser.add_argument("--search", action="store_true", help="plan: also the largest sampler budgets (tokens, blocks) that fit each GPU")
     return run_command(parser, argv, run)
 
 
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             print(to_json(out))
         return 0
     if args.command == "plan":
-        print(to_json(commands.cmd_plan(cfg, args.sample_tokens, args.search, world_size=max(args.world_size, 8))))
+        print(to_json(commands.cmd_plan(cfg, args.search, world_size=max(args.world_size, 8))))
         return 0
     if args.command == "eval":
         print(to_json(commands.cmd_eval(cfg, args.checkpoint)))
@@ -92,7 +91,8 @@ def format_step(row: dict) -> str:
         f"epoch {row['epoch']} step {row['step_in_epoch']:>5}: {row['tokens']:>7} tokens, "
         f"{row['num_samples']:>4} samples, lengths p10/p50/p90/max "
         f"{row['length_p10']:.0f}/{row['length_p50']:.0f}/{row['length_p90']:.0f}/{row['length_max']}, "
-        f"unused budget {row['padding_fraction']:.3f}, rank tokens {row['rank_tokens']}"
+        f"unused budget {row['padding_fraction']:.3f}, rank tokens {row['rank_tokens']}, "
+        f"{row['blocks']} blocks (budget filled {row['block_fill']:.3f}), rank blocks {row['rank_blocks']}"
     )
 
 
