@@ -35,7 +35,9 @@ Plan = list[list[list[int]]]
 
 
 def ours(lengths: np.ndarray, budget: int, world_size: int, grad_accum: int, seed: int) -> Plan:
-    cfg = SamplerConfig(micro_batch_tokens=budget)
+    # Tokens only, as the bucketed and group-by-length packers compared here: the block budget (what
+    # the memory plan sizes, `sampler.micro_batch_blocks`) needs loss masks these lengths do not have.
+    cfg = SamplerConfig(micro_batch_tokens=budget, micro_batch_blocks=budget)
     return LengthMixedSampler(cfg, lengths, seed=seed, world_size=world_size, grad_accum=grad_accum).plan_epoch(0)
 
 

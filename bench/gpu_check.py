@@ -674,11 +674,12 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
     entry["gpu_memory_peak_gib"] = memory.gib
     cfg = load_run_config("configs/qwen3-8b.yaml", overrides)
     try:  # the fake-tensor plan of the same micro-batch, beside what nvidia-smi saw
-        from stage2_train.train.memory_plan import StepShape, traced_step
+        from stage2_train.train.memory_plan import PlanInputs
 
         arch_plan = TargetArch.from_dir(ctx.big["target"])
-        shape_plan = StepShape(sizes.train_token_budget, 2048, min(sizes.train_anchors, 2047), cfg.model.block_size)
-        entry["planned_peak_gib"] = traced_step(cfg.model, cfg.loss, arch_plan, len(resolve_layer_ids(cfg.target, arch_plan)), shape_plan)["Total"]
+        inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch_plan,
+                            len(resolve_layer_ids(cfg.target, arch_plan)))
+        entry["planned_peak_gib"] = inputs.trace(inputs.shape(cfg.sampler.micro_batch_tokens, cfg.sampler.blocks_budget()))["Total"]
     except Exception as exc:  # noqa: BLE001 - the plan is a comparison, not the phase
         entry["planned_peak_gib"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     arch = TargetArch.from_dir(ctx.big["target"])

@@ -1,7 +1,8 @@
-"""The 8B presets' training-step memory, traced with fake tensors, and the largest micro-batch that
-fits an 80 GB and a 141 GB GPU (`python -m stage2_train plan --search` for each preset).
+"""The 8B presets' worst training step (the densest micro-batch their token and block budgets allow),
+traced with fake tensors, what each removed cost would add back, and the largest budgets that fit an
+80 GB and a 141 GB GPU (`python -m stage2_train plan --search` for each preset).
 
-    .venv/bin/python bench/plan.py [--json out.json] [--presets qwen3-8b,llama-3.1-8b] [--sample-tokens 1024]
+    .venv/bin/python bench/plan.py [--json out.json] [--presets qwen3-8b,llama-3.1-8b]
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json")
     parser.add_argument("--presets", default="qwen3-8b,llama-3.1-8b")
-    parser.add_argument("--sample-tokens", type=int, default=1024)
     args = parser.parse_args()
     started = time.perf_counter()
     results = {}
     for preset in args.presets.split(","):
         done = subprocess.run(
-            [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset, "--search", "--sample-tokens", str(args.sample_tokens)],
+            [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset, "--search"],
             cwd=REPO, capture_output=True, text=True, check=True,
         )
         results[preset] = json.loads(done.stdout)
-    return emit({"presets": results, "sample_tokens": args.sample_tokens}, args.json, started)
+    return emit({"presets": results}, args.json, started)
 
 
 if __name__ == "__main__":

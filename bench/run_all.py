@@ -37,7 +37,7 @@ BENCHES = {
 # Run on request only (`--only learning_long`): the long CPU preset trains up to an hour.
 EXTRA_BENCHES = {
     "learning_long": ["bench/learning.py", "--config", "configs/cpu-long.yaml", "--n", "100"],
-    "plan8b": ["bench/plan.py"],  # ~10 min of fake-tensor traces on 2 cores
+    "plan8b": ["bench/plan.py"],  # ~15 min of fake-tensor traces on 2 cores
     # Settings at equal steps and seed, decoded on the same prompts with paired intervals (~2 h; ~1.5 h).
     "levers": [
         "bench/compare.py", "--name", "levers-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
@@ -105,13 +105,20 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
     if name == "plan8b":
         for preset, p in r["presets"].items():
             fits = ", ".join(f"{gpu}: {'yes' if ok else '**no**'}" for gpu, ok in p["fits"].items())
-            mb = p["micro_batch"]
-            rows.append((f"{preset}: peak GPU memory of one training step ({mb['tokens']} tokens, {mb['block_rows']:,} block rows, checkpointing)",
-                         f"{p['peak_gib']} GiB", "fits 80 GB", f"without checkpointing {p['traced_peak_gib']['without_checkpointing']['peak_with_untraced']} GiB; {fits}",
-                         "yes" if p["fits"]["H100/A100 80 GB"] else "**no**"))
-            for gpu, best in p.get("largest_micro_batch_tokens", {}).items():
-                rows.append((f"{preset}: largest sampler.micro_batch_tokens that fits {gpu}", fmt(best["micro_batch_tokens"]), "",
-                             f"traced peak {best['traced_peak_gib']} GiB + untraced {round(p['untraced_gib']['ddp_buckets'] + p['untraced_gib']['cuda_context_nccl_fragmentation'], 1)} GiB", ""))
+            mb, budgets = p["micro_batch"], p["budgets"]
+            rows.append((f"{preset}: worst-case GPU memory of a training step (densest micro-batch of sampler.micro_batch_tokens="
+                         f"{budgets['micro_batch_tokens']}, micro_batch_blocks={budgets['micro_batch_blocks']}: {mb['tokens']:,} tokens, "
+                         f"{mb['block_rows']:,} block rows; grad_accum {budgets['grad_accum']}, checkpointing; DDP buckets and a 4 GiB reserve included)",
+                         f"{p['peak_gib']} GiB", "<= 76 GiB", f"without checkpointing {p['traced_peak_gib']['without_checkpointing']['peak_with_untraced']} GiB; {fits}",
+                         yes(p["peak_gib"] <= 76.0)))
+            removed = "; ".join(f"{name} +{cost['would_add']} GiB" for name, cost in p.get("removed_costs_gib", {}).items())
+            if removed:
+                rows.append((f"{preset}: costs the step no longer pays, each traced by putting it back", removed, "", "", ""))
+            for gpu, best in p.get("largest_budgets", {}).items():
+                rows.append((f"{preset}: largest budgets that fit {gpu} (sampler.micro_batch_tokens / micro_batch_blocks)",
+                             f"{fmt(best['micro_batch_tokens'])} / {fmt(best['micro_batch_blocks'])}", "",
+                             f"traced peak {best['traced_peak_gib']} GiB + untraced {round(p['untraced_gib']['ddp_buckets'] + p['untraced_gib']['cuda_context_nccl_fragmentation'], 1)} GiB "
+                             f"<= {p['gpus_gib'][gpu]} GiB", ""))
     if name == "eval_cost":
         rows.append((f"held-out evals' share of training time ({r['evals_during_training']} evals of {r['offline_max_samples']} samples x "
                      f"{r['anchors_per_sample_during_training']} anchors, every {r['every_steps']} of {r['steps']} steps)",
