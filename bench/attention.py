@@ -50,7 +50,7 @@ def main() -> int:
     args = parser.parse_args()
     t0 = time.perf_counter()
     from stage2_train.model.attention import FULL, MaskKind, _plan_groups
-    from tests.test_model import make_packed_batch
+    from testkit.drafter import make_packed_batch
 
     T, B = args.context, 16
     anchors = sorted(random.Random(0).sample(range(T - B), args.anchors))

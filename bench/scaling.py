@@ -64,7 +64,7 @@ def mixed_lengths(count: int, seed: int) -> list[int]:
 
 
 def build_target(root: Path) -> Path:
-    from shared.tiny_target import build_tiny_target
+    from testkit.target import build_tiny_target
 
     return build_tiny_target(root / "target", max_positions=16384)
 

@@ -36,9 +36,9 @@ def build_tiny_store(root: Path) -> tuple[Path, Path]:
     import torch
 
     from shared.config import load_run_config
-    from shared.tiny_target import build_tiny_target
     from stage1_extract import commands as stage1
-    from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+    from testkit.target import build_tiny_target
 
     torch.set_num_threads(1)
     target = build_tiny_target(root / "target")

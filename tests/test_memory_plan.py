@@ -15,7 +15,7 @@ import pytest
 from shared.config import load_run_config
 from stage2_train.model.config import DrafterConfig, LossConfig
 from stage2_train.train.memory_plan import KNOWN_TARGETS, StepShape, formula, traced_step
-from tests.test_model import tiny_arch, tiny_drafter
+from testkit.drafter import tiny_arch, tiny_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 

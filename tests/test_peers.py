@@ -46,7 +46,7 @@ from stage2_train.model.loss import dpace_weights
 from stage2_train.serve.export import export_drafter
 from stage2_train.serve.load import folder_description, init_weights_for, load_exported
 from stage2_train.train.schedules import muon_params
-from tests.test_model import MASK_ID, tiny_arch, tiny_drafter
+from testkit.drafter import MASK_ID, tiny_arch, tiny_drafter
 
 PEERS = [p for p in os.environ.get("DFLASH_PEERS", "").split(":") if p]
 pytestmark = pytest.mark.skipif(
