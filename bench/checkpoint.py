@@ -31,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import Row, yes  # noqa: E402
 from stage2_train.train.checkpoint.format import optimizer_state  # noqa: E402
 from stage2_train.train.checkpoint.saver import Checkpointer  # noqa: E402
 from stage2_train.train.config import CheckpointConfig  # noqa: E402
@@ -192,6 +193,18 @@ def main() -> None:
                 indent=1,
             )
         )
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    a = next(x for x in r["results"] if x["mode"] == "async")
+    s = next(x for x in r["results"] if x["mode"] == "sync")
+    out.append((f"loop blocked by a save / median step ({a['checkpoint_mb']} MB state)", f"{a['blocked_over_step_median']} (max {a['blocked_over_step_max']})",
+                "<= 0.5", f"sync save: {s['blocked_over_step_median']} (max {s['blocked_over_step_max']})", yes(a["blocked_over_step_max"] <= 0.5)))
+    out.append(("step time during a save / median", f"{a['during_over_step_mean']} (max {a['during_over_step_max']})", "<= 1.5",
+                "", yes(a["during_over_step_mean"] is not None and a["during_over_step_mean"] <= 1.5)))
+    return out
 
 
 if __name__ == "__main__":

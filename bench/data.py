@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import Row, fmt, yes  # noqa: E402
 from stage2_train.data.config import SamplerConfig  # noqa: E402
 from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 
@@ -170,6 +171,25 @@ def main() -> None:
         }
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    res = r["results"]
+    ours, buckets, hf = res["ours@8x4"], res["six_buckets@8x4"], res["hf_group_by_length@8x4"]
+    out.append((f"packing efficiency, budget {r['token_budget']} (8 ranks x 4 accum)", fmt(ours["efficiency"]), ">= 0.98",
+                f"six buckets {fmt(buckets['efficiency'])}, HF group_by_length {fmt(hf['efficiency'])}", yes(ours["efficiency"] >= 0.98)))
+    one = res["ours@1x1"]
+    out.append(("packing efficiency, 1 rank", fmt(one["efficiency"]), ">= 0.98", f"six buckets {fmt(res['six_buckets@1x1']['efficiency'])}", yes(one["efficiency"] >= 0.98)))
+    out.append(("length mixing: TV distance per optimizer step, median / worst (8x4)",
+                f"{fmt(ours['mixing_tv_median'])} / {fmt(ours['mixing_tv_worst'])}", "lower is better",
+                f"six buckets {fmt(buckets['mixing_tv_median'])} / {fmt(buckets['mixing_tv_worst'])}", ""))
+    for ranks in (2, 8):
+        key = f"ours@{ranks}x1"
+        out.append((f"token imbalance max/mean, {ranks} ranks (worst step)", fmt(res[key]["imbalance_worst"], 4), "<= 1.05",
+                    f"six buckets {fmt(res[f'six_buckets@{ranks}x1']['imbalance_worst'])}", yes(res[key]["imbalance_worst"] <= 1.05)))
+    return out
 
 
 if __name__ == "__main__":

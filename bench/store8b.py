@@ -34,7 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, emit, fmt, yes  # noqa: E402
 from bench.gpu_flops import DrafterShape, StepWork, train_step_flops  # noqa: E402
 from bench.reader import evict  # noqa: E402
 
@@ -187,6 +187,24 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(zroot, ignore_errors=True)
     return emit(results, args.json, t0)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    seq, ld = r["sequential_read_mb_per_s"], r["loader"]
+    out.append((f"8B-shaped store ({r['features']}, {r['tokens_per_sample']} tokens/sample, {r['samples']} samples, {r['store_gib']} GiB)",
+                f"written at {r['write']['mb_per_s']} MB/s", "", "the project's writer", ""))
+    for mode in ("cold", "warm"):
+        out.append((f"loader MB/s ({ld['threads']} threads, 512 anchors x 16 slots collated) / sequential read, {mode}",
+                    fmt(ld[mode]["over_sequential"]), ">= 0.7", f"{ld[mode]['mb_per_s']} vs {seq[mode]} MB/s",
+                    yes(ld[mode]["over_sequential"] >= 0.7)))
+    d = r["h200_demand"]
+    out.append(("loader samples/s / what one H200 trains (5-layer 8B drafter, 40% MFU)", fmt(r["loader_over_h200_demand"]), ">= 1",
+                f"{ld['warm']['samples_per_s']} vs {d['samples_per_s']} samples/s ({d['flops_per_sample'] / 1e12:.0f} TFLOP per sample)",
+                yes(r["loader_over_h200_demand"] >= 1)))
+    out.append(("zstd decode MB/s per thread (real activations compress ~1.26x)", fmt(r["zstd_decode_mb_per_s"]), "", "", ""))
+    return out
 
 
 if __name__ == "__main__":
