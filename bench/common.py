@@ -122,8 +122,8 @@ def run_training(
     launcher = ["-m", "stage2_train"]
     if nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *launcher]
-    command = [*launcher, "train", "--json", "--no-progress", "--config", config, f"run_dir={run_dir}",
-               "train.resume=never", "log.wandb=disabled", *overrides]
+    command = [*launcher, "train", "--json", "--no-progress", "--config", config, *overrides, f"run_dir={run_dir}",
+               "train.resume=never", "log.wandb=disabled"]
     done = run_cli(command, log or Path(f"{run_dir}.log"), env, timeout)
     return Training(**vars(done), paths=RunPaths(Path(run_dir)))
 

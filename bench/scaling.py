@@ -63,14 +63,12 @@ def mixed_lengths(count: int, seed: int) -> list[int]:
 
 
 def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_length: int, seed: int) -> dict:
-    data = write_rows(root / f"{name}.jsonl", lengths, seed)
+    from testkit.data import stage1_overrides
+
     run_dir = root / name
-    cmd = [
-        "-m", "stage1_extract", "extract", "--json", "--no-progress",
-        "--config", "configs/default.yaml", f"run_dir={run_dir}", f"target.path={target}", "target.dtype=fp32",
-        "target.num_feature_layers=3", f"data.path={data}", "data.regenerate=false", f"data.max_length={max_length}",
-        "extract.top_k=8", f"extract.batch_tokens={max(4096, max_length)}", "store.shard_mb=1", "extract.window_shards=1",
-    ]
+    stage1 = stage1_overrides(target, write_rows(root / f"{name}.jsonl", lengths, seed), run_dir,
+                              **{"data.max_length": max_length, "extract.batch_tokens": max(4096, max_length)})
+    cmd = ["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", "configs/default.yaml", *stage1]
     first = run_cli(cmd, root / f"{name}.extract.log", ONE_THREAD)
     summary = first.summary
     # The same command again: every shard is done, so this is the fixed cost of any later command
@@ -89,16 +87,15 @@ def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_l
         "rerun_prepare_s": rerun.summary["prepare_seconds"],
         "loop_tok_per_s": summary["tok_per_s"],
         "peak_rss_mib": first.peak_rss_mib,
-        "store": str(run_dir / "store"),
+        "train_on": [*stage1, f"store.path={run_dir / 'store'}"],  # the settings that made the store: it is fresh
     }
 
 
-def train_point(root: Path, name: str, target: Path, store: str, steps: int, budget: int, anchors: int) -> dict:
+def train_point(root: Path, name: str, store: list[str], steps: int, budget: int, anchors: int) -> dict:
     from stage2_train.observe.metrics import read_log
 
     run = run_training(root / f"{name}.train", [
-        f"store.path={store}", f"target.path={target}", "target.num_feature_layers=3", "target.dtype=fp32", "extract.top_k=8",
-        "train.cpu_threads=1", f"train.max_steps={steps}", f"sampler.micro_batch_tokens={budget}",
+        *store, "train.cpu_threads=1", f"train.max_steps={steps}", f"sampler.micro_batch_tokens={budget}",
         f"sampler.max_anchors_per_seq={anchors}", "model.num_layers=1", "eval.holdout_fraction=0.05", "checkpoint.every_steps=0",
     ], env=ONE_THREAD)
     rows = run.rows
@@ -144,7 +141,7 @@ def main() -> int:
     for multiple in (int(m) for m in args.multiples.split(",")):
         count = args.base_samples * multiple
         point = {"multiple": multiple, **extract_point(root, f"n{multiple}", target, mixed_lengths(count, multiple), 1024, multiple)}
-        point["train"] = train_point(root, f"n{multiple}", target, point.pop("store"), args.steps, 1024, 8)
+        point["train"] = train_point(root, f"n{multiple}", point.pop("train_on"), args.steps, 1024, 8)
         results["samples"].append(point)
         print(json.dumps({k: v for k, v in point.items()}), flush=True)
 
@@ -153,7 +150,7 @@ def main() -> int:
         point = {"length": length, **extract_point(root, f"l{length}", target, [length] * count, length + 64, length)}
         # A fixed anchor cap per sample (as the recipe's 512, smaller for CPU): blocks per token fall
         # as samples grow, and each block attends to a longer context.
-        point["train"] = train_point(root, f"l{length}", target, point.pop("store"), args.steps, max(1024, length + 64), args.anchors)
+        point["train"] = train_point(root, f"l{length}", point.pop("train_on"), args.steps, max(1024, length + 64), args.anchors)
         results["lengths"].append(point)
         print(json.dumps(point), flush=True)
 

@@ -28,21 +28,21 @@ sys.path.insert(0, str(REPO))
 from bench.common import Row, emit, fmt, run_training, steady, yes  # noqa: E402
 
 
-def build_tiny_store(root: Path) -> tuple[Path, Path]:
-    """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer, and a 60-chat store of it (stage 1)."""
+def tiny_store(root: Path) -> list[str]:
+    """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and a 60-chat store of it (stage 1);
+    returns the overrides that train on it (the stage-1 settings that made it, so it is fresh)."""
     import torch
 
     from shared.config import load_run_config
     from stage1_extract import commands as stage1
-    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+    from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
     from testkit.target import build_tiny_target
 
     torch.set_num_threads(1)
     target = build_tiny_target(root / "target")
     data = write_jsonl(root / "chat.jsonl", chat_rows(60))
-    cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "stage1"))
-    stage1.cmd_extract(cfg, progress=False)
-    return target, root / "stage1" / "store"
+    stage1.cmd_extract(load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "run")), progress=False)
+    return train_overrides_for(target, root / "run" / "store", root, {})
 
 
 def throughput(rows: list[dict], block_size: int) -> dict:
@@ -123,9 +123,7 @@ def main() -> int:
         base += [f"store.path={args.store}"]
         store_desc = args.store
     else:
-        target, store = build_tiny_store(root)
-        base += [f"store.path={store}", f"target.path={target}", "target.num_feature_layers=3",
-                 "target.dtype=fp32", "extract.top_k=8"]
+        base = [*tiny_store(root), *base]
         store_desc = "tiny (6 layers x 64 wide, vocab 49152, 60 chats)"
     results: dict = {"store": store_desc, "threads": args.threads, "build_store_s": round(time.perf_counter() - t0, 1)}
 

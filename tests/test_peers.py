@@ -1,6 +1,6 @@
 """Parity with the peers' own code: z-lab `dflash==0.1.0`, SpecForge `0.2.0`, speculators `0.9.0`.
 
-    bash bench/peers_install.sh          # once: installs them outside the venv, prints DFLASH_PEERS
+    bash tests/peers_install.sh          # once: installs them outside the venv, prints DFLASH_PEERS
     DFLASH_PEERS=/tmp/dflash-peers/zlab:/tmp/dflash-peers/specforge:/tmp/dflash-peers/speculators \
         .venv/bin/python -m pytest -q tests/test_peers.py
 
@@ -51,7 +51,7 @@ from testkit.drafter import MASK_ID, tiny_arch, tiny_drafter
 PEERS = [p for p in os.environ.get("DFLASH_PEERS", "").split(":") if p]
 pytestmark = pytest.mark.skipif(
     not PEERS,
-    reason="peer packages not installed: run `bash bench/peers_install.sh` and export the DFLASH_PEERS it prints",
+    reason="peer packages not installed: run `bash tests/peers_install.sh` and export the DFLASH_PEERS it prints",
 )
 for _folder in PEERS:  # appended: the venv's torch / transformers always win over a peer folder
     if _folder not in sys.path:
