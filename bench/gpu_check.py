@@ -467,6 +467,7 @@ def phase_extract_smollm2(entry: dict[str, Any], ctx: Context) -> None:
 def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
     from transformers import Qwen3Config
 
+    from shared.paths import RunPaths
     from testkit.target import build_random_target
 
     resolve_small_target(ctx)
@@ -483,7 +484,7 @@ def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
     print(f"   built and saved {entry['target_params'] / 1e9:.2f}B random parameters in {entry['build_and_save_s']} s",
           flush=True)
     data = documentation_chats(ctx.work / "big_chats.parquet", sizes.big_samples, sizes.big_answer_chars)
-    store = ctx.work / "big" / "store"
+    store = RunPaths(ctx.work / "big").store
     overrides = [f"run_dir={ctx.work / 'big'}", f"target.path={target}", f"data.path={data}", "data.regenerate=false",
                  f"store.path={store}", f"extract.device={sizes.device}", *sizes.big_overrides]
     entry["overrides"] = overrides

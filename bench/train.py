@@ -34,6 +34,7 @@ def tiny_store(root: Path) -> list[str]:
     import torch
 
     from shared.config import load_run_config
+    from shared.paths import RunPaths
     from stage1_extract import commands as stage1
     from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
     from testkit.target import build_tiny_target
@@ -42,7 +43,7 @@ def tiny_store(root: Path) -> list[str]:
     target = build_tiny_target(root / "target")
     data = write_jsonl(root / "chat.jsonl", chat_rows(60))
     stage1.cmd_extract(load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "run")), progress=False)
-    return train_overrides_for(target, root / "run" / "store", root, {})
+    return train_overrides_for(target, Path(RunPaths(root / "run").store), root, {})
 
 
 def throughput(rows: list[dict], block_size: int) -> dict:
