@@ -5,7 +5,8 @@
 
 Each variant trains its own run (`stage2_train train`, the config's store, the variant's overrides,
 the same seed and steps; no eval during training, so its clock is training only), then every final
-drafter is decoded on the SAME prompts in one process, beside the untrained drafter and the n-gram
+drafter, read back as its checkpoint describes it, is evaluated by the library's one evaluation
+(`serve/evaluation.py`) on the SAME prompts in one process, beside the untrained drafter and the n-gram
 drafter, with the target in fp32 (`eval.online_dtype`): every output must equal the target's greedy
 output. Prompts: `--heldout` held-out conversations of the store (as `make eval`) and `--unseen`
 default prompts past the training ones (never in any training data), reported apart for
