@@ -33,7 +33,7 @@ def main() -> int:
     import torch
     from numcodecs import LZ4, Blosc, Zstd
 
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
 
     if not (Path(args.store) / "manifest.json").is_file():
         raise SystemExit(f"{args.store}: no store (run `make train` first, or pass --store)")

@@ -156,8 +156,9 @@ def documentation_chats(path: Path, count: int, answer_chars: int = 0, seed: int
     import random
     from pydoc_data.topics import topics
 
+    from shared.conversations import Conversation
     from stage1_extract.corpus import default_conversations
-    from stage1_extract.data import Conversation, write_conversations_parquet
+    from stage1_extract.data import write_conversations_parquet
 
     paragraphs = [p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if 300 < len(p.strip()) < 1500]
     rng = random.Random(seed)
@@ -177,12 +178,12 @@ def pure_forward(model: Any, cfg: Any, prepared: Any, keep: bool = False) -> tup
     nothing written. The features are kept (as SampleFeatures, on the model's device) when `keep`."""
     import torch
 
-    from shared.store import SampleFeatures
+    from shared.codecs import SampleFeatures
     from stage1_extract.batching import windows_for_rank
     from stage1_extract.extract import forward_batches
     from stage1_extract.prepare import planned_shards
 
-    windows = windows_for_rank(planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
+    windows = windows_for_rank(planned_shards(prepared, cfg.store), cfg.extract.window_shards, 0, 1)
     packed = prepared.header["extraction"]["packed"]  # what extraction runs with: the store's header
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

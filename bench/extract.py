@@ -34,26 +34,21 @@ def main() -> int:
     t0 = time.perf_counter()
     import torch
 
+    from shared.codecs import decode_hidden, encode_hidden
     from shared.config import load_run_config
     from shared.paths import RunPaths
-    from shared.store import (
-        StoreConfig,
-        StoreReader,
-        bytes_per_token,
-        decode_hidden,
-        encode_hidden,
-        read_manifest,
-        write_shard,
-    )
+    from shared.reader import StoreReader
+    from shared.store import StoreConfig, bytes_per_token, read_manifest, write_shard
     from shared.target_model import load_target_model
     from stage1_extract import commands as pipeline
+    from stage1_extract.resolve import prepare_run
 
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     data = documentation_chats(work / "data.parquet", args.samples)
     overrides = [f"run_dir={work}", f"data.path={data}", "data.regenerate=false", "store.shard_mb=16", "extract.device=cpu"]
     cfg = load_run_config("configs/default.yaml", overrides)
-    prepared = pipeline.prepare(cfg)
+    prepared = prepare_run(cfg)
     rows = [r for r in prepared.rows if not r.skipped]
     tokens = sum(len(r.input_ids) for r in rows)
 

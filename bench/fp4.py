@@ -51,8 +51,10 @@ def main() -> int:
     t0 = time.perf_counter()
     import torch
 
+    from shared.codecs import decode_hidden, encode_hidden
     from shared.fp4 import decode_fp4, encode_fp4
-    from shared.store import StoreReader, bytes_per_token, decode_hidden, encode_hidden, read_shard_arrays
+    from shared.reader import StoreReader
+    from shared.store import bytes_per_token, read_shard_arrays
 
     torch.set_num_threads(1)
     stores = ensure_stores(args.config, Path(args.run_dir))

@@ -419,12 +419,12 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     `python -m stage1_extract extract` with the same config; returns stage 1's prepared rows."""
     from shared.config import load_run_config
     from shared.target_model import load_target_model
-    from stage1_extract import commands as pipeline
+    from stage1_extract.resolve import prepare_run
 
     device = ctx.sizes.device
     cfg = load_run_config(config, overrides)
     started = time.perf_counter()
-    prepared = pipeline.prepare(cfg)  # tokenizes, and hashes the weights once (cached for the subprocesses)
+    prepared = prepare_run(cfg)  # tokenizes, and hashes the weights once (cached for the subprocesses)
     entry["prepare_s"] = round(time.perf_counter() - started, 1)
     # The memory poller (a thread) starts after prepare: its tokenizer pool forks this process.
     with GpuMemoryPeak(device == "cuda") as memory:
@@ -622,7 +622,7 @@ def generate_worker(timing_path: str, argv: list[str]) -> int:
     """`python -m stage1_extract <argv>` with the backend's start (model load, vllm engine) and its
     generate calls timed apart: with a few dozen prompts the engine's start would swamp the figure."""
     from stage1_extract import __main__ as cli
-    from stage1_extract import commands as pipeline
+    from stage1_extract import generate_command as pipeline
 
     timing = {"start_s": 0.0, "calls_s": 0.0, "calls": 0}
 

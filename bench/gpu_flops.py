@@ -84,7 +84,7 @@ def replay_step_work(cfg: Any, store_url: str, loss_masks: dict[int, Any], rows:
     import numpy as np
     import torch
 
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
     from stage2_train.data.anchors import AnchorSampler
     from stage2_train.data.sampler import LengthMixedSampler
     from stage2_train.data.view import split_indices

@@ -35,7 +35,9 @@ def main() -> int:
     t0 = time.perf_counter()
     import torch
 
-    from shared.store import StoreReader, bytes_per_token, decode_hidden, encode_hidden
+    from shared.codecs import decode_hidden, encode_hidden
+    from shared.reader import StoreReader
+    from shared.store import bytes_per_token
     from stage2_train.data.projection import basis, energy_kept, second_moment
 
     torch.set_num_threads(1)

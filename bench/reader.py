@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import Row, emit, fmt, yes  # noqa: E402
-from shared.store import StoreReader  # noqa: E402
+from shared.reader import StoreReader  # noqa: E402
 
 
 def evict(folder: Path) -> int:
@@ -75,7 +75,8 @@ def uncompressed_copy(reader: StoreReader, out: Path) -> Path:
 
     import torch
 
-    from shared.store import SampleFeatures, StoreConfig, write_shard
+    from shared.codecs import SampleFeatures
+    from shared.store import StoreConfig, write_shard
 
     manifest = json.loads(json.dumps(reader.manifest))
     cfg = StoreConfig(**{**manifest["storage"], "compression": "none"})

@@ -71,7 +71,7 @@ def sequential_read(root: Path) -> float:
 def loader_epochs(root: Path, threads: int, epochs: int) -> list[dict]:
     """Samples and MB/s the PrefetchLoader delivers per epoch: every sample once in a random order,
     each collated with up to 512 anchors and the stored top-k (the KL term's inputs)."""
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
     from stage2_train.data.anchors import AnchorSampler
     from stage2_train.data.config import SamplerConfig
     from stage2_train.data.loader import PrefetchLoader
@@ -110,7 +110,8 @@ def h200_samples_per_s(mfu: float = 0.4, peak: float = 989e12) -> dict:
 def zstd_decode_rate(root: Path) -> float:
     """MB/s of decoding one shard's zstd chunks (decoded bytes), as the reader does with a zstd store."""
     from shared.chunks import ChunkSource, decode_chunk, open_shard_array
-    from shared.store import StoreFiles, StoreReader
+    from shared.reader import StoreReader
+    from shared.store import StoreFiles
 
     reader = StoreReader(str(root))
     name = reader.manifest["shards"][0]["name"]

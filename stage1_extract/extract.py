@@ -15,14 +15,14 @@ windows r, r + W, ...; rank 0 merges the part records into manifest.json, writte
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from shared.codecs import SampleFeatures
 from shared.config import Section
-from shared.store import SampleFeatures, StoreConfig
+from shared.store import StoreConfig
 from shared.target_model import LayerCapture
 from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
 from stage1_extract.forward import forward_batch
@@ -208,22 +208,3 @@ def run_shards(
     result.shards_done = len(todo)
     result.seconds = time.perf_counter() - started
     return result
-
-
-def estimate(rows: list[TokenizedRow], header: dict[str, Any], store_cfg: StoreConfig) -> dict[str, Any]:
-    kept = [r for r in rows if not r.skipped]
-    tokens = int(sum(len(r.input_ids) for r in kept))
-    per_token = store_cfg.bytes_per_token(len(header["layer_ids"]), header["target"]["hidden_size"], header["top_k"])
-    return {
-        "samples": len(kept),
-        "samples_truncated": sum(r.truncated for r in rows),
-        "samples_skipped": sum(r.skipped for r in rows),
-        "tokens": tokens,
-        "bytes_per_token": per_token,
-        "total_bytes": tokens * per_token,
-        "total_gib": round(tokens * per_token / 2**30, 3),
-        "compression_note": "zstd typically saves 1.2-1.3x on hidden states (not counted)"
-        if store_cfg.compression == "zstd"
-        else "uncompressed",
-        "num_shards_estimate": math.ceil(tokens * per_token / (store_cfg.shard_mb * 2**20)) if tokens else 0,
-    }

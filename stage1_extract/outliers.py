@@ -1,8 +1,8 @@
 """The outlier channels of an fp4 store (`store.dtype: fp4`, shared/fp4.py): fitted once per store
 on the first shard's samples by rank 0, and pinned in plan.json before any shard is written.
 
-    model = ensure_outlier_channels(cfg, prepared, header_before, local_rank)   # rank 0, before the barrier
-    channels_LN = pinned_outlier_channels(files, cfg.store, num_layers)          # every rank, after it
+    model = ensure_outlier_channels(prepared, header_before, store, extract, target_cfg, device)   # rank 0
+    channels_LN = pinned_outlier_channels(files, store, num_layers)          # every rank, after the barrier
 
 Every rank reads the set from plan.json, so every shard of the store (and every resumed, repaired
 or reprocessed run, which find it there) is encoded with the same one; merge copies it into the
@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from shared.config import RunConfig
 from shared.errors import ConfigError, StoreError
 from shared.fp4 import check_hidden_size, fit_outlier_channels
 from shared.identity import header_differences
 from shared.store import StoreConfig, StoreFiles
+from shared.target import TargetConfig
 from shared.target_model import LayerCapture, load_target_model
 from stage1_extract.batching import token_budget_batches
-from stage1_extract.distributed import rank_device
+from stage1_extract.extract import ExtractConfig
 from stage1_extract.forward import forward_batch
 from stage1_extract.prepare import Prepared, planned_shards
 
@@ -57,7 +57,12 @@ def pinned_outlier_channels(files: StoreFiles, store: StoreConfig, num_layers: i
 
 
 def ensure_outlier_channels(
-    cfg: RunConfig, prepared: Prepared, header_before: dict[str, Any] | None, local_rank: int
+    prepared: Prepared,
+    header_before: dict[str, Any] | None,
+    store: StoreConfig,
+    extract: ExtractConfig,
+    target_cfg: TargetConfig,
+    device: str,
 ) -> Any:
     """Rank 0, after the plan is pinned: fit and pin the channel set unless plan.json holds one for
     these settings. Returns the target when it loaded one (the caller extracts with it), else None."""
@@ -68,11 +73,11 @@ def ensure_outlier_channels(
     )
     if plan.get(PLAN_KEY) is not None and not changed:
         return None
-    hidden_size, count = prepared.header["target"]["hidden_size"], cfg.store.fp4_outlier_channels
+    hidden_size, count = prepared.header["target"]["hidden_size"], store.fp4_outlier_channels
     problem = check_hidden_size(hidden_size, count)
     if problem:
         raise ConfigError(f"store.dtype=fp4: {problem}; use store.dtype=fp8")
-    shard = next(s for s in planned_shards(cfg, prepared) if s.kept)
+    shard = next(s for s in planned_shards(prepared, store) if s.kept)
     rows, tokens = [], 0
     for row in shard.kept:
         if rows and tokens + len(row.input_ids) > FIT_MAX_TOKENS:
@@ -81,12 +86,10 @@ def ensure_outlier_channels(
         tokens += len(row.input_ids)
     settings = prepared.header["extraction"]  # the store's settings, as the extraction loop loads the target
     model = load_target_model(
-        cfg.target, rank_device(cfg.extract.device, local_rank), dtype=settings["compute_dtype"],
-        attn_implementation=settings["attn_implementation"],
+        target_cfg, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
     )
     abs_sum_LH = np.zeros((len(prepared.layer_ids), hidden_size), dtype=np.float64)
     capture = LayerCapture(model, prepared.layer_ids)
-    extract = cfg.extract
     try:
         for batch in token_budget_batches(rows, extract.batch_tokens, extract.max_samples_per_batch):
             for hidden_TLH, _, _ in forward_batch(model, capture, batch, extract.top_k, extract.lm_head_chunk_tokens, settings["packed"]):

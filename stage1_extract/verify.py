@@ -12,15 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.codecs import hidden_array_specs, hidden_problem
 from shared.shard_records import record_problem
-from shared.store import (
-    StoreFiles,
-    content_checksum,
-    hidden_array_specs,
-    hidden_problem,
-    read_manifest,
-    read_shard_arrays,
-)
+from shared.store import StoreFiles, content_checksum, read_manifest, read_shard_arrays
 from stage1_extract.batching import content_hash
 from stage1_extract.merge import part_path
 

@@ -32,8 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from shared.codecs import EncodedSample, SampleFeatures, encode_sample
 from shared.errors import DataError, StoreError, UserError
-from shared.store import EncodedSample, SampleFeatures, StoreConfig, StoreFiles, encode_sample, write_shard
+from shared.store import StoreConfig, StoreFiles, write_shard
 from stage1_extract.batching import ShardPlan
 from stage1_extract.merge import part_path
 

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.store import SCHEMA_VERSION, SampleFeatures, StoreConfig, write_shard
+from shared.codecs import SampleFeatures
+from shared.store import SCHEMA_VERSION, StoreConfig, write_shard
 
 
 def samples(

@@ -25,7 +25,7 @@ from shared import network
 from shared.config import load_run_config
 from shared.errors import BusyError, ConfigError
 from shared.lock import LEASE_NAME, READERS_NAME, FlockUnsupported, LeaseLock, ReaderClaim, exclusive
-from shared.store import StoreReader
+from shared.reader import StoreReader
 
 
 @pytest.fixture(params=[errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS], ids=["ENOLCK", "EOPNOTSUPP", "ENOSYS"])

@@ -542,3 +542,22 @@ def test_another_template_is_named_where_the_renders_differ(exports, store, tmp_
         assert "chat template" in fields(doctor(exports["zlab"], today, store=url, data=str(moved)))
     finally:
         shutil.move(moved, data)
+
+
+def test_a_store_made_from_a_sharegpt_array_is_read_back_in_its_format(exports, store, tmp_path):
+    """The doctor reads rows with stage 1's reader, in the format the manifest records: a ShareGPT
+    JSON array (forced with data.format) renders back as stage 1 rendered it."""
+    from stage1_extract.commands import cmd_extract
+
+    _, target, _ = store
+    rows = [{"conversations": [{"from": "human", "value": m["messages"][0]["content"]},
+                               {"from": "gpt", "value": m["messages"][1]["content"]}]} for m in chat_rows(6)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(rows))
+    cfg = load_run_config(ROOT / "configs/default.yaml",
+                          stage1_overrides(target, data, tmp_path / "run", **{"data.format": "sharegpt"}))
+    cmd_extract(cfg, progress=False)
+    url = cfg.store.url(cfg.run_dir)
+    assert json.loads((Path(url) / "manifest.json").read_text())["data"]["format"] == "sharegpt"
+    report = doctor(exports["zlab"], target, store=url, settings=DecodeSettings(num_prompts=1, max_new_tokens=4))
+    assert "chat template: 6 stored prompts equal today's rendering of their messages" in report["notes"]

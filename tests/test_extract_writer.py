@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.codecs import SampleFeatures
 from shared.config import load_run_config
-from shared.store import SampleFeatures, StoreConfig, StoreFiles
+from shared.store import StoreConfig, StoreFiles
 from stage1_extract import commands, distributed
 from stage1_extract import extract as extract_mod
 from stage1_extract import writer as writer_mod

@@ -252,7 +252,7 @@ def train_config(target_dir, store_path, run_dir, **extra):
 def test_duplicates_are_counted_and_kept_on_one_side_of_the_split(store):
     import numpy as np
 
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
     from stage2_train.data.split import heldout_mask
 
     _, path = store
@@ -445,7 +445,8 @@ def edit_record(text: str, position: int, **edits) -> str:
 )
 def test_a_damaged_manifest_is_named_and_reprocess_rebuilds_it(store_copy, damage, what):
     from shared.errors import StoreError
-    from shared.store import StoreReader, read_manifest
+    from shared.reader import StoreReader
+    from shared.store import read_manifest
 
     cfg, copy = store_copy
     good = read_manifest(str(copy))
@@ -464,7 +465,7 @@ def test_a_shard_missing_an_array_is_named_with_its_fix(store_copy):
     import shutil
 
     from shared.errors import StoreError
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
 
     _, copy = store_copy
     reader = StoreReader(str(copy))

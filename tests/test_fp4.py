@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from shared.codecs import decode_hidden
 from shared.errors import StoreError
 from shared.fp4 import decode_fp4, encode_fp4, fit_outlier_channels
-from shared.store import StoreReader, bytes_per_token, decode_hidden, read_manifest, read_shard_arrays
+from shared.reader import StoreReader
+from shared.store import bytes_per_token, read_manifest, read_shard_arrays
 from stage1_extract import commands
 
 from .conftest import chat_rows, stage1_overrides, write_jsonl

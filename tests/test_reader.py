@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shared.chunks import LocalChunkCache
-from shared.store import StoreConfig, StoreReader, read_shard_arrays, write_shard
+from shared.reader import StoreReader
+from shared.store import StoreConfig, read_shard_arrays, write_shard
 from testkit.store import make_store, samples
 
 
@@ -35,7 +36,7 @@ def test_every_sample_equals_zarrs_own_read_byte_for_byte(tmp_path, storage):
             if cfg.dtype == "bf16":
                 assert got["hidden_TLH"].view(torch.int16).numpy().view(np.uint16).tobytes() == arrays["hidden"][lo:hi].tobytes()
             else:  # fp8: the decoded values equal those of zarr's bits and scales
-                from shared.store import decode_hidden
+                from shared.codecs import decode_hidden
 
                 want = decode_hidden(arrays["hidden"][lo:hi], arrays["hidden_scale"][lo:hi], "fp8")
                 assert torch.equal(got["hidden_TLH"], want)

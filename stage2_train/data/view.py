@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from shared.errors import StoreError
-from shared.store import StoreReader, check_manifest_matches
+from shared.reader import StoreReader
+from shared.store import check_manifest_matches
 from shared.target import TargetInfo
 from stage2_train.data.anchors import AnchorSampler
 from stage2_train.data.loader import PrefetchLoader

@@ -74,7 +74,7 @@ def diagnose_export(
     notes = describe_layout(view)
     reader = None
     if store is not None:
-        from shared.store import StoreReader
+        from shared.reader import StoreReader
 
         reader = StoreReader(store)
         more, store_notes = store_findings(reader, target, view.get("target_layer_ids"), data=data)

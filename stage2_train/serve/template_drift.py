@@ -10,16 +10,18 @@ compared with what the target's template renders today for the same messages; wh
 the template has a thinking switch (Qwen3's `enable_thinking`), each setting is tried, to say which
 one the data used (z-lab #133: a thinking-mode mismatch took acceptance from 60% to 25%).
 
-Stage 2 never imports stage 1, so the few lines that read a data row (a JSONL line or a Parquet row,
-numbered as stage 1 numbers them: `sample_id` is the row's index in its file) are here.
+The rows are read and rendered by the code stage 1 tokenized them with (`shared/conversation_files.py`,
+`shared/conversations.py`: any format stage 1 reads, numbered as stage 1 numbers them, since a
+`sample_id` is the row's index in its file), in the format the manifest records.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from shared.conversation_files import read_rows
+from shared.conversations import render
 from stage2_train.serve.export_view import Finding, TargetSide
 
 THINKING_SWITCH = "enable_thinking"
@@ -99,7 +101,8 @@ def store_findings(
 
 def compare_renders(reader: Any, target: TargetSide, data: str | None, max_samples: int) -> dict[str, Any]:
     """The stored prompts of up to `max_samples` samples against today's render of their messages."""
-    source = data or (reader.manifest.get("data") or {}).get("source")
+    recorded = reader.manifest.get("data") or {}
+    source = data or recorded.get("source")
     if not source or not Path(source).exists():
         return {
             "status": "skipped",
@@ -108,25 +111,28 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
         }
     tokenizer = target.tokenizer
     indices = list(range(min(len(reader), max_samples)))
-    rows = read_rows(Path(source), {int(reader.sample_ids[i]) for i in indices})
+    data_format = "auto" if data else recorded.get("format", "auto")
+    rows = read_rows(Path(source), {int(reader.sample_ids[i]) for i in indices}, data_format)
     differ: list[Finding] = []
     modes: set[str] = set()
     compared = 0
     for index in indices:
         sample_id = int(reader.sample_ids[index])
-        messages = rows.get(sample_id)
+        conv = rows.get(sample_id)
         sample = reader[index]
         mask = sample["loss_mask_T"].bool()
-        if messages is None or not mask.any() or "assistant" not in [m["role"] for m in messages]:
+        if conv is None or not mask.any() or "assistant" not in [m["role"] for m in conv.messages]:
             continue
+        messages, tools = conv.messages, conv.tools
         first = int(mask.nonzero()[0])
         stored = tokenizer.decode(sample["input_ids_T"][:first].tolist(), skip_special_tokens=False)
         turn = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         answer = messages[turn]["content"]
-        today = render(tokenizer, messages[:turn])
+        today = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
         compared += 1
         thinking = (
-            {v: render(tokenizer, messages[:turn], **{THINKING_SWITCH: v}) for v in (False, True)}
+            {v: render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools, **{THINKING_SWITCH: v})
+             for v in (False, True)}
             if has_switch(tokenizer)
             else {}
         )
@@ -176,11 +182,6 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
     return {"status": "compared", "num_samples": compared, "differ": differ, "mode": mode}
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], **kwargs: Any) -> str:
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True, **kwargs)
-
-
 def has_switch(tokenizer: Any) -> bool:
     return THINKING_SWITCH in str(getattr(tokenizer, "chat_template", None) or "")
 
@@ -189,51 +190,3 @@ def same_prompt(stored: str, rendered: str, answer: str) -> bool:
     """Equal, or equal up to a token that straddles the prompt's end and the answer's start (stage 1
     cuts the prompt at the first supervised token)."""
     return stored == rendered or (stored.startswith(rendered) and answer.startswith(stored[len(rendered) :]))
-
-
-def read_rows(path: Path, wanted: set[int]) -> dict[int, list[dict[str, str]]]:
-    """{row index: messages} of the rows in `wanted` (a JSONL line index counts blank lines, as stage 1
-    does; Parquet rows count across the folder's files in name order). Unreadable rows are left out."""
-    found: dict[int, list[dict[str, str]]] = {}
-    if path.suffix in (".jsonl", ".json"):
-        with path.open("rb") as fh:
-            for i, line in enumerate(fh):
-                if i in wanted and line.strip():
-                    try:
-                        found[i] = messages_of(json.loads(line.decode("utf-8").lstrip("\ufeff")))
-                    except ValueError:
-                        continue
-                if len(found) == len(wanted):
-                    break
-        return found
-    import pyarrow.parquet as pq
-
-    row = 0
-    for file in sorted(path.glob("*.parquet")) if path.is_dir() else [path]:
-        for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
-            for record in batch.to_pylist():
-                if row in wanted:
-                    try:
-                        found[row] = messages_of(record)
-                    except ValueError:
-                        pass
-                row += 1
-    return {k: v for k, v in found.items() if v}
-
-
-def messages_of(record: Any) -> list[dict[str, str]]:
-    """A row's messages (`messages`, or `prompt` + `completion`), role and content only."""
-    if not isinstance(record, dict):
-        raise ValueError("not an object")
-    if isinstance(record.get("messages"), list):
-        return [
-            {"role": str(m["role"]), "content": str(m["content"])}
-            for m in record["messages"]
-            if isinstance(m, dict) and "role" in m
-        ]
-    if isinstance(record.get("prompt"), str):
-        out = [{"role": "user", "content": record["prompt"]}]
-        if isinstance(record.get("completion"), str):
-            out.append({"role": "assistant", "content": record["completion"]})
-        return out
-    raise ValueError("no messages")
