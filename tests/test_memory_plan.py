@@ -27,7 +27,7 @@ from stage2_train.train.memory_plan import (
     largest_fitting,
     traced_step,
 )
-from tests.test_model import tiny_arch, tiny_drafter
+from testkit.drafter import tiny_arch, tiny_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30

@@ -11,44 +11,8 @@ import torch
 from shared.chunks import LocalChunkCache
 from shared.codecs import SampleFeatures
 from shared.reader import StoreReader
-from shared.store import StoreConfig, read_shard_arrays, write_shard
-
-
-def samples(count: int, seed: int = 0, layers: int = 3, hidden: int = 40, k: int = 5) -> list[SampleFeatures]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for sid in range(count):
-        T = int(rng.integers(20, 300))
-        out.append(
-            SampleFeatures(
-                sample_id=sid,
-                input_ids_T=rng.integers(0, 1000, T).astype(np.int32),
-                loss_mask_T=rng.random(T) < 0.7,
-                hidden_TLH=torch.from_numpy(rng.standard_normal((T, layers, hidden)).astype(np.float32)),
-                topk_logprobs_TK=torch.from_numpy(-rng.random((T, k)).astype(np.float32)),
-                topk_ids_TK=torch.from_numpy(rng.integers(0, 1000, (T, k)).astype(np.int32)),
-            )
-        )
-    return out
-
-
-def make_store(url: str, shards: list[list[SampleFeatures]], cfg: StoreConfig) -> None:
-    """A store holding these shards and a minimal manifest (what StoreReader needs)."""
-    import json
-
-    import fsspec
-
-    records = []
-    for index, shard in enumerate(shards):
-        record = write_shard(url, f"shard-{index:06d}-x", shard, cfg)
-        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[len(s.input_ids_T) for s in shard], rows_sha256="")
-        records.append(record)
-    manifest = {
-        "schema_version": 1, "storage": cfg.model_dump(exclude={"path", "shard_mb"}), "shards": records,
-        "layer_ids": [1, 2, 3], "target": {}, "top_k": 5, "max_length": 300,
-    }
-    with fsspec.open(f"{url}/manifest.json", "w") as fh:
-        json.dump(manifest, fh)
+from shared.store import StoreConfig, read_shard_arrays, supervised_pairs, write_shard
+from testkit.store import make_store, samples
 
 
 @pytest.mark.parametrize(
@@ -245,7 +209,6 @@ def test_samples_supervised_pairs_come_from_the_manifest_or_once_from_the_loss_m
     them equal the anchors each sample really draws."""
     import json
 
-    from shared.store import supervised_pairs
     from stage2_train.data.anchors import AnchorSampler
     from stage2_train.data.config import SamplerConfig
 

@@ -29,7 +29,7 @@ from stage2_train.data.view import open_store
 from stage2_train.observe.metrics import read_log
 from stage2_train.train.config import OptimConfig
 from stage2_train.train.schedules import lr_factor
-from tests.conftest import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 10
@@ -447,7 +447,7 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     from stage2_train.train.config import OptimConfig
     from stage2_train.train.schedules import Optimizers, muon_params
-    from tests.test_model import tiny_arch, tiny_drafter
+    from testkit.drafter import tiny_arch, tiny_drafter
 
     model = tiny_drafter(tiny_arch(kv_heads=2), num_layers=2)
     muon, adamw = muon_params(model)
