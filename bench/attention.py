@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, emit  # noqa: E402
 
 HEADS = 32  # Qwen3-8B's drafter: the target's attention heads
 
@@ -50,7 +50,7 @@ def main() -> int:
     args = parser.parse_args()
     t0 = time.perf_counter()
     from stage2_train.model.attention import FULL, MaskKind, _plan_groups
-    from tests.test_model import make_packed_batch
+    from testkit.drafter import make_packed_batch
 
     T, B = args.context, 16
     anchors = sorted(random.Random(0).sample(range(T - B), args.anchors))
@@ -73,6 +73,19 @@ def main() -> int:
     for name in rows:
         rows[name]["sdpa_mask_vs_full"] = round(rows[name]["sdpa_mask_mb"] / rows["full"]["sdpa_mask_mb"], 3)
     return emit({"context": T, "anchors": args.anchors, "block_size": B, "chunk_blocks": 64, "kinds": rows}, args.json, t0)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    full = r["kinds"]["full"]
+    for kind, k in r["kinds"].items():
+        if kind == "full":
+            continue
+        out.append((f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
+                    f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
+                    f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", ""))
+    return out
 
 
 if __name__ == "__main__":

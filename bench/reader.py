@@ -28,7 +28,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, emit, fmt, yes  # noqa: E402
 from shared.reader import StoreReader  # noqa: E402
 
 
@@ -186,6 +186,23 @@ def main() -> int:
         shutil.rmtree(per_file, ignore_errors=True)
         shutil.rmtree(per_file.with_name(per_file.name + "_none"), ignore_errors=True)
     return emit(results, args.json, t0)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    sp = r["samples_per_s"]
+    for mode in ("cold", "warm"):
+        m = sp[mode]
+        out.append((f"random sample reads, {mode} page cache, store as configured ({r['storage']['compression']}) / per-file safetensors",
+                    fmt(m["ratio"]), ">= 0.5", f"{m['store']} vs {m['per_file']} samples/s", yes(m["ratio"] >= 0.5)))
+        out.append((f"random sample reads, {mode} page cache, same store uncompressed / per-file safetensors",
+                    fmt(m["ratio_uncompressed"]), ">= 0.5", f"{m['store_uncompressed']} vs {m['per_file']} samples/s",
+                    yes(m["ratio_uncompressed"] >= 0.5)))
+    m = sp["steady"]
+    out.append(("1,000 random reads by one long-lived reader (its chunk cache warm) / per-file", fmt(m["ratio"]), "",
+                f"{m['store']} vs {m['per_file']} samples/s", ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, emit, fmt, yes  # noqa: E402
 from stage2_train.data.config import SamplerConfig  # noqa: E402
 from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 from stage2_train.data.split import heldout_mask  # noqa: E402
@@ -136,6 +136,24 @@ def main() -> int:
     }
     results["peak_rss_mib_after_epochs"] = rss
     return emit(results, args.json, t_all)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    st, b = r["startup"], r["plan_builds"]
+    out.append((f"plan builds per epoch per rank ({r['samples']:,} samples, {r['ranks']} ranks, {b['epochs_handed_out']} epochs)",
+                fmt(b["builds_per_epoch"]), "1", f"plans held at once: {b['plans_in_memory']}", yes(b["builds_per_epoch"] <= 1.0)))
+    out.append(("CPU seconds per epoch plan", fmt(r["plan_cpu_s"]), "<= 1.0",
+                f"float-keyed search {r['searchsorted_us']['float_key']} us vs int key {r['searchsorted_us']['int_key']} us per call",
+                yes(r["plan_cpu_s"] <= 1.0)))
+    out.append(("sampler start-up before the first micro-batch (split, plan, schedule length)", f"{st['wall_s']} s", "<= 5 s",
+                f"planning every epoch up front: {r['baseline_plan_every_epoch_up_front_cpu_s']} CPU s", yes(st["wall_s"] <= 5)))
+    out.append(("longest wait for a micro-batch over 4 epochs (the next plan is built ahead)", f"{b['max_wait_for_a_micro_batch_s']} s",
+                "", "", ""))
+    rss = r["peak_rss_mib_after_epochs"]
+    out.append(("peak RSS MiB after 1 / 2 / 4 epochs", " / ".join(str(v) for v in rss.values()), "flat", "", ""))
+    return out
 
 
 if __name__ == "__main__":

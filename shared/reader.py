@@ -64,6 +64,7 @@ class StoreReader:
         self.lengths = np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
         self.sample_ids = np.concatenate([np.asarray(s["sample_ids"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
         self.split_keys = content_keys(shards, self.sample_ids)
+        self._supervised_pairs: np.ndarray | None = None
         files = StoreFiles(url)
         self._check_listing(files)
         local_cache = None
@@ -219,6 +220,36 @@ class StoreReader:
             return array[lo:hi]
         out[...] = array[lo:hi]
         return out
+
+    def supervised_pairs(self) -> np.ndarray:
+        """Every sample's `supervised_pairs` (int64), in reader order: from the manifest, or, for a
+        store extracted before the part records carried them, counted from each shard's loss mask
+        (one byte per token read once; no features)."""
+        if self._supervised_pairs is None:
+            if all("supervised_pairs" in s for s in self._shards):
+                counts = [np.asarray(s["supervised_pairs"], dtype=np.int64) for s in self._shards]
+            else:
+                counts = [self._count_pairs(shard) for shard in range(len(self._shards))]
+            self._supervised_pairs = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+        return self._supervised_pairs
+
+    def _count_pairs(self, shard: int) -> np.ndarray:
+        info = self._shards[shard]
+        if not info["num_samples"]:
+            return np.zeros(0, np.int64)
+        arrays, offsets, _ = self._shard(shard)
+        try:
+            mask = np.asarray(self._read(arrays["loss_mask"], 0, info["num_tokens"], (shard, "loss_mask")), dtype=bool)
+        except Exception as exc:  # noqa: BLE001 - name the shard and the fix
+            raise self._damaged(
+                info["name"], f"cannot be read: loss_mask ({type(exc).__name__}: {exc})",
+                "run `python -m stage1_extract verify --repair`",
+            ) from exc
+        pairs = mask[:-1] & mask[1:]
+        cum = np.concatenate([[0], np.cumsum(pairs, dtype=np.int64)])
+        # Pairs inside each sample: those that start before its last token (none cross a boundary).
+        starts, ends = offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64)
+        return cum[np.maximum(ends - 1, starts)] - cum[starts]
 
     @property
     def feature_shape(self) -> tuple[int, int] | None:

@@ -191,6 +191,14 @@ def _zarr_store(url: str, read_only: bool) -> Any:
     return FsspecStore.from_url(url, read_only=read_only)
 
 
+def supervised_pairs(loss_mask_T: np.ndarray) -> int:
+    """Positions t with loss_mask[t] and loss_mask[t + 1]: where stage 2 may anchor a block (its
+    anchor and first drafted token supervised). Recorded per sample in the part records, so the
+    trainer counts a sample's blocks without reading its features."""
+    mask = np.asarray(loss_mask_T, dtype=bool)
+    return int(np.count_nonzero(mask[:-1] & mask[1:]))
+
+
 def content_checksum(arrays: dict[str, np.ndarray]) -> str:
     """sha256 over the decoded arrays (name, dtype, shape, bytes): independent of the codecs used."""
     digest = hashlib.sha256()

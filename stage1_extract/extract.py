@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -24,7 +25,7 @@ from shared.codecs import SampleFeatures
 from shared.config import Section
 from shared.store import StoreConfig
 from shared.target_model import LayerCapture
-from stage1_extract.batching import ShardPlan, token_budget_batches
+from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
 from stage1_extract.forward import forward_batch
 from stage1_extract.writer import HostBatch, ShardWriter, WriterStats, host_bytes
 
@@ -161,6 +162,35 @@ class ForwardTimer:
         return self.cpu_seconds
 
 
+def forward_batches(
+    model: Any,
+    windows: list[list[ShardPlan]],
+    cfg: ExtractConfig,
+    layer_ids: list[int],
+    packed: bool,
+    wanted: set[int] | None = None,
+    timer: ForwardTimer | None = None,
+) -> Iterator[tuple[list[TokenizedRow], list[tuple[Any, Any, Any]]]]:
+    """The target's forward over a rank's windows of shards, one token-budget batch of a window's rows
+    at a time (`batching.py`): each batch with its outputs left on the device, (hidden_TLH, top-k
+    log-probs, top-k ids) per row. A batch holding no sample of `wanted` is skipped (an earlier run
+    finished it). What `run_shards` writes, and what the benchmarks time as the pure forward."""
+    capture = LayerCapture(model, layer_ids)
+    try:
+        for window in windows:
+            rows = [r for s in window for r in s.kept]
+            for batch in token_budget_batches(rows, cfg.batch_tokens, cfg.max_samples_per_batch):
+                if wanted is not None and not any(r.sample_id in wanted for r in batch):
+                    continue
+                started = timer.start() if timer is not None else None
+                outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk_tokens, packed)
+                if timer is not None:
+                    timer.stop(started)
+                yield batch, outputs
+    finally:
+        capture.close()
+
+
 def run_shards(
     model: Any,
     windows: list[list[ShardPlan]],
@@ -182,38 +212,29 @@ def run_shards(
     total_tokens = sum(len(r.input_ids) for s in todo for r in s.kept)
     started = time.perf_counter()
     device = next(model.parameters()).device
-    capture = LayerCapture(model, layer_ids)
     parameter = next(model.parameters())
     token_bytes = host_token_bytes(len(layer_ids), model.config.get_text_config().hidden_size, parameter.element_size(), cfg.top_k)
     writer = ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), cfg.writer_threads, outlier_channels)
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:
-        for window in windows:
-            rows = [r for s in window for r in s.kept]
-            for batch in token_budget_batches(rows, cfg.batch_tokens, cfg.max_samples_per_batch):
-                if not any(r.sample_id in todo_ids for r in batch):
-                    continue  # finished by an earlier run
-                forward_started = timer.start()
-                outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk_tokens, packed)
-                timer.stop(forward_started)
-                wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
-                stored = [out for _, out in wanted]
-                host, ready, value_sum = to_host(stored, device, stored_value_sum(stored))
-                samples = [
-                    SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids)
-                    for (row, _), (hidden, values, ids) in zip(wanted, host)
-                ]
-                writer.put(HostBatch(samples, ready, host_bytes(samples), value_sum))
-                tokens = sum(len(s.input_ids_T) for s in samples)
-                result.tokens += tokens
-                bar.update(tokens)
+        for batch, outputs in forward_batches(model, windows, cfg, layer_ids, packed, wanted=todo_ids, timer=timer):
+            wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
+            stored = [out for _, out in wanted]
+            host, ready, value_sum = to_host(stored, device, stored_value_sum(stored))
+            samples = [
+                SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids)
+                for (row, _), (hidden, values, ids) in zip(wanted, host)
+            ]
+            writer.put(HostBatch(samples, ready, host_bytes(samples), value_sum))
+            tokens = sum(len(s.input_ids_T) for s in samples)
+            result.tokens += tokens
+            bar.update(tokens)
         result.writer = writer.finish()
     except BaseException:
         writer.abort()
         raise
     finally:
-        capture.close()
         bar.close()
     result.forward_seconds = timer.seconds()
     result.shards_done = len(todo)

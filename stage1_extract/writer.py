@@ -38,7 +38,7 @@ from typing import Any
 
 from shared.codecs import EncodedSample, SampleFeatures, encode_sample
 from shared.errors import DataError, StoreError, UserError
-from shared.store import StoreConfig, StoreFiles, write_shard
+from shared.store import StoreConfig, StoreFiles, supervised_pairs, write_shard
 from stage1_extract.batching import ShardPlan
 from stage1_extract.merge import part_path
 
@@ -217,6 +217,7 @@ class ShardWriter:
                 "header_key": shard.key,
                 "sample_ids": [r.sample_id for r in shard.kept],
                 "lengths": [len(r.input_ids) for r in shard.kept],
+                "supervised_pairs": [supervised_pairs(r.loss_mask) for r in shard.kept],
                 "content_hashes": [r.content_hash for r in shard.kept],
                 "num_truncated": sum(r.truncated for r in shard.rows),
                 "num_skipped": sum(r.skipped for r in shard.rows),

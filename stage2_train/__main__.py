@@ -95,8 +95,14 @@ def show_plan(out: dict[str, Any]) -> str:
         f"micro-batch {mb.get('tokens')} tokens / {mb.get('block_rows')} block rows; {fits}",
         f"target shape from {out.get('shape_from')}",
     ]
-    for gpu, tokens in (out.get("largest_micro_batch_tokens") or {}).items():
-        lines.append(f"largest sampler.micro_batch_tokens on {gpu}: {tokens}")
+    for cost, removed in (out.get("removed_costs_gib") or {}).items():
+        lines.append(f"not paid: {cost} (would add {removed['would_add']:.2f} GiB)")
+    for gpu, best in (out.get("largest_budgets") or {}).items():
+        if best["micro_batch_blocks"] is None:
+            lines.append(f"{gpu}: not even one sample's blocks fit (traced {best['traced_peak_gib']} GiB)")
+        else:
+            lines.append(f"largest budgets on {gpu}: sampler.micro_batch_tokens={best['micro_batch_tokens']}, "
+                         f"sampler.micro_batch_blocks={best['micro_batch_blocks']}")
     return "\n".join(lines)
 
 
@@ -152,8 +158,7 @@ def export_options(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sample-tokens", type=int, default=1024, help="tokens per sample of the traced micro-batch")
-    parser.add_argument("--search", action="store_true", help="also the largest micro_batch_tokens that fits each GPU")
+    parser.add_argument("--search", action="store_true", help="also the largest sampler budgets (tokens, blocks) that fit each GPU")
     parser.add_argument("--world-size", type=int, default=8, help="ranks (DDP buckets); default 8")
 
 
@@ -176,7 +181,7 @@ VERBS = [
     Verb("batches", "dry run: the next optimizer steps' batches (tokens, lengths, ranks), nothing trained", batches,
          options=batches_options),
     Verb("plan", "GPU memory of one training step at the target's shape (fake tensors), per GPU kind",
-         lambda a: commands.cmd_plan(load_config(a), a.sample_tokens, a.search, world_size=a.world_size),
+         lambda a: commands.cmd_plan(load_config(a), a.search, world_size=a.world_size),
          show=show_plan, options=plan_options),
     Verb("train", "train the drafter from the store (refuses a stale store; resumes from the newest checkpoint)", train,
          show=show_train, description="Train the drafter from the feature store on every rank (torchrun / "

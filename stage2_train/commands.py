@@ -80,15 +80,16 @@ def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> str | None
     return stack.enter_context(exclusive_on_rank0(run_dir, "stage2_train train", accelerator.process_index, all_ok))
 
 
-def cmd_plan(cfg: RunConfig, sample_tokens: int, search: bool = False, world_size: int = 8) -> dict[str, Any]:
-    """The GPU memory of one training step of this config, traced with fake tensors
-    (`train/memory_plan.py`), at the target's shape: its folder's config.json, or the published
-    shape of a known target named by target.path (planning needs no weights)."""
+def cmd_plan(cfg: RunConfig, search: bool = False, world_size: int = 8) -> dict[str, Any]:
+    """The GPU memory of this config's worst training step (the densest micro-batch its sampler
+    budgets allow), traced with fake tensors (`train/memory_plan.py`), at the target's shape: its
+    folder's config.json, or the published shape of a known target named by target.path (planning
+    needs no weights)."""
     from pathlib import PurePath
 
     from shared.errors import ConfigError
     from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
-    from stage2_train.train.memory_plan import KNOWN_TARGETS, plan
+    from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs, plan
 
     folder = Path(cfg.target.path).expanduser()
     if cfg.target.path == EMBEDDED_DEFAULT or (folder / "config.json").is_file():
@@ -104,10 +105,8 @@ def cmd_plan(cfg: RunConfig, sample_tokens: int, search: bool = False, world_siz
             )
         arch, source = KNOWN_TARGETS[name], f"the published {name} shape"
     layers = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_feature_layers
-    out = plan(
-        cfg.model, cfg.loss, arch, layers, cfg.sampler.micro_batch_tokens, sample_tokens,
-        cfg.sampler.max_anchors_per_seq, world_size=world_size, search=search,
-    )
+    inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers)
+    out = plan(inputs, world_size=world_size, search=search)
     return {"config": cfg.source, "shape_from": source, **out}
 
 

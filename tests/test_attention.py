@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stage2_train.model.attention import FULL, MaskKind, layer_kinds, packed_attention
-from tests.test_model import MASK_ID, make_packed_batch, three_sample_batch, tiny_arch, tiny_drafter
+from testkit.drafter import MASK_ID, make_packed_batch, three_sample_batch, tiny_arch, tiny_drafter
 
 
 def test_layer_kinds_follow_zlab_reading_of_the_config():

@@ -11,7 +11,7 @@ from shared.config import load_run_config
 from stage1_extract import __main__ as stage1_cli
 from stage1_extract import commands as stage1
 from stage2_train import __main__ as stage2_cli
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
 
 @pytest.mark.parametrize("cli", [stage1_cli, stage2_cli], ids=["stage1", "stage2"])

@@ -122,6 +122,18 @@ def test_padding_is_never_stored(store):
         assert list(np.diff(arrays["offsets"])) == record["lengths"]
 
 
+def test_part_records_count_each_samples_anchor_positions(store):
+    """The trainer's block budget counts each sample's blocks from `supervised_pairs` (positions t with
+    loss_mask[t] and loss_mask[t + 1]), recorded at extraction so no rank reads a loss mask for it."""
+    _, _, reader = store
+    for record in reader.manifest["shards"]:
+        arrays = read_shard_arrays(reader.url, record["name"])
+        offsets = arrays["offsets"]
+        masks = [arrays["loss_mask"][a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        assert record["supervised_pairs"] == [int((m[:-1] & m[1:]).sum()) for m in masks]
+    assert reader.supervised_pairs().sum() > 0
+
+
 def test_rerun_is_a_no_op_and_status_is_complete(store):
     cfg, _, reader = store
     before = read_manifest(reader.url)["shards"]

@@ -23,7 +23,7 @@ from shared.config import load_run_config
 from shared.errors import BusyError, ConfigError
 from shared.lock import LOCK_NAME, LeaseLock, exclusive
 from stage1_extract import commands as stage1
-from tests.conftest import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

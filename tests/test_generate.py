@@ -26,7 +26,7 @@ from stage1_extract import commands, generate
 from stage1_extract.backends import engine_seed
 from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import tokenize_conversation
-from tests.conftest import write_jsonl
+from testkit.data import write_jsonl
 
 EOS = 2  # SmolLM2's <|im_end|>
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import markdown_rows
+from bench import gpu_check
 from bench.gpu_flops import DrafterShape, StepWork, train_step_flops
 from shared.target import TargetArch
 from stage2_train.model.config import DrafterConfig
@@ -62,11 +62,11 @@ def test_flop_count_weights_are_the_drafters():
     assert matrices == {**{n: v for n, v in matrices.items() if n.startswith("layers.")}, "fc.weight": 3 * 4 * 4}
 
 
-def test_markdown_rows_flag_failed_phases():
+def test_report_rows_flag_failed_phases():
     result = {"phases": {"env": {"status": "fallback", "gpu": "NVIDIA H200", "torch": "2.11", "cuda": "13.0",
                                  "fallbacks": ["vllm: not installed -> transformers"]},
                          "train": {"status": "failed", "error": "RuntimeError: boom | x"}}}
-    rows = markdown_rows(result)
+    rows = gpu_check.rows(result)
     assert rows[0] == ("GPU check: machine", "NVIDIA H200, torch 2.11, CUDA 13.0", "", "", "")
     assert rows[1] == ("FALLBACKS taken", "vllm: not installed -> transformers", "", "", "")
     assert rows[2] == ("phase train", "failed: RuntimeError: boom / x", "ok", "", "**no**")
@@ -113,7 +113,7 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert g["backend"] == "transformers" and g["generated_tokens"] > 0
     assert g["tok_per_s"] > g["tok_per_s_with_start"] > 0
 
-    figures = [r[0] for r in markdown_rows(result)]
+    figures = [r[0] for r in gpu_check.rows(result)]
     assert sum(f.startswith("extraction") for f in figures) == 4
     assert any(f.startswith("drafter training MFU") for f in figures)
     assert any(f.startswith("generation tokens/s") for f in figures)

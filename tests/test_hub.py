@@ -14,7 +14,8 @@ from shared.config import load_run_config
 from shared.errors import InputFileError
 from shared.target import TargetConfig, resolve_target, resolve_target_dir
 from stage1_extract import commands as stage1
-from tests.conftest import add_to_hub_cache, chat_rows, stage1_overrides, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, write_jsonl
+from tests.conftest import add_to_hub_cache
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -20,7 +20,7 @@ from stage1_extract import commands as stage1
 from stage1_extract.resolve import prepare_run
 from stage2_train import commands as stage2
 from stage2_train.observe.metrics import read_log
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
 TRAIN = {  # a one-step run: the check comes before it
     "sampler.micro_batch_tokens": 512, "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0,

@@ -11,7 +11,7 @@ from shared import token_cache
 from shared.config import load_run_config
 from stage1_extract import commands, prepare, tokens
 from stage1_extract.resolve import prepare_run
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
 
 def prepared(tiny_target_dir, data, run_dir, **extra):
