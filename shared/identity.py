@@ -54,6 +54,7 @@ STAGE1_DEFAULTS: dict[str, Any] = {
     "extract.lm_head_chunk_tokens": 2048,
     "extract.device": "auto",
     "extract.packed": "auto",
+    "extract.tensor_parallel_size": 1,
     "generate.backend": "auto",
     "generate.temperature": 0.7,
     "generate.top_p": 0.8,
@@ -87,7 +88,7 @@ def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) ->
     packed = stage1_value(cfg, "extract.packed")
     if packed == "auto":
         packed = pinned["packed"] if "packed" in pinned else attn == "flash_attention_2"
-    return {
+    settings = {
         "compute_dtype": dtype,
         "attn_implementation": attn,
         "packed": packed is True or packed == "on",
@@ -96,6 +97,13 @@ def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) ->
         "window_shards": stage1_value(cfg, "extract.window_shards"),
         "lm_head_chunk_tokens": stage1_value(cfg, "extract.lm_head_chunk_tokens"),
     }
+    # A tensor-parallel forward sums each row-parallel matmul across its group in another order: the
+    # bytes differ in their last bits, as with another batch shape. Only above 1, so every store made
+    # with one GPU per copy of the target keeps the identity it had.
+    tensor_parallel = stage1_value(cfg, "extract.tensor_parallel_size")
+    if tensor_parallel != 1:
+        settings["tensor_parallel_size"] = tensor_parallel
+    return settings
 
 
 AUTO_SETTINGS = {"compute_dtype": "target.dtype", "attn_implementation": "target.attn_implementation", "packed": "extract.packed"}

@@ -69,6 +69,13 @@ def show_plan(out: dict[str, Any]) -> str:
         lines.append(f"answers not generated yet, {out['answers_estimated']}; at most {size(out['total_bytes_at_most'])}")
     if out.get("generated_data"):
         lines.append(f"generated data: {out['generated_data']}")
+    memory = out.get("gpu_memory")
+    if memory:
+        lines.append(
+            f"GPU memory while extracting: {memory['weights_gib_per_gpu']} GiB weights + {memory['working_set_gib']} GiB working "
+            f"set + {memory['reserve_gib']:g} reserve = {memory['total_gib']} of {memory['gpu_memory_gib']:g} GiB per "
+            f"{memory['gpu']} at extract.tensor_parallel_size={memory['tensor_parallel_size']} ({memory['basis']})"
+        )
     for stage, est in (out.get("time") or {}).items():
         lines.append(f"{stage}: ~{duration(est['hours'])} on {est['gpus']} x {est['gpu']} ({est['basis']})")
     return "\n".join(lines)

@@ -24,9 +24,9 @@ from shared.network import check_gloo_network
 from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles, load_manifest
 from shared.target import TargetConfig
-from shared.target_model import load_target_model, runnable_problem
+from shared.target_model import load_target_model, resolve_device, runnable_problem
 from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
-from stage1_extract.distributed import _barrier, distributed_context, rank_device, store_lock
+from stage1_extract.distributed import _barrier, agreed_done, distributed_context, rank_device, store_lock
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.header import load_or_pin_plan
@@ -35,6 +35,15 @@ from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_chan
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.prepare import Prepared, discard_token_cache, planned_shards, shard_size, token_bytes
 from stage1_extract.resolve import prepare_run
+from stage1_extract.tensor_parallel import (
+    Layout,
+    check_split,
+    layout,
+    local_world_size,
+    process_group_backend,
+    split_arguments,
+    tensor_parallel_mesh,
+)
 from stage1_extract.verify import EXTRACT, REBUILD, deep_problems, verify_store
 
 log = logging.getLogger(__name__)
@@ -59,14 +68,17 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
 
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
+    tensor_parallel = layout(rank, world, cfg.extract.tensor_parallel_size, local_world_size())  # before any collective
     if world > 1:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             check_gloo_network()  # a hostname on loopback would hang the first barrier for its 6 hours
-            # Only barriers travel; gloo works on CPU and GPU nodes. They wait for the slowest rank's
+            # Barriers and agreements travel over gloo (CPU tensors, on CPU and GPU nodes); a
+            # tensor-parallel target's activations over NCCL. Barriers wait for the slowest rank's
             # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
-            dist.init_process_group("gloo", timeout=timedelta(hours=6))
+            backend = process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp)
+            dist.init_process_group(backend, timeout=timedelta(hours=6))
     try:
         with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract") as lock:
             return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
@@ -174,16 +186,20 @@ def extract_store(
     """Extract this rank's shards not yet done (`ranks`: rank, world size, local rank), then rank 0
     merges the manifest. `model`: the target when rank 0 already loaded it (fp4's channel fit)."""
     rank, world, local_rank = ranks
+    lay = layout(rank, world, extract.tensor_parallel_size)
     files = prepared.files
     channels = pinned_outlier_channels(files, store, len(prepared.layer_ids))
-    done = done_shards(files, shards)
+    done = agreed_done(done_shards(files, shards) if rank == 0 or world == 1 else set(), len(shards), world)
     check_space(prepared, store, shards, done, force)
-    windows = windows_for_rank(shards, extract.window_shards, rank, world)
+    # A tensor-parallel group (consecutive ranks) shares its windows: the data-parallel place is the group's.
+    windows = windows_for_rank(shards, extract.window_shards, lay.dp_rank, lay.dp_size)
     mine = [s for w in windows for s in w if s.index not in done]
-    result = None
+    result, mesh = None, None
+    if lay.tp > 1:  # the mesh's groups are made by every rank, also those with nothing left to extract
+        mesh = tensor_parallel_mesh(rank_device(extract.device, local_rank), lay)
     if mine:
         device = rank_device(extract.device, local_rank)
-        result = _run_windows(prepared, windows, done, device, target_cfg, store, extract, progress, model, channels)
+        result = _run_windows(prepared, windows, done, device, target_cfg, store, extract, progress and lay.writes, model, channels, (lay, mesh))
     _barrier(world)
     summary: dict[str, Any] = {
         "store": files.url,
@@ -191,10 +207,12 @@ def extract_store(
         "world_size": world,
         "shards_total": len(shards),
         "shards_already_done": len(done),
-        "shards_extracted_here": len(mine),
+        "shards_extracted_here": len(mine) if lay.writes else 0,
         "prepare_seconds": round(prepare_seconds, 2),  # read + tokenize every row (on every rank)
     }
-    if result is not None:
+    if lay.tp > 1:
+        summary["tensor_parallel"] = {"size": lay.tp, "group": lay.dp_rank, "groups": lay.dp_size, "writes": lay.writes}
+    if result is not None and lay.writes:
         summary.update(
             {
                 "tokens": result.tokens,
@@ -227,7 +245,10 @@ def _run_windows(
     progress: bool,
     model: Any = None,
     channels: Any = None,
+    tensor_parallel: tuple[Layout, Any] | None = None,
 ) -> Any:
+    """Load the target as the store's header says (split across its TP group when
+    `tensor_parallel` = (layout, mesh) says so) and extract this rank's windows."""
     settings = prepared.header["extraction"]  # what the header promises is what runs
     problem = runnable_problem(settings, device)
     if problem is not None and model is None:
@@ -239,17 +260,22 @@ def _run_windows(
             f"(e.g. target.attn_implementation=sdpa extract.packed=off), which makes every shard stale: `reprocess` "
             f"re-extracts them all"
         )
+    lay, mesh = tensor_parallel or (Layout(0, 1, 1), None)
     if model is None:  # else rank 0's, loaded with these settings to fit fp4's outlier channels
+        split = split_arguments(lay, mesh) if lay.tp > 1 else None
         model = load_target_model(
-            target_cfg, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
+            target_cfg, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"], split=split
         )
+        if split is not None:
+            check_split(model, lay)
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
             f"{settings['attn_implementation']!r}"
         )
     return run_shards(
-        model, windows, done, prepared.files.url, store, extract, prepared.layer_ids, settings["packed"], progress, channels
+        model, windows, done, prepared.files.url, store, extract, prepared.layer_ids, settings["packed"], progress, channels,
+        write=lay.writes,
     )
 
 

@@ -25,10 +25,27 @@ def distributed_context() -> tuple[int, int, int]:
 
 
 def _barrier(world: int) -> None:
+    """Every rank here before any goes on: an all-reduce of a CPU tensor, so it travels over gloo
+    also where the process group holds NCCL for a tensor-parallel target's activations."""
     if world > 1:
+        import torch
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.all_reduce(torch.zeros(1, dtype=torch.int32))
+
+
+def agreed_done(done: set[int], num_shards: int, world: int) -> set[int]:
+    """Rank 0's reading of which shards are done, on every rank (a CPU tensor over gloo): the ranks
+    of a tensor-parallel group must run the same batches, so none decides from its own reading."""
+    if world == 1:
+        return done
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.zeros(num_shards, dtype=torch.uint8)
+    flags[sorted(done)] = 1
+    dist.broadcast(flags, src=0)
+    return {int(i) for i in flags.nonzero().flatten()}
 
 
 @contextmanager

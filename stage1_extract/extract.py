@@ -60,6 +60,12 @@ class ExtractConfig(Section):
     """Tokens per LM-head + log-softmax chunk."""
     device: str = "auto"
     """Where stage 1 runs the target (generate and extract): auto = the GPU of this rank when there is one, else CPU."""
+    tensor_parallel_size: int = 1
+    """GPUs per copy of the target (a target larger than one GPU): ranks form groups of this many
+    consecutive ranks, each group loads the target split by its own TP plan and extracts its share
+    of the windows, its first rank writing (stage1_extract/tensor_parallel.py). Must divide the
+    processes per node; `plan` gives the weights per GPU at this size. Part of the store's identity
+    when above 1 (a TP forward sums in another order: the bytes differ in their last bits)."""
     packed: Literal["auto", "on", "off"] = "auto"
     """A forward batch as one row of samples, no padding: auto = with flash-attn (varlen, GPU); on = also
     with sdpa/eager, which keep the samples apart with a [tokens, tokens] mask; an attention that cannot is refused."""
@@ -72,6 +78,7 @@ class ExtractConfig(Section):
         self.require(self.writer_queue_mb is None or self.writer_queue_mb >= 1, "writer_queue_mb", "must be >= 1 (or null)")
         self.require(self.writer_threads >= 1, "writer_threads", "must be >= 1")
         self.require(self.lm_head_chunk_tokens >= 1, "lm_head_chunk_tokens", "must be >= 1")
+        self.require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
 
 
 def host_token_bytes(num_layers: int, hidden_size: int, dtype_bytes: int, top_k: int) -> int:
@@ -202,8 +209,10 @@ def run_shards(
     packed: bool,
     progress: bool = True,
     outlier_channels: Any = None,
+    write: bool = True,
 ) -> ExtractResult:
-    """Extract this rank's unfinished shards, window by window, and write them."""
+    """Extract this rank's unfinished shards, window by window, and write them (`write` False: a
+    tensor-parallel rank that only computes its share of each forward; its group's first rank writes)."""
     from tqdm import tqdm
 
     result = ExtractResult()
@@ -211,14 +220,16 @@ def run_shards(
     todo_ids = {r.sample_id for s in todo for r in s.kept}
     total_tokens = sum(len(r.input_ids) for s in todo for r in s.kept)
     started = time.perf_counter()
-    device = next(model.parameters()).device
     parameter = next(model.parameters())
+    device = parameter.device
     token_bytes = host_token_bytes(len(layer_ids), model.config.get_text_config().hidden_size, parameter.element_size(), cfg.top_k)
-    writer = ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), cfg.writer_threads, outlier_channels)
+    writer = ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), cfg.writer_threads, outlier_channels) if write else None
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:
         for batch, outputs in forward_batches(model, windows, cfg, layer_ids, packed, wanted=todo_ids, timer=timer):
+            if writer is None:
+                continue
             wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
             stored = [out for _, out in wanted]
             host, ready, value_sum = to_host(stored, device, stored_value_sum(stored))
@@ -230,9 +241,11 @@ def run_shards(
             tokens = sum(len(s.input_ids_T) for s in samples)
             result.tokens += tokens
             bar.update(tokens)
-        result.writer = writer.finish()
+        if writer is not None:
+            result.writer = writer.finish()
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
     finally:
         bar.close()
