@@ -172,6 +172,34 @@ def documentation_chats(path: Path, count: int, answer_chars: int = 0, seed: int
     return path
 
 
+def short_answers(path: Path, count: int, answer_chars: int, seed: int = 2) -> Path:
+    """Conversations that are nearly all answer: an empty system turn, a two-word question and a
+    documentation paragraph cut to `answer_chars` at a word boundary (~4 characters a token), so
+    nearly every token is supervised: the most anchor blocks per token, the memory plan's worst case."""
+    import random
+    from pydoc_data.topics import topics
+
+    from shared.conversations import Conversation
+    from stage1_extract.data import write_conversations_parquet
+
+    text = " ".join(p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if len(p.strip()) > 200).split()
+    rng = random.Random(seed)
+    conversations = []
+    for i in range(count):
+        start = rng.randrange(len(text) - answer_chars)
+        words, size = [], 0
+        for word in text[start:]:
+            if size + len(word) + 1 > answer_chars:
+                break
+            words.append(word)
+            size += len(word) + 1
+        messages = [{"role": "system", "content": ""}, {"role": "user", "content": "Go on."},
+                    {"role": "assistant", "content": " ".join(words)}]
+        conversations.append(Conversation(row=i, messages=messages))
+    write_conversations_parquet(conversations, path)
+    return path
+
+
 def pure_forward(model: Any, cfg: Any, prepared: Any, keep: bool = False) -> tuple[dict[str, Any], list[Any]]:
     """The target's forward over exactly the batches extraction forms (`forward_batches`, one rank),
     after a one-row warm-up, timed by the wall clock with the device synchronised after every batch;
