@@ -92,6 +92,13 @@ def rows(result: dict[str, Any]) -> list[Row]:
         out.append((f"extraction wall time / pure target forward: {p['target']}", fmt(p["extract_over_forward"]), "<= 1.15",
                      f"forward {forward['seconds']} s on {fmt(forward['tokens'])} tokens; writer waited "
                      f"{p['extract']['writer_queue_wait_s']} s", yes(p["extract_over_forward"] <= 1.15)))
+        e = p["extract"]
+        if name == "extract_8b" and "writer_absorb_s" in e:
+            busy = max(e["writer_absorb_s"], e["writer_seconds"] / e["writer_threads"])
+            out.append(("8B extraction at full size: the writer's busiest thread (absorbing, or compressing per thread) / the target's forward",
+                        f"{busy:.3g} s / {e['forward_seconds']} s", "writer < forward",
+                        f"absorb {e['writer_absorb_s']} s, {e['writer_threads']} writer threads {e['writer_seconds']} s summed; the forward "
+                        f"waited {e['writer_queue_wait_s']} s on a full queue (peak {e['writer_peak_queue_mb']} MB)", yes(busy < e["forward_seconds"])))
     gp = phases.get("gpu_paths", {})
     if "flex_20_shapes" in gp:
         copies, flex = gp["copies_after_event"], gp["flex_20_shapes"]
