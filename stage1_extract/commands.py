@@ -50,7 +50,7 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
         value = cfg.value(setting)
         if isinstance(value, str) and is_hub_id(value):
             log.info("downloading %s=%s", setting, value)
-            snapshot = download(value)
+            snapshot = download(value, setting)
             fetched[setting] = {**snapshot.record(), "folder": str(snapshot.folder)}
     if not fetched:
         return {"downloaded": {}, "note": "target.path and model.init_from name no Hub id (org/name[@revision]): nothing to fetch"}
