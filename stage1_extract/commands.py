@@ -256,6 +256,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             "format": prepared.data_format,  # how the export doctor reads the rows again
             "num_rows": len(prepared.rows),
             "bad_rows_skipped": prepared.stats.bad_rows,
+            "leading_turns_dropped": prepared.stats.leading_turns_dropped,  # turns before a row's first user turn
         },
         "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": samples_per_shard,
@@ -265,7 +266,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
         extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
-    out = {"merge_seconds": round(time.perf_counter() - started, 2)}
+    out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": prepared.stats.leading_turns_dropped}
     out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns")})
     if manifest["num_empty_turns"]:
         log.warning(
