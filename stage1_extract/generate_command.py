@@ -95,6 +95,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "output": str(result.path),
         "conversations": result.num_conversations,
         "bad_rows_skipped": stats.bad_rows,
+        "leading_turns_dropped": stats.leading_turns_dropped,  # not regenerated: they answer no user turn
         "generated_tokens": result.num_generated_tokens,
         "seconds": round(result.seconds, 1),
         "parts_reused": result.parts_reused,
