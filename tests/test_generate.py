@@ -191,7 +191,9 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_its_free_space(tiny_targe
     parts = tmp_path / "run" / "data" / "generated.parts"
     assert "\n" not in err and "Traceback" not in err
     assert err.startswith(f"error: {parts}: no space left on the device (") and " free) writing part-000001-" in err
-    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate`" in err
+    # The rerun command carries the run's own overrides (shared/cli.py names the config it came with).
+    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate " in err
+    assert "generate.rows_per_part=3 extract.device=cpu`, which resumes from them" in err
     assert [p.name for p in parts.glob("part-*.parquet")] == [written[0].name]
 
 
