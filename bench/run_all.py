@@ -140,6 +140,11 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
         rows.append(("decode / encode MB/s of bf16 output, one thread: fp8 / fp4",
                      f"{fmt(r['decode_mb_per_s']['fp8'])} / {fmt(r['decode_mb_per_s']['fp4'])} (encode "
                      f"{fmt(r['encode_mb_per_s']['fp8'])} / {fmt(r['encode_mb_per_s']['fp4'])})", "", "", ""))
+        if "read_samples_per_s" in r:
+            new, steady = r["read_samples_per_s"]["new_reader"], r["read_samples_per_s"]["steady"]
+            rows.append(("random sample reads/s, one thread, warm page cache: a new reader / a long-lived one, fp8 vs fp4",
+                         f"{new['fp8']} vs {new['fp4']} / {steady['fp8']} vs {steady['fp4']}", "fp4 >= fp8",
+                         f"bf16 {new['bf16']} / {steady['bf16']}", yes(new["fp4"] >= new["fp8"] and steady["fp4"] >= steady["fp8"])))
     if name in ("fp4_compare", "fp4_compare_long") and "fp4" in r["results"]:
         a = r["results"]["fp4"]["all"]
         holds = a["diff_lo"] <= 0 <= a["diff_hi"]
