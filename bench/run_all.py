@@ -136,7 +136,7 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
         rows.append((f"bytes/token on disk, bf16 / fp8 / fp4 ({r['compression']}, incl. top-64)",
                      f"{fmt(disk['bf16'])} / {fmt(disk['fp8'])} / {fmt(disk['fp4'])}", "", "", ""))
         rows.append(("bytes/token at Qwen3-8B (5 x 4096, top-64, formula): bf16 / fp8 / fp4",
-                     f"{fmt(b8['bf16'])} / {fmt(b8['fp8'])} / {fmt(b8['fp4'])}", "", f"{over['fp8']}x / {over['fp4']}x of bf16", ""))
+                     f"{b8['bf16']:,} / {b8['fp8']:,} / {b8['fp4']:,}", "", f"{over['fp8']}x / {over['fp4']}x of bf16", ""))
         rows.append(("decode / encode MB/s of bf16 output, one thread: fp8 / fp4",
                      f"{fmt(r['decode_mb_per_s']['fp8'])} / {fmt(r['decode_mb_per_s']['fp4'])} (encode "
                      f"{fmt(r['encode_mb_per_s']['fp8'])} / {fmt(r['encode_mb_per_s']['fp4'])})", "", "", ""))
