@@ -2,17 +2,7 @@
 
     .venv/bin/python bench/checkpoint.py [--json out.json] [--steps 24] [--every 8] [--threads 1]
 
-A training-like CPU loop (an MLP of ~34M parameters with AdamW, so a checkpoint is ~400 MB; steps
-of ~1 s) calls `Checkpointer.maybe_save` after every step, once with async_save and once
-without. For each mode it reports:
-  blocked/step   time the loop spent inside a save call over the median step time
-                 (median and worst over the saves; goal for async: <= 0.5)
-  during/step    duration of the steps that ran while a background write was in flight, over the
-                 median step time (mean and worst; goal: <= 1.5)
-  cost/save      wall time of the run minus steps x median step, per save: what a save costs in all
-The median step is taken over steps with no save in flight. On this machine the background writer
-competes with the loop for the same 2 cores (and with whatever else runs); on a GPU node the loop runs
-on the GPU and the writer on otherwise idle host cores, so these figures are the harder case.
+Its loop, figures and goals: docs/benchmarks.md, `checkpoint`.
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, emit, yes  # noqa: E402
+from bench.common import Row, arguments, emit, yes  # noqa: E402
 from stage2_train.train.checkpoint.format import optimizer_state  # noqa: E402
 from stage2_train.train.checkpoint.saver import Checkpointer  # noqa: E402
 from stage2_train.train.config import CheckpointConfig  # noqa: E402
@@ -116,8 +106,7 @@ def run_mode(async_save: bool, args: argparse.Namespace, root: Path) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", type=Path, default=None)
+    parser = arguments(__doc__)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -127,7 +116,6 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the loop (the machine has 2 cores)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write checkpoints (default: a temp dir)")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         results = [run_mode(True, args, Path(tmp)), run_mode(False, args, Path(tmp))]
@@ -140,7 +128,7 @@ def main() -> int:
         "results": results,
         "goals": {"blocked_over_step": GOAL_BLOCKED, "during_over_step": GOAL_DURING},
         "async_goals_met": async_r["blocked_over_step_max"] <= GOAL_BLOCKED and (async_r["during_over_step_max"] or 0) <= GOAL_DURING,
-    }, args.json, t0)
+    }, args.json)
 
 
 def rows(r: dict) -> list[Row]:

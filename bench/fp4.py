@@ -1,19 +1,14 @@
 """The fp4 store's codec figures: the same data extracted as bf16, fp8 and fp4 stores, then per layer
-the median per-token relative error of each against bf16, the bytes per token (on disk, and by
-formula at the Qwen3-8B shape) and the single-thread decode rate. The drafters trained from those
-stores are compared by bench/compare.py (`run_all.py --only fp4_compare,fp4_compare_long`).
+the error of each against bf16, the bytes per token and the codec's rates (docs/benchmarks.md, `fp4`).
 
     .venv/bin/python bench/fp4.py [--config configs/default.yaml] [--run-dir runs/fp4-default] [--json out.json]
 
-Generates the answers once (run_dir/data) and extracts them into run_dir/store-bf16, store-fp8 and
-store-fp4 when those are missing.
+Generates the answers once (run_dir/data) and extracts the three stores when they are missing.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +16,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, rate, run_cli  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, rate, run_cli  # noqa: E402
 
 DTYPES = ("bf16", "fp8", "fp4")
 
@@ -43,12 +38,10 @@ def ensure_stores(config: str, run_dir: Path) -> dict[str, Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--run-dir", default="runs/fp4-default")
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     from shared.codecs import decode_hidden, encode_hidden
@@ -107,8 +100,7 @@ def main() -> int:
         "decode_mb_per_s": decode_mb_s, "encode_mb_per_s": encode_mb_s,
         "compression": exact.manifest["storage"]["compression"],
     }
-    return emit(result, args.json, t0)
-
+    return emit(result, args.json)
 
 
 def rows(r: dict) -> list[Row]:
