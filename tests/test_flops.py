@@ -17,7 +17,7 @@ from stage2_train.data.loader import PrefetchLoader
 from stage2_train.data.sampler import LengthMixedSampler
 from stage2_train.model.config import DrafterConfig
 from stage2_train.model.drafter import DFlashDrafter
-from stage2_train.model.flops import DrafterShape, StepWork, step_work, train_step_flops
+from stage2_train.model.flops import DrafterShape, StepWork, step_work, train_step_flops, utilization
 from testkit.drafter import tiny_arch
 from testkit.store import make_store, samples
 
@@ -55,6 +55,16 @@ def test_train_step_flops_scale_with_layers_where_they_should():
         assert three[part] == 3 * one[part]
     for part in ("fc", "lm_head"):  # once per step, whatever the depth
         assert three[part] == one[part]
+
+
+def test_utilization_is_flops_over_time_and_peak():
+    rows = [{"step_s": 2.0, "forward_s": 0.25, "backward_s": 0.5, "optim_s": 0.25}] * 2  # 1 s of compute a step
+    got = utilization(SHAPE, [WORK, WORK], rows, peak=7584.0)
+    assert (got["mfu"], got["mfu_compute_only"]) == (0.5, 1.0)  # 7,584 FLOPs a step (the hand count)
+    assert got["achieved_tflops"] == 7584 / 2 / 1e12 and got["tflop_per_step"] == 7584 / 1e12
+    assert got["flops_share"] == {"layers": 3456 / 7584, "context_kv": 768 / 7584, "fc": 1536 / 7584,
+                                  "attention": 1344 / 7584, "lm_head": 480 / 7584}
+    assert utilization(SHAPE, [WORK], rows[:1])["mfu"] is None  # no peak known (CPU)
 
 
 def test_flop_count_weights_are_the_drafters():

@@ -3,6 +3,7 @@
     shape = DrafterShape.of(cfg.model, target.arch, len(target.layer_ids))
     works = step_work(data.sampler, data.anchors, sample_ids, loss_masks, log_rows)   # each logged step
     train_step_flops(shape, works[0])["total"]
+    utilization(shape, works, log_rows, peak=989e12)["mfu"]
 
 `train_step_flops` counts what drafter.py and loss.py compute for one step; `step_work` rebuilds the
 exact work of each logged step (tokens, blocks, scored rows, attention pairs) from the trainer's own
@@ -113,3 +114,21 @@ def step_work(
             pairs += int((drawn + B).sum()) * B
         out.append(StepWork(tokens, blocks, scored, pairs))
     return out
+
+
+def utilization(shape: DrafterShape, works: list[StepWork], rows: list[dict[str, Any]], peak: float | None = None) -> dict[str, Any]:
+    """What logged steps achieved (train_log.jsonl rows, each with its `works` entry): their model FLOPs
+    over their wall time (`step_s`) and over their compute alone (forward + backward + optimizer), in
+    TFLOP/s and as a share of `peak` FLOP/s (MFU; None without a peak), and the FLOPs' split by part."""
+    flops = [train_step_flops(shape, work) for work in works]
+    total = sum(f["total"] for f in flops)
+    step_s = sum(r["step_s"] for r in rows)
+    compute_s = sum(r["forward_s"] + r["backward_s"] + r["optim_s"] for r in rows)
+    return {
+        "tflop_per_step": total / len(rows) / 1e12,
+        "flops_share": {k: sum(f[k] for f in flops) / total for k in flops[0] if k != "total"},
+        "achieved_tflops": total / step_s / 1e12,
+        "achieved_tflops_compute_only": total / compute_s / 1e12,
+        "mfu": total / step_s / peak if peak else None,
+        "mfu_compute_only": total / compute_s / peak if peak else None,
+    }
