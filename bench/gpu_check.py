@@ -123,6 +123,7 @@ class Recorder:
         finally:
             entry["seconds"] = round(time.perf_counter() - start, 1)
             print(f"== {name}: {entry['status']} in {entry['seconds']} s", flush=True)
+            print_rows(rows({"phases": {name: entry}}))  # its figures as BENCHMARKS.md will show them
             self.write()
 
     def write(self) -> None:
@@ -344,8 +345,6 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
     attention.COMPILE_BACKEND = "inductor"
     if graphs[-1] > 6 or graphs[9] != graphs[-1]:
         raise RuntimeError(f"flex recompiled across pack shapes: graphs after each pack {graphs}")
-    print(f"   copies after event on {where}: equal={equal}; loader buffers {entry['loader_buffers']}; "
-          f"flex graphs {graphs[-1]} over 20 shapes, max diff {worst:.2e}", flush=True)
 
 
 def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list[str], built: list | None = None) -> Any:
@@ -368,8 +367,6 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
         del model
         free_device_memory()
         entry["pure_forward"] = forward
-        print(f"   pure forward: {forward['tokens']} tokens in {forward['seconds']} s ({forward['tok_per_s']:,.0f} tok/s), "
-              f"attention {forward['attn_implementation']}, packed={forward['packed']}", flush=True)
         started = time.perf_counter()
         summary = ctx.run_cli(["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", config, *overrides],
                               entry["name"], ctx.rec.left() - 60)
@@ -379,9 +376,6 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     entry["tok_per_s"] = summary["tok_per_s"]
     entry["extract_over_forward"] = round(summary["seconds"] / forward["seconds"], 3)
     entry["store_gib"] = round(summary["num_bytes"] / 2**30, 2)
-    print(f"   extraction: {summary['tokens']} tokens in {summary['seconds']} s ({summary['tok_per_s']:,.0f} tok/s) = "
-          f"{entry['extract_over_forward']}x the pure forward; writer waited {summary['writer_queue_wait_s']} s, "
-          f"wrote {entry['store_gib']} GiB; CLI wall {entry['cli_wall_s']} s", flush=True)
     return prepared
 
 
@@ -417,8 +411,6 @@ def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
     model = build_random_target(target, Qwen3Config(**{**sizes_8b, **sizes.big_config}), ctx.tokenizer_dir, sizes.device)
     entry["build_and_save_s"] = round(time.perf_counter() - started, 1)
     entry["target_params"] = sum(p.numel() for p in model.parameters())
-    print(f"   built and saved {entry['target_params'] / 1e9:.2f}B random parameters in {entry['build_and_save_s']} s",
-          flush=True)
     data = documentation_chats(ctx.work / "big_chats.parquet", sizes.big_samples, sizes.big_answer_chars)
     store = RunPaths(ctx.work / "big").store
     overrides = [f"run_dir={ctx.work / 'big'}", f"target.path={target}", f"data.path={data}", "data.regenerate=false",
@@ -479,30 +471,18 @@ def bf16_peak(device_name: str, override_tflops: float | None) -> tuple[float | 
 
 def train_figures(rows: list[dict], works: list | None, shape: Any, skip: int, peak: float | None) -> dict[str, Any]:
     """Throughput over the logged steps after the first `skip` (compilation), and with each step's
-    work (`step_work`) its model FLOPs (`train_step_flops`): TFLOP/s achieved and MFU."""
-    from stage2_train.model.flops import train_step_flops
+    work (`step_work`) the model FLOPs achieved and MFU (`utilization`)."""
+    from stage2_train.model.flops import utilization
 
     out: dict[str, Any] = {"steps_logged": len(rows), "first_step_s": round(rows[0]["step_s"], 2), **step_figures(rows, skip)}
     if works is None:
         return out
-    measured = range(len(rows) - out["steps_measured"], len(rows))  # step_figures' steady steps
-    flops = [train_step_flops(shape, works[i]) for i in measured]
-    step_s = sum(rows[i]["step_s"] for i in measured)
-    compute_s = sum(rows[i]["forward_s"] + rows[i]["backward_s"] + rows[i]["optim_s"] for i in measured)
-    total = sum(f["total"] for f in flops)
-    out.update({
-        "block_tok_per_s": round(statistics.median(works[i].blocks * shape.block_size / rows[i]["step_s"] for i in measured), 1),
-        "blocks_per_step": round(statistics.mean(works[i].blocks for i in measured), 1),
-        "context_tokens_per_step": round(statistics.mean(works[i].context_tokens for i in measured), 1),
-        "tflop_per_step": round(total / len(measured) / 1e12, 4),
-        "samples_per_step": round(statistics.mean(rows[i]["samples"] for i in measured), 1),
-        "flops_share": {k: round(sum(f[k] for f in flops) / total, 4) for k in flops[0] if k != "total"},
-        "achieved_tflops": round(total / step_s / 1e12, 4),
-        "achieved_tflops_compute_only": round(total / compute_s / 1e12, 4),
-        "mfu": round(total / step_s / peak, 4) if peak else None,
-        "mfu_compute_only": round(total / compute_s / peak, 4) if peak else None,
-    })
-    return out
+    rows, works = rows[-out["steps_measured"]:], works[-out["steps_measured"]:]  # step_figures' steady steps
+    return {**out, **utilization(shape, works, rows, peak),
+            "block_tok_per_s": round(statistics.median(w.blocks * shape.block_size / r["step_s"] for r, w in zip(rows, works)), 1),
+            "blocks_per_step": round(statistics.mean(w.blocks for w in works), 1),
+            "context_tokens_per_step": round(statistics.mean(w.context_tokens for w in works), 1),
+            "samples_per_step": round(statistics.mean(r["samples"] for r in rows), 1)}
 
 
 def phase_train(entry: dict[str, Any], ctx: Context) -> None:
@@ -553,10 +533,6 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
         raise RuntimeError(error)
     if not rows:
         raise RuntimeError(f"{run_dir}: the run logged no train rows")
-    mfu = f", MFU {entry['mfu']:.3f} of {peak_label}" if entry.get("mfu") is not None else ""
-    print(f"   {entry['tok_per_s']:,.0f} context tok/s, {entry.get('block_tok_per_s', 0):,.0f} block tok/s, "
-          f"{entry.get('achieved_tflops')} TFLOP/s{mfu}; first step {entry['first_step_s']} s, "
-          f"median step {entry['step_s_median']} s, data wait {entry['data_wait_frac']}", flush=True)
 
 
 def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
@@ -579,8 +555,6 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
     tokens, calls_s = summary["generated_tokens"], summary["generate_call_seconds"]
     entry.update({"generated_tokens": tokens, "cli_seconds": summary["seconds"], "engine_start_s": summary["backend_start_seconds"],
                   "generate_s": calls_s, "tok_per_s": round(tokens / calls_s, 1), "tok_per_s_with_start": round(tokens / summary["seconds"], 1)})
-    print(f"   {backend}: {tokens} tokens in {entry['generate_s']} s of generate calls = {entry['tok_per_s']:,.0f} tok/s "
-          f"(engine start {entry['engine_start_s']} s; with it {entry['tok_per_s_with_start']:,.0f} tok/s)", flush=True)
 
 
 PHASES = {
@@ -662,15 +636,18 @@ def rows(result: dict[str, Any]) -> list[Row]:
     return out
 
 
+def print_rows(table: list[Row]) -> None:
+    width = max((len(r[0]) for r in table), default=0)
+    for figure, value, goal, baseline, met in table:
+        goal_met = f" [goal {goal}: {met}]" if goal else ""
+        print(f"   {figure:<{width}}  {value}{goal_met}" + (f"  ({baseline})" if baseline else ""), flush=True)
+
+
 def print_summary(result: dict[str, Any]) -> None:
     print("\n== summary")
     for name, p in result["phases"].items():
         print(f"   {name:<16} {p['status']:<9} {p.get('seconds', 0):>7.1f} s")
-    table = rows(result)
-    width = max(len(r[0]) for r in table) if table else 0
-    for figure, value, goal, baseline, met in table:
-        goal_met = f" [goal {goal}: {met}]" if goal else ""
-        print(f"   {figure:<{width}}  {value}{goal_met}" + (f"  ({baseline})" if baseline else ""))
+    print_rows(rows(result))
     print(f"   total {result['elapsed_s']} s", flush=True)
 
 

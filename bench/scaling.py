@@ -20,25 +20,6 @@ sys.path.insert(0, str(REPO))
 from bench.common import Row, arguments, emit, fmt, run_cli, run_training, steady, step_figures  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-WORDS = (
-    "the of and to in is was for on that with as by at from his her an which you were are this be "
-    "had not but what all when can there one so out if about up them some time could would into "
-    "make like him has two more very after words long just where most know get through back much "
-    "before also good new write our used me man too any day same right look think such here take "
-    "why things help put years different away again off went old number great tell men say small"
-).split()
-
-
-def write_rows(path: Path, lengths: list[int], seed: int) -> Path:
-    """Chats whose rendered length is about `length` tokens each (one word ~ one token here)."""
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i, length in enumerate(lengths):
-            question = " ".join(rng.choice(WORDS) for _ in range(12))
-            answer = " ".join(rng.choice(WORDS) for _ in range(max(8, length - 40)))
-            row = {"messages": [{"role": "user", "content": f"{i}: {question}"}, {"role": "assistant", "content": answer}]}
-            f.write(json.dumps(row) + "\n")
-    return path
 
 
 def mixed_lengths(count: int, seed: int) -> list[int]:
@@ -48,10 +29,11 @@ def mixed_lengths(count: int, seed: int) -> list[int]:
 
 
 def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_length: int, seed: int) -> dict:
-    from testkit.data import stage1_overrides
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
-    run_dir = root / name
-    stage1 = stage1_overrides(target, write_rows(root / f"{name}.jsonl", lengths, seed), run_dir,
+    run_dir = root / name  # chats of about `length` tokens each (one word ~ one token here)
+    data = write_jsonl(root / f"{name}.jsonl", chat_rows(len(lengths), seed, [max(8, n - 40) for n in lengths]))
+    stage1 = stage1_overrides(target, data, run_dir,
                               **{"data.max_length": max_length, "extract.batch_tokens": max(4096, max_length)})
     cmd = ["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", "configs/default.yaml", *stage1]
     first = run_cli(cmd, root / f"{name}.extract.log", ONE_THREAD)
