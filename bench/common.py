@@ -73,6 +73,12 @@ def evict(folder: Path) -> int:
     return total
 
 
+def relative_error(approx: Any, exact: Any, eps: float = 1e-6) -> Any:
+    """||approx - exact|| / ||exact|| over the last dimension (per token, or per token and layer), fp32."""
+    exact = exact.float()
+    return (approx.float() - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(eps)
+
+
 def rate(fn: Any, nbytes: int, min_s: float = 0.5) -> float:
     """MB/s of `fn` over `nbytes` of decoded data, repeated for at least `min_s`."""
     started, runs = time.perf_counter(), 0

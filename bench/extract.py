@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, arguments, documentation_chats, emit, fmt, pure_forward, yes  # noqa: E402
+from bench.common import Row, arguments, documentation_chats, emit, fmt, pure_forward, relative_error, yes  # noqa: E402
 
 
 def main() -> int:
@@ -79,17 +79,8 @@ def main() -> int:
     sizes["torch.save per sample (SpecForge-style, no top-k)"] = sum(p.stat().st_size for p in peers.iterdir()) / tokens
 
     # fp8 reconstruction error against the fp32 features.
-    errors = []
-    for f in features:
-        bits, scale = encode_hidden(f.hidden_TLH, "fp8")
-        back = decode_hidden(bits, scale, "fp8").float()
-        ref = f.hidden_TLH.float()
-        errors.append(((back - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).flatten())
-    rel = torch.cat(errors)
-    bf16_rel = torch.cat([
-        ((f.hidden_TLH.to(torch.bfloat16).float() - f.hidden_TLH.float()).norm(dim=-1) / f.hidden_TLH.float().norm(dim=-1).clamp_min(1e-6)).flatten()
-        for f in features
-    ])
+    rel = torch.cat([relative_error(decode_hidden(*encode_hidden(f.hidden_TLH, "fp8"), "fp8"), f.hidden_TLH).flatten() for f in features])
+    bf16_rel = torch.cat([relative_error(f.hidden_TLH.to(torch.bfloat16), f.hidden_TLH).flatten() for f in features])
 
     # 4. Random window reads (what the trainer does).
     store = RunPaths.of(cfg).store

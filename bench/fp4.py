@@ -16,7 +16,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, arguments, emit, fmt, rate, run_cli  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, rate, relative_error, run_cli  # noqa: E402
 
 DTYPES = ("bf16", "fp8", "fp4")
 
@@ -61,14 +61,13 @@ def main() -> int:
     errors: dict[str, list[np.ndarray]] = {"fp8": [], "fp4": [], "fp4, no exact channels": []}
     for index in range(len(exact)):
         x_TLH = exact[index]["hidden_TLH"].float()
-        norm_TL = x_TLH.norm(dim=-1).clamp_min(1e-30)
         decoded = {
             "fp8": readers["fp8"][index]["hidden_TLH"],
             "fp4": readers["fp4"][index]["hidden_TLH"],
             "fp4, no exact channels": decode_fp4(**encode_fp4(x_TLH, none_apart)),
         }
         for name, y_TLH in decoded.items():
-            errors[name].append(((y_TLH.float() - x_TLH).norm(dim=-1) / norm_TL).numpy())
+            errors[name].append(relative_error(y_TLH, x_TLH, eps=1e-30).numpy())
     per_layer = {name: [round(float(v), 4) for v in np.median(np.concatenate(e), axis=0)] for name, e in errors.items()}
     overall = {name: round(float(np.median(np.concatenate(e))), 4) for name, e in errors.items()}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, relative_error, yes  # noqa: E402
 
 
 def main() -> int:
@@ -46,10 +46,10 @@ def main() -> int:
             P_RF, s_F = basis(fit_moment, fit_tokens, r, scale)
             back_FR = (s_F[:, None] * (P_RF.double() * s_F[None, :]).T).float()
             x_hat = (x_TF @ P_RF.T) @ back_FR.T
-            error[f"{scale} r={name}"] = round(float(((x_TF - x_hat).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+            error[f"{scale} r={name}"] = round(float(relative_error(x_hat, x_TF, eps=0).median()), 4)
     bits, scale_TL = encode_hidden(x_TF.view(-1, L, H), "fp8")
     fp8 = decode_hidden(bits, scale_TL, "fp8").float().flatten(1)
-    fp8_error = round(float(((x_TF - fp8).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+    fp8_error = round(float(relative_error(fp8, x_TF, eps=0).median()), 4)
     bf16 = bytes_per_token("bf16", 5, 4096, 64)
     fp8_only = bytes_per_token("fp8", 5, 4096, 64)
     projected = bytes_per_token("fp8", 1, 4096, 64)  # r = H values per token, one fp8 scale
