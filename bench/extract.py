@@ -2,18 +2,12 @@
 
     .venv/bin/python bench/extract.py [--samples 48] [--json bench/results_extract.json]
 
-Runs the embedded default target (SmolLM2-135M, the real model) over default prompts paired with
-documentation paragraphs as answers, so the stored features are real activations. Figures:
-- extraction wall time / pure forward time on the same batches (goal <= 1.15);
-- bytes per token for bf16, bf16+zstd, fp8, fp8+zstd and the peers' format (one torch.save file
-  per sample with the stacked layers in bf16, as SpecForge stores it), fp8 at most 0.55 of bf16,
-  with fp8's reconstruction error;
-- random sample-window reads from the store (windows/s and MB/s).
+The embedded default target over documentation answers (real activations); its figures and goals:
+docs/benchmarks.md, `extract`.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import tempfile
@@ -23,15 +17,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, documentation_chats, emit, fmt, pure_forward, yes  # noqa: E402
+from bench.common import Row, arguments, documentation_chats, emit, fmt, pure_forward, relative_error, yes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=48)
-    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     from shared.codecs import decode_hidden, encode_hidden
@@ -87,17 +79,8 @@ def main() -> int:
     sizes["torch.save per sample (SpecForge-style, no top-k)"] = sum(p.stat().st_size for p in peers.iterdir()) / tokens
 
     # fp8 reconstruction error against the fp32 features.
-    errors = []
-    for f in features:
-        bits, scale = encode_hidden(f.hidden_TLH, "fp8")
-        back = decode_hidden(bits, scale, "fp8").float()
-        ref = f.hidden_TLH.float()
-        errors.append(((back - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).flatten())
-    rel = torch.cat(errors)
-    bf16_rel = torch.cat([
-        ((f.hidden_TLH.to(torch.bfloat16).float() - f.hidden_TLH.float()).norm(dim=-1) / f.hidden_TLH.float().norm(dim=-1).clamp_min(1e-6)).flatten()
-        for f in features
-    ])
+    rel = torch.cat([relative_error(decode_hidden(*encode_hidden(f.hidden_TLH, "fp8"), "fp8"), f.hidden_TLH).flatten() for f in features])
+    bf16_rel = torch.cat([relative_error(f.hidden_TLH.to(torch.bfloat16), f.hidden_TLH).flatten() for f in features])
 
     # 4. Random window reads (what the trainer does).
     store = RunPaths.of(cfg).store
@@ -149,8 +132,7 @@ def main() -> int:
         "read_window_tokens": window,
         "store_shards": len(manifest["shards"]),
     }
-    return emit(results, args.json, t0)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:

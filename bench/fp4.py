@@ -1,20 +1,15 @@
 """The fp4 store's codec figures: the same data extracted as bf16, fp8 and fp4 stores, then per layer
-the median per-token relative error of each against bf16, the bytes per token (on disk, and by
-formula at the Qwen3-8B shape), single-thread encode and decode rates, and random sample reads of
-each store. The drafters trained from those stores are compared by bench/compare.py
-(`run_all.py --only fp4_compare,fp4_compare_long`).
+the error of each against bf16, the bytes per token, the codec's rates and random sample reads
+(docs/benchmarks.md, `fp4`; the drafters trained from them: `run_all.py --only fp4_compare`).
 
     .venv/bin/python bench/fp4.py [--config configs/default.yaml] [--run-dir runs/fp4-default] [--json out.json]
 
-Generates the answers once (run_dir/data) and extracts them into run_dir/store-bf16, store-fp8 and
-store-fp4 when those are missing.
+Generates the answers once (run_dir/data) and extracts the three stores when they are missing.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +17,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, run_cli, yes  # noqa: E402
+from bench.common import Row, arguments, calls_per_s, emit, fmt, relative_error, run_cli, yes  # noqa: E402
 
 DTYPES = ("bf16", "fp8", "fp4")
 
@@ -43,27 +38,11 @@ def ensure_stores(config: str, run_dir: Path) -> dict[str, Path]:
     return stores
 
 
-def calls_per_s(fns: dict, rounds: int = 5, min_s: float = 0.2) -> dict[str, float]:
-    """Calls per second of each function: the best of `rounds` rounds taken in turn, so a burst of
-    load from other processes on a shared machine falls on every codec alike and is then dropped."""
-    best = dict.fromkeys(fns, 0.0)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            started, runs = time.perf_counter(), 0
-            while time.perf_counter() - started < min_s:
-                fn()
-                runs += 1
-            best[name] = max(best[name], runs / (time.perf_counter() - started))
-    return best
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--run-dir", default="runs/fp4-default")
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     from shared.codecs import decode_hidden, encode_hidden
@@ -83,14 +62,13 @@ def main() -> int:
     errors: dict[str, list[np.ndarray]] = {"fp8": [], "fp4": [], "fp4, no exact channels": []}
     for index in range(len(exact)):
         x_TLH = exact[index]["hidden_TLH"].float()
-        norm_TL = x_TLH.norm(dim=-1).clamp_min(1e-30)
         decoded = {
             "fp8": readers["fp8"][index]["hidden_TLH"],
             "fp4": readers["fp4"][index]["hidden_TLH"],
             "fp4, no exact channels": decode_fp4(**encode_fp4(x_TLH, none_apart)),
         }
         for name, y_TLH in decoded.items():
-            errors[name].append(((y_TLH.float() - x_TLH).norm(dim=-1) / norm_TL).numpy())
+            errors[name].append(relative_error(y_TLH, x_TLH, eps=1e-30).numpy())
     per_layer = {name: [round(float(v), 4) for v in np.median(np.concatenate(e), axis=0)] for name, e in errors.items()}
     overall = {name: round(float(np.median(np.concatenate(e))), 4) for name, e in errors.items()}
 
@@ -132,8 +110,7 @@ def main() -> int:
         },
         "compression": exact.manifest["storage"]["compression"],
     }
-    return emit(result, args.json, t0)
-
+    return emit(result, args.json)
 
 
 def rows(r: dict) -> list[Row]:

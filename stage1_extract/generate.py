@@ -215,6 +215,8 @@ class GenerateResult:
     seconds: float
     parts_reused: int
     tool_call_turns_kept: int = 0  # assistant turns that call tools, kept as the data has them
+    start_seconds: float = 0.0  # starting the backend (model load, vllm engine), apart from generating
+    generate_seconds: float = 0.0  # answering the parts: the backend's generate calls and their templates
 
 
 def part_name(number: int, chunk: list[Conversation]) -> str:
@@ -278,6 +280,7 @@ def generate_all(
     failure.unlink(missing_ok=True)
     started = time.perf_counter()
     generated_tokens = reused = 0
+    start_s = generate_s = 0.0
     mine = [number for number in range(len(chunks)) if number % world == rank]
     bar = tqdm(total=sum(len(chunks[n]) for n in mine), desc="generate", unit="conv", disable=not progress)
     backend: Backend | None = None  # the model loads only when a part is left to write
@@ -292,8 +295,13 @@ def generate_all(
                 reused += 1
                 bar.update(len(chunk))
                 continue
-            backend = backend or make_backend()
+            if backend is None:
+                t0 = time.perf_counter()
+                backend = make_backend()
+                start_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
             done = regenerate(chunk, tokenizer, backend, seed=seed)
+            generate_s += time.perf_counter() - t0
             generated_tokens += sum(len(m["token_ids"]) for c in done for m in c.messages if m.get("token_ids") is not None)
             write_conversations_parquet(done, part)
             bar.update(len(chunk))
@@ -313,7 +321,7 @@ def generate_all(
         bar.close()
     kept = sum(bool(m.get("tool_calls")) for c in conversations for m in c.messages if m["role"] == "assistant")
     if rank != 0:
-        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept)
+        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
     wait_for_parts(parts_dir, wanted, world)
     merged = [
         Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
@@ -323,7 +331,7 @@ def generate_all(
         write_conversations_parquet(merged, out_path)
     except OSError as exc:
         raise named(exc, out_path) from None
-    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept)
+    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
 
 
 def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:

@@ -82,14 +82,23 @@ def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> str | None
 
 def cmd_plan(cfg: RunConfig, search: bool = False, world_size: int = 8) -> dict[str, Any]:
     """The GPU memory of this config's worst training step (the densest micro-batch its sampler
-    budgets allow), traced with fake tensors (`train/memory_plan.py`), at the target's shape: its
-    folder's config.json, or the published shape of a known target named by target.path (planning
-    needs no weights)."""
+    budgets allow), traced with fake tensors (`train/memory_plan.py`), at the target's shape."""
+    from stage2_train.train.memory_plan import plan
+
+    inputs, source = plan_inputs(cfg)
+    out = plan(inputs, world_size=world_size, search=search)
+    return {"config": cfg.source, "shape_from": source, **out}
+
+
+def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
+    """What the memory plan reads of a run config (PlanInputs) and where the target's shape came from:
+    its folder's config.json, or the published shape of a known target named by target.path
+    (planning needs no weights)."""
     from pathlib import PurePath
 
     from shared.errors import ConfigError
     from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
-    from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs, plan
+    from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs
 
     folder = Path(cfg.target.path).expanduser()
     if cfg.target.path == EMBEDDED_DEFAULT or (folder / "config.json").is_file():
@@ -105,9 +114,7 @@ def cmd_plan(cfg: RunConfig, search: bool = False, world_size: int = 8) -> dict[
             )
         arch, source = KNOWN_TARGETS[name], f"the published {name} shape"
     layers = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_feature_layers
-    inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers)
-    out = plan(inputs, world_size=world_size, search=search)
-    return {"config": cfg.source, "shape_from": source, **out}
+    return PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers), source
 
 
 # ---------------------------------------------------------------------------------------------

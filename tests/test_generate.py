@@ -93,6 +93,20 @@ def test_vllm_answers_keep_their_token_ids_and_a_seed_per_row(tiny_target_dir, t
     assert answers(other["output"]) == got
 
 
+def test_the_engine_start_is_timed_apart_from_generating(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """A few dozen prompts on a GPU take seconds; an engine's start can take a minute: the summary
+    says which was which."""
+    import time
+
+    made, answer = FakeLLM.__init__, FakeLLM.generate
+    monkeypatch.setattr(FakeLLM, "__init__", lambda self, *a, **k: (time.sleep(0.3), made(self, *a, **k))[1])
+    monkeypatch.setattr(FakeLLM, "generate", lambda self, *a, **k: (time.sleep(0.1), answer(self, *a, **k))[1])
+    out = commands.cmd_generate(generate_config(tiny_target_dir, prompts_file(tmp_path), tmp_path / "a"), progress=False)
+    assert 0.3 <= out["backend_start_seconds"] < 0.6  # one engine started once, none of the generate calls
+    assert out["generate_call_seconds"] >= 0.1 * 4  # 10 rows in parts of 3: four calls
+    assert out["backend_start_seconds"] + out["generate_call_seconds"] <= out["seconds"] + 0.05
+
+
 def test_ranks_each_run_an_engine_on_their_own_gpu_and_share_the_parts(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
     """Under torchrun rank r runs one engine on its GPU, sees no torchrun variables while it
     starts, writes parts r, r + W, ...; rank 0 merges: the file equals a single-process run's."""
