@@ -2,25 +2,13 @@
 
     .venv/bin/python bench/extract.py [--samples 48] [--json bench/results_extract.json]
 
-Runs the embedded default target (SmolLM2-135M, the real model) over default prompts paired with
-documentation paragraphs as answers, so the stored features are real activations. Figures:
-- extraction wall time / pure forward time on the same batches (goal <= 1.15);
-- bytes per token for bf16, bf16+zstd, fp8, fp8+zstd and the peers' format (one torch.save file
-  per sample with the stacked layers in bf16, as SpecForge stores it), fp8 at most 0.55 of bf16,
-  with fp8's reconstruction error;
-- random sample-window reads from the store (windows/s and MB/s);
-- the shard writer at the 8B shape (`writer_at_8b`, also alone with `--only-8b`): Qwen3-8B-shaped
-  host batches (5 x 4096 bf16 states, top-64, samples of 2,048 tokens, random values) handed to the
-  real ShardWriter (bf16 + zstd, the recipe's storage) at the pace of the target's forward on an
-  H100 (stage1_extract.plan's rate model), scaled down 8x (8,192-token batches for the preset's
-  65,536): the absorbing thread's busy time per batch with the device's finiteness sum against the
-  host scan it replaced, the writer threads' busy time, both per 65K-token batch beside the
-  forward's, and how long the forward waited on the queue.
+The embedded default target over documentation answers (real activations), and the shard writer at
+the 8B shape (`writer_at_8b`, alone with `--only-8b`); its figures and goals: docs/benchmarks.md,
+`extract`.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import tempfile
@@ -30,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, documentation_chats, emit, fmt, pure_forward, yes  # noqa: E402
+from bench.common import Row, arguments, documentation_chats, emit, fmt, pure_forward, relative_error, yes  # noqa: E402
 
 
 def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
@@ -106,14 +94,12 @@ def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=48)
-    parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only-8b", action="store_true", help="only the writer at the 8B shape")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     if args.only_8b:
-        return emit({"writer_at_8b": writer_at_8b()}, args.json, t0)
+        return emit({"writer_at_8b": writer_at_8b()}, args.json)
     import torch
 
     from shared.codecs import decode_hidden, encode_hidden
@@ -169,17 +155,8 @@ def main() -> int:
     sizes["torch.save per sample (SpecForge-style, no top-k)"] = sum(p.stat().st_size for p in peers.iterdir()) / tokens
 
     # fp8 reconstruction error against the fp32 features.
-    errors = []
-    for f in features:
-        bits, scale = encode_hidden(f.hidden_TLH, "fp8")
-        back = decode_hidden(bits, scale, "fp8").float()
-        ref = f.hidden_TLH.float()
-        errors.append(((back - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).flatten())
-    rel = torch.cat(errors)
-    bf16_rel = torch.cat([
-        ((f.hidden_TLH.to(torch.bfloat16).float() - f.hidden_TLH.float()).norm(dim=-1) / f.hidden_TLH.float().norm(dim=-1).clamp_min(1e-6)).flatten()
-        for f in features
-    ])
+    rel = torch.cat([relative_error(decode_hidden(*encode_hidden(f.hidden_TLH, "fp8"), "fp8"), f.hidden_TLH).flatten() for f in features])
+    bf16_rel = torch.cat([relative_error(f.hidden_TLH.to(torch.bfloat16), f.hidden_TLH).flatten() for f in features])
 
     # 4. Random window reads (what the trainer does).
     store = RunPaths.of(cfg).store
@@ -232,8 +209,7 @@ def main() -> int:
         "store_shards": len(manifest["shards"]),
         "writer_at_8b": writer_at_8b(),
     }
-    return emit(results, args.json, t0)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:

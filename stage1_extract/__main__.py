@@ -56,6 +56,8 @@ def show_generate(out: dict[str, Any]) -> str:
         f"-> {out['output']}"
         + (f"\n{out['tool_call_turns_kept']} assistant turn(s) that call tools kept as the data has them"
            if out.get("tool_call_turns_kept") else "")
+        + (f"\n{out['leading_turns_dropped']} turn(s) before a row's first user turn dropped (they answer nothing)"
+           if out.get("leading_turns_dropped") else "")
     )
 
 
@@ -99,6 +101,8 @@ def show_extract(out: dict[str, Any]) -> str:
     return head + (
         f"\nmanifest: {out['num_samples']} samples, {out['num_tokens']:,} tokens, {size(out['num_bytes'])}; "
         f"{out['num_truncated']} truncated, {out['num_skipped']} skipped"
+        + (f"; {out['leading_turns_dropped']} turn(s) before a row's first user turn dropped"
+           if out.get("leading_turns_dropped") else "")
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,20 @@ from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
 from shared.identity import AUTO_SETTINGS, header_differences, header_key
 from shared.lock import exclusive
-from shared.network import check_gloo_network
 from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles, load_manifest
 from shared.target import TargetConfig
 from shared.target_model import load_target_model, resolve_device, runnable_problem
 from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
-from stage1_extract.distributed import _barrier, agreed_done, distributed_context, rank_device, store_lock
+from stage1_extract.distributed import (
+    agreed_done,
+    distributed_context,
+    join_ranks,
+    leave_ranks,
+    rank_device,
+    store_lock,
+    wait_for_ranks,
+)
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.header import load_or_pin_plan
@@ -59,7 +65,7 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
         value = cfg.value(setting)
         if isinstance(value, str) and is_hub_id(value):
             log.info("downloading %s=%s", setting, value)
-            snapshot = download(value)
+            snapshot = download(value, setting)
             fetched[setting] = {**snapshot.record(), "folder": str(snapshot.folder)}
     if not fetched:
         return {"downloaded": {}, "note": "target.path and model.init_from name no Hub id (org/name[@revision]): nothing to fetch"}
@@ -69,25 +75,13 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
     tensor_parallel = layout(rank, world, cfg.extract.tensor_parallel_size, local_world_size())  # before any collective
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            check_gloo_network()  # a hostname on loopback would hang the first barrier for its 6 hours
-            # Barriers and agreements travel over gloo (CPU tensors, on CPU and GPU nodes); a
-            # tensor-parallel target's activations over NCCL. Barriers wait for the slowest rank's
-            # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
-            backend = process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp)
-            dist.init_process_group(backend, timeout=timedelta(hours=6))
+    # Barriers and agreements travel over gloo (CPU tensors); a tensor-parallel target's activations over NCCL.
+    join_ranks(world, process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp))
     try:
         with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract") as lock:
             return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
     finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        leave_ranks(world)
 
 
 def _extract(
@@ -120,7 +114,7 @@ def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -
                 prepared = prepare_run(cfg)
             except BaseException as exc:  # noqa: BLE001 - raised after the last barrier
                 error = exc
-        _barrier(world)
+        wait_for_ranks(world)
     if error is not None:
         raise error
     return prepared
@@ -146,7 +140,7 @@ def _pin_plan(
                 model = ensure_outlier_channels(prepared, before, cfg.store, cfg.extract, cfg.target, device)
         except BaseException as exc:  # noqa: BLE001 - raised after the barrier, which every rank reaches
             error = exc
-    _barrier(world)
+    wait_for_ranks(world)
     if error is not None:
         raise error
     samples_per_shard = load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
@@ -200,7 +194,7 @@ def extract_store(
     if mine:
         device = rank_device(extract.device, local_rank)
         result = _run_windows(prepared, windows, done, device, target_cfg, store, extract, progress and lay.writes, model, channels, (lay, mesh))
-    _barrier(world)
+    wait_for_ranks(world)
     summary: dict[str, Any] = {
         "store": files.url,
         "rank": rank,
@@ -230,7 +224,7 @@ def extract_store(
         )
     if rank == 0:
         summary.update(_merge(prepared, shards, samples_per_shard, channels))
-    _barrier(world)
+    wait_for_ranks(world)
     return summary
 
 
@@ -288,6 +282,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             "format": prepared.data_format,  # how the export doctor reads the rows again
             "num_rows": len(prepared.rows),
             "bad_rows_skipped": prepared.stats.bad_rows,
+            "leading_turns_dropped": prepared.stats.leading_turns_dropped,  # turns before a row's first user turn
         },
         "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": samples_per_shard,
@@ -297,7 +292,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
         extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
-    out = {"merge_seconds": round(time.perf_counter() - started, 2)}
+    out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": prepared.stats.leading_turns_dropped}
     out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns")})
     if manifest["num_empty_turns"]:
         log.warning(

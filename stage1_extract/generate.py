@@ -149,6 +149,8 @@ class GenerateResult:
     seconds: float
     parts_reused: int
     tool_call_turns_kept: int = 0  # assistant turns that call tools, kept as the data has them
+    start_seconds: float = 0.0  # starting the backend (model load, vllm engine), apart from generating
+    generate_seconds: float = 0.0  # answering the parts: the backend's generate calls and their templates
 
 
 def part_name(number: int, chunk: list[Conversation]) -> str:
@@ -214,6 +216,7 @@ def generate_all(
     failure.unlink(missing_ok=True)
     started = time.perf_counter()
     generated_tokens = reused = 0
+    start_s = generate_s = 0.0
     mine = [number for number in range(len(chunks)) if number % world == rank]
     bar = tqdm(total=sum(len(chunks[n]) for n in mine), desc="generate", unit="conv", disable=not progress)
     if rank == 0:
@@ -243,9 +246,12 @@ def generate_all(
         bar.set_postfix(tok_s=f"{generated_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
 
     try:
+        loop_started = time.perf_counter()
         while todo or running:
             if engine is None:
+                t0 = time.perf_counter()
                 engine = make_engine()
+                start_s = time.perf_counter() - t0
             # Feed the engine: the next part goes in while the current one's longest answers decode.
             while todo and engine.pending() < cfg.rows_per_part:
                 number = todo.pop(0)
@@ -255,6 +261,7 @@ def generate_all(
                 generated_tokens += len(ids)
                 if running[number].answer(i, ids):
                     advance(number)
+        generate_s = time.perf_counter() - loop_started - start_s
     except BaseException as exc:
         error = named(exc, part)
         try:
@@ -269,7 +276,7 @@ def generate_all(
         bar.close()
     kept = sum(bool(m.get("tool_calls")) for c in conversations for m in c.messages if m["role"] == "assistant")
     if rank != 0:
-        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept)
+        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
     wait_for_parts(parts_dir, wanted, world)
     merged = [
         Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
@@ -279,7 +286,7 @@ def generate_all(
         write_conversations_parquet(merged, out_path)
     except OSError as exc:
         raise named(exc, out_path) from None
-    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept)
+    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
 
 
 def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:

@@ -97,8 +97,11 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "output": str(result.path),
         "conversations": result.num_conversations,
         "bad_rows_skipped": stats.bad_rows,
+        "leading_turns_dropped": stats.leading_turns_dropped,  # not regenerated: they answer no user turn
         "generated_tokens": result.num_generated_tokens,
         "seconds": round(result.seconds, 1),
+        "backend_start_seconds": round(result.start_seconds, 3),
+        "generate_call_seconds": round(result.generate_seconds, 3),
         "parts_reused": result.parts_reused,
         "tool_call_turns_kept": result.tool_call_turns_kept,
         "backend": backend_name,

@@ -141,6 +141,21 @@ def test_vllm_answers_keep_their_token_ids_and_sample_on_the_fast_path(tiny_targ
     assert answers(three["output"]) != got
 
 
+def test_the_engine_start_is_timed_apart_from_generating(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """A few dozen prompts on a GPU take seconds; an engine's start can take a minute: the summary
+    says which was which."""
+    import time
+
+    made, step = FakeLLM.__init__, FakeEngine.step
+    monkeypatch.setattr(FakeLLM, "__init__", lambda self, *a, **k: (time.sleep(0.3), made(self, *a, **k))[1])
+    monkeypatch.setattr(FakeEngine, "step", lambda self: (time.sleep(0.02), step(self))[1])
+    out = commands.cmd_generate(generate_config(tiny_target_dir, prompts_file(tmp_path), tmp_path / "a"), progress=False)
+    steps = len(FakeLLM.engines[0].steps)
+    assert 0.3 <= out["backend_start_seconds"] < 0.6  # one engine started once, none of the engine's steps
+    assert steps > 4 and out["generate_call_seconds"] >= 0.02 * steps
+    assert out["backend_start_seconds"] + out["generate_call_seconds"] <= out["seconds"] + 0.05
+
+
 def test_ranks_each_run_an_engine_on_their_own_gpu_and_share_the_parts(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
     """Under torchrun rank r runs one engine on its GPU with its own seed, sees no torchrun variables
     while it starts, writes parts r, r + W, ...; rank 0 merges: with per-request seeds the file
@@ -304,7 +319,9 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_its_free_space(tiny_targe
     parts = tmp_path / "run" / "data" / "generated.parts"
     assert "\n" not in err and "Traceback" not in err
     assert err.startswith(f"error: {parts}: no space left on the device (") and " free) writing part-000001-" in err
-    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate`" in err
+    # The rerun command carries the run's own overrides (shared/cli.py names the config it came with).
+    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate " in err
+    assert "generate.rows_per_part=3 extract.device=cpu`, which resumes from them" in err
     assert [p.name for p in parts.glob("part-*.parquet")] == [written[0].name]
 
 

@@ -57,7 +57,12 @@ class DrafterConfig(Section):
     layer through (a warm start: the drafter begins as the target's top applied to its own features)."""
     init_from: str | None = None
     """A DFlash drafter folder (exported here, or published by z-lab / SpecForge) to start training
-    from instead of a random init; checked against the target's hidden size, layer ids and mask token."""
+    from instead of a random init, or a training checkpoint's step folder; checked against the target's
+    hidden size, layer ids, mask token and weights."""
+    allow_other_target: bool = False
+    """eval, export and model.init_from refuse a drafter recorded as trained against other target
+    weights than target.path's (another model or revision of the same shape); true uses it anyway
+    (the export then records both: the drafter's target and this one)."""
 
     def validate(self) -> None:
         self.require(self.num_layers >= 1, "num_layers", "must be >= 1")

@@ -448,7 +448,7 @@ class Trainer:
     def resume(self) -> str | None:
         """Continue from the checkpoint `train.resume` chooses (`train/resume.py`: the one policy)."""
         point = find_resume_point(
-            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info["config"], self.rank
+            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info, self.rank
         )
         if point.state is not None:
             self.checkpointer.load_state_dict(point.state)
