@@ -103,6 +103,7 @@ def random_batch(rng: random.Random, arch, block_size=4):
     return make_packed_batch(tokens, anchors, block_size, 2 * arch.hidden_size, seed=rng.randrange(1000))
 
 
+@pytest.mark.slow  # ~60 s on 2 cores: `make test-all`
 def test_compiled_flex_compiles_a_fixed_number_of_times_over_twenty_pack_shapes(monkeypatch):
     """The mask is built from index tensors only: 20 micro-batches of different shapes cost a few
     compilations (dynamo's counters: one per size-1 specialisation, a pack of one block or of one
