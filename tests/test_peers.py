@@ -19,7 +19,7 @@ every test compares numbers, not "it ran":
   disagree there and z-lab (what serves the drafter) is the one compared.
 - speculators: export format "speculators" loaded by its `DFlashDraftModel.from_pretrained` (verifier
   parts refilled from a local verifier folder), its training backbone on a packed row of two
-  documents against ours; then its folders read back by our `drafter_spec` / `init_weights_for`.
+  documents against ours; then its folders read back by our `folder_description` / `init_weights_for`.
   Full attention only: speculators fixes a sliding window at the block's anchor (our export refuses).
 - speculators' `dpace_loss_decay` against our `dpace_weights`, and its Muon/AdamW split against ours.
 
@@ -40,9 +40,11 @@ from torch import nn
 
 from shared.target_parts import load_embed_and_head
 from stage2_train.data.batch import DrafterBatch, collate
+from stage2_train.model.description import describe_parts
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.model.loss import dpace_weights
-from stage2_train.serve.export import drafter_spec, export_drafter, init_weights_for, load_exported
+from stage2_train.serve.export import export_drafter
+from stage2_train.serve.load import folder_description, init_weights_for, load_exported
 from stage2_train.train.schedules import muon_params
 from tests.test_model import MASK_ID, tiny_arch, tiny_drafter
 
@@ -117,17 +119,8 @@ def pack(samples, anchors: list[list[int]]) -> DrafterBatch:
 
 
 def export(drafter: DFlashDrafter, out: Path, format: str = "zlab", target_info: dict | None = None) -> Path:
-    return export_drafter(
-        drafter,
-        drafter.cfg,
-        drafter.arch,
-        LAYER_IDS,
-        MASK_ID,
-        target_info or {"path": "unused"},
-        out,
-        dtype="float32",
-        format=format,
-    )
+    description = describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID)
+    return export_drafter(drafter, description, target_info or {"path": "unused"}, out, dtype="float32", format=format)
 
 
 def head_module(weight_VH: torch.Tensor) -> nn.Linear:
@@ -336,9 +329,8 @@ def speculators_export(tmp_path):
     verifier = write_verifier(tmp_path / "verifier", arch)
     embed_VH, head_VH = load_embed_and_head(verifier)
     base = our_drafter()
-    drafter = build_drafter(
-        base.cfg, arch, len(LAYER_IDS), MASK_ID, embed_VH, head_VH, weights=base.state_dict()
-    ).eval()
+    description = describe_parts(base.cfg, arch, LAYER_IDS, MASK_ID)
+    drafter = build_drafter(description, embed_VH, head_VH, runtime=base.cfg, weights=base.state_dict()).eval()
     info = {"path": str(verifier), "resolved_path": str(verifier), "architectures": ["Qwen3ForCausalLM"]}
     folder = export(drafter, tmp_path / "spec", format="speculators", target_info=info)
     return drafter, folder, verifier
@@ -416,9 +408,9 @@ def test_our_reader_takes_speculators_folders(speculators_export, tmp_path):
     with torch.no_grad():
         ours_NBH = drafter(batch)
     for where in (folder, resaved):
-        spec = drafter_spec(where)
-        assert (spec.layer_ids, spec.mask_token_id) == (LAYER_IDS, MASK_ID)
-        assert (spec.config.block_size, spec.config.num_layers, spec.config.layer_types) == (BLOCK, 3, None)
+        spec = folder_description(where)
+        assert (spec.target_layer_ids, spec.mask_token_id) == (tuple(LAYER_IDS), MASK_ID)
+        assert (spec.block_size, spec.num_layers, spec.layer_types) == (BLOCK, 3, FULL3)
         weights = init_weights_for(where, drafter.cfg, target)
         assert set(weights) == set(drafter.state_dict())
         assert all(torch.equal(weights[k], v) for k, v in drafter.state_dict().items()), where
