@@ -35,6 +35,7 @@ from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.load import LoadedDrafter, load_drafter
 from stage2_train.serve.online_eval import (
     acceptance_gap,
+    bootstrap_drafted,
     bootstrap_tau,
     heldout_prompts,
     load_online_target,
@@ -103,9 +104,12 @@ def evaluate_drafters(
     target_model = load_online_target(cfg.target, eval_cfg.online_dtype, device)
     tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
-    proposers = {n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n) for n, d in drafters.items()}
-    block_size = next(iter(drafters.values())).block_size
-    proposers["ngram"] = NgramProposer(block_size - 1)
+    proposers = {
+        n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n, confidence_stop=eval_cfg.confidence_stop)
+        for n, d in drafters.items()
+    }
+    # The n-gram drafter proposes as many tokens as the baseline drafter's block.
+    proposers["ngram"] = NgramProposer(proposers[baseline].max_draft)
     online = online_eval(
         target_model, proposers, list(prompts), max_new_tokens=max_new_tokens or eval_cfg.online_max_new_tokens,
         eos_token_ids=stop_token_ids(tokenizer, target_model),
@@ -122,6 +126,7 @@ def evaluate_drafters(
             interval = bootstrap_tau([entry["per_prompt"][i] for i in index], baseline=paired)
             entry["groups"][group] = {k: round(v, 4) for k, v in interval.items()}
         entry["interval"] = entry["groups"]["all"]
+        entry["drafted_interval"] = {k: round(v, 4) for k, v in bootstrap_drafted(entry["per_prompt"]).items()}
     gaps = {name: acceptance_gap(row, online["proposers"][name]["tau"]) for name, row in offline_rows.items()}
     return {"offline": offline_rows, "online": online, "gap": gaps, "baseline": baseline}
 
@@ -134,7 +139,7 @@ def one_line(report: dict[str, Any], trained: str = "trained") -> str:
         if entry is None:
             continue
         i = entry["interval"]
-        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}]"
+        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}], {entry['drafted_per_step']:.1f} drafted/step"
         if "diff" in i:
             text += f" ({i['diff']:+.3f} [{i['diff_lo']:+.3f}, {i['diff_hi']:+.3f}] vs {trained})"
         parts.append(text)

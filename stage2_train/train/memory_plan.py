@@ -25,7 +25,7 @@ import torch
 from shared.target import TargetArch
 from stage2_train.data.batch import IGNORE, DrafterBatch, scored_index
 from stage2_train.model.config import DrafterConfig, LossConfig
-from stage2_train.model.drafter import DFlashDrafter
+from stage2_train.model.drafter import drafter_class
 from stage2_train.model.loss import dflash_loss
 
 TOP_K = 64  # the recipe's stored top-k (stage 2 reads K from the manifest; planning assumes this)
@@ -67,10 +67,10 @@ def traced_step(
     n = shape.samples
     anchor_A = torch.linspace(0, S - B, A).long() if A > 1 else torch.zeros(1, dtype=torch.long)
     labels_NB = torch.randint(0, arch.vocab_size, (n * A, B))
-    labels_NB[:, 0] = IGNORE
+    labels_NB[:, : 1 - model_cfg.label_shift] = IGNORE  # DSpark scores slot 0 too
     scored_M, per_slot = scored_index(labels_NB)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = DFlashDrafter(model_cfg, arch, num_feature_layers, min(arch.vocab_size - 1, 151669))
+        model = drafter_class(model_cfg.variant)(model_cfg, arch, num_feature_layers, min(arch.vocab_size - 1, 151669))
         model.attention_backend = "memory"
         dtype = torch.bfloat16 if bf16 else torch.float32
         embed = torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
@@ -90,8 +90,10 @@ def traced_step(
             num_tokens=T,
             scored_M=scored_M,
             scored_per_slot=per_slot,
+            label_shift=model_cfg.label_shift,
+            prev_ids_NB=torch.zeros(n * A, B, dtype=torch.long),
         )
-        if loss_cfg.needs_topk:  # the stored top-k the KL term or candidate softmax reads (K = TOP_K)
+        if loss_cfg.needs_topk or model_cfg.reads_topk:  # the stored top-k the KL term or candidate softmax reads (K = TOP_K)
             batch.topk_logprobs_NBK = torch.empty(n * A, B, TOP_K)
             batch.topk_ids_NBK = torch.zeros(n * A, B, TOP_K, dtype=torch.long)
         tracker = MemTracker()
@@ -100,7 +102,7 @@ def traced_step(
             for _ in range(2):  # the second step holds the optimizer state the first one made
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     hidden_NBH = model(batch)
-                    loss, _ = dflash_loss(hidden_NBH, model.lm_head_VH, batch, loss_cfg, None)
+                    loss, _ = dflash_loss(hidden_NBH, model.lm_head_VH, batch, loss_cfg, None, variant=model)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -116,6 +118,7 @@ def formula(model_cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int,
     H, inner, L = arch.hidden_size, model_cfg.intermediate_size or arch.intermediate_size, model_cfg.num_layers
     attn = H * arch.num_attention_heads * arch.head_dim * 2 + H * arch.num_key_value_heads * arch.head_dim * 2
     params = L * (attn + 3 * H * inner + 2 * H + 2 * arch.head_dim) + num_feature_layers * H * H + 2 * H
+    params += variant_params(model_cfg, arch)
     gib = 2**30
     frozen = arch.vocab_size * H * 2 * (1 if arch.tie_word_embeddings else 2)
     return {
@@ -126,6 +129,24 @@ def formula(model_cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int,
         "adamw_state_fp32": round(8 * params / gib, 2),
         "frozen_embed_and_head_bf16": round(frozen / gib, 2),
     }
+
+
+def variant_params(model_cfg: DrafterConfig, arch: TargetArch) -> int:
+    """What a variant adds to the drafter's trained parameters (model/dspark.py, model/dflash2.py). At
+    Qwen3-8B (V 151,936, H 4096, r 256): DSpark's two [V, r] Markov matrices are 77.8 M (+4,353 for the
+    confidence head); DFlash2's codebooks 77.8 M + 1.0 M, and its convolutions 2 x (2 taps x 2 sides x H/16
+    x H + 2 x 2 x H) per layer, 8.4 M (42 M over 5 layers). Their activations are traced: the Markov
+    bias is added inside each LM-head chunk, the selector's scores are [rows, K]."""
+    V, H = arch.vocab_size, arch.hidden_size
+    c = model_cfg
+    if c.variant == "dspark":
+        r = c.markov_rank
+        heads = {"vanilla": 0, "gated": (H + r) * r + r, "rnn": (2 * r + H) * 3 * r + 3 * r}[c.markov_head]
+        return 2 * V * r + heads + ((H + r + 1) if c.confidence_head else 0)
+    if c.variant == "dflash2":
+        conv = 2 * (2 * c.conv_kernel_size * (H // c.conv_group_size) * H + 2 * c.conv_kernel_size * H)
+        return 2 * V * c.selector_rank + c.selector_rank * H + c.num_layers * conv
+    return 0
 
 
 def plan(

@@ -28,6 +28,14 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "model.layer_types": "the drafter's attention layout",
     "model.sliding_window": "the drafter's attention layout",
     "model.is_causal": "the drafter's attention layout",
+    "model.variant": "the drafter's architecture and its labels (dspark predicts one token further)",
+    "model.markov_rank": "the DSpark heads (their weights would not fit)",
+    "model.markov_head": "the DSpark heads",
+    "model.confidence_head": "the DSpark heads",
+    "model.conv_kernel_size": "the DFlash2 convolutions (their weights would not fit)",
+    "model.conv_group_size": "the DFlash2 convolutions (their weights would not fit)",
+    "model.selector_rank": "the DFlash2 selector (its weights would not fit)",
+    "model.selector_top_k": "the DFlash2 selector's candidates",
     "loss.gamma": "the position weights of the loss",
     "loss.distill_positions": "where anchors are drawn",
     "target.num_feature_layers": "how many target features the drafter fuses",
@@ -51,6 +59,8 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
 OPTIONAL_FIELDS = {
     "resolved.target_fingerprint", "optim.name", "resolved.store_digest", "model.layer_types", "model.sliding_window",
     "model.is_causal", "model.feature_projection", "model.projection_dim", "loss.distill_positions",
+    "model.variant", "model.markov_rank", "model.markov_head", "model.confidence_head", "model.conv_kernel_size",
+    "model.conv_group_size", "model.selector_rank", "model.selector_top_k",
 }
 
 # Settings renamed since a checkpoint may have been written: new dotted key -> the old one. A saved
