@@ -34,7 +34,7 @@ from bench.common import emit  # noqa: E402
 
 def train(config: str, run_dir: Path, store: str, steps: int, overrides: list[str], log: Path) -> float:
     command = [
-        sys.executable, "-m", "stage2_train", "train", "--no-progress", "--config", config,
+        sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", config,
         f"run_dir={run_dir}", f"store.path={store}", f"train.max_steps={steps}", "train.epochs=1000",
         f"checkpoint.every_steps={steps}", "train.resume=never", "log.wandb=disabled", "eval.every_steps=0", *overrides,
     ]

@@ -44,7 +44,7 @@ def main() -> int:
     if not (Path(store) / "manifest.json").is_file():
         raise SystemExit(f"{store}: no store; run `make train` (or `make extract CONFIG={args.config}`) first")
     with tempfile.TemporaryDirectory(prefix="eval-cost-") as tmp:
-        cmd = [sys.executable, "-m", "stage2_train", "train", "--no-progress", "--config", args.config,
+        cmd = [sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", args.config,
                f"run_dir={tmp}", f"store.path={store}", "train.resume=never", "log.wandb=disabled",
                "checkpoint.every_steps=0", *args.overrides]
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})

@@ -558,7 +558,7 @@ def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list
         print(f"   pure forward: {forward['tokens']} tokens in {forward['seconds']} s ({forward['tok_per_s']:,.0f} tok/s), "
               f"attention {forward['attn_implementation']}, packed={forward['packed']}", flush=True)
         started = time.perf_counter()
-        summary = ctx.run_cli(["-m", "stage1_extract", "extract", "--no-progress", "--config", config, *overrides],
+        summary = ctx.run_cli(["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", config, *overrides],
                               entry["name"], ctx.rec.left() - 60)
         entry["cli_wall_s"] = round(time.perf_counter() - started, 1)
     entry["gpu_memory_peak_gib"] = memory.gib
@@ -637,7 +637,7 @@ def run_training(ctx: Context, attention: str, name: str) -> tuple[list[dict], P
         # expandable segments: micro-batches change size every step (not for vllm, which rejects it).
         env = {"TORCH_LOGS": "recompiles",
                "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
-        ctx.run_cli(["-m", "stage2_train", "train", "--no-progress", "--config", "configs/qwen3-8b.yaml", *overrides],
+        ctx.run_cli(["-m", "stage2_train", "train", "--json", "--no-progress", "--config", "configs/qwen3-8b.yaml", *overrides],
                     name, ctx.rec.left() - (45 if "generate" in ctx.rec.result.get("todo", []) else 10), env)
     except subprocess.TimeoutExpired:
         error = "timed out (figures from the steps it logged)"

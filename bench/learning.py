@@ -31,7 +31,7 @@ from bench.common import emit  # noqa: E402
 
 def train(config: str, run_dir: Path, store: str, n: int, extra: list[str]) -> None:
     command = [
-        sys.executable, "-m", "stage2_train", "train", "--no-progress", "--config", config,
+        sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", config,
         f"run_dir={run_dir}", f"store.path={store}", f"train.max_steps={16 * n}", "train.epochs=1000",
         f"checkpoint.every_steps={n}", "checkpoint.keep_latest_k=20", "train.resume=never",
         "log.wandb=disabled", *extra, "eval.every_steps=0",  # evaluated here, so CPU minutes are training only

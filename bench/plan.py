@@ -29,7 +29,7 @@ def main() -> int:
     results = {}
     for preset in args.presets.split(","):
         done = subprocess.run(
-            [sys.executable, "-m", "stage2_train", "plan", "--config", preset, "--search", "--sample-tokens", str(args.sample_tokens)],
+            [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset, "--search", "--sample-tokens", str(args.sample_tokens)],
             cwd=REPO, capture_output=True, text=True, check=True,
         )
         results[preset] = json.loads(done.stdout)

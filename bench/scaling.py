@@ -87,7 +87,7 @@ def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_l
     data = write_rows(root / f"{name}.jsonl", lengths, seed)
     run_dir = root / name
     cmd = [
-        sys.executable, "-m", "stage1_extract", "extract", "--no-progress",
+        sys.executable, "-m", "stage1_extract", "extract", "--json", "--no-progress",
         "--config", "configs/default.yaml", f"run_dir={run_dir}", f"target.path={target}", "target.dtype=fp32",
         "target.num_feature_layers=3", f"data.path={data}", "data.regenerate=false", f"data.max_length={max_length}",
         "extract.top_k=8", f"extract.batch_tokens={max(4096, max_length)}", "store.shard_mb=1", "extract.window_shards=1",
@@ -120,7 +120,7 @@ def train_point(root: Path, name: str, target: Path, store: str, steps: int, bud
 
     run_dir = root / f"{name}.train"
     cmd = [
-        sys.executable, "-m", "stage2_train", "train", "--no-progress", "--config", "configs/default.yaml",
+        sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", "configs/default.yaml",
         f"run_dir={run_dir}", f"store.path={store}", f"target.path={target}", "target.num_feature_layers=3",
         "target.dtype=fp32", "extract.top_k=8", "log.wandb=disabled", "train.resume=never", "train.cpu_threads=1",
         f"train.max_steps={steps}", f"sampler.micro_batch_tokens={budget}", f"sampler.max_anchors_per_seq={anchors}",

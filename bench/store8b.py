@@ -69,7 +69,7 @@ def build_store(root: Path, num_samples: int, per_shard: int, compression: str) 
     for index, start in enumerate(range(0, num_samples, per_shard)):
         shard = [synthetic_sample(sid, rng) for sid in range(start, min(start + per_shard, num_samples))]
         record = write_shard(str(root), f"shard-{index:06d}-synthetic", shard, cfg)
-        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[TOKENS] * len(shard))
+        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[TOKENS] * len(shard), rows_sha256="")
         records.append(record)
     manifest = {
         "schema_version": SCHEMA_VERSION, "storage": cfg.model_dump(exclude={"path", "shard_mb"}), "shards": records,

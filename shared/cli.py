@@ -1,4 +1,11 @@
-"""What both entry points share: the common arguments, config loading, `check`, error reporting."""
+"""What both entry points share: the verbs' command line, config loading, `check`, error reporting.
+
+    run_cli("python -m stage2_train", __doc__, VERBS, argv)
+
+Each verb has its own `--help` (a description of what it does and its options), speaks to people by
+default (`show`: a short readable summary) and to scripts with `--json` (the same result, as JSON,
+the same keys every time). `--version` names the package version.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -17,24 +25,75 @@ from shared.config import RunConfig, explain, load_run_config
 from shared.errors import UserError
 
 
-def command_parser(prog: str, doc: str, commands: Sequence[str]) -> argparse.ArgumentParser:
-    """`prog COMMAND [--config ...] [--no-progress] [key=value ...]`; the caller adds its options."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    parser.add_argument("command", choices=commands)
+@dataclass(frozen=True)
+class Verb:
+    """One command: what it does (`summary` in the list, `description` in its --help), how it runs
+    (`run(args)` returns the result, or None when it printed its own), how people read the result
+    (`show`; None when the result is already text) and its exit status (`exit_code`)."""
+
+    name: str
+    summary: str
+    run: Callable[[argparse.Namespace], Any]
+    show: Callable[[Any], str] | None = None
+    options: Callable[[argparse.ArgumentParser], None] | None = None
+    description: str = ""
+    exit_code: Callable[[Any], int] | None = None
+    as_json: Callable[[Any], str] | None = None  # the result as JSON text, when not `to_json(result)`
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dflash-pipeline")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def usage(prog: str, doc: str, verbs: Sequence[Verb]) -> str:
+    width = max(len(v.name) for v in verbs)
+    lines = [doc.split("\n\n")[0].strip(), "", f"usage: {prog} COMMAND [--config PRESET] [--json] [key=value ...]", "", "commands:"]
+    lines += [f"  {v.name:<{width}}  {v.summary}" for v in verbs]
+    lines += ["", f"`{prog} COMMAND --help` describes a command and its options; --version prints the version."]
+    return "\n".join(lines)
+
+
+def run_cli(prog: str, doc: str, verbs: Sequence[Verb], argv: list[str] | None = None) -> int:
+    """Parse `COMMAND [options] [key=value ...]` (overrides may come before or after options), run
+    the verb, print its result for people or, with --json, as JSON; a UserError is one line on
+    stderr (exit 2; DFLASH_TRACEBACK=1 shows its traceback). Anything else keeps its traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    by_name = {v.name: v for v in verbs}
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(prog, doc, verbs))
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"{prog} {version()}")
+        return 0
+    verb = by_name.get(argv[0])
+    if verb is None:
+        print(f"error: unknown command {argv[0]!r}; the commands are {', '.join(by_name)} (`{prog} --help`)", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"{prog} {verb.name}", description=verb.description or verb.summary)
     add_common_args(parser)
-    return parser
-
-
-def run_command(parser: argparse.ArgumentParser, argv: list[str] | None, run: Callable[[argparse.Namespace], int]) -> int:
-    """Parse (overrides may follow options: `make batches ARGS=...`), set up logging, run, and turn
-    a UserError into one line on stderr (DFLASH_TRACEBACK=1 shows its traceback). Any other
-    exception is a bug or an environment failure and keeps its traceback."""
-    args = parser.parse_intermixed_args(argv)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON (the same keys every time), for scripts")
+    if verb.options is not None:
+        verb.options(parser)
+    args = parser.parse_intermixed_args(argv[1:])
+    args.command = verb.name
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return run(args)
+        out = verb.run(args)
     except UserError as exc:
         return report_error(exc)
+    if out is None:
+        return 0
+    if args.json or verb.show is None:
+        print(verb.as_json(out) if verb.as_json is not None else out if isinstance(out, str) else to_json(out))
+    else:
+        print(verb.show(out))
+    return verb.exit_code(out) if verb.exit_code is not None else 0
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +101,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--config", default="default", help="a YAML file, or a preset name from the project's configs/ (default: %(default)s)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
-    parser.add_argument("--explain", action="store_true", help="check: every key with its type, default and meaning")
-    parser.add_argument("--quiet", action="store_true", help="check: print nothing unless the config is refused")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. data.max_samples=32")
+
+
+def check_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--explain", action="store_true", help="every key with its type, default and meaning")
+    parser.add_argument("--quiet", action="store_true", help="print nothing unless the config is refused")
 
 
 def load_config(args: argparse.Namespace) -> RunConfig:

@@ -18,8 +18,8 @@ each stage registers the sections it owns when it is imported (`stage1_extract/_
 file may hold and which stage owns it, so a section of the other stage is kept as given, checked to
 be a mapping, and validated by its own entry point (`make extract` / `make train` run both
 stages' `check --quiet` first, so a typo in the other stage's section still stops at once). Unknown
-keys and bad values raise ConfigError naming the dotted key and the value; a renamed key is refused
-naming its new name.
+keys and bad values raise ConfigError naming the dotted key and the value; a renamed key or section
+is refused naming its new name.
 
 A preset is a path, or the name of a file in the project's `configs/` folder (`qwen3-8b`).
 
@@ -59,8 +59,10 @@ SECTION_OWNERS: dict[str, str] = {
     "checkpoint": "stage2_train",
     "eval": "stage2_train",
     "log": "stage2_train",
-    "doctor": "stage2_train",
+    "detectors": "stage2_train",
 }
+# A section renamed since configs were written: the old name is refused naming the new one.
+RENAMED_SECTIONS: dict[str, str] = {"doctor": "detectors"}
 _REGISTERED: dict[str, type[Section]] = {}
 # Rules across one stage's sections (gamma against the block size, the global batch), registered by
 # the stage that owns them: shared code knows no stage's rules.
@@ -278,6 +280,12 @@ def _merge(into: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
 
 def build_run_config(data: dict[str, Any], source: str | None = None) -> RunConfig:
     for key in data:
+        if key in RENAMED_SECTIONS:
+            new = RENAMED_SECTIONS[key]
+            raise ConfigError(
+                f"{key}: section renamed to {new} (`check --explain` says what it holds); write {new}: "
+                f"(or {new}.KEY=VALUE on the command line)"
+            )
         if key not in SECTION_OWNERS and key not in TOP_LEVEL_SCALARS:
             known = ", ".join(list(TOP_LEVEL_SCALARS) + list(SECTION_OWNERS))
             raise ConfigError(f"{key}: unknown top-level key (known: {known})")

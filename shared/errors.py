@@ -38,6 +38,10 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be used (damaged, incomplete, or made for other settings)."""
 
 
+class DiskFullError(UserError, OSError):
+    """A disk (or quota) that filled while a command wrote: the message names the folder, its free space and the fix."""
+
+
 class BusyError(UserError, RuntimeError):
     """Another command holds the lock of a store or run directory."""
 

@@ -4,6 +4,7 @@
     with atomic_path(path) as tmp:    # for writers that need a path (safetensors, parquet, np.save)
         save_file(tensors, tmp)
     file_sha256(path)                 # streamed, any size
+    full_disk(exc, folder, "writing X; ...")  # a DiskFullError naming the folder's free space, or None
 
 A reader (or a crash) sees the old file or the new one, never a torn mix: the data is on disk
 before the rename (fsync of the file), and the rename is on disk before the call returns (fsync of
@@ -13,12 +14,15 @@ handles them through fsspec.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from shared.errors import DiskFullError
 
 HASH_CHUNK = 1 << 24  # 16 MB reads: hashing runs at disk or page-cache speed, not per-call overhead
 
@@ -95,3 +99,27 @@ def file_sha256(path: str | os.PathLike) -> str:
         while block := fh.read(HASH_CHUNK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def human_bytes(n: float) -> str:
+    """3 significant figures in the largest unit that keeps the number >= 1 (0.00 GiB hides 500 MB)."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "TiB":
+            break
+    return f"{n:.3g} {unit}"
+
+
+def full_disk(exc: BaseException, folder: str | os.PathLike, what: str) -> DiskFullError | None:
+    """`exc` as one line naming `folder` and its free space when it is a full disk or quota (else
+    None); `what` says what was being written and how to go on."""
+    if not (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = human_bytes(shutil.disk_usage(probe).free)
+    where = "no space left on the device" if exc.errno == errno.ENOSPC else "over the disk quota"
+    return DiskFullError(f"{folder}: {where} ({free} free) {what}")

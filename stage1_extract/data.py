@@ -65,11 +65,23 @@ class Conversation:
     messages: list[dict[str, Any]]  # role, content (and, for regenerated answers, the target's token_ids)
     source: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    cut: bool = False  # a message's text or ids were cut to RowLimits when read
 
     def row_hash(self) -> str:
         """Identity of the input row: re-extraction is needed exactly when this changes."""
         text = json.dumps(self.messages, sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """What one row may bring to tokenizing (`stage1_extract.prepare.row_limits`): each message's text
+    is cut to `max_chars` characters and a token_ids list to `max_ids` ids, bounds that still give
+    more tokens than data.max_length keeps (so truncation and data.on_long decide as on the whole
+    row), while one 200 MB row costs its parse, not gigabytes of tokenizer offsets."""
+
+    max_chars: int
+    max_ids: int
 
 
 @dataclass
@@ -84,17 +96,27 @@ def _raw_rows(path: Path) -> Iterator[tuple[int, Any]]:
     decoded per line, so a line that is not UTF-8 is one bad row, named, not the end of the file."""
     if path.suffix == ".jsonl" or path.suffix == ".json":
         with path.open("rb") as fh:
-            for i, raw in enumerate(fh):
+            i = -1
+            for raw in fh:  # not enumerate(): its cached result tuple would keep a huge row's bytes alive
+                i += 1
                 if i == 0 and raw.startswith(b"\xef\xbb\xbf"):
                     raw = raw[3:]  # a UTF-8 byte-order mark (Windows tools write one): not part of the row
-                if not raw.strip():
+                if raw.isspace() or not raw:
                     continue
                 try:
-                    yield i, json.loads(raw.decode("utf-8"))
+                    text = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     yield i, ValueError(f"not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})")
+                    continue
+                # One copy of a huge row at a time: its bytes go before it is parsed, its text after.
+                del raw
+                try:
+                    record: Any = json.loads(text)
                 except json.JSONDecodeError as exc:
-                    yield i, ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})")
+                    record = ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})")
+                del text
+                yield i, record
+                del record
         return
     if path.suffix == ".parquet" or path.is_dir():
         files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
@@ -128,6 +150,13 @@ def _parquet_rows(files: list[Path]) -> Iterator[tuple[int, Any]]:
 
 def parse_row(record: Any) -> list[dict[str, str]]:
     """One raw row -> validated messages. Raises ValueError saying what is wrong."""
+    return parse_bounded_row(record, None)[0]
+
+
+def parse_bounded_row(record: Any, limits: RowLimits | None) -> tuple[list[dict[str, Any]], bool]:
+    """One raw row -> (validated messages, whether `limits` cut any of them). Text and ids are cut
+    before anything else reads them. Raises ValueError saying what is wrong."""
+    cut = False
     if isinstance(record, Exception):
         raise record
     if not isinstance(record, dict):
@@ -145,9 +174,13 @@ def parse_row(record: Any) -> list[dict[str, str]]:
                 raise ValueError(f"messages[{j}] has unknown role {role!r} (known: {', '.join(ROLES)})")
             if not isinstance(content, str):
                 raise ValueError(f"messages[{j}].content must be a string")
+            if limits is not None and len(content) > limits.max_chars:
+                content, cut = content[: limits.max_chars], True
             message = {"role": role, "content": content}
             ids = msg.get("token_ids")
             if ids is not None:  # the target's own tokens of a regenerated answer (`generate` writes them)
+                if limits is not None and isinstance(ids, list) and len(ids) > limits.max_ids:
+                    ids, cut = ids[: limits.max_ids], True
                 if role != "assistant" or not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
                     raise ValueError(f"messages[{j}].token_ids must be a list of token ids on an assistant turn")
                 message["token_ids"] = ids
@@ -156,18 +189,24 @@ def parse_row(record: Any) -> list[dict[str, str]]:
         prompt, completion = record["prompt"], record.get("completion")
         if not isinstance(prompt, str) or (completion is not None and not isinstance(completion, str)):
             raise ValueError("'prompt' and 'completion' must be strings")
-        out = [{"role": "user", "content": prompt}]
-        if completion is not None:
-            out.append({"role": "assistant", "content": completion})
+        texts = [prompt] + ([completion] if completion is not None else [])
+        if limits is not None and any(len(t) > limits.max_chars for t in texts):
+            texts, cut = [t[: limits.max_chars] for t in texts], True
+        out = [{"role": role, "content": t} for role, t in zip(("user", "assistant"), texts)]
     else:
         raise ValueError("row has neither 'messages' nor 'prompt'")
     if not any(m["role"] == "user" and m["content"].strip() for m in out):
         raise ValueError("empty conversation (no non-empty user turn)")
-    return out
+    return out, cut
 
 
 def read_conversations(
-    path: str | Path, *, on_bad_row: str = "raise", max_samples: int | None = None, stats: ReadStats | None = None
+    path: str | Path,
+    *,
+    on_bad_row: str = "raise",
+    max_samples: int | None = None,
+    stats: ReadStats | None = None,
+    limits: RowLimits | None = None,
 ) -> Iterator[Conversation]:
     path = Path(path)
     if not path.exists():
@@ -179,7 +218,7 @@ def read_conversations(
             return
         stats.rows += 1
         try:
-            messages = parse_row(record)
+            messages, cut = parse_bounded_row(record, limits)
         except ValueError as exc:
             message = f"{path}: row {row}: {exc}"
             if on_bad_row == "raise":
@@ -189,8 +228,10 @@ def read_conversations(
                 stats.bad_examples.append(message)
             log.warning("skipping %s", message)
             continue
+        finally:
+            del record  # a huge row's text is gone once it is cut, not when the next row comes
         kept += 1
-        yield Conversation(row=row, messages=messages, source=str(path))
+        yield Conversation(row=row, messages=messages, source=str(path), cut=cut)
 
 
 def write_conversations_parquet(conversations: list[Conversation], path: Path) -> None:

@@ -56,7 +56,8 @@ class ExtractConfig(Section):
     device: str = "auto"
     """Where stage 1 runs the target (generate and extract): auto = the GPU of this rank when there is one, else CPU."""
     packed: Literal["auto", "on", "off"] = "auto"
-    """Flash-attn varlen packing (GPU)."""
+    """A forward batch as one row of samples, no padding: auto = with flash-attn (varlen, GPU); on = also
+    with sdpa/eager, which keep the samples apart with a [tokens, tokens] mask; an attention that cannot is refused."""
 
     def validate(self) -> None:
         self.require(1 <= self.top_k <= 1024, "top_k", "must be in 1..1024")

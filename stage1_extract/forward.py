@@ -8,12 +8,49 @@ the [tokens, vocab] logits never exist whole).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
 
+from shared.errors import ConfigError
 from shared.target_model import LayerCapture
 from stage1_extract.batching import TokenizedRow
+
+# Kernels that keep packed samples apart from the position ids alone (with no KV cache): flash-attn's
+# varlen path, and the masks transformers builds for the others from its packed-sequence detection.
+FLASH_PACKING = ("flash_attention_2", "flash_attention_3")
+MASK_PACKING = ("sdpa", "eager", "flex_attention")
+
+
+def check_packing(attn_implementation: str, model_type: str) -> None:
+    """Refuse packed extraction (`extract.packed=on`) where the attention cannot keep the samples of
+    a packed batch apart: they would attend to each other and the store would hold the mix."""
+    why = None
+    if attn_implementation not in FLASH_PACKING + MASK_PACKING:
+        why = f"attention {attn_implementation!r} takes no packed-sequence mask"
+    elif attn_implementation in MASK_PACKING:
+        masking = importlib.import_module("transformers.masking_utils")
+        module = _modeling_module(model_type)
+        if not hasattr(masking, "find_packed_sequence_indices"):
+            why = "this transformers version cannot detect packed sequences (install transformers>=4.57)"
+        elif module is None or not hasattr(module, "create_causal_mask"):
+            why = f"the {model_type!r} model builds its attention mask without transformers' packed-sequence detection"
+    if why:
+        raise ConfigError(
+            f"extract.packed=on with target.attn_implementation={attn_implementation}: {why}, so packed samples "
+            f"would attend to each other; set extract.packed=off (padded batches) or use flash_attention_2 on a GPU"
+        )
+
+
+def _modeling_module(model_type: str) -> Any:
+    """The transformers module holding the causal-LM class of `model_type` (imported, no weights)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if name else None
+    return importlib.import_module(cls.__module__) if cls is not None else None
 
 
 def topk_logprobs(final_hidden_NH: Any, lm_head: Any, k: int, chunk: int) -> tuple[Any, Any]:
@@ -46,7 +83,9 @@ def forward_batch(model: Any, capture: LayerCapture, rows: list[TokenizedRow], t
         if packed:
             ids_1N = torch.from_numpy(np.concatenate([r.input_ids for r in rows]).astype(np.int64))[None].to(device)
             pos_1N = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
-            final_1NH = decoder(input_ids=ids_1N, position_ids=pos_1N).last_hidden_state
+            # No KV cache: with one, transformers turns its packed-sequence detection off and sdpa/eager
+            # attend across samples; flash-attn would stay right but fill a cache it never reads.
+            final_1NH = decoder(input_ids=ids_1N, position_ids=pos_1N, use_cache=False).last_hidden_state
             hidden_1NLH = capture.stacked()
             values_NK, ids_NK = topk_logprobs(final_1NH[0], model.lm_head, top_k, chunk)
             bounds = np.concatenate([[0], np.cumsum(lengths)])
@@ -59,7 +98,7 @@ def forward_batch(model: Any, capture: LayerCapture, rows: list[TokenizedRow], t
         for b, r in enumerate(rows):
             ids_BT[b, : lengths[b]] = torch.from_numpy(r.input_ids.astype(np.int64))
             attn_BT[b, : lengths[b]] = 1
-        final_BTH = decoder(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device)).last_hidden_state
+        final_BTH = decoder(input_ids=ids_BT.to(device), attention_mask=attn_BT.to(device), use_cache=False).last_hidden_state
         hidden_BTLH = capture.stacked()
         # Only real tokens go through the LM head: padding is never computed twice nor stored.
         keep_BT = attn_BT.bool().to(device)

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.config import Section, dotted_differences
 from shared.errors import DataError
-from shared.files import write_atomic
+from shared.files import full_disk, write_atomic
 from shared.identity import generate_settings_key
 from shared.target import stop_token_ids
 from stage1_extract.data import Conversation, write_conversations_parquet
@@ -250,22 +250,35 @@ def generate_all(
                 f"{parts_dir} holds answers made with other settings than the config gives: {what}. Its parts "
                 f"cannot be reused: delete that folder to regenerate everything, or choose another run_dir"
             )
+    chunks = [conversations[i : i + cfg.rows_per_part] for i in range(0, len(conversations), cfg.rows_per_part)]
+    wanted = [part_name(number, chunk) for number, chunk in enumerate(chunks)]
+
+    def named(exc: BaseException, writing: Path) -> BaseException:
+        """A full disk as one line (the folder, its free space, what is kept); anything else as it is."""
+        kept = sum((parts_dir / name).exists() for name in wanted)
+        return full_disk(
+            exc, parts_dir, f"writing {writing.name}; the {kept} of {len(wanted)} parts written so far are kept; "
+            f"free space and rerun `python -m stage1_extract generate`, which resumes from them"
+        ) or exc
+
     failure = parts_dir / f".failed-rank-{rank}"
-    if rank == 0:
-        write_atomic(meta_path, json.dumps({"settings": settings}))
-        for stale in parts_dir.glob(".failed-rank-*"):  # an earlier run's (torchrun stops every rank on a failure)
-            stale.unlink(missing_ok=True)
+    try:
+        if rank == 0:
+            write_atomic(meta_path, json.dumps({"settings": settings}))
+            for stale in parts_dir.glob(".failed-rank-*"):  # an earlier run's (torchrun stops every rank on a failure)
+                stale.unlink(missing_ok=True)
+    except OSError as exc:
+        raise named(exc, meta_path) from None
     failure.unlink(missing_ok=True)
     started = time.perf_counter()
     generated_tokens = reused = 0
-    chunks = [conversations[i : i + cfg.rows_per_part] for i in range(0, len(conversations), cfg.rows_per_part)]
     mine = [number for number in range(len(chunks)) if number % world == rank]
     bar = tqdm(total=sum(len(chunks[n]) for n in mine), desc="generate", unit="conv", disable=not progress)
     backend: Backend | None = None  # the model loads only when a part is left to write
-    wanted = [part_name(number, chunk) for number, chunk in enumerate(chunks)]
     if rank == 0:
         for stale in set(p.name for p in parts_dir.glob("part-*.parquet")) - set(wanted):
             (parts_dir / stale).unlink()  # rows edited or removed since: their answers no longer apply
+    part = meta_path
     try:
         for number in mine:
             chunk, part = chunks[number], parts_dir / wanted[number]
@@ -281,8 +294,15 @@ def generate_all(
             elapsed = time.perf_counter() - started
             bar.set_postfix(tok_s=f"{generated_tokens / max(elapsed, 1e-9):.0f}")
     except BaseException as exc:
-        write_atomic(failure, f"{type(exc).__name__}: {exc}")  # rank 0 stops waiting and names it
-        raise
+        error = named(exc, part)
+        try:
+            write_atomic(failure, f"{type(error).__name__}: {error}")  # rank 0 stops waiting and names it
+        except OSError as marker_exc:  # the disk that refused the part refuses its marker too
+            if world > 1:
+                log.warning("could not leave %s (%s); torchrun stops the other ranks when this one exits", failure, marker_exc)
+        if error is exc:
+            raise
+        raise error from None
     finally:
         bar.close()
     if rank != 0:
@@ -292,7 +312,10 @@ def generate_all(
         Conversation(row=i, messages=c.messages, source=str(out_path))
         for i, c in enumerate(read_conversations(parts_dir))
     ]
-    write_conversations_parquet(merged, out_path)
+    try:
+        write_conversations_parquet(merged, out_path)
+    except OSError as exc:
+        raise named(exc, out_path) from None
     return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused)
 
 

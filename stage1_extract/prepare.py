@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
-from shared.errors import DataError
+from shared.errors import ConfigError, DataError
 from shared.identity import extraction_source, generated_problem, header_key, store_header
 from shared.paths import RunPaths
 from shared.store import StoreFiles, bytes_per_token
@@ -23,7 +23,8 @@ from stage1_extract.batching import (
     content_hash,
     plan_shards,
 )
-from stage1_extract.data import ReadStats, read_conversations
+from stage1_extract.data import ReadStats, RowLimits, read_conversations
+from stage1_extract.forward import check_packing
 from stage1_extract.tokens import resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
@@ -57,13 +58,16 @@ def prepare(cfg: RunConfig, use_token_cache: bool = True, *, deep: bool = False)
     """Tokenize the input (or read the token cache) and compute the identity header of the store
     (no model weights loaded). `deep`: rehash the target's weights whatever the fingerprint cache says."""
     target = resolve_target(cfg.target, deep=deep)
+    files = StoreFiles(RunPaths.of(cfg).store)
+    header = store_header(cfg, target, pinned_extraction(files))
+    if header["extraction"]["packed"]:  # before any row is read: a refused setting costs nothing
+        check_packing(header["extraction"]["attn_implementation"], target.arch.model_type)
     tokenizer, tokenizer_hashes = cached_tokenizer(str(target.target_dir))
     source = extraction_source(cfg)
     rows, stats, source_sha256 = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source, use_cache=use_token_cache)
+    rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, cfg.data.on_bad_row)
     if not rows:
         raise DataError(f"{source}: no usable rows")
-    files = StoreFiles(RunPaths.of(cfg).store)
-    header = store_header(cfg, target, pinned_extraction(files))
     return Prepared(header, rows, files, target, stats, source, source_sha256, generated_problem(cfg, target.weights_sha256))
 
 
@@ -91,10 +95,19 @@ def tokenized_rows(
                 log.warning("%s; tokenizing %s again and rebuilding the cache", exc, source)
                 cache.discard()
     stats = ReadStats()
-    conversations = list(read_conversations(source, on_bad_row=data.on_bad_row, max_samples=data.max_samples, stats=stats))
+    limits = row_limits(tokenizer, data.max_length)
+    conversations = list(
+        read_conversations(source, on_bad_row=data.on_bad_row, max_samples=data.max_samples, stats=stats, limits=limits)
+    )
     workers = resolve_workers(data.tokenize_workers)
     rows = []
     for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers)):
+        if conv.cut and not isinstance(sample, str) and not sample.truncated:
+            sample = (
+                f"a message longer than {limits.max_chars} characters was cut there before tokenizing, yet gave fewer "
+                f"than data.max_length={data.max_length} tokens (this tokenizer packs more characters per token than "
+                f"its vocabulary spells); shorten the row"
+            )
         skipped = not isinstance(sample, str) and sample.truncated and data.on_long == "skip"
         problem = unusable(sample, data.max_length) if not skipped else None
         if problem is not None:
@@ -124,6 +137,55 @@ def tokenized_rows(
         except OSError as exc:  # a read-only or full run_dir costs the next command a re-tokenize, not this one
             log.warning("could not write the token cache under %s (%s): later commands tokenize again", cache.root, exc)
     return rows, stats, inputs["source_sha256"]
+
+
+def row_limits(tokenizer: Any, max_length: int) -> RowLimits:
+    """Each message cut to 2 x max_length x the longest token's characters before tokenizing: no
+    token covers more characters than its vocabulary entry spells (byte-level entries spell bytes,
+    at least as many as the characters they cover), so the cut text still gives 2 x max_length
+    tokens, and the first max_length, all that is kept, lie far from the cut. A tokenizer that packs
+    more (a normalizer collapsing whitespace) is caught where the cut row comes out untruncated."""
+    longest = max(len(token) for token in tokenizer.get_vocab())
+    return RowLimits(max_chars=2 * max_length * longest, max_ids=max_length)
+
+
+def in_vocabulary(
+    rows: list[TokenizedRow], stats: ReadStats, vocab_size: int, tokenizer: Any, source: Path, on_bad_row: str
+) -> list[TokenizedRow]:
+    """The rows whose every token id has a row in the target's embedding (an id beyond it would
+    crash extraction: on a GPU a device-side assert that kills the rank). Checked on every command,
+    cached rows included (the token cache is keyed on the tokenizer, not on the target). An id the
+    tokenizer can make means the tokenizer is larger than the embedding: refused, whatever
+    data.on_bad_row says. An id beyond both came with the row (regenerated answers' token_ids): a
+    bad row, named, skipped and counted with data.on_bad_row=skip."""
+    import numpy as np
+
+    kept = []
+    for row in rows:
+        ids = row.input_ids
+        if not len(ids) or int(ids.max()) < vocab_size:
+            kept.append(row)
+            continue
+        first = int(np.flatnonzero(np.asarray(ids) >= vocab_size)[0])
+        token = int(ids[first])
+        where = f"{source}: row {row.sample_id}: token id {token} at token {first}"
+        if token < len(tokenizer):
+            raise ConfigError(
+                f"{where} ({tokenizer.convert_ids_to_tokens(token)!r}) is beyond the target's embedding of {vocab_size} "
+                f"ids (config.json vocab_size): the tokenizer of target.path ({len(tokenizer)} ids) does not belong to its "
+                f"weights; use the tokenizer the target was trained with"
+            )
+        message = (
+            f"{where} is beyond the target's vocabulary of {vocab_size} ids: it came with the row's token_ids "
+            f"(answers generated by another model? regenerate them)"
+        )
+        if on_bad_row == "raise":
+            raise DataError(message + " (set data.on_bad_row=skip to skip and count bad rows)")
+        stats.bad_rows += 1
+        if len(stats.bad_examples) < 5:
+            stats.bad_examples.append(message)
+        log.warning("skipping %s", message)
+    return kept
 
 
 def unusable(sample: Any, max_length: int) -> str | None:

@@ -1,59 +1,125 @@
-"""`verify`: every shard of a store checked against its manifest (readable, shapes, dtypes, sample
-counts and ids, finite values, content checksum); `--deep` also tokenizes the input data again
-(no cache) and compares every stored sample's input_ids and loss_mask with it, which proves a store
-matches its data whatever happened to any cache; `--repair` re-extracts the bad shards.
+"""`verify`: every shard of a store checked against its manifest record, field by field (the group
+is there and its name carries the record's index; samples, tokens, per-sample lengths and ids,
+content hashes, bytes on disk and the content checksum agree with the arrays; shapes, dtypes and
+offsets hold; values are finite); `--deep` also tokenizes the input data again (no cache) and
+compares every stored sample's input_ids and loss_mask with it, which proves a store matches its
+data whatever happened to any cache. A bad shard says how it is fixed: when only the manifest's
+record is wrong and the shard's part record agrees with the shard, `--repair` rebuilds the record
+(nothing re-extracted); otherwise `--repair` extracts the shard again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from shared.shard_records import record_problem
 from shared.store import StoreFiles, content_checksum, read_manifest, read_shard_arrays
+from stage1_extract.batching import content_hash
+from stage1_extract.merge import part_path
+
+REBUILD = "rebuild the record"
+EXTRACT = "extract again"
 
 
 def verify_store(url: str) -> dict[str, Any]:
-    import numpy as np
-
     manifest = read_manifest(url)
-    layers, hidden, top_k = len(manifest["layer_ids"]), manifest["target"]["hidden_size"], manifest["top_k"]
     files = StoreFiles(url)
     present = set(files.list("shards"))
     bad: list[dict[str, Any]] = []
     for record in manifest["shards"]:
         if not record["name"]:
             continue
-        try:
-            if record["name"] not in present:
-                raise ValueError("shard group is missing")
-            arrays = read_shard_arrays(url, record["name"])
-            tokens = record["num_tokens"]
-            expect = {
-                "hidden": ((tokens, layers, hidden), np.uint16 if manifest["storage"]["dtype"] == "bf16" else np.uint8),
-                "topk_logprobs": ((tokens, top_k), np.float16),
-                "topk_ids": ((tokens, top_k), np.int32),
-                "input_ids": ((tokens,), np.int32),
-                "loss_mask": ((tokens,), np.bool_),
-                "offsets": ((record["num_samples"] + 1,), np.int64),
-                "sample_ids": ((record["num_samples"],), np.int64),
-            }
-            for name, (shape, dtype) in expect.items():
-                if name not in arrays:
-                    raise ValueError(f"array {name} missing")
-                if arrays[name].shape != shape or arrays[name].dtype != dtype:
-                    raise ValueError(f"{name} is {arrays[name].dtype}{arrays[name].shape}, expected {np.dtype(dtype)}{shape}")
-            if arrays["sample_ids"].tolist() != record["sample_ids"]:
-                raise ValueError("sample ids differ from the manifest")
-            bits = arrays["hidden"]
-            nonfinite = ((bits & 0x7F80) == 0x7F80) if bits.dtype == np.uint16 else ((bits & 0x7F) == 0x7F)
-            if nonfinite.any():
-                raise ValueError(f"{int(nonfinite.sum())} non-finite hidden values")
-            if not np.isfinite(arrays["topk_logprobs"]).all():
-                raise ValueError("non-finite top-k log-probs")
-            if content_checksum(arrays) != record["checksum"]:
-                raise ValueError("checksum mismatch")
-        except Exception as exc:  # noqa: BLE001 - every failure is reported per shard
-            bad.append({"shard": record["name"], "index": record["index"], "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        problems = record_disagreements(url, files, present, manifest, record)
+        if problems:
+            bad.append(
+                {
+                    "shard": record["name"],
+                    "index": record["index"],
+                    "fields": sorted({p.split(":", 1)[0] for p in problems}),
+                    "error": "; ".join(problems)[:600],
+                    "fix": REBUILD if part_record_holds(url, files, present, manifest, record["index"]) else EXTRACT,
+                }
+            )
     return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad}
+
+
+def part_record_holds(url: str, files: StoreFiles, present: set[str], manifest: dict[str, Any], index: int) -> bool:
+    """True when the shard's part record (what `reprocess` and `--repair` rebuild the manifest from)
+    is sound and agrees with its shard group in every field."""
+    try:
+        part = files.read_json(part_path(index))
+    except (OSError, ValueError):
+        return False
+    return record_problem(part, index) is None and bool(part["name"]) and not record_disagreements(url, files, present, manifest, part)
+
+
+def record_disagreements(url: str, files: StoreFiles, present: set[str], manifest: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """'field: what disagrees' for every field of the shard record that its shard group
+    contradicts; a group that is missing or unreadable is one problem ('name: ...', 'arrays: ...')."""
+    import numpy as np
+
+    name = record["name"]
+    if name not in present:
+        return [f"name: no shard group {name} in the store"]
+    problems = []
+    if not name.startswith(f"shard-{record['index']:06d}-"):
+        problems.append(f"index: the record says {record['index']}, the group's name {name}")
+    try:
+        arrays = read_shard_arrays(url, name)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported per shard
+        return problems + [f"arrays: unreadable ({type(exc).__name__}: {str(exc)[:200]})"]
+    layers, hidden, top_k = len(manifest["layer_ids"]), manifest["target"]["hidden_size"], manifest["top_k"]
+    tokens, samples = len(arrays.get("input_ids", ())), len(arrays.get("sample_ids", ()))
+    if tokens != record["num_tokens"]:
+        problems.append(f"num_tokens: the shard holds {tokens} tokens, the record says {record['num_tokens']}")
+    if samples != record["num_samples"]:
+        problems.append(f"num_samples: the shard holds {samples} samples, the record says {record['num_samples']}")
+    expect = {
+        "hidden": ((tokens, layers, hidden), np.uint16 if manifest["storage"]["dtype"] == "bf16" else np.uint8),
+        "topk_logprobs": ((tokens, top_k), np.float16),
+        "topk_ids": ((tokens, top_k), np.int32),
+        "input_ids": ((tokens,), np.int32),
+        "loss_mask": ((tokens,), np.bool_),
+        "offsets": ((samples + 1,), np.int64),
+        "sample_ids": ((samples,), np.int64),
+    }
+    for array, (shape, dtype) in expect.items():
+        if array not in arrays:
+            problems.append(f"arrays: {array} is missing")
+        elif arrays[array].shape != shape or arrays[array].dtype != dtype:
+            problems.append(f"arrays: {array} is {arrays[array].dtype}{arrays[array].shape}, expected {np.dtype(dtype)}{shape}")
+    if any(p.startswith("arrays:") for p in problems):
+        return problems
+    offsets = arrays["offsets"]
+    if offsets[0] != 0 or offsets[-1] != tokens or (np.diff(offsets) <= 0).any():
+        return problems + [f"arrays: offsets run {offsets[0]}..{offsets[-1]} over {tokens} tokens, not upward from 0"]
+    problems += _per_sample(record, "sample_ids", arrays["sample_ids"].tolist())
+    problems += _per_sample(record, "lengths", np.diff(offsets).tolist())
+    if "content_hashes" in record:
+        fresh = [content_hash(arrays["input_ids"][a:b], arrays["loss_mask"][a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        problems += _per_sample(record, "content_hashes", fresh)
+    bits = arrays["hidden"]
+    nonfinite = ((bits & 0x7F80) == 0x7F80) if bits.dtype == np.uint16 else ((bits & 0x7F) == 0x7F)
+    if nonfinite.any():
+        problems.append(f"arrays: {int(nonfinite.sum())} non-finite hidden values")
+    if not np.isfinite(arrays["topk_logprobs"]).all():
+        problems.append("arrays: non-finite top-k log-probs")
+    if content_checksum(arrays) != record["checksum"]:
+        problems.append("checksum: the arrays' content checksum differs from the record's")
+    size = files.size(f"shards/{name}")
+    if size != record["bytes"]:
+        problems.append(f"bytes: the group's files hold {size} bytes, the record says {record['bytes']}")
+    return problems
+
+
+def _per_sample(record: dict[str, Any], field: str, shard_values: list[Any]) -> list[str]:
+    listed = record[field]
+    if listed == shard_values:
+        return []
+    if len(listed) != len(shard_values):
+        return [f"{field}: {len(listed)} in the record, {len(shard_values)} samples in the shard"]
+    s = next(i for i, (a, b) in enumerate(zip(listed, shard_values)) if a != b)
+    return [f"{field}: sample {s} has {shard_values[s]!r} in the shard, {listed[s]!r} in the record"]
 
 
 def deep_problems(url: str, rows_by_id: dict[int, Any]) -> dict[str, str]:

@@ -8,8 +8,7 @@ validated by stage 1's entry point.
 from shared.config import RunConfig, register_rules, register_sections
 from stage2_train.data.config import SamplerConfig
 from stage2_train.model.config import DrafterConfig, LossConfig
-from stage2_train.observe.detectors import DetectorConfig
-from stage2_train.observe.metrics import LogConfig
+from stage2_train.observe.config import DetectorConfig, LogConfig
 from stage2_train.train.config import CheckpointConfig, EvalConfig, NoiseConfig, OptimConfig, TrainConfig
 
 register_sections(

@@ -170,11 +170,16 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     return result
 
 
-def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = None, format: str = "zlab") -> dict[str, Any]:
+def cmd_export(
+    cfg: RunConfig, checkpoint: str | None = None, out: str | None = None, format: str = "zlab", push_to_hub: str | None = None
+) -> dict[str, Any]:
     """The newest (or given) checkpoint as a servable DFlash folder (default run_dir/export), weights
     in bfloat16 as the published drafters; `format` zlab (default) or speculators. What is written is
-    the drafter the checkpoint describes."""
+    the drafter the checkpoint describes, with a model card, files readable by others and no machine
+    paths in config.json; `push_to_hub` uploads it to that Hub repo."""
     from shared.target import cached_tokenizer, resolve_target
+    from stage2_train.serve.card import LOCAL_ONLY, publishable, write_card
+    from stage2_train.serve.card import push_to_hub as push
     from stage2_train.serve.export import WEIGHTS_NAME, export_drafter, mask_token_string
     from stage2_train.serve.load import read_export_config
 
@@ -182,16 +187,24 @@ def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = 
     loaded = _saved_drafter(cfg, target, checkpoint)
     tokenizer, _ = cached_tokenizer(str(target.target_dir))
     out_dir = Path(out or RunPaths.of(cfg).export)
+    name = target.source.get("hub_id") or Path(cfg.target.path).name  # never this machine's path
     target_info = {
-        "path": cfg.target.path,
+        "name": name,
+        **{k: v for k, v in target.source.items() if k in ("hub_id", "revision", "commit")},
+        "verifier": name,
         "weights_sha256": target.weights_sha256,
         "mask_token": mask_token_string(tokenizer, target.mask_token_id),
         "architectures": json.loads((target.target_dir / "config.json").read_text()).get("architectures") or [],
     }
     export_drafter(loaded.drafter, loaded.description, target_info, out_dir, format=format)
-    cfg.write_resolved(out_dir / "dflash_pipeline_config.yaml")
+    cfg.write_resolved(out_dir / LOCAL_ONLY)
+    write_card(out_dir, loaded.description, _card_facts(cfg, target_info, loaded.weights_file))
+    publishable(out_dir)
     config = read_export_config(out_dir)
     source = loaded.weights_file
+    if push_to_hub:
+        pushed = push(out_dir, push_to_hub)
+        return {"out_dir": str(out_dir), "checkpoint": str(source), "format": format, "pushed_to": push_to_hub, "commit": pushed}
     if format == "speculators":
         return {"out_dir": str(out_dir), "checkpoint": str(source), "format": format,
                 "aux_hidden_state_layer_ids": config["aux_hidden_state_layer_ids"], "block_size": config["block_size"]}
@@ -206,6 +219,33 @@ def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = 
     }
 
 
+def _card_facts(cfg: RunConfig, target_info: dict[str, Any], weights_file: Path) -> dict[str, Any]:
+    """What the model card states, from what the run recorded: the store's manifest, the checkpoint's
+    step, and that checkpoint's held-out eval (run_dir/eval/<step>.json) when `eval` made one."""
+    from shared.store import StoreFiles, load_manifest
+
+    paths = RunPaths.of(cfg)
+    facts: dict[str, Any] = {"target": target_info}
+    step_dir = weights_file.parent
+    if step_dir.name.startswith("step_"):
+        facts["steps"] = int(step_dir.name[len("step_"):])
+    files = StoreFiles(paths.store)
+    if files.exists("manifest.json"):
+        manifest = load_manifest(files)
+        facts["data"] = {"source": Path(str((manifest.get("data") or {}).get("source", "unknown"))).name,
+                         "num_samples": manifest.get("num_samples"), "num_tokens": manifest.get("num_tokens")}
+    evaluated = paths.eval_dir / f"{step_dir.name}.json"
+    if evaluated.is_file():
+        online = json.loads(evaluated.read_text())["online"]
+        trained = online["proposers"]["trained"]["interval"]
+        facts["eval"] = {
+            **{k: trained[k] for k in ("tau", "lo", "hi")}, "prompts": online["num_prompts"],
+            "max_new_tokens": online["max_new_tokens"],
+            **{n: online["proposers"][n]["tau"] for n in ("untrained", "ngram") if n in online["proposers"]},
+        }
+    return facts
+
+
 # ---------------------------------------------------------------------------------------------
 # Commands over a training log (no config needed)
 
@@ -213,7 +253,7 @@ def cmd_export(cfg: RunConfig, checkpoint: str | None = None, out: str | None = 
 def cmd_doctor(log_path: Path, as_json: bool, cfg: RunConfig | None = None) -> tuple[str, int]:
     from stage2_train.observe.doctor import doctor
 
-    return doctor(log_path, as_json, cfg.doctor if cfg is not None else None)
+    return doctor(log_path, as_json, cfg.detectors if cfg is not None else None)
 
 
 def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:

@@ -89,6 +89,43 @@ def train_overrides_for(target_dir: Path, store: Path, run_dir: Path, settings: 
 
 
 @pytest.fixture
+def hub_8b(tmp_path, monkeypatch) -> Path:
+    """A Hugging Face cache (the hub's own layout) holding only the config.json of the 8B presets'
+    targets (Qwen/Qwen3-8B, meta-llama/Llama-3.1-8B-Instruct): what `check` and `plan` read.
+    HF_HUB_CACHE points at it, for this process and the subprocesses a test starts."""
+    from dataclasses import asdict
+
+    from stage2_train.train.memory_plan import KNOWN_TARGETS
+
+    cache = tmp_path / "hf-hub"
+    for repo, name in (("Qwen/Qwen3-8B", "qwen3-8b"), ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b")):
+        folder = tmp_path / "hub-src" / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(asdict(KNOWN_TARGETS[name])))
+        add_to_hub_cache(cache, repo, folder)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def add_to_hub_cache(cache: Path, repo_id: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Put `folder`'s files into `cache` as huggingface_hub lays out a downloaded snapshot
+    (models--org--name/{blobs/<sha256>, refs/main, snapshots/<commit>/<file> -> ../../blobs/<sha256>})."""
+    import hashlib
+
+    storage = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = storage / "snapshots" / commit
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, storage / "blobs" / digest)
+        os.symlink(Path("..", "..", "blobs", digest), snapshot / file.name)
+    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
 def copy_tree():
     def copy(src: Path, dst: Path) -> Path:
         shutil.copytree(src, dst)

@@ -424,6 +424,19 @@ def test_a_checkpoint_saved_before_a_rename_resumes_under_the_new_name():
     assert config_changes(written_then, now) == {"sampler.micro_batch_tokens": [8192, 4096]}
 
 
+def test_a_resume_across_the_doctor_to_detectors_rename_sees_no_change():
+    """Checkpoints written before the `doctor` section became `detectors` hold the thresholds under
+    the old name: the resume is accepted and its event lists only what really changed."""
+    from stage2_train.observe.config import DetectorConfig
+    from stage2_train.train.resume import config_changes
+
+    thresholds = DetectorConfig().to_dict()
+    saved = {"model": {"block_size": 16}, "doctor": dict(thresholds, spike_k=8.0)}
+    current = {"model": {"block_size": 16}, "detectors": dict(thresholds)}
+    assert check_compatible(saved, current) == []
+    assert config_changes(saved, current) == {"detectors.spike_k": [8.0, 6.0]}
+
+
 def test_config_is_validated_and_state_is_plain_data(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint\.keep_latest_k must be >= 2"):
         CheckpointConfig(keep_latest_k=1)

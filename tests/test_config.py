@@ -110,7 +110,7 @@ def test_the_8b_presets_follow_the_recipe(preset):
     assert load_run_config(ROOT / "configs" / preset, []).recipe_warnings() == []
 
 
-def test_check_names_every_measured_alternative_the_config_does_not_use():
+def test_check_names_every_measured_alternative_the_config_does_not_use(hub_8b):
     """The 8B presets keep the recipe; `check` names each lever beside it, and drops the ones in use."""
     recipe = load_run_config(ROOT / "configs" / "qwen3-8b.yaml", [])
     keys = [line.split("=")[0] for line in recipe.alternatives()]

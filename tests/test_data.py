@@ -196,3 +196,115 @@ def test_generate_does_nothing_when_the_answers_are_given(tmp_path):
     cfg = load_run_config("configs/default.yaml", [f"run_dir={tmp_path / 'run'}", f"data.path={data}", "data.regenerate=false"])
     assert "skipped" in commands.cmd_generate(cfg, progress=False)
     assert not (tmp_path / "run").exists()  # no model loaded, nothing written
+
+
+# ---- what one row may bring: ids within the vocabulary, bounded work ------------------------------
+def plan_config(tiny_target_dir, data, tmp_path, **extra):
+    from shared.config import load_run_config
+
+    from .conftest import stage1_overrides
+
+    return load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run", **extra))
+
+
+def test_token_ids_beyond_the_vocabulary_are_a_named_bad_row(tiny_target_dir, tmp_path):
+    """Regenerated answers carry token ids: one beyond the target's vocabulary would crash
+    extraction (on a GPU, a device-side assert that kills the rank); it is named when read."""
+    from shared.errors import DataError
+    from stage1_extract import commands
+
+    from .conftest import chat_rows
+
+    rows = chat_rows(5)
+    rows[2]["messages"][1]["token_ids"] = [31, 49152, 7]  # the tiny target has 49152 ids: 0..49151
+    data = write_jsonl(tmp_path / "gen.jsonl", rows)
+    with pytest.raises(DataError, match=r"gen\.jsonl: row 2: token id 49152 at token \d+ is beyond the target's vocabulary of 49152 ids: it came with the row's token_ids"):
+        commands.cmd_plan(plan_config(tiny_target_dir, data, tmp_path))
+    plan = commands.cmd_plan(plan_config(tiny_target_dir, data, tmp_path, **{"data.on_bad_row": "skip"}))
+    assert plan["samples"] == 4 and plan["bad_rows_skipped"] == 1
+    rows[2]["messages"][1]["token_ids"] = [31, 49151, 7]  # the last id is in
+    write_jsonl(data, rows)
+    assert commands.cmd_plan(plan_config(tiny_target_dir, data, tmp_path))["samples"] == 5
+
+
+def test_a_tokenizer_larger_than_the_models_embedding_is_refused_by_name(tiny_target_dir, tmp_path):
+    import shutil
+
+    from shared.errors import ConfigError
+    from stage1_extract import commands
+
+    target = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "zebra xylophone"}, {"role": "assistant", "content": "ok"}]}])
+    cfg = plan_config(target, data, tmp_path, **{"data.on_bad_row": "skip"})  # not a bad row: the target is wrong
+    assert commands.cmd_plan(cfg)["samples"] == 1  # the token cache is written now, keyed on the tokenizer
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    with pytest.raises(ConfigError, match=r"chat\.jsonl: row 0: token id \d+ at token \d+ \('.+'\) is beyond the target's embedding of 1000 ids .* \(49152 ids\) does not belong to its weights"):
+        commands.cmd_plan(cfg)
+
+
+def test_a_huge_row_is_cut_before_tokenizing_and_tokenizes_as_the_whole_row(tiny_target_dir, tmp_path, monkeypatch):
+    """Each message is cut to 2 x max_length x the longest token's characters before the template
+    or the tokenizer see it; what is stored (the first max_length tokens, the truncation flag, and
+    so what data.on_long decides) is what the whole row gives."""
+    from stage1_extract import commands, prepare
+
+    limits = prepare.row_limits(AutoTokenizer.from_pretrained(tiny_target_dir), 256)
+    assert limits.max_chars == 2 * 256 * 81  # SmolLM2's longest entry: a newline and 80 spaces
+    words = "the quick brown fox jumps over a lazy dog while python lists and dicts grow".split()
+    long_text = " ".join(words[i * 7 % len(words)] for i in range(3 * limits.max_chars // 4))
+    rows = [
+        {"messages": [{"role": "user", "content": "a short question"}, {"role": "assistant", "content": "a short answer"}]},
+        {"messages": [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": long_text}]},
+        {"prompt": long_text, "completion": "fine"},
+    ]
+    assert len(long_text) > 2 * limits.max_chars
+    data = write_jsonl(tmp_path / "big.jsonl", rows)
+    seen = []
+    real = prepare.tokenize_all
+    monkeypatch.setattr(prepare, "tokenize_all", lambda tok, convs, *a: seen.extend(convs) or real(tok, convs, *a))
+    cfg = plan_config(tiny_target_dir, data, tmp_path, **{"data.on_bad_row": "skip", "data.token_cache": False})
+    prepared = commands.prepare(cfg)
+    assert max(len(m["content"]) for c in seen for m in c.messages) == limits.max_chars
+    assert [c.cut for c in seen] == [False, True, True]
+    whole = tokenize_conversation(AutoTokenizer.from_pretrained(tiny_target_dir), rows[1]["messages"], 256)
+    (row,) = [r for r in prepared.rows if r.sample_id == 1]
+    assert whole.truncated and row.truncated
+    np.testing.assert_array_equal(row.input_ids, whole.input_ids)
+    np.testing.assert_array_equal(row.loss_mask, whole.loss_mask)
+    assert prepared.stats.bad_rows == 1  # row 2: its prompt alone fills max_length, as uncut
+    skip = commands.prepare(plan_config(tiny_target_dir, data, tmp_path / "skip", **{"data.on_long": "skip", "data.token_cache": False}))
+    assert [(r.sample_id, r.skipped) for r in skip.rows] == [(0, False), (1, True), (2, True)]
+
+
+PEAK_RSS = """
+import resource, sys
+import stage1_extract  # noqa: F401
+from shared.config import load_run_config
+from stage1_extract import commands
+plan = commands.cmd_plan(load_run_config("configs/default.yaml", sys.argv[1:]))
+print(plan["samples"], plan["samples_skipped"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+@pytest.mark.slow
+def test_a_200_mb_row_costs_plan_less_than_1_gb(tiny_target_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .conftest import stage1_overrides
+
+    data = tmp_path / "huge.jsonl"
+    with data.open("w") as fh:
+        fh.write(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+        fh.write('{"messages": [{"role": "user", "content": "summarise"}, {"role": "assistant", "content": "')
+        for _ in range(200):
+            fh.write("lorem ipsum " * (2**20 // 12))
+        fh.write('"}]}\n')
+    assert data.stat().st_size > 200e6
+    overrides = stage1_overrides(tiny_target_dir, data, tmp_path / "run", **{"data.on_long": "skip", "data.token_cache": False})
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS, *overrides], cwd=root, capture_output=True, text=True, check=True)
+    samples, skipped, peak_mb = map(int, out.stdout.split())
+    assert (samples, skipped) == (1, 1) and peak_mb < 1024, out.stdout  # data.on_long=skip: the row is left out

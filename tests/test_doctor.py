@@ -16,9 +16,11 @@ import random
 
 import pytest
 
-from stage2_train.observe.detectors import DetectorConfig, LiveDetectors, as_warning, detect, normalize
+from stage2_train.observe.config import DetectorConfig
+from stage2_train.observe.detectors import LiveDetectors, as_warning, detect
 from stage2_train.observe.doctor import diagnose
 from stage2_train.observe.doctor import doctor as cmd_doctor
+from stage2_train.observe.records import normalize
 from stage2_train.observe.report import report as cmd_report
 
 
@@ -376,7 +378,7 @@ def test_resume_warms_the_pace_up_again():
         assert found(restored.update(slow)) == expected
     with pytest.raises(ValueError, match="unknown version"):
         LiveDetectors().load_state_dict({"version": 9})
-    with pytest.raises(ValueError, match="doctor.min_history_rows must be <= window_rows"):
+    with pytest.raises(ValueError, match="detectors.min_history_rows must be <= window_rows"):
         DetectorConfig(min_history_rows=80)
 
 
@@ -434,3 +436,28 @@ def test_departures_from_the_recipe_are_listed_beside_the_events(tmp_path):
     assert code == 0 and f"departures from the published recipe (run_start):\n  {gamma}" in text
     assert diagnose([start, *noisy_healthy_records()])["summary"]["recipe_departures"] == [gamma]
     assert diagnose(noisy_healthy_records())["summary"]["recipe_departures"] == []
+
+
+def test_report_panels_read_at_a_glance():
+    """Loss on a log scale (step 1's ~80 would flatten the rest), integer step ticks, epoch lines
+    thinned on a short run of many epochs, and two held-out series on one panel side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stage2_train.observe.report import MAX_EPOCH_LINES, draw_panel
+
+    train = [{"step": s, "loss": 80.0 if s == 1 else 2.0 - s / 100, "accept_len": 1.0 + s / 100} for s in range(1, 41)]
+    evals = [{"step": s, "accept_len": 1.2, "walk_tau": 1.2, "accept_len_se": None, "walk_tau_se": None} for s in (10, 20, 30, 40)]
+    context = [{"step": s, "what": "epoch"} for s in range(1, 41)]  # 40 epochs in 40 steps
+    fig, (loss_ax, accept_ax) = plt.subplots(2, 1)
+    draw_panel(loss_ax, ("loss", "loss", "loss"), [{**r, "accept_len": None} for r in train], [], [], context)
+    assert loss_ax.get_yscale() == "log"
+    assert loss_ax.xaxis.get_major_locator()._integer
+    epoch_lines = [line for line in loss_ax.get_lines() if line.get_linestyle() == "--"]
+    assert 0 < len(epoch_lines) <= MAX_EPOCH_LINES
+    draw_panel(accept_ax, ("accept_len", "accept_len", "accept_len"), [{**r, "loss": None} for r in train], evals, [], [])
+    series = [line for line in accept_ax.get_lines() if line.get_label().startswith("held-out")]
+    assert len(series) == 2 and all(a != b for a, b in zip(series[0].get_xdata(), series[1].get_xdata()))
+    plt.close(fig)

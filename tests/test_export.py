@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -345,11 +346,11 @@ def test_the_speculators_format_round_trips_into_init_from(exported, tmp_path):
 
     out, drafter, _, _, arch, cfg = exported
     again = tmp_path / "spec"
-    export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, MASK_ID), {"path": "/models/target", "resolved_path": "/models/target", "architectures": ["Qwen3ForCausalLM"]},
-                   again, format="speculators")
+    export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, MASK_ID), {"name": "Qwen/Qwen3-8B", "hub_id": "Qwen/Qwen3-8B",
+                   "verifier": "Qwen/Qwen3-8B", "architectures": ["Qwen3ForCausalLM"]}, again, format="speculators")
     config = json.loads((again / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [i + 1 for i in LAYER_IDS]
-    assert config["speculators_config"]["verifier"] == {"name_or_path": "/models/target", "architectures": ["Qwen3ForCausalLM"]}
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "Qwen/Qwen3-8B", "architectures": ["Qwen3ForCausalLM"]}
     assert config["transformer_layer_config"]["num_hidden_layers"] == cfg.num_layers and config["block_size"] == cfg.block_size
     zlab, spec = spec_of(out), spec_of(again)
     assert spec == zlab
@@ -390,3 +391,48 @@ def test_export_builds_the_drafter_its_checkpoint_describes(tmp_path, tiny_targe
     config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert (config["sliding_window"], config["layer_types"], config["block_size"]) == (32, ["sliding_attention"], 4)
     assert "model.sliding_window: the drafter has 32, the config gives (ignored) 8" in capsys.readouterr().err
+
+
+def test_an_export_is_publishable(tmp_path, tiny_target_dir, monkeypatch):
+    """Files readable by others, no machine path in config.json, a model card with what the run
+    recorded, and --push-to-hub through huggingface_hub (tested up to the library's call)."""
+    import os
+    import stat
+
+    import huggingface_hub
+
+    arch = TargetArch.from_dir(tiny_target_dir)
+    cfg_model = DrafterConfig(num_layers=1, block_size=4)
+    trained = DFlashDrafter(cfg_model, arch, 3, 16)
+    description = describe_parts(cfg_model, arch, [1, 2, 3], 16)
+    Checkpointer(CheckpointConfig(), tmp_path / "run" / "checkpoints").save(
+        7, lambda: {"model": trained.state_dict(), "drafter": description.to_dict()}, blocking=True
+    )
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create_repo", repo_id, kw))
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw["repo_id"], sorted(p.name for p in Path(kw["folder_path"]).iterdir()), kw["ignore_patterns"]))
+            return "https://huggingface.co/me/drafter/commit/abc"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    cfg = build_run_config({"run_dir": str(tmp_path / "run"), "target": {"path": str(tiny_target_dir), "num_feature_layers": 3},
+                            "model": {"num_layers": 1, "block_size": 4}})
+    result = cmd_export(cfg, push_to_hub="me/drafter")
+    out = tmp_path / "run" / "export"
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors", "README.md"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name  # 0644 under the usual umask 022
+    text = (out / "config.json").read_text()
+    assert str(tmp_path) not in text and str(tiny_target_dir) not in text  # no machine path
+    assert json.loads(text)["dflash_pipeline"]["target"]["name"] == tiny_target_dir.name
+    card = (out / "README.md").read_text()
+    assert "block size 4" in card and "[1, 2, 3]" in card and "7 optimizer steps" in card and "vllm serve" in card
+    assert "No held-out evaluation was recorded" in card
+    assert result["pushed_to"] == "me/drafter" and calls[0][:2] == ("create_repo", "me/drafter")
+    assert calls[1][:2] == ("upload_folder", "me/drafter") and calls[1][3] == ["dflash_pipeline_config.yaml"]
+    assert "README.md" in calls[1][2]

@@ -160,7 +160,7 @@ def test_crash_then_resume_equals_an_uninterrupted_run(tiny_target_dir, data_fil
 
 def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_file, tmp_path, store):
     overrides = stage1_overrides(tiny_target_dir, data_file, tmp_path, **{"extract.window_shards": 1})
-    command = [sys.executable, "-m", "stage1_extract", "extract", "--no-progress", *overrides]
+    command = [sys.executable, "-m", "stage1_extract", "extract", "--json", "--no-progress", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     paused = tmp_path / "first-shard-written"
     hooked = {**env, "PYTHONPATH": f"{ROOT / 'tests' / 'hooks'}:{ROOT}", "DFLASH_PAUSE_AFTER_FIRST_SHARD": str(paused)}
@@ -304,7 +304,7 @@ def test_two_processes_split_shards_and_equal_one_process(tiny_target_dir, data_
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "stage1_extract", "extract", "--no-progress", *overrides,
+        "-m", "stage1_extract", "extract", "--json", "--no-progress", *overrides,
     ]
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -321,8 +321,58 @@ def test_bad_input_under_two_processes_fails_on_every_rank_naming_the_row(tiny_t
     data = write_jsonl(tmp_path / "bad.jsonl", rows)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "stage1_extract", "extract", "--no-progress", *stage1_overrides(tiny_target_dir, data, tmp_path / "run"),
+        "-m", "stage1_extract", "extract", "--json", "--no-progress", *stage1_overrides(tiny_target_dir, data, tmp_path / "run"),
     ]
     out = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0  # and within the timeout: no rank is left waiting at the barrier
     assert "bad.jsonl: row 9: messages[0] has unknown role" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_extraction_equals_padded_extraction(tiny_target_dir, attn):
+    """Samples of different lengths in one packed batch never attend to each other: hidden states
+    and top-k log-probs equal the padded path's (a KV cache turns transformers' packed-sequence
+    detection off, so the decoder must run without one)."""
+    from transformers import AutoModelForCausalLM
+
+    from stage1_extract.batching import TokenizedRow
+    from stage1_extract.forward import forward_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation=attn).eval()
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        TokenizedRow(sample_id=i, row_hash="", input_ids=torch.randint(0, 1000, (n,), generator=generator).numpy().astype(np.int32), loss_mask=np.ones(n, bool))
+        for i, n in enumerate([5, 17, 9, 30])
+    ]
+    capture = LayerCapture(model, LAYERS)
+    padded = forward_batch(model, capture, rows, top_k=8, chunk=16, packed=False)
+    packed = forward_batch(model, capture, rows, top_k=8, chunk=16, packed=True)
+    capture.close()
+    for (hidden_p, values_p, ids_p), (hidden_q, values_q, ids_q), row in zip(padded, packed, rows):
+        assert hidden_q.shape == (len(row.input_ids), len(LAYERS), 64)
+        torch.testing.assert_close(hidden_q, hidden_p, rtol=0, atol=1e-5)
+        torch.testing.assert_close(values_q, values_p, rtol=0, atol=1e-5)
+        assert torch.equal(ids_q, ids_p)
+
+
+def test_packed_extraction_is_refused_where_the_attention_cannot_keep_samples_apart(tiny_target_dir, data_file, tmp_path, monkeypatch):
+    """Refused by name before any row is read or the target loads; sdpa and eager honour packing."""
+    import transformers.masking_utils
+
+    from shared.errors import ConfigError
+    from stage1_extract import forward
+
+    for attn in ("sdpa", "eager"):
+        cfg = config(tiny_target_dir, data_file, tmp_path / attn, **{"extract.packed": "on", "target.attn_implementation": attn})
+        assert commands.prepare(cfg).header["extraction"]["packed"] is True
+    monkeypatch.setattr(forward, "MASK_PACKING", ("eager",))  # an attention that builds no packed mask
+    cfg = config(tiny_target_dir, data_file, tmp_path / "sdpa", **{"extract.packed": "on", "target.attn_implementation": "sdpa"})
+    with pytest.raises(ConfigError, match=r"extract\.packed=on with target\.attn_implementation=sdpa: attention 'sdpa' takes no packed-sequence mask, .* set extract\.packed=off"):
+        commands.cmd_plan(cfg)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"the 'mamba' model builds its attention mask without"):
+        forward.check_packing("sdpa", "mamba")
+    forward.check_packing("flash_attention_2", "llama")  # flash-attn's varlen path reads the position ids
+    monkeypatch.delattr(transformers.masking_utils, "find_packed_sequence_indices")  # an older transformers
+    with pytest.raises(ConfigError, match=r"cannot detect packed sequences"):
+        commands.cmd_extract(cfg, progress=False)

@@ -173,9 +173,13 @@ def test_a_renamed_key_names_its_new_name():
     ):
         with pytest.raises(ConfigError, match=new):
             load_run_config("configs/default.yaml", [old])
+    # A whole section renamed: the live detectors' thresholds were the `doctor` section.
+    with pytest.raises(ConfigError, match=r"^doctor: section renamed to detectors .*; write detectors:"):
+        load_run_config("configs/default.yaml", ["doctor.spike_k=8"])
+    assert load_run_config("configs/default.yaml", ["detectors.spike_k=8"]).detectors.spike_k == 8.0
 
 
-def test_a_preset_is_found_by_name_from_any_folder(tmp_path):
+def test_a_preset_is_found_by_name_from_any_folder(tmp_path, hub_8b):
     done = subprocess.run(
         [sys.executable, "-m", "stage2_train", "check", "--config", "qwen3-8b", "--quiet"],
         cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -414,13 +418,30 @@ def store_copy(store, tmp_path):
     return load_run_config("configs/default.yaml", overrides), copy
 
 
+def edit_record(text: str, position: int, **edits) -> str:
+    """manifest.json with shards[position]'s fields edited: None drops one, a callable maps its value."""
+    manifest = json.loads(text)
+    record = manifest["shards"][position]
+    for field, edit in edits.items():
+        if edit is None:
+            del record[field]
+        else:
+            record[field] = edit(record[field])
+    return json.dumps(manifest)
+
+
 @pytest.mark.parametrize(
     "damage, what",
     [
         (lambda text: text[: len(text) // 2], "not valid JSON"),
         (lambda text: "[1, 2, 3]", "a JSON list, not an object"),
         (lambda text: json.dumps({**json.loads(text), "shards": None}), "'shards' missing or not a list"),
+        (lambda text: edit_record(text, 0, sample_ids=None), r"shards\[0\] \(shard-000000-\w+\) has no 'sample_ids'"),
+        (lambda text: edit_record(text, 0, lengths=lambda v: v[:-1]), r"shards\[0\] \(shard-000000-\w+\)\.lengths has \d+ entries, num_samples is \d+"),
+        (lambda text: edit_record(text, 0, num_tokens=lambda v: str(v)), r"shards\[0\] \(shard-000000-\w+\)\.num_tokens is '\d+', not an integer"),
+        (lambda text: edit_record(text, 0, lengths=lambda v: [v[0] + 5] + v[1:]), r"shards\[0\] \(\S+\)\.lengths sum to \d+, num_tokens is \d+"),
     ],
+    ids=["torn", "a-list", "no-shards", "no-sample_ids", "lengths-short", "num_tokens-a-string", "lengths-sum"],
 )
 def test_a_damaged_manifest_is_named_and_reprocess_rebuilds_it(store_copy, damage, what):
     from shared.errors import StoreError
@@ -527,7 +548,7 @@ def test_the_doctor_survives_a_torn_or_non_utf8_last_line_and_flags_steps_going_
 
 
 def test_the_doctor_uses_the_configured_thresholds(tmp_path):
-    from stage2_train.observe.detectors import DetectorConfig
+    from stage2_train.observe.config import DetectorConfig
     from stage2_train.observe.doctor import doctor
     from tests.test_doctor import failed_run_records, write_log
 
@@ -613,7 +634,7 @@ def test_a_missing_data_file_is_named_by_every_command(tiny_target_dir, tmp_path
 def start_training(args, env_extra, tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests' / 'hooks'}:{REPO}", "OMP_NUM_THREADS": "1", **env_extra}
     return subprocess.Popen(
-        [sys.executable, "-m", "stage2_train", "train", "--no-progress", *args],
+        [sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

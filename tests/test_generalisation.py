@@ -17,9 +17,11 @@ import re
 import pytest
 
 from shared.errors import DataError
-from stage2_train.observe.detectors import DetectorConfig, LiveDetectors, detect, normalize
-from stage2_train.observe.doctor import diagnose
+from stage2_train.observe.config import DetectorConfig
+from stage2_train.observe.detectors import LiveDetectors, detect
+from stage2_train.observe.doctor import diagnose, format_text
 from stage2_train.observe.doctor import doctor as cmd_doctor
+from stage2_train.observe.records import normalize
 from stage2_train.observe.report import report as cmd_report
 
 # Held-out curves, one value per eval at steps 100, 200, ..., 1200. TURN: best at step 600, then
@@ -42,11 +44,13 @@ def records(
     curves: dict, *, se: dict | None = TIGHT_SE, num_samples: int = 256, num_blocks: int = 6000, seed: int = 0
 ):
     """run_start, epoch events every 400 steps, train rows every 2 steps (loss 0.5 + 3 exp(-s/400),
-    accuracy rising to 0.45), checkpoint saves every 250 steps, and the eval rows of `curves`."""
+    accuracy rising to 0.45), checkpoint saves every 250 steps, and the eval rows of `curves` (one
+    every 100 steps, as many as the longest curve has values)."""
     rng = random.Random(seed)
     out = [{"kind": "event", "event": "run_start", "step": 0}]
-    evals = {step: {k: v[i] for k, v in curves.items()} for i, step in enumerate(EVAL_STEPS)}
-    for step in range(2, EVAL_STEPS[-1] + 1, 2):
+    num_evals = max(len(v) for v in curves.values())  # 12 unless a test draws a longer curve
+    evals = {100 * (i + 1): {k: v[i] for k, v in curves.items() if i < len(v)} for i in range(num_evals)}
+    for step in range(2, 100 * num_evals + 1, 2):
         epoch = (step - 1) // 400
         if (step - 2) % 400 == 0:
             out.append({"kind": "event", "event": "epoch_start", "step": step - 2, "epoch": epoch})
@@ -93,6 +97,7 @@ def test_turning_heldout_metrics_raise_one_event_at_the_best_eval():
         "best": 2.30,
         "best_step": 600,
         "now": 2.05,
+        "rule": "distance",
         "threshold": pytest.approx(2.0 * math.sqrt(2) * 0.02, abs=1e-6),
         "se_best": 0.02,
         "se_now": 0.02,
@@ -148,23 +153,35 @@ def test_worse_evals_must_be_consecutive():
     assert found(detect(records(curves))) == [("generalisation", 600)]
 
 
-def test_eval_rows_without_se_or_size_need_a_relative_worsening():
-    """Another trainer's eval rows: only loss and accuracy, no SE, no sample counts. A fall of 3%
-    of the best is within generalisation_min_rel (5%); one of 10% is a turn."""
+def test_eval_rows_without_se_or_size_are_judged_by_their_trend_only():
+    """Another trainer's eval rows: only accuracy, no SE, no sample counts. Without a noise model the
+    distance from the best cannot be judged: a drop that then holds flat is not called, whatever its
+    size. A steady fall is (the trend rule), once it has lasted five evals and reaches
+    generalisation_min_rel (5%) of the best."""
 
-    def bare(fall: float) -> list[dict]:
-        curves = {"accuracy": [0.10, 0.14, 0.17, 0.19, 0.20, 0.21] + [0.21 * (1 - fall)] * 6}
-        rows = records(curves, se=None)
+    def bare(after: list[float]) -> list[dict]:
+        rows = records({"accuracy": [0.10, 0.14, 0.17, 0.19, 0.20, 0.21, *after]}, se=None)
         for r in rows:
             if r["kind"] == "eval":
                 for key in ("num_samples", "num_blocks", "accept_len"):
                     del r[key]
         return rows
 
-    assert found(detect(bare(0.03))) == []
-    events = detect(bare(0.10))
+    assert found(detect(bare([0.21 * 0.9] * 6))) == []
+    steady = [0.205, 0.20, 0.196, 0.193, 0.19, 0.188, 0.185]  # each eval a little worse: 12% down at the end
+    events = detect(bare(steady))
     assert found(events) == [("generalisation", 600)]
-    assert events[0]["details"]["metrics"]["accuracy"]["threshold"] == pytest.approx(0.05 * 0.21)
+    assert events[0]["details"]["confirmed_step"] == 1300  # six evals after the best, and a seventh confirms
+    assert events[0]["details"]["metrics"]["accuracy"] == {
+        "best": 0.21,
+        "best_step": 600,
+        "now": 0.185,
+        "rule": "trend",
+        "threshold": pytest.approx(0.05 * 0.21),
+        "evals_since_best": 7,
+        "p_value": pytest.approx(1 / 5040, abs=1e-6),
+    }
+    assert found(detect(bare([0.209, 0.208, 0.207, 0.206, 0.205, 0.204, 0.203]))) == []  # steady, but under 5%
 
 
 def test_small_noisy_eval_set_jitter_does_not_fire():
@@ -206,11 +223,117 @@ def test_old_format_without_se_uses_the_eval_size():
     se_best, se_now = math.sqrt(0.36 * 0.64 / 30), math.sqrt(0.06 * 0.94 / 30)
     assert acc["threshold"] == pytest.approx(2 * math.sqrt(se_best**2 + se_now**2), abs=1e-5)
     assert not acc["se_logged"]
-    # Without num_blocks the binomial n is num_samples: 6 samples cannot tell even that fall.
-    no_blocks = [
-        {k: v for k, v in r.items() if k != "num_blocks"} for r in records(fall, se=None, num_samples=6)
+    # Without num_blocks the binomial n is num_samples: 6 samples cannot see even that fall from the
+    # best, and six evals after it are too few for the trend rule: the doctor says it cannot tell.
+    def no_blocks(curves):
+        return [{k: v for k, v in r.items() if k != "num_blocks"} for r in records(curves, se=None, num_samples=6)]
+
+    diagnosis = diagnose(no_blocks(fall))
+    assert found(diagnosis["events"]) == [] and diagnosis["summary"]["verdict"] == "cannot tell"
+    assert [c for c in diagnosis["summary"]["cannot_tell"] if c.startswith("overfitting")] == [
+        "overfitting: walk_tau 1, best 2.3 at step 600, 6 eval(s) since (the trend rule needs 7); its noise "
+        "derived from num_samples need a worsening of 2.05 to count, more than half the best",
+        "overfitting: accuracy 0.04, best 0.36 at step 600, 6 eval(s) since (the trend rule needs 7); its noise "
+        "derived from num_samples need a worsening of 0.423 to count, more than half the best",
+        "overfitting: ce 3.5, best 1.9 at step 600, 6 eval(s) since (the trend rule needs 7); its noise "
+        "derived from num_samples need a worsening of 3.25 to count, more than half the best",
     ]
-    assert found(detect(no_blocks)) == []
+    last_line = format_text(diagnosis, "train_log.jsonl").splitlines()[-1]
+    assert last_line.startswith("no events, but cannot tell overfitting (see above) (final loss ")
+    # One more eval of the fall and the trend rule names it (its test passed at two evals in a row).
+    longer = {name: [*values, values[-1]] for name, values in fall.items()}
+    longer["walk_tau"][-1], longer["accuracy"][-1], longer["ce"][-1] = 0.9, 0.03, 3.6
+    trend = detect(no_blocks(longer))
+    assert found(trend) == [("generalisation", 600)] and trend[0]["details"]["confirmed_step"] == 1300
+    assert {m["rule"] for m in trend[0]["details"]["metrics"].values()} == {"trend"}
+
+
+# ---- logs without standard errors (other trainers, older runs) -----------------------------------
+def without_se(curves: dict, *, num_samples: int | None = 64, seed: int = 0) -> list[dict]:
+    """`records` with eval rows that carry no *_se and no num_blocks: only num_samples, or nothing."""
+    rows = records(curves, se=None, num_samples=num_samples or 1, seed=seed)
+    for r in rows:
+        if r["kind"] == "eval":
+            del r["num_blocks"]
+            if num_samples is None:
+                del r["num_samples"]
+    return rows
+
+
+def steady_turn(num_evals: int = 24, best: int = 7, seed: int = 0) -> dict:
+    """Held-out curves that rise to eval `best`, then worsen a little at every eval (accuracy falls
+    by more than half by the end, ce rises), with a jitter far below each step."""
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {"walk_tau": [], "accuracy": [], "ce": []}
+    for i in range(num_evals):
+        up, down = min(i, best - 1) / (best - 1), max(0, i - best + 1)
+        out["walk_tau"].append(1.6 + 0.5 * up - 0.03 * down + rng.uniform(-0.005, 0.005))
+        out["accuracy"].append(0.05 + 0.07 * up - 0.004 * down + rng.uniform(-0.001, 0.001))
+        out["ce"].append(2.6 - 0.55 * up + 0.04 * down + rng.uniform(-0.005, 0.005))
+    return out
+
+
+def plateau(num_evals: int, jitter: float, seed: int) -> dict:
+    """Held-out curves that rise for 6 evals, then hold a level with independent jitter of `jitter`
+    times (0.03 accuracy, 0.2 ce, 0.2 walk_tau)."""
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {"walk_tau": [], "accuracy": [], "ce": []}
+    for i in range(num_evals):
+        up = min(i, 5) / 5
+        out["walk_tau"].append(1.8 + 0.5 * up + jitter * 0.2 * rng.gauss(0, 1))
+        out["accuracy"].append(0.10 + 0.10 * up + jitter * 0.03 * rng.gauss(0, 1))
+        out["ce"].append(2.5 - 0.5 * up + jitter * 0.2 * rng.gauss(0, 1))
+    return out
+
+
+def test_a_steady_turn_without_standard_errors_is_named():
+    """Issue 36's log: eval rows with num_samples (64) only, held-out accuracy falling by more than
+    half and ce rising over many evals while training improves. Noise derived from 64 samples is too
+    wide for the distance rule (it alone calls this log healthy); the trend rule names it."""
+    rows = without_se(steady_turn())
+    events = detect(rows)
+    assert found(events) == [("generalisation", 700)] and events[0]["details"]["confirmed_step"] == 1400
+    turned = events[0]["details"]["metrics"]
+    assert {n: m["rule"] for n, m in turned.items()} == {"walk_tau": "trend", "accuracy": "trend", "ce": "trend"}
+    assert turned["accuracy"]["evals_since_best"] == 7
+    assert turned["accuracy"]["p_value"] == pytest.approx(1 / 5040, abs=1e-6)
+    assert rows[-1]["accuracy"] < 0.5 * turned["accuracy"]["best"]  # by the end: more than halved
+    assert found(detect(rows, DetectorConfig(generalisation_trend_alpha=1e-9))) == []  # the distance rule alone
+    # The same log from a trainer that logs no eval size at all.
+    assert found(detect(without_se(steady_turn(), num_samples=None))) == [("generalisation", 700)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_healthy_and_jittery_logs_without_standard_errors_raise_nothing(seed):
+    """Rising then flat held-out curves, 30 evals, no *_se, eval rows with num_samples (64): a quiet one
+    and a jittery one, whose jitter is half the sampling noise of 64 samples (the held-out set is the
+    same at every eval, so it jitters less than its samples spread). Both are judged healthy. Without
+    any eval size only the trend rule judges, and jitter as large as that sampling noise is no trend."""
+    for jitter in (0.2, 0.5):
+        diagnosis = diagnose(without_se(plateau(30, jitter=jitter, seed=seed), seed=seed))
+        assert found(diagnosis["events"]) == [] and diagnosis["summary"]["verdict"] == "healthy"
+    assert found(detect(without_se(plateau(30, jitter=1.0, seed=seed), num_samples=None, seed=seed))) == []
+
+
+def test_trend_rule_false_alarms_on_pure_noise_are_rare():
+    """The trend rule's false-alarm rate, measured: logs whose held-out level is flat noise (three
+    metrics, independent evals with 10% jitter, no noise logged so only the trend rule judges) while
+    training improves. Without the 1/k correction over the tests since the best, logs of 200 evals
+    would fire far more often (about 9% in a simulation of the rule alone)."""
+
+    def flat_log(rng: random.Random, num_evals: int) -> list[dict]:
+        rows = []
+        for i in range(num_evals):
+            step = 100 * (i + 1)
+            train = {"loss": 3.0 / (1 + step / 300), "accuracy": 0.5 - 0.5 / (1 + step / 300)}
+            heldout = {"walk_tau": rng.gauss(2.0, 0.2), "accuracy": rng.gauss(0.2, 0.02), "ce": rng.gauss(2.0, 0.2)}
+            rows += [{"kind": "train", "step": step, **train}, {"kind": "eval", "step": step, **heldout}]
+        return rows
+
+    rng = random.Random(0)
+    short = sum(bool(detect(flat_log(rng, 30))) for _ in range(300))
+    long = sum(bool(detect(flat_log(rng, 200))) for _ in range(100))
+    assert (short, long) == (1, 1), f"{short} of 300 logs of 30 evals and {long} of 100 of 200 evals fired"
 
 
 def test_config_thresholds_are_used_and_validated():
@@ -222,7 +345,18 @@ def test_config_thresholds_are_used_and_validated():
     wide = detect(records(TURN), DetectorConfig(generalisation_k=40.0))  # margins 40 x 0.014 for ce
     assert found(wide) == [("generalisation", 600)] and list(wide[0]["details"]["metrics"]) == ["ce"]
     assert wide[0]["details"]["confirmed_step"] == 1200
-    with pytest.raises(ValueError, match="doctor.generalisation_min_rel must be in"):
+    # Two more evals of the same fall, the distance rule out of reach: the trend rule confirms all
+    # three at the seventh eval after the best (1300), unless its test level is stricter than 1 / 7!.
+    longer = {name: [*values, values[-1] + 2 * (values[-1] - values[-2])] for name, values in TURN.items()}
+    longer = {name: [*values, values[-1] + (values[-1] - values[-2])] for name, values in longer.items()}
+    trend = detect(records(longer), DetectorConfig(generalisation_k=1000.0))
+    assert found(trend) == [("generalisation", 600)] and trend[0]["details"]["confirmed_step"] == 1300
+    assert {n: m["rule"] for n, m in trend[0]["details"]["metrics"].items()} == dict.fromkeys(TURN, "trend")
+    strict = DetectorConfig(generalisation_k=1000.0, generalisation_trend_alpha=1 / 5041)
+    assert found(detect(records(longer), strict)) == []
+    with pytest.raises(ValueError, match="detectors.generalisation_trend_alpha must be in"):
+        DetectorConfig(generalisation_trend_alpha=1.0)
+    with pytest.raises(ValueError, match="detectors.generalisation_min_rel must be in"):
         DetectorConfig(generalisation_min_rel=0.0)
 
 
@@ -255,14 +389,21 @@ def test_state_dict_round_trip_mid_turn_gives_the_same_events():
     first = LiveDetectors()
     assert [ev for r in rows[:cut] for ev in first.update(r)] == []
     state = json.loads(json.dumps(first.state_dict()))
-    assert state["version"] == 2 and [e["step"] for e in state["generalisation"]["evals"]] == EVAL_STEPS[:7]
+    assert state["version"] == 3 and [e["step"] for e in state["generalisation"]["evals"]] == EVAL_STEPS[:7]
     second = LiveDetectors()
     second.load_state_dict(state)
     assert [ev for r in rows[cut:] for ev in second.update(r)] == detect(rows)
     old = {k: v for k, v in state.items() if k != "generalisation"} | {"version": 1}
     from_v1 = LiveDetectors()
     from_v1.load_state_dict(old)  # a checkpoint from before the detector: no eval history
-    assert from_v1.generalisation.evals == [] and from_v1.state_dict()["version"] == 2
+    assert from_v1.generalisation.evals == [] and from_v1.state_dict()["version"] == 3
+    # A version-2 state (noise as [value, se, derived]) resumes to the same events.
+    v2 = json.loads(json.dumps(state)) | {"version": 2}
+    for e in v2["generalisation"]["evals"]:
+        e["metrics"] = {name: [value, se, source != "logged"] for name, (value, se, source) in e["metrics"].items()}
+    from_v2 = LiveDetectors()
+    from_v2.load_state_dict(v2)
+    assert [ev for r in rows[cut:] for ev in from_v2.update(r)] == detect(rows)
 
 
 def test_resume_to_an_earlier_step_forgets_the_evals_after_it():

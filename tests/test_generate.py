@@ -154,3 +154,41 @@ def test_extraction_stores_the_targets_own_token_ids(tiny_target_dir, tmp_path):
     commands.cmd_extract(cfg, progress=False)
     stored = StoreReader(cfg.store.url(cfg.run_dir))[0]["input_ids_T"].numpy()
     assert np.array_equal(stored, sample.input_ids)
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_and_its_free_space(tiny_target_dir, tmp_path, fake_vllm, monkeypatch, capsys):
+    """The disk fills while a part is written: the failure marker's own write then fails too. The
+    user gets one line (exit 2) naming the folder and its free space; the parts written stay."""
+    import errno
+
+    from stage1_extract import __main__ as cli
+    from stage1_extract import generate
+
+    data = prompts_file(tmp_path, n=9)
+    real_part, real_atomic = generate.write_conversations_parquet, generate.write_atomic
+    written = []
+
+    def part_writer(conversations, path):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(path)
+        real_part(conversations, path)
+
+    def atomic(path, data):
+        if written and ".failed-rank" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_atomic(path, data)
+
+    monkeypatch.setattr(generate, "write_conversations_parquet", part_writer)
+    monkeypatch.setattr(generate, "write_atomic", atomic)
+    overrides = [
+        f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32", f"data.path={data}",
+        "generate.backend=vllm", "generate.max_new_tokens=12", "generate.rows_per_part=3", "extract.device=cpu",
+    ]
+    assert cli.main(["generate", "--no-progress", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    parts = tmp_path / "run" / "data" / "generated.parts"
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"error: {parts}: no space left on the device (") and " free) writing part-000001-" in err
+    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate`" in err
+    assert [p.name for p in parts.glob("part-*.parquet")] == [written[0].name]

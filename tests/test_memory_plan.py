@@ -82,7 +82,7 @@ def test_the_traced_peak_follows_the_micro_batch_and_checkpointing():
 
 def test_plan_prints_for_the_default_preset():
     done = subprocess.run(
-        [sys.executable, "-m", "stage2_train", "plan", "--config", "default", "--sample-tokens", "256"],
+        [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", "default", "--sample-tokens", "256"],
         cwd=REPO, capture_output=True, text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -96,7 +96,7 @@ def test_plan_prints_for_the_default_preset():
 def test_plan_prints_for_the_8b_presets(preset):
     cfg = load_run_config(preset)
     assert cfg.model.activation_checkpointing
-    done = subprocess.run([sys.executable, "-m", "stage2_train", "plan", "--config", preset], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert out["shape_from"].startswith("the published") and out["fits"]["H200 141 GB"]

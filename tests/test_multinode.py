@@ -57,7 +57,7 @@ def test_two_node_extraction_equals_one_process_with_a_cache_per_node(tiny_targe
     stage1.cmd_extract(one, progress=False)
     # Each node its own cache folder: torchrun tells each worker its node as GROUP_RANK.
     node_local = str(tmp_path / "node$GROUP_RANK" / "cache")
-    args = ["-m", "stage1_extract", "extract", "--no-progress",
+    args = ["-m", "stage1_extract", "extract", "--json", "--no-progress",
             *stage1_overrides(tiny_target_dir, data, tmp_path / "two", **{"data.cache_dir": node_local})]
     outs = two_nodes(args)
     assert [o.returncode for o in outs] == [0, 0], [o.stderr[-2000:] for o in outs]
@@ -82,7 +82,7 @@ def test_two_node_training_gives_the_losses_of_one_process(tiny_target_dir, tmp_
         return stage1_overrides(tiny_target_dir, data, run_dir, **{**base, "train.grad_accum": grad_accum})
 
     cmd_train(load_run_config("configs/default.yaml", overrides(tmp_path / "one", 2)), progress=False)
-    outs = two_nodes(["-m", "stage2_train", "train", "--no-progress", *overrides(tmp_path / "two", 1)])
+    outs = two_nodes(["-m", "stage2_train", "train", "--json", "--no-progress", *overrides(tmp_path / "two", 1)])
     assert [o.returncode for o in outs] == [0, 0], [o.stderr[-2000:] for o in outs]
     one, two = read_log(tmp_path / "one" / "train_log.jsonl", "train"), read_log(tmp_path / "two" / "train_log.jsonl", "train")
     assert [r["step"] for r in two] == [1, 2, 3, 4]

@@ -334,7 +334,7 @@ def speculators_export(tmp_path):
     base = our_drafter()
     description = describe_parts(base.cfg, arch, LAYER_IDS, MASK_ID)
     drafter = build_drafter(description, embed_VH, head_VH, runtime=base.cfg, weights=base.state_dict()).eval()
-    info = {"path": str(verifier), "resolved_path": str(verifier), "architectures": ["Qwen3ForCausalLM"]}
+    info = {"name": str(verifier), "architectures": ["Qwen3ForCausalLM"]}
     folder = export(drafter, tmp_path / "spec", format="speculators", target_info=info)
     return drafter, folder, verifier
 

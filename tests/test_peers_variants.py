@@ -80,7 +80,7 @@ def verifier(tmp_path):
 
 def exported(drafter, out, verifier, fmt="speculators"):
     description = describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID)
-    info = {"path": str(verifier), "architectures": ["Qwen3ForCausalLM"]}
+    info = {"name": str(verifier), "architectures": ["Qwen3ForCausalLM"]}
     return export_drafter(drafter, description, info, out, dtype="float32", format=fmt)
 
 

@@ -39,7 +39,7 @@ def make_store(url: str, shards: list[list[SampleFeatures]], cfg: StoreConfig) -
     records = []
     for index, shard in enumerate(shards):
         record = write_shard(url, f"shard-{index:06d}-x", shard, cfg)
-        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[len(s.input_ids_T) for s in shard])
+        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[len(s.input_ids_T) for s in shard], rows_sha256="")
         records.append(record)
     manifest = {
         "schema_version": 1, "storage": cfg.model_dump(exclude={"path", "shard_mb"}), "shards": records,
@@ -208,6 +208,7 @@ def test_a_sample_whose_offsets_disagree_with_the_manifest_is_named_on_the_packe
     make_store(str(tmp_path), [samples(4)], StoreConfig())
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["shards"][0]["lengths"][2] += 1  # the manifest now disagrees with the shard's offsets
+    manifest["shards"][0]["lengths"][3] -= 1  # (with the same sum, which loading the manifest checks)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     reader = StoreReader(str(tmp_path))
     cfg = SamplerConfig(micro_batch_tokens=4096, max_anchors_per_seq=4)

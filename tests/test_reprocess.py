@@ -197,3 +197,123 @@ def test_weights_edited_in_place_with_size_and_mtime_restored_are_seen(built, ti
     report = commands.cmd_status(moved)
     assert report["counts"]["stale"] == 2 and report["settings_changed"] == ["target.weights_sha256"]
     assert commands.cmd_status(moved, deep=True)["settings_changed"] == ["target.weights_sha256"]
+
+
+def shift_lengths(record: dict) -> None:
+    """Five tokens moved from the record's second sample to its first: the sum (num_tokens) holds."""
+    record["lengths"][0] += 5
+    record["lengths"][1] -= 5
+
+
+@pytest.mark.parametrize(
+    "field, edit",
+    [
+        ("lengths", shift_lengths),
+        ("sample_ids", lambda r: r["sample_ids"].__setitem__(slice(0, 2), r["sample_ids"][1::-1])),
+        ("content_hashes", lambda r: r["content_hashes"].__setitem__(3, "0" * 16)),
+        ("bytes", lambda r: r.update(bytes=r["bytes"] + 1)),
+        ("checksum", lambda r: r.update(checksum="0" * 64)),
+        ("index", lambda r: r.update(name=r["name"].replace("shard-000001-", "shard-000007-"))),
+    ],
+)
+def test_verify_names_a_manifest_field_that_contradicts_its_shard_and_repair_rebuilds_the_record(built, field, edit):
+    """The manifest record alone is wrong (its part record agrees with the shard): verify names the
+    shard and the field, and --repair rebuilds the record without extracting anything."""
+    cfg, _ = built
+    url = cfg.store.url(cfg.run_dir)
+    good = read_manifest(url)
+    manifest = json.loads((Path(url) / "manifest.json").read_text())
+    name = manifest["shards"][1]["name"]
+    edit(manifest["shards"][1])
+    (Path(url) / "manifest.json").write_text(json.dumps(manifest))
+    report = commands.cmd_verify(cfg)
+    (bad,) = report["bad_shards"]
+    wanted = "name" if field == "index" else field  # a renamed group is not there
+    assert not report["ok"] and wanted in bad["fields"] and bad["fix"] == "rebuild the record"
+    assert bad["shard"] == manifest["shards"][1]["name"] and bad["index"] == 1
+    repaired = commands.cmd_verify(cfg, repair=True, progress=False)
+    assert repaired["ok"] and repaired["records_rebuilt"] == [bad["shard"]] and repaired["reextracted"] == []
+    assert read_manifest(url)["shards"] == good["shards"] and read_manifest(url)["shards"][1]["name"] == name
+
+
+def test_verify_extracts_again_when_the_part_record_is_wrong_too(built):
+    cfg, _ = built
+    url = Path(cfg.store.url(cfg.run_dir))
+    good = contents(cfg)
+    for path in (url / "manifest.json", url / "parts" / "shard-000000.json"):
+        data = json.loads(path.read_text())
+        shift_lengths(data["shards"][0] if "shards" in data else data)
+        path.write_text(json.dumps(data))
+    (bad,) = commands.cmd_verify(cfg)["bad_shards"]
+    assert bad["fields"] == ["lengths"] and bad["fix"] == "extract again"
+    assert bad["error"].startswith("lengths: sample 0 has") and bad["index"] == 0
+    repaired = commands.cmd_verify(cfg, repair=True, progress=False)
+    assert repaired["ok"] and repaired["reextracted"] == [bad["shard"]]
+    assert contents(cfg) == good
+
+
+# ---- writers and a training run reading the same store ---------------------------------------------
+def test_writers_are_refused_while_training_reads_the_store_naming_the_reader(built):
+    """Training claims a local store for its run: `reprocess` and `extract` are refused naming it
+    (command, pid, host, since); once training closes its data they run; a claim whose process
+    died is passed over; and training does not start while a writer holds the store."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from shared.errors import BusyError
+    from shared.lock import exclusive
+    from shared.target import resolve_target
+    from stage2_train.data.view import DataSettings, open_train_data
+
+    cfg, _ = built
+    url = cfg.store.url(cfg.run_dir)
+    data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, DataSettings(block_size=4, holdout_fraction=0.0))
+    reader = rf"is being read by `stage2_train train` \(pid {os.getpid()} on {socket.gethostname()}, since [\d-]+ [\d:]+\)"
+    with pytest.raises(BusyError, match=reader + r"; wait for it to finish or stop it \(`stage1_extract reprocess` would replace shards under it\)"):
+        commands.cmd_reprocess(cfg, progress=False)
+    with pytest.raises(BusyError, match=reader):
+        commands.cmd_extract(cfg, progress=False)
+    data.close()
+    assert commands.cmd_reprocess(cfg, progress=False)["shards_extracted_here"] == 0
+
+    claim = "from shared.store import StoreReader; import sys, time; r = StoreReader(sys.argv[1]).hold('stage2_train train'); print('held', flush=True); time.sleep(60)"
+    dead = subprocess.Popen([sys.executable, "-c", claim, url], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert dead.stdout.readline().strip() == "held"
+    with pytest.raises(BusyError, match=rf"is being read by `stage2_train train` \(pid {dead.pid} "):
+        commands.cmd_reprocess(cfg, progress=False)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    commands.cmd_reprocess(cfg, progress=False)  # the kernel dropped the dead reader's flock
+    assert not list((Path(url) / ".dflash.readers").iterdir())
+
+    with exclusive(url, "stage1_extract reprocess"):
+        with pytest.raises(BusyError, match=r"is being written by `stage1_extract reprocess` .*; wait for it to finish before `stage2_train train` reads it"):
+            open_train_data(url, resolve_target(cfg.target), cfg.sampler, DataSettings(block_size=4, holdout_fraction=0.0))
+
+
+def test_a_shard_replaced_under_a_reader_without_a_claim_is_named_as_a_rewrite(built):
+    """An object store (or a folder where no claim can be made): a reader finds a shard gone after
+    `reprocess` replaced it. The store is fine: the error says it was rewritten while being read,
+    not to repair it."""
+    from shared.errors import StoreError
+    from shared.store import StoreReader
+
+    cfg, data = built
+    url = cfg.store.url(cfg.run_dir)
+    reader = StoreReader(url)  # no claim
+    old = reader.manifest["shards"][1]["name"]
+    reader[0]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[27]["messages"][1]["content"] = "an edited answer"
+    write_jsonl(data, rows)
+    assert commands.cmd_reprocess(cfg, progress=False)["reextracted"] == [1]
+    with pytest.raises(StoreError, match=rf"shard {old} cannot be opened .*, and manifest\.json changed since this run opened the store: it was rewritten") as caught:
+        reader[len(reader) - 1]
+    assert "run `python -m stage1_extract verify --repair`" not in str(caught.value)
+    fresh = StoreReader(url)  # a store damaged under an unchanged manifest still says what repairs it
+    shutil.rmtree(Path(url) / "shards" / fresh.manifest["shards"][1]["name"] / "hidden")
+    with pytest.raises(StoreError, match=r"lacks the array\(s\) \['hidden'\]; run `python -m stage1_extract verify --repair`"):
+        fresh[len(fresh) - 1]

@@ -151,6 +151,7 @@ def test_verify_deep_proves_a_store_matches_its_data(tiny_target_dir, tmp_path, 
     passes the shallow verify, since its checksums are its own; --deep tokenizes the data again,
     names the shard and the row, and --repair rebuilds the cache and the shard."""
     from shared.store import StoreFiles
+    from stage1_extract.batching import content_hash
 
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
     clean_cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "clean"))
@@ -162,6 +163,7 @@ def test_verify_deep_proves_a_store_matches_its_data(tiny_target_dir, tmp_path, 
         rows, stats, sha = real(*args, **kwargs)
         rows[5].input_ids = rows[5].input_ids.copy()
         rows[5].input_ids[3] += 1
+        rows[5].content_hash = content_hash(rows[5].input_ids, rows[5].loss_mask)  # the store agrees with itself
         return rows, stats, sha
 
     monkeypatch.setattr(prepare, "tokenized_rows", one_token_became_another)

@@ -300,7 +300,7 @@ def test_micro_batches_without_a_block_still_train_on_two_ranks(tiny_target_dir,
     without a block: every step completes, the zero-block steps are exactly zero."""
     extra = {"sampler.micro_batch_tokens": 160, "train.max_steps": 6}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "stage2_train", "train", "--no-progress", *overrides(tiny_target_dir, store, tmp_path, **extra)]
+           "-m", "stage2_train", "train", "--json", "--no-progress", *overrides(tiny_target_dir, store, tmp_path, **extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'tests' / 'hooks'}:{REPO}",
            "DFLASH_NO_ANCHORS_FOR_EVEN_SAMPLES": "1"}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -410,7 +410,7 @@ def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
     commands.cmd_train(config(tiny_target_dir, store, one, **{**extra, "train.grad_accum": 2}), progress=False)
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "stage2_train", "train", "--no-progress"]
+           "-m", "stage2_train", "train", "--json", "--no-progress"]
     cmd += overrides(tiny_target_dir, store, two, **{**extra, "train.grad_accum": 1})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -445,7 +445,7 @@ def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
     extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto",
              "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "stage2_train", "train", "--no-progress", *overrides(tiny_target_dir, store, tmp_path, **extra)]
+           "-m", "stage2_train", "train", "--json", "--no-progress", *overrides(tiny_target_dir, store, tmp_path, **extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -47,6 +47,7 @@ def open_run_data(
     data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
     longest = int(data.reader.lengths.max())
     if cfg.model.block_size > longest:
+        data.close()
         raise ConfigError(
             f"model.block_size={cfg.model.block_size} is longer than every sample of {url} (the longest has "
             f"{longest} tokens, data.max_length was {data.reader.manifest.get('max_length')}): no block could "

@@ -71,11 +71,26 @@ def expected_manifest(target: TargetInfo) -> dict[str, Any]:
     }
 
 
-def open_store(url: str, target: TargetInfo, *, need_topk: bool = False, options: dict[str, Any] | None = None) -> StoreReader:
+def open_store(
+    url: str, target: TargetInfo, *, need_topk: bool = False, options: dict[str, Any] | None = None, hold: str | None = None
+) -> StoreReader:
     """The store, refused by field name when it was made for another target, tokenizer or layers
     (or, when the loss needs it, without top-k). Training and evaluation both open it here;
-    `options` are StoreReader's (`StoreConfig.reader_options()`)."""
+    `options` are StoreReader's (`StoreConfig.reader_options()`). With `hold` (the command), a local
+    store is claimed until the reader's `close()`: stage-1 writers are refused while it reads."""
     reader = StoreReader(url, **(options or {}))  # refuses a missing or damaged manifest, or another schema version
+    if hold is not None:
+        reader.hold(hold)
+    try:
+        check_store(reader, target, need_topk)
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
+def check_store(reader: StoreReader, target: TargetInfo, need_topk: bool) -> None:
+    url = reader.url
     check_manifest_matches(reader.manifest, expected_manifest(target), url)
     if need_topk and not reader.manifest.get("top_k"):
         raise StoreError(
@@ -85,7 +100,6 @@ def open_store(url: str, target: TargetInfo, *, need_topk: bool = False, options
         )
     if len(reader) == 0:
         raise StoreError(f"{url}: the store holds no samples")
-    return reader
 
 
 def split_indices(reader: StoreReader, holdout_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -129,6 +143,7 @@ class TrainData:
 
     def close(self) -> None:
         self.loader.close()
+        self.reader.close()
 
 
 def open_train_data(
@@ -140,7 +155,18 @@ def open_train_data(
     rank: int = 0,
     world_size: int = 1,
 ) -> TrainData:
-    reader = open_store(url, target, need_topk=settings.gather_topk, options=settings.reader_options)
+    # Held for the run (TrainData.close): a `reprocess` meanwhile would replace shards under it.
+    reader = open_store(url, target, need_topk=settings.gather_topk, options=settings.reader_options, hold="stage2_train train")
+    try:
+        return _train_data(reader, target, sampler_cfg, settings, rank, world_size)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _train_data(
+    reader: StoreReader, target: TargetInfo, sampler_cfg: SamplerConfig, settings: DataSettings, rank: int, world_size: int
+) -> TrainData:
     train, heldout = split_indices(reader, settings.holdout_fraction, settings.split_seed)
     train_reader = SubsetReader(reader, train)
     sampler = LengthMixedSampler(

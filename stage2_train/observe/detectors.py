@@ -1,6 +1,6 @@
 """Detectors that turn a training log into events: stalls, step gaps, loss spikes, accuracy cliffs,
 non-finite values, throughput drops, and held-out quality that turns while training improves
-(overfitting). One code path serves the offline doctor and the live trainer.
+(overfitting, `generalisation.py`). One code path serves the offline doctor and the live trainer.
 
     .venv/bin/python -m pytest tests/test_doctor.py -q
 
@@ -12,8 +12,8 @@ non-finite values, throughput drops, and held-out quality that turns while train
 
 An event is `{"kind", "step", "size", "details"}`; `size` by kind: stall -> gap seconds, step_gap ->
 steps skipped, loss_spike -> loss / level before, accuracy_cliff -> accuracy drop (absolute),
-throughput_drop -> fraction of tokens/s lost, nan -> None, generalisation -> relative worsening of
-its first turned metric. Every judgement is robust: a value is
+throughput_drop -> fraction of tokens/s (or samples/s) lost, nan -> None, generalisation ->
+relative worsening of its first turned metric. Every judgement is robust: a value is
 compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of accepted values, and
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
 a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
@@ -21,31 +21,7 @@ a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is j
 resume (first steps are slow). Windows hold (step, value): when the steps go backwards (a resume from
 an older checkpoint, a restart), entries from the abandoned future are dropped.
 
-Generalisation, judged at each held-out eval row (`kind: "eval"`). The metrics: walk_tau when the
-row has it, else accept_len, and accuracy (higher is better), and ce (lower is better; an eval row
-of another trainer without ce gives its loss). Track the best held-out value so far per metric. A
-held-out metric has "turned" when it is worse than its best by more than `generalisation_k` times
-the combined standard error sqrt(se_best^2 + se_now^2) for `generalisation_sustain` consecutive
-evaluations, while training keeps improving: the training level (median of the train rows since
-the previous eval, the last `window_rows` of them, for loss lower / accuracy higher; every one of
-the two the log has) is better than it was at the best eval's step. An eval where training did not
-improve, or the metric is back within the margin, restarts the count. The standard errors are the
-row's `<metric>_se` (over held-out samples). When they are absent (older logs, other trainers) the
-noise is derived from the eval's size: for accuracy the binomial SE sqrt(p (1 - p) / n) with
-n = num_blocks (blocks, not positions, are the unit: the positions of one block are correlated),
-else num_samples; for ce, walk_tau and accept_len |value| / sqrt(num_samples) (a coefficient of
-variation of 1 per sample: a deliberately wide guess); and a metric with derived noise must also
-be worse than its best by at least `generalisation_min_rel` of it. So a small eval set that merely
-jitters never fires. (The held-out set is the same at every eval, so the spread over its samples
-bounds the jitter between evals from above: the rule errs on the quiet side.) The event is raised
-once, at the eval that confirms the first turned metric; its step is that metric's best eval (where
-the turn began); `details` hold every turned metric (best, its step, now, margin), the train and
-held-out levels and their gap then and now, and `best_tau` (the eval to keep a checkpoint of). No
-new event comes until a metric of the turn makes a new best, which ends the turn and restarts
-every count. A resume to an earlier step forgets the evals from after it.
-
-Records are normalised leniently (`normalize`): kind is inferred when missing, and field aliases
-(tok_per_sec, acc, elapsed, ...) and "nan" strings (how MetricsSink writes non-finite numbers) are read.
+Records are read leniently (`records.normalize`): kind inferred, field aliases, "nan" strings.
 """
 
 from __future__ import annotations
@@ -53,10 +29,12 @@ from __future__ import annotations
 import copy
 import math
 from collections import deque
-from typing import Any, ClassVar
+from typing import Any
 
-from shared.config import Section
 from shared.errors import CheckpointError
+from stage2_train.observe.config import DetectorConfig
+from stage2_train.observe.generalisation import Generalisation
+from stage2_train.observe.records import RESET_EVENTS, finite, make_event, median, normalize, r6, robust
 
 EVENT_KINDS = (
     "stall",
@@ -68,176 +46,11 @@ EVENT_KINDS = (
     "generalisation",
 )
 
-# Canonical field -> the names other trainers use for it, tried in order.
-ALIASES: dict[str, tuple[str, ...]] = {
-    "step": ("step", "global_step", "iteration", "iter", "train/step"),
-    # elapsed_s first: it excludes the start-up of a resumed run; `time` is MetricsSink's wall clock.
-    "t": ("elapsed_s", "elapsed", "wall_s", "time_s", "time", "timestamp"),
-    "loss": ("loss", "train_loss", "train/loss"),
-    "accuracy": ("accuracy", "acc", "train_acc", "train/accuracy"),
-    "accept_len": ("accept_len", "eal", "acceptance_length", "expected_acceptance_length", "tau"),
-    "lr": ("lr", "learning_rate", "train/lr"),
-    "noise_std": ("noise_std", "noise"),
-    "grad_norm": ("grad_norm", "gnorm", "grad-norm", "total_norm"),
-    "tok_per_s": ("tok_per_s", "tok_per_sec", "tokens_per_s", "tokens_per_sec", "throughput"),
-    "epoch": ("epoch",),
-    "data_wait_frac": ("data_wait_frac",),
-    "eval_s": ("eval_s",),
-    "blocked_s": ("blocked_s",),
-    "write_s": ("write_s",),
-    # Held-out eval rows: ce falls back to the eval's loss (other trainers log val loss as `loss`).
-    "ce": ("ce", "val_loss", "eval_loss", "loss"),
-    "walk_tau": ("walk_tau",),
-    "ce_se": ("ce_se",),
-    "accuracy_se": ("accuracy_se",),
-    "accept_len_se": ("accept_len_se",),
-    "walk_tau_se": ("walk_tau_se",),
-    "num_samples": ("num_samples",),
-    "num_blocks": ("num_blocks",),
-}
-RESET_EVENTS = ("resume", "run_start")  # run_start at step 0 after earlier rows: a fresh run
-
-
-class DetectorConfig(Section):
-    section: ClassVar[str] = "doctor"
-    window_rows: int = 50
-    """Trailing window of accepted values, in logged rows."""
-    min_history_rows: int = 20
-    """Values in the window before anything is judged."""
-    warmup_rows: int = 10
-    """Pace/throughput rows ignored at the start and after a resume."""
-    sustain_rows: int = 5
-    """Consecutive low rows that make a cliff or a throughput drop."""
-    spike_k: float = 6.0
-    """A loss spike lies above median + spike_k * sigma of the window (and passes spike_min_ratio)."""
-    spike_min_ratio: float = 2.5
-    """A loss spike also lies above spike_min_ratio * the window's median."""
-    recovery_tol: float = 0.15
-    """Recovered from a spike: loss <= max(median * (1 + recovery_tol), median + 3 sigma)."""
-    stall_k: float = 6.0
-    """A stall takes seconds per step above median + stall_k * sigma (and passes the two below)."""
-    stall_min_ratio: float = 3.0
-    """A stall's gap is also above stall_min_ratio * the expected time."""
-    stall_min_s: float = 1.0
-    """A stall loses at least this many seconds."""
-    step_gap_ratio: float = 4.0
-    """Step gap: logged steps jump by more than this ratio * the usual delta (90th percentile)."""
-    cliff_k: float = 6.0
-    """An accuracy cliff lies below median - cliff_k * sigma (and passes the two below)."""
-    cliff_min_drop: float = 0.03
-    """An accuracy cliff drops at least this much (absolute)."""
-    cliff_min_rel: float = 0.3
-    """An accuracy cliff drops at least this fraction of the median."""
-    throughput_k: float = 6.0
-    """A throughput drop lies below median - throughput_k * sigma of tokens/s."""
-    throughput_min_rel: float = 0.4
-    """A throughput drop loses at least this fraction of the median tokens/s."""
-    generalisation_k: float = 2.0
-    """A held-out metric has turned when worse than its best by more than generalisation_k * the
-    combined standard error sqrt(se_best^2 + se_now^2) (see the rule in the module docstring)."""
-    generalisation_sustain: int = 2
-    """Consecutive evals, each worse than the best by that margin while training improved, that
-    confirm a turn."""
-    generalisation_min_rel: float = 0.05
-    """A metric whose eval rows carry no `<metric>_se` (noise derived from the eval's size) must
-    also be worse than its best by at least this fraction of it."""
-
-    def validate(self) -> None:
-        for key in ("window_rows", "min_history_rows", "sustain_rows", "generalisation_sustain"):
-            self.require(getattr(self, key) >= 1, key, "must be >= 1")
-        self.require(self.min_history_rows <= self.window_rows, "min_history_rows", "must be <= window_rows")
-        self.require(self.warmup_rows >= 0, "warmup_rows", "must be >= 0")
-        for key in (
-            "spike_k",
-            "stall_k",
-            "cliff_k",
-            "throughput_k",
-            "recovery_tol",
-            "stall_min_s",
-            "cliff_min_drop",
-            "generalisation_k",
-        ):
-            self.require(getattr(self, key) >= 0, key, "must be >= 0")
-        for key in ("spike_min_ratio", "stall_min_ratio", "step_gap_ratio"):
-            self.require(getattr(self, key) > 1, key, "must be > 1")
-        for key in ("cliff_min_rel", "throughput_min_rel", "generalisation_min_rel"):
-            self.require(0 < getattr(self, key) < 1, key, "must be in (0, 1)")
-
-
-# ---- records ---------------------------------------------------------------------------------------
-def number(value: Any) -> float | None:
-    """A float from a logged value ("nan" and "inf" strings included); None when absent or not a number."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
-
-
-def finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)
-
-
-def record_kind(record: dict[str, Any]) -> str:
-    """train, eval or event; a record without `kind` is an event if it names one, else a train row."""
-    kind = record.get("kind")
-    if kind in ("train", "eval", "event"):
-        return kind
-    if isinstance(record.get("event"), str):
-        return "event"
-    if kind in ("val", "valid", "validation", "test"):
-        return "eval"
-    return "train" if kind is None else str(kind)
-
-
-def normalize(record: dict[str, Any]) -> dict[str, Any]:
-    """Canonical view of one record: kind, event name, and every ALIASES field (None when missing)."""
-    out: dict[str, Any] = {"kind": record_kind(record), "event": record.get("event")}
-    for name, aliases in ALIASES.items():
-        out[name] = next((number(record[a]) for a in aliases if a in record), None)
-    if out["step"] is not None and finite(out["step"]):
-        out["step"] = int(out["step"])
-    else:
-        out["step"] = None
-    if finite(out["epoch"]):
-        out["epoch"] = int(out["epoch"])
-    return out
 
 
 def as_warning(event: dict[str, Any]) -> dict[str, Any]:
     """Fields for `sink.event("warning", event["step"], **as_warning(event))`."""
     return {"detector": event["kind"], "size": event["size"], "details": event["details"]}
-
-
-def robust(values: list[float]) -> tuple[float, float]:
-    """(median, sigma) with sigma = 1.4826 * median absolute deviation."""
-    ordered = sorted(values)
-    med = _median(ordered)
-    return med, 1.4826 * _median(sorted(abs(v - med) for v in ordered))
-
-
-def _median(ordered: list[float]) -> float:
-    n = len(ordered)
-    mid = n // 2
-    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-
-
-def _event(kind: str, step: int, size: float | None, **details: Any) -> dict[str, Any]:
-    return {
-        "kind": kind,
-        "step": int(step),
-        "size": None if size is None else round(size, 4),
-        "details": details,
-    }
-
-
-def _r(value: float) -> float:
-    return round(value, 6)
 
 
 # ---- one detector per signal -----------------------------------------------------------------------
@@ -335,13 +148,13 @@ class _Spike(_Episodes):
             med, sigma = robust(self.window.values())
             threshold = max(med + cfg.spike_k * sigma, med * cfg.spike_min_ratio)
             if value > threshold and med > 0:
-                ev = _event(
+                ev = make_event(
                     "loss_spike",
                     step,
                     value / med,
-                    loss=_r(value),
-                    before=_r(med),
-                    threshold=_r(threshold),
+                    loss=r6(value),
+                    before=r6(med),
+                    threshold=r6(threshold),
                     recovery_steps=None,
                 )
                 level = max(med * (1 + cfg.recovery_tol), med + 3 * sigma)
@@ -376,17 +189,17 @@ class _Drop(_Episodes):
         if len(self.pending) < cfg.sustain_rows:
             return None
         low = sorted(v for _, v in self.pending)
-        after = _median(low)
+        after = median(low)
         size = med - after if self.kind == "accuracy_cliff" else (1 - after / med if med > 0 else None)
         first_step, first_value = self.pending[0]
-        ev = _event(
+        ev = make_event(
             self.kind,
             first_step,
             size,
-            before=_r(med),
-            after=_r(after),
-            first_value=_r(first_value),
-            threshold=_r(threshold),
+            before=r6(med),
+            after=r6(after),
+            first_value=r6(first_value),
+            threshold=r6(threshold),
             confirmed_step=int(step),
             recovery_steps=None,
         )
@@ -428,9 +241,9 @@ class _Pace:
             deltas = sorted(self.step_deltas.values())
             usual = max(deltas[int(0.9 * (len(deltas) - 1))], 1)
             if delta > cfg.step_gap_ratio * usual:
-                gap_s = None if t is None or prev[1] is None else _r(t - prev[1])
+                gap_s = None if t is None or prev[1] is None else r6(t - prev[1])
                 events.append(
-                    _event(
+                    make_event(
                         "step_gap", step, delta, from_step=int(prev[0]), usual_delta=int(usual), gap_s=gap_s
                     )
                 )
@@ -453,15 +266,15 @@ class _Pace:
             ):
                 stalled = True
                 events.append(
-                    _event(
+                    make_event(
                         "stall",
                         step,
                         gap,
                         from_step=int(prev[0]),
-                        expected_s=_r(expected),
-                        lost_s=_r(lost),
-                        sec_per_step=_r(med),
-                        paused_s=_r(paused),
+                        expected_s=r6(expected),
+                        lost_s=r6(lost),
+                        sec_per_step=r6(med),
+                        paused_s=r6(paused),
                     )
                 )
         self.outliers = self.outliers + 1 if stalled else 0
@@ -488,168 +301,6 @@ class _Pace:
         self.warmup_left, self.outliers = state["warmup_left"], state["outliers"]
 
 
-class _Generalisation:
-    """Held-out metrics that turn while training improves (the rule is in the module docstring).
-
-    The state is the evals seen (one small record each) plus the train rows since the last one;
-    bests, counts and the open turn are rebuilt from the evals by replay (after a load or a resume)."""
-
-    HIGHER_IS_BETTER: ClassVar[dict[str, bool]] = {
-        "walk_tau": True,
-        "accept_len": True,
-        "accuracy": True,
-        "ce": False,
-    }
-    TRAIN_HIGHER_IS_BETTER: ClassVar[dict[str, bool]] = {"loss": False, "accuracy": True}
-
-    def __init__(self, cfg: DetectorConfig):
-        self.cfg = cfg
-        self.evals: list[dict[str, Any]] = []  # {"step", "metrics": {name: [value, se, derived]}, "train"}
-        self.train: deque[list[Any]] = deque(
-            maxlen=cfg.window_rows
-        )  # [step, loss, accuracy] since the last eval
-        self._reset()
-
-    def _reset(self) -> None:
-        self.best: dict[str, dict[str, Any]] = {}  # name -> {"step", "value", "se"}
-        self.count: dict[str, int] = {}  # name -> consecutive worse evals while training improved
-        self.turn: list[str] | None = None  # the metrics of the event raised, until one makes a new best
-
-    def add_train(self, step: int, loss: float | None, accuracy: float | None) -> None:
-        if finite(loss) or finite(accuracy):
-            self.train.append([step, loss if finite(loss) else None, accuracy if finite(accuracy) else None])
-
-    def update(self, step: int, row: dict[str, Any]) -> dict[str, Any] | None:
-        level = self._train_level()
-        self.train.clear()
-        names = ("walk_tau" if finite(row["walk_tau"]) else "accept_len", "accuracy", "ce")
-        metrics = {name: [row[name], *self._noise(name, row)] for name in names if finite(row[name])}
-        if not metrics:
-            return None
-        record = {"step": step, "metrics": metrics, "train": level}
-        self.evals.append(record)
-        return self._judge(record)
-
-    def _train_level(self) -> dict[str, float | None]:
-        """Median train loss and accuracy since the previous eval; the previous eval's when none came."""
-        if not self.train:
-            return dict(self.evals[-1]["train"]) if self.evals else {"loss": None, "accuracy": None}
-        level: dict[str, float | None] = {}
-        for i, name in enumerate(("loss", "accuracy"), start=1):
-            values = sorted(r[i] for r in self.train if r[i] is not None)
-            level[name] = _r(_median(values)) if values else None
-        return level
-
-    def _noise(self, name: str, row: dict[str, Any]) -> tuple[float, bool]:
-        """(standard error, derived): the row's `<name>_se`, else one derived from the eval's size."""
-        se = row[f"{name}_se"]
-        if finite(se):
-            return _r(se), False
-        value = row[name]
-        if name == "accuracy":
-            n = next((row[k] for k in ("num_blocks", "num_samples") if finite(row[k]) and row[k] > 0), None)
-            return (_r(math.sqrt(max(value * (1 - value), 0.0) / n)) if n else 0.0), True
-        n = row["num_samples"]
-        return (_r(abs(value) / math.sqrt(n)) if finite(n) and n > 0 else 0.0), True
-
-    def _improved(self, now: dict[str, float | None], then: dict[str, float | None]) -> bool:
-        """Training better now than then, on every level (loss, accuracy) both have."""
-        both = [k for k in self.TRAIN_HIGHER_IS_BETTER if now.get(k) is not None and then.get(k) is not None]
-        return bool(both) and all(
-            (now[k] > then[k]) if self.TRAIN_HIGHER_IS_BETTER[k] else (now[k] < then[k]) for k in both
-        )
-
-    def _judge(self, record: dict[str, Any]) -> dict[str, Any] | None:
-        cfg, step = self.cfg, record["step"]
-        turned: dict[str, dict[str, Any]] = {}
-        for name, (value, se, derived) in record["metrics"].items():
-            sign = 1.0 if self.HIGHER_IS_BETTER[name] else -1.0
-            best = self.best.get(name)
-            if best is None or (value - best["value"]) * sign > 0:
-                self.best[name] = {"step": step, "value": value, "se": se, "derived": derived}
-                self.count[name] = 0
-                if self.turn is not None and name in self.turn:  # the turn is over: count afresh
-                    self.turn = None
-                    self.count = dict.fromkeys(self.count, 0)
-                continue
-            margin = cfg.generalisation_k * math.sqrt(best["se"] ** 2 + se**2)
-            if derived or best["derived"]:
-                margin = max(margin, cfg.generalisation_min_rel * abs(best["value"]))
-            best_train = self._eval_at(best["step"])["train"]
-            worse = (best["value"] - value) * sign > margin and self._improved(record["train"], best_train)
-            self.count[name] = self.count.get(name, 0) + 1 if worse else 0
-            if self.count[name] >= cfg.generalisation_sustain:
-                turned[name] = {
-                    "best": best["value"],
-                    "best_step": best["step"],
-                    "now": value,
-                    "threshold": _r(margin),
-                    "se_best": best["se"],
-                    "se_now": se,
-                    "se_logged": not (derived or best["derived"]),
-                }
-        if not turned or self.turn is not None:
-            return None
-        self.turn = list(turned)
-        first = next(iter(turned.values()))
-        then = self._eval_at(first["best_step"])
-        tau = next((n for n in ("walk_tau", "accept_len") if n in self.best), None)
-        return _event(
-            "generalisation",
-            first["best_step"],
-            abs(first["best"] - first["now"]) / abs(first["best"]) if first["best"] else None,
-            metrics=turned,
-            confirmed_step=int(step),
-            train_then=then["train"],
-            train_now=record["train"],
-            heldout_then={k: v[0] for k, v in then["metrics"].items()},
-            heldout_now={k: v[0] for k, v in record["metrics"].items()},
-            gap_then=self._gap(then),
-            gap_now=self._gap(record),
-            best_tau={"metric": tau, "step": self.best[tau]["step"], "value": self.best[tau]["value"]}
-            if tau
-            else None,
-            k=cfg.generalisation_k,
-            sustain=cfg.generalisation_sustain,
-        )
-
-    def _eval_at(self, step: int) -> dict[str, Any]:
-        return next(r for r in reversed(self.evals) if r["step"] == step)
-
-    @staticmethod
-    def _gap(record: dict[str, Any]) -> dict[str, float]:
-        """Train accuracy minus held-out accuracy, held-out ce minus train loss."""
-        train, held = record["train"], record["metrics"]
-        gap = {}
-        if train.get("accuracy") is not None and "accuracy" in held:
-            gap["accuracy"] = _r(train["accuracy"] - held["accuracy"][0])
-        if train.get("loss") is not None and "ce" in held:
-            gap["loss"] = _r(held["ce"][0] - train["loss"])
-        return gap
-
-    def _replay(self) -> None:
-        self._reset()
-        for record in self.evals:
-            self._judge(record)
-
-    def truncate(self, step: int) -> None:
-        """Forget the evals and train rows at `step` or later (a resume went back to before them)."""
-        self.evals = [r for r in self.evals if r["step"] < step]
-        kept = [r for r in self.train if r[0] < step]
-        self.train.clear()
-        self.train.extend(kept)
-        self._replay()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"evals": self.evals, "train": list(self.train)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.evals = state["evals"]
-        self.train.clear()
-        self.train.extend(state["train"])
-        self._replay()
-
-
 # ---- all of them -----------------------------------------------------------------------------------
 class LiveDetectors:
     """Every detector, fed one record at a time; `update` returns the events that record revealed.
@@ -658,7 +309,8 @@ class LiveDetectors:
     metrics feed the generalisation detector) and event rows (a `resume` or `run_start` restarts the
     pace warm-up). An event's step is where the trouble began: a cliff is returned at the row that
     confirms it (`details.confirmed_step`), but carries the step of its first low row; a
-    generalisation event is returned at the eval row that confirms it, with the best eval's step. `recovery_steps` is filled in later, in place, on the returned dict.
+    generalisation event is returned at the eval row that confirms it, with the best eval's step.
+    `recovery_steps` is filled in later, in place, on the returned dict.
     """
 
     def __init__(self, cfg: DetectorConfig | None = None):
@@ -672,7 +324,7 @@ class LiveDetectors:
             self.cfg, "throughput_drop", self.cfg.throughput_k, 0.0, self.cfg.throughput_min_rel
         )
         self.throughput_warmup = self.cfg.warmup_rows
-        self.generalisation = _Generalisation(self.cfg)
+        self.generalisation = Generalisation(self.cfg)
         self.in_nan = False
         self.last_step: int | None = None
         self.rows = 0
@@ -704,10 +356,12 @@ class LiveDetectors:
             events.append(ev)
         if finite(row["accuracy"]) and (ev := self.accuracy.update(step, row["accuracy"])):
             events.append(ev)
-        if finite(row["tok_per_s"]):
+        rate, unit = (row["tok_per_s"], "tok/s") if finite(row["tok_per_s"]) else (row["samples_per_s"], "samples/s")
+        if finite(rate):
             if self.throughput_warmup > 0:
                 self.throughput_warmup -= 1
-            elif ev := self.throughput.update(step, row["tok_per_s"]):
+            elif ev := self.throughput.update(step, rate):
+                ev["details"]["unit"] = unit
                 events.append(ev)
         return events
 
@@ -717,7 +371,7 @@ class LiveDetectors:
         }
         fired = bool(bad) and not self.in_nan
         self.in_nan = bool(bad)
-        return [_event("nan", step, None, fields=bad)] if fired else []
+        return [make_event("nan", step, None, fields=bad)] if fired else []
 
     def _resumed(self, step: int | None) -> None:
         """A resume at `step` (or a restart): forget what came later, warm the pace up again."""
@@ -735,7 +389,7 @@ class LiveDetectors:
         the trainer's checkpoint."""
         return copy.deepcopy(
             {
-                "version": 2,
+                "version": 3,
                 "pace": self.pace.state_dict(),
                 "loss": self.loss.state_dict(),
                 "accuracy": self.accuracy.state_dict(),
@@ -750,10 +404,11 @@ class LiveDetectors:
 
     def load_state_dict(self, state: dict[str, Any], *, resumed: bool = True) -> None:
         """Restore the history; `resumed` (the default) also warms the pace up again, as a resume does.
-        A version-1 state (checkpoints from before the generalisation detector) has no eval history."""
-        if state.get("version") not in (1, 2):
+        A version-1 state (checkpoints from before the generalisation detector) has no eval history;
+        a version-2 one has no noise sources (see `Generalisation.load_state_dict`)."""
+        if state.get("version") not in (1, 2, 3):
             raise CheckpointError(
-                f"detector state: unknown version {state.get('version')!r} (expected 1 or 2)"
+                f"detector state: unknown version {state.get('version')!r} (expected 1, 2 or 3)"
             )
         state = copy.deepcopy(state)
         self.pace.load_state_dict(state["pace"])

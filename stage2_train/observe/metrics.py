@@ -22,29 +22,12 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
-from shared.config import Section
+from shared.paths import RunPaths
+from stage2_train.observe.config import LogConfig
 
 WANDB_MODES = ("online", "offline", "disabled")
-
-
-class LogConfig(Section):
-    section: ClassVar[str] = "log"
-    every_steps: int = 1
-    """Optimizer steps between train rows (and progress-bar updates)."""
-    wandb: Literal["auto", "online", "offline", "disabled"] = "auto"
-    """auto: $WANDB_MODE, else online when $WANDB_API_KEY is set, else offline (a local run, no network)."""
-    project: str = "dflash"
-    """wandb project."""
-    entity: str | None = None
-    """wandb entity (team or user); null = wandb's default."""
-    run_name: str | None = None
-    """None: the run directory's name."""
-
-    def validate(self) -> None:
-        self.require(self.every_steps >= 1, "every_steps", "must be >= 1")
-        self.require(bool(self.project), "project", "must be a non-empty string")
 
 
 def resolve_wandb_mode(requested: str) -> str:
@@ -103,7 +86,7 @@ class MetricsSink:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.active = rank == 0
-        self.path = self.run_dir / "train_log.jsonl"
+        self.path = RunPaths(self.run_dir).log
         self.wandb_mode = resolve_wandb_mode(cfg.wandb)
         self._file = None
         self._wandb_run = None

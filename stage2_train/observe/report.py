@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
-from stage2_train.observe.detectors import finite, normalize
-from stage2_train.observe.doctor import context_points, describe, diagnose, resolve_log
-from stage2_train.observe.metrics import read_records
+from stage2_train.observe.doctor import diagnose
+from stage2_train.observe.explain import context_points, describe
+from stage2_train.observe.records import finite, normalize
+from stage2_train.observe.sources import load_log
 
 PANELS = (  # (field, file stem, axis label)
     ("loss", "loss", "loss"),
@@ -68,10 +69,10 @@ def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = resolve_log(log_path)
-    out_dir = Path(out_dir) if out_dir is not None else path.parent / "doctor"
+    log = load_log(log_path)
+    path, records, unreadable = log.path, log.records, log.unreadable
+    out_dir = Path(out_dir) if out_dir is not None else log.home / "doctor"
     out_dir.mkdir(parents=True, exist_ok=True)
-    records, unreadable = read_records(path)
     diagnosis = diagnose(records, source=path)
     rows = [(normalize(r), r) for r in records]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
@@ -131,34 +132,54 @@ def draw_panel(ax, panel, train, evals, events, context, labels: bool = False) -
         color="tab:gray" if field in ("lr", "noise_std") else "tab:green",
         label=f"train {stem}" if heldout else stem,
     )
-    for f, name, color in heldout:
-        draw_heldout(ax, evals, f, name, color)
+    span = (max(steps) - min(steps)) if len(steps) > 1 else 1
+    for k, (f, name, color) in enumerate(heldout):
+        # Two held-out series on one panel (accept_len, walk_tau) sit side by side, not on each other.
+        dodge = (k - (len(heldout) - 1) / 2) * 0.006 * span
+        draw_heldout(ax, evals, f, name, color, dodge=dodge, marker="os^"[k % 3])
     if heldout:
         ax.legend(fontsize=7, loc="best", frameon=False)
     good = [v for v in values if finite(v)]
-    if field == "loss" and good and min(good) > 0 and max(good) / min(good) > 20:
-        ax.set_yscale("log")
+    if field == "loss" and good and min(good) > 0:
+        ax.set_yscale("log")  # step 1's loss (~80 at a 50K vocab) would flatten the rest of the curve
     ax.set_ylabel(label)
     ax.grid(alpha=0.25)
-    for p in context:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for p in thinned(context):
         ax.axvline(p["step"], color="0.55", lw=0.6, ls=CONTEXT_STYLE[p["what"]], zorder=0)
     if field in ("lr", "noise_std"):
         ax.set_ylim(bottom=0)
     mark_events(ax, events, dict(points), field, labels, heldout=heldout_points(evals, field))
 
 
+MAX_EPOCH_LINES = 12
+
+
+def thinned(context: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The context lines to draw: every save and resume, and the epoch boundaries thinned to at most
+    MAX_EPOCH_LINES (a short run of 30 epochs would be all lines)."""
+    epochs = [p for p in context if p["what"] == "epoch"]
+    every = -(-len(epochs) // MAX_EPOCH_LINES) if epochs else 1
+    keep = {id(p) for p in epochs[::every]}
+    return [p for p in context if p["what"] != "epoch" or id(p) in keep]
+
+
 def heldout_points(evals, field: str) -> dict[int, float]:
     return {r["step"]: r[field] for r in evals if finite(r[field])}
 
 
-def draw_heldout(ax, evals, field: str, label: str, color: str) -> None:
-    """The held-out values as a line with markers, and error bars where the row has `<field>_se`."""
+def draw_heldout(ax, evals, field: str, label: str, color: str, dodge: float = 0.0, marker: str = "o") -> None:
+    """The held-out values as a line with hollow markers (the training curve shows through), shifted
+    by `dodge` steps, and error bars where the row has `<field>_se`."""
     points = sorted(heldout_points(evals, field).items())
     if not points:
         return
-    ax.plot(*zip(*points), "o-", ms=3.5, lw=1.1, color=color, label=label, zorder=4)
+    steps = [s + dodge for s, _ in points]
+    ax.plot(steps, [v for _, v in points], f"{marker}-", ms=4, lw=1.1, color=color, mfc="white", label=label, zorder=4)
     se = {r["step"]: r[f"{field}_se"] for r in evals if finite(r[field]) and finite(r[f"{field}_se"])}
-    bars = [(s, v, se[s]) for s, v in points if s in se]
+    bars = [(s + dodge, v, se[s]) for s, v in points if s in se]
     if bars:
         s, v, e = zip(*bars)
         ax.errorbar(s, v, yerr=e, fmt="none", ecolor=color, elinewidth=0.8, capsize=2, zorder=4)
@@ -295,8 +316,10 @@ def save(fig, path: Path, plt) -> Path:
 
 def verdict(diagnosis: dict[str, Any]) -> str:
     s = diagnosis["summary"]
-    if s["healthy"]:
+    if s["verdict"] == "healthy":
         return "healthy, no events"
+    if s["verdict"] == "cannot tell":
+        return "no events, cannot tell overfitting"
     return ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
 
 

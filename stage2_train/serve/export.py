@@ -158,7 +158,7 @@ def export_drafter(
         )
     config = drafter_hf_config(d, target_info, dtype)
     if format == "speculators":
-        config = speculators_config(config, d, str(target_info.get("verifier") or target_info.get("path", "")))
+        config = speculators_config(config, d, str(target_info.get("verifier") or target_info.get("name", "")))
     # Weights first, config last, each through a temp name: a folder with a config is complete.
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from shared.errors import CheckpointError
+from shared.hub import is_hub_id, resolve_hub
 from shared.target import TargetArch, TargetInfo, dflash_layer_ids
 from shared.target_parts import load_embed_and_head
 from stage2_train.model.config import DrafterConfig
@@ -50,7 +51,7 @@ def load_drafter(
     checkpoint that verifies), or a drafter folder with config.json. Built as its description says,
     checked against `target` (width, vocabulary, layers), with the target's frozen embedding and LM
     head (`parts`, read from the target's safetensors when not given); `runtime` says how to run it."""
-    path = Path(source)
+    path = drafter_folder(source)
     if (path / CONFIG_NAME).is_file() and not (path / "meta.json").is_file():
         description, (weights, file) = folder_description(path), read_weights(path / WEIGHTS_NAME)
     else:
@@ -66,6 +67,13 @@ def load_drafter(
     embed_VH, lm_head_VH = parts if parts is not None else load_embed_and_head(target.target_dir)
     drafter = build_drafter(description, embed_VH, lm_head_VH, runtime=runtime, weights=weights, frozen_dtype=frozen_dtype)
     return LoadedDrafter(drafter.eval(), description, file)
+
+
+def drafter_folder(source: str | os.PathLike, setting: str = "model.init_from") -> Path:
+    """A local path as given, or a Hub id's snapshot in the local Hugging Face cache (z-lab/...)."""
+    if isinstance(source, str) and is_hub_id(source):
+        return resolve_hub(source, setting).folder
+    return Path(source)
 
 
 def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescription:
@@ -311,6 +319,7 @@ def load_exported(folder: str | os.PathLike, embed_VH: torch.Tensor, lm_head_VH:
 def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any) -> dict[str, torch.Tensor]:
     """The weights of a published or exported drafter, to start training from (`model.init_from`),
     after checking it fits this target and model config; every mismatch names the field to set."""
+    folder = drafter_folder(folder)
     theirs = folder_description(folder)
     ours = describe(cfg.model_copy(update={"feature_projection": "none"}), target)
     where = f"model.init_from={str(folder)!r}"

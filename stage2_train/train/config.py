@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from shared.config import Section
+from shared.paths import RunPaths
 
 RECIPE_BETAS = (0.9, 0.999)
 
@@ -172,7 +173,7 @@ class CheckpointConfig(Section):
         return ["checkpoint.keep_best=true: keep the checkpoint whose held-out walk_tau is best (export/eval --checkpoint best)"]
 
     def resolve_dir(self, run_dir: str | os.PathLike) -> Path:
-        return Path(self.dir) if self.dir is not None else Path(run_dir) / "checkpoints"
+        return RunPaths(Path(run_dir), checkpoint_dir=self.dir).checkpoints
 
 
 class EvalConfig(Section):

@@ -28,7 +28,6 @@ from shared.errors import UserError
 
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL
 SIGNALS = ("SIGTERM", "SIGUSR1")
-MARKER = "preempted.json"
 
 
 class Preempted(UserError):

@@ -15,6 +15,7 @@ from typing import Any
 
 from shared.config import dotted_differences, flatten
 from shared.errors import CheckpointError, ConfigError
+from stage2_train.observe.config import DetectorConfig
 
 # Fields that change what training computes: resuming with a different value is refused (unless
 # forced). Dotted paths into the config dict the trainer stores under state["config"]: its resolved
@@ -70,6 +71,8 @@ RENAMED_FIELDS = {
     "train.grad_accum": "sampler.grad_accum",
     "eval.offline_batch_tokens": "eval.offline_token_budget",
 }
+# The `doctor` section configures the live detectors: renamed `detectors`, every key kept.
+RENAMED_FIELDS.update({f"detectors.{key}": f"doctor.{key}" for key in DetectorConfig.model_fields})
 
 
 def upgrade_saved(saved_config: dict[str, Any]) -> dict[str, Any]:

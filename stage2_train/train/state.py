@@ -5,15 +5,19 @@ the checkpointer's registry expects (`saver.Checkpointer.register`):
     RngState      this rank's Python, numpy, torch and CUDA generators (one file per rank)
     RunRecord     the resolved run config, saved for the resume check (compared before anything loads)
     Description   the drafter's description (drafter.json): what the weights are
+
+and `run_info`, everything about a run decided at start-up (the run_start event, the saved config).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
 from stage2_train.model.description import DrafterDescription
 from stage2_train.train.checkpoint.format import rng_state, set_rng_state
+from stage2_train.train.schedules import warmup_steps
 
 
 class Progress:
@@ -97,3 +101,50 @@ class Description:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Checked against the run's own description by the resume's config comparison."""
+
+
+def store_digest(manifest: dict[str, Any]) -> str:
+    """The store's contents in one hash (every listed shard's content checksum, in order): a resume
+    on a reprocessed store, or another one, is refused naming it."""
+    return hashlib.sha256("".join(r["checksum"] for r in manifest["shards"]).encode()).hexdigest()[:16]
+
+
+def run_info(
+    cfg: Any, data: Any, model: Any, description: DrafterDescription, *, total_steps: int, world_size: int,
+    mixed_precision: str, device: Any, initialised: bool,
+) -> dict[str, Any]:
+    """Everything about this run decided at start-up, built once: the config with the values
+    resolved at run time (checkpoints compare them on resume) and the flat hyper-parameters
+    (the run_start event and wandb)."""
+    resolved = {
+        "layer_ids": data.target.layer_ids,
+        "target_fingerprint": data.target.weights_sha256,
+        "mask_token_id": data.target.mask_token_id,
+        "world_size": world_size,
+        "store": data.reader.url,
+        "store_digest": store_digest(data.reader.manifest),
+        "num_train_samples": len(data.train_indices),
+        "num_heldout_samples": len(data.heldout_indices),
+    }
+    hyper = {
+        **{f"optim.{k}": v for k, v in cfg.optim.to_dict().items()},
+        "seed": cfg.seed, "epochs": cfg.train.epochs, "max_steps": cfg.train.max_steps, "total_steps": total_steps,
+        "warmup_steps": warmup_steps(total_steps, cfg.optim), "steps_per_epoch": data.sampler.steps_per_epoch,
+        "world_size": world_size, "grad_accum": cfg.train.grad_accum, "micro_batch_tokens": cfg.sampler.micro_batch_tokens,
+        "tokens_per_step": cfg.sampler.micro_batch_tokens * cfg.train.grad_accum * world_size,
+        "max_anchors_per_seq": cfg.sampler.max_anchors_per_seq, "block_size": cfg.model.block_size,
+        "variant": cfg.model.variant,
+        "num_layers": cfg.model.num_layers, "init_from": cfg.model.init_from if initialised else None,
+        "loss.gamma": cfg.loss.gamma, "loss.ce_weight": cfg.loss.ce_weight, "loss.kl_weight": cfg.loss.kl_weight,
+        "noise.std": cfg.noise.std, "noise.warmup_steps": cfg.noise.warmup_steps, "noise.kind": cfg.noise.kind,
+        "mixed_precision": mixed_precision, "device": str(device),
+        "recipe_warnings": cfg.recipe_warnings(),
+    }
+    return {
+        "config": {**cfg.to_dict(), "resolved": resolved},
+        "hyperparameters": hyper,
+        "drafter": description.to_dict(),
+        "num_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "num_frozen_params": sum(b.numel() for b in {id(b): b for b in model.buffers()}.values()),
+        "train_tokens": int(data.train_reader.lengths.sum()),
+    }

@@ -33,7 +33,6 @@ Shape legend: N blocks, B block size, P = B - 1 scored positions.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -69,8 +68,8 @@ from stage2_train.train.checkpoint.saver import Checkpointer
 from stage2_train.train.evaluate import HeldoutEvaluator
 from stage2_train.train.preemption import EXIT_PREEMPTED, Preempted, Preemption
 from stage2_train.train.resume import find_resume_point
-from stage2_train.train.schedules import NoiseSchedule, Optimizers, noise_generator, warmup_steps
-from stage2_train.train.state import Description, Progress, RngState, RunRecord
+from stage2_train.train.schedules import NoiseSchedule, Optimizers, noise_generator
+from stage2_train.train.state import Description, Progress, RngState, RunRecord, run_info
 
 
 @dataclass
@@ -89,12 +88,6 @@ class StepStats:
     skipped: bool = False  # non-finite loss or gradients: no weight changed
     times: dict[str, float] = field(default_factory=dict)
     stop: str | None = None  # a rank was signalled (SIGTERM/SIGUSR1): every rank stops after this step
-
-
-def store_digest(manifest: dict[str, Any]) -> str:
-    """The store's contents in one hash (every listed shard's content checksum, in order): a resume
-    on a reprocessed store, or another one, is refused naming it."""
-    return hashlib.sha256("".join(r["checksum"] for r in manifest["shards"]).encode()).hexdigest()[:16]
 
 
 class Trainer:
@@ -130,13 +123,16 @@ class Trainer:
             del self.model.forward
         self.noise = NoiseSchedule(cfg.noise)
         # The doctor's detectors, live: a spike, stall or cliff is a warning event the moment it shows.
-        self.detectors = LiveDetectors(cfg.doctor)
+        self.detectors = LiveDetectors(cfg.detectors)
         self.heldout = HeldoutEvaluator(
             self.data.reader, self.data.heldout_indices, max_samples=cfg.eval.offline_max_samples,
             batch_tokens=cfg.eval.offline_batch_tokens, seed=cfg.seed, gamma=cfg.loss.gamma,
             rank=self.rank, world_size=self.world_size, reduce_sum=self._reduce_sum,
         )
-        self.info = self._run_info(init_weights is not None)
+        self.info = run_info(
+            cfg, self.data, self.model, self.description, total_steps=self.total_steps, world_size=self.world_size,
+            mixed_precision=accelerator.mixed_precision, device=self.device, initialised=init_weights is not None,
+        )
         self.checkpointer = Checkpointer(cfg.checkpoint, self.paths.checkpoints, self.sink, self.rank, self.world_size)
         self.checkpointer.register({
             "model": self.model,
@@ -199,44 +195,6 @@ class Trainer:
             L, n = target.arch.num_hidden_layers, self.cfg.model.num_layers
             init_from_target_layers(drafter, load_target_layers(target.target_dir, list(range(L - n, L))))
         return drafter.train()
-
-    def _run_info(self, initialised: bool) -> dict[str, Any]:
-        """Everything about this run decided at start-up, built once: the config with the values
-        resolved at run time (checkpoints compare them on resume) and the flat hyper-parameters
-        (the run_start event and wandb)."""
-        cfg, data = self.cfg, self.data
-        resolved = {
-            "layer_ids": data.target.layer_ids,
-            "target_fingerprint": data.target.weights_sha256,
-            "mask_token_id": data.target.mask_token_id,
-            "world_size": self.world_size,
-            "store": data.reader.url,
-            "store_digest": store_digest(data.reader.manifest),
-            "num_train_samples": len(data.train_indices),
-            "num_heldout_samples": len(data.heldout_indices),
-        }
-        hyper = {
-            **{f"optim.{k}": v for k, v in cfg.optim.to_dict().items()},
-            "seed": cfg.seed, "epochs": cfg.train.epochs, "max_steps": cfg.train.max_steps, "total_steps": self.total_steps,
-            "warmup_steps": warmup_steps(self.total_steps, cfg.optim), "steps_per_epoch": data.sampler.steps_per_epoch,
-            "world_size": self.world_size, "grad_accum": cfg.train.grad_accum, "micro_batch_tokens": cfg.sampler.micro_batch_tokens,
-            "tokens_per_step": cfg.sampler.micro_batch_tokens * cfg.train.grad_accum * self.world_size,
-            "max_anchors_per_seq": cfg.sampler.max_anchors_per_seq, "block_size": cfg.model.block_size,
-            "variant": cfg.model.variant,
-            "num_layers": cfg.model.num_layers, "init_from": cfg.model.init_from if initialised else None,
-            "loss.gamma": cfg.loss.gamma, "loss.ce_weight": cfg.loss.ce_weight, "loss.kl_weight": cfg.loss.kl_weight,
-            "noise.std": cfg.noise.std, "noise.warmup_steps": cfg.noise.warmup_steps, "noise.kind": cfg.noise.kind,
-            "mixed_precision": self.accelerator.mixed_precision, "device": str(self.device),
-            "recipe_warnings": cfg.recipe_warnings(),
-        }
-        return {
-            "config": {**cfg.to_dict(), "resolved": resolved},
-            "hyperparameters": hyper,
-            "drafter": self.description.to_dict(),
-            "num_params": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-            "num_frozen_params": sum(b.numel() for b in {id(b): b for b in self.model.buffers()}.values()),
-            "train_tokens": int(data.train_reader.lengths.sum()),
-        }
 
     # ---- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -530,11 +488,9 @@ class Trainer:
                 group = []
 
     def _progress_bar(self):
-        if not self.show_progress:
-            return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True) if self.show_progress else None
 
     def _sync(self) -> None:
         """Make phase timings honest on GPU, on log steps only (elsewhere they are not reported)."""

@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.errors import CheckpointError, DivergedError
 from shared.files import file_sha256, fsync_file, write_atomic
+from shared.paths import STEP_FORMAT
 
 FORMAT_VERSION = 2
 
@@ -59,7 +60,7 @@ MODEL_FILE = "model.safetensors"
 
 
 def step_name(step: int) -> str:
-    return f"step_{step:06d}"
+    return STEP_FORMAT.format(step)
 
 def rank_stem(rank: int) -> str:
     return f"rank_{rank:05d}"

@@ -1,0 +1,64 @@
+"""What a shard record of manifest.json must hold, checked whenever a manifest is loaded.
+
+A record (written by stage 1's shard writer into parts/shard-NNNNNN.json, then merged into the
+manifest) describes one shard group: its name (None when every sample of the shard was skipped),
+its index, how many samples and tokens it holds, each sample's input row and length, the content
+checksum, and the hash of the input rows it was made from. Readers index these fields directly, so
+a record that lacks one, or whose fields disagree with each other, is refused here by field and
+shard rather than as a KeyError somewhere in training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# field -> the JSON types it may have (None: JSON null)
+REQUIRED = {
+    "index": (int,),
+    "name": (str, type(None)),
+    "num_samples": (int,),
+    "num_tokens": (int,),
+    "bytes": (int,),
+    "checksum": (str, type(None)),
+    "sample_ids": (list,),
+    "lengths": (list,),
+    "rows_sha256": (str,),
+}
+
+
+def record_problem(record: Any, position: int) -> str | None:
+    """Why the record at `position` of the manifest's shard list is unusable, naming the shard and
+    the field, or None."""
+    if not isinstance(record, dict):
+        return f"shards[{position}] is a JSON {type(record).__name__}, not an object"
+    where = f"shards[{position}]" + (f" ({record['name']})" if isinstance(record.get("name"), str) else "")
+    for field, kinds in REQUIRED.items():
+        if field not in record:
+            return f"{where} has no {field!r}"
+        value = record[field]
+        if not isinstance(value, kinds) or isinstance(value, bool):
+            return f"{where}.{field} is {value!r:.60}, not {' or '.join(_kind_name(k) for k in kinds)}"
+    if record["index"] != position:
+        return f"{where}.index is {record['index']}, but the record is number {position} of the list"
+    num = record["num_samples"]
+    for field in ("sample_ids", "lengths", "content_hashes"):
+        values = record.get(field)
+        if values is None and field == "content_hashes":  # stores written before content hashes
+            continue
+        if not isinstance(values, list) or len(values) != num:
+            have = f"{len(values)} entries" if isinstance(values, list) else repr(values)
+            return f"{where}.{field} has {have}, num_samples is {num}"
+        kind = str if field == "content_hashes" else int
+        if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+            return f"{where}.{field} holds a value that is not {_kind_name(kind)}"
+    if any(n <= 0 for n in record["lengths"]):
+        return f"{where}.lengths holds a length below 1"
+    if sum(record["lengths"]) != record["num_tokens"]:
+        return f"{where}.lengths sum to {sum(record['lengths'])}, num_tokens is {record['num_tokens']}"
+    if (record["name"] is None) != (num == 0):
+        return f"{where} has name {record['name']!r} and {num} samples (a shard without a group holds none)"
+    return None
+
+
+def _kind_name(kind: type) -> str:
+    return {int: "an integer", str: "a string", list: "a list", dict: "an object", type(None): "null"}[kind]

@@ -1,0 +1,108 @@
+"""What a published drafter folder says to the people who find it: its model card, readable files,
+no machine paths, and the push to the Hub when asked.
+
+    write_card(out_dir, description, facts)     # README.md: target, revision, layers, block, data, tau, serving
+    publishable(out_dir)                        # files readable as any file the user creates (0644 under umask 022)
+    push_to_hub(out_dir, "org/name")            # huggingface_hub's upload_folder: the only network call
+
+The card's figures come from what the run recorded: the held-out evaluation of that checkpoint
+(`stage2_train eval`, run_dir/eval/<step>.json) with its interval, or says none was run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from shared.files import write_atomic
+from stage2_train.model.description import DrafterDescription
+
+CARD_NAME = "README.md"
+LOCAL_ONLY = "dflash_pipeline_config.yaml"  # the resolved run config, written beside the export, never pushed
+
+
+def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, Any]) -> Path:
+    """README.md of an exported drafter. `facts`: target (name, revision), data (what the store was
+    made from, samples, tokens), steps, and the held-out eval when one was run."""
+    d = description
+    target = facts.get("target") or {}
+    target_name = target.get("hub_id") or target.get("name") or "the target"
+    revision = f" at revision `{target['commit']}`" if target.get("commit") else ""
+    eval_line = "No held-out evaluation was recorded for this checkpoint (`python -m stage2_train eval` makes one)."
+    online = facts.get("eval")
+    if online:
+        eval_line = (
+            f"Held-out speculative decoding ({online['prompts']} prompts x {online['max_new_tokens']} new tokens, greedy, "
+            f"every output equal to the target's own): tau **{online['tau']:.3f}** [{online['lo']:.3f}, {online['hi']:.3f}] "
+            f"(95% bootstrap interval over prompts); untrained drafter {online.get('untrained', float('nan')):.3f}, "
+            f"n-gram drafter {online.get('ngram', float('nan')):.3f}. Harness: dflash-pipeline's `stage2_train eval`, "
+            f"so compare with figures of the same harness only."
+        )
+    data = facts.get("data") or {}
+    sliding = "sliding_attention" in d.layer_types
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [speculative-decoding, dflash, drafter]",
+        *([f"base_model: {target['hub_id']}"] if target.get("hub_id") else []),
+        "---",
+        "",
+        f"# {d.variant.upper() if d.variant != 'dflash' else 'DFlash'} drafter for {target_name}",
+        "",
+        f"A block-diffusion drafter ({d.variant}) that drafts {d.block_size - 1} tokens per step for `{target_name}`{revision}, "
+        f"conditioned on the outputs of its decoder layers {list(d.target_layer_ids)} (HF `hidden_states[i + 1]`). "
+        f"Trained with [dflash-pipeline](https://github.com/) from stored target features.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| target | `{target_name}`{revision} ({d.num_target_layers} layers, hidden {d.hidden_size}, vocab {d.vocab_size}) |",
+        f"| drafter | {d.num_layers} layer(s), block size {d.block_size}, mask token id {d.mask_token_id}"
+        + (f", sliding window {d.sliding_window}" if sliding else "") + " |",
+        f"| data | {data.get('source', 'unknown')}: {data.get('num_samples', '?')} samples, {data.get('num_tokens', '?')} tokens |",
+        f"| training | {facts.get('steps', '?')} optimizer steps |",
+        "",
+        "## Acceptance",
+        "",
+        eval_line,
+        "",
+        "## Serving",
+        "",
+        "vLLM:",
+        "```bash",
+        f"vllm serve {target_name} --speculative-config '{{\"method\": \"dflash\", \"model\": \"<this folder or repo>\", "
+        f"\"num_speculative_tokens\": {d.block_size - 1}}}'",
+        "```",
+        "SGLang:",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm DFLASH "
+        "--speculative-draft-model-path <this folder or repo> --dtype bfloat16",
+        "```",
+        "Serve it with the same chat template (and thinking mode) the training data was rendered with: a different "
+        "template is the most common cause of low acceptance in serving.",
+        "",
+    ]
+    return write_atomic(out_dir / CARD_NAME, "\n".join(lines))
+
+
+def publishable(out_dir: Path) -> None:
+    """Every file of the folder readable as any file the user creates (safetensors writes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out_dir.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
+def push_to_hub(out_dir: Path, repo_id: str) -> str:
+    """Upload the folder to a Hub model repo (created if missing): the one network call of export."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, repo_type="model", exist_ok=True)
+    # The resolved run config stays local: it names this machine's paths (data, store, run folder).
+    info = api.upload_folder(
+        folder_path=str(out_dir), repo_id=repo_id, repo_type="model", commit_message="dflash-pipeline export",
+        ignore_patterns=[LOCAL_ONLY],
+    )
+    return str(getattr(info, "commit_url", info))

@@ -1,0 +1,59 @@
+"""Every verb of both stages speaks to people by default and to scripts with --json (the same keys),
+describes itself with --help, and the package names its version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.config import load_run_config
+from stage1_extract import __main__ as stage1_cli
+from stage1_extract import commands as stage1
+from stage2_train import __main__ as stage2_cli
+from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+
+
+@pytest.mark.parametrize("cli", [stage1_cli, stage2_cli], ids=["stage1", "stage2"])
+def test_every_verb_has_its_own_help_and_the_list_names_them_all(cli, capsys):
+    assert cli.main(["--help"]) == 0
+    listing = capsys.readouterr().out
+    for verb in cli.VERBS:
+        assert f"  {verb.name} " in listing and verb.summary in listing
+        with pytest.raises(SystemExit) as done:
+            cli.main([verb.name, "--help"])
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert f"{cli.PROG} {verb.name}" in text and "--json" in text and "--config" in text
+        assert " ".join((verb.description or verb.summary).split()[:4]) in " ".join(text.split())
+    assert cli.main(["no-such-verb"]) == 2 and "unknown command 'no-such-verb'" in capsys.readouterr().err
+
+
+def test_the_version_is_the_package_version(capsys):
+    from shared.cli import version
+
+    assert stage2_cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"python -m stage2_train {version()}" and version()[0].isdigit()
+
+
+def test_status_for_people_and_for_scripts(tiny_target_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    overrides = stage1_overrides(tiny_target_dir, data, tmp_path / "run")
+    stage1.cmd_extract(load_run_config("configs/default.yaml", overrides), progress=False)
+    assert stage1_cli.main(["status", *overrides]) == 0
+    text = capsys.readouterr().out
+    assert "current, 0 stale, 0 missing, 0 orphaned" in text and text.strip().endswith("complete")
+    assert stage1_cli.main(["status", "--json", *overrides]) == 0
+    as_json = json.loads(capsys.readouterr().out)
+    expected = stage1.cmd_status(load_run_config("configs/default.yaml", overrides))
+    assert set(as_json) == set(expected) and as_json["counts"] == expected["counts"]
+
+
+def test_report_for_people_and_for_scripts(tmp_path, capsys):
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 2.0 - s / 50, "elapsed_s": float(s)}) + "\n" for s in range(1, 30)))
+    assert stage2_cli.main(["report", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("healthy: ") and "report.md" in text and "plots in" in text
+    assert stage2_cli.main(["report", "--json", str(log)]) == 0
+    assert set(json.loads(capsys.readouterr().out)) >= {"out_dir", "report", "plots", "healthy", "num_events"}
