@@ -12,7 +12,11 @@ default prompts past the training ones (never in any training data), reported ap
 documentation excerpts and short questions (excerpts favour the n-gram drafter: answers quote them).
 Each tau carries a 95% bootstrap interval over prompts, and each variant its paired difference
 against the first variant (same prompts, resampled together: the prompts' own spread cancels).
-Offline: walk_tau on the held-out store samples, with its standard error.
+Each proposer's drafted tokens per verifying forward carry their interval too (a DSpark block drafts B
+tokens, B - 1 for the others; `--confidence-stop` adds a DSpark drafter that may stop early). Each
+drafter is read back as its checkpoint describes it (its variant), and evaluated by the library's one
+evaluation (`serve/evaluation.py`). Offline: walk_tau on the held-out store samples, with its standard
+error; per run, its trainable parameters and median training step time.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def main() -> int:
     parser.add_argument("--unseen", type=int, default=32, help="unseen default prompts to decode")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--skip-train", action="store_true", help="evaluate the runs already there")
+    parser.add_argument("--confidence-stop", action="append", default=[], metavar="NAME=VALUE",
+                        help="also decode variant NAME (a DSpark drafter) with eval.confidence_stop=VALUE, as NAME@stopVALUE")
     parser.add_argument("--json")
     parser.add_argument("--png", default=None, help="default: bench/results/<name>.png")
     parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNG of a result already written")
@@ -76,22 +82,14 @@ def main() -> int:
         plot(json.loads(Path(args.plot_only).read_text()), png)
         return 0
     t0 = time.perf_counter()
-    import numpy as np
     import torch
 
     import stage1_extract  # noqa: F401 - both stages' config sections
     import stage2_train  # noqa: F401
     from shared.config import load_run_config
-    from shared.target import cached_tokenizer, resolve_target, stop_token_ids
-    from shared.target_parts import load_embed_and_head
-    from stage2_train.data.split import heldout_mask
-    from stage2_train.data.view import open_store
-    from stage2_train.model.drafter import build_drafter
+    from shared.target import cached_tokenizer
     from stage2_train.observe.metrics import read_log
-    from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, load_online_target, online_eval
-    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
-    from stage2_train.train.checkpoint.select import read_model_weights
-    from stage2_train.train.evaluate import offline_eval
+    from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters
 
     torch.set_num_threads(1)
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in args.variant] or [("base", [])]
@@ -110,59 +108,49 @@ def main() -> int:
             print(f"== train {name}: {' '.join(extra) or '(the config)'}", flush=True)
             train_s[name] = round(train(args.config, run_dir, store, args.steps, [*args.overrides, *extra], run_dir / "train.out"), 1)
 
+    # Every drafter as its checkpoint describes it (a variant's own modules), the target's parts read once.
     cfg0 = load_run_config(args.config, [*args.overrides, f"store.path={store}"])
-    target = resolve_target(cfg0.target)
-    reader = open_store(store, target)
-    heldout = np.flatnonzero(heldout_mask(reader.split_keys, cfg0.eval.holdout_fraction, cfg0.eval.split_seed))
-    embed_VH, lm_head_VH = load_embed_and_head(target.target_dir)
-    drafters, offline, rows = {}, {}, {}
-    for name, extra in variants:
-        cfg = load_run_config(args.config, [*args.overrides, *extra, f"store.path={store}"])
-        weights, _ = read_model_weights(root / name / "checkpoints")
-        drafter = build_drafter(cfg.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, weights=weights).eval()
-        drafters[name] = drafter
-        offline[name] = offline_eval(drafter, reader, heldout[: cfg.eval.offline_max_samples].tolist(), max_anchors_per_seq=None,
-                                     seed=cfg.seed, gamma=cfg.loss.gamma)
-        rows[name] = read_log(root / name / "train_log.jsonl", "train")[-1]
-    drafters["untrained"] = build_drafter(cfg0.model, target.arch, len(target.layer_ids), target.mask_token_id, embed_VH, lm_head_VH, seed=cfg0.seed).eval()
-
-    tokenizer, _ = cached_tokenizer(str(target.target_dir))
-    prompts = [("heldout", p) for _, p in heldout_prompts(reader, heldout, args.heldout)]
-    prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
-    model = load_online_target(cfg0.target, cfg0.eval.online_dtype)
-    proposers = {n: DFlashProposer(d, target.layer_ids, feature_dtype=torch.bfloat16, name=n) for n, d in drafters.items()}
-    proposers["ngram"] = NgramProposer(cfg0.model.block_size - 1)
-    started = time.perf_counter()
-    online = online_eval(model, proposers, [p for _, p in prompts], max_new_tokens=args.max_new_tokens,
-                         eos_token_ids=stop_token_ids(tokenizer, model))
-    eval_s = round(time.perf_counter() - started, 1)
-    kinds = {"all": range(len(prompts))}
-    for kind in ("heldout", "excerpt", "question"):
-        kinds[kind] = [i for i, (k, _) in enumerate(prompts) if k == kind]
+    heldout = HeldoutSet.open(cfg0)
+    loaded = {name: heldout.load(root / name / "checkpoints", cfg0.model) for name, _ in variants}
+    drafters = {name: entry.drafter for name, entry in loaded.items()}
     baseline = variants[0][0]
+    drafters["untrained"] = heldout.untrained(cfg0, loaded[baseline].description)
+    stops = dict(s.split("=", 1) for s in args.confidence_stop)  # NAME=VALUE: a second proposer that may stop early
+    for name, value in stops.items():
+        drafters[f"{name}@stop{value}"] = drafters[name]
+    rows = {name: read_log(root / name / "train_log.jsonl", "train") for name, _ in variants}
+
+    tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
+    prompts = [("heldout", p) for _, p in heldout.prompts(args.heldout)]
+    prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
+    kinds = {kind: [i for i, (k, _) in enumerate(prompts) if k == kind] for kind in ("heldout", "excerpt", "question")}
+    started = time.perf_counter()
+    report = evaluate_drafters(
+        drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg0, baseline=baseline, offline=[n for n, _ in variants],
+        groups=kinds, max_new_tokens=args.max_new_tokens,
+        confidence_stops={n: float(v) for n, v in stops.items()} | {f"{n}@stop{v}": float(v) for n, v in stops.items()},
+    )
+    eval_s = round(time.perf_counter() - started, 1)
     table = {}
-    for name in proposers:
-        per = online["proposers"][name]["per_prompt"]
-        entry = {"exact": online["proposers"][name]["exact"]}
-        for kind, index in kinds.items():
-            if not index:
-                continue
-            sub = [per[i] for i in index]
-            ref = [online["proposers"][baseline]["per_prompt"][i] for i in index] if name != baseline else None
-            entry[kind] = {k: round(v, 4) for k, v in bootstrap_tau(sub, baseline=ref).items()}
-        if name in offline:
-            o = offline[name]
+    for name, online in report["online"]["proposers"].items():
+        entry = {"exact": online["exact"], **online["groups"], "drafted_per_step": online["drafted_interval"]}
+        if name in report["offline"]:
+            o, log = report["offline"][name], rows[name]
+            steps_s = sorted(r["step_s"] for r in log)
             entry["walk_tau"] = round(o["walk_tau"], 4)
             entry["walk_tau_se"] = round(o["walk_tau_se"], 4) if o["walk_tau_se"] is not None else None
             entry["heldout_accuracy"] = round(o["accuracy"], 4)
-            entry["train_loss_last"] = round(rows[name]["loss"], 4)
-            entry["cpu_min"] = round(rows[name]["cpu_s"] / 60, 2)
+            entry["train_loss_last"] = round(log[-1]["loss"], 4)
+            entry["cpu_min"] = round(log[-1]["cpu_s"] / 60, 2)
+            entry["median_step_s"] = round(steps_s[len(steps_s) // 2], 4)
             entry["train_wall_s"] = train_s.get(name)
+            entry["variant"] = loaded[name].description.variant
+            entry["params"] = sum(p.numel() for p in drafters[name].parameters())
         table[name] = entry
     result = {
         "config": args.config, "overrides": args.overrides, "steps": args.steps,
-        "variants": {n: e for n, e in variants}, "baseline": baseline,
-        "prompts": {k: len(v) for k, v in kinds.items()}, "max_new_tokens": args.max_new_tokens,
+        "variants": {n: e for n, e in variants}, "baseline": baseline, "confidence_stop": stops,
+        "prompts": {"all": len(prompts), **{k: len(v) for k, v in kinds.items()}}, "max_new_tokens": args.max_new_tokens,
         "online_eval_s": eval_s, "results": table,
     }
     plot(result, png)
@@ -171,7 +159,9 @@ def main() -> int:
     for name, e in table.items():
         a = e["all"]
         diff = f"  diff {a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]" if "diff" in a else ""
-        print(f"{name:>14}: tau {a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}]{diff}  walk {e.get('walk_tau')}  exact {e['exact']}", flush=True)
+        drafted = e["drafted_per_step"]["drafted_per_step"]
+        print(f"{name:>14}: tau {a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}]{diff}  drafted/step {drafted:.2f}  walk {e.get('walk_tau')}  "
+              f"exact {e['exact']}", flush=True)
     return emit(result, args.json, t0)
 
 

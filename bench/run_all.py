@@ -59,6 +59,18 @@ EXTRA_BENCHES = {
         "--heldout", "24", "--unseen", "16", "--variant", "dpace:", "--variant", "decay:loss.weighting=decay",
         "--variant", "sliding64:model.layer_types=[sliding_attention],model.sliding_window=64",
     ],
+    # DFlash (the CPU default: D-PACE) against DSpark and DFlash2 trained from the same store, same seed
+    # and steps, decoded on the same prompts; DSpark also with its confidence stop (~1 h; ~2.5 h).
+    "variants": [
+        "bench/compare.py", "--name", "variants-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
+        "--variant", "dflash:", "--variant", "dspark:model.variant=dspark", "--variant", "dflash2:model.variant=dflash2",
+        "--confidence-stop", "dspark=0.5",
+    ],
+    "variants_long": [
+        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "variants-cpu-long", "--steps", "1600",
+        "--heldout", "24", "--unseen", "16", "--variant", "dflash:", "--variant", "dspark:model.variant=dspark",
+        "--variant", "dflash2:model.variant=dflash2", "--confidence-stop", "dspark=0.5",
+    ],
 }
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
@@ -112,6 +124,24 @@ def rows_for(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             rows.append((f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
                          f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
                          f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", ""))
+    if name in ("variants", "variants_long"):
+        base = r["baseline"]
+        p = r["prompts"]
+        rows.append((f"prompts decoded ({r['max_new_tokens']} new tokens each, every output equal to the target's greedy one)",
+                     f"{p['all']}: {p['heldout']} held-out, {p['excerpt']} excerpt, {p['question']} question", "", "", ""))
+        for variant, v in r["results"].items():
+            a, d = v["all"], v["drafted_per_step"]
+            paired = "" if variant == base or "diff" not in a else f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]"
+            extra = f"; walk_tau {v['walk_tau']} +- {v['walk_tau_se']}" if "walk_tau" in v else ""
+            if "params" in v:
+                extra += f"; {v['params'] / 1e6:.1f} M trained parameters, {v['median_step_s']} s/step (median), {v['cpu_min']} CPU min"
+            rows.append((f"online tau `{variant}` (95% interval) / drafted tokens per step [interval] / excerpt / question",
+                         f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / {d['drafted_per_step']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}] / "
+                         + " / ".join(f"{v[k]['tau']:.3f}" for k in ("excerpt", "question") if k in v),
+                         "", (f"paired vs `{base}`: {paired}" if paired else f"the baseline `{base}`" if variant == base else "") + extra,
+                         "" if v.get("exact", True) else "**outputs differ**"))
+        if r.get("png"):
+            rows.append(("plot", f"![{name}]({r['png']})", "", "", ""))
     if name in ("levers", "levers_long", "questions"):
         base = r["baseline"]
         p = r["prompts"]

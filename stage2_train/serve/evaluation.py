@@ -89,10 +89,12 @@ def evaluate_drafters(
     groups: dict[str, Sequence[int]] | None = None,
     max_new_tokens: int | None = None,
     device: Any = "cpu",
+    confidence_stops: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """Offline (the drafters named in `offline`, default all) and online evaluation of `drafters` and
     the n-gram drafter on `prompts`; intervals on all prompts and on each of `groups` (prompt indices),
-    paired against `baseline`."""
+    paired against `baseline`. `confidence_stops`: per drafter, a DSpark early stop other than
+    `eval.confidence_stop`."""
     eval_cfg = cfg.eval
     offline_rows = {
         name: offline_eval(
@@ -104,8 +106,9 @@ def evaluate_drafters(
     target_model = load_online_target(cfg.target, eval_cfg.online_dtype, device)
     tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
+    stops = confidence_stops or {}
     proposers = {
-        n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n, confidence_stop=eval_cfg.confidence_stop)
+        n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n, confidence_stop=stops.get(n, eval_cfg.confidence_stop))
         for n, d in drafters.items()
     }
     # The n-gram drafter proposes as many tokens as the baseline drafter's block.
