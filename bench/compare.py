@@ -87,6 +87,7 @@ def main() -> int:
     import stage1_extract  # noqa: F401 - both stages' config sections
     import stage2_train  # noqa: F401
     from shared.config import load_run_config
+    from shared.paths import RunPaths
     from shared.target import cached_tokenizer
     from stage2_train.observe.metrics import read_log
     from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters
@@ -105,6 +106,8 @@ def main() -> int:
         if not args.skip_train:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
+            # The store's data as the config's own run made it: training checks the store against it.
+            (run_dir / "data").symlink_to(RunPaths.of(base).data_dir.resolve(), target_is_directory=True)
             print(f"== train {name}: {' '.join(extra) or '(the config)'}", flush=True)
             train_s[name] = round(train(args.config, run_dir, store, args.steps, [*args.overrides, *extra], run_dir / "train.out"), 1)
 
@@ -128,7 +131,7 @@ def main() -> int:
     report = evaluate_drafters(
         drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg0, baseline=baseline, offline=[n for n, _ in variants],
         groups=kinds, max_new_tokens=args.max_new_tokens,
-        confidence_stops={n: float(v) for n, v in stops.items()} | {f"{n}@stop{v}": float(v) for n, v in stops.items()},
+        confidence_stops={f"{n}@stop{v}": float(v) for n, v in stops.items()},
     )
     eval_s = round(time.perf_counter() - started, 1)
     table = {}
