@@ -1,16 +1,13 @@
 """Compression ratio and single-thread decode rate of each stored array under candidate codecs,
-on real activations (the first samples of the default store). Why the reader's zstd figures are
-what they are, and what a faster codec would buy; not part of `make bench`.
+on real activations (the first samples of the default store); not part of `make bench`.
 
     .venv/bin/python bench/codecs.py [--store runs/default/store] [--samples 12] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("BLOSC_NTHREADS", "1")  # one decoding thread, as one loader thread decodes
@@ -20,29 +17,18 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
-
-
-def rate(fn, nbytes: int, min_s: float = 0.3) -> float:
-    """MB/s of `fn` over `nbytes` of decoded data, repeated for at least `min_s`."""
-    started, runs = time.perf_counter(), 0
-    while time.perf_counter() - started < min_s:
-        fn()
-        runs += 1
-    return nbytes / 1e6 / ((time.perf_counter() - started) / runs)
+from bench.common import arguments, emit, rate  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--store", default="runs/default/store")
     parser.add_argument("--samples", type=int, default=12)
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
     from numcodecs import LZ4, Blosc, Zstd
 
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
 
     if not (Path(args.store) / "manifest.json").is_file():
         raise SystemExit(f"{args.store}: no store (run `make train` first, or pass --store)")
@@ -63,15 +49,15 @@ def main() -> int:
     results: dict = {"store": args.store, "tokens": int(sum(len(s["input_ids_T"]) for s in samples)), "arrays": {}}
     for name, data in arrays.items():
         raw = np.ascontiguousarray(data)
-        rows = {"memcpy_mb_per_s": round(rate(raw.copy, raw.nbytes), 0)}
+        rows = {"memcpy_mb_per_s": round(rate(raw.copy, raw.nbytes, 0.3), 0)}
         for codec_name, codec in codecs.items():
             encoded = codec.encode(raw)
             rows[codec_name] = {
                 "ratio": round(raw.nbytes / len(encoded), 3),
-                "decode_mb_per_s": round(rate(lambda c=codec, e=encoded: c.decode(e), raw.nbytes), 0),
+                "decode_mb_per_s": round(rate(lambda c=codec, e=encoded: c.decode(e), raw.nbytes, 0.3), 0),
             }
         results["arrays"][name] = rows
-    return emit(results, args.json, t0)
+    return emit(results, args.json)
 
 
 if __name__ == "__main__":

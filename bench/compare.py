@@ -5,7 +5,8 @@
 
 Each variant trains its own run (`stage2_train train`, the config's store, the variant's overrides,
 the same seed and steps; no eval during training, so its clock is training only), then every final
-drafter is decoded on the SAME prompts in one process, beside the untrained drafter and the n-gram
+drafter, read back as its checkpoint describes it, is evaluated by the library's one evaluation
+(`serve/evaluation.py`) on the SAME prompts in one process, beside the untrained drafter and the n-gram
 drafter, with the target in fp32 (`eval.online_dtype`): every output must equal the target's greedy
 output. Prompts: `--heldout` held-out conversations of the store (as `make eval`) and `--unseen`
 default prompts past the training ones (never in any training data), reported apart for
@@ -13,19 +14,17 @@ documentation excerpts and short questions (excerpts favour the n-gram drafter: 
 Each tau carries a 95% bootstrap interval over prompts, and each variant its paired difference
 against the first variant (same prompts, resampled together: the prompts' own spread cancels).
 Each proposer's drafted tokens per verifying forward carry their interval too (a DSpark block drafts B
-tokens, B - 1 for the others; `--confidence-stop` adds a DSpark drafter that may stop early). Each
-drafter is read back as its checkpoint describes it (its variant), and evaluated by the library's one
-evaluation (`serve/evaluation.py`). Offline: walk_tau on the held-out store samples, with its standard
-error; per run, its trainable parameters and median training step time.
+tokens, B - 1 for the others; `--confidence-stop NAME=P` adds NAME's DSpark drafter stopping early at
+P as NAME@stopP). Offline: walk_tau on the held-out store samples, with its standard error; per run,
+its drafter's variant, trained parameters and median training step time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,21 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
-
-
-def train(config: str, run_dir: Path, store: str, steps: int, overrides: list[str], log: Path) -> float:
-    command = [
-        sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", config,
-        f"run_dir={run_dir}", f"store.path={store}", f"train.max_steps={steps}", "train.epochs=1000",
-        f"checkpoint.every_steps={steps}", "train.resume=never", "log.wandb=disabled", "eval.every_steps=0", *overrides,
-    ]
-    started = time.perf_counter()
-    with open(log, "w") as out:
-        done = subprocess.run(command, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"}, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"training {run_dir.name} failed: see {log}")
-    return time.perf_counter() - started
+from bench.common import Row, emit, existing_store, run_training, yes  # noqa: E402
 
 
 def unseen_prompts(tokenizer, first: int, count: int) -> list[tuple[str, list[int]]]:
@@ -84,8 +69,6 @@ def main() -> int:
     t0 = time.perf_counter()
     import torch
 
-    import stage1_extract  # noqa: F401 - both stages' config sections
-    import stage2_train  # noqa: F401
     from shared.config import load_run_config
     from shared.paths import RunPaths
     from shared.target import cached_tokenizer
@@ -94,59 +77,54 @@ def main() -> int:
 
     torch.set_num_threads(1)
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in args.variant] or [("base", [])]
-    base = load_run_config(args.config, args.overrides)
-    store = base.store.url(base.run_dir)
-    if not (Path(store) / "manifest.json").is_file():
-        raise SystemExit(f"{store}: no store; run `make extract CONFIG={args.config}` first")
+    store = existing_store(args.config, args.overrides)
     root = REPO / "runs" / args.name
-    root.mkdir(parents=True, exist_ok=True)
+    runs = {name: RunPaths(root / name) for name, _ in variants}
     train_s = {}
     for name, extra in variants:
-        run_dir = root / name
         if not args.skip_train:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.mkdir(parents=True)
-            # The store's data as the config's own run made it: training checks the store against it.
-            (run_dir / "data").symlink_to(RunPaths.of(base).data_dir.resolve(), target_is_directory=True)
+            shutil.rmtree(runs[name].run_dir, ignore_errors=True)
+            runs[name].run_dir.mkdir(parents=True)
+            # The data as the config's own run made it: training checks the store against the data it names.
+            runs[name].data_dir.symlink_to(RunPaths.of(load_run_config(args.config, args.overrides)).data_dir.resolve(),
+                                           target_is_directory=True)
             print(f"== train {name}: {' '.join(extra) or '(the config)'}", flush=True)
-            train_s[name] = round(train(args.config, run_dir, store, args.steps, [*args.overrides, *extra], run_dir / "train.out"), 1)
+            train_s[name] = round(run_training(runs[name].run_dir, [
+                f"store.path={store}", f"train.max_steps={args.steps}", "train.epochs=1000", f"checkpoint.every_steps={args.steps}",
+                "eval.every_steps=0", *args.overrides, *extra], args.config).seconds, 1)
 
-    # Every drafter as its checkpoint describes it (a variant's own modules), the target's parts read once.
+    # Every drafter as its checkpoint describes it, the target's parts read once; one evaluation.
     cfg0 = load_run_config(args.config, [*args.overrides, f"store.path={store}"])
     heldout = HeldoutSet.open(cfg0)
-    loaded = {name: heldout.load(root / name / "checkpoints", cfg0.model) for name, _ in variants}
+    loaded = {name: heldout.load(runs[name].checkpoints, cfg0.model) for name, _ in variants}
     drafters = {name: entry.drafter for name, entry in loaded.items()}
     baseline = variants[0][0]
     drafters["untrained"] = heldout.untrained(cfg0, loaded[baseline].description)
     stops = dict(s.split("=", 1) for s in args.confidence_stop)  # NAME=VALUE: a second proposer that may stop early
     for name, value in stops.items():
         drafters[f"{name}@stop{value}"] = drafters[name]
-    rows = {name: read_log(root / name / "train_log.jsonl", "train") for name, _ in variants}
-
     tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
     prompts = [("heldout", p) for _, p in heldout.prompts(args.heldout)]
     prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
     kinds = {kind: [i for i, (k, _) in enumerate(prompts) if k == kind] for kind in ("heldout", "excerpt", "question")}
     started = time.perf_counter()
-    report = evaluate_drafters(
-        drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg0, baseline=baseline, offline=[n for n, _ in variants],
-        groups=kinds, max_new_tokens=args.max_new_tokens,
-        confidence_stops={f"{n}@stop{v}": float(v) for n, v in stops.items()},
-    )
+    report = evaluate_drafters(drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg0, baseline=baseline,
+                               offline=[n for n, _ in variants], groups=kinds, max_new_tokens=args.max_new_tokens,
+                               confidence_stops={f"{n}@stop{v}": float(v) for n, v in stops.items()})
     eval_s = round(time.perf_counter() - started, 1)
     table = {}
     for name, online in report["online"]["proposers"].items():
         entry = {"exact": online["exact"], **online["groups"], "drafted_per_step": online["drafted_interval"]}
         if name in report["offline"]:
-            o, log = report["offline"][name], rows[name]
-            steps_s = sorted(r["step_s"] for r in log)
+            log = read_log(runs[name].log, "train")
+            o, last = report["offline"][name], log[-1]
             entry["walk_tau"] = round(o["walk_tau"], 4)
             entry["walk_tau_se"] = round(o["walk_tau_se"], 4) if o["walk_tau_se"] is not None else None
             entry["heldout_accuracy"] = round(o["accuracy"], 4)
-            entry["train_loss_last"] = round(log[-1]["loss"], 4)
-            entry["cpu_min"] = round(log[-1]["cpu_s"] / 60, 2)
-            entry["median_step_s"] = round(steps_s[len(steps_s) // 2], 4)
+            entry["train_loss_last"] = round(last["loss"], 4)
+            entry["cpu_min"] = round(last["cpu_s"] / 60, 2)
             entry["train_wall_s"] = train_s.get(name)
+            entry["median_step_s"] = round(statistics.median(r["step_s"] for r in log), 4)
             entry["variant"] = loaded[name].description.variant
             entry["params"] = sum(p.numel() for p in drafters[name].parameters())
         table[name] = entry
@@ -201,6 +179,43 @@ def plot(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    if "fp4" in r["results"]:  # the fp4 store's decision rule (fp4_compare)
+        a = r["results"]["fp4"]["all"]
+        holds = a["diff_lo"] <= 0 <= a["diff_hi"]
+        out.append(("decision rule: fp4 - fp8 paired online tau interval contains 0", f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]",
+                    "contains 0", "", yes(holds)))
+    base = r["baseline"]
+    p = r["prompts"]
+    out.append((f"prompts decoded ({r['max_new_tokens']} new tokens each, every output equal to the target's greedy one)",
+                f"{p['all']}: {p['heldout']} held-out, {p['excerpt']} excerpt, {p['question']} question", "", "", ""))
+    for variant, v in r["results"].items():
+        a = v["all"]
+        paired = "" if variant == base or "diff" not in a else f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]"
+        extra = f"; walk_tau {v['walk_tau']} +- {v['walk_tau_se']}" if "walk_tau" in v else ""
+        extra += f"; {v['cpu_min']} CPU min of training" if "cpu_min" in v else ""
+        if "params" in v:  # results since the drafter variants: the run's size and step time
+            extra += f"; `{v['variant']}`, {v['params'] / 1e6:.2f} M trained parameters, {v['median_step_s']} s/step (median)"
+        kinds = [k for k in ("heldout", "excerpt", "question") if k in v]
+        drafted, d = ("drafted tokens per step [interval] / ", v["drafted_per_step"]) if "drafted_per_step" in v else ("", None)
+        out.append((f"online tau `{variant}` (95% interval over prompts) / {drafted}" + " / ".join(kinds),
+                    f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / "
+                    + (f"{d['drafted_per_step']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}] / " if d else "")
+                    + " / ".join(f"{v[k]['tau']:.3f}" for k in kinds),
+                    "", (f"paired vs `{base}`: {paired}" if paired else f"the baseline `{base}`") + extra,
+                    "" if v.get("exact", True) else "**outputs differ**"))
+    if "ngram" in r["results"] and r["results"].get(base):
+        best = max((k for k in r["results"] if k not in ("ngram", "untrained")), key=lambda k: r["results"][k]["all"]["tau"])
+        b, g = r["results"][best]["all"], r["results"]["ngram"]["all"]
+        out.append((f"best drafter `{best}` against the n-gram drafter (same prompts)", f"{b['tau']:.3f} vs {g['tau']:.3f}",
+                    "above, interval clear", f"n-gram interval [{g['lo']:.3f}, {g['hi']:.3f}]", yes(b["lo"] > g["tau"])))
+    if r.get("png"):
+        out.append(("plot", f"![{Path(r['png']).stem}]({r['png']})", "", "", ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -2,19 +2,11 @@
 
     .venv/bin/python bench/data.py [--json out.json] [--lengths-npy lengths.npy] [--budget 16384]
 
-On a length distribution (default: 20k samples, lognormal clipped to [64, 3072]) it reports, for
-one epoch of each method:
-  efficiency   real tokens / (micro-batches * token budget); padding and unfilled budget both count
-  mixing       total-variation distance between each optimizer step's token-weighted length
-               histogram (fixed bins) and the whole data set's: median and worst over the epoch
-  imbalance    max / mean tokens across ranks per step (2 and 8 simulated ranks): median and worst
-Goals for ours: efficiency >= 0.98 at the default budget, imbalance <= 1.05.
+Its figures and goals: docs/benchmarks.md, `data`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
 from stage2_train.data.config import SamplerConfig  # noqa: E402
 from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 
@@ -35,7 +28,9 @@ Plan = list[list[list[int]]]
 
 
 def ours(lengths: np.ndarray, budget: int, world_size: int, grad_accum: int, seed: int) -> Plan:
-    cfg = SamplerConfig(micro_batch_tokens=budget)
+    # Tokens only, as the bucketed and group-by-length packers compared here: the block budget (what
+    # the memory plan sizes, `sampler.micro_batch_blocks`) needs loss masks these lengths do not have.
+    cfg = SamplerConfig(micro_batch_tokens=budget, micro_batch_blocks=budget)
     return LengthMixedSampler(cfg, lengths, seed=seed, world_size=world_size, grad_accum=grad_accum).plan_epoch(0)
 
 
@@ -113,17 +108,13 @@ def evaluate(plan: Plan, lengths: np.ndarray, budget: int, world_size: int) -> d
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--json", type=Path, help="write the results here")
+def main() -> int:
+    parser = arguments(__doc__)
     parser.add_argument("--lengths-npy", type=Path, help="token count per sample (1-D .npy)")
     parser.add_argument("--num-samples", type=int, default=20_000)
     parser.add_argument("--budget", type=int, default=SamplerConfig().micro_batch_tokens)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-
     if args.lengths_npy:
         lengths = np.load(args.lengths_npy).astype(np.int64)
         source = str(args.lengths_npy)
@@ -148,29 +139,34 @@ def main() -> None:
     ours(big, args.budget, 8, 4, args.seed)
     plan_800k_s = time.perf_counter() - start
 
-    print(f"lengths: {source}; mean {lengths.mean():.0f}, max {lengths.max()}; budget {args.budget} tokens")
-    print(
-        f"{'method@ranks x accum':30} {'steps':>6} {'effic.':>7} {'TV med':>7} {'TV max':>7} {'imb med':>8} {'imb max':>8}"
-    )
-    for key, row in results.items():
-        print(
-            f"{key:30} {row['steps']:6d} {row['efficiency']:7.4f} {row['mixing_tv_median']:7.3f} "
-            f"{row['mixing_tv_worst']:7.3f} {row['imbalance_median']:8.4f} {row['imbalance_worst']:8.4f}"
-        )
-    print(f"planning one epoch of 800k samples (8 ranks x 4 accum): {plan_800k_s:.1f} s")
-    if args.json:
-        payload = {
-            "lengths": source,
-            "num_samples": int(len(lengths)),
-            "token_budget": args.budget,
-            "hist_edges": [float(e) for e in HIST_EDGES],
-            "bucket_edges": [float(e) for e in BUCKET_EDGES],
-            "results": results,
-            "plan_800k_s": plan_800k_s,
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {args.json}")
+    return emit({
+        "lengths": source,
+        "num_samples": int(len(lengths)),
+        "token_budget": args.budget,
+        "hist_edges": [float(e) for e in HIST_EDGES],
+        "bucket_edges": [float(e) for e in BUCKET_EDGES],
+        "results": results,
+        "plan_800k_s": plan_800k_s,
+    }, args.json)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    res = r["results"]
+    ours, buckets, hf = res["ours@8x4"], res["six_buckets@8x4"], res["hf_group_by_length@8x4"]
+    out.append((f"packing efficiency, budget {r['token_budget']} (8 ranks x 4 accum)", fmt(ours["efficiency"]), ">= 0.98",
+                f"six buckets {fmt(buckets['efficiency'])}, HF group_by_length {fmt(hf['efficiency'])}", yes(ours["efficiency"] >= 0.98)))
+    one = res["ours@1x1"]
+    out.append(("packing efficiency, 1 rank", fmt(one["efficiency"]), ">= 0.98", f"six buckets {fmt(res['six_buckets@1x1']['efficiency'])}", yes(one["efficiency"] >= 0.98)))
+    out.append(("length mixing: TV distance per optimizer step, median / worst (8x4)",
+                f"{fmt(ours['mixing_tv_median'])} / {fmt(ours['mixing_tv_worst'])}", "lower is better",
+                f"six buckets {fmt(buckets['mixing_tv_median'])} / {fmt(buckets['mixing_tv_worst'])}", ""))
+    for ranks in (2, 8):
+        key = f"ours@{ranks}x1"
+        out.append((f"token imbalance max/mean, {ranks} ranks (worst step)", fmt(res[key]["imbalance_worst"], 4), "<= 1.05",
+                    f"six buckets {fmt(res[f'six_buckets@{ranks}x1']['imbalance_worst'])}", yes(res[key]["imbalance_worst"] <= 1.05)))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

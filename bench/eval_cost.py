@@ -4,59 +4,40 @@ the run's wall time the evals during training took.
 
     .venv/bin/python bench/eval_cost.py [--config configs/default.yaml] [--json out.json] [key=value ...]
 
-Figures: the evals' share of training time (goal <= 5%), each eval's seconds, and what the same
-curve would cost with every anchor scored (the final, dense eval's seconds times the number of
-evals), which is why the preset samples anchors during training. Needs the default store
-(`make train` builds it).
+Needs the default store (`make train` builds it). Its figures and goal: docs/benchmarks.md, `eval_cost`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, arguments, emit, existing_store, run_training, yes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
-    parser.add_argument("--json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    t0 = time.perf_counter()
-    import stage1_extract  # noqa: F401 - both stages' config sections
-    import stage2_train  # noqa: F401
+    store = existing_store(args.config, args.overrides)
     from shared.config import load_run_config
+    from stage2_train.observe.metrics import read_log
 
-    base = load_run_config(args.config, args.overrides)
-    store = base.store.url(base.run_dir)
-    if not (Path(store) / "manifest.json").is_file():
-        raise SystemExit(f"{store}: no store; run `make train` (or `make extract CONFIG={args.config}`) first")
     with tempfile.TemporaryDirectory(prefix="eval-cost-") as tmp:
-        cmd = [sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", args.config,
-               f"run_dir={tmp}", f"store.path={store}", "train.resume=never", "log.wandb=disabled",
-               "checkpoint.every_steps=0", *args.overrides]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
-        if done.returncode != 0:
-            raise SystemExit(done.stderr[-3000:])
-        rows = [json.loads(line) for line in (Path(tmp) / "train_log.jsonl").read_text().splitlines()]
+        done = run_training(Path(tmp) / "run", [f"store.path={store}", "checkpoint.every_steps=0", *args.overrides], args.config)
+        rows = read_log(done.paths.log)
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     during, final = evals[:-1], evals[-1]
     elapsed = train[-1]["elapsed_s"]  # the run's clock at its last step, evals during training included
     during_s = sum(r["eval_s"] for r in during)
-    cfg = base.eval
+    cfg = load_run_config(args.config, args.overrides).eval
     result = {
         "config": args.config, "overrides": args.overrides, "steps": train[-1]["step"], "every_steps": cfg.every_steps,
         "offline_max_samples": cfg.offline_max_samples, "anchors_per_sample_during_training": cfg.offline_max_anchors_per_seq,
@@ -68,7 +49,18 @@ def main() -> int:
         "dense_curve_share_estimate": round(final["eval_s"] * len(during) / elapsed, 4) if elapsed else None,
         "heldout_points": [{k: r.get(k) for k in ("step", "accuracy", "accept_len", "accept_len_se", "walk_tau", "ce")} for r in evals],
     }
-    return emit(result, args.json, t0)
+    return emit(result, args.json)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    out.append((f"held-out evals' share of training time ({r['evals_during_training']} evals of {r['offline_max_samples']} samples x "
+                f"{r['anchors_per_sample_during_training']} anchors, every {r['every_steps']} of {r['steps']} steps)",
+                f"{r['eval_share']:.1%}", "<= 5%", f"each {', '.join(str(x) for x in r['eval_s_each'])} s; median step {r['median_step_s']:.3g} s",
+                yes(r["eval_share"] <= 0.05)))
+    out.append(("the same curve with every anchor scored (final eval's cost x evals)", f"{r['dense_curve_share_estimate']:.1%}", "",
+                f"final dense eval {r['final_dense_eval_s']} s, {r['final_dense_blocks']} blocks", ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -2,95 +2,51 @@
 
     .venv/bin/python bench/extract.py [--samples 48] [--json bench/results_extract.json]
 
-Runs the embedded default target (SmolLM2-135M, the real model) over default prompts paired with
-documentation paragraphs as answers, so the stored features are real activations. Figures:
-- extraction wall time / pure forward time on the same batches (goal <= 1.15);
-- bytes per token for bf16, bf16+zstd, fp8, fp8+zstd and the peers' format (one torch.save file
-  per sample with the stacked layers in bf16, as SpecForge stores it), fp8 at most 0.55 of bf16,
-  with fp8's reconstruction error;
-- random sample-window reads from the store (windows/s and MB/s).
+The embedded default target over documentation answers (real activations); its figures and goals:
+docs/benchmarks.md, `extract`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from shared.config import load_run_config  # noqa: E402
-from shared.store import (  # noqa: E402
-    SampleFeatures,
-    StoreConfig,
-    StoreReader,
-    bytes_per_token,
-    decode_hidden,
-    encode_hidden,
-    read_manifest,
-    write_shard,
-)
-from shared.target_model import LayerCapture, load_target_model  # noqa: E402
-from stage1_extract import commands as pipeline  # noqa: E402
-from stage1_extract.batching import token_budget_batches, windows_for_rank  # noqa: E402
-from stage1_extract.corpus import default_conversations  # noqa: E402
-from stage1_extract.data import Conversation, write_conversations_parquet  # noqa: E402
-from stage1_extract.forward import forward_batch  # noqa: E402
+from bench.common import Row, arguments, documentation_chats, emit, fmt, pure_forward, relative_error, yes  # noqa: E402
 
 
-def build_data(path: Path, count: int) -> Path:
-    from pydoc_data.topics import topics
-
-    paragraphs = [p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if 300 < len(p.strip()) < 1500]
-    rng = random.Random(1)
-    convs = [
-        Conversation(row=i, messages=[*c.messages, {"role": "assistant", "content": rng.choice(paragraphs)}])
-        for i, c in enumerate(default_conversations(count))
-    ]
-    write_conversations_parquet(convs, path)
-    return path
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main() -> int:
+    parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=48)
-    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    import torch
+
+    from shared.codecs import decode_hidden, encode_hidden
+    from shared.config import load_run_config
+    from shared.paths import RunPaths
+    from shared.reader import StoreReader
+    from shared.store import StoreConfig, bytes_per_token, read_manifest, write_shard
+    from shared.target_model import load_target_model
+    from stage1_extract import commands as pipeline
+    from stage1_extract.resolve import prepare_run
+
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="bench_extract_"))
-    data = build_data(work / "data.parquet", args.samples)
+    data = documentation_chats(work / "data.parquet", args.samples)
     overrides = [f"run_dir={work}", f"data.path={data}", "data.regenerate=false", "store.shard_mb=16", "extract.device=cpu"]
     cfg = load_run_config("configs/default.yaml", overrides)
-    prepared = pipeline.prepare(cfg)
-    model = load_target_model(cfg.target, "cpu")
+    prepared = prepare_run(cfg)
     rows = [r for r in prepared.rows if not r.skipped]
     tokens = sum(len(r.input_ids) for r in rows)
 
-    # 1. Pure forward over the same batches extraction will use (formed per window of shards, as
-    # run_shards forms them), features kept in memory.
-    windows = windows_for_rank(pipeline.planned_shards(cfg, prepared), cfg.extract.window_shards, 0, 1)
-    batches = [
-        batch
-        for window in windows
-        for batch in token_budget_batches([r for s in window for r in s.kept], cfg.extract.batch_tokens, cfg.extract.max_samples_per_batch)
-    ]
-    padded_tokens = sum(len(b) * max(len(r.input_ids) for r in b) for b in batches)
-    capture = LayerCapture(model, prepared.layer_ids)
-    forward_batch(model, capture, batches[0][:1], cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, False)  # warm-up
-    started = time.perf_counter()
-    features = []
-    for batch in batches:
-        for row, (hidden, values, ids) in zip(batch, forward_batch(model, capture, batch, cfg.extract.top_k, cfg.extract.lm_head_chunk_tokens, False)):
-            features.append(SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids))
-    forward_s = time.perf_counter() - started
-    capture.close()
-    del model
+    # 1. Pure forward over the same batches extraction will use, features kept in memory.
+    forward, features = pure_forward(load_target_model(cfg.target, "cpu"), cfg, prepared, keep=True)
+    forward_s = forward["seconds"]
 
     # 2. The real extraction (bf16 + zstd, background writer), from scratch.
     started = time.perf_counter()
@@ -123,20 +79,12 @@ def main() -> None:
     sizes["torch.save per sample (SpecForge-style, no top-k)"] = sum(p.stat().st_size for p in peers.iterdir()) / tokens
 
     # fp8 reconstruction error against the fp32 features.
-    errors = []
-    for f in features:
-        bits, scale = encode_hidden(f.hidden_TLH, "fp8")
-        back = decode_hidden(bits, scale, "fp8").float()
-        ref = f.hidden_TLH.float()
-        errors.append(((back - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).flatten())
-    rel = torch.cat(errors)
-    bf16_rel = torch.cat([
-        ((f.hidden_TLH.to(torch.bfloat16).float() - f.hidden_TLH.float()).norm(dim=-1) / f.hidden_TLH.float().norm(dim=-1).clamp_min(1e-6)).flatten()
-        for f in features
-    ])
+    rel = torch.cat([relative_error(decode_hidden(*encode_hidden(f.hidden_TLH, "fp8"), "fp8"), f.hidden_TLH).flatten() for f in features])
+    bf16_rel = torch.cat([relative_error(f.hidden_TLH.to(torch.bfloat16), f.hidden_TLH).flatten() for f in features])
 
     # 4. Random window reads (what the trainer does).
-    reader = StoreReader(cfg.store.url(cfg.run_dir))
+    store = RunPaths.of(cfg).store
+    reader = StoreReader(store)
     rng = random.Random(0)
     window = 256
     count, nbytes = 0, 0
@@ -150,12 +98,12 @@ def main() -> None:
         count += 1
     read_s = time.perf_counter() - started
 
-    manifest = read_manifest(cfg.store.url(cfg.run_dir))
+    manifest = read_manifest(store)
     hidden_size = manifest["target"]["hidden_size"]
     results = {
         "samples": len(rows),
         "tokens": tokens,
-        "padded_tokens": padded_tokens,  # the padded batches of the SDPA path (flash-attn packs them)
+        "padded_tokens": forward["padded_tokens"],  # the padded batches of the SDPA path (flash-attn packs them)
         "layers": prepared.layer_ids,
         "forward_s": round(forward_s, 2),
         "extract_loop_s": round(extract_loop_s, 2),
@@ -184,11 +132,36 @@ def main() -> None:
         "read_window_tokens": window,
         "store_shards": len(manifest["shards"]),
     }
-    print(json.dumps(results, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+    return emit(results, args.json)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    out.append(("extraction wall time / pure target forward", fmt(r["extract_over_forward"]), "<= 1.15",
+                f"forward {r['forward_s']} s on {r['tokens']} tokens"
+                + (f" ({r['padded_tokens']} padded)" if "padded_tokens" in r else ""), yes(r["extract_over_forward"] <= 1.15)))
+    bpt = r["bytes_per_token"]
+    peer = bpt["torch.save per sample (SpecForge-style, no top-k)"]
+    for key in ("bf16+none", "bf16+zstd", "fp8+none", "fp8+zstd"):
+        out.append((f"bytes/token {key} (incl. top-64)", fmt(bpt[key]), "", f"torch.save per sample: {fmt(peer)} (no top-k)", ""))
+    out.append(("fp8 / bf16 bytes (whole store)", fmt(r["fp8_over_bf16"]), "<= 0.55", "bf16 in the same run", yes(r["fp8_over_bf16"] <= 0.55)))
+    if "bytes_per_token_by_array" in r:
+        arrays = r["bytes_per_token_by_array"]
+        names = [k for k in dict.fromkeys([*arrays["bf16"], *arrays["fp8"]]) if max(arrays["bf16"].get(k, 0), arrays["fp8"].get(k, 0)) >= 1]
+        split = ", ".join(f"{k} {fmt(arrays['bf16'].get(k, 0))} -> {fmt(arrays['fp8'].get(k, 0))}" for k in names)
+        out.append(("where the bytes go (bytes/token per array, bf16 -> fp8, uncompressed)", split, "", "", ""))
+    out.append(("fp8 / bf16 bytes (hidden states only)", fmt(r.get("fp8_hidden_over_bf16")), "<= 0.55", "top-k costs the same in both",
+                yes(r.get("fp8_hidden_over_bf16", 1) <= 0.55)))
+    out.append(("fp8 / bf16 bytes at Qwen3-8B size (formula)", fmt(r.get("fp8_over_bf16_at_qwen3_8b")), "<= 0.55", "", yes(r.get("fp8_over_bf16_at_qwen3_8b", 1) <= 0.55)))
+    out.append(("fp8 reconstruction error (relative L2, mean / p99)", f"{r['fp8_rel_error_mean']} / {r['fp8_rel_error_p99']}", "",
+                f"bf16 rounding alone: {r['bf16_rel_error_mean']}", ""))
+    if "writer_seconds" in r:
+        out.append((f"who limits extraction: writer threads busy ({r['writer_threads']} threads, summed) / target forward",
+                    f"{r['writer_seconds']} s / {r['extract_forward_s']} s", "writer < forward",
+                    f"forward blocked on a full queue {r['writer_queue_wait_s']} s; peak queue {r['writer_peak_queue_mb']} MB", yes(r["writer_seconds"] / r["writer_threads"] < r["extract_forward_s"])))
+    out.append((f"random {r['read_window_tokens']}-token window reads", f"{r['read_windows_per_s']}/s ({r['read_mb_per_s']} MB/s)", "", "", ""))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

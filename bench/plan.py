@@ -1,39 +1,56 @@
-"""The 8B presets' training-step memory, traced with fake tensors, and the largest micro-batch that
-fits an 80 GB and a 141 GB GPU (`python -m stage2_train plan --search` for each preset).
+"""The 8B presets' worst training step (the densest micro-batch their token and block budgets allow),
+traced with fake tensors, what each removed cost would add back, and the largest budgets that fit an
+80 GB and a 141 GB GPU (`python -m stage2_train plan --search` for each preset).
 
-    .venv/bin/python bench/plan.py [--json out.json] [--presets qwen3-8b,llama-3.1-8b] [--sample-tokens 1024]
+    .venv/bin/python bench/plan.py [--json out.json] [--presets qwen3-8b,llama-3.1-8b]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json")
+    parser = arguments(__doc__)
     parser.add_argument("--presets", default="qwen3-8b,llama-3.1-8b")
-    parser.add_argument("--sample-tokens", type=int, default=1024)
     args = parser.parse_args()
-    started = time.perf_counter()
     results = {}
     for preset in args.presets.split(","):
         done = subprocess.run(
-            [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset, "--search", "--sample-tokens", str(args.sample_tokens)],
+            [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset, "--search"],
             cwd=REPO, capture_output=True, text=True, check=True,
         )
         results[preset] = json.loads(done.stdout)
-    return emit({"presets": results, "sample_tokens": args.sample_tokens}, args.json, started)
+    return emit({"presets": results}, args.json)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    for preset, p in r["presets"].items():
+        fits = ", ".join(f"{gpu}: {'yes' if ok else '**no**'}" for gpu, ok in p["fits"].items())
+        mb, budgets = p["micro_batch"], p["budgets"]
+        out.append((f"{preset}: worst-case GPU memory of a training step (densest micro-batch of sampler.micro_batch_tokens="
+                    f"{budgets['micro_batch_tokens']}, micro_batch_blocks={budgets['micro_batch_blocks']}: {mb['tokens']:,} tokens, "
+                    f"{mb['block_rows']:,} block rows; grad_accum {budgets['grad_accum']}, checkpointing; DDP buckets and a 4 GiB reserve included)",
+                    f"{p['peak_gib']} GiB", "<= 76 GiB", f"without checkpointing {p['traced_peak_gib']['without_checkpointing']['peak_with_untraced']} GiB; {fits}",
+                    yes(p["peak_gib"] <= 76.0)))
+        removed = "; ".join(f"{name} +{cost['would_add']} GiB" for name, cost in p.get("removed_costs_gib", {}).items())
+        if removed:
+            out.append((f"{preset}: costs the step no longer pays, each traced by putting it back", removed, "", "", ""))
+        untraced = round(p["untraced_gib"]["ddp_buckets"] + p["untraced_gib"]["cuda_context_nccl_fragmentation"], 1)
+        for gpu, best in p.get("largest_budgets", {}).items():
+            out.append((f"{preset}: largest budgets that fit {gpu} (sampler.micro_batch_tokens / micro_batch_blocks)",
+                        f"{fmt(best['micro_batch_tokens'])} / {fmt(best['micro_batch_blocks'])}", "",
+                        f"traced peak {best['traced_peak_gib']} GiB + untraced {untraced} GiB <= {p['gpus_gib'][gpu]} GiB", ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -3,39 +3,30 @@ moment a fitted basis keeps, what the store would weigh, and whether export is e
 
     .venv/bin/python bench/projection.py [--store runs/default/store] [--json out.json] [--png out.png]
 
-- Energy kept (stage2_train/data/projection.py): a basis fitted on half the shards (the uncentred
-  second moment, with and without a per-dimension RMS scale), measured on the other half, at
-  r = H, H/2, H/4 (H = the target's hidden size; the features are layers x H wide).
-- Per-token relative reconstruction error ||x - x_hat|| / ||x|| on the held-out half, for comparison
-  with fp8 storage's error on the same tokens.
-- Bytes per token at Qwen3-8B's shape (5 x 4096, top-64): bf16, fp8, and fp8 + projection r = H.
-- Exactness: a drafter with a random fc on the projected features against its export (fc folded
-  with P) on full features: max |logit diff| and argmax agreement, fp32.
+Energy kept, reconstruction error, bytes per token and the fold's exactness: docs/benchmarks.md, `projection`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, relative_error, yes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--store", default="runs/default/store")
-    parser.add_argument("--json")
     parser.add_argument("--png", default=str(REPO / "bench" / "results" / "projection-energy.png"))
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
-    from shared.store import StoreReader, bytes_per_token, decode_hidden, encode_hidden
+    from shared.codecs import decode_hidden, encode_hidden
+    from shared.reader import StoreReader
+    from shared.store import bytes_per_token
     from stage2_train.data.projection import basis, energy_kept, second_moment
 
     torch.set_num_threads(1)
@@ -55,15 +46,15 @@ def main() -> int:
             P_RF, s_F = basis(fit_moment, fit_tokens, r, scale)
             back_FR = (s_F[:, None] * (P_RF.double() * s_F[None, :]).T).float()
             x_hat = (x_TF @ P_RF.T) @ back_FR.T
-            error[f"{scale} r={name}"] = round(float(((x_TF - x_hat).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+            error[f"{scale} r={name}"] = round(float(relative_error(x_hat, x_TF, eps=0).median()), 4)
     bits, scale_TL = encode_hidden(x_TF.view(-1, L, H), "fp8")
     fp8 = decode_hidden(bits, scale_TL, "fp8").float().flatten(1)
-    fp8_error = round(float(((x_TF - fp8).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+    fp8_error = round(float(relative_error(fp8, x_TF, eps=0).median()), 4)
     bf16 = bytes_per_token("bf16", 5, 4096, 64)
     fp8_only = bytes_per_token("fp8", 5, 4096, 64)
     projected = bytes_per_token("fp8", 1, 4096, 64)  # r = H values per token, one fp8 scale
     # exactness of the fold
-    from tests.test_model import three_sample_batch, tiny_arch, tiny_drafter
+    from testkit.drafter import three_sample_batch, tiny_arch, tiny_drafter
 
     arch = tiny_arch(kv_heads=2)
     a = tiny_drafter(arch, num_layers=2, feature_projection="pca", projection_dim=32)
@@ -84,7 +75,7 @@ def main() -> int:
     }
     plot(energy, ranks, H, Path(args.png))
     result["png"] = str(Path(args.png).relative_to(REPO)) if Path(args.png).is_relative_to(REPO) else args.png
-    return emit(result, args.json, t0)
+    return emit(result, args.json)
 
 
 def plot(energy: dict, ranks: dict, H: int, path: Path) -> None:
@@ -106,6 +97,21 @@ def plot(energy: dict, ranks: dict, H: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    for key, kept in r["energy_kept_heldout"].items():
+        out.append((f"projection {key}: second moment kept on held-out shards / median relative error",
+                    f"{kept} / {r['relative_error_median'][key]}", "", f"fp8 storage error {r['fp8_relative_error_median']}", ""))
+    b = r["bytes_per_token_qwen3_8b"]
+    out.append(("bytes/token at Qwen3-8B (5 x 4096, top-64): bf16 / fp8 / fp8 + projection r=H",
+                f"{fmt(b['bf16'])} / {fmt(b['fp8'])} / {fmt(b['fp8+projection r=H'])}", "",
+                f"fp8 {b['fp8_over_bf16']}x, projected {b['projected_over_bf16']}x of bf16", ""))
+    f = r["fold_exactness"]
+    out.append(("export folds the projection into fc: max |logit diff| / argmax agreement", f"{f['max_abs_logit_diff']:.2g} / {f['argmax_agreement']}",
+                "argmax 1.0", "", yes(f["argmax_agreement"] == 1.0)))
+    return out
 
 
 if __name__ == "__main__":

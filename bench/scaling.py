@@ -3,58 +3,23 @@ samples) and as sequences grow (fixed total tokens, longer samples). < 5 min on 
 
     .venv/bin/python bench/scaling.py [--json out.json] [--base-samples 32] [--lengths 128,512,2048]
 
-Every point is a real CLI run in its own process (`python -m stage1_extract extract`, then
-`python -m stage2_train train` on that store), so its peak memory is its own (max RSS from wait4).
-The target is a 6-layer, 64-wide random Llama with SmolLM2's tokenizer (49K vocab): on CPU the
-target forward is then cheap and what grows with the data is the pipeline itself: tokenizing,
-the LM head and top-k, the writer, shard bookkeeping, the reader and the sampler.
-
-Reported per point:
-  extract: rows, tokens, shards, wall, prepare (read + tokenize every row; includes importing
-           transformers, ~4 s here), extraction loop, forward, manifest merge, tokens/s of the
-           loop, peak RSS; then the same command again (all shards done: token cache + checks)
-  train:   startup (process start -> first step: imports, open store, split, plan, model), steady
-           tokens/s and blocks/s (median over steps after the first two), peak RSS
-and, per sweep, each cost relative to linear in the data size (1.0 = linear; what the notes explain).
+Every point is a real CLI run in its own process; what each reports: docs/benchmarks.md, `scaling`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, run_cli, run_training, steady, step_figures  # noqa: E402
 
-WORDS = (
-    "the of and to in is was for on that with as by at from his her an which you were are this be "
-    "had not but what all when can there one so out if about up them some time could would into "
-    "make like him has two more very after words long just where most know get through back much "
-    "before also good new write our used me man too any day same right look think such here take "
-    "why things help put years different away again off went old number great tell men say small"
-).split()
-
-
-def write_rows(path: Path, lengths: list[int], seed: int) -> Path:
-    """Chats whose rendered length is about `length` tokens each (one word ~ one token here)."""
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i, length in enumerate(lengths):
-            question = " ".join(rng.choice(WORDS) for _ in range(12))
-            answer = " ".join(rng.choice(WORDS) for _ in range(max(8, length - 40)))
-            row = {"messages": [{"role": "user", "content": f"{i}: {question}"}, {"role": "assistant", "content": answer}]}
-            f.write(json.dumps(row) + "\n")
-    return path
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def mixed_lengths(count: int, seed: int) -> list[int]:
@@ -63,84 +28,54 @@ def mixed_lengths(count: int, seed: int) -> list[int]:
     return [int(min(640, max(64, rng.lognormvariate(5.3, 0.6)))) for _ in range(count)]
 
 
-def build_target(root: Path) -> Path:
-    from shared.tiny_target import build_tiny_target
-
-    return build_tiny_target(root / "target", max_positions=16384)
-
-
-def run_measured(cmd: list[str], log: Path) -> tuple[float, float, int, str]:
-    """(launch unix time, wall seconds, peak RSS in MiB, stdout) of one child process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
-    launched, started = time.time(), time.perf_counter()
-    out_path = log.with_suffix(".out")
-    with out_path.open("w") as out, log.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])}... failed; its output ({log}):\n{log.read_text()[-3000:]}")
-    return launched, wall, usage.ru_maxrss // 1024, out_path.read_text()  # Linux reports KiB
-
-
 def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_length: int, seed: int) -> dict:
-    data = write_rows(root / f"{name}.jsonl", lengths, seed)
-    run_dir = root / name
-    cmd = [
-        sys.executable, "-m", "stage1_extract", "extract", "--json", "--no-progress",
-        "--config", "configs/default.yaml", f"run_dir={run_dir}", f"target.path={target}", "target.dtype=fp32",
-        "target.num_feature_layers=3", f"data.path={data}", "data.regenerate=false", f"data.max_length={max_length}",
-        "extract.top_k=8", f"extract.batch_tokens={max(4096, max_length)}", "store.shard_mb=1", "extract.window_shards=1",
-    ]
-    _, wall, rss, stdout = run_measured(cmd, root / f"{name}.extract.log")
-    summary = json.loads(stdout)
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    run_dir = root / name  # chats of about `length` tokens each (one word ~ one token here)
+    data = write_jsonl(root / f"{name}.jsonl", chat_rows(len(lengths), seed, [max(8, n - 40) for n in lengths]))
+    stage1 = stage1_overrides(target, data, run_dir,
+                              **{"data.max_length": max_length, "extract.batch_tokens": max(4096, max_length)})
+    cmd = ["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", "configs/default.yaml", *stage1]
+    first = run_cli(cmd, root / f"{name}.extract.log", ONE_THREAD)
+    summary = first.summary
     # The same command again: every shard is done, so this is the fixed cost of any later command
     # (status, resume, reprocess): read the token cache, hash the settings, check each shard.
-    _, rerun_wall, _, rerun_out = run_measured(cmd, root / f"{name}.rerun.log")
-    rerun = json.loads(rerun_out)
+    rerun = run_cli(cmd, root / f"{name}.rerun.log", ONE_THREAD)
     return {
         "rows": len(lengths),
         "tokens": summary["num_tokens"],
         "shards": summary["shards_total"],
-        "wall_s": round(wall, 2),
+        "wall_s": round(first.seconds, 2),
         "prepare_s": summary["prepare_seconds"],
         "loop_s": summary["seconds"],
         "forward_s": summary["forward_seconds"],
         "merge_s": summary.get("merge_seconds"),
-        "rerun_s": round(rerun_wall, 2),
-        "rerun_prepare_s": rerun["prepare_seconds"],
+        "rerun_s": round(rerun.seconds, 2),
+        "rerun_prepare_s": rerun.summary["prepare_seconds"],
         "loop_tok_per_s": summary["tok_per_s"],
-        "peak_rss_mib": rss,
-        "store": str(run_dir / "store"),
+        "peak_rss_mib": first.peak_rss_mib,
+        "train_on": [*stage1, f"store.path={run_dir / 'store'}"],  # the settings that made the store: it is fresh
     }
 
 
-def train_point(root: Path, name: str, target: Path, store: str, steps: int, budget: int, anchors: int) -> dict:
+def train_point(root: Path, name: str, store: list[str], steps: int, budget: int, anchors: int) -> dict:
     from stage2_train.observe.metrics import read_log
 
-    run_dir = root / f"{name}.train"
-    cmd = [
-        sys.executable, "-m", "stage2_train", "train", "--json", "--no-progress", "--config", "configs/default.yaml",
-        f"run_dir={run_dir}", f"store.path={store}", f"target.path={target}", "target.num_feature_layers=3",
-        "target.dtype=fp32", "extract.top_k=8", "log.wandb=disabled", "train.resume=never", "train.cpu_threads=1",
-        f"train.max_steps={steps}", f"sampler.micro_batch_tokens={budget}", f"sampler.max_anchors_per_seq={anchors}",
-        "model.num_layers=1", "eval.holdout_fraction=0.05", "checkpoint.every_steps=0",
-    ]
-    launched, wall, rss, _ = run_measured(cmd, root / f"{name}.train.log")
-    log = run_dir / "train_log.jsonl"
-    rows = read_log(log, "train")
-    start = next(r for r in read_log(log, "event") if r["event"] == "run_start")
-    steady = rows[2:] if len(rows) > 3 else rows
+    run = run_training(root / f"{name}.train", [
+        *store, "train.cpu_threads=1", f"train.max_steps={steps}", f"sampler.micro_batch_tokens={budget}",
+        f"sampler.max_anchors_per_seq={anchors}", "model.num_layers=1", "eval.holdout_fraction=0.05", "checkpoint.every_steps=0",
+    ], env=ONE_THREAD)
+    rows = run.rows
+    measured, figures = steady(rows), step_figures(rows)
+    start = next(r for r in read_log(run.paths.log, "event") if r["event"] == "run_start")
     return {
         "steps": len(rows),
-        "startup_s": round(start["time"] - launched, 2),
-        "step_s": round(statistics.median(r["step_s"] for r in steady), 3),
-        "tok_per_s": round(statistics.median(r["tokens"] / r["step_s"] for r in steady), 1),
-        "blocks_per_s": round(statistics.median(r["blocks"] / r["step_s"] for r in steady), 1),
-        "blocks_per_token": round(sum(r["blocks"] for r in steady) / sum(r["tokens"] for r in steady), 3),
-        "data_wait_frac": round(statistics.mean(r["data_wait_frac"] for r in steady), 4),
-        "wall_s": round(wall, 2),
-        "peak_rss_mib": rss,
+        "startup_s": round(start["time"] - run.launched, 2),
+        "step_s": round(figures["step_s_median"], 3),
+        **{k: figures[k] for k in ("tok_per_s", "blocks_per_s", "data_wait_frac")},
+        "blocks_per_token": round(sum(r["blocks"] for r in measured) / sum(r["tokens"] for r in measured), 3),
+        "wall_s": round(run.seconds, 2),
+        "peak_rss_mib": run.peak_rss_mib,
     }
 
 
@@ -151,8 +86,7 @@ def relative_to_linear(points: list[dict], size_key: str, cost_key: str) -> list
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="write the results here too")
+    parser = arguments(__doc__)
     parser.add_argument("--base-samples", type=int, default=32, help="the 1x sample count")
     parser.add_argument("--multiples", default="1,4,16")
     parser.add_argument("--lengths", default="128,512,2048", help="sample lengths of the length sweep")
@@ -162,14 +96,15 @@ def main() -> int:
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_scaling_"))
-    t0 = time.perf_counter()
-    target = build_target(root)
+    from testkit.target import build_tiny_target
+
+    target = build_tiny_target(root / "target", max_positions=16384)
     results: dict = {"target": "random Llama, 6 layers x 64 wide, vocab 49152, top-8 stored; 1-layer B=16 drafter", "samples": [], "lengths": []}
 
     for multiple in (int(m) for m in args.multiples.split(",")):
         count = args.base_samples * multiple
         point = {"multiple": multiple, **extract_point(root, f"n{multiple}", target, mixed_lengths(count, multiple), 1024, multiple)}
-        point["train"] = train_point(root, f"n{multiple}", target, point.pop("store"), args.steps, 1024, 8)
+        point["train"] = train_point(root, f"n{multiple}", point.pop("train_on"), args.steps, 1024, 8)
         results["samples"].append(point)
         print(json.dumps({k: v for k, v in point.items()}), flush=True)
 
@@ -178,7 +113,7 @@ def main() -> int:
         point = {"length": length, **extract_point(root, f"l{length}", target, [length] * count, length + 64, length)}
         # A fixed anchor cap per sample (as the recipe's 512, smaller for CPU): blocks per token fall
         # as samples grow, and each block attends to a longer context.
-        point["train"] = train_point(root, f"l{length}", target, point.pop("store"), args.steps, max(1024, length + 64), args.anchors)
+        point["train"] = train_point(root, f"l{length}", point.pop("train_on"), args.steps, max(1024, length + 64), args.anchors)
         results["lengths"].append(point)
         print(json.dumps(point), flush=True)
 
@@ -196,7 +131,33 @@ def main() -> int:
         "train": [p["train"]["tok_per_s"] for p in lens],
         "train_blocks_per_s": [p["train"]["blocks_per_s"] for p in lens],
     }
-    return emit(results, args.json, t0)
+    return emit(results, args.json)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    s, lin = r["samples"], r["samples_vs_linear"]
+    sizes = " / ".join(f"{p['multiple']}x" for p in s)
+    out.append((f"extraction loop time per token, {sizes} samples (1.0 = linear)", " / ".join(fmt(x) for x in lin["loop_s"]), "~1",
+                f"{' / '.join(fmt(p['tokens']) for p in s)} tokens in {' / '.join(str(p['shards']) for p in s)} shards", ""))
+    out.append((f"extraction whole-command time per token, {sizes}", " / ".join(fmt(x) for x in lin["wall_s"]), "",
+                f"fixed start-up {s[0]['prepare_s']} s (imports, tokenizer) amortised", ""))
+    out.append((f"a later command on the done store (token cache + checks), {sizes}", " / ".join(f"{p['rerun_s']} s" for p in s), "flat",
+                f"first extraction's prepare: {' / '.join(str(p['prepare_s']) for p in s)} s", ""))
+    out.append((f"extraction peak RSS MiB, {sizes}", " / ".join(str(x) for x in r["samples_peak_rss_mib"]["extract"]), "flat", "", ""))
+    out.append((f"training blocks/s, {sizes}", " / ".join(fmt(p["train"]["blocks_per_s"]) for p in s), "flat",
+                f"tokens/s {' / '.join(fmt(p['train']['tok_per_s']) for p in s)}; start-up "
+                f"{' / '.join(str(p['train']['startup_s']) for p in s)} s", ""))
+    out.append((f"training peak RSS MiB, {sizes}", " / ".join(str(x) for x in r["samples_peak_rss_mib"]["train"]), "flat", "", ""))
+    lens = r["lengths"]
+    lengths = " / ".join(str(p["length"]) for p in lens)
+    t = r["length_tok_per_s"]
+    out.append((f"extraction tokens/s at sample length {lengths}", " / ".join(fmt(x) for x in t["extract_loop"]), "", "same total tokens per point", ""))
+    out.append((f"training tokens/s at sample length {lengths} ({lens[0]['train']['blocks_per_token']} -> "
+                f"{lens[-1]['train']['blocks_per_token']} blocks per token)", " / ".join(fmt(x) for x in t["train"]), "",
+                f"blocks/s {' / '.join(fmt(x) for x in t['train_blocks_per_s'])}", ""))
+    out.append(("training peak RSS MiB by length", " / ".join(str(p["train"]["peak_rss_mib"]) for p in lens), "", "", ""))
+    return out
 
 
 if __name__ == "__main__":

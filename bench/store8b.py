@@ -4,24 +4,11 @@ own writer, read back by the training loader, against the machine's own read ban
 
     .venv/bin/python bench/store8b.py [--samples 48] [--json out.json]
 
-Figures:
-  sequential read MB/s   a plain Python read of every store file (16 MB blocks), page cache
-                         evicted first (cold) and again with the files cached (warm): the baseline
-  loader MB/s            sample bytes delivered by the PrefetchLoader (2 threads, reading and
-                         collating 512 anchors x 16 slots per sample, as the 8B preset trains) over
-                         one epoch right after the eviction (cold) and a second one (warm); the goal
-                         is >= 70% of the sequential rate measured in this run
-  H200 demand            samples/s one H200 consumes training the 5-layer 8B drafter at 40% MFU,
-                         from bench/gpu_flops.py's FLOP count of a sample: the loader's samples/s
-                         is set beside it
-The store is written uncompressed (random values do not compress; real activations compress
-~1.26x with zstd, and zstd's decode rate is measured on one shard too).
+Its figures (sequential read, loader, H200 demand) and goals: docs/benchmarks.md, `store8b`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import sys
@@ -34,49 +21,24 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
-from bench.gpu_flops import DrafterShape, StepWork, train_step_flops  # noqa: E402
-from bench.reader import evict  # noqa: E402
+from bench.common import Row, arguments, emit, evict, fmt, yes  # noqa: E402
 
 LAYERS, HIDDEN, TOP_K, TOKENS, PROMPT = 5, 4096, 64, 2048, 256
-QWEN3_8B = DrafterShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936,
-                        num_layers=5, num_feature_layers=5, block_size=16)
-
-
-def synthetic_sample(sample_id: int, rng: np.random.Generator):
-    import torch
-
-    from shared.store import SampleFeatures
-
-    hidden = torch.from_numpy(rng.standard_normal((TOKENS, LAYERS, HIDDEN), dtype=np.float32)).to(torch.bfloat16)
-    return SampleFeatures(
-        sample_id=sample_id,
-        input_ids_T=rng.integers(0, 151936, TOKENS).astype(np.int32),
-        loss_mask_T=np.arange(TOKENS) >= PROMPT,
-        hidden_TLH=hidden,
-        topk_logprobs_TK=torch.from_numpy(-rng.random((TOKENS, TOP_K), dtype=np.float32) * 10),
-        topk_ids_TK=torch.from_numpy(rng.integers(0, 151936, (TOKENS, TOP_K)).astype(np.int32)),
-    )
 
 
 def build_store(root: Path, num_samples: int, per_shard: int, compression: str) -> dict:
-    """Shards written with shared.store.write_shard, and the manifest the reader needs."""
-    from shared.store import SCHEMA_VERSION, StoreConfig, write_shard
+    """Shards of Qwen3-8B-shaped random samples, written one at a time by the project's writer."""
+    import torch
 
-    cfg = StoreConfig(compression=compression, shard_mb=1024)
-    rng = np.random.default_rng(0)
-    records, started = [], time.perf_counter()
-    for index, start in enumerate(range(0, num_samples, per_shard)):
-        shard = [synthetic_sample(sid, rng) for sid in range(start, min(start + per_shard, num_samples))]
-        record = write_shard(str(root), f"shard-{index:06d}-synthetic", shard, cfg)
-        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[TOKENS] * len(shard), rows_sha256="")
-        records.append(record)
-    manifest = {
-        "schema_version": SCHEMA_VERSION, "storage": cfg.model_dump(exclude={"path", "shard_mb"}), "shards": records,
-        "layer_ids": [1, 9, 17, 25, 33], "top_k": TOP_K, "max_length": TOKENS,
-        "target": {"hidden_size": HIDDEN, "num_hidden_layers": 36, "vocab_size": 151936},
-    }
-    (root / "manifest.json").write_text(json.dumps(manifest))
+    from shared.store import StoreConfig
+    from testkit.store import make_store, samples
+
+    shards = (samples(min(per_shard, num_samples - start), seed=start, layers=LAYERS, hidden=HIDDEN, k=TOP_K,
+                      tokens=(TOKENS, TOKENS + 1), vocab=151936, first_id=start, dtype=torch.bfloat16)
+              for start in range(0, num_samples, per_shard))
+    started = time.perf_counter()
+    records = make_store(str(root), shards, StoreConfig(compression=compression, shard_mb=1024), layer_ids=[1, 9, 17, 25, 33],
+                         target={"hidden_size": HIDDEN, "num_hidden_layers": 36, "vocab_size": 151936})
     return {"write_s": round(time.perf_counter() - started, 1), "bytes": sum(r["bytes"] for r in records)}
 
 
@@ -93,7 +55,7 @@ def sequential_read(root: Path) -> float:
 def loader_epochs(root: Path, threads: int, epochs: int) -> list[dict]:
     """Samples and MB/s the PrefetchLoader delivers per epoch: every sample once in a random order,
     each collated with up to 512 anchors and the stored top-k (the KL term's inputs)."""
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
     from stage2_train.data.anchors import AnchorSampler
     from stage2_train.data.config import SamplerConfig
     from stage2_train.data.loader import PrefetchLoader
@@ -117,7 +79,13 @@ def loader_epochs(root: Path, threads: int, epochs: int) -> list[dict]:
 
 
 def h200_samples_per_s(mfu: float = 0.4, peak: float = 989e12) -> dict:
-    """One sample's training FLOPs (512 anchors x 16 slots, every slot scored but the anchor's)."""
+    """One sample's training FLOPs (512 anchors x 16 slots, every slot scored but the anchor's) for the
+    5-layer drafter on Qwen3-8B."""
+    from stage2_train.model.config import DrafterConfig
+    from stage2_train.model.flops import DrafterShape, StepWork, train_step_flops
+    from stage2_train.train.memory_plan import KNOWN_TARGETS
+
+    shape = DrafterShape.of(DrafterConfig(num_layers=5, block_size=16), KNOWN_TARGETS["qwen3-8b"], LAYERS)
     anchors = 512
     work = StepWork(
         context_tokens=TOKENS,
@@ -125,14 +93,15 @@ def h200_samples_per_s(mfu: float = 0.4, peak: float = 989e12) -> dict:
         scored_rows=anchors * 15,
         attention_pairs=sum(16 * (a + 16) for a in np.linspace(PROMPT, TOKENS - 2, anchors).astype(int)),
     )
-    flops = train_step_flops(QWEN3_8B, work)["total"]
+    flops = train_step_flops(shape, work)["total"]
     return {"flops_per_sample": flops, "samples_per_s": round(mfu * peak / flops, 2), "mfu": mfu, "peak_tflops": peak / 1e12}
 
 
 def zstd_decode_rate(root: Path) -> float:
     """MB/s of decoding one shard's zstd chunks (decoded bytes), as the reader does with a zstd store."""
     from shared.chunks import ChunkSource, decode_chunk, open_shard_array
-    from shared.store import StoreFiles, StoreReader
+    from shared.reader import StoreReader
+    from shared.store import StoreFiles
 
     reader = StoreReader(str(root))
     name = reader.manifest["shards"][0]["name"]
@@ -146,13 +115,11 @@ def zstd_decode_rate(root: Path) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--per-shard", type=int, default=12, help="shard_mb=1024 at ~84 MB per sample")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     torch.set_num_threads(1)
@@ -186,7 +153,24 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(zroot, ignore_errors=True)
-    return emit(results, args.json, t0)
+    return emit(results, args.json)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    seq, ld = r["sequential_read_mb_per_s"], r["loader"]
+    out.append((f"8B-shaped store ({r['features']}, {r['tokens_per_sample']} tokens/sample, {r['samples']} samples, {r['store_gib']} GiB)",
+                f"written at {r['write']['mb_per_s']} MB/s", "", "the project's writer", ""))
+    for mode in ("cold", "warm"):
+        out.append((f"loader MB/s ({ld['threads']} threads, 512 anchors x 16 slots collated) / sequential read, {mode}",
+                    fmt(ld[mode]["over_sequential"]), ">= 0.7", f"{ld[mode]['mb_per_s']} vs {seq[mode]} MB/s",
+                    yes(ld[mode]["over_sequential"] >= 0.7)))
+    d = r["h200_demand"]
+    out.append(("loader samples/s / what one H200 trains (5-layer 8B drafter, 40% MFU)", fmt(r["loader_over_h200_demand"]), ">= 1",
+                f"{ld['warm']['samples_per_s']} vs {d['samples_per_s']} samples/s ({d['flops_per_sample'] / 1e12:.0f} TFLOP per sample)",
+                yes(r["loader_over_h200_demand"] >= 1)))
+    out.append(("zstd decode MB/s per thread (real activations compress ~1.26x)", fmt(r["zstd_decode_mb_per_s"]), "", "", ""))
+    return out
 
 
 if __name__ == "__main__":

@@ -3,22 +3,12 @@
     .venv/bin/python bench/train.py [--json out.json]                      # a tiny store it builds
     .venv/bin/python bench/train.py --store runs/default/store --anchors 4  # the default SmolLM2 store
 
-Reports, from the run's own train_log.jsonl (steps after the first two):
-  tok_per_s / blocks_per_s   context tokens and drafted blocks trained per second (median)
-  split                      mean seconds and share of a step in data, forward, backward, optimizer
-  ddp                        1 process x 2 micro-batches vs 2 processes (torchrun, gloo) x 1 micro-batch,
-                             same global batch: the largest per-step loss difference (goal: < 1e-5 rel)
-Every run is a real `python -m stage2_train train` subprocess with train.cpu_threads=--threads.
-On CPU the step is dominated by the frozen LM head (rows = blocks x (B-1), times the vocab): blocks/s,
-not tokens/s, is the figure to size a CPU run with.
+Its figures and goals: docs/benchmarks.md, `train`.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,58 +17,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
-from stage2_train.observe.metrics import read_log  # noqa: E402
+from bench.common import STARTED, Row, arguments, emit, fmt, run_training, steady, step_figures, yes  # noqa: E402
 
 
-def build_tiny_store(root: Path) -> tuple[Path, Path]:
-    """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer, and a 60-chat store of it (stage 1)."""
+def tiny_store(root: Path) -> list[str]:
+    """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and a 60-chat store of it (stage 1);
+    returns the overrides that train on it (the stage-1 settings that made it, so it is fresh)."""
     import torch
 
     from shared.config import load_run_config
-    from shared.tiny_target import build_tiny_target
+    from shared.paths import RunPaths
     from stage1_extract import commands as stage1
-    from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+    from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+    from testkit.target import build_tiny_target
 
     torch.set_num_threads(1)
     target = build_tiny_target(root / "target")
     data = write_jsonl(root / "chat.jsonl", chat_rows(60))
-    cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "stage1"))
-    stage1.cmd_extract(cfg, progress=False)
-    return target, root / "stage1" / "store"
-
-
-def train(overrides: list[str], run_dir: Path, threads: int, nproc: int = 1) -> float:
-    """One training run as a subprocess; returns its wall time."""
-    launcher = [sys.executable, "-m", "stage2_train"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                    "-m", "stage2_train"]
-    cmd = launcher + ["train", "--no-progress", f"run_dir={run_dir}", f"train.cpu_threads={threads}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:8])}... failed:\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+    stage1.cmd_extract(load_run_config("configs/default.yaml", stage1_overrides(target, data, root / "run")), progress=False)
+    return train_overrides_for(target, Path(RunPaths(root / "run").store), root, {})
 
 
 def throughput(rows: list[dict], block_size: int) -> dict:
-    steady = rows[2:] if len(rows) > 3 else rows
-    phases = ("data_s", "forward_s", "backward_s", "optim_s")
-    step_s = statistics.mean(r["step_s"] for r in steady)
+    figures, steady_rows = step_figures(rows), steady(rows)
+    step_s = statistics.mean(r["step_s"] for r in steady_rows)
     return {
-        "steps_measured": len(steady),
-        "tok_per_s": round(statistics.median(r["tokens"] / r["step_s"] for r in steady), 1),
-        "blocks_per_s": round(statistics.median(r["blocks"] / r["step_s"] for r in steady), 2),
-        "scored_rows_per_s": round(statistics.median(r["blocks"] * (block_size - 1) / r["step_s"] for r in steady), 1),
-        "tokens_per_step": round(statistics.mean(r["tokens"] for r in steady), 1),
-        "blocks_per_step": round(statistics.mean(r["blocks"] for r in steady), 1),
+        **figures,
+        "scored_rows_per_s": round(figures["blocks_per_s"] * (block_size - 1), 1),
+        "tokens_per_step": round(statistics.mean(r["tokens"] for r in steady_rows), 1),
+        "blocks_per_step": round(statistics.mean(r["blocks"] for r in steady_rows), 1),
         "step_s": round(step_s, 4),
-        "split_s": {p: round(statistics.mean(r[p] for r in steady), 4) for p in phases},
-        "split_share": {p: round(statistics.mean(r[p] for r in steady) / step_s, 3) for p in phases},
-        "data_wait_frac": round(statistics.mean(r["data_wait_frac"] for r in steady), 4),
-        "loss_first_last": [round(rows[0]["loss"], 4), round(rows[-1]["loss"], 4)],
+        "split_share": {p: round(s / step_s, 3) for p, s in figures["split_s"].items()},
         **epoch_boundaries(rows),
     }
 
@@ -97,15 +66,13 @@ def epoch_boundaries(rows: list[dict]) -> dict:
     }
 
 
-def loader_rate(overrides: list[str], trainer_step_s: float, seconds: float = 10.0) -> dict:
+def loader_rate(config: str, overrides: list[str], trainer_step_s: float, seconds: float = 10.0) -> dict:
     """Micro-batches per second the PrefetchLoader delivers alone (2 threads, as in training),
     over the rate the trainer consumed them: the loader must keep ahead by a wide margin."""
     from shared.config import load_run_config
     from stage2_train.data.run_data import open_run_data
 
-    config = next(o.split("=", 1)[1] for o in overrides if o.startswith("--config="))
-    cfg = load_run_config(config, [o for o in overrides if not o.startswith("--")])
-    data = open_run_data(cfg, num_threads=2, prefetch=4)
+    data = open_run_data(load_run_config(config, overrides), num_threads=2, prefetch=4)
     count, started = 0, time.perf_counter()
     with data.loader as loader:
         while time.perf_counter() - started < seconds:
@@ -122,8 +89,7 @@ def loader_rate(overrides: list[str], trainer_step_s: float, seconds: float = 10
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="write the results here too")
+    parser = arguments(__doc__)
     parser.add_argument("--store", help="an existing store (default: build a tiny one)")
     parser.add_argument("--config", default="configs/default.yaml", help="preset for --store runs")
     parser.add_argument("--steps", type=int, default=30, help="several tiny epochs (~6 steps each)")
@@ -135,34 +101,29 @@ def main() -> int:
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    t0 = time.perf_counter()
-    base = [f"--config={args.config}", "log.wandb=disabled", "train.resume=never", "eval.holdout_fraction=0.05",
-            f"sampler.max_anchors_per_seq={args.anchors}", f"model.block_size={args.block_size}",
-            f"loss.gamma={ {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, 7.0) }", "model.num_layers=1"]
+    base = ["log.wandb=disabled", "eval.holdout_fraction=0.05", f"sampler.max_anchors_per_seq={args.anchors}",
+            f"model.block_size={args.block_size}", f"loss.gamma={ {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, 7.0) }",
+            "model.num_layers=1", f"train.cpu_threads={args.threads}"]
     if args.store:
         base += [f"store.path={args.store}"]
         store_desc = args.store
     else:
-        target, store = build_tiny_store(root)
-        base += [f"store.path={store}", f"target.path={target}", "target.num_feature_layers=3",
-                 "target.dtype=fp32", "extract.top_k=8"]
+        base = [*tiny_store(root), *base]
         store_desc = "tiny (6 layers x 64 wide, vocab 49152, 60 chats)"
-    build_s = time.perf_counter() - t0
-    results: dict = {"store": store_desc, "threads": args.threads, "build_store_s": round(build_s, 1)}
+    results: dict = {"store": store_desc, "threads": args.threads, "build_store_s": round(time.perf_counter() - STARTED, 1)}
 
-    run = root / "throughput"
-    wall = train(base + [f"sampler.micro_batch_tokens={args.token_budget}", f"train.max_steps={args.steps}"], run, args.threads)
-    rows = read_log(run / "train_log.jsonl", "train")
-    results["throughput"] = {"token_budget": args.token_budget, "wall_s": round(wall, 1), **throughput(rows, args.block_size)}
+    def train(name: str, overrides: list[str], nproc: int = 1):
+        return run_training(root / name, [*base, *overrides], args.config, nproc, env={"OMP_NUM_THREADS": str(args.threads)})
 
-    results["loader"] = loader_rate(base + [f"sampler.micro_batch_tokens={args.token_budget}", f"run_dir={run}"], results["throughput"]["step_s"])
+    budget = f"sampler.micro_batch_tokens={args.token_budget}"
+    run = train("throughput", [budget, f"train.max_steps={args.steps}"])
+    results["throughput"] = {"token_budget": args.token_budget, "wall_s": round(run.seconds, 1), **throughput(run.rows, args.block_size)}
+    results["loader"] = loader_rate(args.config, [*base, budget, f"run_dir={run.paths.run_dir}"], results["throughput"]["step_s"])
 
     if not args.skip_ddp:
-        small = base + [f"sampler.micro_batch_tokens={args.token_budget // 2}", "train.max_steps=4"]
-        wall_one = train(small + ["train.grad_accum=2"], root / "one", args.threads)
-        wall_two = train(small + ["train.grad_accum=1"], root / "two", args.threads, nproc=2)
-        one = read_log(root / "one" / "train_log.jsonl", "train")
-        two = read_log(root / "two" / "train_log.jsonl", "train")
+        small = [f"sampler.micro_batch_tokens={args.token_budget // 2}", "train.max_steps=4"]
+        one_run, two_run = train("one", [*small, "train.grad_accum=2"]), train("two", [*small, "train.grad_accum=1"], nproc=2)
+        one, two = one_run.rows, two_run.rows
         diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]
         results["ddp"] = {
             "steps": len(diffs),
@@ -171,10 +132,32 @@ def main() -> int:
             "max_abs_loss_diff": max(diffs),
             "max_rel_loss_diff": max(d / abs(a["loss"]) for d, a in zip(diffs, one)),
             "max_rel_grad_norm_diff": max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(one, two)),
-            "wall_s_1proc": round(wall_one, 1),
-            "wall_s_2proc": round(wall_two, 1),
+            "wall_s_1proc": round(one_run.seconds, 1),
+            "wall_s_2proc": round(two_run.seconds, 1),
         }
-    return emit(results, args.json, t0)
+    return emit(results, args.json)
+
+
+def rows(r: dict) -> list[Row]:
+    out: list[Row] = []
+    t = r["throughput"]
+    out.append(("training tokens/s on CPU (tiny store)", fmt(t["tok_per_s"]), "", f"{t['blocks_per_s']} blocks/s", ""))
+    split = ", ".join(f"{k.replace('_s', '')} {v:.0%}" for k, v in t["split_share"].items())
+    out.append(("step time split", split, "", f"step {t['step_s']} s", ""))
+    out.append(("data-wait fraction during training", fmt(t["data_wait_frac"]), "< 0.02", "", yes(t["data_wait_frac"] < 0.02)))
+    if t.get("boundary_over_median_max") is not None:
+        out.append((f"longest step-to-step gap at an epoch boundary / median step ({t['epochs']} epochs)",
+                    fmt(t["boundary_over_median_max"]), "<= 1.2",
+                    f"median {t['median_step_gap_s']} s; boundaries {t['boundary_step_gaps_s']}",
+                    yes(t["boundary_over_median_max"] <= 1.2)))
+    if "loader" in r:
+        out.append(("loader delivery rate / trainer consumption", fmt(r["loader"]["loader_over_trainer"]), ">= 5",
+                    f"trainer {r['loader']['trainer_batches_per_s']} batches/s", yes(r["loader"]["loader_over_trainer"] >= 5)))
+    if "ddp" in r:
+        d = r["ddp"]
+        out.append(("2 processes vs 1, same global batch: max rel. loss diff", fmt(d["max_rel_loss_diff"]), "float tolerance",
+                    f"{d['steps']} steps", yes(d["max_rel_loss_diff"] < 1e-5)))
+    return out
 
 
 if __name__ == "__main__":

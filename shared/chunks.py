@@ -11,7 +11,7 @@ sample needs five arrays. This module reads what zarr would read (the index once
 the byte range of each inner chunk) with one plain read per chunk, decodes it with the same codec
 (numcodecs' zstd), and keeps decoded chunks in a byte-bounded LRU, so the samples that share a
 chunk decode it once. Arrays written with any other codec pipeline are not recognised here
-(`open_shard_array` returns None) and `shared.store.StoreReader` reads them through zarr instead.
+(`open_shard_array` returns None) and `shared.reader.StoreReader` reads them through zarr instead.
 Remote stores (fsspec URLs) read the same byte ranges with `cat_file`; `LocalChunkCache` keeps
 their chunk bytes on local disk within a size bound.
 

@@ -230,8 +230,9 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A preset with its `inherit:` bases merged in, section by section.
 
-    `inherit` names one file or a list of files (relative to this one), merged in order, then this
-    file on top. A loop (a file inheriting itself through others) is a ConfigError naming the chain."""
+    `inherit` names one file or a list of files (relative to this one, or a preset of the project by
+    name), merged in order, then this file on top. A loop (a file inheriting itself through others)
+    is a ConfigError naming the chain."""
     path = Path(path)
     if not path.is_file():
         raise InputFileError(f"config file not found: {path}")
@@ -256,7 +257,10 @@ def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[st
         raise ConfigError(f"{path}: inherit must name a file or a list of files, got {bases!r}")
     merged: dict[str, Any] = {}
     for base in bases:
-        _merge(merged, load_yaml(path.parent / base, (*_chain, resolved)))
+        # A file beside this one, else a preset of the project by name (a user's config anywhere can
+        # say `inherit: qwen3-8b`).
+        beside = path.parent / base
+        _merge(merged, load_yaml(beside if beside.is_file() else resolve_preset(base), (*_chain, resolved)))
     return _merge(merged, data)
 
 

@@ -32,7 +32,7 @@ from shared.identity import (
 )
 from shared.paths import RunPaths
 from shared.target import TargetInfo
-from shared.token_cache import DamagedCache, TokenCache, token_cache_key
+from shared.token_cache import ROW_SETTINGS, DamagedCache, TokenCache, token_cache_key
 
 FIX = "run `python -m stage1_extract reprocess` with this config (it re-extracts only those)"
 
@@ -92,7 +92,7 @@ def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]
 
 
 def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], source: Any, report: Staleness) -> None:
-    settings = {k: stage1_value(cfg, f"data.{k}") for k in ("max_length", "on_long", "on_bad_row", "max_samples")}
+    settings = {k: stage1_value(cfg, f"data.{k}") for k in ROW_SETTINGS}
     hashes = {"tokenizer_sha256": target.tokenizer_sha256, "chat_template_sha256": target.chat_template_sha256}
     key, inputs = token_cache_key(source, hashes, settings)
     cache = TokenCache(RunPaths.of(cfg).token_cache, key, inputs)

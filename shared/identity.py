@@ -38,6 +38,7 @@ IDENTITY_VERSION = 2  # 2: the target by content (no path), auto settings read b
 # defaults of stage 1's own sections).
 STAGE1_DEFAULTS: dict[str, Any] = {
     "data.path": None,
+    "data.format": "auto",
     "data.regenerate": True,
     "data.max_samples": None,
     "data.on_bad_row": "raise",
@@ -101,7 +102,7 @@ AUTO_SETTINGS = {"compute_dtype": "target.dtype", "attn_implementation": "target
 
 
 def storage_settings(store: Any) -> dict[str, Any]:
-    return {"dtype": store.dtype, "compression": store.compression, "zstd_level": store.zstd_level, "chunk_tokens": store.chunk_tokens}
+    return store.identity()  # the codec and what it keeps (shared/store.py StoreConfig.identity)
 
 
 def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -189,10 +190,13 @@ def generate_settings_key(settings: dict[str, Any]) -> str:
 def generation_inputs(cfg: RunConfig, weights_sha256: str, prompts_sha256: str) -> dict[str, Any]:
     """What the generated conversations must have been made from to belong to this config: the
     prompts by content (a prompts file that only moved is the same input)."""
+    data_format = stage1_value(cfg, "data.format")
     return {
         "prompts_sha256": prompts_sha256,
         "max_samples": stage1_value(cfg, "data.max_samples"),
         "on_bad_row": stage1_value(cfg, "data.on_bad_row"),
+        # only when set: answers generated before data.format existed were read as `auto` reads them
+        **({"format": data_format} if data_format != "auto" else {}),
         "settings": generate_settings(cfg, weights_sha256),
     }
 
@@ -222,7 +226,7 @@ def generated_problem(cfg: RunConfig, weights_sha256: str) -> str | None:
         return None
     names = {
         "prompts_sha256": f"the prompts' content ({prompts})", "settings.target": "the target's weights",
-        "max_samples": "data.max_samples", "on_bad_row": "data.on_bad_row", "settings.seed": "seed",
+        "max_samples": "data.max_samples", "on_bad_row": "data.on_bad_row", "format": "data.format", "settings.seed": "seed",
     }
     what = ", ".join(
         f"{names.get(k, k.replace('settings.', ''))} ({_short(v[0])} -> {_short(v[1])})" for k, v in changed.items()

@@ -21,11 +21,20 @@ claims (a claim whose flock it can take belongs to a process that died: it is re
 makes its claim first, then checks for a writer. So one of them always sees the other, and a
 writer is refused naming the reader (rewriting shards under a training run breaks it). Short
 readers (`status`, `verify` without `--repair`, `doctor`, `eval`, `export`) make no claim.
+
+Local folders whose file system has no `flock` (Lustre mounted without `-o flock`, NFS without a
+lock daemon: ENOSYS, ENOLCK, EOPNOTSUPP) get the lease instead, written by rename; a warning says
+so, and `exclusive` yields the lock it took ("flock" or "lease") for the command's summary. Reader
+claims need `flock` and are not made there: a reader refuses to start while a writer's lease is
+live, and a rewrite that still happens under it is named by the manifest check
+(`StoreReader._rewritten`), not refused. Lustre's `-o localflock` makes flock node-local: not handled.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import secrets
 import socket
@@ -39,11 +48,34 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import BusyError
+from shared.files import write_atomic
 
 LOCK_NAME = ".dflash.lock"
 READERS_NAME = ".dflash.readers"
 LEASE_NAME = ".dflash.lease.json"
 LEASE_S = 300.0
+# What `flock` fails with where the file system does not support it (Lustre: ENOSYS; NFS: ENOLCK).
+NO_FLOCK_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+
+log = logging.getLogger(__name__)
+
+
+class FlockUnsupported(OSError):
+    """The folder's file system does not support `flock`."""
+
+
+def _flock(fd: int, operation: int, folder: Path) -> None:
+    import fcntl
+
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as exc:  # BlockingIOError (held by another) goes to the caller as it is
+        if exc.errno not in NO_FLOCK_ERRNOS:
+            raise
+        raise FlockUnsupported(
+            exc.errno, f"{folder}: the file system does not support flock ({os.strerror(exc.errno)}; Lustre "
+            f"mounted without -o flock, or NFS without a lock daemon)"
+        ) from exc
 
 
 def _holder(command: str) -> dict[str, Any]:
@@ -63,37 +95,62 @@ def _describe(holder: dict[str, Any]) -> str:
     )
 
 
-@contextmanager
-def exclusive(url: str, command: str) -> Iterator[None]:
-    """Hold the lock of the folder `url` (created if missing) while the block runs."""
-    lock = FileLock(Path(url)) if "://" not in url or url.startswith("file://") else LeaseLock(url)
-    lock.acquire(command)
+def acquire_lock(url: str, command: str) -> FileLock | LeaseLock:
+    """The lock of the folder `url` (created if missing), held: an flock locally, a lease on an
+    object store or where the file system has no flock."""
+    if "://" in url and not url.startswith("file://"):
+        lease = LeaseLock(url)
+        lease.acquire(command)
+        return lease
+    lock = FileLock(Path(url))
     try:
-        yield
+        lock.acquire(command)
+        return lock
+    except FlockUnsupported as exc:
+        log.warning(
+            "%s; locking with a lease instead (%s, renewed while held: a holder that dies blocks the next "
+            "writer for up to %d s)", exc.strerror, lock.folder / LEASE_NAME, LEASE_S,
+        )
+    lease = LeaseLock(str(lock.folder))
+    lease.acquire(command)
+    return lease
+
+
+@contextmanager
+def exclusive(url: str, command: str) -> Iterator[str]:
+    """Hold the lock of the folder `url` (created if missing) while the block runs; yields its kind
+    ("flock" or "lease")."""
+    lock = acquire_lock(url, command)
+    try:
+        yield lock.kind
     finally:
         lock.release()
 
 
 @contextmanager
-def exclusive_on_rank0(url: str, command: str, rank: int, all_ok: Callable[[bool], bool]) -> Iterator[None]:
+def exclusive_on_rank0(url: str, command: str, rank: int, all_ok: Callable[[bool], bool]) -> Iterator[str | None]:
     """Under torchrun: rank 0 holds the lock of `url` while the block runs, and every rank learns at
     once when it could not (a second writer is refused before any rank touches a file). `all_ok` is
-    the agreement collective (True on every rank iff True on all); every rank calls it once."""
+    the agreement collective (True on every rank iff True on all); every rank calls it once. Yields
+    the lock's kind on rank 0, None on the others."""
     with ExitStack() as stack:
         error: BaseException | None = None
+        kind = None
         if rank == 0:
             try:
-                stack.enter_context(exclusive(url, command))
+                kind = stack.enter_context(exclusive(url, command))
             except Exception as exc:  # noqa: BLE001 - any failure (busy, read-only, NFS) must reach the vote
                 error = exc
         if not all_ok(error is None):
             if error is not None:
                 raise error
             raise BusyError(f"{url}: rank 0 could not lock it (its error is in rank 0's output)")
-        yield
+        yield kind
 
 
 class FileLock:
+    kind = "flock"
+
     def __init__(self, folder: Path):
         self.folder = Path(str(folder).removeprefix("file://"))
         self.path = self.folder / LOCK_NAME
@@ -106,10 +163,13 @@ class FileLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, self.folder)
             except BlockingIOError:
                 time.sleep(0.05)  # a reader's claim checks for a writer with a shared flock held for microseconds
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except FlockUnsupported:
+            os.close(fd)
+            raise
         except BlockingIOError:
             holder = _read_json(os.read(fd, 4096))
             os.close(fd)
@@ -171,7 +231,8 @@ class ReaderClaim:
 
     def acquire(self, command: str) -> None:
         """Claim the folder; BusyError naming the writer that holds it; OSError where no claim can be
-        made (a read-only store): the caller reads without one."""
+        made (a read-only store; FlockUnsupported: a file system without flock, after checking that
+        no writer's lease is live): the caller reads without one."""
         import fcntl
 
         claims = self.folder / READERS_NAME
@@ -180,7 +241,18 @@ class ReaderClaim:
         name = f"{holder['host']}-{holder['pid']}-{secrets.token_hex(4)}.json"
         tmp = claims / f".{name}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)  # before it has its name: a writer never sees it unclaimed
+        try:
+            _flock(fd, fcntl.LOCK_SH, self.folder)  # before it has its name: a writer never sees it unclaimed
+        except OSError as exc:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            lease = LeaseLock(str(self.folder)).live() if isinstance(exc, FlockUnsupported) else None
+            if lease is not None:  # there, writers hold a lease (`acquire_lock`)
+                raise BusyError(
+                    f"{self.folder} is being written by {_describe(lease)}; wait for it to finish before `{command}` "
+                    f"reads it"
+                ) from None
+            raise
         os.write(fd, json.dumps(holder).encode())
         os.replace(tmp, claims / name)
         self.path, self._fd = claims / name, fd
@@ -211,12 +283,16 @@ def _drop_claim(path: Path, fd: int) -> None:
 
 
 class LeaseLock:
+    kind = "lease"
+
     def __init__(self, url: str, lease_s: float = LEASE_S, clock: Callable[[], float] = time.time):
         import fsspec
 
         self.url = url.rstrip("/")
         self.fs, root = fsspec.core.url_to_fs(self.url)
         self.path = f"{root}/{LEASE_NAME}"
+        # A local folder without flock: written by rename, so a reader never sees a half-written lease.
+        self.local = "file" in ((self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol)
         self.lease_s = lease_s
         self.clock = clock  # wall clock (leases are compared across hosts); tests pass their own
         self.token = secrets.token_hex(8)
@@ -231,11 +307,21 @@ class LeaseLock:
 
     def _write(self, command: str) -> None:
         lease = {**_holder(command), "token": self.token, "expires": self.clock() + self.lease_s}
-        self.fs.pipe_file(self.path, json.dumps(lease).encode())
+        if self.local:
+            write_atomic(self.path, json.dumps(lease))
+        else:
+            self.fs.pipe_file(self.path, json.dumps(lease).encode())
 
-    def acquire(self, command: str) -> None:
+    def live(self) -> dict[str, Any] | None:
+        """Another holder's unexpired lease, or None."""
         current = self._read()
         if current and current.get("token") != self.token and current.get("expires", 0) > self.clock():
+            return current
+        return None
+
+    def acquire(self, command: str) -> None:
+        current = self.live()
+        if current is not None:
             raise BusyError(
                 f"{self.url} is in use by {_describe(current)} (lease until "
                 f"{time.strftime('%H:%M:%S', time.localtime(current['expires']))}); wait for it or stop it"

@@ -1,27 +1,33 @@
 """The feature store: sharded Zarr v3 groups plus a manifest, the stage-1 -> stage-2 contract.
 
-This is the only module that imports zarr. Layout under the store root (a local path or an
+This module and its reader (`shared/reader.py`) are the only code that imports zarr; how hidden
+states are encoded is `shared/codecs.py`. Layout under the store root (a local path or an
 fsspec URL such as s3://bucket/store or memory://x):
 
     manifest.json              written last; readers trust only the shards it lists
     plan.json                  the shard plan, pinned at the first run (resume and reprocess reuse it)
     parts/shard-000003.json    one record per finished shard, written right after the shard's data
     shards/shard-000003-<tag>/ one Zarr group per shard, written whole, once, by one writer:
-        hidden        [T, L, H]  bf16 (as uint16 bits) or fp8 e4m3 (as uint8 bits)
-        hidden_scale  [T, L]     float32, fp8 only: per-token, per-layer scale (amax / 448)
+        hidden        [T, L, H]  bf16 (as uint16 bits) or fp8 e4m3 (as uint8 bits); fp4: [T, L, H/2]
+                                 uint8, two e2m1 codes a byte (shared/fp4.py)
+        hidden_scale  [T, L]     float32, fp8 and fp4: per-token, per-layer scale (amax / 448; fp4 amax / 2688)
         topk_logprobs [T, K]     float16, log-softmax of the target's logits after final norm + LM head
         topk_ids      [T, K]     int32
         input_ids     [T]        int32
         loss_mask     [T]        bool
         offsets       [S + 1]    int64, sample s is tokens offsets[s]:offsets[s+1]
         sample_ids    [S]        int64, the sample's index in the input data
+      fp4 only (shared/fp4.py):
+        hidden_group_scale      [T, L, H/16]  uint8, e4m3 bits: one scale per 16 channels
+        hidden_outliers         [T, L, N]     uint16, bf16 bits of the outlier channels, exact
+        hidden_outlier_channels [L, N]        int32, those channels (one set for the whole store)
 
 The shard tag hashes the shard's inputs and the extraction settings, so a rewritten shard gets
 a new name and the manifest switches to it in one write: replacing a shard needs no rename,
 which object stores lack. Every array is one Zarr shard of `chunk_tokens`-token chunks, so any
 zarr client (xarray, dask) can open a group, and a random window read touches few chunks.
 
-Shape legend: T tokens, L feature layers, H hidden size, K top-k, S samples.
+Shape legend: T tokens, L feature layers, H hidden size, K top-k, S samples, N outlier channels.
 """
 
 from __future__ import annotations
@@ -30,15 +36,14 @@ import hashlib
 import json
 import logging
 import os
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from shared import fp4
 from shared.chunks import ALL_CHUNKS_WRITTEN, shard_file_key
+from shared.codecs import FP4_ARRAYS, EncodedSample, SampleFeatures, encode_sample
 from shared.errors import StoreError
 from shared.files import fsync_tree, write_atomic
 from shared.section import Section
@@ -47,16 +52,22 @@ from shared.shard_records import record_problem
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-ARRAY_NAMES = ("hidden", "hidden_scale", "topk_logprobs", "topk_ids", "input_ids", "loss_mask", "offsets", "sample_ids")
+ARRAY_NAMES = (
+    "hidden", "hidden_scale", "topk_logprobs", "topk_ids", "input_ids", "loss_mask", "offsets", "sample_ids",
+    "hidden_group_scale", "hidden_outliers", "hidden_outlier_channels",
+)
+NOT_TOKEN_MAJOR = ("offsets", "sample_ids", "hidden_outlier_channels")
 
 
 class StoreConfig(Section):
     section: ClassVar[str] = "store"
     path: str | None = None
     """Local folder or fsspec URL (s3://bucket/store); null = <run_dir>/store."""
-    dtype: Literal["bf16", "fp8"] = "bf16"
-    """Hidden states as bf16, or fp8 e4m3 with a per-token, per-layer scale (half the bytes)."""
+    dtype: Literal["bf16", "fp8", "fp4"] = "bf16"
+    """Hidden states as bf16, or fp8 e4m3 with a per-token, per-layer scale (half the bytes), or fp4: e2m1
+    in groups of 16 with e4m3 group scales plus fp4_outlier_channels exact channels (0.29x at 8B)."""
+    fp4_outlier_channels: int = 8
+    """fp4 only: per layer, this many channels (largest mean |x| on the first shard, fixed per store) stored exact."""
     compression: Literal["none", "zstd"] = "zstd"
     """Codec of every array (zstd saves ~1.3x on hidden states, ~2x on top-k)."""
     zstd_level: int = 3
@@ -78,6 +89,25 @@ class StoreConfig(Section):
         self.require(self.chunk_tokens >= 16, "chunk_tokens", "must be >= 16")
         self.require(self.read_cache_mb >= 0, "read_cache_mb", "must be >= 0")
         self.require(self.local_cache_gb >= 0, "local_cache_gb", "must be >= 0")
+        self.require(0 <= self.fp4_outlier_channels <= 256, "fp4_outlier_channels", "must be in 0..256")
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that change a shard's bytes (the header's `storage`); the outlier count only
+        for fp4, so the identity of bf16 and fp8 stores is what it was before fp4 existed."""
+        out: dict[str, Any] = {"dtype": self.dtype, "compression": self.compression, "zstd_level": self.zstd_level,
+                               "chunk_tokens": self.chunk_tokens}
+        if self.dtype == "fp4":
+            out["fp4_outlier_channels"] = self.fp4_outlier_channels
+        return out
+
+    def bytes_per_token(self, num_layers: int, hidden_size: int, top_k: int) -> int:
+        """Uncompressed bytes one token costs in a store of these settings."""
+        return bytes_per_token(self.dtype, num_layers, hidden_size, top_k, self.fp4_outlier_channels)
+
+    def describe(self) -> str:
+        """'fp8+zstd', 'fp4 (e2m1/16 + e4m3 scales + 8 exact channels)+zstd'."""
+        codec = f"fp4 (e2m1/16 + e4m3 scales + {self.fp4_outlier_channels} exact channels)" if self.dtype == "fp4" else self.dtype
+        return f"{codec}+{self.compression}"
 
     def reader_options(self) -> dict[str, Any]:
         """StoreReader's keyword arguments from this section."""
@@ -89,9 +119,12 @@ class StoreConfig(Section):
         return self.path or str(Path(run_dir) / "store")
 
 
-def bytes_per_token(dtype: str, num_layers: int, hidden_size: int, top_k: int) -> int:
-    """Uncompressed bytes one token costs in the store."""
-    hidden = num_layers * hidden_size * (2 if dtype == "bf16" else 1) + (4 * num_layers if dtype == "fp8" else 0)
+def bytes_per_token(dtype: str, num_layers: int, hidden_size: int, top_k: int, outlier_channels: int = 8) -> int:
+    """Uncompressed bytes one token costs in the store (`outlier_channels`: fp4's, per layer)."""
+    if dtype == "fp4":
+        hidden = fp4.bytes_per_token(num_layers, hidden_size, outlier_channels)
+    else:
+        hidden = num_layers * hidden_size * (2 if dtype == "bf16" else 1) + (4 * num_layers if dtype == "fp8" else 0)
     return hidden + top_k * (2 + 4) + 4 + 1
 
 
@@ -158,75 +191,12 @@ def _zarr_store(url: str, read_only: bool) -> Any:
     return FsspecStore.from_url(url, read_only=read_only)
 
 
-# ---------------------------------------------------------------------------------------------
-# Encoding
-
-
-@dataclass
-class SampleFeatures:
-    """One extracted sample, host memory, ready to store."""
-
-    sample_id: int
-    input_ids_T: np.ndarray  # int32
-    loss_mask_T: np.ndarray  # bool
-    hidden_TLH: Any  # torch tensor, bf16 or fp32
-    topk_logprobs_TK: Any  # torch tensor, float32
-    topk_ids_TK: Any  # torch tensor, int
-
-
-def encode_hidden(hidden_TLH: Any, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """torch [T, L, H] -> stored bits (uint16 for bf16, uint8 for fp8) and the fp8 scale [T, L]."""
-    import torch
-
-    if dtype == "bf16":
-        return hidden_TLH.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), None
-    x_TLH = hidden_TLH.float()
-    amax_TL = x_TLH.abs().amax(dim=-1)
-    scale_TL = torch.where(amax_TL > 0, amax_TL / FP8_MAX, torch.ones_like(amax_TL))
-    q_TLH = (x_TLH / scale_TL[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q_TLH.view(torch.uint8).numpy(), scale_TL.numpy().astype(np.float32)
-
-
-@dataclass
-class EncodedSample:
-    """One sample in its stored form, in arrays of its own (no view into a producer's buffer)."""
-
-    sample_id: int
-    input_ids: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # bool [T]
-    hidden_bits: np.ndarray  # uint16 (bf16) or uint8 (fp8) [T, L, H]
-    hidden_scale: np.ndarray | None  # float32 [T, L], fp8 only
-    topk_logprobs: np.ndarray  # float16 [T, K]
-    topk_ids: np.ndarray  # int32 [T, K]
-
-    @property
-    def nbytes(self) -> int:
-        arrays = (self.input_ids, self.loss_mask, self.hidden_bits, self.hidden_scale, self.topk_logprobs, self.topk_ids)
-        return sum(a.nbytes for a in arrays if a is not None)
-
-
-def encode_sample(sample: SampleFeatures, dtype: str) -> EncodedSample:
-    """A host sample in stored form. Every array is a copy: the caller may reuse (pinned) buffers
-    the moment this returns."""
-    bits, scale = encode_hidden(sample.hidden_TLH, dtype)
-    return EncodedSample(
-        sample_id=sample.sample_id,
-        input_ids=np.array(sample.input_ids_T, dtype=np.int32),
-        loss_mask=np.array(sample.loss_mask_T, dtype=bool),
-        hidden_bits=np.array(bits, copy=True),
-        hidden_scale=scale,
-        topk_logprobs=sample.topk_logprobs_TK.float().numpy().astype(np.float16),
-        topk_ids=sample.topk_ids_TK.numpy().astype(np.int32),
-    )
-
-
-def decode_hidden(bits_TLH: np.ndarray, scale_TL: np.ndarray | None, dtype: str) -> Any:
-    import torch
-
-    if dtype == "bf16":
-        return torch.from_numpy(np.ascontiguousarray(bits_TLH).view(np.int16)).view(torch.bfloat16)
-    q_TLH = torch.from_numpy(np.ascontiguousarray(bits_TLH)).view(torch.float8_e4m3fn)
-    return (q_TLH.float() * torch.from_numpy(np.ascontiguousarray(scale_TL))[..., None]).to(torch.bfloat16)
+def supervised_pairs(loss_mask_T: np.ndarray) -> int:
+    """Positions t with loss_mask[t] and loss_mask[t + 1]: where stage 2 may anchor a block (its
+    anchor and first drafted token supervised). Recorded per sample in the part records, so the
+    trainer counts a sample's blocks without reading its features."""
+    mask = np.asarray(loss_mask_T, dtype=bool)
+    return int(np.count_nonzero(mask[:-1] & mask[1:]))
 
 
 def content_checksum(arrays: dict[str, np.ndarray]) -> str:
@@ -246,15 +216,17 @@ def shard_name(index: int, tag: str) -> str:
 
 
 def write_shard(
-    url: str, name: str, samples: list[SampleFeatures] | list[EncodedSample], cfg: StoreConfig
+    url: str, name: str, samples: list[SampleFeatures] | list[EncodedSample], cfg: StoreConfig,
+    outlier_channels: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Write one whole shard group and return its record (tokens, bytes, checksum)."""
+    """Write one whole shard group and return its record (tokens, bytes, checksum). fp4 samples not
+    yet encoded need the store's `outlier_channels`."""
     import zarr
     from zarr.codecs import ZstdCodec
 
     if not samples:
         raise ValueError(f"shard {name}: no samples to write")
-    encoded = [s if isinstance(s, EncodedSample) else encode_sample(s, cfg.dtype) for s in samples]
+    encoded = [s if isinstance(s, EncodedSample) else encode_sample(s, cfg.dtype, outlier_channels) for s in samples]
     arrays: dict[str, np.ndarray] = {
         "hidden": np.concatenate([s.hidden_bits for s in encoded]),
         "topk_logprobs": np.concatenate([s.topk_logprobs for s in encoded]),
@@ -264,14 +236,21 @@ def write_shard(
         "offsets": np.concatenate([[0], np.cumsum([len(s.input_ids) for s in encoded])]).astype(np.int64),
         "sample_ids": np.asarray([s.sample_id for s in encoded], dtype=np.int64),
     }
-    if cfg.dtype == "fp8":
+    if cfg.dtype in ("fp8", "fp4"):
         arrays["hidden_scale"] = np.concatenate([s.hidden_scale for s in encoded])
+    if cfg.dtype == "fp4":
+        for key in FP4_ARRAYS:
+            arrays[key] = np.concatenate([s.fp4_parts[key] for s in encoded])
+        channels = encoded[0].fp4_parts["hidden_outlier_channels"]
+        if any(not np.array_equal(s.fp4_parts["hidden_outlier_channels"], channels) for s in encoded):
+            raise ValueError(f"shard {name}: samples encoded with different outlier channels")
+        arrays["hidden_outlier_channels"] = channels
     num_tokens = int(arrays["offsets"][-1])
     compressors = ZstdCodec(level=cfg.zstd_level) if cfg.compression == "zstd" else None
     group = zarr.open_group(store=_zarr_store(url, read_only=False), path=f"shards/{name}", mode="w", zarr_format=3)
     group.attrs.update({"schema_version": SCHEMA_VERSION, "hidden_dtype": cfg.dtype, "num_tokens": num_tokens})
     for key, data in arrays.items():
-        token_major = key not in ("offsets", "sample_ids")
+        token_major = key not in NOT_TOKEN_MAJOR
         # Equal chunks of at most chunk_tokens: an uncompressed partial tail chunk would be stored
         # padded to full size, which costs up to a chunk of padding per shard.
         num_chunks = -(-len(data) // cfg.chunk_tokens) if token_major else 1
@@ -325,8 +304,11 @@ def read_shard_arrays(url: str, name: str) -> dict[str, np.ndarray]:
 def read_manifest(url: str) -> dict[str, Any]:
     files = StoreFiles(url)
     if not files.exists("manifest.json"):
-        hint = " (extraction has not finished: run `python -m stage1_extract status`)" if files.exists("plan.json") else ""
-        raise StoreError(f"{url}: no manifest.json{hint}")
+        if files.exists("plan.json"):
+            hint = "extraction has not finished: `python -m stage1_extract status` says what is left, `extract` resumes it"
+        else:
+            hint = "no store was extracted here: `python -m stage1_extract extract --config ...` builds it (`make extract`)"
+        raise StoreError(f"{url}: no manifest.json; {hint}")
     manifest = load_manifest(files)
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
@@ -377,251 +359,3 @@ def check_manifest_matches(manifest: dict[str, Any], expected: dict[str, Any], u
 # Reading
 
 
-def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.ndarray:
-    """int64 per sample: a hash of its tokens and loss mask when every shard record lists them
-    (`content_hashes`), so identical samples share a key and the held-out split keeps them on one
-    side; else the sample ids (stores written before content hashes were recorded)."""
-    if shards and all("content_hashes" in s for s in shards):
-        return np.asarray([int(h[:15], 16) for s in shards for h in s["content_hashes"]], dtype=np.int64)
-    return sample_ids
-
-
-class StoreReader:
-    """Samples by index over the shards the manifest lists. Thread-safe for concurrent reads.
-
-    A read decodes whole inner chunks (one plain read each, `shared/chunks.py`) and keeps them in a
-    byte-bounded LRU (`cache_mb`), so samples sharing a chunk decode it once; shard metadata and chunk
-    indexes are read once per shard and kept for the `cache_shards` shards used last. Arrays written
-    with another codec pipeline are read through zarr. A remote store's chunk bytes can be kept on
-    local disk (`local_cache_dir`, at most `local_cache_gb`)."""
-
-    REQUIRED = ("input_ids", "loss_mask", "hidden", "topk_logprobs", "topk_ids", "offsets")
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        cache_mb: int = 1024,
-        cache_shards: int = 256,
-        local_cache_dir: str | os.PathLike | None = None,
-        local_cache_gb: float = 0.0,
-    ):
-        from shared.chunks import ChunkSource, DecodedChunks, LocalChunkCache
-
-        self.url = url
-        self.manifest = read_manifest(url)
-        self.hidden_dtype = self.manifest["storage"]["dtype"]
-        shards = self.manifest["shards"]
-        counts = np.asarray([s["num_samples"] for s in shards], dtype=np.int64)
-        self._shard_start = np.concatenate([[0], np.cumsum(counts)])
-        self._shards = shards
-        self.lengths = np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
-        self.sample_ids = np.concatenate([np.asarray(s["sample_ids"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
-        self.split_keys = content_keys(shards, self.sample_ids)
-        files = StoreFiles(url)
-        self._check_listing(files)
-        local_cache = None
-        if not files.is_local and local_cache_dir is not None and local_cache_gb > 0:
-            local_cache = LocalChunkCache(local_cache_dir, int(local_cache_gb * 2**30))
-        self._source = ChunkSource(files.fs, files.root, files.is_local, local_cache)
-        self._chunks = DecodedChunks(cache_mb * 2**20)
-        self._open: OrderedDict[int, tuple[dict[str, Any], np.ndarray]] = OrderedDict()
-        self._cache_shards = cache_shards
-        self._lock = threading.Lock()
-        self._zarr_store = None
-        self._feature_shape: tuple[int, int] | None = None
-        self._claim: Any = None
-
-    def __len__(self) -> int:
-        return int(self._shard_start[-1])
-
-    def hold(self, command: str) -> StoreReader:
-        """Claim a local store for as long as this reader reads it (until `close`): stage-1 writers
-        are refused naming this process, and this is refused while one writes. Where no claim can
-        be made (an object store, a read-only folder) a failed read still says whether the store
-        was rewritten meanwhile (`_damaged`)."""
-        from shared.lock import ReaderClaim
-
-        if "://" in self.url and not self.url.startswith("file://"):
-            return self
-        claim = ReaderClaim(self.url)
-        try:
-            claim.acquire(command)
-        except OSError as exc:
-            log.info("%s: no reader claim (%s); a concurrent rewrite is still named if a read fails", self.url, exc)
-            return self
-        self._claim = claim
-        return self
-
-    def close(self) -> None:
-        if self._claim is not None:
-            self._claim.release()
-            self._claim = None
-
-    def _damaged(self, shard: str, what: str, fix: str) -> StoreError:
-        """The error for shard `shard`, which cannot be read as the manifest says: `fix` names the
-        repair, unless the store was rewritten under this reader (`_rewritten`)."""
-        return self._rewritten(shard, what) or StoreError(f"{self.url}: shard {shard} {what}; {fix}")
-
-    def _rewritten(self, shard: str, what: str) -> StoreError | None:
-        """When manifest.json changed since this reader opened the store, a writer (`reprocess`)
-        replaced shards under it: no repair of the store would help, and the error says so."""
-        try:
-            changed = read_manifest(self.url) != self.manifest
-        except StoreError:
-            changed = True  # gone or torn now: not what this reader opened
-        if not changed:
-            return None
-        return StoreError(
-            f"{self.url}: shard {shard} {what}, and manifest.json changed since this run opened the store: it was "
-            f"rewritten (`stage1_extract reprocess`, `extract` or `verify --repair`) while being read. The store is "
-            f"not damaged; rerun once the writer has finished (keep writers off a store while training reads it)"
-        )
-
-    def _check_listing(self, files: StoreFiles) -> None:
-        """Cheap open-time check (one listing): every shard the manifest lists is there."""
-        present = set(files.list("shards"))
-        missing = [s["name"] for s in self._shards if s["name"] and s["name"] not in present]
-        if missing:
-            raise self._damaged(
-                missing[0], f"is missing ({len(missing)} shard(s) listed in manifest.json are)",
-                "run `python -m stage1_extract verify --repair` or `reprocess`",
-            )
-
-    def _shard(self, shard: int) -> tuple[dict[str, Any], np.ndarray]:
-        """The shard's arrays (metadata and chunk indexes read once) and its offsets."""
-        with self._lock:
-            if shard in self._open:
-                self._open.move_to_end(shard)
-                return self._open[shard]
-        name = self._shards[shard]["name"]
-        try:
-            arrays = self._open_arrays(name)
-            offsets = self._read(arrays["offsets"], 0, self._shards[shard]["num_samples"] + 1, (shard, "offsets"))
-        except StoreError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure here means a damaged (or replaced) shard
-            raise self._damaged(
-                name, f"cannot be opened ({type(exc).__name__}: {exc})", "run `python -m stage1_extract verify --repair`"
-            ) from exc
-        info = self._shards[shard]
-        if len(offsets) != info["num_samples"] + 1 or int(offsets[-1]) != info["num_tokens"]:
-            raise self._damaged(
-                name, f"holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, the manifest says "
-                f"{info['num_samples']} / {info['num_tokens']}", "run `python -m stage1_extract reprocess`",
-            )
-        with self._lock:
-            self._open[shard] = (arrays, offsets)
-            while len(self._open) > self._cache_shards:
-                self._open.popitem(last=False)
-        return arrays, offsets
-
-    def _open_arrays(self, name: str) -> dict[str, Any]:
-        from shared.chunks import open_shard_array
-
-        present = set(StoreFiles(self.url).list(f"shards/{name}")) if not self._source.is_local else {
-            p.name for p in Path(self._source.root, "shards", name).iterdir()
-        }
-        wanted = [a for a in ARRAY_NAMES if a in present]
-        missing = [a for a in self.REQUIRED if a not in present] + (
-            ["hidden_scale"] if self.hidden_dtype == "fp8" and "hidden_scale" not in present else []
-        )
-        if missing:
-            raise self._damaged(
-                name, f"lacks the array(s) {missing}", "run `python -m stage1_extract verify --repair` to extract it again"
-            )
-        arrays: dict[str, Any] = {}
-        for array in wanted:
-            fast = open_shard_array(self._source, f"shards/{name}/{array}")
-            arrays[array] = fast if fast is not None else self._zarr_array(name, array)
-        return arrays
-
-    def _zarr_array(self, name: str, array: str) -> Any:
-        import zarr
-
-        if self._zarr_store is None:
-            self._zarr_store = _zarr_store(self.url, read_only=True)
-        return zarr.open_array(store=self._zarr_store, path=f"shards/{name}/{array}", mode="r")
-
-    def _read(self, array: Any, lo: int, hi: int, tag: tuple, out: np.ndarray | None = None) -> np.ndarray:
-        from shared.chunks import ShardArray, read_range
-
-        if isinstance(array, ShardArray):
-            return read_range(self._source, array, lo, hi, self._chunks, tag, out)
-        if out is None:
-            return array[lo:hi]
-        out[...] = array[lo:hi]
-        return out
-
-    @property
-    def feature_shape(self) -> tuple[int, int] | None:
-        """(layers, hidden) of the stored features; None for an empty store."""
-        if self._feature_shape is None and len(self):
-            arrays, _ = self._shard(0)
-            self._feature_shape = tuple(int(d) for d in arrays["hidden"].shape[1:])
-        return self._feature_shape
-
-    def describe(self, index: int) -> str:
-        """'sample 412 (input row 412) in shard shard-000004-... of <store>': for error messages."""
-        shard, _ = self.locate(index)
-        return f"sample {index} (input row {int(self.sample_ids[index])}) in shard {self._shards[shard]['name']} of {self.url}"
-
-    def locate(self, index: int) -> tuple[int, int]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample index {index} out of range [0, {len(self)})")
-        shard = int(np.searchsorted(self._shard_start, index, side="right") - 1)
-        return shard, index - int(self._shard_start[shard])
-
-    def order_key(self, index: int) -> tuple[int, int]:
-        """Where a sample sits in the store: reading a batch in this order reuses decoded chunks."""
-        return self.locate(index)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.read(index)
-
-    def read(self, index: int, start: int = 0, stop: int | None = None, *, hidden_out: Any = None) -> dict[str, Any]:
-        """Sample `index`, optionally only tokens [start, stop) of it (a window read).
-
-        `hidden_out`, a contiguous bf16 CPU tensor [tokens, layers, hidden] (the loader's slice of a
-        packed micro-batch), receives the features: bf16 bits are read straight into it, so the
-        8B-sized features (~80 MB a sample) are copied once instead of read and then packed."""
-        import torch
-
-        shard, local = self.locate(index)
-        arrays, offsets = self._shard(shard)
-        begin, end = int(offsets[local]), int(offsets[local + 1])
-        stop = end - begin if stop is None else min(stop, end - begin)
-        lo, hi = begin + start, begin + stop
-        if hidden_out is not None and hidden_out.shape[0] != hi - lo:
-            # The caller sized it from the manifest's lengths: the shard's offsets disagree.
-            rewritten = self._rewritten(self._shards[shard]["name"], f"has {hi - lo} tokens for {self.describe(index)}")
-            if rewritten is not None:
-                raise rewritten
-            raise ValueError(f"has {hi - lo} tokens but the store's lengths say {hidden_out.shape[0]}")
-
-        def get(name: str, out: np.ndarray | None = None) -> np.ndarray:
-            try:
-                return self._read(arrays[name], lo, hi, (shard, name), out)
-            except Exception as exc:  # noqa: BLE001 - name the shard and the fix
-                raise self._damaged(
-                    self._shards[shard]["name"],
-                    f"cannot be read: {name} of {self.describe(index)} ({type(exc).__name__}: {exc})",
-                    "run `python -m stage1_extract verify --repair`",
-                ) from exc
-
-        scale = get("hidden_scale") if self.hidden_dtype == "fp8" else None
-        if hidden_out is None:
-            hidden_TLH = decode_hidden(get("hidden"), scale, self.hidden_dtype)
-        elif self.hidden_dtype == "bf16":
-            get("hidden", hidden_out.view(torch.int16).numpy().view(np.uint16))
-            hidden_TLH = hidden_out
-        else:
-            hidden_TLH = hidden_out.copy_(decode_hidden(get("hidden"), scale, self.hidden_dtype))
-        return {
-            "sample_id": int(self.sample_ids[index]),
-            "input_ids_T": torch.from_numpy(get("input_ids").astype(np.int64)),
-            "loss_mask_T": torch.from_numpy(get("loss_mask")),
-            "hidden_TLH": hidden_TLH,
-            "topk_logprobs_TK": torch.from_numpy(get("topk_logprobs").astype(np.float32)),
-            "topk_ids_TK": torch.from_numpy(get("topk_ids").astype(np.int64)),
-        }

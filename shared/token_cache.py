@@ -9,10 +9,10 @@ without tokenizing anything (`shared/freshness.py`).
                    content_hashes [R] (S16), empty_turns [R]
         meta.json  the key's inputs, the read statistics, and every file's size and sha256
 
-The key hashes the input's bytes, the tokenizer (vocabulary and chat template), max_length, on_long,
-on_bad_row, max_samples and this format's version, so any change tokenizes again. Later commands
-and the other ranks memory-map the arrays: one copy in the page cache serves all of them. The cache
-is written to a temporary folder and renamed, so a killed run leaves none.
+The key hashes the input's bytes, the tokenizer (vocabulary and chat template), the data settings
+that decide a row's tokens (`ROW_SETTINGS`) and this format's version, so any change tokenizes
+again. Later commands and the other ranks memory-map the arrays: one copy in the page cache serves
+all of them. The cache is written to a temporary folder and renamed, so a killed run leaves none.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ import numpy as np
 
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 3  # 3: per-file sha256 in meta.json, empty_turns
+TOKENS_VERSION = 5  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+# 5: turns before the first user turn dropped
+
+
+# The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2
+# (shared/freshness.py) finds that cache with the same values.
+ROW_SETTINGS = ("max_length", "on_long", "on_bad_row", "max_samples", "format")
 
 
 def source_fingerprint(path: Path) -> str:

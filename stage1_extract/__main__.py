@@ -54,20 +54,34 @@ def show_generate(out: dict[str, Any]) -> str:
         f"{out['conversations']} conversations answered by the target ({out['generated_tokens']} new tokens in "
         f"{out['seconds']:.0f} s, {out['backend']}, {out['world_size']} rank(s); {out['parts_reused']} part(s) reused) "
         f"-> {out['output']}"
+        + (f"\n{out['tool_call_turns_kept']} assistant turn(s) that call tools kept as the data has them"
+           if out.get("tool_call_turns_kept") else "")
+        + (f"\n{out['leading_turns_dropped']} turn(s) before a row's first user turn dropped (they answer nothing)"
+           if out.get("leading_turns_dropped") else "")
     )
 
 
 def show_plan(out: dict[str, Any]) -> str:
     fits = "" if out.get("fits") is None else (" (fits)" if out["fits"] else " (does NOT fit: free space or --force)")
     lines = [
-        f"{out['samples']} samples, {out['tokens']:,} tokens x {out['bytes_per_token']:,} B/token = "
+        f"{out['samples']:,} samples, {out['tokens']:,} tokens x {out['bytes_per_token']:,} B/token = "
         f"{size(out['total_bytes'])} in {out['storage']} ({out['compression_note']}); free {size(out.get('free_bytes'))}{fits}",
     ]
     if out.get("answers_estimated"):
-        lines.append(f"answers not generated yet: {out['answers_estimated']}")
+        lines.append(f"answers not generated yet, {out['answers_estimated']}; at most {size(out['total_bytes_at_most'])}")
+    if out.get("generated_data"):
+        lines.append(f"generated data: {out['generated_data']}")
     for stage, est in (out.get("time") or {}).items():
-        lines.append(f"{stage}: ~{est['hours']:.1f} h on {est['gpus']} x {est['gpu']} ({est['basis']})")
+        lines.append(f"{stage}: ~{duration(est['hours'])} on {est['gpus']} x {est['gpu']} ({est['basis']})")
     return "\n".join(lines)
+
+
+def duration(hours: float) -> str:
+    if hours < 1 / 60:
+        return "< 1 min"
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    return f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.1f} days ({hours:,.0f} h)"
 
 
 def show_extract(out: dict[str, Any]) -> str:
@@ -80,6 +94,8 @@ def show_extract(out: dict[str, Any]) -> str:
     return head + (
         f"\nmanifest: {out['num_samples']} samples, {out['num_tokens']:,} tokens, {size(out['num_bytes'])}; "
         f"{out['num_truncated']} truncated, {out['num_skipped']} skipped"
+        + (f"; {out['leading_turns_dropped']} turn(s) before a row's first user turn dropped"
+           if out.get("leading_turns_dropped") else "")
     )
 
 
@@ -134,7 +150,7 @@ def status_options(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu", default=None, help="GPU kind for the time estimates (h100, h200, a100, ...)")
+    parser.add_argument("--gpu", default=None, help="GPU kind for the time estimates: h100 (default), h200, a100, l40s")
     parser.add_argument("--gpus", type=int, default=8, help="how many of them (default 8)")
 
 

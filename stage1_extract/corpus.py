@@ -9,7 +9,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from stage1_extract.data import Conversation, write_conversations_parquet
+from shared.conversations import Conversation
+from stage1_extract.data import write_conversations_parquet
 
 _ASKS = (
     "Explain this part of the Python reference in plain words:\n\n{text}",

@@ -15,13 +15,14 @@ windows r, r + W, ...; rank 0 merges the part records into manifest.json, writte
 from __future__ import annotations
 
 import logging
-import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from shared.codecs import SampleFeatures
 from shared.config import Section
-from shared.store import SampleFeatures, StoreConfig, bytes_per_token
+from shared.store import StoreConfig
 from shared.target_model import LayerCapture
 from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
 from stage1_extract.forward import forward_batch
@@ -132,6 +133,35 @@ class ForwardTimer:
         return self.cpu_seconds
 
 
+def forward_batches(
+    model: Any,
+    windows: list[list[ShardPlan]],
+    cfg: ExtractConfig,
+    layer_ids: list[int],
+    packed: bool,
+    wanted: set[int] | None = None,
+    timer: ForwardTimer | None = None,
+) -> Iterator[tuple[list[TokenizedRow], list[tuple[Any, Any, Any]]]]:
+    """The target's forward over a rank's windows of shards, one token-budget batch of a window's rows
+    at a time (`batching.py`): each batch with its outputs left on the device, (hidden_TLH, top-k
+    log-probs, top-k ids) per row. A batch holding no sample of `wanted` is skipped (an earlier run
+    finished it). What `run_shards` writes, and what the benchmarks time as the pure forward."""
+    capture = LayerCapture(model, layer_ids)
+    try:
+        for window in windows:
+            rows = [r for s in window for r in s.kept]
+            for batch in token_budget_batches(rows, cfg.batch_tokens, cfg.max_samples_per_batch):
+                if wanted is not None and not any(r.sample_id in wanted for r in batch):
+                    continue
+                started = timer.start() if timer is not None else None
+                outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk_tokens, packed)
+                if timer is not None:
+                    timer.stop(started)
+                yield batch, outputs
+    finally:
+        capture.close()
+
+
 def run_shards(
     model: Any,
     windows: list[list[ShardPlan]],
@@ -142,6 +172,7 @@ def run_shards(
     layer_ids: list[int],
     packed: bool,
     progress: bool = True,
+    outlier_channels: Any = None,
 ) -> ExtractResult:
     """Extract this rank's unfinished shards, window by window, and write them."""
     from tqdm import tqdm
@@ -152,58 +183,28 @@ def run_shards(
     total_tokens = sum(len(r.input_ids) for s in todo for r in s.kept)
     started = time.perf_counter()
     device = next(model.parameters()).device
-    capture = LayerCapture(model, layer_ids)
-    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads)
+    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads, outlier_channels)
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:
-        for window in windows:
-            rows = [r for s in window for r in s.kept]
-            for batch in token_budget_batches(rows, cfg.batch_tokens, cfg.max_samples_per_batch):
-                if not any(r.sample_id in todo_ids for r in batch):
-                    continue  # finished by an earlier run
-                forward_started = timer.start()
-                outputs = forward_batch(model, capture, batch, cfg.top_k, cfg.lm_head_chunk_tokens, packed)
-                timer.stop(forward_started)
-                wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
-                host, ready = to_host([out for _, out in wanted], device)
-                samples = [
-                    SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids)
-                    for (row, _), (hidden, values, ids) in zip(wanted, host)
-                ]
-                writer.put(HostBatch(samples, ready, host_bytes(samples)))
-                tokens = sum(len(s.input_ids_T) for s in samples)
-                result.tokens += tokens
-                bar.update(tokens)
+        for batch, outputs in forward_batches(model, windows, cfg, layer_ids, packed, wanted=todo_ids, timer=timer):
+            wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
+            host, ready = to_host([out for _, out in wanted], device)
+            samples = [
+                SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids)
+                for (row, _), (hidden, values, ids) in zip(wanted, host)
+            ]
+            writer.put(HostBatch(samples, ready, host_bytes(samples)))
+            tokens = sum(len(s.input_ids_T) for s in samples)
+            result.tokens += tokens
+            bar.update(tokens)
         result.writer = writer.finish()
     except BaseException:
         writer.abort()
         raise
     finally:
-        capture.close()
         bar.close()
     result.forward_seconds = timer.seconds()
     result.shards_done = len(todo)
     result.seconds = time.perf_counter() - started
     return result
-
-
-def estimate(rows: list[TokenizedRow], header: dict[str, Any], store_cfg: StoreConfig) -> dict[str, Any]:
-    kept = [r for r in rows if not r.skipped]
-    tokens = int(sum(len(r.input_ids) for r in kept))
-    per_token = bytes_per_token(
-        store_cfg.dtype, len(header["layer_ids"]), header["target"]["hidden_size"], header["top_k"]
-    )
-    return {
-        "samples": len(kept),
-        "samples_truncated": sum(r.truncated for r in rows),
-        "samples_skipped": sum(r.skipped for r in rows),
-        "tokens": tokens,
-        "bytes_per_token": per_token,
-        "total_bytes": tokens * per_token,
-        "total_gib": round(tokens * per_token / 2**30, 3),
-        "compression_note": "zstd typically saves 1.2-1.3x on hidden states (not counted)"
-        if store_cfg.compression == "zstd"
-        else "uncompressed",
-        "num_shards_estimate": math.ceil(tokens * per_token / (store_cfg.shard_mb * 2**20)) if tokens else 0,
-    }

@@ -3,7 +3,8 @@
     python -m stage1_extract generate --config configs/default.yaml
 
 A drafter learns to predict the target's own continuations, so every assistant turn is rewritten
-by the target (temperature 0.7, top-p 0.8 by default). Backends: vllm on GPU, transformers
+by the target (temperature 0.7, top-p 0.8 by default). A turn that calls tools is kept as the data
+has it: the tool results after it answer that call, which a rewritten turn might not make. Backends: vllm on GPU, transformers
 (batched, left-padded) on CPU. Work is done in chunks of conversations, each written as its own
 Parquet part; a rerun skips finished parts, so a killed run resumes. The parts are merged into
 `run_dir/data/generated.parquet` at the end.
@@ -21,11 +22,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from shared.config import Section, dotted_differences
+from shared.conversation_files import read_conversations
+from shared.conversations import Conversation
 from shared.errors import DataError
 from shared.files import full_disk, write_atomic
 from shared.identity import generate_settings_key
 from shared.target import stop_token_ids
-from stage1_extract.data import Conversation, write_conversations_parquet
+from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import prompt_ids
 
 log = logging.getLogger(__name__)
@@ -172,9 +175,10 @@ def vllm_backend(model_dir: str, cfg: GenerateConfig, seed: int, dtype: str, sto
     return run
 
 
-def assistant_slots(messages: list[dict[str, str]]) -> list[int]:
-    """Indices of the turns to (re)write: every assistant turn, plus one after a trailing user turn."""
-    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+def assistant_slots(messages: list[dict[str, Any]]) -> list[int]:
+    """Indices of the turns to (re)write: every assistant turn that calls no tool, plus one after a
+    trailing user (or tool) turn."""
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
     if messages[-1]["role"] != "assistant":
         slots.append(len(messages))
     return slots
@@ -189,7 +193,10 @@ def regenerate(conversations: list[Conversation], tokenizer: Any, backend: Backe
     for round_index in range(max(len(s) for s in slots)):
         todo = [i for i, s in enumerate(slots) if round_index < len(s)]
         requests = [
-            Request(prompt_ids(tokenizer, current[i][: slots[i][round_index]]), request_seed(seed, conversations[i].row, round_index))
+            Request(
+                prompt_ids(tokenizer, current[i][: slots[i][round_index]], conversations[i].tools),
+                request_seed(seed, conversations[i].row, round_index),
+            )
             for i in todo
         ]
         answers = backend(requests)
@@ -197,7 +204,7 @@ def regenerate(conversations: list[Conversation], tokenizer: Any, backend: Backe
             reply = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True), "token_ids": list(ids)}
             at = slots[i][round_index]
             current[i] = current[i][:at] + [reply] + current[i][at + 1 :]
-    return [Conversation(row=c.row, messages=m, source=c.source) for c, m in zip(conversations, current)]
+    return [Conversation(row=c.row, messages=m, source=c.source, tools=c.tools) for c, m in zip(conversations, current)]
 
 
 @dataclass
@@ -207,6 +214,9 @@ class GenerateResult:
     num_generated_tokens: int
     seconds: float
     parts_reused: int
+    tool_call_turns_kept: int = 0  # assistant turns that call tools, kept as the data has them
+    start_seconds: float = 0.0  # starting the backend (model load, vllm engine), apart from generating
+    generate_seconds: float = 0.0  # answering the parts: the backend's generate calls and their templates
 
 
 def part_name(number: int, chunk: list[Conversation]) -> str:
@@ -231,8 +241,6 @@ def generate_all(
     a rank reports a failure) and merges them into `out_path`. The answers depend on the rows only
     (per-request seeds), so any rank count gives the same file."""
     from tqdm import tqdm
-
-    from stage1_extract.data import read_conversations
 
     parts_dir = out_path.with_name(out_path.stem + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
@@ -272,6 +280,7 @@ def generate_all(
     failure.unlink(missing_ok=True)
     started = time.perf_counter()
     generated_tokens = reused = 0
+    start_s = generate_s = 0.0
     mine = [number for number in range(len(chunks)) if number % world == rank]
     bar = tqdm(total=sum(len(chunks[n]) for n in mine), desc="generate", unit="conv", disable=not progress)
     backend: Backend | None = None  # the model loads only when a part is left to write
@@ -286,8 +295,13 @@ def generate_all(
                 reused += 1
                 bar.update(len(chunk))
                 continue
-            backend = backend or make_backend()
+            if backend is None:
+                t0 = time.perf_counter()
+                backend = make_backend()
+                start_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
             done = regenerate(chunk, tokenizer, backend, seed=seed)
+            generate_s += time.perf_counter() - t0
             generated_tokens += sum(len(m["token_ids"]) for c in done for m in c.messages if m.get("token_ids") is not None)
             write_conversations_parquet(done, part)
             bar.update(len(chunk))
@@ -305,18 +319,19 @@ def generate_all(
         raise error from None
     finally:
         bar.close()
+    kept = sum(bool(m.get("tool_calls")) for c in conversations for m in c.messages if m["role"] == "assistant")
     if rank != 0:
-        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused)
+        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
     wait_for_parts(parts_dir, wanted, world)
     merged = [
-        Conversation(row=i, messages=c.messages, source=str(out_path))
+        Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
         for i, c in enumerate(read_conversations(parts_dir))
     ]
     try:
         write_conversations_parquet(merged, out_path)
     except OSError as exc:
         raise named(exc, out_path) from None
-    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused)
+    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
 
 
 def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:

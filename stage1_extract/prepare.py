@@ -1,5 +1,10 @@
 """What every stage-1 command needs before the target runs: the rows, tokenized (or read from the
-token cache), and the store's identity header; no model weights are loaded.
+token cache), beside the store's identity header; no model weights are loaded.
+
+    prepared = prepare(data_cfg, target, header, files, source, data_format, cache_root)
+
+It receives what the verb resolved from the run config once (`stage1_extract/resolve.py`): the data
+section, the target's record, the store's header and files, the conversations to read.
 """
 
 from __future__ import annotations
@@ -9,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.config import RunConfig
+from shared.conversation_files import read_conversations
+from shared.conversations import ReadStats, RowLimits
 from shared.errors import ConfigError, DataError
-from shared.identity import extraction_source, generated_problem, header_key, store_header
-from shared.paths import RunPaths
-from shared.store import StoreFiles, bytes_per_token
-from shared.target import TargetInfo, cached_tokenizer, resolve_target
-from shared.token_cache import DamagedCache, TokenCache, token_cache_key
+from shared.identity import header_key
+from shared.store import StoreConfig, StoreFiles
+from shared.target import TargetInfo, cached_tokenizer
+from shared.token_cache import ROW_SETTINGS, DamagedCache, TokenCache, token_cache_key
 from stage1_extract.batching import (
     ShardPlan,
     TokenizedRow,
@@ -23,8 +28,7 @@ from stage1_extract.batching import (
     content_hash,
     plan_shards,
 )
-from stage1_extract.data import ReadStats, RowLimits, read_conversations
-from stage1_extract.forward import check_packing
+from stage1_extract.data import DataConfig
 from stage1_extract.tokens import resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ class Prepared:
     stats: ReadStats
     source: Path
     source_sha256: str
+    data_format: str = "auto"  # how `source` was read: the manifest records it for the export doctor
     generated_problem: str | None = None  # the generated conversations belong to other inputs
 
     @property
@@ -54,39 +59,42 @@ def pinned_extraction(files: StoreFiles) -> dict[str, Any] | None:
     return files.read_json("plan.json").get("header", {}).get("extraction")
 
 
-def prepare(cfg: RunConfig, use_token_cache: bool = True, *, deep: bool = False) -> Prepared:
-    """Tokenize the input (or read the token cache) and compute the identity header of the store
-    (no model weights loaded). `deep`: rehash the target's weights whatever the fingerprint cache says."""
-    target = resolve_target(cfg.target, deep=deep)
-    files = StoreFiles(RunPaths.of(cfg).store)
-    header = store_header(cfg, target, pinned_extraction(files))
-    if header["extraction"]["packed"]:  # before any row is read: a refused setting costs nothing
-        check_packing(header["extraction"]["attn_implementation"], target.arch.model_type)
+def prepare(
+    data: DataConfig,
+    target: TargetInfo,
+    header: dict[str, Any],
+    files: StoreFiles,
+    source: Path,
+    data_format: str,
+    cache_root: Path | None,
+) -> Prepared:
+    """Tokenize `source` (or read the token cache under `cache_root`; None = no cache) beside the
+    store's identity header (its settings already checked: `resolve.resolve_store`). No model weights
+    are loaded."""
     tokenizer, tokenizer_hashes = cached_tokenizer(str(target.target_dir))
-    source = extraction_source(cfg)
-    rows, stats, source_sha256 = tokenized_rows(cfg, tokenizer, tokenizer_hashes, source, use_cache=use_token_cache)
-    rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, cfg.data.on_bad_row)
+    cache_root = cache_root if data.token_cache else None
+    rows, stats, source_sha256 = tokenized_rows(data, tokenizer, tokenizer_hashes, source, data_format, cache_root)
+    rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, data.on_bad_row)
     if not rows:
         raise DataError(f"{source}: no usable rows")
-    return Prepared(header, rows, files, target, stats, source, source_sha256, generated_problem(cfg, target.weights_sha256))
+    return Prepared(header, rows, files, target, stats, source, source_sha256, data_format)
 
 
-def token_cache_settings(cfg: RunConfig) -> dict[str, Any]:
-    data = cfg.data
-    return {"max_length": data.max_length, "on_long": data.on_long, "on_bad_row": data.on_bad_row, "max_samples": data.max_samples}
+def token_cache_settings(data: DataConfig) -> dict[str, Any]:
+    return {k: getattr(data, k) for k in ROW_SETTINGS}
 
 
 def tokenized_rows(
-    cfg: RunConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path, use_cache: bool = True
+    data: DataConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path, data_format: str,
+    cache_root: Path | None,
 ) -> tuple[list[TokenizedRow], ReadStats, str]:
     """Every row of `source`, templated and tokenized, and the source's sha256: from the token cache
     when it matches, else by `data.tokenize_workers` processes (then cached). Bad rows raise naming
     the file and row."""
-    data = cfg.data
-    key, inputs = token_cache_key(source, tokenizer_hashes, token_cache_settings(cfg))
+    key, inputs = token_cache_key(source, tokenizer_hashes, token_cache_settings(data))
     cache = None
-    if data.token_cache and use_cache:
-        cache = TokenCache(RunPaths.of(cfg).token_cache, key, inputs)
+    if cache_root is not None:
+        cache = TokenCache(cache_root, key, inputs)
         if cache.exists():
             try:
                 cached, stats = cache.load()
@@ -97,7 +105,10 @@ def tokenized_rows(
     stats = ReadStats()
     limits = row_limits(tokenizer, data.max_length)
     conversations = list(
-        read_conversations(source, on_bad_row=data.on_bad_row, max_samples=data.max_samples, stats=stats, limits=limits)
+        read_conversations(
+            source, data_format=data_format, on_bad_row=data.on_bad_row, max_samples=data.max_samples, stats=stats,
+            limits=limits,
+        )
     )
     workers = resolve_workers(data.tokenize_workers)
     rows = []
@@ -203,25 +214,27 @@ def unusable(sample: Any, max_length: int) -> str | None:
     return "no assistant tokens to supervise after templating"
 
 
-def shard_size(cfg: RunConfig, prepared: Prepared) -> int:
+def token_bytes(header: dict[str, Any], store: StoreConfig) -> int:
+    """Bytes per stored token of the store this header and storage section describe."""
+    return store.bytes_per_token(len(header["layer_ids"]), header["target"]["hidden_size"], header["top_k"])
+
+
+def shard_size(prepared: Prepared, store: StoreConfig) -> int:
     """samples_per_shard: pinned in plan.json by the first run, else computed from store.shard_mb."""
     files = prepared.files
     if files.exists("plan.json"):
         return int(files.read_json("plan.json")["samples_per_shard"])
-    token_bytes = bytes_per_token(
-        cfg.store.dtype, len(prepared.layer_ids), prepared.header["target"]["hidden_size"], cfg.extract.top_k
-    )
-    return choose_samples_per_shard(prepared.rows, cfg.store.shard_mb, token_bytes)
+    return choose_samples_per_shard(prepared.rows, store.shard_mb, token_bytes(prepared.header, store))
 
 
-def planned_shards(cfg: RunConfig, prepared: Prepared) -> list[ShardPlan]:
+def planned_shards(prepared: Prepared, store: StoreConfig) -> list[ShardPlan]:
     """The shards of the current config and data, with the boundaries pinned in plan.json."""
-    return plan_shards(prepared.rows, shard_size(cfg, prepared), header_key(prepared.header))
+    return plan_shards(prepared.rows, shard_size(prepared, store), header_key(prepared.header))
 
 
-def discard_token_cache(cfg: RunConfig) -> None:
-    """Remove every token cache of this run (the next command tokenizes again)."""
+def discard_token_cache(cache_root: Path) -> None:
+    """Remove every token cache under `cache_root` (the next command tokenizes again)."""
     import shutil
 
-    for folder in RunPaths.of(cfg).token_cache.glob("tokens-*"):
+    for folder in cache_root.glob("tokens-*"):
         shutil.rmtree(folder, ignore_errors=True)

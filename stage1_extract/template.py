@@ -12,6 +12,9 @@ tokens the target never produced). The template's text around them (the prompt, 
 marker, the next turns) is tokenized piece by piece: the prompt before the first answer exactly as
 generation saw it. A template that does not place the answer's text verbatim (it rewrites it) falls
 back to tokenizing the text, counted (`TokenizedSample.ids_fallbacks`).
+
+Tool calls are part of the assistant's turn (its own tokens: supervised), tool results are turns of
+their own (not supervised); how a template receives them is `shared.conversations.render`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from shared.conversations import render
 
 
 @dataclass
@@ -34,20 +39,17 @@ class TokenizedSample:
 SENTINEL = "\x00\x01dflash-answer\x01\x00"  # stands for an answer's text while locating it in a render
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the [start, end) character span of every assistant turn in it."""
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = render(tokenizer, messages, add_generation_prompt=False, tools=tools)
     spans = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        prefix = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if not (upto.startswith(prefix) and full.startswith(upto)):
             raise ValueError(
                 f"chat template is not prefix-stable at assistant turn {i}: rendering the conversation "
@@ -58,19 +60,21 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tupl
     return full, spans
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], max_length: int) -> TokenizedSample:
-    empty = sum(1 for m in messages if m["role"] == "assistant" and not m["content"].strip())
+def tokenize_conversation(
+    tokenizer: Any, messages: list[dict[str, Any]], max_length: int, tools: str | None = None
+) -> TokenizedSample:
+    empty = sum(1 for m in messages if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"))
     if any(m.get("token_ids") is not None for m in messages):
-        ids, mask, fallbacks = _tokenize_with_ids(tokenizer, messages)
+        ids, mask, fallbacks = _tokenize_with_ids(tokenizer, messages, tools)
     else:
-        ids, mask = _tokenize_text(tokenizer, messages)
+        ids, mask = _tokenize_text(tokenizer, messages, tools)
         fallbacks = 0
     truncated = len(ids) > max_length
     return TokenizedSample(ids[:max_length], mask[:max_length], truncated, empty_turns=empty, ids_fallbacks=fallbacks)
 
 
-def _tokenize_text(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-    text, spans = assistant_char_spans(tokenizer, messages)
+def _tokenize_text(tokenizer: Any, messages: list[dict[str, Any]], tools: str | None) -> tuple[np.ndarray, np.ndarray]:
+    text, spans = assistant_char_spans(tokenizer, messages, tools)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -81,13 +85,15 @@ def _tokenize_text(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[np.n
     return ids, mask
 
 
-def _tokenize_with_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, int]:
+def _tokenize_with_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Pieces in order: template text (tokenized; supervised inside an assistant span) and, where
     an answer carries ids, those ids (supervised). An answer is located by rendering its turn with
     a sentinel for its text: the span is then [template text A][answer][template text C]."""
     pieces: list[tuple[list[int], bool]] = []
     done = 0  # characters of the full render already emitted
-    full, spans = assistant_char_spans(tokenizer, messages)
+    full, spans = assistant_char_spans(tokenizer, messages, tools)
     fallbacks = 0
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
@@ -103,8 +109,8 @@ def _tokenize_with_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[
             text(full[start:end], True)
         else:
             marked = [*messages[:turn], {**message, "content": SENTINEL}]
-            prefix = _render(tokenizer, messages[:turn], add_generation_prompt=True)
-            span_marked = _render(tokenizer, marked, add_generation_prompt=False)[len(prefix) :]
+            prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
+            span_marked = render(tokenizer, marked, add_generation_prompt=False, tools=tools)[len(prefix) :]
             before, found, after = span_marked.partition(SENTINEL)
             if found and full[start:end] == before + message["content"] + after:
                 text(before, True)
@@ -120,7 +126,7 @@ def _tokenize_with_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[
     return ids, mask, fallbacks
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None) -> list[int]:
     """Token ids of a conversation rendered up to a new assistant turn (for generation)."""
-    text = _render(tokenizer, messages, add_generation_prompt=True)
+    text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from stage1_extract.data import Conversation
+from shared.conversations import Conversation
 from stage1_extract.template import tokenize_conversation
 
 log = logging.getLogger(__name__)
@@ -24,10 +24,10 @@ _PARALLEL_MIN_ROWS = 512  # below this a process pool costs more than it saves
 _WORKER: dict[str, Any] = {}  # the forked workers' tokenizer and settings
 
 
-def _tokenize_one(item: tuple[int, list[dict[str, str]]]) -> tuple[int, Any]:
-    row, messages = item
+def _tokenize_one(item: tuple[int, list[dict[str, Any]], str | None]) -> tuple[int, Any]:
+    row, messages, tools = item
     try:
-        return row, tokenize_conversation(_WORKER["tokenizer"], messages, _WORKER["max_length"])
+        return row, tokenize_conversation(_WORKER["tokenizer"], messages, _WORKER["max_length"], tools)
     except ValueError as exc:
         return row, str(exc)
 
@@ -40,7 +40,7 @@ def tokenize_all(
     tokenizer: Any, conversations: list[Conversation], max_length: int, workers: int
 ) -> Iterable[tuple[int, Any]]:
     """(row, TokenizedSample or an error message) per conversation, in order."""
-    items = [(c.row, c.messages) for c in conversations]
+    items = [(c.row, c.messages, c.tools) for c in conversations]
     _WORKER.update(tokenizer=tokenizer, max_length=max_length)
     if workers <= 1 or len(items) < _PARALLEL_MIN_ROWS or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(_tokenize_one, items)

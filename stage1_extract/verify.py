@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.codecs import hidden_array_specs, hidden_problem
 from shared.shard_records import record_problem
 from shared.store import StoreFiles, content_checksum, read_manifest, read_shard_arrays
 from stage1_extract.batching import content_hash
@@ -74,8 +75,9 @@ def record_disagreements(url: str, files: StoreFiles, present: set[str], manifes
         problems.append(f"num_tokens: the shard holds {tokens} tokens, the record says {record['num_tokens']}")
     if samples != record["num_samples"]:
         problems.append(f"num_samples: the shard holds {samples} samples, the record says {record['num_samples']}")
+    storage = manifest["storage"]
     expect = {
-        "hidden": ((tokens, layers, hidden), np.uint16 if manifest["storage"]["dtype"] == "bf16" else np.uint8),
+        **hidden_array_specs(storage["dtype"], tokens, layers, hidden, storage.get("fp4_outlier_channels", 0)),
         "topk_logprobs": ((tokens, top_k), np.float16),
         "topk_ids": ((tokens, top_k), np.int32),
         "input_ids": ((tokens,), np.int32),
@@ -98,10 +100,9 @@ def record_disagreements(url: str, files: StoreFiles, present: set[str], manifes
     if "content_hashes" in record:
         fresh = [content_hash(arrays["input_ids"][a:b], arrays["loss_mask"][a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
         problems += _per_sample(record, "content_hashes", fresh)
-    bits = arrays["hidden"]
-    nonfinite = ((bits & 0x7F80) == 0x7F80) if bits.dtype == np.uint16 else ((bits & 0x7F) == 0x7F)
-    if nonfinite.any():
-        problems.append(f"arrays: {int(nonfinite.sum())} non-finite hidden values")
+    problem = hidden_problem(arrays, storage["dtype"], manifest.get("fp4_outlier_channels"))
+    if problem:
+        problems.append(f"arrays: {problem}")
     if not np.isfinite(arrays["topk_logprobs"]).all():
         problems.append("arrays: non-finite top-k log-probs")
     if content_checksum(arrays) != record["checksum"]:

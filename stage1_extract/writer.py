@@ -32,8 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from shared.codecs import EncodedSample, SampleFeatures, encode_sample
 from shared.errors import DataError, StoreError, UserError
-from shared.store import EncodedSample, SampleFeatures, StoreConfig, StoreFiles, encode_sample, write_shard
+from shared.store import StoreConfig, StoreFiles, supervised_pairs, write_shard
 from stage1_extract.batching import ShardPlan
 from stage1_extract.merge import part_path
 
@@ -61,11 +62,14 @@ class WriterStats:
 class ShardWriter:
     """Collects samples per shard; writes each complete shard, then its part record, in a pool."""
 
-    def __init__(self, url: str, store_cfg: StoreConfig, shards: list[ShardPlan], queue_mb: int, threads: int = 1):
+    def __init__(
+        self, url: str, store_cfg: StoreConfig, shards: list[ShardPlan], queue_mb: int, threads: int = 1, outlier_channels: Any = None
+    ):
         if queue_mb < 1 or threads < 1:
             raise ValueError(f"queue_mb and threads must be >= 1, got {queue_mb} and {threads}")
         self.url = url
         self.cfg = store_cfg
+        self.outlier_channels = outlier_channels  # fp4: the store's, pinned in plan.json
         self.files = StoreFiles(url)
         self.limit = queue_mb * 2**20
         self.pending = {s.index: s for s in shards}
@@ -157,7 +161,7 @@ class ShardWriter:
         for sample in batch.samples:
             check_finite(sample)
             index = self.shard_of[sample.sample_id]
-            self.received[index][sample.sample_id] = encode_sample(sample, self.cfg.dtype)
+            self.received[index][sample.sample_id] = encode_sample(sample, self.cfg.dtype, self.outlier_channels)
             touched.add(index)
         with self._cond:
             self._bytes -= batch.nbytes
@@ -204,6 +208,7 @@ class ShardWriter:
                 "header_key": shard.key,
                 "sample_ids": [r.sample_id for r in shard.kept],
                 "lengths": [len(r.input_ids) for r in shard.kept],
+                "supervised_pairs": [supervised_pairs(r.loss_mask) for r in shard.kept],
                 "content_hashes": [r.content_hash for r in shard.kept],
                 "num_truncated": sum(r.truncated for r in shard.rows),
                 "num_skipped": sum(r.skipped for r in shard.rows),

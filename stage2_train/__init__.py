@@ -25,10 +25,12 @@ def _gamma_for_block_size(cfg: RunConfig) -> list[str]:
 def _global_batch(cfg: RunConfig) -> list[str]:
     """What one optimizer step holds: the knob a user sets is per rank per micro-batch, the recipe
     speaks of the global batch."""
-    tokens, accum = cfg.sampler.micro_batch_tokens, cfg.train.grad_accum
+    tokens, accum, blocks = cfg.sampler.micro_batch_tokens, cfg.train.grad_accum, cfg.sampler.blocks_budget()
+    derived = " (sampler.micro_batch_blocks null: micro_batch_tokens // 2)" if cfg.sampler.micro_batch_blocks is None else ""
     return [
-        f"global batch: ranks x {accum} micro-batches x {tokens} tokens = {tokens * accum} tokens per rank per "
-        f"optimizer step ({8 * tokens * accum} on 8 ranks); the run_start event gives the figure for the ranks it runs on"
+        f"global batch: ranks x {accum} micro-batches x at most {tokens} tokens and {blocks} blocks{derived} = up to "
+        f"{tokens * accum} tokens per rank per optimizer step ({8 * tokens * accum} on 8 ranks); the run_start event gives "
+        f"the figure for the ranks it runs on, `python -m stage2_train plan` the GPU memory of the densest micro-batch"
     ]
 
 

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 8 -m stage2_train train --config my-qwen3.yaml
     python -m stage2_train eval --checkpoint best               # held-out tau [interval] vs untrained vs n-gram
     python -m stage2_train doctor runs/default                  # a run's log (or a wandb / TensorBoard / CSV log)
+    python -m stage2_train doctor --export DIR --target ID      # an exported drafter against its target
 
 Every command prints a short summary for people; `--json` prints the full result for scripts.
 Logic lives in `commands.py` and the rooms it composes.
@@ -49,8 +50,15 @@ def check(args: argparse.Namespace) -> None:
 
 def log_command(args: argparse.Namespace) -> Any:
     """doctor/report read a training log: the path given as the first argument, else the config's
-    run_dir's; the detectors' thresholds are the config's `detectors` section (defaults unless set)."""
+    run_dir's; the doctor's thresholds are the config's `detectors` section (the live detectors' own).
+    `doctor --export DIR` checks an exported drafter against its target instead (`serve/diagnose.py`)."""
     paths = [o for o in args.overrides if "=" not in o]
+    if args.command == "doctor" and args.export:
+        if paths:
+            raise ConfigError(f"doctor --export takes no log path, got {paths}")
+        cfg = load_config(args)
+        text, code = commands.cmd_doctor_export(cfg, args.export, args.target, args.store, args.data, args.prompts, args.json)
+        return {"text": text, "code": code}
     if len(paths) > 1:
         raise ConfigError(f"{args.command} takes one log path (or run directory), got {paths}")
     args.overrides = [o for o in args.overrides if "=" in o]
@@ -87,8 +95,14 @@ def show_plan(out: dict[str, Any]) -> str:
         f"micro-batch {mb.get('tokens')} tokens / {mb.get('block_rows')} block rows; {fits}",
         f"target shape from {out.get('shape_from')}",
     ]
-    for gpu, tokens in (out.get("largest_micro_batch_tokens") or {}).items():
-        lines.append(f"largest sampler.micro_batch_tokens on {gpu}: {tokens}")
+    for cost, removed in (out.get("removed_costs_gib") or {}).items():
+        lines.append(f"not paid: {cost} (would add {removed['would_add']:.2f} GiB)")
+    for gpu, best in (out.get("largest_budgets") or {}).items():
+        if best["micro_batch_blocks"] is None:
+            lines.append(f"{gpu}: not even one sample's blocks fit (traced {best['traced_peak_gib']} GiB)")
+        else:
+            lines.append(f"largest budgets on {gpu}: sampler.micro_batch_tokens={best['micro_batch_tokens']}, "
+                         f"sampler.micro_batch_blocks={best['micro_batch_blocks']}")
     return "\n".join(lines)
 
 
@@ -144,9 +158,16 @@ def export_options(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sample-tokens", type=int, default=1024, help="tokens per sample of the traced micro-batch")
-    parser.add_argument("--search", action="store_true", help="also the largest micro_batch_tokens that fits each GPU")
+    parser.add_argument("--search", action="store_true", help="also the largest sampler budgets (tokens, blocks) that fit each GPU")
     parser.add_argument("--world-size", type=int, default=8, help="ranks (DDP buckets); default 8")
+
+
+def doctor_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--export", default=None, metavar="DIR", help="check this exported drafter folder (or Hub id) against its target")
+    parser.add_argument("--target", default=None, metavar="PATH_OR_ID", help="with --export: the target (default: the config's target.path)")
+    parser.add_argument("--store", default=None, metavar="PATH", help="with --export: the store the drafter was trained on (default: the config's, if it exists)")
+    parser.add_argument("--data", default=None, metavar="PATH", help="with --export: the conversations the store was made from (default: its manifest's data.source)")
+    parser.add_argument("--prompts", type=int, default=4, help="with --export: prompts to decode the drafter on (0: none)")
 
 
 def out_option(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +181,7 @@ VERBS = [
     Verb("batches", "dry run: the next optimizer steps' batches (tokens, lengths, ranks), nothing trained", batches,
          options=batches_options),
     Verb("plan", "GPU memory of one training step at the target's shape (fake tensors), per GPU kind",
-         lambda a: commands.cmd_plan(load_config(a), a.sample_tokens, a.search, world_size=a.world_size),
+         lambda a: commands.cmd_plan(load_config(a), a.search, world_size=a.world_size),
          show=show_plan, options=plan_options),
     Verb("train", "train the drafter from the store (refuses a stale store; resumes from the newest checkpoint)", train,
          show=show_train, description="Train the drafter from the feature store on every rank (torchrun / "
@@ -171,7 +192,10 @@ VERBS = [
          lambda a: commands.cmd_export(load_config(a), a.checkpoint, a.out, a.format, push_to_hub=a.push_to_hub),
          show=show_export, options=export_options),
     Verb("doctor", "diagnose a training log: stalls, spikes, cliffs, overfitting (ours, wandb, TensorBoard, CSV)",
-         log_command, show=lambda out: out["text"], as_json=lambda out: out["text"], exit_code=lambda out: out["code"]),
+         log_command, show=lambda out: out["text"], as_json=lambda out: out["text"], exit_code=lambda out: out["code"],
+         options=doctor_options, description="Diagnose a training log (this trainer's, a wandb run, a TensorBoard "
+         "folder, a CSV/JSONL history); or, with --export, check an exported drafter against its target: mask token, "
+         "layer ids, shapes, rotary settings, the chat template the data was rendered with, then decode a few prompts."),
     Verb("report", "plots of a training log with the doctor's events marked, and a Markdown summary", log_command,
          show=show_report, options=out_option),
 ]

@@ -19,6 +19,11 @@ import torch
 import stage1_extract  # noqa: F401
 import stage2_train  # noqa: F401
 
+# stage1_overrides and train_overrides_for stay importable from here for tests written on branches
+# before testkit/ existed; new tests import testkit.data.
+from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl  # noqa: F401
+from testkit.target import build_tiny_target
+
 # Two cores: one torch thread per test process keeps tiny models fast and runs reproducible.
 torch.set_num_threads(1)
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -28,64 +33,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and chat template."""
-    from shared.tiny_target import build_tiny_target
-
     return build_tiny_target(tmp_path_factory.mktemp("tiny_target"))
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def chat_rows(count: int, seed: int = 0) -> list[dict]:
-    """Conversations of varied length (so batching and sharding have something to do)."""
-    import random
-
-    rng = random.Random(seed)
-    words = "the quick brown fox jumps over a lazy dog while python lists and dicts grow".split()
-    rows = []
-    for i in range(count):
-        question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))
-        answer = " ".join(rng.choice(words) for _ in range(rng.randint(5, 60)))
-        rows.append({"messages": [{"role": "user", "content": f"{i}: {question}"}, {"role": "assistant", "content": answer}]})
-    return rows
 
 
 @pytest.fixture
 def chat_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
-
-
-def stage1_overrides(target_dir: Path, data_path: Path, run_dir: Path, **extra) -> list[str]:
-    base = {
-        "run_dir": str(run_dir),
-        "target.path": str(target_dir),
-        "target.num_feature_layers": 3,
-        "target.dtype": "fp32",
-        "data.path": str(data_path),
-        "data.regenerate": False,
-        "data.max_length": 256,
-        "extract.top_k": 8,
-        "extract.batch_tokens": 512,
-        "store.shard_mb": 1,
-        "extract.window_shards": 1,
-    }
-    base.update(extra)
-    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()]
-
-
-def store_data(store: Path) -> Path:
-    """The data a test store was extracted from: the fixtures write `<root>/chat.jsonl` and extract it
-    into `<root>/run/store`."""
-    return Path(store).parent.parent / "chat.jsonl"
-
-
-def train_overrides_for(target_dir: Path, store: Path, run_dir: Path, settings: dict) -> list[str]:
-    """A stage-2 run on a test store with ONE config for both stages, as `make` uses it: the stage-1
-    settings that made the store (`train` refuses a store its config calls stale), the store's path,
-    and the run's own `settings` (dotted keys)."""
-    return stage1_overrides(target_dir, store_data(store), run_dir, **{"store.path": str(store), **settings})
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from shared.errors import CheckpointError, DivergedError
+from stage2_train.train.checkpoint import format as ckpt_format
 from stage2_train.train.checkpoint import saver as ckpt_mod
 from stage2_train.train.checkpoint.format import (
     load_optimizer_state,
@@ -233,11 +234,11 @@ def test_buffers_are_allocated_in_the_background_before_the_first_save(tmp_path)
     ckpt = make_checkpointer(tmp_path, sink, every_steps=3)
     assert not ckpt.maybe_save(1, lambda: state)  # allocates, off the loop
     ckpt.finalize()
-    buffers = dict(ckpt._buffers)
+    buffers = dict(ckpt._snapshots.buffers)
     assert sorted(buffers) == ["model/w", "shared/optimizer/state/0/exp_avg"]
     assert ckpt.maybe_save(3, lambda: state)
     ckpt.finalize()
-    assert all(ckpt._buffers[k] is buffers[k] for k in buffers)  # the snapshot used them
+    assert all(ckpt._snapshots.buffers[k] is buffers[k] for k in buffers)  # the snapshot used them
     assert torch.equal(ckpt.load(ckpt.latest())["model"]["w"], state["model"]["w"])
     assert [kind for kind, _, _ in sink.events] == ["checkpoint_start", "checkpoint_end"]
 
@@ -306,6 +307,7 @@ def test_finalize_reraises_a_writer_error(tmp_path, monkeypatch):
 
 CRASH_SCRIPT = """
 import os, sys, time, torch
+from stage2_train.train.checkpoint import format as ckpt_format
 from stage2_train.train.checkpoint import saver as ckpt_mod
 ckpt = ckpt_mod.Checkpointer(ckpt_mod.CheckpointConfig(every_steps=5), sys.argv[1])
 state = {"model": {"w": torch.arange(1000.0)}, "optimizer": {"step": 5}, "trainer": {"step": 5}}
@@ -409,6 +411,23 @@ def test_compatibility_refusal_names_the_field_and_both_values():
         check_compatible(saved, current, force=False)
 
 
+def test_another_variant_is_reported_once_as_the_variant():
+    """A DSpark run resuming a DFlash checkpoint: model.variant names it; the heads its description
+    gains (markov_rank, ...) are not reported again as the drafter's description."""
+    saved = {"model": {"variant": "dflash", "markov_rank": 256, "block_size": 16}}
+    current = {"model": {"variant": "dspark", "markov_rank": 256, "block_size": 16}}
+    before = {"variant": "dflash", "block_size": 16}
+    now = {"variant": "dspark", "block_size": 16, "markov_rank": 256, "markov_head": "vanilla", "confidence_head": True}
+    assert check_compatible(saved, current, force=True, saved_drafter=before, drafter=now) == [
+        "model.variant: saved 'dflash', now 'dspark' (the drafter's architecture and its labels (dspark predicts one token further))"
+    ]
+    # the same variant with other head sizes: once, as its setting
+    resized = {"model": {**current["model"], "markov_rank": 64}}
+    assert check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64}) == [
+        "model.markov_rank: saved 256, now 64 (the DSpark heads (their weights would not fit))"
+    ]
+
+
 def test_a_checkpoint_saved_before_a_rename_resumes_under_the_new_name():
     """A config saved by a checkpoint before sampler.token_budget became sampler.micro_batch_tokens
     (eval.offline_token_budget -> offline_batch_tokens): the same value is no change, another is
@@ -459,6 +478,7 @@ def test_config_is_validated_and_state_is_plain_data(tmp_path):
 
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
+from stage2_train.train.checkpoint import format as ckpt_format
 from stage2_train.train.checkpoint import saver as ckpt_mod
 rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -645,3 +665,103 @@ def test_best_is_pointed_at_a_save_that_committed_while_the_eval_ran(tmp_path, m
     ckpt.finalize()
     assert json.loads((tmp_path / "best").read_text()) == {"step": 4, "metric": "walk_tau", "value": 1.7}
     assert [step for step, _ in sink.of("best_checkpoint")] == [4]
+
+
+# ---- NFS: another node's rank file, late or hidden from rank 0's listing (issue 34, item 4) -----------
+def small_rank_state(step: int) -> dict:
+    return {"model": {"w": torch.ones(4)}, "optimizer": {"lr": 0.1}, "trainer": {"step": step}, "rng": {"t": torch.zeros(2)}}
+
+
+def as_rank_0_of_2(ckpt: Checkpointer) -> Checkpointer:
+    """Rank 0 of two, whose rank 1 runs on another node: the file system is the only thing they
+    share here (the agreement collective, which says rank 1 wrote its files, is taken as passed)."""
+    ckpt.world_size = 2
+    return ckpt
+
+
+def test_meta_lists_a_rank_file_that_shows_late_and_is_hidden_from_the_listing(tmp_path, monkeypatch):
+    ckpt = as_rank_0_of_2(make_checkpointer(tmp_path))
+    tmp = tmp_path / ".tmp-step_000001"
+
+    def other_node_writes_late():  # rank 1's files appear 0.5 s after rank 0 starts its commit
+        deadline = time.monotonic() + 30
+        while not (tmp / "rank_00000.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        ckpt_mod.write_part(tmp, "rank_00001", {"trainer": {"step": 1}}, {"rng/t": torch.ones(2)})
+
+    real_iterdir, real_scandir, real_listdir = Path.iterdir, os.scandir, os.listdir
+    hidden = lambda name: str(name).rsplit("/", 1)[-1].startswith("rank_00001")  # noqa: E731 - NFS's cached listing
+    monkeypatch.setattr(Path, "iterdir", lambda self: (p for p in real_iterdir(self) if not hidden(p)))
+    monkeypatch.setattr(os, "listdir", lambda path=".": [n for n in real_listdir(path) if not hidden(n)])
+    monkeypatch.setattr(os, "scandir", lambda path=".": iter([e for e in real_scandir(path) if not hidden(e.name)]))
+    writer = threading.Thread(target=other_node_writes_late)
+    writer.start()
+    ckpt.save(1, lambda: small_rank_state(1), blocking=True)
+    writer.join()
+    monkeypatch.undo()
+    meta = json.loads((tmp_path / "step_000001" / "meta.json").read_text())
+    assert sorted(meta["files"]) == [
+        "model.safetensors", "rank_00000.json", "rank_00000.safetensors", "rank_00001.json", "rank_00001.safetensors",
+        "shared.json", "shared.safetensors",
+    ]
+    assert ckpt_mod.checkpoint_problem(tmp_path / "step_000001", rank=1) is None
+    assert ckpt_mod.load_checkpoint(tmp_path / "step_000001", 1)["trainer"] == {"step": 1}
+
+
+def test_a_rank_file_that_never_shows_fails_the_save_naming_it(tmp_path, monkeypatch):
+    ckpt = make_checkpointer(tmp_path)
+    ckpt.save(1, lambda: small_rank_state(1), blocking=True)  # one rank: committed
+    monkeypatch.setattr(ckpt_format, "RANK_FILE_WAIT_S", 1.0)
+    as_rank_0_of_2(ckpt)
+    started = time.monotonic()
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint .*\.tmp-step_000002: rank_00001\.json is not there 1 s after its rank reported it written: "
+        r"checkpoint\.dir \(.*\) must be one folder every node sees",
+    ):
+        ckpt.save(2, lambda: small_rank_state(2), blocking=True)
+    assert 1.0 <= time.monotonic() - started < 10
+    assert latest_checkpoint(tmp_path).name == "step_000001"  # nothing committed without rank 1's state
+
+
+# ---- the `best` pointer: one reader, every rank told (review1 item 15) --------------------------------
+def best_as_rank_sees_it(rank: int, port: int, dirs: list[Path], out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ckpt = Checkpointer(CheckpointConfig(keep_best=True), dirs[rank], None, rank, 2)
+        out.put((rank, ckpt.best_metric, ckpt.best_value))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_holds_the_best_pointer_rank_0_read(tmp_path):
+    """Rank 1 sees another `best` file than rank 0 (a stale NFS copy, here another folder): it must hold
+    rank 0's pointer, or the ranks disagree on whether an eval is a new best and some save while others
+    do not. Two gloo ranks forked from this process (no fresh interpreter to import torch)."""
+    import multiprocessing
+    import socket
+
+    dirs = [tmp_path / "as_rank_0_sees_it", tmp_path / "as_rank_1_sees_it"]
+    for folder, pointer in zip(dirs, ({"step": 4, "metric": "accept_len", "value": 1.5}, {"step": 2, "metric": "walk_tau", "value": 1.1})):
+        folder.mkdir()
+        (folder / "best").write_text(json.dumps(pointer))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    procs = [context.Process(target=best_as_rank_sees_it, args=(rank, port, dirs, out)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        seen = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert seen == [(0, "accept_len", 1.5), (1, "accept_len", 1.5)]

@@ -49,7 +49,7 @@ def test_unknown_section_is_rejected():
     [
         ("extract.top_k=0", r"extract\.top_k must be in 1\.\.1024, got 0"),
         ("extract.top_k=abc", r"extract\.top_k must be an integer, got 'abc'"),
-        ("store.dtype=fp4", r"store\.dtype must be one of \['bf16', 'fp8'\], got 'fp4'"),
+        ("store.dtype=fp2", r"store\.dtype must be one of \['bf16', 'fp8', 'fp4'\], got 'fp2'"),
         ("generate.top_p=1.5", r"generate\.top_p must be in \(0, 1\], got 1\.5"),
         ("data.on_bad_row=ignore", r"data\.on_bad_row must be one of"),
         ("target.layer_ids=[3,1]", r"target\.layer_ids must be distinct, ascending"),
@@ -169,3 +169,13 @@ def test_a_gpu_preset_takes_nothing_from_a_cpu_preset(preset):
     cfg = load_run_config(ROOT / "configs" / preset, [])
     assert (cfg.log.every_steps, cfg.generate.rows_per_part, cfg.train.cpu_threads) == (10, 1024, 0)
     assert cfg.recipe_warnings() == []
+
+
+def test_a_users_config_anywhere_inherits_a_preset_by_name(tmp_path, hub_8b):
+    """The README's quick start: a config of the user's own that inherits the published preset."""
+    mine = tmp_path / "elsewhere" / "my-qwen3.yaml"
+    mine.parent.mkdir()
+    mine.write_text("inherit: qwen3-8b\nrun_dir: runs/my-qwen3\ndata:\n  path: /data/sharegpt.jsonl\n")
+    cfg = load_run_config(mine)
+    assert cfg.target.path == "Qwen/Qwen3-8B" and cfg.run_dir == "runs/my-qwen3" and cfg.model.num_layers == 5
+    assert cfg.value("data.path") == "/data/sharegpt.jsonl" and cfg.recipe_warnings() == []

@@ -9,9 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from shared.conversation_files import read_conversations
+from shared.conversations import ReadStats
 from shared.embedded import default_target_dir
 from stage1_extract.corpus import default_conversations
-from stage1_extract.data import ReadStats, read_conversations, write_conversations_parquet
+from stage1_extract.data import write_conversations_parquet
+from stage1_extract.resolve import prepare_run
 from stage1_extract.template import tokenize_conversation
 
 from .conftest import write_jsonl
@@ -57,19 +60,23 @@ def test_truncation_is_reported(tokenizer):
     assert sample.truncated and len(sample.input_ids) == 64 and len(sample.loss_mask) == 64
 
 
+CHAT = json.dumps({"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "fine"}]})
+PROMPT = json.dumps({"prompt": "ok"})
+
+
 @pytest.mark.parametrize(
-    "row, message",
+    "good, row, message",
     [
-        ('{"messages": [{"role": "robot", "content": "x"}]}', r"row 1: messages\[0\] has unknown role 'robot'"),
-        ('{"messages": []}', r"row 1: empty conversation"),
-        ('{"text": "x"}', r"row 1: row has neither 'messages' nor 'prompt'"),
-        ('{"messages": [{"role": "user"}]}', r"row 1: messages\[0\] must have 'role' and 'content'"),
-        ("{not json", r"row 1: not valid JSON"),
-        ('{"prompt": 5}', r"row 1: 'prompt' and 'completion' must be strings"),
+        (CHAT, '{"messages": [{"role": "robot", "content": "x"}]}', r"row 1: messages\[0\] has unknown role 'robot'"),
+        (CHAT, '{"messages": []}', r"row 1: empty conversation"),
+        (CHAT, '{"text": "x"}', r"row 1: expected OpenAI chat \(messages: \[\{role, content\}\]\) like the rows before it, found keys \['text'\]"),
+        (CHAT, '{"messages": [{"role": "user"}]}', r"row 1: messages\[0\] must have 'role' and 'content'"),
+        (CHAT, "{not json", r"row 1: not valid JSON"),
+        (PROMPT, '{"prompt": 5}', r"row 1: 'prompt' and 'completion' must be strings"),
+        (PROMPT, CHAT, r"row 1: expected prompt/completion \(prompt, completion\) like the rows before it, found keys \['messages'\]"),
     ],
 )
-def test_bad_rows_name_file_and_row(tmp_path, row, message):
-    good = json.dumps({"prompt": "ok"})
+def test_bad_rows_name_file_and_row(tmp_path, good, row, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(good + "\n" + row + "\n" + good + "\n")
     with pytest.raises(ValueError, match=message) as info:
@@ -136,7 +143,7 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
 
     rows = [
         {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "OLD ANSWER"}]},
-        {"prompt": "second"},
+        {"messages": [{"role": "user", "content": "second"}]},
         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "OLD"}, {"role": "user", "content": "b"}]},
     ]
     data = write_jsonl(tmp_path / "p.jsonl", rows)
@@ -247,7 +254,7 @@ def test_a_huge_row_is_cut_before_tokenizing_and_tokenizes_as_the_whole_row(tiny
     """Each message is cut to 2 x max_length x the longest token's characters before the template
     or the tokenizer see it; what is stored (the first max_length tokens, the truncation flag, and
     so what data.on_long decides) is what the whole row gives."""
-    from stage1_extract import commands, prepare
+    from stage1_extract import prepare
 
     limits = prepare.row_limits(AutoTokenizer.from_pretrained(tiny_target_dir), 256)
     assert limits.max_chars == 2 * 256 * 81  # SmolLM2's longest entry: a newline and 80 spaces
@@ -256,7 +263,7 @@ def test_a_huge_row_is_cut_before_tokenizing_and_tokenizes_as_the_whole_row(tiny
     rows = [
         {"messages": [{"role": "user", "content": "a short question"}, {"role": "assistant", "content": "a short answer"}]},
         {"messages": [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": long_text}]},
-        {"prompt": long_text, "completion": "fine"},
+        {"messages": [{"role": "user", "content": long_text}, {"role": "assistant", "content": "fine"}]},
     ]
     assert len(long_text) > 2 * limits.max_chars
     data = write_jsonl(tmp_path / "big.jsonl", rows)
@@ -264,7 +271,7 @@ def test_a_huge_row_is_cut_before_tokenizing_and_tokenizes_as_the_whole_row(tiny
     real = prepare.tokenize_all
     monkeypatch.setattr(prepare, "tokenize_all", lambda tok, convs, *a: seen.extend(convs) or real(tok, convs, *a))
     cfg = plan_config(tiny_target_dir, data, tmp_path, **{"data.on_bad_row": "skip", "data.token_cache": False})
-    prepared = commands.prepare(cfg)
+    prepared = prepare_run(cfg)
     assert max(len(m["content"]) for c in seen for m in c.messages) == limits.max_chars
     assert [c.cut for c in seen] == [False, True, True]
     whole = tokenize_conversation(AutoTokenizer.from_pretrained(tiny_target_dir), rows[1]["messages"], 256)
@@ -273,7 +280,7 @@ def test_a_huge_row_is_cut_before_tokenizing_and_tokenizes_as_the_whole_row(tiny
     np.testing.assert_array_equal(row.input_ids, whole.input_ids)
     np.testing.assert_array_equal(row.loss_mask, whole.loss_mask)
     assert prepared.stats.bad_rows == 1  # row 2: its prompt alone fills max_length, as uncut
-    skip = commands.prepare(plan_config(tiny_target_dir, data, tmp_path / "skip", **{"data.on_long": "skip", "data.token_cache": False}))
+    skip = prepare_run(plan_config(tiny_target_dir, data, tmp_path / "skip", **{"data.on_long": "skip", "data.token_cache": False}))
     assert [(r.sample_id, r.skipped) for r in skip.rows] == [(0, False), (1, True), (2, True)]
 
 

@@ -319,7 +319,7 @@ def test_init_from_checks_the_drafter_against_the_target_and_model_config(export
 def test_a_sliding_window_drafter_exports_and_loads_back_equal(tmp_path):
     """layer_types / sliding_window / use_sliding_window / is_causal go where z-lab and SpecForge read
     them (top level); reading the folder back builds a drafter that computes the same."""
-    from tests.test_model import three_sample_batch, tiny_arch, tiny_drafter
+    from testkit.drafter import three_sample_batch, tiny_arch, tiny_drafter
 
     arch = tiny_arch(kv_heads=2)
     types = ("sliding_attention", "sliding_attention", "full_attention")
@@ -358,7 +358,7 @@ def test_the_speculators_format_round_trips_into_init_from(exported, tmp_path):
 
 
 def test_a_sliding_drafter_is_refused_in_the_speculators_format(tmp_path):
-    from tests.test_model import tiny_arch, tiny_drafter
+    from testkit.drafter import tiny_arch, tiny_drafter
 
     arch = tiny_arch(kv_heads=2)
     drafter = tiny_drafter(arch, num_layers=2, layer_types=("sliding_attention", "full_attention"), sliding_window=8)

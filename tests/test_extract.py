@@ -16,12 +16,14 @@ import torch
 
 from shared.config import load_run_config
 from shared.errors import DataError, StoreError
-from shared.store import StoreReader, read_manifest, read_shard_arrays
+from shared.reader import StoreReader
+from shared.store import read_manifest, read_shard_arrays
 from shared.target_model import LayerCapture
 from shared.token_cache import source_fingerprint
 from stage1_extract import commands
 from stage1_extract import extract as extract_mod
 from stage1_extract import writer as writer_mod
+from stage1_extract.resolve import prepare_run
 
 from .conftest import chat_rows, stage1_overrides, write_jsonl
 
@@ -73,7 +75,7 @@ def test_layer_capture_equals_hf_hidden_states_plus_one(target):
 
 def test_store_sample_equals_a_direct_forward(store, target, tiny_target_dir):
     cfg, _, reader = store
-    prepared = commands.prepare(cfg)
+    prepared = prepare_run(cfg)
     rows = {r.sample_id: r for r in prepared.rows}
     for index in (0, 7, len(reader) - 1):
         sample = reader[index]
@@ -118,6 +120,18 @@ def test_padding_is_never_stored(store):
         arrays = read_shard_arrays(reader.url, record["name"])
         assert arrays["hidden"].shape[0] == record["num_tokens"] == arrays["offsets"][-1]
         assert list(np.diff(arrays["offsets"])) == record["lengths"]
+
+
+def test_part_records_count_each_samples_anchor_positions(store):
+    """The trainer's block budget counts each sample's blocks from `supervised_pairs` (positions t with
+    loss_mask[t] and loss_mask[t + 1]), recorded at extraction so no rank reads a loss mask for it."""
+    _, _, reader = store
+    for record in reader.manifest["shards"]:
+        arrays = read_shard_arrays(reader.url, record["name"])
+        offsets = arrays["offsets"]
+        masks = [arrays["loss_mask"][a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        assert record["supervised_pairs"] == [int((m[:-1] & m[1:]).sum()) for m in masks]
+    assert reader.supervised_pairs().sum() > 0
 
 
 def test_rerun_is_a_no_op_and_status_is_complete(store):
@@ -364,7 +378,7 @@ def test_packed_extraction_is_refused_where_the_attention_cannot_keep_samples_ap
 
     for attn in ("sdpa", "eager"):
         cfg = config(tiny_target_dir, data_file, tmp_path / attn, **{"extract.packed": "on", "target.attn_implementation": attn})
-        assert commands.prepare(cfg).header["extraction"]["packed"] is True
+        assert prepare_run(cfg).header["extraction"]["packed"] is True
     monkeypatch.setattr(forward, "MASK_PACKING", ("eager",))  # an attention that builds no packed mask
     cfg = config(tiny_target_dir, data_file, tmp_path / "sdpa", **{"extract.packed": "on", "target.attn_implementation": "sdpa"})
     with pytest.raises(ConfigError, match=r"extract\.packed=on with target\.attn_implementation=sdpa: attention 'sdpa' takes no packed-sequence mask, .* set extract\.packed=off"):

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.codecs import SampleFeatures
 from shared.config import load_run_config
-from shared.store import SampleFeatures, StoreConfig, StoreFiles
+from shared.store import StoreConfig, StoreFiles
 from stage1_extract import commands, distributed
 from stage1_extract import extract as extract_mod
 from stage1_extract import writer as writer_mod
@@ -113,9 +114,9 @@ def test_the_writer_queue_is_bounded_in_bytes(tmp_path, monkeypatch):
     release = threading.Event()
     real_encode = writer_mod.encode_sample
 
-    def held_encode(sample, dtype):
+    def held_encode(sample, *args):
         release.wait()
-        return real_encode(sample, dtype)
+        return real_encode(sample, *args)
 
     monkeypatch.setattr(writer_mod, "encode_sample", held_encode)
     batches = [host_samples(s, hidden=512) for s in shards]  # 256 x 2 x 512 x 4 B = 1 MiB + top-k each

@@ -23,7 +23,7 @@ from shared.config import load_run_config
 from shared.errors import BusyError, ConfigError
 from shared.lock import LOCK_NAME, LeaseLock, exclusive
 from stage1_extract import commands as stage1
-from tests.conftest import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,13 +67,13 @@ def test_a_second_extract_on_a_store_is_refused_naming_the_holder(tiny_target_di
     assert summary["num_samples"] == 12 and (store / LOCK_NAME).exists()
 
 
-def test_a_second_train_on_a_run_dir_is_refused(tmp_path):
+def test_a_second_train_on_a_run_dir_is_refused(tmp_path, store, tiny_target_dir):
     from stage2_train.commands import cmd_train
 
     run_dir = tmp_path / "run"
     holder = hold_lock_in_another_process(run_dir, "stage2_train train")
     try:
-        cfg = load_run_config("configs/default.yaml", [f"run_dir={run_dir}", "log.wandb=disabled"])
+        cfg = train_config(tiny_target_dir, store[1], run_dir)
         with pytest.raises(BusyError, match=r"is in use by `stage2_train train`"):
             cmd_train(cfg, progress=False)
         assert not (run_dir / "train_config.yaml").exists() and not (run_dir / "train_log.jsonl").exists()
@@ -252,7 +252,7 @@ def train_config(target_dir, store_path, run_dir, **extra):
 def test_duplicates_are_counted_and_kept_on_one_side_of_the_split(store):
     import numpy as np
 
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
     from stage2_train.data.split import heldout_mask
 
     _, path = store
@@ -445,7 +445,8 @@ def edit_record(text: str, position: int, **edits) -> str:
 )
 def test_a_damaged_manifest_is_named_and_reprocess_rebuilds_it(store_copy, damage, what):
     from shared.errors import StoreError
-    from shared.store import StoreReader, read_manifest
+    from shared.reader import StoreReader
+    from shared.store import read_manifest
 
     cfg, copy = store_copy
     good = read_manifest(str(copy))
@@ -464,7 +465,7 @@ def test_a_shard_missing_an_array_is_named_with_its_fix(store_copy):
     import shutil
 
     from shared.errors import StoreError
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
 
     _, copy = store_copy
     reader = StoreReader(str(copy))
@@ -722,3 +723,14 @@ def test_a_second_sigterm_during_the_save_leaves_the_previous_checkpoint(tiny_ta
     _, stderr = again.communicate(timeout=300)
     assert again.returncode == 0, stderr[-3000:]
     assert train_steps_logged(run / "train_log.jsonl")[-1] == 12
+
+
+def test_train_before_extract_names_the_command_and_creates_nothing(tmp_path, tiny_target_dir):
+    from shared.errors import StoreError
+    from stage2_train.commands import cmd_train
+
+    run_dir = tmp_path / "never-extracted"
+    cfg = load_run_config("configs/default.yaml", [f"run_dir={run_dir}", f"target.path={tiny_target_dir}", "target.num_feature_layers=3"])
+    with pytest.raises(StoreError, match=r"no store was extracted here: `python -m stage1_extract extract --config \.\.\.` builds it"):
+        cmd_train(cfg, progress=False)
+    assert not run_dir.exists()  # no log, no lock file, no wandb run, no folder

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from shared.config import load_run_config
-from shared.store import StoreReader
+from shared.conversation_files import read_conversations
+from shared.conversations import Conversation
+from shared.reader import StoreReader
 from shared.target import load_tokenizer
-from stage1_extract import commands
-from stage1_extract.data import Conversation, read_conversations, write_conversations_parquet
+from stage1_extract import commands, generate
+from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import tokenize_conversation
-from tests.conftest import write_jsonl
+from testkit.data import write_jsonl
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -91,6 +93,20 @@ def test_vllm_answers_keep_their_token_ids_and_a_seed_per_row(tiny_target_dir, t
     assert answers(other["output"]) == got
 
 
+def test_the_engine_start_is_timed_apart_from_generating(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """A few dozen prompts on a GPU take seconds; an engine's start can take a minute: the summary
+    says which was which."""
+    import time
+
+    made, answer = FakeLLM.__init__, FakeLLM.generate
+    monkeypatch.setattr(FakeLLM, "__init__", lambda self, *a, **k: (time.sleep(0.3), made(self, *a, **k))[1])
+    monkeypatch.setattr(FakeLLM, "generate", lambda self, *a, **k: (time.sleep(0.1), answer(self, *a, **k))[1])
+    out = commands.cmd_generate(generate_config(tiny_target_dir, prompts_file(tmp_path), tmp_path / "a"), progress=False)
+    assert 0.3 <= out["backend_start_seconds"] < 0.6  # one engine started once, none of the generate calls
+    assert out["generate_call_seconds"] >= 0.1 * 4  # 10 rows in parts of 3: four calls
+    assert out["backend_start_seconds"] + out["generate_call_seconds"] <= out["seconds"] + 0.05
+
+
 def test_ranks_each_run_an_engine_on_their_own_gpu_and_share_the_parts(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
     """Under torchrun rank r runs one engine on its GPU, sees no torchrun variables while it
     starts, writes parts r, r + W, ...; rank 0 merges: the file equals a single-process run's."""
@@ -117,13 +133,13 @@ def test_a_failed_rank_stops_rank_0_naming_it(tiny_target_dir, tmp_path, fake_vl
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    real_wait = commands.generate_all.__globals__["wait_for_parts"]
+    real_wait = generate.wait_for_parts
 
     def rank_1_fails_meanwhile(parts_dir, wanted, world, poll_s=2.0):
         (parts / ".failed-rank-1").write_text("CUDA error: out of memory")
         return real_wait(parts_dir, wanted, world, poll_s=0.01)
 
-    monkeypatch.setitem(commands.generate_all.__globals__, "wait_for_parts", rank_1_fails_meanwhile)
+    monkeypatch.setattr(generate, "wait_for_parts", rank_1_fails_meanwhile)
     with pytest.raises(ValueError, match="generate failed on rank-1: CUDA error: out of memory"):
         commands.cmd_generate(cfg, progress=False)
 
@@ -162,7 +178,6 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_its_free_space(tiny_targe
     import errno
 
     from stage1_extract import __main__ as cli
-    from stage1_extract import generate
 
     data = prompts_file(tmp_path, n=9)
     real_part, real_atomic = generate.write_conversations_parquet, generate.write_atomic
@@ -190,5 +205,29 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_its_free_space(tiny_targe
     parts = tmp_path / "run" / "data" / "generated.parts"
     assert "\n" not in err and "Traceback" not in err
     assert err.startswith(f"error: {parts}: no space left on the device (") and " free) writing part-000001-" in err
-    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate`" in err
+    # The rerun command carries the run's own overrides (shared/cli.py names the config it came with).
+    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate " in err
+    assert "generate.rows_per_part=3 extract.device=cpu`, which resumes from them" in err
     assert [p.name for p in parts.glob("part-*.parquet")] == [written[0].name]
+
+
+def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_its_result_regenerated(tiny_target_dir, tmp_path, fake_vllm):
+    """The tool's result answers the call the data made: that call stays; the turns around it are the target's."""
+    row = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "OLD", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "OLD ANSWER"},
+            {"role": "user", "content": "Thanks"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+    }
+    data = write_jsonl(tmp_path / "tools.jsonl", [row])
+    out = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "run"), progress=False)
+    assert out["tool_call_turns_kept"] == 1
+    (conv,) = read_conversations(out["output"])
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert conv.messages[1] == {"role": "assistant", "content": "OLD", "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]}
+    assert [m.get("token_ids") is not None for m in conv.messages] == [False, False, False, True, False, True]
+    assert conv.messages[3]["content"] != "OLD ANSWER" and conv.tools == '[{"type": "function", "function": {"name": "get_weather"}}]'

@@ -1,6 +1,7 @@
-"""bench/gpu_flops.py's count of the drafter's training FLOPs, and bench/gpu_check.py run tiny on CPU.
+"""bench/gpu_check.py: its report rows, and every phase run tiny on CPU (the FLOP count it reports
+is tests/test_flops.py's).
 
-    .venv/bin/python -m pytest tests/test_gpu_check.py -q             # the FLOP count (fast)
+    .venv/bin/python -m pytest tests/test_gpu_check.py -q             # the report rows (fast)
     .venv/bin/python -m pytest tests/test_gpu_check.py -q -m slow     # the CPU smoke (~1.5 min)
 """
 
@@ -14,62 +15,26 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import markdown_rows
-from bench.gpu_flops import DrafterShape, StepWork, train_step_flops
-from shared.target import TargetArch
-from stage2_train.model.config import DrafterConfig
-from stage2_train.model.drafter import DFlashDrafter
+from bench import gpu_check
 
 REPO = Path(__file__).resolve().parents[1]
 
-# H=4, A=2 heads, G=1 kv head, D=2, I=8, V=10, 3 feature layers, block 4.
-SHAPE = DrafterShape(hidden=4, heads=2, kv_heads=1, head_dim=2, intermediate=8, vocab=10, num_layers=1,
-                     num_feature_layers=3, block_size=4)
-# One sample of 8 tokens with one block anchored at 3: its 4 query rows see keys 0..2 and its 4 slots
-# (4 x 7 = 28 pairs); slots 1..3 are scored.
-WORK = StepWork(context_tokens=8, blocks=1, scored_rows=3, attention_pairs=28)
 
-
-def test_train_step_flops_by_hand():
-    # per block row and layer: q 4*2*2 + k,v 2*4*1*2 + o 2*2*4 + MLP 3*4*8 = 16 + 16 + 16 + 96 = 144 weights
-    assert train_step_flops(SHAPE, WORK) == {
-        "layers": 6 * 144 * 4,  # 4 block rows = 3456
-        "context_kv": 6 * 16 * 8,  # k/v over 8 context tokens = 768
-        "fc": 4 * (3 * 4 * 4) * 8,  # 48 weights, no input gradient = 1536
-        "attention": 12 * 2 * 2 * 28,  # 12 x D x A per pair = 1344
-        "lm_head": 4 * 10 * 4 * 3,  # 3 scored rows = 480
-        "total": 7584,
-    }
-
-
-def test_train_step_flops_scale_with_layers_where_they_should():
-    one = train_step_flops(SHAPE, WORK)
-    three = train_step_flops(DrafterShape(**{**SHAPE.__dict__, "num_layers": 3}), WORK)
-    for part in ("layers", "context_kv", "attention"):
-        assert three[part] == 3 * one[part]
-    for part in ("fc", "lm_head"):  # once per step, whatever the depth
-        assert three[part] == one[part]
-
-
-def test_flop_count_weights_are_the_drafters():
-    """The weight counts behind the formula are stage2_train/model.py's trainable matrices."""
-    arch = TargetArch(model_type="qwen3", hidden_size=4, intermediate_size=8, num_hidden_layers=8,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=2, vocab_size=10, rms_norm_eps=1e-6,
-                      rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=False)
-    model = DFlashDrafter(DrafterConfig(num_layers=2, block_size=4), arch, num_feature_layers=3, mask_token_id=9)
-    matrices = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2}
-    assert sum(v for n, v in matrices.items() if n.startswith("layers.")) == 2 * 144
-    assert matrices == {**{n: v for n, v in matrices.items() if n.startswith("layers.")}, "fc.weight": 3 * 4 * 4}
-
-
-def test_markdown_rows_flag_failed_phases():
+def test_report_rows_flag_failed_phases():
     result = {"phases": {"env": {"status": "fallback", "gpu": "NVIDIA H200", "torch": "2.11", "cuda": "13.0",
                                  "fallbacks": ["vllm: not installed -> transformers"]},
                          "train": {"status": "failed", "error": "RuntimeError: boom | x"}}}
-    rows = markdown_rows(result)
+    rows = gpu_check.rows(result)
     assert rows[0] == ("GPU check: machine", "NVIDIA H200, torch 2.11, CUDA 13.0", "", "", "")
     assert rows[1] == ("FALLBACKS taken", "vllm: not installed -> transformers", "", "", "")
     assert rows[2] == ("phase train", "failed: RuntimeError: boom / x", "ok", "", "**no**")
+
+
+def test_mfu_divides_by_the_datasheet_peak_stage_1_plans_with():
+    assert gpu_check.bf16_peak("NVIDIA H200", None) == (989e12, "H200 SXM dense bf16 989 TFLOP/s (datasheet)")
+    assert gpu_check.bf16_peak("NVIDIA A100-SXM4-80GB", None)[0] == 312e12
+    assert gpu_check.bf16_peak("NVIDIA H200", 700.0) == (700e12, "700 TFLOP/s (--peak-tflops)")
+    assert gpu_check.bf16_peak("Tesla T4", None)[0] is None
 
 
 @pytest.mark.slow
@@ -113,7 +78,7 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
     assert g["backend"] == "transformers" and g["generated_tokens"] > 0
     assert g["tok_per_s"] > g["tok_per_s_with_start"] > 0
 
-    figures = [r[0] for r in markdown_rows(result)]
+    figures = [r[0] for r in gpu_check.rows(result)]
     assert sum(f.startswith("extraction") for f in figures) == 4
     assert any(f.startswith("drafter training MFU") for f in figures)
     assert any(f.startswith("generation tokens/s") for f in figures)

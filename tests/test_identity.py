@@ -17,9 +17,10 @@ from shared.config import load_run_config
 from shared.errors import DataError, StoreError
 from shared.identity import STAGE1_DEFAULTS
 from stage1_extract import commands as stage1
+from stage1_extract.resolve import prepare_run
 from stage2_train import commands as stage2
 from stage2_train.observe.metrics import read_log
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
 TRAIN = {  # a one-step run: the check comes before it
     "sampler.micro_batch_tokens": 512, "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0,
@@ -170,7 +171,7 @@ def test_auto_settings_are_read_back_from_the_store_not_resolved_again(root, tin
     # Rewrite the store as the GPU node would have made it (its auto settings resolved there).
     monkeypatch.setattr(identity, "resolve_device", lambda setting: "cuda")
     monkeypatch.setattr(identity, "pick_attn_implementation", lambda requested, device: "flash_attention_2")
-    gpu_header = identity.store_header(cfg, stage1.prepare(cfg).target)
+    gpu_header = identity.store_header(cfg, prepare_run(cfg).target)
     assert gpu_header["extraction"] | gpu == gpu_header["extraction"]
     monkeypatch.undo()
     key = identity.header_key(gpu_header)
@@ -185,7 +186,7 @@ def test_auto_settings_are_read_back_from_the_store_not_resolved_again(root, tin
         part.write_text(json.dumps({**record, "header_key": key}))
     # On this CPU machine: current for status and for train's check.
     assert stage1.cmd_status(cfg)["complete"]
-    assert stage1.prepare(cfg).header["extraction"] == gpu_header["extraction"]
+    assert prepare_run(cfg).header["extraction"] == gpu_header["extraction"]
     # An edited row: reprocess must not re-extract on CPU settings implicitly.
     rows = [json.loads(line) for line in (root / "chat.jsonl").read_text().splitlines()]
     rows[3]["messages"][1]["content"] = "edited"

@@ -2,6 +2,8 @@
 
     shared <- stage1_extract, stage2_train     (the stages never import each other)
     inside stage2_train: data <- model <- train; observe stands alone; serve on top; commands composes
+    the stages <- testkit <- bench, tests      (clients: bench never imports tests, nothing imports bench
+                                                but tests of a bench script)
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ ALLOWED = {
     "stage2_train.serve": ("shared", "stage2_train.data", "stage2_train.model", "stage2_train.train", "stage2_train.serve"),
     "stage2_train.commands": ("shared", "stage2_train"),
     "stage2_train.__main__": ("shared", "stage2_train"),
+    # The clients of the library: tiny builders, the benchmarks, the tests.
+    "testkit": ("shared", "stage1_extract", "stage2_train", "testkit"),
+    "bench": ("shared", "stage1_extract", "stage2_train", "testkit", "bench"),
+    "tests": ("shared", "stage1_extract", "stage2_train", "testkit", "bench", "tests"),
 }
-PROJECT = ("shared", "stage1_extract", "stage2_train")
+PROJECT = ("shared", "stage1_extract", "stage2_train", "testkit", "bench", "tests")
 
 
 def module_name(path: Path) -> str:

@@ -20,7 +20,7 @@ from stage2_train.model.loss import (
     position_weights,
     sum_counts,
 )
-from tests.test_model import MASK_ID, make_packed_batch, tiny_arch, tiny_drafter
+from testkit.drafter import MASK_ID, make_packed_batch, tiny_arch, tiny_drafter
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -19,8 +19,7 @@ from stage2_train.model import drafter as model_module
 from stage2_train.model.attention import resolve_backend
 from stage2_train.model.config import DrafterConfig
 from stage2_train.model.drafter import DFlashDrafter
-
-MASK_ID = 99
+from testkit.drafter import MASK_ID, make_packed_batch, three_sample_batch, tiny_arch, tiny_drafter
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,89 +29,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def tiny_arch(hidden=64, heads=4, kv_heads=4, head_dim=16, vocab=100, inter=96) -> TargetArch:
-    return TargetArch(
-        model_type="qwen3",
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=8,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-
-
-def tiny_drafter(
-    arch: TargetArch, num_layers=2, block_size=4, num_feature_layers=2, seed=0, **cfg
-) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    model = DFlashDrafter(
-        DrafterConfig(num_layers=num_layers, block_size=block_size, init_std=0.2, **cfg),
-        arch,
-        num_feature_layers,
-        MASK_ID,
-    )
-    model.set_frozen_parts(
-        torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
-    )
-    return model
-
-
-def make_packed_batch(
-    tokens: list[list[int]],
-    anchors: list[list[int]],
-    block_size: int,
-    feat_dim: int,
-    shuffle: bool = False,
-    top_k: int = 0,
-    seed: int = 0,
-) -> DrafterBatch:
-    """Context = every token of every sample; one block per anchor; slot k labelled tokens[a + k]."""
-    gen = torch.Generator().manual_seed(seed)
-    ctx_seq, ctx_pos, blocks, labels, blk_seq, blk_anchor = [], [], [], [], [], []
-    for s, (toks, anc) in enumerate(zip(tokens, anchors)):
-        ctx_seq += [s] * len(toks)
-        ctx_pos += list(range(len(toks)))
-        for a in anc:
-            blocks.append([toks[a]] + [MASK_ID] * (block_size - 1))
-            labels.append([-100] + [toks[a + k] if a + k < len(toks) else -100 for k in range(1, block_size)])
-            blk_seq.append(s)
-            blk_anchor.append(a)
-    T, N = len(ctx_seq), len(blocks)
-    ctx_perm = torch.randperm(T, generator=gen) if shuffle else torch.arange(T)
-    blk_perm = torch.randperm(N, generator=gen) if shuffle else torch.arange(N)
-    batch = DrafterBatch(
-        context_TF=torch.randn(T, feat_dim, generator=gen),
-        context_pos_T=torch.tensor(ctx_pos)[ctx_perm],
-        context_seq_T=torch.tensor(ctx_seq)[ctx_perm],
-        block_ids_NB=torch.tensor(blocks)[blk_perm],
-        block_seq_N=torch.tensor(blk_seq)[blk_perm],
-        anchor_pos_N=torch.tensor(blk_anchor)[blk_perm],
-        labels_NB=torch.tensor(labels)[blk_perm],
-        num_samples=len(tokens),
-        num_tokens=T,
-    )
-    if top_k:
-        batch.topk_logprobs_NBK = torch.randn(N, block_size, top_k, generator=gen).log_softmax(-1)
-        batch.topk_ids_NBK = torch.randint(0, MASK_ID, (N, block_size, top_k), generator=gen)
-    return batch
-
-
-def three_sample_batch(arch, block_size=4, shuffle=True, num_feature_layers=2) -> DrafterBatch:
-    gen = torch.Generator().manual_seed(1)
-    lengths = [23, 9, 31]
-    tokens = [torch.randint(0, MASK_ID, (n,), generator=gen).tolist() for n in lengths]
-    anchors = [[0, 5, 11, 20], [0, 3, 7], [2, 9, 10, 17, 29]]
-    return make_packed_batch(
-        tokens, anchors, block_size, num_feature_layers * arch.hidden_size, shuffle=shuffle
-    )
 
 
 # ---------------------------------------------------------------------------------------------

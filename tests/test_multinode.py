@@ -19,7 +19,7 @@ from shared.config import load_run_config
 from stage1_extract import commands as stage1
 from stage2_train.commands import cmd_train
 from stage2_train.observe.metrics import read_log
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, write_jsonl
 from tests.test_extract import store_contents
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from shared.config import load_run_config
 from stage1_extract import commands as stage1
 from stage2_train import commands as stage2
 from stage2_train.observe.metrics import read_log
-from tests.conftest import chat_rows, write_jsonl
+from testkit.data import chat_rows, write_jsonl
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Parity with the peers' own code: z-lab `dflash==0.1.0`, SpecForge `0.2.0`, speculators `0.9.0`.
 
-    bash bench/peers_install.sh          # once: installs them outside the venv, prints DFLASH_PEERS
+    bash tests/peers_install.sh          # once: installs them outside the venv, prints DFLASH_PEERS
     DFLASH_PEERS=/tmp/dflash-peers/zlab:/tmp/dflash-peers/specforge:/tmp/dflash-peers/speculators \
         .venv/bin/python -m pytest -q tests/test_peers.py
 
@@ -49,12 +49,12 @@ from stage2_train.model.loss import dpace_weights
 from stage2_train.serve.export import export_drafter
 from stage2_train.serve.load import folder_description, init_weights_for, load_exported
 from stage2_train.train.schedules import muon_params
-from tests.test_model import MASK_ID, tiny_arch, tiny_drafter
+from testkit.drafter import MASK_ID, tiny_arch, tiny_drafter
 
 PEERS = [p for p in os.environ.get("DFLASH_PEERS", "").split(":") if p]
 pytestmark = pytest.mark.skipif(
     not PEERS,
-    reason="peer packages not installed: run `bash bench/peers_install.sh` and export the DFLASH_PEERS it prints",
+    reason="peer packages not installed: run `bash tests/peers_install.sh` and export the DFLASH_PEERS it prints",
 )
 for _folder in PEERS:  # appended: the venv's torch / transformers always win over a peer folder
     if _folder not in sys.path:
@@ -334,7 +334,7 @@ def speculators_export(tmp_path):
     base = our_drafter()
     description = describe_parts(base.cfg, arch, LAYER_IDS, MASK_ID)
     drafter = build_drafter(description, embed_VH, head_VH, runtime=base.cfg, weights=base.state_dict()).eval()
-    info = {"name": str(verifier), "architectures": ["Qwen3ForCausalLM"]}
+    info = {"verifier": str(verifier), "architectures": ["Qwen3ForCausalLM"]}  # a local verifier: speculators refills its parts
     folder = export(drafter, tmp_path / "spec", format="speculators", target_info=info)
     return drafter, folder, verifier
 

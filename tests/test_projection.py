@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from stage2_train.data.projection import basis, energy_kept, second_moment
-from tests.test_model import MASK_ID, three_sample_batch, tiny_arch, tiny_drafter
+from testkit.drafter import MASK_ID, three_sample_batch, tiny_arch, tiny_drafter
 
 
 class Reader:

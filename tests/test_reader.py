@@ -9,44 +9,10 @@ import pytest
 import torch
 
 from shared.chunks import LocalChunkCache
-from shared.store import SampleFeatures, StoreConfig, StoreReader, read_shard_arrays, write_shard
-
-
-def samples(count: int, seed: int = 0, layers: int = 3, hidden: int = 40, k: int = 5) -> list[SampleFeatures]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for sid in range(count):
-        T = int(rng.integers(20, 300))
-        out.append(
-            SampleFeatures(
-                sample_id=sid,
-                input_ids_T=rng.integers(0, 1000, T).astype(np.int32),
-                loss_mask_T=rng.random(T) < 0.7,
-                hidden_TLH=torch.from_numpy(rng.standard_normal((T, layers, hidden)).astype(np.float32)),
-                topk_logprobs_TK=torch.from_numpy(-rng.random((T, k)).astype(np.float32)),
-                topk_ids_TK=torch.from_numpy(rng.integers(0, 1000, (T, k)).astype(np.int32)),
-            )
-        )
-    return out
-
-
-def make_store(url: str, shards: list[list[SampleFeatures]], cfg: StoreConfig) -> None:
-    """A store holding these shards and a minimal manifest (what StoreReader needs)."""
-    import json
-
-    import fsspec
-
-    records = []
-    for index, shard in enumerate(shards):
-        record = write_shard(url, f"shard-{index:06d}-x", shard, cfg)
-        record.update(index=index, sample_ids=[s.sample_id for s in shard], lengths=[len(s.input_ids_T) for s in shard], rows_sha256="")
-        records.append(record)
-    manifest = {
-        "schema_version": 1, "storage": cfg.model_dump(exclude={"path", "shard_mb"}), "shards": records,
-        "layer_ids": [1, 2, 3], "target": {}, "top_k": 5, "max_length": 300,
-    }
-    with fsspec.open(f"{url}/manifest.json", "w") as fh:
-        json.dump(manifest, fh)
+from shared.codecs import SampleFeatures
+from shared.reader import StoreReader
+from shared.store import StoreConfig, read_shard_arrays, supervised_pairs, write_shard
+from testkit.store import make_store, samples
 
 
 @pytest.mark.parametrize(
@@ -71,7 +37,7 @@ def test_every_sample_equals_zarrs_own_read_byte_for_byte(tmp_path, storage):
             if cfg.dtype == "bf16":
                 assert got["hidden_TLH"].view(torch.int16).numpy().view(np.uint16).tobytes() == arrays["hidden"][lo:hi].tobytes()
             else:  # fp8: the decoded values equal those of zarr's bits and scales
-                from shared.store import decode_hidden
+                from shared.codecs import decode_hidden
 
                 want = decode_hidden(arrays["hidden"][lo:hi], arrays["hidden_scale"][lo:hi], "fp8")
                 assert torch.equal(got["hidden_TLH"], want)
@@ -235,3 +201,41 @@ def test_a_local_shard_is_on_disk_before_write_shard_returns(tmp_path, monkeypat
     root = tmp_path / "shards" / "shard-000000-x"
     everything = {str(p.resolve()) for p in root.rglob("*")} | {str(root.resolve()), str(root.parent.resolve())}
     assert len(everything) > 10 and everything <= synced
+
+
+def test_samples_supervised_pairs_come_from_the_manifest_or_once_from_the_loss_masks(tmp_path, monkeypatch):
+    """A store extracted before part records carried `supervised_pairs` gives the same counts, read
+    from its loss masks (no features); one that carries them is not read at all. Blocks counted from
+    them equal the anchors each sample really draws."""
+    import json
+
+    from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.config import SamplerConfig
+
+    shards = [samples(7, seed=1), samples(1, seed=2), samples(5, seed=3)]
+    for shard in shards:  # edge cases: a one-token sample, an unsupervised one, a fully supervised one
+        shard[0].loss_mask_T[:] = True
+    shards[0][1].loss_mask_T[:] = False
+    shards[2][2] = SampleFeatures(99, np.array([5], np.int32), np.array([True]), torch.zeros(1, 3, 40), torch.zeros(1, 5), torch.zeros(1, 5, dtype=torch.int32))
+    make_store(str(tmp_path), shards, StoreConfig())
+    want = [supervised_pairs(s.loss_mask_T) for shard in shards for s in shard]
+    assert want[:2] == [len(shards[0][0].loss_mask_T) - 1, 0] and want[-3] == 0
+    counted = StoreReader(str(tmp_path)).supervised_pairs()
+    assert counted.tolist() == want
+
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    start = 0
+    for record in manifest["shards"]:
+        record["supervised_pairs"] = want[start : start + record["num_samples"]]
+        start += record["num_samples"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    reader = StoreReader(str(tmp_path))
+    monkeypatch.setattr(reader, "_count_pairs", lambda shard: pytest.fail("read a loss mask the manifest counts"))
+    assert reader.supervised_pairs().tolist() == want
+
+    for everywhere in (False, True):
+        anchors = AnchorSampler(SamplerConfig(max_anchors_per_seq=50), block_size=4, seed=0, everywhere=everywhere)
+        blocks = anchors.block_counts(reader.lengths, None if everywhere else reader.supervised_pairs())
+        for i in range(len(reader)):
+            drawn = anchors.anchors(reader[i]["loss_mask_T"], sample_id=i, epoch=3)
+            assert len(drawn) == blocks[i]

@@ -279,7 +279,7 @@ def test_writers_are_refused_while_training_reads_the_store_naming_the_reader(bu
     data.close()
     assert commands.cmd_reprocess(cfg, progress=False)["shards_extracted_here"] == 0
 
-    claim = "from shared.store import StoreReader; import sys, time; r = StoreReader(sys.argv[1]).hold('stage2_train train'); print('held', flush=True); time.sleep(60)"
+    claim = "from shared.reader import StoreReader; import sys, time; r = StoreReader(sys.argv[1]).hold('stage2_train train'); print('held', flush=True); time.sleep(60)"
     dead = subprocess.Popen([sys.executable, "-c", claim, url], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert dead.stdout.readline().strip() == "held"
     with pytest.raises(BusyError, match=rf"is being read by `stage2_train train` \(pid {dead.pid} "):
@@ -299,7 +299,7 @@ def test_a_shard_replaced_under_a_reader_without_a_claim_is_named_as_a_rewrite(b
     `reprocess` replaced it. The store is fine: the error says it was rewritten while being read,
     not to repair it."""
     from shared.errors import StoreError
-    from shared.store import StoreReader
+    from shared.reader import StoreReader
 
     cfg, data = built
     url = cfg.store.url(cfg.run_dir)

@@ -1,4 +1,5 @@
-"""LengthMixedSampler: exactly-once coverage, equal steps per rank, budget, mixing, exact resume."""
+"""LengthMixedSampler: exactly-once coverage, equal steps per rank, both budgets (tokens and blocks),
+mixing, exact resume."""
 
 from __future__ import annotations
 
@@ -21,10 +22,38 @@ def skewed_lengths(n: int, seed: int = 0) -> np.ndarray:
     return np.where(long, rng.integers(1500, 3001, n), rng.integers(64, 257, n)).astype(np.int64)
 
 
-def rank_batches(cfg: SamplerConfig, lengths: np.ndarray, world_size: int, seed: int = 0, epoch: int = 0, grad_accum: int = 1):
+def supervised_data(kind: str, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, supervised pairs) of realistic stores: the pairs are what anchors are drawn from.
+
+    short_answers: 64-400 tokens, a 10-40 token prompt, the rest a supervised answer (~1 block a token);
+    long_prompts: 1,500-3,072 tokens whose answer is 16-200 tokens (few blocks per token);
+    chat: lognormal lengths, 30-95% of each sample answer; mixture: all three shuffled together."""
+    rng = np.random.default_rng(seed)
+    if kind == "short_answers":
+        lengths = rng.integers(64, 401, n)
+        return lengths, np.maximum(lengths - rng.integers(10, 41, n) - 1, 0)
+    if kind == "long_prompts":
+        return rng.integers(1500, 3073, n), rng.integers(16, 201, n) - 1
+    if kind == "chat":
+        lengths = np.clip(rng.lognormal(6.6, 0.7, n), 64, 3072).astype(np.int64)
+        return lengths, np.maximum((lengths * rng.uniform(0.3, 0.95, n)).astype(np.int64) - 1, 0)
+    parts = [supervised_data(k, n, seed + 1 + j) for j, k in enumerate(("short_answers", "long_prompts", "chat"))]
+    pick = rng.permutation(3 * n)[:n]
+    return np.concatenate([p[0] for p in parts])[pick], np.concatenate([p[1] for p in parts])[pick]
+
+
+def blocks_of(pairs: np.ndarray, cfg: SamplerConfig) -> np.ndarray:
+    return np.minimum(pairs, cfg.max_anchors_per_seq)  # AnchorSampler.block_counts
+
+
+def rank_batches(
+    cfg: SamplerConfig, lengths: np.ndarray, world_size: int, seed: int = 0, epoch: int = 0, grad_accum: int = 1, blocks=None
+):
     out = []
     for rank in range(world_size):
-        sampler = LengthMixedSampler(cfg, lengths, seed=seed, rank=rank, world_size=world_size, grad_accum=grad_accum)
+        sampler = LengthMixedSampler(
+            cfg, lengths, seed=seed, rank=rank, world_size=world_size, grad_accum=grad_accum, blocks=blocks
+        )
         sampler.set_epoch(epoch)
         out.append(list(sampler))
     return out
@@ -39,6 +68,18 @@ def test_config_validation_names_the_key():
         SamplerConfig.from_dict({"budget": 10})
     assert SamplerConfig(max_anchors_per_seq=256).recipe_warnings()
     assert not SamplerConfig().recipe_warnings()
+
+
+def test_block_budget_is_validated_and_derived():
+    with pytest.raises(ValueError, match=r"sampler\.micro_batch_blocks must be >= 512 \(the most blocks one sample"):
+        SamplerConfig(micro_batch_blocks=511)
+    assert SamplerConfig(micro_batch_tokens=16384).blocks_budget() == 8192  # null: tokens // 2
+    assert SamplerConfig(micro_batch_tokens=600).blocks_budget() == 512  # at least one sample's blocks
+    assert SamplerConfig(micro_batch_tokens=600, micro_batch_blocks=700).blocks_budget() == 700
+    with pytest.raises(ValueError, match=r"sample 1 yields 40 blocks, more than sampler\.micro_batch_blocks=32"):
+        LengthMixedSampler(
+            SamplerConfig(micro_batch_tokens=64, max_anchors_per_seq=16), np.array([30, 50]), seed=0, blocks=np.array([3, 40])
+        )
 
 
 def test_sample_longer_than_budget_is_named():
@@ -101,8 +142,9 @@ def test_small_random_data_sets_plan_correctly_or_refuse():
 
 
 def test_packing_is_dense_and_ranks_balanced():
+    """Without blocks binding (a large block budget) the packing is the token packing it always was."""
     lengths = lognormal_lengths(6000)
-    cfg = SamplerConfig(micro_batch_tokens=16384)
+    cfg = SamplerConfig(micro_batch_tokens=16384, micro_batch_blocks=10**6)
     sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=4)
     plan = sampler.plan_epoch(0)
     efficiency = lengths.sum() / (sum(len(step) for step in plan) * cfg.micro_batch_tokens)
@@ -110,6 +152,36 @@ def test_packing_is_dense_and_ranks_balanced():
     for step in plan:
         rank_tokens = np.array([lengths[b].sum() for b in step])
         assert rank_tokens.max() / rank_tokens.mean() <= 1.05
+
+
+@pytest.mark.parametrize(
+    ("kind", "blocks_bind"), [("short_answers", True), ("long_prompts", False), ("chat", False), ("mixture", False)]
+)
+def test_micro_batches_fill_whichever_budget_binds(kind, blocks_bind):
+    """Short, fully supervised answers fill micro-batches by blocks (half the tokens of one with long
+    prompts would be ~2x the block rows); long prompts with short answers by tokens; each micro-batch
+    is full on its binding budget and the ranks carry equal shares of it."""
+    lengths, pairs = supervised_data(kind, 6000)
+    cfg = SamplerConfig(micro_batch_tokens=16384)
+    blocks = blocks_of(pairs, cfg)
+    sampler = LengthMixedSampler(cfg, lengths, seed=0, world_size=4, grad_accum=2, blocks=blocks)
+    assert sampler.micro_batch_blocks == 8192  # null: micro_batch_tokens // 2
+    plan = list(sampler.plan_epoch(0))
+    bins = [b for step in plan for b in step]
+    token_fill = lengths.sum() / (len(bins) * cfg.micro_batch_tokens)
+    block_fill = blocks.sum() / (len(bins) * sampler.micro_batch_blocks)
+    assert (block_fill > token_fill) == blocks_bind
+
+    def share(b):  # of the budget that binds in this micro-batch
+        return max(lengths[b].sum() / 16384, blocks[b].sum() / 8192)
+
+    # Samples of 1,500-3,072 tokens leave up to a sample's gap in 16K; the others pack to 98% (the
+    # last two steps share what is left of the epoch).
+    body = [b for step in plan[:-2] for b in step]
+    assert np.mean([share(b) for b in body]) >= (0.95 if kind == "long_prompts" else 0.98)
+    for step in plan[:-2]:
+        shares = np.array([share(b) for b in step])
+        assert shares.max() / shares.mean() <= 1.08
 
 
 def test_epochs_differ_and_are_reproducible():
@@ -243,3 +315,84 @@ def test_each_epoch_is_planned_once_and_ahead_of_its_boundary():
     assert sampler.plan_builds == 1 + 3  # epoch 0 in the constructor; 1, 2 and the look-ahead 3
     assert built_on == ["dflash-plan"] * 3  # all after construction in the background thread
     assert sampler.estimated_total_steps(3) == 3 * len(sampler.plan_epoch(0))
+
+
+def loss_masks(kind: str, n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Loss masks of realistic stores: each sample is turns of an unsupervised prompt then a
+    supervised answer. short_answers: one short prompt, a short answer (nearly every token an anchor);
+    long_prompts: a 600-1,800-token prompt, a 2-60-token answer; multi_turn: 1-4 turns of any size;
+    mixture: the three together."""
+    if kind == "mixture":
+        masks = [m for k in ("short_answers", "long_prompts", "multi_turn") for m in loss_masks(k, n, rng)]
+        return [masks[i] for i in rng.permutation(len(masks))[:n]]
+    masks = []
+    for _ in range(n):
+        if kind == "short_answers":
+            turns = [(int(rng.integers(2, 12)), int(rng.integers(1, 120)))]
+        elif kind == "long_prompts":
+            turns = [(int(rng.integers(600, 1800)), int(rng.integers(2, 60)))]
+        else:
+            turns = [(int(rng.integers(1, 300)), int(rng.integers(0, 400))) for _ in range(int(rng.integers(1, 5)))]
+        masks.append(np.concatenate([np.r_[np.zeros(p, bool), np.ones(a, bool)] for p, a in turns]))
+    return masks
+
+
+@pytest.mark.parametrize("kind", ["short_answers", "long_prompts", "multi_turn", "mixture"])
+def test_no_micro_batch_exceeds_either_budget_in_the_anchors_it_draws(kind):
+    """The property, end to end over random layouts: blocks are counted from the stored loss masks
+    (`supervised_pairs`, what the manifest records) by `AnchorSampler.block_counts`; in two epochs,
+    the anchors each micro-batch really draws never exceed `micro_batch_blocks`, its tokens never
+    `micro_batch_tokens`, every sample comes exactly once, every rank runs the same steps."""
+    import torch
+
+    from shared.store import supervised_pairs
+    from stage2_train.data.anchors import AnchorSampler
+
+    rng = np.random.default_rng(["short_answers", "long_prompts", "multi_turn", "mixture"].index(kind))
+    planned = 0
+    for trial in range(6):
+        masks = loss_masks(kind, int(rng.integers(40, 400)), rng)
+        lengths = np.array([len(m) for m in masks])
+        max_anchors = int(rng.choice([8, 64, 512]))
+        tokens = int(lengths.max() * rng.uniform(1.0, 6.0))
+        cfg = SamplerConfig(
+            micro_batch_tokens=tokens, max_anchors_per_seq=max_anchors,
+            micro_batch_blocks=None if trial % 2 else int(min(max_anchors, tokens - 1) * rng.uniform(1.0, 4.0)),
+        )
+        anchors = AnchorSampler(cfg, block_size=int(rng.choice([4, 16])), seed=trial)
+        blocks = anchors.block_counts(lengths, np.array([supervised_pairs(m) for m in masks]))
+        world_size, grad_accum = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        try:
+            samplers = [
+                LengthMixedSampler(cfg, lengths, seed=trial, rank=r, world_size=world_size, grad_accum=grad_accum, blocks=blocks)
+                for r in range(world_size)
+            ]
+        except ValueError as exc:
+            assert "cannot fill" in str(exc) or "too few samples" in str(exc)
+            continue
+        for epoch in (0, 1):
+            per_rank = [list(s) for s in samplers]
+            assert len({len(batches) for batches in per_rank}) == 1
+            seen = sorted(i for batches in per_rank for b in batches for i in b)
+            assert seen == list(range(len(masks)))
+            for batches in per_rank:
+                for b in batches:
+                    drawn = sum(len(anchors.anchors(torch.from_numpy(masks[i]), sample_id=i, epoch=epoch)) for i in b)
+                    assert b and drawn <= samplers[0].micro_batch_blocks and lengths[b].sum() <= tokens
+        planned += 1
+    assert planned >= 4
+
+
+def test_resume_refuses_another_block_budget_or_other_blocks():
+    lengths, pairs = supervised_data("chat", 600)
+    cfg = SamplerConfig(micro_batch_tokens=8192)
+    state = LengthMixedSampler(cfg, lengths, seed=0, blocks=blocks_of(pairs, cfg)).state_dict()
+    assert state["micro_batch_blocks"] == 4096
+    wider = SamplerConfig(micro_batch_tokens=8192, micro_batch_blocks=6000)
+    with pytest.raises(ValueError, match=r"micro_batch_blocks was 4096 when saved, is 6000 now \(sampler\.micro_batch_blocks"):
+        LengthMixedSampler(wider, lengths, seed=0, blocks=blocks_of(pairs, wider)).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"blocks_digest .* \(the samples' blocks"):
+        LengthMixedSampler(cfg, lengths, seed=0, blocks=blocks_of(pairs // 2, cfg)).load_state_dict(state)
+    saved_before = {k: v for k, v in state.items() if k not in ("micro_batch_blocks", "blocks_digest")}
+    with pytest.raises(ValueError, match="micro_batch_blocks was None when saved.*before micro-batches had a block budget"):
+        LengthMixedSampler(cfg, lengths, seed=0, blocks=blocks_of(pairs, cfg)).load_state_dict(saved_before)

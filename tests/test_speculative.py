@@ -350,7 +350,7 @@ def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
     from stage2_train.commands import cmd_eval
     from stage2_train.train.checkpoint.saver import Checkpointer
     from stage2_train.train.config import CheckpointConfig
-    from tests.conftest import stage1_overrides
+    from testkit.data import stage1_overrides
 
     run_dir = tmp_path / "run"
     cfg1 = load_run_config(None, stage1_overrides(tiny_target_dir, chat_file, run_dir))

@@ -67,7 +67,7 @@ def test_default_target_is_smollm2_with_a_mask_token():
 def test_missing_target_folder_is_a_clear_error(tmp_path):
     from shared.target import resolve_target_dir
 
-    with pytest.raises(FileNotFoundError, match="never downloaded"):
+    with pytest.raises(FileNotFoundError, match=r"no config.json in .*Qwen3-8B\. Give a local HF model folder, a Hub id"):
         resolve_target_dir(TargetConfig(path=str(tmp_path / "Qwen3-8B")))
 
 

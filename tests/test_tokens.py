@@ -10,12 +10,13 @@ import pytest
 from shared import token_cache
 from shared.config import load_run_config
 from stage1_extract import commands, prepare, tokens
-from tests.conftest import chat_rows, stage1_overrides, write_jsonl
+from stage1_extract.resolve import prepare_run
+from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
 
 def prepared(tiny_target_dir, data, run_dir, **extra):
     cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, run_dir, **extra))
-    return commands.prepare(cfg)
+    return prepare_run(cfg)
 
 
 def as_tuples(prep):
@@ -106,7 +107,7 @@ def test_a_damaged_token_cache_is_named_rebuilt_and_never_reaches_the_store(tiny
     clean_cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "clean"))
     commands.cmd_extract(clean_cfg, progress=False)
     cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
-    commands.prepare(cfg)  # builds the cache
+    prepare_run(cfg)  # builds the cache
     cache = next((tmp_path / "run" / "cache").glob("tokens-*"))
     damage(cache / "ids.npy")
     assert commands.cmd_status(cfg)["counts"]["missing"] > 0  # status reads the cache: no traceback
@@ -125,7 +126,7 @@ def test_a_damaged_token_cache_is_named_rebuilt_and_never_reaches_the_store(tiny
         assert all(np.array_equal(a[k], b[k]) for k in a)
     assert json.loads((cache / "meta.json").read_text())["inputs"]["version"] == token_cache.TOKENS_VERSION
     caplog.clear()
-    commands.prepare(cfg)  # the rebuilt cache verifies: no warning
+    prepare_run(cfg)  # the rebuilt cache verifies: no warning
     assert "token cache" not in caplog.text
 
 

@@ -29,7 +29,7 @@ from stage2_train.data.view import open_store
 from stage2_train.observe.metrics import read_log
 from stage2_train.train.config import OptimConfig
 from stage2_train.train.schedules import lr_factor
-from tests.conftest import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 10
@@ -311,6 +311,108 @@ def test_micro_batches_without_a_block_still_train_on_two_ranks(tiny_target_dir,
         assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
 
 
+# ---- mixed precision ---------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one process-wide state whose mixed precision cannot change once set: a bf16
+    trainer in this process starts from a fresh state and leaves one for the next test."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def bf16_trainer(cfg, init_from=None):
+    from stage2_train.serve.load import init_weights_for
+    from stage2_train.train.launch import make_accelerator
+    from stage2_train.train.trainer import Trainer
+
+    weights = None if init_from is None else init_weights_for(init_from, cfg.model, resolve_target(cfg.target))
+    return Trainer(cfg, make_accelerator(cfg.train), init_weights=weights, progress=False)
+
+
+def on_training_forward(module, record, pre: bool = False) -> None:
+    """Call `record(args or output)` on the forwards of training (the held-out eval runs in eval mode)."""
+
+    def hook(m, args, out=None):
+        if m.training:
+            record(args if pre else out)
+
+    (module.register_forward_pre_hook if pre else module.register_forward_hook)(hook)
+
+
+def assert_fp32_master_state(trainer) -> None:
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert params and {p.dtype for p in params} == {torch.float32}
+    adamw = trainer.optimizers.named["adamw"]
+    moments = [t for p in params for k, t in adamw.state[p].items() if k != "step"]
+    assert len(moments) == 2 * len(params) and {t.dtype for t in moments} == {torch.float32}
+    assert {b.dtype for n, b in trainer.model.named_buffers() if n in ("embed_VH", "lm_head_VH")} == {torch.bfloat16}
+
+
+def test_bf16_trains_fp32_master_weights_from_a_bf16_drafter_and_after_resume(
+    tiny_target_dir, store, tmp_path, fresh_accelerator_state
+):
+    """What this trainer keeps under train.mixed_precision=bf16: the forward in bf16 autocast, every
+    trainable parameter (the master weights) and every AdamW moment in fp32, the frozen embedding and
+    LM head in bf16. A bf16 drafter as model.init_from (exports are bf16) and a resume keep it so: no
+    configuration trains bf16 parameters, whose updates would round away as the learning rate decays."""
+    exported = tmp_path / "export"
+    first = config(tiny_target_dir, store, tmp_path / "a", **{"train.mixed_precision": "bf16", "train.max_steps": 2})
+    commands.cmd_train(first, progress=False)
+    commands.cmd_export(first, None, str(exported), "zlab")
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(exported / "model.safetensors").values()} == {torch.bfloat16}
+
+    extra = {"train.mixed_precision": "bf16", "model.init_from": str(exported), "train.max_steps": 3, "train.resume": "auto"}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path / "b", **extra), init_from=exported)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}  # before any step, too
+    seen = {"layer": set(), "output": set()}
+    on_training_forward(trainer.model.layers[0].mlp.down_proj, lambda out: seen["layer"].add(out.dtype))
+    on_training_forward(trainer.model, lambda out: seen["output"].add(out.dtype))
+    trainer.fit()
+    assert seen == {"layer": {torch.bfloat16}, "output": {torch.bfloat16}}  # no fp32 copy of the output
+    assert_fp32_master_state(trainer)
+
+    extra["train.max_steps"] = 5
+    resumed = bf16_trainer(config(tiny_target_dir, store, tmp_path / "b", **extra), init_from=exported)
+    summary = resumed.fit()
+    assert summary["steps"] == 5 and resumed.progress.step == 5
+    assert [r["step"] for r in read_log(tmp_path / "b" / "train_log.jsonl") if r.get("event") == "resume"] == [3]
+    assert_fp32_master_state(resumed)
+
+
+def test_the_step_runs_as_the_memory_plan_traces_it(tiny_target_dir, store, tmp_path, fresh_accelerator_state, monkeypatch):
+    """`train/memory_plan.py` traces a step whose micro-batches reach the device one at a time, whose
+    noise goes into the moved context in place, and whose forward output stays bf16: the trainer runs
+    exactly that (here with train.grad_accum=3, noise on, bf16)."""
+    from stage2_train.data.batch import DrafterBatch
+
+    events = []
+    real_to = DrafterBatch.to
+
+    def to(batch, device, dtype=None):
+        moved = real_to(batch, device, dtype)
+        if trainer.model.training:  # not the held-out eval's batches
+            events.append(("to", moved.context_TF.data_ptr(), moved.context_TF.clone()))
+        return moved
+
+    monkeypatch.setattr(DrafterBatch, "to", to)
+    extra = {"train.mixed_precision": "bf16", "train.grad_accum": 3, "train.max_steps": 2, "noise.warmup_steps": 0,
+             "eval.every_steps": 0}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra))
+    on_training_forward(trainer.model, lambda args: events.append(("forward", args[0].context_TF.data_ptr(), args[0].context_TF.clone())), pre=True)
+    on_training_forward(trainer.model, lambda out: events.append(("output", out.dtype, None)))
+    trainer.fit()
+    steps = [e[0] for e in events if e[0] in ("to", "forward")]
+    assert steps == ["to", "forward"] * 6
+    for moved, forward in zip(events[0::3], events[1::3]):
+        assert forward[1] == moved[1] and not torch.equal(forward[2], moved[2])  # noised in place, no copy
+    assert {e[1] for e in events if e[0] == "output"} == {torch.bfloat16}
+
+
 # ---- resume ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
@@ -345,7 +447,7 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     from stage2_train.train.config import OptimConfig
     from stage2_train.train.schedules import Optimizers, muon_params
-    from tests.test_model import tiny_arch, tiny_drafter
+    from testkit.drafter import tiny_arch, tiny_drafter
 
     model = tiny_drafter(tiny_arch(kv_heads=2), num_layers=2)
     muon, adamw = muon_params(model)

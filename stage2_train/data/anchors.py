@@ -9,6 +9,10 @@ Each epoch draws up to `sampler.max_anchors_per_seq` of them without replacement
 there are fewer), from a generator seeded by (seed, epoch, sample_id): no state, so resume is
 exact by construction and two ranks never disagree. A sample with no valid anchor yields zero
 blocks; the loader counts such samples.
+
+How many blocks a sample yields is known before any feature is read (`AnchorSampler.block_counts`):
+min(valid anchors, max_anchors_per_seq), every epoch, from the store's per-sample `supervised_pairs`
+(or the lengths, with `everywhere`). The sampler packs micro-batches by it (`sampler.micro_batch_blocks`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,18 @@ class AnchorSampler:
             rng = np.random.default_rng([self.seed, epoch, sample_id])
             valid = np.sort(rng.choice(valid, size=self.max_anchors, replace=False))
         return torch.from_numpy(valid)
+
+    def block_counts(self, lengths: np.ndarray, supervised_pairs: np.ndarray | None) -> np.ndarray:
+        """Blocks each sample yields in any epoch, len(anchors(...)) without reading it: its valid anchor
+        positions (the store's `supervised_pairs`; with `everywhere`, every position but the last, and
+        the pairs are not needed) capped at max_anchors_per_seq (int64)."""
+        if self.everywhere:
+            valid = np.asarray(lengths, dtype=np.int64) - 1
+        elif supervised_pairs is None:
+            raise ValueError("block_counts needs the samples' supervised_pairs (anchors are drawn on supervised tokens)")
+        else:
+            valid = np.asarray(supervised_pairs, dtype=np.int64)
+        return np.minimum(np.maximum(valid, 0), self.max_anchors)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "max_anchors_per_seq": self.max_anchors, "block_size": self.block_size, "everywhere": self.everywhere}

@@ -1,19 +1,28 @@
-"""Length-mixed, padding-free token-budget batching, balanced across ranks, resumable exactly.
+"""Length-mixed, padding-free batching under a token and a block budget, balanced across ranks,
+resumable exactly.
 
     .venv/bin/python -m stage2_train batches --steps 20 --json   # describe_steps() of the plan
 
-An epoch is planned globally (identically on every rank) from (seed, epoch, lengths):
+Memory is spent per block (anchors x block size rows through the drafter and its LM head), not per
+token: short, fully supervised answers give about one block per token, long prompts with short
+answers few. So a micro-batch has two budgets, `micro_batch_tokens` (the context) and
+`micro_batch_blocks` (the blocks its samples yield, `AnchorSampler.block_counts`, known from the
+store's per-sample counts without reading a feature), and no micro-batch exceeds either.
+
+An epoch is planned globally (identically on every rank) from (seed, epoch, lengths, blocks):
 
 1. Shuffle all sample indices, stratified by length so that every stretch of the order holds
    each length range in its data-set share.
-2. One optimizer step is M = world_size * grad_accum micro-batches ("bins") of at most
-   `micro_batch_tokens` tokens (and `max_samples_per_batch` samples). For each step, pull the next
-   samples of the shuffled order until the window holds (1 + window_slack) * M * micro_batch_tokens
-   tokens, then place them longest first, each into the least-loaded bin it fits (LPT). Samples
-   carried over from the previous step are placed first, so no sample waits more than a step or
-   two. What does not fit (mostly the shortest samples of the window) carries to the next step.
-   Every step is thus a random draw of the whole data set: lengths mix within each micro-batch,
-   each step and each rank, and no run of steps (nor the epoch end) collects the long samples.
+2. One optimizer step is M = world_size * grad_accum micro-batches ("bins") within both budgets
+   (and `max_samples_per_batch` samples). For each step, pull the next samples of the shuffled
+   order until the window holds (1 + window_slack) * M times either budget (whichever fills first),
+   then place them longest first, each into the least-loaded bin (load: the larger of its token and
+   block shares of the budgets, so the ranks' work, which blocks dominate, is balanced too) when it
+   fits there. Samples carried over from the previous step are placed first, so no sample waits
+   more than a step or two. What does not fit (mostly the shortest samples of the window) carries
+   to the next step. Every step is thus a random draw of the whole data set: lengths mix within
+   each micro-batch, each step and each rank, and no run of steps (nor the epoch end) collects the
+   long samples.
 3. The samples of the last two steps are dealt alternately (longest first) into two steps when
    they fit, so the epoch's tail is not a near-empty step with idle ranks. A final micro-batch
    still empty takes the shortest sample of a crowded one before it. A data set too small to
@@ -22,7 +31,7 @@ An epoch is planned globally (identically on every rank) from (seed, epoch, leng
 Every sample appears exactly once per epoch on exactly one rank, nothing is dropped or repeated,
 and every rank runs the same number of steps (DDP needs it). Bin j of a step goes to rank
 j // grad_accum as its micro-batch j % grad_accum. Resume state is (epoch, step_in_epoch,
-micro_step, seed) plus the settings that shape the plan, checked on load.
+micro_step, seed) plus the settings that shape the plan (both budgets among them), checked on load.
 
 Cost at scale (902K samples, 32 micro-batches per step: ~1 s per plan, `bench/sampler.py`): each
 rank builds each epoch's plan exactly once (`plan_builds` counts them), kept compactly (one index
@@ -36,7 +45,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import heapq
 import itertools
 import threading
 from collections.abc import Iterator
@@ -46,6 +54,7 @@ import numpy as np
 
 from shared.errors import CheckpointError, DataError
 from stage2_train.data.config import SamplerConfig
+from stage2_train.data.packing import Budgets, fill_empty_bins, lpt, stratified_order
 
 
 class EpochPlan:
@@ -53,7 +62,7 @@ class EpochPlan:
     one index array and offsets (a list of lists of Python ints costs ~5x the memory at 900K
     samples). `plan[step]` is that step's micro-batches as lists."""
 
-    def __init__(self, steps: list[list[list[int]]], num_bins: int, lengths: np.ndarray):
+    def __init__(self, steps: list[list[list[int]]], num_bins: int, lengths: np.ndarray, blocks: np.ndarray):
         self.num_bins = num_bins
         flat = [i for step in steps for b in step for i in b]
         self.indices = np.asarray(flat, dtype=np.int64)
@@ -61,7 +70,9 @@ class EpochPlan:
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         per_step = self.offsets[::num_bins]
         token_cum = np.concatenate([[0], np.cumsum(lengths[self.indices])])
+        block_cum = np.concatenate([[0], np.cumsum(blocks[self.indices])])
         self.step_tokens = np.diff(token_cum[per_step])
+        self.step_blocks = np.diff(block_cum[per_step])
         self.step_samples = np.diff(per_step)
 
     def __len__(self) -> int:
@@ -99,24 +110,26 @@ class MicroBatchRef(NamedTuple):
     steps_in_epoch: int = 0
     step_tokens: int = 0  # context tokens of the whole optimizer step, all ranks
     step_samples: int = 0  # samples of the whole optimizer step, all ranks
+    step_blocks: int = 0  # blocks of the whole optimizer step, all ranks
 
-
-# Length strata of the shuffled order (see _stratified_order).
-NUM_LENGTH_STRATA = 16
-BIN_BITS = 20  # _lpt's heap keys hold the bin in their low bits: up to 1M micro-batches per step
 
 # Settings that change the plan: a resume under different values would not replay the same batches.
-_PLAN_KEYS = ("seed", "world_size", "grad_accum", "micro_batch_tokens", "max_samples_per_batch", "window_slack")
+_PLAN_KEYS = (
+    "seed", "world_size", "grad_accum", "micro_batch_tokens", "micro_batch_blocks", "max_samples_per_batch", "window_slack",
+)
 # The settings behind each planned quantity, for a refused resume.
 _CAUSES = {
     "seed": "seed",
     "world_size": "the number of ranks",
     "grad_accum": "train.grad_accum",
     "micro_batch_tokens": "sampler.micro_batch_tokens",
+    "micro_batch_blocks": "sampler.micro_batch_blocks (null: derived from micro_batch_tokens); absent: a checkpoint "
+    "saved before micro-batches had a block budget",
     "max_samples_per_batch": "sampler.max_samples_per_batch",
     "window_slack": "sampler.window_slack",
     "num_samples": "the training split (eval.holdout_fraction, eval.split_seed) or the store's samples",
     "lengths_digest": "the training split (eval.holdout_fraction, eval.split_seed) or the store's samples",
+    "blocks_digest": "the samples' blocks (sampler.max_anchors_per_seq, loss.distill_positions, the store's loss masks)",
 }
 
 
@@ -128,9 +141,20 @@ class LengthMixedSampler:
     """
 
     def __init__(
-        self, cfg: SamplerConfig, lengths: np.ndarray, *, seed: int, rank: int = 0, world_size: int = 1, grad_accum: int = 1
+        self,
+        cfg: SamplerConfig,
+        lengths: np.ndarray,
+        *,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        grad_accum: int = 1,
+        blocks: np.ndarray | None = None,
     ):
-        """`grad_accum` (train.grad_accum): micro-batches per optimizer step on each rank."""
+        """`grad_accum` (train.grad_accum): micro-batches per optimizer step on each rank. `blocks`:
+        each sample's blocks per epoch (`AnchorSampler.block_counts`); None counts every sample at the
+        most it can yield, min(length - 1, max_anchors_per_seq), which keeps the block budget but
+        packs samples with short answers loosely."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         self.cfg = cfg
@@ -151,6 +175,19 @@ class LengthMixedSampler:
         empty = np.flatnonzero(self.lengths < 1)
         if len(empty):
             raise ValueError(f"sample {int(empty[0])} has {int(self.lengths[empty[0]])} tokens; must be >= 1")
+        self.micro_batch_blocks = cfg.blocks_budget()
+        if blocks is None:
+            blocks = np.minimum(self.lengths - 1, cfg.max_anchors_per_seq)
+        self.blocks = np.asarray(blocks, dtype=np.int64)
+        if self.blocks.shape != self.lengths.shape or (self.blocks < 0).any():
+            raise ValueError(f"blocks must be {len(self.lengths)} counts >= 0, one per sample, got shape {self.blocks.shape}")
+        too_many = np.flatnonzero(self.blocks > self.micro_batch_blocks)
+        if len(too_many):
+            i = int(too_many[0])
+            raise DataError(
+                f"sample {i} yields {int(self.blocks[i])} blocks, more than sampler.micro_batch_blocks="
+                f"{self.micro_batch_blocks} ({len(too_many)} samples); raise it to at least sampler.max_anchors_per_seq"
+            )
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -161,7 +198,9 @@ class LengthMixedSampler:
                 f"micro-batches per step"
             )
         self._lengths_digest = hashlib.sha1(self.lengths.tobytes()).hexdigest()[:16]
+        self._blocks_digest = hashlib.sha1(self.blocks.tobytes()).hexdigest()[:16]
         self._lens = self.lengths.tolist()  # the planner's inner loops index Python ints, not numpy
+        self._blks = self.blocks.tolist()
         self._plans: dict[int, EpochPlan] = {}
         self._planning: dict[int, threading.Thread] = {}
         self._plan_errors: dict[int, BaseException] = {}
@@ -216,39 +255,45 @@ class LengthMixedSampler:
                 del self._plans[old]
 
     def _build_plan(self, epoch: int) -> EpochPlan:
-        cfg, lens, num_bins = self.cfg, self._lens, self.num_bins
-        max_per_bin = cfg.max_samples_per_batch or len(lens)
-        order_arr = _stratified_order(self.lengths, np.random.default_rng([self.seed, epoch]))
+        cfg, lens, blks, num_bins = self.cfg, self._lens, self._blks, self.num_bins
+        budgets = Budgets(cfg.micro_batch_tokens, self.micro_batch_blocks, cfg.max_samples_per_batch or len(lens))
+        order_arr = stratified_order(self.lengths, np.random.default_rng([self.seed, epoch]))
         order = order_arr.tolist()
         cum_tokens = np.cumsum(self.lengths[order_arr]).tolist()
+        cum_blocks = np.cumsum(self.blocks[order_arr]).tolist()
         # Integer targets: a float key would make bisect compare 900K ints with a float each call.
-        window_tokens = int((1.0 + cfg.window_slack) * num_bins * cfg.micro_batch_tokens)
-        window_count = int((1.0 + cfg.window_slack) * num_bins * max_per_bin)
+        window_tokens = int((1.0 + cfg.window_slack) * num_bins * budgets.tokens)
+        window_blocks = int((1.0 + cfg.window_slack) * num_bins * budgets.blocks)
+        window_count = int((1.0 + cfg.window_slack) * num_bins * budgets.samples)
         longest_first = lens.__getitem__
         steps: list[list[list[int]]] = []
         carry: list[int] = []
         pos = 0
         while pos < len(order) or carry:
-            carry_tokens = sum(lens[i] for i in carry)
-            before = cum_tokens[pos - 1] if pos else 0
-            # Smallest end such that carry + order[pos:end] reaches the window's token target.
-            end = bisect.bisect_left(cum_tokens, before + window_tokens - carry_tokens) + 1
+            carry_tokens, carry_blocks = sum(lens[i] for i in carry), sum(blks[i] for i in carry)
+            before_tokens = cum_tokens[pos - 1] if pos else 0
+            before_blocks = cum_blocks[pos - 1] if pos else 0
+            # Smallest end such that carry + order[pos:end] reaches the window's token or block target.
+            end = 1 + min(
+                bisect.bisect_left(cum_tokens, before_tokens + window_tokens - carry_tokens),
+                bisect.bisect_left(cum_blocks, before_blocks + window_blocks - carry_blocks),
+            )
             end = max(pos, min(end, len(order), pos + window_count - len(carry)))
             window = order_arr[pos:end]
             fresh = window[np.argsort(-self.lengths[window], kind="stable")].tolist()  # ties keep order
             pos = end
             carried = sorted(carry, key=longest_first, reverse=True)
-            bins, carry = _lpt(carried + fresh, lens, num_bins, cfg.micro_batch_tokens, max_per_bin)
+            bins, carry = lpt(carried + fresh, lens, blks, num_bins, budgets)
             steps.append(bins)
         if len(steps) >= 2:
             # Deal the last two steps' samples, longest first, alternately into two steps of equal mix.
             pool = sorted((i for b in steps[-2] + steps[-1] for i in b), key=lambda i: (-lens[i], i))
-            first, left_first = _lpt(pool[0::2], lens, num_bins, cfg.micro_batch_tokens, max_per_bin)
-            second, left_second = _lpt(pool[1::2], lens, num_bins, cfg.micro_batch_tokens, max_per_bin)
+            first, left_first = lpt(pool[0::2], lens, blks, num_bins, budgets)
+            second, left_second = lpt(pool[1::2], lens, blks, num_bins, budgets)
             if not left_first and not left_second and all(first) and all(second):
                 steps[-2:] = [first, second]
-        _fill_empty_bins(steps, lens, epoch)
-        return EpochPlan(steps, num_bins, self.lengths)
+        fill_empty_bins(steps, lens, epoch)
+        return EpochPlan(steps, num_bins, self.lengths, self.blocks)
 
     # ---- this rank's view -----------------------------------------------------------------
     @property
@@ -289,10 +334,10 @@ class LengthMixedSampler:
         ga = self.grad_accum
         num_steps = len(plan)
         for step in range(from_step, num_steps):
-            tokens, samples = int(plan.step_tokens[step]), int(plan.step_samples[step])
+            tokens, samples, blocks = int(plan.step_tokens[step]), int(plan.step_samples[step]), int(plan.step_blocks[step])
             for micro in range(from_micro if step == from_step else 0, ga):
                 indices = plan.bin(step, self.rank * ga + micro)
-                yield MicroBatchRef(epoch, step, micro, indices, num_steps, tokens, samples)
+                yield MicroBatchRef(epoch, step, micro, indices, num_steps, tokens, samples, blocks)
 
     def mark_consumed(self, ref: MicroBatchRef) -> None:
         """Advance past `ref`, which must be the micro-batch at the current position."""
@@ -319,12 +364,16 @@ class LengthMixedSampler:
             **self._plan_settings(),
             "num_samples": len(self.lengths),
             "lengths_digest": self._lengths_digest,
+            "blocks_digest": self._blocks_digest,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
-        for key in (*_PLAN_KEYS, "num_samples", "lengths_digest"):
-            if state.get(key) != mine[key]:
+        # `replan`: a forced resume of a checkpoint saved before the block budget, moved to its epoch's
+        # start (train/resume.py); that epoch is planned under today's budget.
+        exempt = ("micro_batch_blocks", "blocks_digest") if state.get("replan") else ()
+        for key in (*_PLAN_KEYS, "num_samples", "lengths_digest", "blocks_digest"):
+            if key not in exempt and state.get(key) != mine[key]:
                 raise CheckpointError(
                     f"sampler state: {key} was {state.get(key)!r} when saved, is {mine[key]!r} now ({_CAUSES.get(key, key)} "
                     f"changed); the batch plan would differ, so resuming exactly is impossible"
@@ -343,88 +392,10 @@ class LengthMixedSampler:
             "world_size": self.world_size,
             "grad_accum": self.grad_accum,
             "micro_batch_tokens": cfg.micro_batch_tokens,
+            "micro_batch_blocks": self.micro_batch_blocks,
             "max_samples_per_batch": cfg.max_samples_per_batch,
             "window_slack": cfg.window_slack,
         }
-
-
-def _stratified_order(lengths: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A random order in which every stretch holds each length range in its data-set share.
-
-    Samples are split by length rank into NUM_LENGTH_STRATA equal-count strata; each stratum is
-    shuffled and spread evenly over the epoch (systematic sampling with a random offset per sample).
-    A plain permutation mixes too, but its windows deviate from the data set by sampling noise
-    (about +-0.07 in long-token share for a 32k-token step); this removes most of it. Vectorised:
-    two sorts, no loop over strata (~0.1 s at 900K samples).
-    """
-    n = len(lengths)
-    by_length = np.argsort(lengths + rng.random(n))  # integer lengths: the fraction breaks ties at random
-    stratum = np.empty(n, dtype=np.int64)
-    stratum[by_length] = np.arange(n) * NUM_LENGTH_STRATA // n
-    shuffled = np.argsort(stratum + rng.random(n))  # stratum by stratum, each in a random order
-    counts = np.bincount(stratum, minlength=NUM_LENGTH_STRATA)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    rank_in_stratum = np.empty(n, dtype=np.int64)
-    rank_in_stratum[shuffled] = np.arange(n) - starts[stratum[shuffled]]
-    key = (rank_in_stratum + rng.random(n)) / np.maximum(counts[stratum], 1)
-    return np.argsort(key, kind="stable")
-
-
-def _lpt(
-    items: list[int], lengths: list[int], num_bins: int, budget: int, max_per_bin: int
-) -> tuple[list[list[int]], list[int]]:
-    """Place `items` in order, each into the least-loaded bin with room; return (bins, left over).
-
-    This loop runs once per sample of the epoch (900K at the users' scale), so it is kept tight: a
-    heap of plain ints `load << BIN_BITS | bin` (int comparisons, not tuples), locals only."""
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    heap = list(range(num_bins))  # load 0 for every bin
-    left: list[int] = []
-    shift, mask = BIN_BITS, (1 << BIN_BITS) - 1
-    limit = (budget + 1) << shift  # a key >= limit means the bin would exceed the budget
-    replace, pop = heapq.heapreplace, heapq.heappop
-    if max_per_bin >= len(lengths):  # no cap on samples: the heap never shrinks
-        for i in items:
-            key = heap[0] + (lengths[i] << shift)
-            if key >= limit:
-                left.append(i)
-                continue
-            bins[key & mask].append(i)
-            replace(heap, key)
-        return bins, left
-    for i in items:
-        if not heap:
-            left.append(i)
-            continue
-        key = heap[0] + (lengths[i] << shift)
-        if key >= limit:
-            left.append(i)
-            continue
-        b = key & mask
-        bins[b].append(i)
-        if len(bins[b]) == max_per_bin:
-            pop(heap)
-        else:
-            replace(heap, key)
-    return bins, left
-
-
-def _fill_empty_bins(steps: list[list[list[int]]], lengths: list[int], epoch: int) -> None:
-    """Give every empty micro-batch of the last step the shortest sample of a crowded earlier bin."""
-    for b, items in enumerate(steps[-1]):
-        if items:
-            continue
-        donors = [d for step in reversed(steps[:-1]) for d in step if len(d) >= 2]
-        if not donors:
-            donors = [d for d in steps[-1] if len(d) >= 2]
-        if not donors:
-            raise DataError(
-                f"epoch {epoch}: too few samples to give each of the {len(steps[-1])} micro-batches of "
-                f"the last step a sample; lower world_size * grad_accum or the token budget"
-            )
-        donor = donors[0]
-        shortest = min(range(len(donor)), key=lambda k: lengths[donor[k]])
-        steps[-1][b].append(donor.pop(shortest))
 
 
 def describe_steps(sampler: LengthMixedSampler, num_steps: int) -> list[dict[str, Any]]:
@@ -432,7 +403,7 @@ def describe_steps(sampler: LengthMixedSampler, num_steps: int) -> list[dict[str
 
     For the dry run `python -m stage2_train batches`. Moves nothing.
     """
-    cfg, lengths = sampler.cfg, sampler.lengths
+    cfg, lengths, blocks = sampler.cfg, sampler.lengths, sampler.blocks
     ga = sampler.grad_accum
     out: list[dict[str, Any]] = []
     epoch, step = sampler.epoch, sampler.step_in_epoch
@@ -444,6 +415,7 @@ def describe_steps(sampler: LengthMixedSampler, num_steps: int) -> list[dict[str
         bins = plan[step]
         step_lengths = np.concatenate([lengths[b] for b in bins])
         tokens = int(step_lengths.sum())
+        bin_blocks = [int(blocks[b].sum()) for b in bins]
         p10, p50, p90 = np.percentile(step_lengths, [10, 50, 90])
         out.append(
             {
@@ -460,6 +432,10 @@ def describe_steps(sampler: LengthMixedSampler, num_steps: int) -> list[dict[str
                     int(sum(lengths[b].sum() for b in bins[r * ga : (r + 1) * ga]))
                     for r in range(sampler.world_size)
                 ],
+                "blocks": sum(bin_blocks),
+                "block_fill": sum(bin_blocks) / (sampler.micro_batch_blocks * len(bins)),
+                "max_micro_batch_blocks": max(bin_blocks),
+                "rank_blocks": [sum(bin_blocks[r * ga : (r + 1) * ga]) for r in range(sampler.world_size)],
             }
         )
         step += 1

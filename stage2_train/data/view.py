@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from shared.errors import StoreError
-from shared.store import StoreReader, check_manifest_matches
+from shared.reader import StoreReader
+from shared.store import check_manifest_matches
 from shared.target import TargetInfo
 from stage2_train.data.anchors import AnchorSampler
 from stage2_train.data.loader import PrefetchLoader
@@ -125,7 +126,7 @@ class DataSettings:
     prefetch: int = 4
     reader_options: dict[str, Any] | None = None  # StoreReader's (caches)
     pin_memory: bool = False  # pinned, reused host buffers (a CUDA trainer: asynchronous copies)
-    grad_accum: int = 1  # train.grad_accum: micro-batches per optimizer step (the trainer holds them at once)
+    grad_accum: int = 1  # train.grad_accum: micro-batches per optimizer step (the trainer holds them on the host at once)
     distill_all: bool = False  # blocks anywhere the target read (loss.distill_positions=all)
     label_shift: int = 0  # 1: slot k predicts anchor + k + 1 (model.variant=dspark)
 
@@ -169,10 +170,13 @@ def _train_data(
 ) -> TrainData:
     train, heldout = split_indices(reader, settings.holdout_fraction, settings.split_seed)
     train_reader = SubsetReader(reader, train)
-    sampler = LengthMixedSampler(
-        sampler_cfg, train_reader.lengths, seed=settings.seed, rank=rank, world_size=world_size, grad_accum=settings.grad_accum
-    )
     anchors = AnchorSampler(sampler_cfg, block_size=settings.block_size, seed=settings.seed, everywhere=settings.distill_all)
+    # Blocks per sample from the manifest's counts (a store that predates them: its loss masks), never its features.
+    pairs = None if settings.distill_all else reader.supervised_pairs()[train]
+    sampler = LengthMixedSampler(
+        sampler_cfg, train_reader.lengths, seed=settings.seed, rank=rank, world_size=world_size,
+        grad_accum=settings.grad_accum, blocks=anchors.block_counts(train_reader.lengths, pairs),
+    )
     loader = PrefetchLoader(
         train_reader,
         sampler,

@@ -67,7 +67,12 @@ class DrafterConfig(Section):
     layer through (a warm start: the drafter begins as the target's top applied to its own features)."""
     init_from: str | None = None
     """A drafter folder (exported here, or published by z-lab / SpecForge / speculators) to start training
-    from instead of a random init; checked against the target's hidden size, layer ids, mask token and variant."""
+    from instead of a random init, or a training checkpoint's step folder; checked against the target's
+    hidden size, layer ids, mask token, variant and weights."""
+    allow_other_target: bool = False
+    """eval, export and model.init_from refuse a drafter recorded as trained against other target
+    weights than target.path's (another model or revision of the same shape); true uses it anyway
+    (the export then records both: the drafter's target and this one)."""
     markov_rank: int = 256
     """dspark: r of the Markov head's bias W2 W1[previous token] (speculators' markov_rank)."""
     markov_head: Literal["vanilla", "gated", "rnn"] = "vanilla"

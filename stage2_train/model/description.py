@@ -176,9 +176,11 @@ class DrafterDescription:
     def intermediate_size_default(self, cfg: DrafterConfig) -> int:
         return cfg.intermediate_size if cfg.intermediate_size is not None else self.intermediate_size
 
-    def check_target(self, target: TargetInfo, where: str) -> None:
+    def check_target(self, target: TargetInfo, where: str, *, allow_other_target: bool = False) -> None:
         """Refuse a target this drafter cannot run with, naming the field: its width, its vocabulary,
-        and layers it does not have."""
+        layers it does not have, and (unless `allow_other_target`) other weights than it was trained
+        against: another model or revision of the same shape (Qwen3-8B-Base for Qwen3-8B) gives other
+        features, and an export would name the wrong target."""
         checks = [
             ("hidden_size", self.hidden_size, target.arch.hidden_size),
             ("vocab_size", self.vocab_size, target.arch.vocab_size),
@@ -188,6 +190,13 @@ class DrafterDescription:
                 raise CheckpointError(f"{where}: the drafter was made for a target with {name}={ours}, this target has {theirs}")
         if max(self.target_layer_ids) >= target.arch.num_hidden_layers:
             raise CheckpointError(f"{where}: target_layer_ids {list(self.target_layer_ids)} exceed the target's layers")
+        trained, given = self.target_weights_sha256, target.weights_sha256
+        if trained and given and trained != given and not allow_other_target:
+            raise CheckpointError(
+                f"{where}: the drafter was trained against target weights {trained[:12]}, target.path={target.path!r} has "
+                f"{given[:12]} (another model or revision); set target.path to the target it was trained on, or "
+                f"model.allow_other_target=true to use it with this one"
+            )
 
 
 def describe_model(cfg: DrafterConfig, hidden_size: int, intermediate_size: int) -> dict[str, Any]:

@@ -326,7 +326,7 @@ def accept_lengths(correct_NB: torch.Tensor, valid_NB: torch.Tensor, first: int 
 
 
 def finalize_metrics(counts: dict[str, torch.Tensor], cfg: LossConfig) -> dict[str, torch.Tensor]:
-    """Ratios from (summed) counts; each metric is defined once here (README: "Metrics").
+    """Ratios from (summed) counts; each metric is defined once here (docs/training.md: "Metrics, defined once").
 
     accuracy     scored slots whose argmax equals the label
     acc_per_pos  the same per slot 1..B-1

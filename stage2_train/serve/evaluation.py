@@ -2,6 +2,7 @@
 and `bench/learning.py` all call.
 
     heldout = HeldoutSet.open(cfg)                                  # the target, the store, the one held-out rule
+    heldout = HeldoutSet.open(cfg, trained_on=read_trained_on(step_dir))   # a saved drafter's own split and store
     drafters = {"trained": heldout.load(checkpoint, cfg.model).drafter, "untrained": heldout.untrained(cfg)}
     report = evaluate_drafters(drafters, heldout, prompts=heldout.prompts(12), eval_cfg=cfg.eval, ...)
 
@@ -18,13 +19,14 @@ LM head are read once for every drafter of the set (at 8B they are ~5 GB).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from shared.config import RunConfig
+from shared.errors import StoreError
 from shared.paths import RunPaths
 from shared.target import TargetInfo, cached_tokenizer, resolve_target, stop_token_ids
 from shared.target_parts import load_embed_and_head
@@ -42,7 +44,9 @@ from stage2_train.serve.online_eval import (
     online_eval,
 )
 from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+from stage2_train.serve.trained_on import TrainedOn, heldout_split, other_store
 from stage2_train.train.evaluate import offline_eval
+from stage2_train.train.state import store_digest
 
 
 @dataclass
@@ -54,13 +58,31 @@ class HeldoutSet:
     reader: Any
     heldout: np.ndarray  # indices into `reader`
     parts: tuple[torch.Tensor, torch.Tensor]  # (embed_VH, lm_head_VH), shared by every drafter
+    split: dict[str, Any] = field(default_factory=dict)  # the split and store used, and where they came from
+    notes: list[str] = field(default_factory=list)  # config-file values ignored for the drafter's own
 
     @classmethod
-    def open(cls, cfg: RunConfig) -> HeldoutSet:
+    def open(cls, cfg: RunConfig, trained_on: TrainedOn | None = None) -> HeldoutSet:
+        """The config's store and split; with `trained_on` (a saved drafter's record), the split it was
+        trained with (`serve/trained_on.py`), on the store it was trained on unless eval.allow_other_store."""
         target = resolve_target(cfg.target)
-        reader = open_store(RunPaths.of(cfg).store, target, options=cfg.store.reader_options())
-        _, heldout = split_indices(reader, cfg.eval.holdout_fraction, cfg.eval.split_seed)
-        return cls(target, reader, heldout, load_embed_and_head(target.target_dir))
+        store = RunPaths.of(cfg).store
+        reader = open_store(store, target, options=cfg.store.reader_options())
+        fraction, seed, notes = heldout_split(cfg, trained_on)
+        problem = other_store(trained_on, reader.manifest)
+        if problem is not None and not cfg.eval.allow_other_store:
+            raise StoreError(
+                f"{store} is not the store {trained_on.where} was trained on ({problem}): its scores would not be the "
+                f"held-out scores of that training; set store.path to the store it was trained on, or "
+                f"eval.allow_other_store=true to evaluate it on this one"
+            )
+        _, heldout = split_indices(reader, fraction, seed)
+        split = {
+            "holdout_fraction": fraction, "split_seed": seed, "from": trained_on.where if trained_on else "config",
+            "store_digest": store_digest(reader.manifest),
+            "trained_on_store": None if trained_on is None or not trained_on.store_digest else problem is None,
+        }
+        return cls(target, reader, heldout, load_embed_and_head(target.target_dir), split, notes)
 
     def load(self, source: Any, runtime: DrafterConfig | None = None, device: Any = "cpu") -> LoadedDrafter:
         """A saved drafter (checkpoint or folder), as its description says, on `device`."""

@@ -13,7 +13,8 @@ SGLang (`--speculative-algorithm DFLASH`) and vLLM (`speculative_config={"method
   `dflash_config: {target_layer_ids, mask_token_id, mask_token}` (ids = decoder layer i's output,
   HF `hidden_states[i + 1]`; `mask_token` is the string SGLang resolves when it has no id). Plain RoPE
   (`rope_scaling: null`), `tie_word_embeddings: false`. Our own provenance sits under
-  `dflash_pipeline` (format version, target path and weights sha256, source checkpoint).
+  `dflash_pipeline` (format version, the drafter's description, the target's name and weights sha256,
+  and `training`: the held-out split and store digest it was trained with, which `eval` reuses).
 - `model.safetensors`: the drafter's own tensors, no embedding and no LM head (the serving engine
   borrows the target's), named as the reference names them (`fc.weight`, `hidden_norm.weight`,
   `norm.weight`, `layers.N.*`), which is `DFlashDrafter.state_dict()` as is.
@@ -54,7 +55,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
-def drafter_hf_config(description: DrafterDescription, target_info: dict[str, Any], dtype: str) -> dict[str, Any]:
+def drafter_hf_config(
+    description: DrafterDescription, target_info: dict[str, Any], dtype: str, training: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The config.json of the exported drafter (see the module docstring for each DFlash field). A
     DFlash2 drafter is z-lab's `DFlash2DraftModel` (its convolution and selector sizes in `dflash_config`,
     where z-lab, SpecForge and SGLang read them); z-lab's layout has no DSpark."""
@@ -115,6 +118,7 @@ def drafter_hf_config(description: DrafterDescription, target_info: dict[str, An
                 "vocab_size": d.vocab_size,
                 **{k: v for k, v in target_info.items() if k != "mask_token"},
             },
+            **({"training": training} if training else {}),
         },
     }
 
@@ -127,12 +131,14 @@ def export_drafter(
     *,
     dtype: str = "bfloat16",
     format: str = "zlab",
+    training: dict[str, Any] | None = None,
 ) -> Path:
     """Write config.json and model.safetensors (weights in `dtype`, embeddings and LM head left out):
     z-lab's layout (what SGLang and vLLM's dflash method load; DFlash and DFlash2, a DSpark drafter is
     refused by name), or speculators' (its trainer and vLLM's speculators path, every variant; the same
     tensors under the same names). A projected drafter is written as the standard drafter it equals
-    (the projection folded into fc)."""
+    (the projection folded into fc). `training`: its held-out split and store digest
+    (`serve/trained_on.py`), recorded under dflash_pipeline.training."""
     if format not in ("zlab", "speculators"):
         raise ValueError(f"export format must be zlab or speculators, got {format!r}")
     if dtype not in DTYPES:
@@ -156,7 +162,7 @@ def export_drafter(
             "export --format zlab: z-lab's layout has no DSpark drafter (its loaders build DFlash and DFlash2); "
             "export --format speculators, the layout vLLM's dspark method and speculators read"
         )
-    config = drafter_hf_config(d, target_info, dtype)
+    config = drafter_hf_config(d, target_info, dtype, training)
     if format == "speculators":
         config = speculators_config(config, d, str(target_info.get("verifier") or target_info.get("name", "")))
     # Weights first, config last, each through a temp name: a folder with a config is complete.

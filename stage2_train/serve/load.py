@@ -2,12 +2,14 @@
 speculators'), always as the drafter that was saved.
 
     loaded = load_drafter("runs/default/checkpoints", target)     # or a step folder, or an export folder
-    loaded.drafter, loaded.description, loaded.weights_file
+    loaded.drafter, loaded.description, loaded.weights_file, loaded.trained_on
     weights = init_weights_for(folder, cfg.model, target)         # model.init_from, checked against this run
 
 A checkpoint's `drafter.json` (or, for checkpoints written before it existed, the model section of the
 run config it saved) and a folder's config.json describe the drafter; the description decides what is
-built, and the command line's model section only says how to run it (`model/description.py`).
+built, and the command line's model section only says how to run it (`model/description.py`). A
+drafter whose description records other target weights than the target's (another model or revision
+of the same shape) is refused unless model.allow_other_target.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from stage2_train.model.config import DrafterConfig
 from stage2_train.model.description import VARIANT_FIELDS, DrafterDescription, describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.export import CONFIG_NAME, WEIGHTS_NAME
-from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, load_checkpoint, read_weights
+from stage2_train.serve.trained_on import TrainedOn, read_trained_on
+from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, read_weights, saved_run_config
 from stage2_train.train.checkpoint.select import select_checkpoint
 
 
@@ -37,6 +40,7 @@ class LoadedDrafter:
     drafter: DFlashDrafter
     description: DrafterDescription
     weights_file: Path  # the model.safetensors read
+    trained_on: TrainedOn | None = None  # its held-out split and store, where recorded (`serve/trained_on.py`)
 
 
 def load_drafter(
@@ -46,27 +50,39 @@ def load_drafter(
     runtime: DrafterConfig | None = None,
     parts: tuple[torch.Tensor, torch.Tensor] | None = None,
     frozen_dtype: torch.dtype | None = None,
+    allow_other_target: bool | None = None,
 ) -> LoadedDrafter:
     """The drafter saved at `source`: a checkpoint step folder, a checkpoints folder (the newest
     checkpoint that verifies), or a drafter folder with config.json. Built as its description says,
-    checked against `target` (width, vocabulary, layers), with the target's frozen embedding and LM
-    head (`parts`, read from the target's safetensors when not given); `runtime` says how to run it."""
-    path = drafter_folder(source)
+    checked against `target` (width, vocabulary, layers, and the weights it was trained against unless
+    `allow_other_target`, by default runtime's model.allow_other_target), with the target's frozen
+    embedding and LM head (`parts`, read from the target's safetensors when not given); `runtime`
+    says how to run it."""
+    path = saved_drafter_path(source)
     if (path / CONFIG_NAME).is_file() and not (path / "meta.json").is_file():
         description, (weights, file) = folder_description(path), read_weights(path / WEIGHTS_NAME)
     else:
-        if path.is_dir() and not (path / WEIGHTS_NAME).is_file():
-            selection = select_checkpoint(path)
-            if selection.path is None:
-                reasons = "; ".join(f"{p}: {why}" for p, why in selection.skipped) or "none saved yet"
-                raise CheckpointError(f"no usable checkpoint in {path} ({reasons}); train first (`make train`)")
-            path = selection.path
         weights, file = read_weights(path)  # verified against the checkpoint's checksums
         description = checkpoint_description(file.parent, target)
-    description.check_target(target, str(path))
+    if allow_other_target is None:
+        allow_other_target = runtime is not None and runtime.allow_other_target
+    description.check_target(target, str(path), allow_other_target=allow_other_target)
     embed_VH, lm_head_VH = parts if parts is not None else load_embed_and_head(target.target_dir)
     drafter = build_drafter(description, embed_VH, lm_head_VH, runtime=runtime, weights=weights, frozen_dtype=frozen_dtype)
-    return LoadedDrafter(drafter.eval(), description, file)
+    return LoadedDrafter(drafter.eval(), description, file, read_trained_on(file.parent))
+
+
+def saved_drafter_path(source: str | os.PathLike) -> Path:
+    """The folder `source` names: a checkpoint step folder or a drafter folder as given (a Hub id's
+    snapshot), a checkpoints folder resolved to its newest checkpoint that verifies."""
+    path = drafter_folder(source)
+    if path.is_dir() and not (path / WEIGHTS_NAME).is_file() and not (path / CONFIG_NAME).is_file():
+        selection = select_checkpoint(path)
+        if selection.path is None:
+            reasons = "; ".join(f"{p}: {why}" for p, why in selection.skipped) or "none saved yet"
+            raise CheckpointError(f"no usable checkpoint in {path} ({reasons}); train first (`make train`)")
+        path = selection.path
+    return path
 
 
 def drafter_folder(source: str | os.PathLike, setting: str = "model.init_from") -> Path:
@@ -81,8 +97,8 @@ def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescrip
     rebuilt from the run config it saved (its model section and the layer ids and mask it resolved)."""
     if (step_dir / DESCRIPTION_FILE).is_file():
         return DrafterDescription.from_dict(json.loads((step_dir / DESCRIPTION_FILE).read_text()), str(step_dir / DESCRIPTION_FILE))
-    saved = load_checkpoint(step_dir, verified=True).get("config")
-    if not isinstance(saved, dict) or "model" not in saved:
+    saved = saved_run_config(step_dir)
+    if saved is None or "model" not in saved:
         raise CheckpointError(f"{step_dir}: no {DESCRIPTION_FILE} and no saved run config to describe its drafter")
     resolved = saved.get("resolved") or {}
     model = DrafterConfig.from_dict({k: v for k, v in saved["model"].items() if k in DrafterConfig.model_fields})
@@ -317,12 +333,20 @@ def load_exported(folder: str | os.PathLike, embed_VH: torch.Tensor, lm_head_VH:
 
 
 def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any) -> dict[str, torch.Tensor]:
-    """The weights of a published or exported drafter, to start training from (`model.init_from`),
-    after checking it fits this target and model config; every mismatch names the field to set."""
+    """The weights of a published or exported drafter, or of a training checkpoint's step folder, to
+    start training from (`model.init_from`), after checking it fits this target and model config; every
+    mismatch names the field to set. Other target weights than it was trained against are refused
+    unless model.allow_other_target."""
     folder = drafter_folder(folder)
-    theirs = folder_description(folder)
-    ours = describe(cfg.model_copy(update={"feature_projection": "none"}), target)
     where = f"model.init_from={str(folder)!r}"
+    checkpoint = (folder / "meta.json").is_file()
+    theirs = checkpoint_description(folder, target) if checkpoint else folder_description(folder)
+    if theirs.feature_projection != "none":  # a checkpoint's projection is not folded into fc (an export's is)
+        raise CheckpointError(
+            f"{where}: this checkpoint's drafter has feature_projection={theirs.feature_projection}; export it "
+            f"(`python -m stage2_train export --checkpoint {folder} --out DIR`) and start from DIR"
+        )
+    ours = describe(cfg.model_copy(update={"feature_projection": "none"}), target)
     checks = [
         ("hidden_size", theirs.hidden_size, ours.hidden_size, "the target's hidden size"),
         ("target_layer_ids", theirs.target_layer_ids, ours.target_layer_ids, "target.layer_ids"),
@@ -345,5 +369,6 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
                 f"{where}: the drafter has {name}={have!r} but this run has {want!r} ({setting}); "
                 f"set {setting}={have!r} or start from another drafter"
             )
-    weights, _ = read_weights(Path(folder) / WEIGHTS_NAME)
+    theirs.check_target(target, where, allow_other_target=cfg.allow_other_target)
+    weights, _ = read_weights(folder if checkpoint else folder / WEIGHTS_NAME)
     return weights

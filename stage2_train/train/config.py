@@ -184,7 +184,11 @@ class EvalConfig(Section):
     holdout_fraction: float = 0.02
     """Share of samples never trained on, chosen by a hash of their content (identical samples stay together)."""
     split_seed: int = 0
-    """Fixes the split independently of the training seed."""
+    """Fixes the split independently of the training seed. `eval` of a saved drafter uses the split it
+    was trained with (a command-line value that contradicts it is refused)."""
+    allow_other_store: bool = False
+    """`eval` refuses a store whose contents differ from the one the checkpoint was trained on
+    (reprocessed, or another store); true evaluates on it anyway, and the report says so."""
     every_steps: int = 0
     """Offline eval during training every N optimizer steps; 0 = only at the end."""
     offline_max_samples: int = 16

@@ -1,15 +1,24 @@
-"""The GPU memory of one training step, from a real step traced with fake tensors.
+"""The GPU memory of one training step at its worst, from real steps traced with fake tensors.
 
-    python -m stage2_train plan --config qwen3-8b                 # the preset's micro-batch on 80/141 GB
-    python -m stage2_train plan --config qwen3-8b --search        # + the largest micro_batch_tokens that fits
+    python -m stage2_train plan --config qwen3-8b                 # the densest micro-batch on 80/141 GB
+    python -m stage2_train plan --config qwen3-8b --search        # + the largest budgets that fit each GPU
 
-The drafter of the config, at the target's shape, runs two real optimizer steps (forward under the
-run's autocast, the DFlash loss with its chunked LM head, backward, AdamW) on CPU under torch's
-FakeTensorMode, so no byte is allocated, while torch's MemTracker follows every tensor's storage:
-weights, gradients, optimizer state, activations and temporaries, and the peak. Attention runs as
-"memory" (`model/attention.py`): what compiled flex allocates and keeps for backward, without its
-arithmetic. The micro-batch is `micro_batch_tokens` of samples of `sample_tokens` each, every
-position supervised (the worst case: `max_anchors_per_seq` anchors per sample, all slots scored).
+The drafter of the config, at the target's shape, runs real optimizer steps the way the trainer
+runs them (below) on CPU under torch's FakeTensorMode, so no byte is allocated, while torch's
+MemTracker follows every tensor's storage: weights, gradients, optimizer state, the micro-batch on
+the device, activations and temporaries, and the peak. Attention runs as "memory"
+(`model/attention.py`): what compiled flex allocates and keeps for backward, without its arithmetic.
+
+The micro-batch is the densest the sampler can form under its two budgets (`data/sampler.py`):
+`sampler.micro_batch_tokens` of context and min(`sampler.micro_batch_blocks`, the most blocks those
+tokens can yield) blocks, every slot scored. Memory follows tokens and blocks, not how they split
+into samples (the attention keeps per-token and per-row tensors; the loss per scored row), so no
+data the sampler accepts can exceed it.
+
+The step as `train/trainer.py` runs it: one micro-batch of 1 (the first step makes the optimizer
+state), then min(grad_accum, 2) (from the second micro-batch on, the gradients are whole while the
+next one's activations build up). Three costs the trainer no longer pays are traced by putting each
+back (`LEGACY_COSTS`, `removed_costs_gib`), so each removal is measured, not assumed.
 
 What the trace cannot see is added by formula and said so: DDP's gradient buckets (a second copy of
 the gradients, fp32), and the CUDA context, NCCL buffers and allocator slack (`RESERVE_GB`).
@@ -17,20 +26,26 @@ the gradients, fp32), and the CUDA context, NCCL buffers and allocator slack (`R
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
 from shared.target import TargetArch
 from stage2_train.data.batch import IGNORE, DrafterBatch, scored_index
+from stage2_train.data.config import SamplerConfig
 from stage2_train.model.config import DrafterConfig, LossConfig
 from stage2_train.model.drafter import drafter_class
 from stage2_train.model.loss import dflash_loss
+from stage2_train.train.config import NoiseConfig, OptimConfig
+from stage2_train.train.schedules import NoiseSchedule, Optimizers, noise_generator
 
 TOP_K = 64  # the recipe's stored top-k (stage 2 reads K from the manifest; planning assumes this)
 RESERVE_GB = 4.0  # CUDA context (~0.5-1 GB), NCCL buffers, allocator fragmentation: a margin, not a trace
-GPUS = {"H100/A100 80 GB": 80.0, "H200 141 GB": 141.0}
+# What torch reports as a card's total memory, GiB (an "80 GB" H100 holds 79.6 GiB, an H200 140.4).
+GPUS = {"H100/A100 80 GB": 79.6, "H200 141 GB": 140.4}
+SEARCH_BLOCKS = 256  # the search's step in micro_batch_blocks
 
 # Published shapes, for planning on a machine that has only the preset (no weights).
 KNOWN_TARGETS = {
@@ -38,78 +53,158 @@ KNOWN_TARGETS = {
     "llama-3.1-8b": TargetArch("llama", 4096, 14336, 32, 32, 8, 128, 128256, 1e-5, 5e5, 131072, False),
 }
 
+# Costs of earlier versions of the step, each traced by putting it back (`traced_step(legacy=...)`).
+LEGACY_COSTS = {
+    "fp32_output_cast": "Accelerate's prepare() wraps forward in convert_outputs_to_fp32, an fp32 copy of the "
+    "drafter's [N, B, H] output; trainer.py removes the wrapper and runs the forward inside accelerator.autocast()",
+    "all_micro_batches_on_device": "all grad_accum micro-batches moved to the GPU at the step's start; trainer.py "
+    "moves each one inside the loop and drops it after its backward",
+    "noisy_copy": "the noise added out of place (a noisy copy of the context beside the clean one, and an fp32 "
+    "noise tensor of its size); NoiseSchedule.apply_ adds it in place, 4,096 rows at a time",
+}
 
-@dataclass
+
+@dataclass(frozen=True)
 class StepShape:
-    micro_batch_tokens: int
-    sample_tokens: int
-    anchors_per_sample: int
+    """A micro-batch: `tokens` of context in `samples` samples yielding `blocks` blocks."""
+
+    tokens: int
+    blocks: int
+    samples: int
     block_size: int
 
     @property
-    def samples(self) -> int:
-        return max(1, self.micro_batch_tokens // self.sample_tokens)
+    def block_rows(self) -> int:
+        return self.blocks * self.block_size
 
-    @property
-    def blocks(self) -> int:
-        return self.samples * self.anchors_per_sample
+    def sample_tokens(self) -> list[int]:
+        base, extra = divmod(self.tokens, self.samples)
+        return [base + (i < extra) for i in range(self.samples)]
+
+    def sample_blocks(self) -> list[int]:
+        base, extra = divmod(self.blocks, self.samples)
+        return [base + (i < extra) for i in range(self.samples)]
+
+
+def densest_micro_batch(tokens: int, blocks_budget: int, max_anchors: int, block_size: int) -> StepShape:
+    """The micro-batch with the most blocks (and tokens) both budgets allow. A sample of S tokens
+    yields at most min(S - 1, max_anchors) blocks, so tokens yield the most blocks in samples of
+    max_anchors + 1 tokens; the blocks are the fewer of that and the budget, in as few samples as
+    can hold them (the split does not change the memory)."""
+    full, rest = divmod(tokens, max_anchors + 1)
+    from_tokens = full * max_anchors + max(rest - 1, 0)
+    blocks = max(1, min(blocks_budget, from_tokens))
+    samples = max(1, math.ceil(blocks / max_anchors))
+    blocks = min(blocks, tokens - samples)  # each sample keeps one token that anchors nothing
+    return StepShape(tokens, blocks, samples, block_size)
+
+
+def _micro_batch(shape: StepShape, vocab_size: int, label_shift: int = 0) -> DrafterBatch:
+    """The micro-batch's index tensors as the loader leaves them on the host, every slot scored (from
+    slot 1; a DSpark block, `label_shift` 1, from slot 0); built outside fake mode (the scored index
+    needs real values). The context and top-k come in fake mode."""
+    N, B = shape.blocks, shape.block_size
+    lengths, blocks = shape.sample_tokens(), shape.sample_blocks()
+    anchors = [torch.linspace(0, max(S - 2, 0), a).long() for S, a in zip(lengths, blocks)]
+    labels_NB = torch.randint(0, vocab_size, (N, B))
+    labels_NB[:, : 1 - label_shift] = IGNORE
+    scored_M, per_slot = scored_index(labels_NB)
+    return DrafterBatch(
+        context_TF=torch.empty(0),
+        context_pos_T=torch.cat([torch.arange(S) for S in lengths]),
+        context_seq_T=torch.repeat_interleave(torch.arange(shape.samples), torch.tensor(lengths)),
+        block_ids_NB=torch.zeros(N, B, dtype=torch.long),
+        block_seq_N=torch.repeat_interleave(torch.arange(shape.samples), torch.tensor(blocks)),
+        anchor_pos_N=torch.cat(anchors),
+        labels_NB=labels_NB,
+        num_samples=shape.samples,
+        num_tokens=shape.tokens,
+        scored_M=scored_M,
+        scored_per_slot=per_slot,
+        label_shift=label_shift,
+        prev_ids_NB=torch.zeros(N, B, dtype=torch.long),
+    )
+
+
+def _to_device(host: DrafterBatch) -> DrafterBatch:
+    """The host-to-device copy (`DrafterBatch.to` in the trainer): under fake tensors on CPU a copy is
+    what allocates, so every tensor is cloned."""
+    return replace(host, **{f.name: getattr(host, f.name).clone() for f in fields(host) if isinstance(getattr(host, f.name), torch.Tensor)})
 
 
 def traced_step(
-    model_cfg: DrafterConfig, loss_cfg: LossConfig, arch: TargetArch, num_feature_layers: int, shape: StepShape, bf16: bool = True
+    model_cfg: DrafterConfig,
+    loss_cfg: LossConfig,
+    arch: TargetArch,
+    num_feature_layers: int,
+    shape: StepShape,
+    *,
+    grad_accum: int = 1,
+    noise_cfg: NoiseConfig | None = None,
+    optim_cfg: OptimConfig | None = None,
+    bf16: bool = True,
+    legacy: frozenset[str] = frozenset(),
 ) -> dict[str, float]:
-    """GiB by kind (Parameter, Buffer, Gradient, Activation, Temp, Optstate) at the peak of two
-    traced optimizer steps, and its Total."""
+    """GiB by kind (Parameter, Buffer, Gradient, Activation, Temp, Optstate, Other) at the peak of
+    the traced steps, and its Total. `legacy`: LEGACY_COSTS put back, to measure what each cost."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    T, S, A, B = shape.samples * shape.sample_tokens, shape.sample_tokens, shape.anchors_per_sample, shape.block_size
-    n = shape.samples
-    anchor_A = torch.linspace(0, S - B, A).long() if A > 1 else torch.zeros(1, dtype=torch.long)
-    labels_NB = torch.randint(0, arch.vocab_size, (n * A, B))
-    labels_NB[:, : 1 - model_cfg.label_shift] = IGNORE  # DSpark scores slot 0 too
-    scored_M, per_slot = scored_index(labels_NB)
+    unknown = set(legacy) - set(LEGACY_COSTS)
+    if unknown:
+        raise ValueError(f"unknown legacy costs {sorted(unknown)}; known: {list(LEGACY_COSTS)}")
+    noise = NoiseSchedule(noise_cfg or NoiseConfig())
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    # The resident micro-batches only show with every one of them; otherwise two show the pattern.
+    micro_batches = grad_accum if "all_micro_batches_on_device" in legacy else min(grad_accum, 2)
+    indices = _micro_batch(shape, arch.vocab_size, model_cfg.label_shift)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = drafter_class(model_cfg.variant)(model_cfg, arch, num_feature_layers, min(arch.vocab_size - 1, 151669))
         model.attention_backend = "memory"
-        dtype = torch.bfloat16 if bf16 else torch.float32
         embed = torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         head = embed if arch.tie_word_embeddings else torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         model.set_frozen_parts(embed, head)
         model.train()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        batch = DrafterBatch(
-            context_TF=torch.empty(T, num_feature_layers * arch.hidden_size, dtype=dtype),
-            context_pos_T=torch.arange(S).repeat(n),
-            context_seq_T=torch.arange(n).repeat_interleave(S),
-            block_ids_NB=torch.zeros(n * A, B, dtype=torch.long),
-            block_seq_N=torch.arange(n).repeat_interleave(A),
-            anchor_pos_N=anchor_A.repeat(n),
-            labels_NB=labels_NB,
-            num_samples=n,
-            num_tokens=T,
-            scored_M=scored_M,
-            scored_per_slot=per_slot,
-            label_shift=model_cfg.label_shift,
-            prev_ids_NB=torch.zeros(n * A, B, dtype=torch.long),
-        )
-        if loss_cfg.needs_topk or model_cfg.reads_topk:  # the stored top-k the KL term or candidate softmax reads (K = TOP_K)
-            batch.topk_logprobs_NBK = torch.empty(n * A, B, TOP_K)
-            batch.topk_ids_NBK = torch.zeros(n * A, B, TOP_K, dtype=torch.long)
+        optimizers = Optimizers(model, optim_cfg or OptimConfig(), total_steps=2)
+        N, B = shape.blocks, shape.block_size
+        host = replace(indices, context_TF=torch.empty(shape.tokens, num_feature_layers * arch.hidden_size, dtype=dtype))
+        if loss_cfg.needs_topk or model_cfg.reads_topk:  # the stored top-k the KL term, candidate softmax or a head reads (K = TOP_K)
+            host = replace(host, topk_logprobs_NBK=torch.empty(N, B, TOP_K), topk_ids_NBK=torch.zeros(N, B, TOP_K, dtype=torch.long))
         tracker = MemTracker()
-        tracker.track_external(model, optimizer)
+        tracker.track_external(model, *optimizers.all())
         with tracker:
-            for _ in range(2):  # the second step holds the optimizer state the first one made
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    hidden_NBH = model(batch)
-                    loss, _ = dflash_loss(hidden_NBH, model.lm_head_VH, batch, loss_cfg, None, variant=model)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                tracker.reset_mod_stats()
+            for step, count in enumerate((1, micro_batches)):
+                resident = [_to_device(host) for _ in range(count)] if "all_micro_batches_on_device" in legacy else []
+                for micro in range(count):
+                    batch = resident[micro] if resident else _to_device(host)
+                    generator = noise_generator(0, step, micro)
+                    if "noisy_copy" in legacy:
+                        clean = batch  # the step's list kept the clean micro-batch alive beside the noisy one
+                        batch = replace(batch, context_TF=_noisy_copy(batch.context_TF, noise.std_at(10**9)))
+                    else:
+                        noise.apply_(batch.context_TF, 10**9, generator)  # past any warmup: noise on
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        hidden_NBH = model(batch)
+                        if "fp32_output_cast" in legacy:
+                            hidden_NBH = hidden_NBH.float()
+                        loss, _ = dflash_loss(hidden_NBH, model.lm_head_VH, batch, loss_cfg, None, variant=model)
+                    loss.backward()
+                    del batch, hidden_NBH, loss
+                    if "noisy_copy" in legacy:
+                        del clean
+                    tracker.reset_mod_stats()  # per-module stats, one forward each; the peak stays
+                del resident
+                optimizers.step()
+                optimizers.zero_grad()
         peak = tracker.get_tracker_snapshot("peak")
     (_, by_kind), *_ = peak.items()
     return {str(getattr(k, "value", k)): round(v / 2**30, 3) for k, v in by_kind.items()}
+
+
+def _noisy_copy(context_TF: torch.Tensor, std: float) -> torch.Tensor:
+    """The earlier NoiseSchedule.apply: context + noise, out of place (for LEGACY_COSTS only)."""
+    noise = torch.rand(context_TF.shape, dtype=torch.float32).mul_(2.0 * std * math.sqrt(3.0)).sub_(std * math.sqrt(3.0))
+    return context_TF + noise.to(context_TF.dtype)
 
 
 def formula(model_cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int, world_size: int) -> dict[str, float]:
@@ -149,63 +244,100 @@ def variant_params(model_cfg: DrafterConfig, arch: TargetArch) -> int:
     return 0
 
 
-def plan(
-    model_cfg: DrafterConfig,
-    loss_cfg: LossConfig,
-    arch: TargetArch,
-    num_feature_layers: int,
-    micro_batch_tokens: int,
-    sample_tokens: int,
-    max_anchors: int,
-    world_size: int = 8,
-    search: bool = False,
-) -> dict[str, Any]:
-    """The plan `python -m stage2_train plan` prints: the traced peak of the configured micro-batch,
-    with and without activation checkpointing, the formula's fixed parts, whether it fits each GPU,
-    and (with `search`) the largest micro_batch_tokens (a multiple of sample_tokens) that fits."""
-    anchors = min(max_anchors, sample_tokens - 1)
-    shape = StepShape(micro_batch_tokens, sample_tokens, anchors, model_cfg.block_size)
-    fixed = formula(model_cfg, arch, num_feature_layers, world_size)
+@dataclass
+class PlanInputs:
+    """Everything of a run config the plan reads."""
+
+    model: DrafterConfig
+    loss: LossConfig
+    sampler: SamplerConfig
+    noise: NoiseConfig
+    optim: OptimConfig
+    grad_accum: int
+    arch: TargetArch
+    num_feature_layers: int
+
+    def trace(self, shape: StepShape, model: DrafterConfig | None = None, legacy: frozenset[str] = frozenset()) -> dict[str, float]:
+        return traced_step(
+            model or self.model, self.loss, self.arch, self.num_feature_layers, shape,
+            grad_accum=self.grad_accum, noise_cfg=self.noise, optim_cfg=self.optim, legacy=legacy,
+        )
+
+    def shape(self, tokens: int, blocks: int) -> StepShape:
+        return densest_micro_batch(tokens, blocks, self.sampler.max_anchors_per_seq, self.model.block_size)
+
+
+def plan(inputs: PlanInputs, world_size: int = 8, search: bool = False, removed_costs: bool = True) -> dict[str, Any]:
+    """The plan `python -m stage2_train plan` prints: the traced peak of the densest micro-batch the
+    config's budgets allow, with and without activation checkpointing, what each removed cost would
+    add back, the formula's fixed parts, whether it fits each GPU, and (with `search`) the largest
+    budgets, at the config's ratio of tokens to blocks, that fit each."""
+    sampler = inputs.sampler
+    shape = inputs.shape(sampler.micro_batch_tokens, sampler.blocks_budget())
+    fixed = formula(inputs.model, inputs.arch, inputs.num_feature_layers, world_size)
     untraced = fixed["ddp_buckets_fp32"] + RESERVE_GB
     out: dict[str, Any] = {
-        "target_shape": {k: getattr(arch, k) for k in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads")},
-        "micro_batch": {"tokens": shape.samples * sample_tokens, "samples": shape.samples, "anchors_per_sample": anchors, "block_rows": shape.blocks * shape.block_size},
-        "assumption": f"samples of {sample_tokens} tokens, every position supervised: the worst case for anchors and scored slots",
+        "target_shape": {k: getattr(inputs.arch, k) for k in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads")},
+        "budgets": {
+            "micro_batch_tokens": sampler.micro_batch_tokens, "micro_batch_blocks": sampler.blocks_budget(),
+            "micro_batch_blocks_from": "the config" if sampler.micro_batch_blocks is not None else "null: micro_batch_tokens // 2",
+            "max_anchors_per_seq": sampler.max_anchors_per_seq, "grad_accum": inputs.grad_accum,
+        },
+        "micro_batch": {"tokens": shape.tokens, "blocks": shape.blocks, "samples": shape.samples, "block_rows": shape.block_rows},
+        "assumption": "the densest micro-batch both budgets allow (every slot scored); its split into samples does not change the memory",
+        "step": "one micro-batch on the device at a time, noise added in place, the forward's output in the compute dtype",
         "formula_gib": fixed,
         "untraced_gib": {"ddp_buckets": fixed["ddp_buckets_fp32"], "cuda_context_nccl_fragmentation": RESERVE_GB},
+        "gpus_gib": GPUS,
     }
     traces = {}
     for checkpointing in (True, False):
-        cfg = model_cfg.model_copy(update={"activation_checkpointing": checkpointing})
-        traced = traced_step(cfg, loss_cfg, arch, num_feature_layers, shape)
+        cfg = inputs.model.model_copy(update={"activation_checkpointing": checkpointing})
+        traced = inputs.trace(shape, model=cfg)
         traces["with_checkpointing" if checkpointing else "without_checkpointing"] = {**traced, "peak_with_untraced": round(traced["Total"] + untraced, 2)}
     out["traced_peak_gib"] = traces
-    configured = traces["with_checkpointing" if model_cfg.activation_checkpointing else "without_checkpointing"]["peak_with_untraced"]
-    out["peak_gib"] = configured
-    out["fits"] = {name: configured <= gb for name, gb in GPUS.items()}
-    if search:
-        out["largest_micro_batch_tokens"] = {
-            name: largest_fitting(model_cfg, loss_cfg, arch, num_feature_layers, sample_tokens, anchors, gb - untraced)
-            for name, gb in GPUS.items()
+    configured = traces["with_checkpointing" if inputs.model.activation_checkpointing else "without_checkpointing"]
+    out["peak_gib"] = configured["peak_with_untraced"]
+    out["fits"] = {name: out["peak_gib"] <= gib for name, gib in GPUS.items()}
+    if removed_costs:
+        out["removed_costs_gib"] = {
+            name: {"would_add": round(inputs.trace(shape, legacy=frozenset({name}))["Total"] - configured["Total"], 2), "what": what}
+            for name, what in LEGACY_COSTS.items()
         }
+    if search:
+        out["largest_budgets"] = {name: largest_fitting(inputs, gib - untraced) for name, gib in GPUS.items()}
     return out
 
 
-def largest_fitting(
-    model_cfg: DrafterConfig, loss_cfg: LossConfig, arch: TargetArch, num_feature_layers: int, sample_tokens: int, anchors: int, budget_gib: float
-) -> dict[str, Any]:
-    """Doubling then bisection over whole samples: the largest micro-batch whose traced peak fits."""
+def largest_fitting(inputs: PlanInputs, budget_gib: float) -> dict[str, Any]:
+    """The largest budgets whose densest micro-batch's traced peak fits `budget_gib`: micro_batch_blocks
+    in steps of SEARCH_BLOCKS (doubling or halving from the config's, then bisection), and
+    micro_batch_tokens in the config's ratio to it."""
+    sampler = inputs.sampler
+    ratio = sampler.micro_batch_tokens / sampler.blocks_budget()
+    smallest = max(1, math.ceil(sampler.one_sample_blocks() / SEARCH_BLOCKS))
+    peaks: dict[int, float] = {}
 
-    def peak(samples: int) -> float:
-        shape = StepShape(samples * sample_tokens, sample_tokens, anchors, model_cfg.block_size)
-        return traced_step(model_cfg, loss_cfg, arch, num_feature_layers, shape)["Total"]
+    def budgets(units: int) -> tuple[int, int]:
+        blocks = units * SEARCH_BLOCKS
+        return max(int(blocks * ratio), blocks + 1), blocks
 
-    lo, hi = 0, 1
-    while peak(hi) <= budget_gib:
-        lo, hi = hi, hi * 2
-        if hi > 4096:
-            break
+    def fits(units: int) -> bool:
+        if units not in peaks:
+            peaks[units] = inputs.trace(inputs.shape(*budgets(units)))["Total"]
+        return peaks[units] <= budget_gib
+
+    start = max(smallest, sampler.blocks_budget() // SEARCH_BLOCKS)
+    if fits(start):  # lo fits, hi does not
+        lo, hi = start, start * 2
+        while fits(hi) and hi * SEARCH_BLOCKS < 2**20:
+            lo, hi = hi, hi * 2
+    elif fits(smallest):
+        lo, hi = smallest, start
+    else:
+        return {"micro_batch_tokens": None, "micro_batch_blocks": None, "traced_peak_gib": round(peaks[smallest], 2)}
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if peak(mid) <= budget_gib else (lo, mid)
-    return {"micro_batch_tokens": lo * sample_tokens, "samples": lo, "traced_peak_gib": round(peak(lo), 2) if lo else None}
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    tokens, blocks = budgets(lo)
+    return {"micro_batch_tokens": tokens, "micro_batch_blocks": blocks, "traced_peak_gib": round(peaks[lo], 2)}

@@ -100,7 +100,9 @@ class Description:
         return self.description.to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Checked against the run's own description by the resume's config comparison."""
+        """Nothing to restore: the resume has compared it with the run's own description, field by
+        field, before anything loaded (train/resume.py `check_compatible`), and refused a difference
+        unless train.resume_force (then the run goes on as its own description says)."""
 
 
 def store_digest(manifest: dict[str, Any]) -> str:

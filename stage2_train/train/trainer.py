@@ -448,7 +448,7 @@ class Trainer:
     def resume(self) -> str | None:
         """Continue from the checkpoint `train.resume` chooses (`train/resume.py`: the one policy)."""
         point = find_resume_point(
-            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info["config"], self.rank
+            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info, self.rank
         )
         if point.state is not None:
             self.checkpointer.load_state_dict(point.state)
@@ -469,10 +469,9 @@ class Trainer:
     def _reduce_counts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sum the count tensors (the loss's COUNT_KEYS and its variant's) over ranks in one all_reduce;
         returns CPU tensors. Every rank runs the same variant, so every rank has the same keys."""
-        keys = count_keys(local)
-        flat = self._reduce_sum(torch.cat([local[k].reshape(-1).float() for k in keys])).cpu()
+        flat = self._reduce_sum(torch.cat([local[k].reshape(-1).float() for k in count_keys(local)])).cpu()
         out, offset = {}, 0
-        for k in keys:
+        for k in count_keys(local):
             size = local[k].numel()
             out[k] = flat[offset : offset + size].reshape(local[k].shape)
             offset += size

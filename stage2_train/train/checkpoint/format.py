@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,10 @@ TMP_PREFIX = ".tmp-"
 SAFETENSORS_META = {"format": "pt"}  # what transformers' loaders expect in the header
 
 MODEL_FILE = "model.safetensors"
+
+# How long rank 0 waits for a file another rank reported written before it fails the save naming it:
+# NFS may serve a cached view of the folder for up to acdirmax (60 s by default).
+RANK_FILE_WAIT_S = 120.0
 
 
 def step_name(step: int) -> str:
@@ -181,6 +186,41 @@ def write_part(directory: Path, stem: str, plain: dict[str, Any], tensors: dict[
     return num_bytes
 
 
+def part_files(stem: str) -> list[str]:
+    """The names of the files `write_part` writes for `stem`."""
+    skip = {("json", "model"), ("safetensors", DESCRIPTION_KEY)}
+    return [f"{stem}.{ext}" for ext in ("json", "safetensors") if (ext, stem) not in skip]
+
+
+def expected_files(rank0_stems: list[str], world_size: int) -> list[str]:
+    """Every file of a checkpoint but meta.json: rank 0's parts (model, shared, drafter, rank_00000)
+    and each other rank's pair, by name (a directory listing on NFS can miss another node's)."""
+    stems = [*rank0_stems, *(rank_stem(r) for r in range(1, world_size))]
+    return sorted(name for stem in stems for name in part_files(stem))
+
+
+def written_sizes(directory: Path, names: list[str]) -> dict[str, int]:
+    """name -> size of each file in `directory`, which its rank reported written (and fsynced). One
+    not there yet is waited for, up to RANK_FILE_WAIT_S in all (NFS's cached view of the folder: an
+    open revalidates it), then the save fails naming it."""
+    deadline = time.monotonic() + RANK_FILE_WAIT_S
+    sizes = {}
+    for name in names:
+        while name not in sizes:
+            try:
+                with open(directory / name, "rb") as fh:
+                    sizes[name] = os.fstat(fh.fileno()).st_size
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    raise CheckpointError(
+                        f"checkpoint {directory}: {name} is not there {RANK_FILE_WAIT_S:.0f} s after its rank reported it "
+                        f"written: checkpoint.dir ({directory.parent}) must be one folder every node sees; on NFS, mount "
+                        f"it with lookupcache=positive (or a shorter actimeo) if the file shows up later"
+                    ) from None
+                time.sleep(0.2)
+    return sizes
+
+
 def read_meta(path: Path) -> dict[str, Any] | None:
     """meta.json of a complete checkpoint (every listed file present with its size), else None."""
     try:
@@ -241,6 +281,17 @@ def load_checkpoint(path: str | os.PathLike, rank: int = 0, *, verified: bool = 
     own = json.loads((path / f"{stem}.json").read_text())
     state.update(join_tensors(own, load_file(path / f"{stem}.safetensors")))
     return {key: state[key] for key in meta["keys"]}
+
+
+def saved_run_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The resolved run config a checkpoint saved (its `config` component, in rank 0's JSON), read
+    without opening a tensor file; None when it saved none. Not verified: the caller loads (and so
+    verifies) the checkpoint too."""
+    try:
+        config = json.loads((Path(path) / f"{rank_stem(0)}.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def read_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Path]:

@@ -35,6 +35,8 @@ ranks agree (one all_reduce on a gloo group of their own, so the writer thread n
 collective with DDP); then rank 0 hashes every file, writes meta.json, renames the directory to
 `step_N`, updates `latest`, and prunes to `keep_latest_k` (`select.py`). A crash at any point leaves
 the previous checkpoint intact. Several nodes need `ckpt_dir` on a shared file system.
+Rank 0 names the files it hashes (`format.expected_files`) rather than listing the directory: on NFS
+a cached listing can miss another node's files, and a resume would skip that checkpoint.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +57,17 @@ import torch.distributed as dist
 from shared.errors import CheckpointError, UserError
 from shared.files import file_sha256, fsync_dir, write_atomic
 from stage2_train.train.checkpoint.format import (
-    DESCRIPTION_KEY,
     FORMAT_VERSION,
     SHARED_KEYS,
     TMP_PREFIX,
-    _model_tensors,
     check_finite_weights,
     checkpoint_problem,
+    expected_files,
     load_checkpoint,
-    rank_stem,
     read_meta,
-    split_tensors,
     step_name,
     write_part,
+    written_sizes,
 )
 from stage2_train.train.checkpoint.select import (
     BEST,
@@ -78,23 +77,12 @@ from stage2_train.train.checkpoint.select import (
     latest_checkpoint,
     prunable,
 )
+from stage2_train.train.checkpoint.snapshot import Job, Snapshots
 from stage2_train.train.config import CheckpointConfig
 
 
 class CheckpointWriteError(UserError):
     """A save failed in the background (a full disk, a lost rank); raised on the caller's thread."""
-
-@dataclass
-class _Job:
-    step: int
-    parts: list[tuple[str, dict[str, Any], dict[str, torch.Tensor]]]  # (file stem, plain values, tensors)
-    keys: list[str]
-    blocked_s: float = 0.0
-    waited_s: float = 0.0
-    mode: str = "async"
-    write_s: float = 0.0
-    num_bytes: int = 0
-    error: BaseException | None = None
 
 # Components renamed since checkpoints were written (new name -> old), and those older checkpoints lack.
 COMPONENT_RENAMES = {"loader": "sampler"}
@@ -117,24 +105,33 @@ class Checkpointer:
         self.cfg, self.dir, self.sink = cfg, Path(ckpt_dir), sink
         self.rank, self.world_size = rank, world_size
         self.components: dict[str, Any] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._snapshots = Snapshots()
         self._thread: threading.Thread | None = None
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._last_step: int | None = None
-        best = best_pointer(self.dir) if cfg.keep_best else None
+        # A group of our own, so the writer thread's collective never interleaves with DDP's.
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        best = self._read_best() if cfg.keep_best else None
         # The pointer names its metric: walk_tau when the evals score every anchor, else accept_len.
         self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
         self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
         self._pointed_step: int | None = None  # the step `best` was last pointed at by this process
-        # A group of our own, so the writer thread's collective never interleaves with DDP's.
-        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for leftover in self.dir.glob(TMP_PREFIX + "*"):
                 shutil.rmtree(leftover, ignore_errors=True)
         if self._group is not None:
             dist.barrier(group=self._group)
+
+    def _read_best(self) -> dict | None:
+        """The `best` pointer as rank 0 reads it, on every rank. Ranks reading it themselves can see
+        different files (another node's NFS cache): they would then disagree on whether an eval is a new
+        best, some would save and others not, and the agreement collectives would pair up wrongly."""
+        pointer = [best_pointer(self.dir) if self.rank == 0 else None]
+        if self._group is not None:
+            dist.broadcast_object_list(pointer, src=0, group=self._group)
+        return pointer[0]
 
     # ---- the registry -------------------------------------------------------------------------
     def register(self, components: Mapping[str, Any]) -> None:
@@ -173,8 +170,8 @@ class Checkpointer:
         state_fn = state_fn or self.state_dict
         if self.is_due(step):
             return self.save(step, state_fn)
-        if self.cfg.async_save and self.cfg.every_steps > 0 and not self._buffers and not self.busy:
-            self._start_thread(self._allocate, self._snapshot(step, state_fn(), copy=False))
+        if self.cfg.async_save and self.cfg.every_steps > 0 and not self._snapshots.buffers and not self.busy:
+            self._start_thread(self._snapshots.allocate, self._snapshots.take(step, state_fn(), self.rank, copy=False))
         return False
 
     def save(self, step: int, state_fn: Callable[[], dict[str, Any]] | None = None, blocking: bool = False) -> bool:
@@ -191,7 +188,7 @@ class Checkpointer:
             waited_s = time.perf_counter() - t0
             self._poll()
         self._event("checkpoint_start", step, waited_s=round(waited_s, 4))
-        job = self._snapshot(step, state_fn())
+        job = self._snapshots.take(step, state_fn(), self.rank)
         job.waited_s = waited_s
         self._last_step = step
         if blocking or not self.cfg.async_save:
@@ -242,7 +239,7 @@ class Checkpointer:
         """`step` is already on disk (a resumed run that has nothing left to train): no final save."""
         self._last_step = step
 
-    def _start_thread(self, target: Callable[[_Job], None], job: _Job) -> None:
+    def _start_thread(self, target: Callable[[Job], None], job: Job) -> None:
         # Not niced: under load a low-priority writer overran the save interval and the next save
         # had to wait, which is the stall this class exists to prevent.
         self._thread = threading.Thread(target=target, args=(job,), name="checkpoint-writer", daemon=True)
@@ -297,71 +294,8 @@ class Checkpointer:
         if self.sink is not None:
             self.sink.event(kind, step, **fields)
 
-    # ---- the snapshot (the loop waits for this) ----------------------------------------------
-    def _snapshot(self, step: int, state: Mapping[str, Any], copy: bool = True) -> _Job:
-        """Copy `state` into the CPU buffers; with copy=False, a job holding the live tensors."""
-        if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
-            raise TypeError("checkpoint state must be a dict with string keys")
-        used: set[str] = set()
-        devices: set[torch.device] = set()
-
-        def copy_out(key: str, tensor: torch.Tensor) -> torch.Tensor:
-            tensor = tensor.detach()
-            if not copy:
-                return tensor
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-                buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-                self._buffers[key] = buf
-            used.add(key)
-            if tensor.is_cuda:
-                devices.add(tensor.device)
-            buf.copy_(tensor, non_blocking=tensor.is_cuda)
-            return buf
-
-        parts = []
-        if self.rank == 0 and any(k in state for k in SHARED_KEYS):
-            model_tensors: dict[str, torch.Tensor] = {}
-            if "model" in state:
-                for name, tensor in _model_tensors(state["model"]).items():
-                    model_tensors[name] = copy_out("model/" + name, tensor)
-                parts.append(("model", {}, model_tensors))
-            shared_tensors: dict[str, torch.Tensor] = {}
-            plain = {
-                k: split_tensors(state[k], k, shared_tensors, lambda key, t: copy_out("shared/" + key, t))
-                for k in SHARED_KEYS
-                if k in state and k != "model"
-            }
-            parts.append(("shared", plain, shared_tensors))
-        if self.rank == 0 and DESCRIPTION_KEY in state:
-            parts.append((DESCRIPTION_KEY, state[DESCRIPTION_KEY], {}))
-        rank_tensors: dict[str, torch.Tensor] = {}
-        stem = rank_stem(self.rank)
-        plain = {
-            k: split_tensors(v, k, rank_tensors, lambda key, t: copy_out(f"{stem}/{key}", t))
-            for k, v in state.items()
-            if k not in SHARED_KEYS and k != DESCRIPTION_KEY
-        }
-        parts.append((stem, plain, rank_tensors))
-        for device in devices:
-            torch.cuda.synchronize(device)
-        if copy:
-            self._buffers = {k: v for k, v in self._buffers.items() if k in used}
-        return _Job(step=step, parts=parts, keys=list(state))
-
-    def _allocate(self, job: _Job) -> None:
-        """Background: a buffer for every tensor of `job` (whose tensors are the live ones)."""
-        buffers = {}
-        for stem, _, tensors in job.parts:  # buffer keys are "<file stem>/<tensor key>", as in _snapshot
-            for key, tensor in tensors.items():
-                buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-                if not tensor.is_cuda:
-                    buf.zero_()  # fault the pages in now rather than during the snapshot
-                buffers[f"{stem}/{key}"] = buf
-        self._buffers = buffers
-
     # ---- the write (background thread) --------------------------------------------------------
-    def _write(self, job: _Job) -> None:
+    def _write(self, job: Job) -> None:
         t0 = time.perf_counter()
         try:
             self._write_and_commit(job)
@@ -369,7 +303,7 @@ class Checkpointer:
             job.error = exc
         job.write_s = time.perf_counter() - t0
 
-    def _write_and_commit(self, job: _Job) -> None:
+    def _write_and_commit(self, job: Job) -> None:
         name = step_name(job.step)
         tmp = self.dir / (TMP_PREFIX + name)
         error: BaseException | None = None
@@ -395,10 +329,11 @@ class Checkpointer:
         if not self._all_ranks_ok(error is None):
             raise error or RuntimeError("rank 0 failed to commit the checkpoint")
 
-    def _commit(self, job: _Job, tmp: Path) -> None:
+    def _commit(self, job: Job, tmp: Path) -> None:
         """Rank 0: meta.json (every file's size and sha256), rename, `latest`, prune."""
         name = tmp.name[len(TMP_PREFIX) :]
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir())}
+        sizes = written_sizes(tmp, expected_files([stem for stem, _, _ in job.parts], self.world_size))
+        files = {n: {"bytes": size, "sha256": file_sha256(tmp / n)} for n, size in sizes.items()}
         meta = {
             "format_version": FORMAT_VERSION,
             "step": job.step,

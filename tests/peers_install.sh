@@ -2,7 +2,7 @@
 # Install the peer DFlash implementations that tests/test_peers.py compares against, one folder
 # each, outside the venv (they are never project dependencies):
 #
-#   bash bench/peers_install.sh [DIR]          # DIR defaults to /tmp/dflash-peers
+#   bash tests/peers_install.sh [DIR]          # DIR defaults to /tmp/dflash-peers
 #   export DFLASH_PEERS=...                    # the line it prints at the end
 #   .venv/bin/python -m pytest -q tests/test_peers.py tests/test_peers_variants.py
 #

@@ -1,0 +1,373 @@
+"""Conversations as people have them, parsed into the one form both stages read (stage 1 to template
+and tokenize them, the export doctor to render a stored sample's prompt again), and rendered by the
+target's chat template.
+
+    fmt = detect_format(record)                          # "sharegpt" | "openai" | "prompt_completion" | None
+    messages, tools, cut, dropped = parse_row(record, fmt, limits)
+    text = render(tokenizer, messages, tools=tools, add_generation_prompt=True)
+
+The formats (`data.format`; `auto` reads each file's format from its columns or its first row):
+- **ShareGPT**: `{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}], "system"?, "tools"?}`.
+  `from` is human/user, gpt/assistant, system, tool/observation/function_response (a tool's result) or
+  function_call (the assistant calls a tool: `value` is JSON `{"name", "arguments"}` or a list of them);
+  each turn's text is `value` or `content`, and `role` may stand for `from`.
+- **OpenAI chat**: `{"messages": [{"role", "content"}, ...], "tools"?}` with roles system (or developer),
+  user, assistant and tool (or the older function); an assistant turn may carry `tool_calls`
+  (`[{"id", "type": "function", "function": {"name", "arguments"}}]`, content then may be null) and a
+  tool turn `tool_call_id`; content may be a list of text parts (joined with newlines, as vLLM does).
+- **prompt/completion**: `{"prompt": "...", "completion"?: "..."}`, one user turn and its answer.
+
+One form: `{"role", "content"}` per message, plus `token_ids` on an answer the target regenerated,
+`tool_calls` (`[{"name", "arguments" (JSON text), "id"?}]`) on an assistant turn that calls tools,
+`tool_call_id` / `name` on a tool's result. Keys appear only when they hold something, so a row's
+hash (`Conversation.row_hash`) is the same for the same conversation in any format.
+
+A conversation starts at its first user turn: the assistant (and tool) turns before it, as in a
+ShareGPT chunk cut from a longer chat, answer nothing in the row, so regenerating one would answer an
+empty prompt and supervising it would teach text conditioned on nothing. They are dropped (system
+turns stay) and counted (`ReadStats.leading_turns_dropped`: generate's summary, the manifest's data).
+
+Tool calls are the assistant's own tokens, so they are supervised like its text; tool results are
+not. A chat template that knows tool calls (it mentions `tool_calls`: Qwen3, Llama 3.1) gets them as
+structured fields, the way a server renders them; a template that does not (SmolLM2) would drop them,
+so they are written into the assistant's text in the Hermes form Qwen uses
+(`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`). A row's `tools` (the functions it
+offers) go to a template that takes `tools`, and are not rendered by one that does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+FORMATS = ("sharegpt", "openai", "prompt_completion")
+FORMAT_NAMES = {
+    "sharegpt": "ShareGPT (conversations: [{from, value}])",
+    "openai": "OpenAI chat (messages: [{role, content}])",
+    "prompt_completion": "prompt/completion (prompt, completion)",
+}
+FORMAT_KEYS = {"openai": "messages", "sharegpt": "conversations", "prompt_completion": "prompt"}  # in detection order
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+    "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool",
+}
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+                "function": "tool"}
+TOOL_CALL = "function_call"  # the ShareGPT turn in which the assistant calls a tool
+
+
+@dataclass
+class Conversation:
+    row: int  # index of the row in its file (stable id of the sample)
+    messages: list[dict[str, Any]]  # the one form (module docstring)
+    source: str = ""
+    tools: str | None = None  # the row's tool definitions, as JSON text
+    cut: bool = False  # a message's text or ids were cut to RowLimits when read
+
+    def row_hash(self) -> str:
+        """Identity of the input row: re-extraction is needed exactly when this changes."""
+        value: Any = self.messages if self.tools is None else {"messages": self.messages, "tools": self.tools}
+        text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """What one row may bring to tokenizing (`stage1_extract.prepare.row_limits`): each message's text
+    is cut to `max_chars` characters and a token_ids list to `max_ids` ids, bounds that still give
+    more tokens than data.max_length keeps (so truncation and data.on_long decide as on the whole
+    row), while one 200 MB row costs its parse, not gigabytes of tokenizer offsets."""
+
+    max_chars: int
+    max_ids: int
+
+
+@dataclass
+class ReadStats:
+    rows: int = 0
+    bad_rows: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    leading_turns_dropped: int = 0  # assistant / tool turns before a row's first user turn (module docstring)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which format a row or a file is in
+
+
+def detect_format(record: Any) -> str | None:
+    """The format whose key the row holds (messages, conversations, prompt: in that order), or None."""
+    if not isinstance(record, dict):
+        return None
+    return next((fmt for fmt, key in FORMAT_KEYS.items() if record.get(key) is not None), None)
+
+
+def detect_columns(columns: list[str]) -> str | None:
+    """The format a table's columns (Parquet, Arrow) hold, or None."""
+    return next((fmt for fmt, key in FORMAT_KEYS.items() if key in columns), None)
+
+
+def fits(record: Any, fmt: str) -> bool:
+    return isinstance(record, dict) and record.get(FORMAT_KEYS[fmt]) is not None
+
+
+def found(record: Any) -> str:
+    """What a row that fits no format holds, for the refusal."""
+    if isinstance(record, dict):
+        return f"keys {sorted(record)}" + (
+            f" ({', '.join(k for k in FORMAT_KEYS.values() if k in record and record[k] is None)} null)"
+            if any(k in record and record[k] is None for k in FORMAT_KEYS.values())
+            else ""
+        )
+    return f"a JSON {type(record).__name__}" if not isinstance(record, Exception) else str(record)
+
+
+def mismatch(fmt: str | None, record: Any, why: str) -> ValueError:
+    if fmt is None:
+        names = list(FORMAT_NAMES.values())
+        known = ", ".join(names[:-1]) + " or " + names[-1]
+        return ValueError(f"fits no known format (expected {known}), found {found(record)}; data.format names one")
+    return ValueError(f"expected {FORMAT_NAMES[fmt]} {why}, found {found(record)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One row -> messages
+
+
+def parse_row(
+    record: Any, fmt: str, limits: RowLimits | None = None
+) -> tuple[list[dict[str, Any]], str | None, bool, int]:
+    """One raw row of format `fmt` -> (messages in the one form, tools as JSON text or None, whether
+    `limits` cut any text or ids, how many turns before the first user turn were dropped). Text and
+    ids are cut before anything else reads them. Raises ValueError saying what is wrong (the reader
+    adds the file and row)."""
+    if isinstance(record, Exception):
+        raise record
+    if not isinstance(record, dict):
+        raise ValueError(f"row must be an object, got {type(record).__name__}")
+    cutter = _Cutter(limits)
+    if fmt == "openai":
+        messages = _openai(record["messages"], cutter)
+    elif fmt == "sharegpt":
+        messages = _sharegpt(record["conversations"], record.get("system"), cutter)
+    else:
+        prompt, completion = record["prompt"], record.get("completion")
+        if not isinstance(prompt, str) or (completion is not None and not isinstance(completion, str)):
+            raise ValueError("'prompt' and 'completion' must be strings")
+        texts = [prompt] + ([completion] if completion is not None else [])
+        messages = [{"role": role, "content": cutter.text(t)} for role, t in zip(("user", "assistant"), texts)]
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        raise ValueError("empty conversation (no non-empty user turn)")
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    kept = [m for i, m in enumerate(messages) if i >= first_user or m["role"] == "system"]
+    return kept, _tools(record.get("tools")), cutter.cut, len(messages) - len(kept)
+
+
+class _Cutter:
+    def __init__(self, limits: RowLimits | None):
+        self.limits, self.cut = limits, False
+
+    def text(self, text: str) -> str:
+        if self.limits is not None and len(text) > self.limits.max_chars:
+            self.cut = True
+            return text[: self.limits.max_chars]
+        return text
+
+    def ids(self, ids: list[Any]) -> list[Any]:
+        if self.limits is not None and len(ids) > self.limits.max_ids:
+            self.cut = True
+            return ids[: self.limits.max_ids]
+        return ids
+
+
+def _openai(messages: Any, cutter: _Cutter) -> list[dict[str, Any]]:
+    if not isinstance(messages, list):
+        raise ValueError("'messages' must be a list")
+    out = []
+    for j, msg in enumerate(messages):
+        where = f"messages[{j}]"
+        calls = (msg.get("tool_calls") or ([msg["function_call"]] if msg.get("function_call") else None)) if isinstance(
+            msg, dict
+        ) else None
+        if not isinstance(msg, dict) or "role" not in msg or ("content" not in msg and not calls):
+            raise ValueError(f"{where} must have 'role' and 'content'")
+        role = OPENAI_ROLES.get(msg["role"]) if isinstance(msg["role"], str) else None
+        if role is None:
+            raise ValueError(f"{where} has unknown role {msg['role']!r} (known: {', '.join(OPENAI_ROLES)})")
+        content = msg.get("content")
+        if content is None and role == "assistant" and calls:
+            content = ""  # a turn that only calls tools
+        message = {"role": role, "content": cutter.text(_text(content, f"{where}.content"))}
+        ids = msg.get("token_ids")
+        if ids is not None:  # the target's own tokens of a regenerated answer (`generate` writes them)
+            ids = cutter.ids(ids) if isinstance(ids, list) else ids
+            if role != "assistant" or not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError(f"{where}.token_ids must be a list of token ids on an assistant turn")
+            message["token_ids"] = ids
+        if calls:
+            if role != "assistant":
+                raise ValueError(f"{where} has tool_calls but role {msg['role']!r}: only an assistant turn calls tools")
+            message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]", cutter) for k, c in enumerate(calls)]
+        if role == "tool":
+            message.update(_tool_result_ids(msg, where))
+        out.append(message)
+    return out
+
+
+def _sharegpt(turns: Any, system: Any, cutter: _Cutter) -> list[dict[str, Any]]:
+    if not isinstance(turns, list):
+        raise ValueError("'conversations' must be a list")
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        if not isinstance(system, str):
+            raise ValueError("'system' must be a string")
+        if system.strip():
+            out.append({"role": "system", "content": cutter.text(system)})
+    for j, turn in enumerate(turns):
+        where = f"conversations[{j}]"
+        if not isinstance(turn, dict) or turn.get("from", turn.get("role")) is None or not ("value" in turn or "content" in turn):
+            raise ValueError(f"{where} must have 'from' and 'value'")
+        speaker = turn.get("from", turn.get("role"))
+        key = "value" if "value" in turn else "content"
+        text = turn[key]
+        if speaker == TOOL_CALL:
+            try:
+                calls = json.loads(text) if isinstance(text, str) else text
+            except ValueError:
+                raise ValueError(f"{where}: a function_call turn's value must be JSON {{name, arguments}}") from None
+            calls = calls if isinstance(calls, list) else [calls]
+            out.append(
+                {"role": "assistant", "content": "",
+                 "tool_calls": [_tool_call(c, f"{where}.value[{k}]", cutter) for k, c in enumerate(calls)]}
+            )
+            continue
+        role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
+        if role is None:
+            known = ", ".join([*SHAREGPT_ROLES, TOOL_CALL])
+            raise ValueError(f"{where} has unknown speaker 'from': {speaker!r} (known: {known})")
+        message = {"role": role, "content": cutter.text(_text(text, f"{where}.{key}"))}
+        if role == "tool":
+            message.update(_tool_result_ids(turn, where))
+        out.append(message)
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined with newlines (as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = sorted({str(p.get("type")) for p in content} - {"text"})
+        if kinds or not all(isinstance(p.get("text"), str) for p in content):
+            raise ValueError(f"{where} has parts of type {kinds or ['text without text']}: only text is read")
+        return "\n".join(p["text"] for p in content)
+    raise ValueError(f"{where} must be a string")
+
+
+def _tool_call(call: Any, where: str, cutter: _Cutter) -> dict[str, Any]:
+    """One call in the one form: {"name", "arguments" (JSON text), "id"?}, from OpenAI's
+    {"id", "type", "function": {"name", "arguments"}} or a flat {"name", "arguments"}."""
+    if not isinstance(call, dict):
+        raise ValueError(f"{where} must be an object with a name and arguments")
+    function = call.get("function") if isinstance(call.get("function"), dict) else call
+    name, arguments = function.get("name"), function.get("arguments", function.get("parameters"))
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where} must name the function it calls")
+    if arguments is None:
+        arguments = "{}"
+    elif not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    out = {"name": name, "arguments": cutter.text(arguments)}
+    if call.get("id") is not None:
+        out["id"] = str(call["id"])
+    return out
+
+
+def _tool_result_ids(msg: dict[str, Any], where: str) -> dict[str, str]:
+    out = {}
+    for key in ("tool_call_id", "name"):
+        if msg.get(key) is not None:
+            if not isinstance(msg[key], str):
+                raise ValueError(f"{where}.{key} must be a string")
+            out[key] = msg[key]
+    return out
+
+
+def _tools(tools: Any) -> str | None:
+    """A row's tool definitions (a list, or its JSON text as LLaMA-Factory writes it) as JSON text."""
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise ValueError("'tools' must be a list of tool definitions (or its JSON text)") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError("'tools' must be a list of tool definitions (or its JSON text)")
+    return json.dumps(tools, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering by the target's chat template
+
+
+def template_text(tokenizer: Any) -> str:
+    return str(getattr(tokenizer, "chat_template", None) or "")
+
+
+def template_messages(messages: list[dict[str, Any]], structured_tools: bool) -> list[dict[str, Any]]:
+    """What apply_chat_template receives: role and content, and tool calls as structured fields
+    (a template that knows them) or as Hermes text in the assistant's content (one that does not)."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        calls = m.get("tool_calls")
+        if calls and structured_tools:
+            message["tool_calls"] = [
+                {**({"id": c["id"]} if "id" in c else {}), "type": "function",
+                 "function": {"name": c["name"], "arguments": _arguments_value(c["arguments"])}}
+                for c in calls
+            ]
+        elif calls:
+            text = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["name"], ensure_ascii=False)}, "arguments": '
+                             f'{c["arguments"]}}}\n</tool_call>' for c in calls)
+            message["content"] = f"{m['content']}\n{text}" if m["content"] else text
+        if m["role"] == "tool" and structured_tools:
+            message.update({k: m[k] for k in ("tool_call_id", "name") if k in m})
+        out.append(message)
+    return out
+
+
+def _arguments_value(arguments: str) -> Any:
+    """The arguments as templates expect them (an object, which they print with tojson); text that is
+    not a JSON object stays text."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+_WARNED: set[str] = set()
+
+
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: str | None = None, **kwargs: Any
+) -> str:
+    """The conversation as the target's chat template renders it (text, not tokens)."""
+    template = template_text(tokenizer)
+    if tools is not None:
+        if "tools" in template:
+            kwargs["tools"] = json.loads(tools)
+        elif template not in _WARNED:
+            _WARNED.add(template)
+            log.warning("the target's chat template takes no tool list: the rows' `tools` are not rendered")
+    return tokenizer.apply_chat_template(
+        template_messages(messages, "tool_calls" in template), tokenize=False,
+        add_generation_prompt=add_generation_prompt, **kwargs,
+    )

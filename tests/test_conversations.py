@@ -1,0 +1,340 @@
+"""The data people have (issue 33, item 3): ShareGPT, OpenAI chat with tool calls, prompt/completion;
+JSONL, JSON arrays, Parquet, Arrow and `datasets` folders; each file's format found or given; tool
+calls and multi-turn supervised exactly where the assistant speaks (the tiny target's real SmolLM2
+template, and a template that takes tool calls as structured fields)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from shared import conversation_files
+from shared.conversation_files import read_conversations, read_rows
+from shared.conversations import Conversation, ReadStats
+from shared.embedded import default_target_dir
+from shared.errors import DataError, InputFileError
+from stage1_extract.data import write_conversations_parquet
+from stage1_extract.template import tokenize_conversation
+from tests.conftest import write_jsonl
+
+WEATHER_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+OPENAI_TOOL_ROW = {
+    "messages": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You're welcome."},
+    ],
+    "tools": TOOLS,
+}
+# The same conversation as LLaMA-Factory writes ShareGPT: function_call / observation turns, tools as JSON text.
+SHAREGPT_TOOL_ROW = {
+    "system": "Use tools.",
+    "conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+        {"from": "observation", "value": '{"sky": "sunny"}'},
+        {"from": "gpt", "value": "It is sunny."},
+        {"from": "user", "content": "Thanks!"},
+        {"from": "assistant", "content": "You're welcome."},
+    ],
+    "tools": json.dumps(TOOLS),
+}
+CHAT = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_target_dir())
+
+
+def supervised(tokenizer, sample) -> str:
+    return tokenizer.decode(sample.input_ids[sample.loss_mask])
+
+
+def read_one(path, **kwargs) -> Conversation:
+    (conv,) = read_conversations(path, **kwargs)
+    return conv
+
+
+# ---- formats ------------------------------------------------------------------------------------------
+def test_sharegpt_and_openai_rows_of_one_chat_read_alike(tmp_path):
+    sharegpt = read_one(write_jsonl(tmp_path / "s.jsonl", [{"conversations": [
+        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}]))
+    openai = read_one(write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": "system", "content": "Be brief."}, *CHAT]}]))
+    completion = read_one(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2?", "completion": "4"}]))
+    assert sharegpt.messages == openai.messages == [{"role": "system", "content": "Be brief."}, *CHAT]
+    assert sharegpt.row_hash() == openai.row_hash()
+    assert completion.messages == CHAT
+
+
+def test_the_row_hash_of_messages_data_is_what_it_always_was(tmp_path):
+    """Staleness is decided by it: existing stores stay current."""
+    row = {"messages": [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi", "weight": 1}]}
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [row]))
+    plain = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"}]
+    expected = hashlib.sha256(json.dumps(plain, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
+    assert conv.messages == plain and conv.row_hash() == expected
+
+
+def test_tool_calls_read_alike_from_openai_and_sharegpt(tmp_path):
+    openai = read_one(write_jsonl(tmp_path / "o.jsonl", [OPENAI_TOOL_ROW]))
+    sharegpt = read_one(write_jsonl(tmp_path / "s.jsonl", [SHAREGPT_TOOL_ROW]))
+    assert openai.messages[2] == {"role": "assistant", "content": "", "tool_calls": [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}', "id": "call_1"}]}
+    assert openai.messages[3] == {"role": "tool", "content": '{"sky": "sunny"}', "tool_call_id": "call_1"}
+    assert openai.tools == sharegpt.tools == json.dumps(TOOLS)
+    # ShareGPT carries no call id: otherwise the same conversation.
+    without_ids = [{k: v for k, v in m.items() if k != "tool_call_id"} for m in openai.messages]
+    without_ids[2] = {**without_ids[2], "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]}
+    assert sharegpt.messages == without_ids
+
+
+def test_openai_content_parts_and_developer_role(tmp_path):
+    row = {"messages": [{"role": "developer", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "2+2?"}, {"type": "text", "text": "Quick."}]},
+                        {"role": "assistant", "content": "4"}]}
+    assert read_one(write_jsonl(tmp_path / "o.jsonl", [row])).messages == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?\nQuick."}, {"role": "assistant", "content": "4"}]
+    row["messages"][1]["content"].append({"type": "image_url", "image_url": {"url": "x"}})
+    with pytest.raises(DataError, match=r"row 0: messages\[1\]\.content has parts of type \['image_url'\]: only text is read"):
+        list(read_conversations(write_jsonl(tmp_path / "o.jsonl", [row])))
+
+
+def test_a_row_in_another_format_than_its_file_is_named(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}] * 3
+    rows[2] = {"messages": CHAT}
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(DataError, match=r"mixed\.jsonl: row 2: expected ShareGPT \(conversations: \[\{from, value\}\]\) like the rows "
+                                        r"before it, found keys \['messages'\]"):
+        list(read_conversations(path))
+    with pytest.raises(DataError, match=r"row 0: expected OpenAI chat \(messages: \[\{role, content\}\]\) \(data.format=openai\), "
+                                        r"found keys \['conversations'\]"):
+        list(read_conversations(path, data_format="openai"))
+    with pytest.raises(DataError, match=r"row 0: fits no known format \(expected ShareGPT .*, OpenAI chat .* or prompt/completion "
+                                        r"\(prompt, completion\)\), found keys \['question'\]; data.format names one"):
+        list(read_conversations(write_jsonl(tmp_path / "q.jsonl", [{"question": "q"}])))
+    stats = ReadStats()
+    assert [c.row for c in read_conversations(path, on_bad_row="skip", stats=stats)] == [0, 1]
+    assert stats.bad_rows == 1
+
+
+def test_unknown_sharegpt_speaker_and_a_broken_function_call_are_named(tmp_path):
+    bad = [{"conversations": [{"from": "robot", "value": "x"}]},
+           {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "get_weather(Paris)"}]}]
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "human", "value": "q"}]}, *bad])
+    stats = ReadStats()
+    assert [c.row for c in read_conversations(path, on_bad_row="skip", stats=stats)] == [0]
+    assert "row 1: conversations[0] has unknown speaker 'from': 'robot'" in stats.bad_examples[0]
+    assert "row 2: conversations[1]: a function_call turn's value must be JSON {name, arguments}" in stats.bad_examples[1]
+
+
+# ---- files --------------------------------------------------------------------------------------------
+def test_a_json_array_reads_element_by_element(tmp_path, monkeypatch):
+    """Numbered by element; read in chunks smaller than a row, a BOM first, white space anywhere."""
+    monkeypatch.setattr(conversation_files, "ARRAY_CHUNK", 7)
+    rows = [{"conversations": [{"from": "human", "value": f"question {i} " + "é" * i}, {"from": "gpt", "value": "a"}]}
+            for i in range(5)]
+    path = tmp_path / "sharegpt.json"
+    path.write_bytes(b"\xef\xbb\xbf \n[\n" + ",\n  ".join(json.dumps(r, ensure_ascii=False) for r in rows).encode() + b"\n]\n")
+    convs = list(read_conversations(path))
+    assert [c.row for c in convs] == [0, 1, 2, 3, 4]
+    assert [c.messages[0]["content"] for c in convs] == [r["conversations"][0]["value"] for r in rows]
+    assert list(read_conversations(path, max_samples=2)) == convs[:2]
+    (tmp_path / "empty.json").write_text("[ ]")
+    assert list(read_conversations(tmp_path / "empty.json")) == []
+
+
+def test_a_broken_element_ends_a_json_array_by_name_even_when_skipping(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("[" + json.dumps({"messages": CHAT}) + ', {"messages": [}, ' + json.dumps({"messages": CHAT}) + "]")
+    with pytest.raises(DataError, match=r"broken\.json: row 1: not valid JSON .* a JSON array cannot be read past a broken element"):
+        list(read_conversations(path, on_bad_row="skip"))
+    raw = b'\xef\xbb\xbf[{"messages": [{"role": "user", "content": "caf\xe9"}]}]'
+    path.write_bytes(raw)
+    at = raw.index(b"\xe9")  # the BOM counted: a byte offset in the file as it is
+    with pytest.raises(DataError, match=rf"row 0: not UTF-8 \(byte 0xe9 at byte {at} of the file\)"):
+        list(read_conversations(path))
+
+
+def write_arrow_stream(path, table):
+    with pa.ipc.new_stream(path, table.schema) as writer:
+        writer.write_table(table, max_chunksize=2)
+
+
+def save_to_disk(folder, rows, shards):
+    """What `datasets` 5.2 `Dataset.save_to_disk(folder, num_shards=shards)` writes (checked against
+    it): Arrow IPC stream files, state.json listing them in order, dataset_info.json."""
+    folder.mkdir()
+    per = -(-len(rows) // shards)
+    names = [f"data-{i:05d}-of-{shards:05d}.arrow" for i in range(shards)]
+    for i, name in enumerate(names):
+        write_arrow_stream(folder / name, pa.Table.from_pylist(rows[i * per : (i + 1) * per]))
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": n} for n in names], "_split": None}))
+    (folder / "dataset_info.json").write_text(json.dumps({"features": {}}))
+    return folder
+
+
+def test_datasets_folders_parquet_and_arrow_files_number_rows_across_files(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(7)]
+    expected = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(7)]
+    saved = save_to_disk(tmp_path / "saved", rows, shards=3)
+    assert [(c.row, c.messages) for c in read_conversations(saved)] == list(enumerate(expected))
+    parquet = tmp_path / "parquet"
+    parquet.mkdir()
+    for i in range(0, 7, 3):
+        pq.write_table(pa.Table.from_pylist(rows[i : i + 3]), parquet / f"train-{i:05d}.parquet")
+    assert [(c.row, c.messages) for c in read_conversations(parquet)] == list(enumerate(expected))
+    arrow_file = tmp_path / "one.arrow"  # the random-access file format too
+    with pa.ipc.new_file(arrow_file, pa.Table.from_pylist(rows).schema) as writer:
+        writer.write_table(pa.Table.from_pylist(rows))
+    assert [c.messages for c in read_conversations(arrow_file)] == expected
+    # A DatasetDict holds splits: which one is the data is the user's to say.
+    splits = tmp_path / "dict"
+    splits.mkdir()
+    save_to_disk(splits / "train", rows, 1)
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(InputFileError, match=r"DatasetDict saved by `datasets` with splits train, test: set data.path to one split's "
+                                             r"folder \(.*dict/train\)"):
+        list(read_conversations(splits))
+
+
+def test_a_table_is_read_in_the_format_its_columns_say(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "2+2?", "completion": "4"}]), path)
+    assert read_one(path).messages == CHAT
+    with pytest.raises(DataError, match=r"t\.parquet: data.format=sharegpt reads ShareGPT .*, but the file's columns are \['prompt', 'completion'\]"):
+        list(read_conversations(path, data_format="sharegpt"))
+
+
+def test_tool_calls_survive_the_parquet_stage_1_writes_and_plain_chats_keep_their_schema(tmp_path):
+    tool = read_one(write_jsonl(tmp_path / "o.jsonl", [OPENAI_TOOL_ROW]))
+    plain = Conversation(row=1, messages=CHAT)
+    write_conversations_parquet([tool, plain], tmp_path / "both.parquet")
+    back = list(read_conversations(tmp_path / "both.parquet"))
+    assert [(c.messages, c.tools, c.row_hash()) for c in back] == [
+        (tool.messages, tool.tools, tool.row_hash()), (plain.messages, None, plain.row_hash())]
+    write_conversations_parquet([plain], tmp_path / "plain.parquet")
+    assert pq.read_schema(tmp_path / "plain.parquet").names == ["messages", "source_row"]
+    assert [f.name for f in pq.read_schema(tmp_path / "plain.parquet").field("messages").type.value_type] == [
+        "role", "content", "token_ids"]
+
+
+def test_read_rows_numbers_rows_as_stage_1_does(tmp_path):
+    """The export doctor reads a few rows by number: blank lines count, bad rows are left out."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n\n{not json\n" + json.dumps({"messages": [*CHAT, *CHAT]}) + "\n")
+    found = read_rows(path, {0, 2, 3})
+    assert sorted(found) == [0, 3] and found[3].messages == [*CHAT, *CHAT]
+    assert [c.row for c in read_conversations(path, on_bad_row="skip")] == [0, 3]
+
+
+# A ShareGPT chunk cut from a longer chat: it opens with the assistant (and a tool call and its result).
+OPENS_WITH_ASSISTANT = [
+    {"system": "Be brief.", "conversations": [
+        {"from": "gpt", "value": "As I said, it is 4."}, {"from": "human", "value": "Why?"}, {"from": "gpt", "value": "2+2."}]},
+    {"conversations": [
+        {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2}}'}, {"from": "observation", "value": "4"},
+        {"from": "gpt", "value": "It is 4."}, {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "6."}]},
+    {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+]
+
+
+def test_turns_before_the_first_user_turn_are_dropped_and_counted(tmp_path, tokenizer):
+    """Regenerating them would answer an empty prompt; supervising them, text conditioned on nothing."""
+    from stage1_extract.generate import assistant_slots
+
+    stats = ReadStats()
+    convs = list(read_conversations(write_jsonl(tmp_path / "s.jsonl", OPENS_WITH_ASSISTANT), stats=stats))
+    assert [c.messages for c in convs] == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "2+2."}],
+        [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}],
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+    ]
+    assert stats.leading_turns_dropped == 4 and stats.bad_rows == 0
+    for conv in convs:  # every turn generate rewrites answers a user turn
+        assert all(any(m["role"] == "user" for m in conv.messages[:slot]) for slot in assistant_slots(conv.messages))
+    sample = tokenize_conversation(tokenizer, convs[0].messages, 256)
+    assert supervised(tokenizer, sample) == "2+2.<|im_end|>\n"
+    assert "As I said" not in tokenizer.decode(sample.input_ids)
+    openai = [{"messages": [{"role": "assistant", "content": "Hi!"}, *CHAT]}]
+    stats = ReadStats()
+    assert [c.messages for c in read_conversations(write_jsonl(tmp_path / "o.jsonl", openai), stats=stats)] == [CHAT]
+    assert stats.leading_turns_dropped == 1
+
+
+def test_generate_and_extract_count_the_dropped_turns(tiny_target_dir, tmp_path):
+    from shared.config import load_run_config
+    from shared.store import read_manifest
+    from stage1_extract import commands
+    from testkit.data import stage1_overrides
+
+    data = write_jsonl(tmp_path / "s.jsonl", OPENS_WITH_ASSISTANT)
+    overrides = stage1_overrides(tiny_target_dir, data, tmp_path / "run")
+    extracted = commands.cmd_extract(load_run_config("configs/default.yaml", overrides), progress=False)
+    assert extracted["leading_turns_dropped"] == 4
+    assert read_manifest(str(tmp_path / "run" / "store"))["data"]["leading_turns_dropped"] == 4
+    generated = commands.cmd_generate(load_run_config("configs/default.yaml", [
+        *overrides, "data.regenerate=true", "generate.max_new_tokens=3", "extract.device=cpu"]), progress=False)
+    assert generated["leading_turns_dropped"] == 4
+    from stage1_extract.__main__ import show_extract, show_generate
+
+    assert show_generate(generated).endswith("\n4 turn(s) before a row's first user turn dropped (they answer nothing)")
+    assert show_extract(extracted).endswith("; 4 turn(s) before a row's first user turn dropped")
+    roles = [[m["role"] for m in c.messages] for c in read_conversations(generated["output"])]
+    assert roles == [["system", "user", "assistant"], ["user", "assistant"], ["user", "assistant"]]
+
+
+# ---- loss masks ---------------------------------------------------------------------------------------
+def test_tool_calls_and_answers_are_supervised_tool_results_and_user_turns_are_not(tmp_path, tokenizer):
+    """SmolLM2's template knows no tool calls: they are written into the assistant's turn as Hermes text."""
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [OPENAI_TOOL_ROW]))
+    sample = tokenize_conversation(tokenizer, conv.messages, 1024, conv.tools)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert tokenizer.decode(sample.input_ids) == (
+        "<|im_start|>system\nUse tools.<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        f"<|im_start|>assistant\n{call}<|im_end|>\n<|im_start|>tool\n{{\"sky\": \"sunny\"}}<|im_end|>\n"
+        "<|im_start|>assistant\nIt is sunny.<|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n"
+        "<|im_start|>assistant\nYou're welcome.<|im_end|>\n"
+    )
+    assert supervised(tokenizer, sample) == f"{call}<|im_end|>\nIt is sunny.<|im_end|>\nYou're welcome.<|im_end|>\n"
+    assert sample.empty_turns == 0  # a turn that only calls a tool is not empty
+    sharegpt = read_one(write_jsonl(tmp_path / "s.jsonl", [SHAREGPT_TOOL_ROW]))
+    again = tokenize_conversation(tokenizer, sharegpt.messages, 1024, sharegpt.tools)
+    np.testing.assert_array_equal(again.input_ids, sample.input_ids)
+    np.testing.assert_array_equal(again.loss_mask, sample.loss_mask)
+
+
+STRUCTURED = (  # a template that takes tools and tool calls as fields, as Qwen3's and Llama 3.1's do
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools' }}{%- for t in tools %}{{ '\\n' + (t | tojson) }}{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response id=' + m.tool_call_id + '>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}"
+    "{%- for c in m.tool_calls or [] %}{{ '<call ' + c.function.name + '>' + (c.function.arguments | tojson) + '</call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_knows_tool_calls_gets_them_as_fields(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    tokenizer.chat_template = STRUCTURED
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [OPENAI_TOOL_ROW]))
+    sample = tokenize_conversation(tokenizer, conv.messages, 1024, conv.tools)
+    text = tokenizer.decode(sample.input_ids)
+    assert text.startswith('<|im_start|>system\n# Tools\n{"type": "function", "function": {"name": "get_weather"')
+    assert '<tool_response id=call_1>\n{"sky": "sunny"}\n</tool_response>' in text
+    call = '<call get_weather>{"city": "Paris"}</call>'  # the template's own rendering: the fields reached it
+    assert supervised(tokenizer, sample) == f"{call}<|im_end|>\nIt is sunny.<|im_end|>\nYou're welcome.<|im_end|>\n"
