@@ -79,6 +79,19 @@ EXTRA_BENCHES = {
         "--heldout", "24", "--unseen", "16", "--variant", "dpace:", "--variant", "decay:loss.weighting=decay",
         "--variant", "sliding64:model.layer_types=[sliding_attention],model.sliding_window=64",
     ],
+    # The drafter variants (docs/variants.md): DFlash (the CPU default, D-PACE) against DSpark and DFlash2
+    # trained from the same store at equal steps and seed, decoded on the same prompts, DSpark also with
+    # its confidence stop (~1 h; ~2.5 h).
+    "variants": [
+        "bench/compare.py", "--name", "variants-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
+        "--variant", "dflash:", "--variant", "dspark:model.variant=dspark", "--variant", "dflash2:model.variant=dflash2",
+        "--confidence-stop", "dspark=0.5",
+    ],
+    "variants_long": [
+        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "variants-cpu-long", "--steps", "1600",
+        "--heldout", "24", "--unseen", "16", "--variant", "dflash:", "--variant", "dspark:model.variant=dspark",
+        "--variant", "dflash2:model.variant=dflash2", "--confidence-stop", "dspark=0.5",
+    ],
 }
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 

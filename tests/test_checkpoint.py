@@ -411,6 +411,23 @@ def test_compatibility_refusal_names_the_field_and_both_values():
         check_compatible(saved, current, force=False)
 
 
+def test_another_variant_is_reported_once_as_the_variant():
+    """A DSpark run resuming a DFlash checkpoint: model.variant names it; the heads its description
+    gains (markov_rank, ...) are not reported again as the drafter's description."""
+    saved = {"model": {"variant": "dflash", "markov_rank": 256, "block_size": 16}}
+    current = {"model": {"variant": "dspark", "markov_rank": 256, "block_size": 16}}
+    before = {"variant": "dflash", "block_size": 16}
+    now = {"variant": "dspark", "block_size": 16, "markov_rank": 256, "markov_head": "vanilla", "confidence_head": True}
+    assert check_compatible(saved, current, force=True, saved_drafter=before, drafter=now) == [
+        "model.variant: saved 'dflash', now 'dspark' (the drafter's architecture and its labels (dspark predicts one token further))"
+    ]
+    # the same variant with other head sizes: once, as its setting
+    resized = {"model": {**current["model"], "markov_rank": 64}}
+    assert check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64}) == [
+        "model.markov_rank: saved 256, now 64 (the DSpark heads (their weights would not fit))"
+    ]
+
+
 def test_a_checkpoint_saved_before_a_rename_resumes_under_the_new_name():
     """A config saved by a checkpoint before sampler.token_budget became sampler.micro_batch_tokens
     (eval.offline_token_budget -> offline_batch_tokens): the same value is no change, another is

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
+
 from shared.reader import StoreReader
 from shared.store import StoreConfig
 from stage2_train.data.anchors import AnchorSampler
@@ -75,10 +77,50 @@ def test_flop_count_weights_are_the_drafters():
     assert matrices == {**{n: v for n, v in matrices.items() if n.startswith("layers.")}, "fc.weight": 3 * 4 * 4}
 
 
-def test_step_work_is_what_the_loader_hands_the_trainer(tmp_path):
+def test_variant_flops_by_hand():
+    # r 2 over V 10, H 4: DSpark's W2 z on the 3 scored rows, its gate [(H + r) -> r] and confidence
+    # head [(H + r) -> 1] on the 4 block rows.
+    dspark = DrafterShape.of(DrafterConfig(variant="dspark", num_layers=1, block_size=4, markov_rank=2, markov_head="gated"), ARCH, 3)
+    assert dspark.markov_rank == 2 and dspark.selector_rank == 0
+    assert train_step_flops(dspark, WORK)["variant"] == 6 * (10 * 2 * 3 + (6 * 2 + 6) * 4)  # 792
+    rnn = DrafterShape(**{**dspark.__dict__, "markov_head": "rnn", "confidence_head": False})
+    assert train_step_flops(rnn, WORK)["variant"] == 6 * (10 * 2 * 3 + (2 * 2 + 4) * 6 * 4)  # joint [(2r + H) -> 3r]
+    # DFlash2, 2 taps, groups of 2 channels (2 groups), r 2, K 3: per layer two convolutions, each a kernel
+    # projection [H -> 2 sides x 2 taps x 2 groups] and 2 sides x 2 taps of products over H, on 4 block rows;
+    # P [H -> r] on the block rows; 3 candidates' r-dot products on the 3 scored rows.
+    dflash2 = DrafterShape.of(DrafterConfig(variant="dflash2", num_layers=1, block_size=4, conv_kernel_size=2, conv_group_size=2,
+                                            selector_rank=2, selector_top_k=3), ARCH, 3)
+    conv = 2 * (4 * 8 + 2 * 4 * 2)
+    assert train_step_flops(dflash2, WORK)["variant"] == 6 * (conv * 4 + 4 * 2 * 4 + 3 * 2 * 3)  # 2604
+    assert train_step_flops(dflash2, WORK)["total"] == 7584 + 2604  # the DFlash backbone's parts unchanged
+    assert "variant" not in train_step_flops(SHAPE, WORK)
+
+
+def test_variant_flop_weights_are_the_modules():
+    """The matrices variant_flops counts are the variant modules' trained matrices."""
+    from stage2_train.model.dflash2 import DFlash2Drafter
+    from stage2_train.model.dspark import DSparkDrafter
+
+    dspark = DSparkDrafter(DrafterConfig(variant="dspark", num_layers=1, block_size=4, markov_rank=2, markov_head="gated"), ARCH, 3, 9)
+    sizes = {n: p.numel() for n, p in dspark.named_parameters() if n.startswith(("markov_head.", "confidence_head."))}
+    assert sizes == {"markov_head.markov_w1.weight": 10 * 2, "markov_head.markov_w2.weight": 10 * 2,  # W1: a gather
+                     "markov_head.gate_proj.weight": 6 * 2, "markov_head.gate_proj.bias": 2,
+                     "confidence_head.proj.weight": 6, "confidence_head.proj.bias": 1}
+    dflash2 = DFlash2Drafter(DrafterConfig(variant="dflash2", num_layers=1, block_size=4, conv_kernel_size=2, conv_group_size=2,
+                                           selector_rank=2, selector_top_k=3), ARCH, 3, 9)
+    sizes = {n: p.numel() for n, p in dflash2.named_parameters() if "conv" in n or "selector" in n}
+    assert sizes == {**{f"layers.0.{c}.kernel_projection.weight": 4 * 8 for c in ("attention_conv", "mlp_conv")},
+                     **{f"layers.0.{c}.base_kernel": 2 * 2 * 4 for c in ("attention_conv", "mlp_conv")},
+                     "candidate_selector.predecessor_codebook": 20, "candidate_selector.successor_codebook": 20,
+                     "candidate_selector.hidden_projection.weight": 4 * 2}
+
+
+@pytest.mark.parametrize("label_shift", [0, 1])
+def test_step_work_is_what_the_loader_hands_the_trainer(tmp_path, label_shift):
     """Replayed from the sampler and anchor sampler alone, each step's tokens, blocks, scored rows and
     attention pairs equal those of the micro-batches the loader collates for it, with a block budget
-    that binds (the packing then depends on each sample's blocks)."""
+    that binds (the packing then depends on each sample's blocks); a DSpark run's (label_shift 1)
+    scored rows are its shifted labels."""
     url = str(tmp_path / "store")
     make_store(url, [samples(9, seed=1, tokens=(20, 90)), samples(8, seed=2, tokens=(20, 90), first_id=9)], StoreConfig())
     reader = StoreReader(url)
@@ -86,17 +128,17 @@ def test_step_work_is_what_the_loader_hands_the_trainer(tmp_path):
     anchors = AnchorSampler(cfg, block_size=4, seed=3)
     sampler = LengthMixedSampler(cfg, reader.lengths, seed=3, grad_accum=2,
                                  blocks=anchors.block_counts(reader.lengths, reader.supervised_pairs()))
-    loader = PrefetchLoader(reader, sampler, anchors, mask_token_id=9, num_threads=1, gather_topk=False)
+    loader = PrefetchLoader(reader, sampler, anchors, mask_token_id=9, num_threads=1, gather_topk=False, label_shift=label_shift)
     seen: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for loaded in loader:
         batch, totals = loaded.batch, seen[(loaded.epoch, loaded.step_in_epoch)]
         totals[0] += batch.context_TF.shape[0]
         totals[1] += batch.labels_NB.shape[0]
-        totals[2] += int((batch.labels_NB[:, 1:] != IGNORE).sum())
+        totals[2] += int((batch.labels_NB != IGNORE).sum())
         totals[3] += int((batch.anchor_pos_N + 4).sum()) * 4
     rows = [{"epoch": e, "step_in_epoch": s} for e, s in seen]
     masks = {reader[i]["sample_id"]: reader[i]["loss_mask_T"].numpy() for i in range(len(reader))}
     fresh = AnchorSampler(cfg, block_size=4, seed=3)
-    replayed = step_work(sampler, fresh, reader.sample_ids, masks, rows)
+    replayed = step_work(sampler, fresh, reader.sample_ids, masks, rows, label_shift=label_shift)
     assert len(rows) > 2 and sum(w.blocks for w in replayed) > 0
     assert [(w.context_tokens, w.blocks, w.scored_rows, w.attention_pairs) for w in replayed] == [tuple(t) for t in seen.values()]

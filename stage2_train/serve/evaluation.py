@@ -37,6 +37,7 @@ from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.load import LoadedDrafter, load_drafter
 from stage2_train.serve.online_eval import (
     acceptance_gap,
+    bootstrap_drafted,
     bootstrap_tau,
     heldout_prompts,
     load_online_target,
@@ -110,10 +111,12 @@ def evaluate_drafters(
     groups: dict[str, Sequence[int]] | None = None,
     max_new_tokens: int | None = None,
     device: Any = "cpu",
+    confidence_stops: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """Offline (the drafters named in `offline`, default all) and online evaluation of `drafters` and
     the n-gram drafter on `prompts`; intervals on all prompts and on each of `groups` (prompt indices),
-    paired against `baseline`."""
+    paired against `baseline`. `confidence_stops`: per drafter, a DSpark early stop other than
+    `eval.confidence_stop`."""
     eval_cfg = cfg.eval
     offline_rows = {
         name: offline_eval(
@@ -125,9 +128,13 @@ def evaluate_drafters(
     target_model = load_online_target(cfg.target, eval_cfg.online_dtype, device)
     tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
-    proposers = {n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n) for n, d in drafters.items()}
-    block_size = next(iter(drafters.values())).block_size
-    proposers["ngram"] = NgramProposer(block_size - 1)
+    stops = confidence_stops or {}
+    proposers = {
+        n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n, confidence_stop=stops.get(n, eval_cfg.confidence_stop))
+        for n, d in drafters.items()
+    }
+    # The n-gram drafter proposes as many tokens as the baseline drafter's block.
+    proposers["ngram"] = NgramProposer(proposers[baseline].max_draft)
     online = online_eval(
         target_model, proposers, list(prompts), max_new_tokens=max_new_tokens or eval_cfg.online_max_new_tokens,
         eos_token_ids=stop_token_ids(tokenizer, target_model),
@@ -144,6 +151,7 @@ def evaluate_drafters(
             interval = bootstrap_tau([entry["per_prompt"][i] for i in index], baseline=paired)
             entry["groups"][group] = {k: round(v, 4) for k, v in interval.items()}
         entry["interval"] = entry["groups"]["all"]
+        entry["drafted_interval"] = {k: round(v, 4) for k, v in bootstrap_drafted(entry["per_prompt"]).items()}
     gaps = {name: acceptance_gap(row, online["proposers"][name]["tau"]) for name, row in offline_rows.items()}
     return {"offline": offline_rows, "online": online, "gap": gaps, "baseline": baseline}
 
@@ -156,7 +164,7 @@ def one_line(report: dict[str, Any], trained: str = "trained") -> str:
         if entry is None:
             continue
         i = entry["interval"]
-        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}]"
+        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}], {entry['drafted_per_step']:.1f} drafted/step"
         if "diff" in i:
             text += f" ({i['diff']:+.3f} [{i['diff_lo']:+.3f}, {i['diff_hi']:+.3f}] vs {trained})"
         parts.append(text)

@@ -27,7 +27,7 @@ from shared.hub import is_hub_id, resolve_hub
 from shared.target import TargetArch, TargetInfo, dflash_layer_ids
 from shared.target_parts import load_embed_and_head
 from stage2_train.model.config import DrafterConfig
-from stage2_train.model.description import DrafterDescription, describe
+from stage2_train.model.description import VARIANT_FIELDS, DrafterDescription, describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.export import CONFIG_NAME, WEIGHTS_NAME
 from stage2_train.serve.trained_on import TrainedOn, read_trained_on
@@ -123,19 +123,28 @@ def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
+# The variants' own fields, as speculators' config.json (top level) and z-lab's / SpecForge's
+# `dflash_config` name them.
+DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
-    """A speculators DFlash config.json read as the z-lab layout `drafter_spec` reads (its weights
-    need no renaming). Layer ids come back as id - 1; sliding layers are refused (other semantics)."""
+    """A speculators DFlash, DSpark or DFlash2 config.json read as the z-lab layout `folder_description`
+    reads (its weights need no renaming). Layer ids come back as id - 1; sliding layers are refused
+    (other semantics)."""
+    kind = config.get("speculators_model_type")
     layer = dict(config.get("transformer_layer_config") or {})
     if not layer:
-        raise CheckpointError(f"{where}: speculators_model_type=dflash but no transformer_layer_config")
+        raise CheckpointError(f"{where}: speculators_model_type={kind} but no transformer_layer_config")
     if "sliding_attention" in (layer.get("layer_types") or []):
         raise CheckpointError(
             f"{where}: transformer_layer_config.layer_types has sliding_attention: speculators fixes each block's window "
             f"at its anchor (PR #749), which this drafter does not compute; start from a full-attention drafter"
         )
-    if config.get("sample_from_anchor"):
-        raise CheckpointError(f"{where}: sample_from_anchor=true is not the DFlash block this pipeline trains")
+    if kind != "dspark" and config.get("sample_from_anchor"):
+        raise CheckpointError(f"{where}: sample_from_anchor=true is not the {kind} block this pipeline trains")
     dflash = dict(config.get("dflash_config") or {})
     block = dflash.get("block_size", config.get("block_size", 16))
     aux = config.get("aux_hidden_state_layer_ids")
@@ -143,12 +152,38 @@ def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
         raise CheckpointError(f"{where}: aux_hidden_state_layer_ids is missing")
     layer.pop("layer_types", None)
     layer.update({"use_sliding_window": False, "sliding_window": None})
+    own = DSPARK_FIELDS if kind == "dspark" else DFLASH2_FIELDS if kind == "dflash2" else ()
     return {
         **layer,
         **({"dflash_pipeline": config["dflash_pipeline"]} if "dflash_pipeline" in config else {}),
+        "architectures": [SPECULATORS_TYPES[kind]],
         "block_size": block,
-        "dflash_config": {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id"))},
+        "dflash_config": {
+            "target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id")),
+            **{name: config[name] for name in own if name in config},
+        },
     }
+
+
+def variant_of(config: dict[str, Any], value: Any, where: Path) -> dict[str, Any]:
+    """The variant a (z-lab layout) config describes, from its architectures, with its own fields."""
+    names = config.get("architectures") or []
+    if "DSparkDraftModel" in names:
+        from stage2_train.model.dspark import check_dspark_config
+
+        fields = {name: value(name) for name in DSPARK_FIELDS if value(name) is not None}
+        return {"variant": "dspark", **check_dspark_config(fields, str(where))}
+    if "DFlash2DraftModel" in names:
+        sizes = {name: value(name) for name in DFLASH2_FIELDS}
+        missing = [name for name, v in sizes.items() if not isinstance(v, int) or v < 1]
+        if missing:
+            raise CheckpointError(f"{where}: a DFlash2DraftModel without {missing} (dflash_config or top level)")
+        if value("output_multiplier", 1.0) != 1.0 or value("final_logit_softcapping"):
+            raise CheckpointError(
+                f"{where}: output_multiplier / final_logit_softcapping change the unary logits, which this drafter does not"
+            )
+        return {"variant": "dflash2", **sizes}
+    return {"variant": "dflash"}
 
 
 def folder_description(folder: str | os.PathLike) -> DrafterDescription:
@@ -159,7 +194,12 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     a hand-edited config.json cannot silently describe another drafter."""
     config = read_export_config(folder)
     where = Path(folder) / CONFIG_NAME
-    if config.get("speculators_model_type") == "dflash":
+    kind = config.get("speculators_model_type")
+    if kind is not None:
+        if kind not in SPECULATORS_TYPES:
+            raise CheckpointError(
+                f"{where}: speculators_model_type={kind!r} is not a block drafter this pipeline builds ({', '.join(SPECULATORS_TYPES)})"
+            )
         config = from_speculators(config, where)
     dflash = config.get("dflash_config") or {}
     if not isinstance(dflash, dict):
@@ -204,7 +244,7 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     sliding = "sliding_attention" in types
     described = DrafterDescription(
-        variant="dflash",
+        **variant_of(config, value, where),
         block_size=block_size,
         num_layers=config["num_hidden_layers"],
         hidden_size=arch.hidden_size,
@@ -242,7 +282,8 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
 
 # What the engines read from config.json, which must agree with our own description of the drafter.
 _READ_BY_LOADERS = (
-    "block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "variant", "markov_rank", "markov_head", "confidence_head", "conv_kernel_size", "conv_group_size", "selector_rank",
+    "selector_top_k", "block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "layer_types", "sliding_window", "is_causal", "target_layer_ids", "mask_token_id", "rope_theta",
 )
 
@@ -316,6 +357,8 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
         ("sliding_window", theirs.sliding_window, ours.sliding_window, "model.sliding_window"),
         ("is_causal", theirs.is_causal, ours.is_causal, "model.is_causal"),
         ("intermediate_size", theirs.intermediate_size, ours.intermediate_size, "model.intermediate_size"),
+        ("variant", theirs.variant, ours.variant, "model.variant"),
+        *((name, getattr(theirs, name), getattr(ours, name), f"model.{name}") for name in VARIANT_FIELDS[theirs.variant]),
         ("num_attention_heads", theirs.num_attention_heads, ours.num_attention_heads, "the target's heads"),
         ("num_key_value_heads", theirs.num_key_value_heads, ours.num_key_value_heads, "the target's kv heads"),
     ]

@@ -18,6 +18,7 @@ from typing import Any
 
 from shared.config import dotted_differences, flatten
 from shared.errors import CheckpointError, ConfigError
+from stage2_train.model.description import VARIANT_FIELDS
 from stage2_train.observe.config import DetectorConfig
 
 # Fields that change what training computes: resuming with a different value is refused (unless
@@ -32,6 +33,14 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "model.layer_types": "the drafter's attention layout",
     "model.sliding_window": "the drafter's attention layout",
     "model.is_causal": "the drafter's attention layout",
+    "model.variant": "the drafter's architecture and its labels (dspark predicts one token further)",
+    "model.markov_rank": "the DSpark heads (their weights would not fit)",
+    "model.markov_head": "the DSpark heads",
+    "model.confidence_head": "the DSpark heads",
+    "model.conv_kernel_size": "the DFlash2 convolutions (their weights would not fit)",
+    "model.conv_group_size": "the DFlash2 convolutions (their weights would not fit)",
+    "model.selector_rank": "the DFlash2 selector (its weights would not fit)",
+    "model.selector_top_k": "the DFlash2 selector's candidates",
     "loss.gamma": "the position weights of the loss",
     "loss.distill_positions": "where anchors are drawn",
     "target.num_feature_layers": "how many target features the drafter fuses",
@@ -56,13 +65,15 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
 OPTIONAL_FIELDS = {
     "resolved.target_fingerprint", "optim.name", "resolved.store_digest", "model.layer_types", "model.sliding_window",
     "model.is_causal", "model.feature_projection", "model.projection_dim", "loss.distill_positions",
-    "resolved.mask_token_id",
+    "resolved.mask_token_id", "model.variant", "model.markov_rank", "model.markov_head", "model.confidence_head",
+    "model.conv_kernel_size", "model.conv_group_size", "model.selector_rank", "model.selector_top_k",
 }
 
 # The drafter's description (drafter.json) is compared field by field too. A field one of the settings
 # above decides is reported once, under that setting; the others name what sets them.
 _MODEL_FIELDS = ("num_layers", "block_size", "intermediate_size", "layer_types", "sliding_window", "is_causal",
-                 "feature_projection", "projection_dim")
+                 "feature_projection", "projection_dim", "variant", "markov_rank", "markov_head", "confidence_head",
+                 "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DESCRIPTION_COMPARED_AS = {
     **{f: f"model.{f}" for f in _MODEL_FIELDS},
     "target_layer_ids": "resolved.layer_ids", "target_weights_sha256": "resolved.target_fingerprint",
@@ -71,8 +82,10 @@ DESCRIPTION_COMPARED_AS = {
 DESCRIPTION_SET_BY = {
     **{f: f"model.{f}" for f in _MODEL_FIELDS},
     "target_layer_ids": "target.layer_ids", "target_weights_sha256": "target.path", "mask_token_id": "target.mask_token_id",
-    "variant": "the drafter variant",
 }
+
+# A variant's own description fields: when model.variant changed, they are reported as that change.
+_VARIANT_ONLY = {name for names in VARIANT_FIELDS.values() for name in names}
 
 # Sampler state a checkpoint saved before micro-batches had a block budget lacks: its plan cannot be rebuilt.
 BLOCK_BUDGET_KEYS = ("micro_batch_blocks", "blocks_digest")
@@ -127,6 +140,8 @@ def check_compatible(
         for key, now in drafter.items():
             before = saved_drafter.get(key, _ABSENT)
             if key == "version" or before == now or DESCRIPTION_COMPARED_AS.get(key) in changed:
+                continue
+            if key in _VARIANT_ONLY and "model.variant" in changed:
                 continue
             set_by = DESCRIPTION_SET_BY.get(key, "the target's shape (target.path)")
             differences.append(f"drafter.{key}: saved {before!r}, now {now!r} (the drafter's description, set by {set_by})")

@@ -135,6 +135,7 @@ def run_info(
         "world_size": world_size, "grad_accum": cfg.train.grad_accum, "micro_batch_tokens": cfg.sampler.micro_batch_tokens,
         "tokens_per_step": cfg.sampler.micro_batch_tokens * cfg.train.grad_accum * world_size,
         "max_anchors_per_seq": cfg.sampler.max_anchors_per_seq, "block_size": cfg.model.block_size,
+        "variant": cfg.model.variant,
         "num_layers": cfg.model.num_layers, "init_from": cfg.model.init_from if initialised else None,
         "loss.gamma": cfg.loss.gamma, "loss.ce_weight": cfg.loss.ce_weight, "loss.kl_weight": cfg.loss.kl_weight,
         "noise.std": cfg.noise.std, "noise.warmup_steps": cfg.noise.warmup_steps, "noise.kind": cfg.noise.kind,
