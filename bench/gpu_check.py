@@ -14,7 +14,6 @@ bench/results/gpu_check.json (gpu_check_smoke.json for --cpu-smoke), rewritten a
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import Row, yes  # noqa: E402
+from bench.common import Row, arguments, yes  # noqa: E402
 from bench.common import fmt as common_fmt  # noqa: E402
 from bench.gpu_check_kit import GPU_SIZES, SMOKE_SIZES, Context, Recorder, print_rows  # noqa: E402
 from bench.gpu_check_stage1 import (  # noqa: E402
@@ -143,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_train_worker"]:
         return train_worker(argv[1], argv[2:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)  # --json: where the results go (default: $OUT or bench/results)
     parser.add_argument("--cpu-smoke", action="store_true", help="every phase, tiny, on CPU (tests the plumbing)")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
-    parser.add_argument("--json", type=Path, help="where to write the results (default: $OUT or bench/results)")
     parser.add_argument("--work-dir", type=Path, help="parent of the work folder (default: the temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     parser.add_argument("--peak-tflops", type=float, help="bf16 peak for MFU when the device is not known")
@@ -171,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("torch sees no CUDA device: run on a GPU, or pass --cpu-smoke")
     if args.cpu_smoke:
         torch.set_num_threads(1)
-    out = args.json or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else
+    out = Path(args.json) if args.json else (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else
                         REPO / "bench" / "results" / ("gpu_check_smoke.json" if args.cpu_smoke else "gpu_check.json"))
     work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=args.work_dir))
     rec = Recorder(out, sizes.deadline_s, rows)

@@ -157,9 +157,7 @@ def feature_diffs(pairs: Any, top: int | None = None) -> tuple[float, float, flo
 
 
 def phase_packed_vs_padded(entry: dict[str, Any], ctx: Context) -> None:
-    """One batch of samples of different lengths through the SmolLM2 target twice: packed into one row
-    (flash-attn's varlen kernel with the boundaries given once, `forward.packed_lengths`) and padded;
-    every sample's stored features must agree within the compute dtype's rounding."""
+    """One batch through the SmolLM2 target packed and padded: the same features within rounding."""
     import numpy as np
     import torch
 
