@@ -17,7 +17,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import arguments, emit, rate  # noqa: E402
+from bench.common import arguments, calls_per_s, emit  # noqa: E402
 
 
 def main() -> int:
@@ -49,13 +49,11 @@ def main() -> int:
     results: dict = {"store": args.store, "tokens": int(sum(len(s["input_ids_T"]) for s in samples)), "arrays": {}}
     for name, data in arrays.items():
         raw = np.ascontiguousarray(data)
-        rows = {"memcpy_mb_per_s": round(rate(raw.copy, raw.nbytes, 0.3), 0)}
-        for codec_name, codec in codecs.items():
-            encoded = codec.encode(raw)
-            rows[codec_name] = {
-                "ratio": round(raw.nbytes / len(encoded), 3),
-                "decode_mb_per_s": round(rate(lambda c=codec, e=encoded: c.decode(e), raw.nbytes, 0.3), 0),
-            }
+        encoded = {codec_name: codec.encode(raw) for codec_name, codec in codecs.items()}
+        per_s = calls_per_s({"memcpy": raw.copy, **{n: (lambda c=codecs[n], e=e: c.decode(e)) for n, e in encoded.items()}}, min_s=0.3)
+        rows = {"memcpy_mb_per_s": round(per_s["memcpy"] * raw.nbytes / 1e6)}
+        for codec_name, e in encoded.items():
+            rows[codec_name] = {"ratio": round(raw.nbytes / len(e), 3), "decode_mb_per_s": round(per_s[codec_name] * raw.nbytes / 1e6)}
         results["arrays"][name] = rows
     return emit(results, args.json)
 

@@ -81,7 +81,7 @@ def relative_error(approx: Any, exact: Any, eps: float = 1e-6) -> Any:
 
 def calls_per_s(fns: dict[str, Any], rounds: int = 5, min_s: float = 0.2) -> dict[str, float]:
     """Calls per second of each function: the best of `rounds` rounds taken in turn, so a burst of
-    load from other processes on a shared machine falls on every codec alike and is then dropped."""
+    load from other processes on a shared machine falls on every function alike and is then dropped."""
     best = dict.fromkeys(fns, 0.0)
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -91,15 +91,6 @@ def calls_per_s(fns: dict[str, Any], rounds: int = 5, min_s: float = 0.2) -> dic
                 runs += 1
             best[name] = max(best[name], runs / (time.perf_counter() - started))
     return best
-
-
-def rate(fn: Any, nbytes: int, min_s: float = 0.5) -> float:
-    """MB/s of `fn` over `nbytes` of decoded data, repeated for at least `min_s`."""
-    started, runs = time.perf_counter(), 0
-    while time.perf_counter() - started < min_s:
-        fn()
-        runs += 1
-    return nbytes / 1e6 / ((time.perf_counter() - started) / runs)
 
 
 # ---------------------------------------------------------------------------------------------

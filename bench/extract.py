@@ -25,32 +25,24 @@ def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
     """The shard writer against the target's forward at the 8B preset's shape, scaled down `scale`x."""
     import shutil
 
-    import numpy as np
     import torch
 
-    from shared.codecs import SampleFeatures, encode_sample
+    from shared.codecs import encode_sample
     from shared.store import StoreConfig
-    from shared.target import TargetArch
     from stage1_extract.batching import ShardPlan, TokenizedRow
     from stage1_extract.extract import ExtractConfig, host_token_bytes, writer_queue_mb
     from stage1_extract.plan import EXTRACT_MFU, GPUS, target_params
     from stage1_extract.writer import HostBatch, ShardWriter, host_bytes
+    from stage2_train.train.memory_plan import KNOWN_TARGETS
+    from testkit.store import samples as random_samples
 
     layers, hidden, top_k, sample_tokens = 5, 4096, 64, 2048
-    qwen3_8b = TargetArch("qwen3", hidden, 12288, 36, 32, 8, 128, 151936, 1e-6, 1e6, 40960, False)
     batch_tokens = 65536 // scale
     per_batch = batch_tokens // sample_tokens
-    flops = 2 * target_params(qwen3_8b) + 4 * sample_tokens * hidden * 36
+    flops = 2 * target_params(KNOWN_TARGETS["qwen3-8b"]) + 4 * sample_tokens * hidden * 36
     forward_s = batch_tokens * flops / (GPUS["h100"].bf16_tflops * 1e12 * EXTRACT_MFU)
-    rng = np.random.default_rng(0)
-    samples = []
-    for sid in range(batches * per_batch):
-        samples.append(SampleFeatures(
-            sid, rng.integers(0, 151936, sample_tokens).astype(np.int32), np.ones(sample_tokens, bool),
-            torch.from_numpy(rng.standard_normal((sample_tokens, layers, hidden), dtype=np.float32)).to(torch.bfloat16),
-            torch.from_numpy(-rng.random((sample_tokens, top_k), dtype=np.float32) * 10),
-            torch.from_numpy(rng.integers(0, 151936, (sample_tokens, top_k)).astype(np.int32)),
-        ))
+    samples = random_samples(batches * per_batch, layers=layers, hidden=hidden, k=top_k, tokens=(sample_tokens, sample_tokens + 1),
+                             vocab=151936, dtype=torch.bfloat16)
     rows = [TokenizedRow(s.sample_id, str(s.sample_id), s.input_ids_T, s.loss_mask_T) for s in samples]
     per_shard = 12  # shard_mb 1024 at ~84 MB per sample
     shards = [ShardPlan(i, rows[a : a + per_shard], f"b{i}", "bench") for i, a in enumerate(range(0, len(rows), per_shard))]

@@ -5,18 +5,15 @@ and generation, and what only a GPU measures.
     python3 bench/gpu_check.py [--phases env,gpu_paths,packed_vs_padded,extract_8b,train,resume,...]
     .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~4-6 min)
 
-Phases, in order (docs/gpu.md, "Checking a GPU node", says what each shows): env, gpu_paths,
-packed_vs_padded, extract_8b, train (a world-size-1 DDP wrap, grad_accum 3, evals and keep_best, the
-measured peak against the memory plan), resume, tp_extract (2 GPUs; reported skipped on one),
-generate, extract_smollm2 (bench/gpu_check_stage1.py, bench/gpu_check_train.py). A phase that fell
-back (flash-attn or vllm missing) says so: status "fallback", never "ok". Results go to --json, else
-$OUT/gpu_check.json, else bench/results/gpu_check.json (gpu_check_smoke.json for --cpu-smoke),
-rewritten after every phase; `rows(result)` turns them into BENCHMARKS.md rows.
+Its phases, fallbacks and outputs: docs/gpu.md ("Checking a GPU node"); the phases live in
+bench/gpu_check_stage1.py and bench/gpu_check_train.py. A phase that fell back (flash-attn or vllm
+missing) ends "fallback", never "ok". Results go to --json, else $OUT/gpu_check.json, else
+bench/results/gpu_check.json (gpu_check_smoke.json for --cpu-smoke), rewritten after every phase;
+`rows(result)` turns them into BENCHMARKS.md rows.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -30,11 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import Row, yes  # noqa: E402
+from bench.common import Row, arguments, yes  # noqa: E402
 from bench.common import fmt as common_fmt  # noqa: E402
-from bench.gpu_check_kit import GPU_SIZES, SMOKE_SIZES, Context, Recorder  # noqa: E402
+from bench.gpu_check_kit import GPU_SIZES, SMOKE_SIZES, Context, Recorder, print_rows  # noqa: E402
 from bench.gpu_check_stage1 import (  # noqa: E402
-    generate_worker,
     phase_env,
     phase_extract_8b,
     phase_extract_smollm2,
@@ -138,24 +134,17 @@ def print_summary(result: dict[str, Any]) -> None:
     print("\n== summary")
     for name, p in result["phases"].items():
         print(f"   {name:<16} {p['status']:<9} {p.get('seconds', 0):>7.1f} s")
-    table = rows(result)
-    width = max(len(r[0]) for r in table) if table else 0
-    for figure, value, goal, baseline, met in table:
-        goal_met = f" [goal {goal}: {met}]" if goal else ""
-        print(f"   {figure:<{width}}  {value}{goal_met}" + (f"  ({baseline})" if baseline else ""))
+    print_rows(rows(result))
     print(f"   total {result['elapsed_s']} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_generate_worker"]:
-        return generate_worker(argv[1], argv[2:])
     if argv[:1] == ["_train_worker"]:
         return train_worker(argv[1], argv[2:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)  # --json: where the results go (default: $OUT or bench/results)
     parser.add_argument("--cpu-smoke", action="store_true", help="every phase, tiny, on CPU (tests the plumbing)")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
-    parser.add_argument("--json", type=Path, help="where to write the results (default: $OUT or bench/results)")
     parser.add_argument("--work-dir", type=Path, help="parent of the work folder (default: the temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     parser.add_argument("--peak-tflops", type=float, help="bf16 peak for MFU when the device is not known")
@@ -180,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("torch sees no CUDA device: run on a GPU, or pass --cpu-smoke")
     if args.cpu_smoke:
         torch.set_num_threads(1)
-    out = args.json or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else
+    out = Path(args.json) if args.json else (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else
                         REPO / "bench" / "results" / ("gpu_check_smoke.json" if args.cpu_smoke else "gpu_check.json"))
     work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=args.work_dir))
-    rec = Recorder(out, sizes.deadline_s)
+    rec = Recorder(out, sizes.deadline_s, rows)
     rec.result.update({"cpu_smoke": args.cpu_smoke, "sizes": asdict(sizes), "work_dir": str(work), "todo": phases})
     ctx = Context(sizes=sizes, work=work, rec=rec, peak_tflops=args.peak_tflops)
     print(f"gpu_check: phases {phases}, work folder {work}, results {out}", flush=True)

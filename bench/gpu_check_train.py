@@ -1,21 +1,14 @@
-"""bench/gpu_check.py's training phases: the 8B preset's drafter in a DDP wrap at world size 1, and its
-resume.
-
-`train`: `stage2_train train` (configs/qwen3-8b.yaml) on the short, nearly all supervised 8B store at
-the preset's micro-batch budgets (the most blocks per token: the memory plan's worst case), with
-train.grad_accum 3, evals every step and checkpoint.keep_best on, launched by torchrun as one rank in
-a DDP wrap (`_train_worker`: Accelerate wraps only when it sees more than one process, so the worker
-lifts that; NCCL on a GPU, gloo in the CPU smoke): the reducer, no_sync on the first micro-batches
-of each step, activation checkpointing and compiled flex together, with the allocator as a user runs
-it (no expandable_segments). The measured peak (nvidia-smi, and torch's own) against
-`python -m stage2_train plan --json`'s peak_gib for the same config, traced meanwhile on the CPU.
-`resume`: the same run continued from its last checkpoint to resume_steps more.
+"""bench/gpu_check.py's training phases (docs/gpu.md, "Checking a GPU node"): `train`, the 8B preset's
+drafter as torchrun's one rank in a DDP wrap (`train_worker`), its measured peak against
+`stage2_train plan --json`, its tokens/s and MFU; `resume`, that run continued from its checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -24,9 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO
-from bench.gpu_check_kit import Context, GpuMemoryPeak
-from bench.gpu_flops import DrafterShape, bf16_peak, replay_step_work, train_figures
+from bench.common import REPO, Row, fmt, step_figures, yes
+from bench.gpu_check_kit import Context, gpu_memory_peak
 
 CONFIG = "configs/qwen3-8b.yaml"
 
@@ -70,13 +62,49 @@ def start_plan(ctx: Context, big_overrides: list[str]) -> subprocess.Popen:
                             cwd=REPO, env=env, stdout=out, stderr=subprocess.DEVNULL)
 
 
+def bf16_peak(device_name: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """The device's dense bf16 peak, from the datasheet figures `stage1_extract plan` sizes runs with."""
+    from stage1_extract.plan import GPUS
+
+    if override_tflops:
+        return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s (--peak-tflops)"
+    for rates in GPUS.values():
+        if rates.name.split()[0] in device_name:
+            return rates.bf16_tflops * 1e12, f"{rates.name} dense bf16 {rates.bf16_tflops:g} TFLOP/s (datasheet)"
+    return None, f"n/a: no bf16 peak known for {device_name!r} (pass --peak-tflops)"
+
+
+def train_figures(cfg: Any, ctx: Context, rows: list[dict], peak: float | None) -> dict[str, Any]:
+    """Throughput over the logged steps after the first `train_skip_steps` (compilation), and the model
+    FLOPs achieved and MFU (`utilization`) over the work of each step, replayed from the trainer's own
+    sampler and anchors (`step_work`; left out when it does not give the tokens and blocks logged)."""
+    from stage2_train.data.run_data import open_run_data
+    from stage2_train.model.flops import DrafterShape, step_work, utilization
+
+    out: dict[str, Any] = {"steps_logged": len(rows), "first_step_s": round(rows[0]["step_s"], 2),
+                           **step_figures(rows, ctx.sizes.train_skip_steps)}
+    with contextlib.closing(open_run_data(cfg)) as data:
+        shape = DrafterShape.of(cfg.model, data.target.arch, len(data.target.layer_ids))
+        works = step_work(data.sampler, data.anchors, data.reader.sample_ids[data.train_indices], ctx.big["loss_masks"], rows)
+    out.update({"drafter": asdict(shape), "work_matches_log": all((r["tokens"], r["blocks"]) == (w.context_tokens, w.blocks)
+                                                                  for r, w in zip(rows, works))})
+    if not out["work_matches_log"]:
+        return out
+    rows, works = rows[-out["steps_measured"]:], works[-out["steps_measured"]:]  # step_figures' steady steps
+    return {**out, **utilization(shape, works, rows, peak),
+            "block_tok_per_s": round(statistics.median(w.blocks * shape.block_size / r["step_s"] for r, w in zip(rows, works)), 1),
+            "blocks_per_step": round(statistics.mean(w.blocks for w in works), 1),
+            "context_tokens_per_step": round(statistics.mean(w.context_tokens for w in works), 1),
+            "samples_per_step": round(statistics.mean(r["samples"] for r in rows), 1)}
+
+
 def phase_train(entry: dict[str, Any], ctx: Context) -> None:
     import torch
 
     from shared.config import load_run_config
     from shared.paths import RunPaths
-    from shared.target import TargetArch, resolve_layer_ids
     from stage2_train.observe.metrics import read_log
+    from stage2_train.train.checkpoint.select import best_pointer, step_dirs
 
     if not ctx.big:
         raise RuntimeError("no store to train on: extract_8b did not finish")
@@ -88,15 +116,13 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
                   "micro_batch_blocks": cfg.sampler.blocks_budget(), "steps": sizes.train_steps,
                   "precision": "bf16 autocast" if cuda else "fp32 (CPU)", "allocator": "torch's defaults (no expandable_segments)"})
     planner = ctx.big["planner"]
-    with GpuMemoryPeak(cuda) as memory:
+    with gpu_memory_peak(entry, cuda):
         report, error = ddp_run(ctx, run_dir, overrides, "train")
-    entry.update({"ddp": report, "gpu_memory_peak_gib": memory.gib})
     paths = RunPaths(run_dir)
     log = read_log(paths.log) if paths.log.is_file() else []
     rows = [r for r in log if r.get("kind") == "train"]
-    entry["evals"] = sum(r.get("kind") == "eval" for r in log)
-    entry["best"] = json.loads((paths.checkpoints / "best").read_text()) if (paths.checkpoints / "best").is_file() else None
-    entry["checkpoints"] = sorted(p.name for p in paths.checkpoints.glob("step_*")) if paths.checkpoints.is_dir() else []
+    entry.update({"ddp": report, "evals": sum(r.get("kind") == "eval" for r in log), "best": best_pointer(paths.checkpoints),
+                  "checkpoints": [p.name for p in step_dirs(paths.checkpoints)]})
     try:
         planner.wait(timeout=max(30.0, ctx.rec.left() - 150))
         plan = json.loads((ctx.work / "logs" / "plan.json").read_text())
@@ -106,25 +132,12 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
         planner.kill()
         entry["plan"] = f"not finished: {type(exc).__name__}: {exc}"[:300]
     if rows:
-        arch = TargetArch.from_dir(ctx.big["target"])
-        shape = DrafterShape(arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
-                             cfg.model.intermediate_size or arch.intermediate_size, arch.vocab_size, cfg.model.num_layers,
-                             len(resolve_layer_ids(cfg.target, arch)), cfg.model.block_size)
-        peak, label = bf16_peak(torch.cuda.get_device_name(0), ctx.peak_tflops) if cuda else (None, "n/a on CPU")
-        works = replay_step_work(cfg, str(ctx.big["store"]), ctx.big["loss_masks"], rows)
-        matches = all((r["tokens"], r["blocks"]) == (w.context_tokens, w.blocks) for r, w in zip(rows, works))
-        entry.update({"drafter": asdict(shape), "peak": label, **train_figures(rows, works if matches else None, shape,
-                                                                             sizes.train_skip_steps, peak),
-                      "work_matches_log": matches})
+        peak, entry["peak"] = bf16_peak(torch.cuda.get_device_name(0), ctx.peak_tflops) if cuda else (None, "n/a on CPU")
+        entry.update(train_figures(cfg, ctx, rows, peak))
     if error:
         raise RuntimeError(error)
     check_ddp_run(entry, report, cfg, sizes.train_steps, rows, cuda)
     ctx.big["train"] = {"run_dir": run_dir, "losses": {r["step"]: r["loss"] for r in rows}}
-    print(f"   DDP ({report.get('backend')}, world size {report.get('world_size')}): {len(rows)} steps x {cfg.train.grad_accum} "
-          f"micro-batches, no_sync {report.get('no_sync')}, {entry['evals']} evals, best {entry['best']}; peak "
-          f"{entry['gpu_memory_peak_gib']} GiB (nvidia-smi) vs planned {entry['plan'] if isinstance(entry['plan'], str) else entry['plan']['peak_gib']}",
-          flush=True)
-
 
 def check_ddp_run(entry: dict[str, Any], report: dict[str, Any], cfg: Any, steps: int, rows: list[dict], cuda: bool) -> None:
     """What the phase must show, each named when it does not hold."""
@@ -148,11 +161,10 @@ def check_ddp_run(entry: dict[str, Any], report: dict[str, Any], cfg: Any, steps
 
 
 def phase_resume(entry: dict[str, Any], ctx: Context) -> None:
-    """The train phase's run continued from its last checkpoint (train.resume=auto) to resume_steps
-    more, in the same DDP wrap: it starts at the checkpoint's step, logs only the new steps, and
-    saves again; keep_best keeps its pointer."""
+    """The train phase's run continued from its checkpoint (train.resume=auto) to resume_steps more."""
     from shared.paths import RunPaths
     from stage2_train.observe.metrics import read_log
+    from stage2_train.train.checkpoint.select import step_dirs
 
     trained = ctx.big.get("train") if ctx.big else None
     if not trained:
@@ -171,13 +183,12 @@ def phase_resume(entry: dict[str, Any], ctx: Context) -> None:
     starts = [r for r in log if r.get("kind") == "event" and r.get("event") == "run_start"]
     rows = [r for r in log if r.get("kind") == "train"]
     entry.update({"resumed_from": starts[-1].get("resumed_from") if starts else None, "steps_logged": [r["step"] for r in rows],
-                  "checkpoints": sorted(p.name for p in paths.checkpoints.glob("step_*"))})
+                  "checkpoints": [p.name for p in step_dirs(paths.checkpoints)]})
     expected = list(range(1, steps + 1))
     if entry["resumed_from"] is None or entry["steps_logged"] != expected:
         raise RuntimeError(f"resume started from {entry['resumed_from']} and logged steps {entry['steps_logged']}, expected {expected}")
     if {r["step"]: r["loss"] for r in rows if r["step"] <= sizes.train_steps} != trained["losses"]:
         raise RuntimeError("the resumed run's log no longer holds the first run's losses")
-    print(f"   resumed from {entry['resumed_from']}, logged steps {entry['steps_logged']}, checkpoints {entry['checkpoints']}", flush=True)
 
 
 def train_worker(report_path: str, argv: list[str]) -> int:
@@ -220,10 +231,8 @@ def train_worker(report_path: str, argv: list[str]) -> int:
         Path(report_path).write_text(json.dumps(report))
 
 
-def rows_for(phases: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+def rows_for(phases: dict[str, Any]) -> list[Row]:
     """The training phases' BENCHMARKS.md rows."""
-    from bench.common import fmt, yes
-
     out = []
     t, r = phases.get("train", {}), phases.get("resume", {})
     if isinstance(t.get("plan"), dict) and t.get("gpu_memory_peak_gib") is not None:

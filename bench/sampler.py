@@ -17,7 +17,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
+from bench.common import Row, arguments, calls_per_s, emit, fmt, yes  # noqa: E402
 from stage2_train.data.config import SamplerConfig  # noqa: E402
 from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 from stage2_train.data.split import heldout_mask  # noqa: E402
@@ -93,15 +93,8 @@ def main() -> int:
     results["steps_epoch1"] = len(plan)
     cum = np.cumsum(train_lengths)
     key = int(cum[len(cum) // 2])
-    t0 = time.perf_counter()
-    for _ in range(200):
-        np.searchsorted(cum, key + 0.5)
-    float_us = (time.perf_counter() - t0) / 200 * 1e6
-    t0 = time.perf_counter()
-    for _ in range(200):
-        np.searchsorted(cum, key)
-    int_us = (time.perf_counter() - t0) / 200 * 1e6
-    results["searchsorted_us"] = {"float_key": round(float_us, 1), "int_key": round(int_us, 2)}
+    per_s = calls_per_s({"float_key": lambda: np.searchsorted(cum, key + 0.5), "int_key": lambda: np.searchsorted(cum, key)}, min_s=0.05)
+    results["searchsorted_us"] = {"float_key": round(1e6 / per_s["float_key"], 1), "int_key": round(1e6 / per_s["int_key"], 2)}
     results["baseline_plan_every_epoch_up_front_cpu_s"] = round(results["plan_cpu_s"] * args.epochs, 2)
 
     # Plan builds per epoch over 3 epochs handed out, and peak RSS after 1, 2, 4 epochs.

@@ -107,3 +107,14 @@ def test_a_phase_the_machine_cannot_run_is_reported_not_failed(tmp_path, monkeyp
                                                                      "seconds": pytest.approx(0, abs=1)}
     assert gpu_check.main(["--cpu-smoke", "--phases", "env", "--deadline-s", "1", "--json", str(out), "--work-dir", str(tmp_path)]) == 1
     assert json.loads(out.read_text())["phases"]["env"] == {"status": "skipped", "why": "out of time"}
+
+
+def test_a_phase_that_fell_back_ends_fallback_never_ok(tmp_path, monkeypatch):
+    """flash-attn or vllm missing: the phase still runs, and its status says it fell back."""
+    from bench.gpu_check_kit import fallback
+
+    monkeypatch.setitem(gpu_check.PHASES, "generate", lambda entry, ctx: fallback(entry, "vllm: not installed -> transformers"))
+    out = tmp_path / "result.json"
+    assert gpu_check.main(["--cpu-smoke", "--phases", "generate", "--json", str(out), "--work-dir", str(tmp_path)]) == 0
+    phase = json.loads(out.read_text())["phases"]["generate"]
+    assert (phase["status"], phase["fallbacks"]) == ("fallback", ["vllm: not installed -> transformers"])
