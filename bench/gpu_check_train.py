@@ -85,7 +85,8 @@ def train_figures(cfg: Any, ctx: Context, rows: list[dict], peak: float | None) 
                            **step_figures(rows, ctx.sizes.train_skip_steps)}
     with contextlib.closing(open_run_data(cfg)) as data:
         shape = DrafterShape.of(cfg.model, data.target.arch, len(data.target.layer_ids))
-        works = step_work(data.sampler, data.anchors, data.reader.sample_ids[data.train_indices], ctx.big["loss_masks"], rows)
+        works = step_work(data.sampler, data.anchors, data.reader.sample_ids[data.train_indices], ctx.big["loss_masks"], rows,
+                          label_shift=cfg.model.label_shift)
     out.update({"drafter": asdict(shape), "work_matches_log": all((r["tokens"], r["blocks"]) == (w.context_tokens, w.blocks)
                                                                   for r, w in zip(rows, works))})
     if not out["work_matches_log"]:
