@@ -205,12 +205,18 @@ def shift_lengths(record: dict) -> None:
     record["lengths"][1] -= 5
 
 
+def shift_pairs(record: dict) -> None:
+    """Sample 0's supervised pairs one off (still a count its length allows): the block budget's input."""
+    record["supervised_pairs"][0] += 1 if record["supervised_pairs"][0] == 0 else -1
+
+
 @pytest.mark.parametrize(
     "field, edit",
     [
         ("lengths", shift_lengths),
         ("sample_ids", lambda r: r["sample_ids"].__setitem__(slice(0, 2), r["sample_ids"][1::-1])),
         ("content_hashes", lambda r: r["content_hashes"].__setitem__(3, "0" * 16)),
+        ("supervised_pairs", lambda r: shift_pairs(r)),
         ("bytes", lambda r: r.update(bytes=r["bytes"] + 1)),
         ("checksum", lambda r: r.update(checksum="0" * 64)),
         ("index", lambda r: r.update(name=r["name"].replace("shard-000001-", "shard-000007-"))),
@@ -236,17 +242,19 @@ def test_verify_names_a_manifest_field_that_contradicts_its_shard_and_repair_reb
     assert read_manifest(url)["shards"] == good["shards"] and read_manifest(url)["shards"][1]["name"] == name
 
 
-def test_verify_extracts_again_when_the_part_record_is_wrong_too(built):
+@pytest.mark.parametrize("field, edit", [("lengths", shift_lengths), ("supervised_pairs", shift_pairs)])
+def test_verify_extracts_again_when_the_part_record_is_wrong_too(built, field, edit):
+    """--repair never copies a wrong count from the part record: it checks that record against the shard too."""
     cfg, _ = built
     url = Path(cfg.store.url(cfg.run_dir))
     good = contents(cfg)
     for path in (url / "manifest.json", url / "parts" / "shard-000000.json"):
         data = json.loads(path.read_text())
-        shift_lengths(data["shards"][0] if "shards" in data else data)
+        edit(data["shards"][0] if "shards" in data else data)
         path.write_text(json.dumps(data))
     (bad,) = commands.cmd_verify(cfg)["bad_shards"]
-    assert bad["fields"] == ["lengths"] and bad["fix"] == "extract again"
-    assert bad["error"].startswith("lengths: sample 0 has") and bad["index"] == 0
+    assert bad["fields"] == [field] and bad["fix"] == "extract again"
+    assert bad["error"].startswith(f"{field}: sample 0 has") and bad["index"] == 0
     repaired = commands.cmd_verify(cfg, repair=True, progress=False)
     assert repaired["ok"] and repaired["reextracted"] == [bad["shard"]]
     assert contents(cfg) == good
