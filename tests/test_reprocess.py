@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shared.config import load_run_config
+from shared.errors import StoreError
 from shared.store import read_manifest
 from stage1_extract import commands
 
@@ -102,6 +103,39 @@ def test_appended_and_removed_rows(built, tiny_target_dir):
     out = commands.cmd_reprocess(cfg, progress=False)
     assert out["orphans_removed"]
     assert commands.cmd_status(cfg)["complete"] and read_manifest(cfg.store.url(cfg.run_dir))["num_samples"] == 10
+
+
+def test_extract_refuses_a_store_made_from_other_data_and_reprocess_replaces_it(built, tmp_path):
+    """A second dataset pointed at the same store (store.path shared by two runs) or an edited row:
+    `extract` refuses naming the shards, both datasets and the two ways out, and touches nothing;
+    `reprocess` is the verb that replaces shards."""
+    cfg, data = built
+    before = contents(cfg)
+    other = write_jsonl(tmp_path / "other.jsonl", chat_rows(30, seed=9))
+    second = config(Path(cfg.target.path), other, Path(cfg.run_dir))
+    with pytest.raises(StoreError, match=(
+        rf"shard\(s\) 0, 1 were extracted from other input rows than {other} gives \(the store was made from {data}\); "
+        r"`extract` does not replace them.*`python -m stage1_extract reprocess`.*set store.path \(or run_dir\) to a new folder"
+    )):
+        commands.cmd_extract(second, progress=False)
+    assert contents(cfg) == before and commands.cmd_status(cfg)["complete"]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[-1]["messages"][1]["content"] = "an edited answer"
+    write_jsonl(data, rows)
+    with pytest.raises(StoreError, match=r"shard\(s\) 1 were extracted from other input rows"):
+        commands.cmd_extract(cfg, progress=False)
+    assert commands.cmd_reprocess(cfg, progress=False)["reextracted"] == [1]
+    assert commands.cmd_status(cfg)["complete"]
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "llama-3.1-8b"])
+def test_the_8b_presets_give_each_run_its_own_store(preset):
+    """A user config inherits a preset and sets run_dir: its store is run_dir/store, never one path
+    every run of the preset shares (a second dataset's extract would replace the first's shards)."""
+    from shared.paths import RunPaths
+
+    cfg = load_run_config(ROOT / "configs" / f"{preset}.yaml", ["run_dir=/scratch/runs/mine"])
+    assert cfg.value("store.path") is None and RunPaths.of(cfg).store == "/scratch/runs/mine/store"
 
 
 def chunk_file(cfg, array: str) -> Path:
