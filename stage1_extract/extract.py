@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.codecs import SampleFeatures
 from shared.config import Section
+from shared.identity import BATCH_SETTINGS
 from shared.store import StoreConfig
 from shared.target_model import LayerCapture
 from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
@@ -183,7 +184,10 @@ def run_shards(
     total_tokens = sum(len(r.input_ids) for s in todo for r in s.kept)
     started = time.perf_counter()
     device = next(model.parameters()).device
-    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads, outlier_channels)
+    # The batch shape is not part of the store's identity (an OOM'd run continues with a smaller
+    # batch), so each shard says which one made it.
+    batching = {"batching": {k: getattr(cfg, k) for k in BATCH_SETTINGS}}
+    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads, outlier_channels, batching)
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:

@@ -74,9 +74,9 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         if backend_name == "vllm":
             dtype = resolve_dtype(cfg.target.dtype, device)
             with vllm_process_view(local_rank, world, cfg.generate.tensor_parallel_size):
-                return vllm_backend(str(model_dir), cfg.generate, cfg.seed, dtype, stop_token_ids(tokenizer, model_dir=model_dir))
+                return vllm_backend(str(model_dir), cfg.generate, cfg.generate.seed, dtype, stop_token_ids(tokenizer, model_dir=model_dir))
         model = load_target_model(cfg.target, rank_device(cfg.extract.device, local_rank))
-        return transformers_backend(model, tokenizer, cfg.generate, cfg.seed)
+        return transformers_backend(model, tokenizer, cfg.generate, cfg.generate.seed)
 
     # Rank 0 holds the data folder; every other rank its own slot, so a second job is refused on each.
     lock_dir = out.parent if rank == 0 else paths.generated_parts / "ranks" / str(rank)
@@ -84,7 +84,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         if rank == 0:  # what the answers were made from goes with them: gone until they are rewritten
             paths.generated_provenance.unlink(missing_ok=True)
         result = generate_all(
-            conversations, tokenizer, make_backend, out, cfg.generate, settings, cfg.seed,
+            conversations, tokenizer, make_backend, out, cfg.generate, settings, cfg.generate.seed,
             progress=progress and rank == 0, rank=rank, world=world,
         )
         if rank == 0:
