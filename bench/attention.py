@@ -2,31 +2,20 @@
 
     .venv/bin/python bench/attention.py [--context 8192] [--anchors 512] [--json out.json]
 
-One sample of `--context` tokens with the recipe's 512 anchors and block 16, full attention against
-sliding windows W = 4096, 2048, 512 (z-lab's rule: query a + i sees keys with (a + i) - k < W):
-
-- the SDPA plan (CPU, and CUDA without flex): the boolean masks of its groups (64 blocks each), and
-  the score matrix of the largest group at the Qwen3-8B drafter's 32 heads in fp32 (what the math
-  kernel would allocate per layer), both built by `model/attention.py` itself;
-- the visible (query, key) pairs, counted exactly from the rule: the work flex attention does
-  (it skips masked tiles), relative to full attention.
-
-Flex attention's own memory does not depend on W (it never materialises scores); its block mask
-is a few MB either way.
+One sample, the recipe's 512 anchors and block 16, full attention against sliding windows W = 4096,
+2048, 512: the SDPA plan's masks and scores and flex's visible pairs (docs/benchmarks.md, `attention`).
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit  # noqa: E402
+from bench.common import Row, arguments, emit  # noqa: E402
 
 HEADS = 32  # Qwen3-8B's drafter: the target's attention heads
 
@@ -43,12 +32,10 @@ def visible_pairs(anchors: list[int], block: int, window: int | None, causal: bo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--anchors", type=int, default=512)
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     from stage2_train.model.attention import FULL, MaskKind, _plan_groups
     from testkit.drafter import make_packed_batch
 
@@ -72,8 +59,7 @@ def main() -> int:
         }
     for name in rows:
         rows[name]["sdpa_mask_vs_full"] = round(rows[name]["sdpa_mask_mb"] / rows["full"]["sdpa_mask_mb"], 3)
-    return emit({"context": T, "anchors": args.anchors, "block_size": B, "chunk_blocks": 64, "kinds": rows}, args.json, t0)
-
+    return emit({"context": T, "anchors": args.anchors, "block_size": B, "chunk_blocks": 64, "kinds": rows}, args.json)
 
 
 def rows(r: dict) -> list[Row]:

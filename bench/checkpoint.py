@@ -2,17 +2,7 @@
 
     .venv/bin/python bench/checkpoint.py [--json out.json] [--steps 24] [--every 8] [--threads 1]
 
-A training-like CPU loop (an MLP of ~34M parameters with AdamW, so a checkpoint is ~400 MB; steps
-of ~1 s) calls `Checkpointer.maybe_save` after every step, once with async_save and once
-without. For each mode it reports:
-  blocked/step   time the loop spent inside a save call over the median step time
-                 (median and worst over the saves; goal for async: <= 0.5)
-  during/step    duration of the steps that ran while a background write was in flight, over the
-                 median step time (mean and worst; goal: <= 1.5)
-  cost/save      wall time of the run minus steps x median step, per save: what a save costs in all
-The median step is taken over steps with no save in flight. On this machine the background writer
-competes with the loop for the same 2 cores (and with whatever else runs); on a GPU node the loop runs
-on the GPU and the writer on otherwise idle host cores, so these figures are the harder case.
+Its loop, figures and goals: docs/benchmarks.md, `checkpoint`.
 """
 
 from __future__ import annotations
@@ -30,22 +20,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, emit, yes  # noqa: E402
+from bench.common import Row, arguments, emit, yes  # noqa: E402
+from stage2_train.observe.config import LogConfig  # noqa: E402
+from stage2_train.observe.metrics import MetricsSink, read_log  # noqa: E402
 from stage2_train.train.checkpoint.format import optimizer_state  # noqa: E402
 from stage2_train.train.checkpoint.saver import Checkpointer  # noqa: E402
 from stage2_train.train.config import CheckpointConfig  # noqa: E402
 
 GOAL_BLOCKED = 0.5
 GOAL_DURING = 1.5
-
-
-class EventLog:
-    def __init__(self):
-        self.ends: list[dict] = []
-
-    def event(self, kind: str, step: int, **fields) -> None:
-        if kind == "checkpoint_end":
-            self.ends.append({"step": step, **fields})
 
 
 def build(width: int, num_blocks: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -62,9 +45,9 @@ def build(width: int, num_blocks: int, seed: int) -> tuple[nn.Module, torch.opti
 def run_mode(async_save: bool, args: argparse.Namespace, root: Path) -> dict:
     model, opt = build(args.width, args.blocks, seed=0)
     x_BW, y_BW = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    log = EventLog()
-    cfg = CheckpointConfig(every_steps=args.every, keep_latest_k=2, async_save=async_save)
-    ckpt = Checkpointer(cfg, root / ("async" if async_save else "sync"), log)
+    mode = "async" if async_save else "sync"
+    sink = MetricsSink(LogConfig(wandb="disabled"), root / f"{mode}-log")  # the trainer's event log
+    ckpt = Checkpointer(CheckpointConfig(every_steps=args.every, keep_latest_k=2, async_save=async_save), root / mode, sink)
 
     def state_fn() -> dict:
         return {
@@ -93,31 +76,32 @@ def run_mode(async_save: bool, args: argparse.Namespace, root: Path) -> dict:
             overlapped.append(busy)  # a background write ran during (part of) this step
     ckpt.finalize()  # also reports the last save's end event
     total_s = time.perf_counter() - t_run
+    sink.close()
+    ends = [e for e in read_log(sink.path, "event") if e["event"] == "checkpoint_end"]
 
     clean = [s for s, o in zip(step_s, overlapped) if not o]
     median_s = statistics.median(clean)
     during = [s / median_s for s, o in zip(step_s, overlapped) if o]
-    blocked = [e["blocked_s"] / median_s for e in log.ends]
+    blocked = [e["blocked_s"] / median_s for e in ends]
     return {
-        "mode": "async" if async_save else "sync",
-        "num_saves": len(log.ends),
-        "checkpoint_mb": round(log.ends[0]["bytes"] / 2**20, 1),
+        "mode": mode,
+        "num_saves": len(ends),
+        "checkpoint_mb": round(ends[0]["bytes"] / 2**20, 1),
         "median_step_s": round(median_s, 4),
-        "blocked_s": [round(e["blocked_s"], 4) for e in log.ends],
-        "write_s": [round(e["write_s"], 4) for e in log.ends],
+        "blocked_s": [round(e["blocked_s"], 4) for e in ends],
+        "write_s": [round(e["write_s"], 4) for e in ends],
         "blocked_over_step_median": round(statistics.median(blocked), 3),
         "blocked_over_step_max": round(max(blocked), 3),
         "num_steps_during_save": len(during),
         "during_over_step_mean": round(statistics.mean(during), 3) if during else None,
         "during_over_step_max": round(max(during), 3) if during else None,
         "total_s": round(total_s, 2),
-        "cost_per_save_s": round((total_s - len(step_s) * median_s) / max(1, len(log.ends)), 3),
+        "cost_per_save_s": round((total_s - len(step_s) * median_s) / max(1, len(ends)), 3),
     }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", type=Path, default=None)
+    parser = arguments(__doc__)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -127,7 +111,6 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the loop (the machine has 2 cores)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write checkpoints (default: a temp dir)")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         results = [run_mode(True, args, Path(tmp)), run_mode(False, args, Path(tmp))]
@@ -140,7 +123,7 @@ def main() -> int:
         "results": results,
         "goals": {"blocked_over_step": GOAL_BLOCKED, "during_over_step": GOAL_DURING},
         "async_goals_met": async_r["blocked_over_step_max"] <= GOAL_BLOCKED and (async_r["during_over_step_max"] or 0) <= GOAL_DURING,
-    }, args.json, t0)
+    }, args.json)
 
 
 def rows(r: dict) -> list[Row]:

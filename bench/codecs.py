@@ -1,16 +1,13 @@
 """Compression ratio and single-thread decode rate of each stored array under candidate codecs,
-on real activations (the first samples of the default store). Why the reader's zstd figures are
-what they are, and what a faster codec would buy; not part of `make bench`.
+on real activations (the first samples of the default store); not part of `make bench`.
 
     .venv/bin/python bench/codecs.py [--store runs/default/store] [--samples 12] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("BLOSC_NTHREADS", "1")  # one decoding thread, as one loader thread decodes
@@ -20,16 +17,14 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit, rate  # noqa: E402
+from bench.common import arguments, emit, rate  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--store", default="runs/default/store")
     parser.add_argument("--samples", type=int, default=12)
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
     from numcodecs import LZ4, Blosc, Zstd
 
@@ -62,7 +57,7 @@ def main() -> int:
                 "decode_mb_per_s": round(rate(lambda c=codec, e=encoded: c.decode(e), raw.nbytes, 0.3), 0),
             }
         results["arrays"][name] = rows
-    return emit(results, args.json, t0)
+    return emit(results, args.json)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
-"""What the benchmark scripts share: running the pipeline's commands as `make` does, the stage-1 pure
-forward, the documentation chats, and the report's rows.
+"""What the benchmark scripts share: their command line and results, running the pipeline's commands
+as `make` does, the stage-1 pure forward, the documentation chats, and the report's rows.
 
+    args = arguments(__doc__).parse_args()                     # the docstring's first paragraph, --json
+    return emit(results, args.json)                            # printed, written, with total_s
     done = run_training(run_dir, ["train.max_steps=20"])       # `stage2_train train` in its own process
     done.rows, done.paths.step(20), done.seconds, done.peak_rss_mib
+    step_figures(done.rows)                                    # tokens/s, split, data wait of its steady steps
     forward, features = pure_forward(model, cfg, prepared)       # the batches extraction forms, timed
     rows(result) -> list[Row]                                   # each benchmark's figures for BENCHMARKS.md
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -20,10 +25,18 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+STARTED = time.perf_counter()  # the benchmark's start: it imports this module first
 Row = tuple[str, str, str, str, str]  # (figure, value, goal, baseline measured in the same run, met?)
 
 
-def emit(results: dict[str, Any], json_path: str | os.PathLike | None, started: float) -> int:
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring's first paragraph, and --json (run_all.py passes it)."""
+    out = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    out.add_argument("--json", help="write the results here too")
+    return out
+
+
+def emit(results: dict[str, Any], json_path: str | os.PathLike | None, started: float = STARTED) -> int:
     """Add the total time, print the results as JSON and write them to `json_path` when given."""
     results["total_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(results, indent=1)
@@ -43,6 +56,41 @@ def fmt(value: Any, digits: int = 3) -> str:
 
 def yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
+
+
+def evict(folder: Path) -> int:
+    """Drop every file under `folder` from the page cache (a cold read); returns the bytes evicted."""
+    total = 0
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            total += path.stat().st_size
+    return total
+
+
+def relative_error(approx: Any, exact: Any, eps: float = 1e-6) -> Any:
+    """||approx - exact|| / ||exact|| over the last dimension (per token, or per token and layer), fp32."""
+    exact = exact.float()
+    return (approx.float() - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(eps)
+
+
+def calls_per_s(fns: dict[str, Any], rounds: int = 5, min_s: float = 0.2) -> dict[str, float]:
+    """Calls per second of each function: the best of `rounds` rounds taken in turn, so a burst of
+    load from other processes on a shared machine falls on every codec alike and is then dropped."""
+    best = dict.fromkeys(fns, 0.0)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            started, runs = time.perf_counter(), 0
+            while time.perf_counter() - started < min_s:
+                fn()
+                runs += 1
+            best[name] = max(best[name], runs / (time.perf_counter() - started))
+    return best
 
 
 def rate(fn: Any, nbytes: int, min_s: float = 0.5) -> float:
@@ -146,6 +194,21 @@ def steady(rows: list[dict[str, Any]], skip: int = 2) -> list[dict[str, Any]]:
     return rows[skip:] if len(rows) > skip + 1 else rows
 
 
+def step_figures(rows: list[dict[str, Any]], skip: int = 2) -> dict[str, Any]:
+    """A run's train rows (train_log.jsonl) over its steady steps: medians of the rates, means of the
+    per-step times and the data-wait fraction, and the first and last loss."""
+    measured = steady(rows, skip)
+    return {
+        "steps_measured": len(measured),
+        "step_s_median": round(statistics.median(r["step_s"] for r in measured), 4),
+        "tok_per_s": round(statistics.median(r["tokens"] / r["step_s"] for r in measured), 1),
+        "blocks_per_s": round(statistics.median(r["blocks"] / r["step_s"] for r in measured), 2),
+        "data_wait_frac": round(statistics.mean(r["data_wait_frac"] for r in measured), 4),
+        "split_s": {k: round(statistics.mean(r[k] for r in measured), 4) for k in ("data_s", "forward_s", "backward_s", "optim_s")},
+        "loss_first_last": [round(rows[0]["loss"], 4), round(rows[-1]["loss"], 4)],
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage 1
 
@@ -168,6 +231,34 @@ def documentation_chats(path: Path, count: int, answer_chars: int = 0, seed: int
         while len(answer) < answer_chars:
             answer += "\n\n" + rng.choice(paragraphs)
         conversations.append(Conversation(row=i, messages=[*conv.messages, {"role": "assistant", "content": answer}]))
+    write_conversations_parquet(conversations, path)
+    return path
+
+
+def short_answers(path: Path, count: int, answer_chars: int, seed: int = 2) -> Path:
+    """Conversations that are nearly all answer: an empty system turn, a two-word question and a
+    documentation paragraph cut to `answer_chars` at a word boundary (~4 characters a token), so
+    nearly every token is supervised: the most anchor blocks per token, the memory plan's worst case."""
+    import random
+    from pydoc_data.topics import topics
+
+    from shared.conversations import Conversation
+    from stage1_extract.data import write_conversations_parquet
+
+    text = " ".join(p.strip() for t in sorted(topics) for p in topics[t].split("\n\n") if len(p.strip()) > 200).split()
+    rng = random.Random(seed)
+    conversations = []
+    for i in range(count):
+        start = rng.randrange(len(text) - answer_chars)
+        words, size = [], 0
+        for word in text[start:]:
+            if size + len(word) + 1 > answer_chars:
+                break
+            words.append(word)
+            size += len(word) + 1
+        messages = [{"role": "system", "content": ""}, {"role": "user", "content": "Go on."},
+                    {"role": "assistant", "content": " ".join(words)}]
+        conversations.append(Conversation(row=i, messages=messages))
     write_conversations_parquet(conversations, path)
     return path
 

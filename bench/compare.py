@@ -13,7 +13,10 @@ default prompts past the training ones (never in any training data), reported ap
 documentation excerpts and short questions (excerpts favour the n-gram drafter: answers quote them).
 Each tau carries a 95% bootstrap interval over prompts, and each variant its paired difference
 against the first variant (same prompts, resampled together: the prompts' own spread cancels).
-Offline: walk_tau on the held-out store samples, with its standard error.
+Each proposer's drafted tokens per verifying forward carry their interval too (a DSpark block drafts B
+tokens, B - 1 for the others; `--confidence-stop NAME=P` adds NAME's DSpark drafter stopping early at
+P as NAME@stopP). Offline: walk_tau on the held-out store samples, with its standard error; per run,
+its drafter's variant, trained parameters and median training step time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +55,8 @@ def main() -> int:
     parser.add_argument("--unseen", type=int, default=32, help="unseen default prompts to decode")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--skip-train", action="store_true", help="evaluate the runs already there")
+    parser.add_argument("--confidence-stop", action="append", default=[], metavar="NAME=VALUE",
+                        help="also decode variant NAME (a DSpark drafter) with eval.confidence_stop=VALUE, as NAME@stopVALUE")
     parser.add_argument("--json")
     parser.add_argument("--png", default=None, help="default: bench/results/<name>.png")
     parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNG of a result already written")
@@ -78,6 +84,10 @@ def main() -> int:
     for name, extra in variants:
         if not args.skip_train:
             shutil.rmtree(runs[name].run_dir, ignore_errors=True)
+            runs[name].run_dir.mkdir(parents=True)
+            # The data as the config's own run made it: training checks the store against the data it names.
+            runs[name].data_dir.symlink_to(RunPaths.of(load_run_config(args.config, args.overrides)).data_dir.resolve(),
+                                           target_is_directory=True)
             print(f"== train {name}: {' '.join(extra) or '(the config)'}", flush=True)
             train_s[name] = round(run_training(runs[name].run_dir, [
                 f"store.path={store}", f"train.max_steps={args.steps}", "train.epochs=1000", f"checkpoint.every_steps={args.steps}",
@@ -90,29 +100,37 @@ def main() -> int:
     drafters = {name: entry.drafter for name, entry in loaded.items()}
     baseline = variants[0][0]
     drafters["untrained"] = heldout.untrained(cfg0, loaded[baseline].description)
+    stops = dict(s.split("=", 1) for s in args.confidence_stop)  # NAME=VALUE: a second proposer that may stop early
+    for name, value in stops.items():
+        drafters[f"{name}@stop{value}"] = drafters[name]
     tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
     prompts = [("heldout", p) for _, p in heldout.prompts(args.heldout)]
     prompts += unseen_prompts(tokenizer, cfg0.data.num_default_prompts, args.unseen)
     kinds = {kind: [i for i, (k, _) in enumerate(prompts) if k == kind] for kind in ("heldout", "excerpt", "question")}
     started = time.perf_counter()
     report = evaluate_drafters(drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg0, baseline=baseline,
-                               offline=[n for n, _ in variants], groups=kinds, max_new_tokens=args.max_new_tokens)
+                               offline=[n for n, _ in variants], groups=kinds, max_new_tokens=args.max_new_tokens,
+                               confidence_stops={f"{n}@stop{v}": float(v) for n, v in stops.items()})
     eval_s = round(time.perf_counter() - started, 1)
     table = {}
     for name, online in report["online"]["proposers"].items():
-        entry = {"exact": online["exact"], **online["groups"]}
+        entry = {"exact": online["exact"], **online["groups"], "drafted_per_step": online["drafted_interval"]}
         if name in report["offline"]:
-            o, last = report["offline"][name], read_log(runs[name].log, "train")[-1]
+            log = read_log(runs[name].log, "train")
+            o, last = report["offline"][name], log[-1]
             entry["walk_tau"] = round(o["walk_tau"], 4)
             entry["walk_tau_se"] = round(o["walk_tau_se"], 4) if o["walk_tau_se"] is not None else None
             entry["heldout_accuracy"] = round(o["accuracy"], 4)
             entry["train_loss_last"] = round(last["loss"], 4)
             entry["cpu_min"] = round(last["cpu_s"] / 60, 2)
             entry["train_wall_s"] = train_s.get(name)
+            entry["median_step_s"] = round(statistics.median(r["step_s"] for r in log), 4)
+            entry["variant"] = loaded[name].description.variant
+            entry["params"] = sum(p.numel() for p in drafters[name].parameters())
         table[name] = entry
     result = {
         "config": args.config, "overrides": args.overrides, "steps": args.steps,
-        "variants": {n: e for n, e in variants}, "baseline": baseline,
+        "variants": {n: e for n, e in variants}, "baseline": baseline, "confidence_stop": stops,
         "prompts": {"all": len(prompts), **{k: len(v) for k, v in kinds.items()}}, "max_new_tokens": args.max_new_tokens,
         "online_eval_s": eval_s, "results": table,
     }
@@ -122,7 +140,9 @@ def main() -> int:
     for name, e in table.items():
         a = e["all"]
         diff = f"  diff {a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]" if "diff" in a else ""
-        print(f"{name:>14}: tau {a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}]{diff}  walk {e.get('walk_tau')}  exact {e['exact']}", flush=True)
+        drafted = e["drafted_per_step"]["drafted_per_step"]
+        print(f"{name:>14}: tau {a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}]{diff}  drafted/step {drafted:.2f}  walk {e.get('walk_tau')}  "
+              f"exact {e['exact']}", flush=True)
     return emit(result, args.json, t0)
 
 
@@ -178,9 +198,14 @@ def rows(r: dict) -> list[Row]:
         paired = "" if variant == base or "diff" not in a else f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]"
         extra = f"; walk_tau {v['walk_tau']} +- {v['walk_tau_se']}" if "walk_tau" in v else ""
         extra += f"; {v['cpu_min']} CPU min of training" if "cpu_min" in v else ""
+        if "params" in v:  # results since the drafter variants: the run's size and step time
+            extra += f"; `{v['variant']}`, {v['params'] / 1e6:.2f} M trained parameters, {v['median_step_s']} s/step (median)"
         kinds = [k for k in ("heldout", "excerpt", "question") if k in v]
-        out.append((f"online tau `{variant}` (95% interval over prompts) / " + " / ".join(kinds),
-                    f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / " + " / ".join(f"{v[k]['tau']:.3f}" for k in kinds),
+        drafted, d = ("drafted tokens per step [interval] / ", v["drafted_per_step"]) if "drafted_per_step" in v else ("", None)
+        out.append((f"online tau `{variant}` (95% interval over prompts) / {drafted}" + " / ".join(kinds),
+                    f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / "
+                    + (f"{d['drafted_per_step']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}] / " if d else "")
+                    + " / ".join(f"{v[k]['tau']:.3f}" for k in kinds),
                     "", (f"paired vs `{base}`: {paired}" if paired else f"the baseline `{base}`") + extra,
                     "" if v.get("exact", True) else "**outputs differ**"))
     if "ngram" in r["results"] and r["results"].get(base):

@@ -2,18 +2,11 @@
 
     .venv/bin/python bench/data.py [--json out.json] [--lengths-npy lengths.npy] [--budget 16384]
 
-On a length distribution (default: 20k samples, lognormal clipped to [64, 3072]) it reports, for
-one epoch of each method:
-  efficiency   real tokens / (micro-batches * token budget); padding and unfilled budget both count
-  mixing       total-variation distance between each optimizer step's token-weighted length
-               histogram (fixed bins) and the whole data set's: median and worst over the epoch
-  imbalance    max / mean tokens across ranks per step (2 and 8 simulated ranks): median and worst
-Goals for ours: efficiency >= 0.98 at the default budget, imbalance <= 1.05.
+Its figures and goals: docs/benchmarks.md, `data`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -22,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, emit, fmt, yes  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
 from stage2_train.data.config import SamplerConfig  # noqa: E402
 from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 
@@ -116,14 +109,12 @@ def evaluate(plan: Plan, lengths: np.ndarray, budget: int, world_size: int) -> d
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser = arguments(__doc__)
     parser.add_argument("--lengths-npy", type=Path, help="token count per sample (1-D .npy)")
     parser.add_argument("--num-samples", type=int, default=20_000)
     parser.add_argument("--budget", type=int, default=SamplerConfig().micro_batch_tokens)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    t0 = time.perf_counter()
     if args.lengths_npy:
         lengths = np.load(args.lengths_npy).astype(np.int64)
         source = str(args.lengths_npy)
@@ -156,7 +147,7 @@ def main() -> int:
         "bucket_edges": [float(e) for e in BUCKET_EDGES],
         "results": results,
         "plan_800k_s": plan_800k_s,
-    }, args.json, t0)
+    }, args.json)
 
 
 def rows(r: dict) -> list[Row]:

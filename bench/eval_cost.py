@@ -4,34 +4,27 @@ the run's wall time the evals during training took.
 
     .venv/bin/python bench/eval_cost.py [--config configs/default.yaml] [--json out.json] [key=value ...]
 
-Figures: the evals' share of training time (goal <= 5%), each eval's seconds, and what the same
-curve would cost with every anchor scored (the final, dense eval's seconds times the number of
-evals), which is why the preset samples anchors during training. Needs the default store
-(`make train` builds it).
+Needs the default store (`make train` builds it). Its figures and goal: docs/benchmarks.md, `eval_cost`.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, existing_store, run_training, yes  # noqa: E402
+from bench.common import Row, arguments, emit, existing_store, run_training, yes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
-    parser.add_argument("--json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     store = existing_store(args.config, args.overrides)
     from shared.config import load_run_config
     from stage2_train.observe.metrics import read_log
@@ -56,8 +49,7 @@ def main() -> int:
         "dense_curve_share_estimate": round(final["eval_s"] * len(during) / elapsed, 4) if elapsed else None,
         "heldout_points": [{k: r.get(k) for k in ("step", "accuracy", "accept_len", "accept_len_se", "walk_tau", "ce")} for r in evals],
     }
-    return emit(result, args.json, t0)
-
+    return emit(result, args.json)
 
 
 def rows(r: dict) -> list[Row]:

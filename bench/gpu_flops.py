@@ -16,7 +16,6 @@ from typing import Any
 
 # Dense bf16 peaks (NVIDIA datasheets, SXM parts), by a substring of the device name. The H200 has
 # the H100's arithmetic; KINDS.md measured ~790 TFLOP/s for a large bf16 matmul on one.
-BF16_PEAKS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
 
 
 @dataclass(frozen=True)
@@ -113,11 +112,14 @@ def replay_step_work(cfg: Any, store_url: str, loss_masks: dict[int, Any], rows:
 
 
 def bf16_peak(device_name: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """The device's dense bf16 peak, from the datasheet figures `stage1_extract plan` sizes runs with."""
+    from stage1_extract.plan import GPUS
+
     if override_tflops:
         return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s (--peak-tflops)"
-    for key, peak in BF16_PEAKS:
-        if key in device_name:
-            return peak, f"{key} dense bf16 {peak / 1e12:.0f} TFLOP/s (datasheet)"
+    for rates in GPUS.values():
+        if rates.name.split()[0] in device_name:
+            return rates.bf16_tflops * 1e12, f"{rates.name} dense bf16 {rates.bf16_tflops:g} TFLOP/s (datasheet)"
     return None, f"n/a: no bf16 peak known for {device_name!r} (pass --peak-tflops)"
 
 

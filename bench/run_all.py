@@ -3,9 +3,8 @@
     make bench            # = .venv/bin/python bench/run_all.py [--only data,extract,...]
     .venv/bin/python bench/run_all.py --render                # BENCHMARKS.md again from bench/results.json
 
-Each figure is a ratio against a baseline measured in the same run (the machines are noisy).
-Each benchmark runs as its own subprocess, one after another (never two on 2 cores at once), and
-owns its report: its module's `rows(result)` gives its lines of BENCHMARKS.md.
+Each benchmark runs as its own subprocess, one after another (never two on 2 cores at once), and owns
+its report: its module's `rows(result)` gives its lines of BENCHMARKS.md (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -80,6 +79,19 @@ EXTRA_BENCHES = {
         "--heldout", "24", "--unseen", "16", "--variant", "dpace:", "--variant", "decay:loss.weighting=decay",
         "--variant", "sliding64:model.layer_types=[sliding_attention],model.sliding_window=64",
     ],
+    # The drafter variants (docs/variants.md): DFlash (the CPU default, D-PACE) against DSpark and DFlash2
+    # trained from the same store at equal steps and seed, decoded on the same prompts, DSpark also with
+    # its confidence stop (~1 h; ~2.5 h).
+    "variants": [
+        "bench/compare.py", "--name", "variants-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
+        "--variant", "dflash:", "--variant", "dspark:model.variant=dspark", "--variant", "dflash2:model.variant=dflash2",
+        "--confidence-stop", "dspark=0.5",
+    ],
+    "variants_long": [
+        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "variants-cpu-long", "--steps", "1600",
+        "--heldout", "24", "--unseen", "16", "--variant", "dflash:", "--variant", "dspark:model.variant=dspark",
+        "--variant", "dflash2:model.variant=dflash2", "--confidence-stop", "dspark=0.5",
+    ],
 }
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
@@ -132,6 +144,10 @@ def main() -> None:
     write_markdown(results)
 
 
+def table(figures: list[Row]) -> list[str]:
+    return ["| figure | value | goal | baseline (same run) | met |", "|---|---|---|---|---|", *(f"| {' | '.join(r)} |" for r in figures)]
+
+
 def write_markdown(results: dict) -> None:
     lines = [
         "# Benchmarks",
@@ -151,17 +167,14 @@ def write_markdown(results: dict) -> None:
         if "error" in entry:
             lines += ["Failed:", "", "```", entry["error"][-1500:], "```", ""]
             continue
-        lines += ["| figure | value | goal | baseline (same run) | met |", "|---|---|---|---|---|"]
-        lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows(name, entry["result"])]
-        lines.append("")
+        lines += [*table(rows(name, entry["result"])), ""]
     lines += ["## gpu", ""]
     if GPU_RESULT.exists():
         from bench.gpu_check import rows as gpu_rows
 
         gpu = json.loads(GPU_RESULT.read_text())
         lines += [f"Command: `bash bench/gpu_check.sh` on a device machine ({gpu.get('date', '?')}); not part of `make bench`.", ""]
-        lines += ["| figure | value | goal | baseline (same run) | met |", "|---|---|---|---|---|"]
-        lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in gpu_rows(gpu)]
+        lines += table(gpu_rows(gpu))
     else:
         lines += [
             "`bench/gpu_check.sh` (one H200, < 8 min: flash-attn extraction on SmolLM2 and on a Qwen3-8B-shaped "

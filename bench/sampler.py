@@ -2,22 +2,11 @@
 
     .venv/bin/python bench/sampler.py [--json out.json] [--samples 902087]
 
-Lengths are synthetic: log-normal, median ~1.5K tokens, clipped to 64..8192, as the failed run's
-data. Figures, each on rank 0 (every rank plans the same global plan):
-  plan builds per epoch      while this rank's micro-batches are handed out over 3 epochs (and the
-                             background look-ahead into the 4th): must be 1
-  CPU s per epoch plan       process time of one `_build_plan` (goal <= 1.0); the baseline in the same
-                             run is the old float-keyed `np.searchsorted` over the cumulative counts
-  start-up                   everything before the first micro-batch, model load aside: the held-out
-                             split of 902K keys, the sampler (epoch 0's plan), the schedule's length
-                             and the first micro-batch of the loader's stream (goal <= 5 s); the
-                             baseline is planning every epoch up front (the old `total_steps`)
-  peak RSS                   of this process after 1, 2 and 4 epochs handed out: flat in epochs
+Its figures and goals: docs/benchmarks.md, `sampler`.
 """
 
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 import time
@@ -28,7 +17,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, yes  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
 from stage2_train.data.config import SamplerConfig  # noqa: E402
 from stage2_train.data.sampler import LengthMixedSampler  # noqa: E402
 from stage2_train.data.split import heldout_mask  # noqa: E402
@@ -60,13 +49,11 @@ def hand_out(sampler: LengthMixedSampler, epochs: int) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json")
+    parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=902_087)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=6, help="the schedule's epochs (start-up figures)")
     args = parser.parse_args()
-    t_all = time.perf_counter()
     lengths = synthetic_lengths(args.samples)
     cfg = SamplerConfig(micro_batch_tokens=49_152, max_anchors_per_seq=512)
     grad_accum = 4
@@ -135,8 +122,7 @@ def main() -> int:
         "max_wait_for_a_micro_batch_s": round(max(waits), 4),
     }
     results["peak_rss_mib_after_epochs"] = rss
-    return emit(results, args.json, t_all)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:

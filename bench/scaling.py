@@ -3,57 +3,23 @@ samples) and as sequences grow (fixed total tokens, longer samples). < 5 min on 
 
     .venv/bin/python bench/scaling.py [--json out.json] [--base-samples 32] [--lengths 128,512,2048]
 
-Every point is a real CLI run in its own process (`python -m stage1_extract extract`, then
-`python -m stage2_train train` on that store), so its peak memory is its own (max RSS from wait4).
-The target is a 6-layer, 64-wide random Llama with SmolLM2's tokenizer (49K vocab): on CPU the
-target forward is then cheap and what grows with the data is the pipeline itself: tokenizing,
-the LM head and top-k, the writer, shard bookkeeping, the reader and the sampler.
-
-Reported per point:
-  extract: rows, tokens, shards, wall, prepare (read + tokenize every row; includes importing
-           transformers, ~4 s here), extraction loop, forward, manifest merge, tokens/s of the
-           loop, peak RSS; then the same command again (all shards done: token cache + checks)
-  train:   startup (process start -> first step: imports, open store, split, plan, model), steady
-           tokens/s and blocks/s (median over steps after the first two), peak RSS
-and, per sweep, each cost relative to linear in the data size (1.0 = linear; what the notes explain).
+Every point is a real CLI run in its own process; what each reports: docs/benchmarks.md, `scaling`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, run_cli, run_training, steady  # noqa: E402
+from bench.common import Row, arguments, emit, fmt, run_cli, run_training, steady, step_figures  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-WORDS = (
-    "the of and to in is was for on that with as by at from his her an which you were are this be "
-    "had not but what all when can there one so out if about up them some time could would into "
-    "make like him has two more very after words long just where most know get through back much "
-    "before also good new write our used me man too any day same right look think such here take "
-    "why things help put years different away again off went old number great tell men say small"
-).split()
-
-
-def write_rows(path: Path, lengths: list[int], seed: int) -> Path:
-    """Chats whose rendered length is about `length` tokens each (one word ~ one token here)."""
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i, length in enumerate(lengths):
-            question = " ".join(rng.choice(WORDS) for _ in range(12))
-            answer = " ".join(rng.choice(WORDS) for _ in range(max(8, length - 40)))
-            row = {"messages": [{"role": "user", "content": f"{i}: {question}"}, {"role": "assistant", "content": answer}]}
-            f.write(json.dumps(row) + "\n")
-    return path
 
 
 def mixed_lengths(count: int, seed: int) -> list[int]:
@@ -63,10 +29,11 @@ def mixed_lengths(count: int, seed: int) -> list[int]:
 
 
 def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_length: int, seed: int) -> dict:
-    from testkit.data import stage1_overrides
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
-    run_dir = root / name
-    stage1 = stage1_overrides(target, write_rows(root / f"{name}.jsonl", lengths, seed), run_dir,
+    run_dir = root / name  # chats of about `length` tokens each (one word ~ one token here)
+    data = write_jsonl(root / f"{name}.jsonl", chat_rows(len(lengths), seed, [max(8, n - 40) for n in lengths]))
+    stage1 = stage1_overrides(target, data, run_dir,
                               **{"data.max_length": max_length, "extract.batch_tokens": max(4096, max_length)})
     cmd = ["-m", "stage1_extract", "extract", "--json", "--no-progress", "--config", "configs/default.yaml", *stage1]
     first = run_cli(cmd, root / f"{name}.extract.log", ONE_THREAD)
@@ -99,16 +66,14 @@ def train_point(root: Path, name: str, store: list[str], steps: int, budget: int
         f"sampler.max_anchors_per_seq={anchors}", "model.num_layers=1", "eval.holdout_fraction=0.05", "checkpoint.every_steps=0",
     ], env=ONE_THREAD)
     rows = run.rows
+    measured, figures = steady(rows), step_figures(rows)
     start = next(r for r in read_log(run.paths.log, "event") if r["event"] == "run_start")
-    steady_rows = steady(rows)
     return {
         "steps": len(rows),
         "startup_s": round(start["time"] - run.launched, 2),
-        "step_s": round(statistics.median(r["step_s"] for r in steady_rows), 3),
-        "tok_per_s": round(statistics.median(r["tokens"] / r["step_s"] for r in steady_rows), 1),
-        "blocks_per_s": round(statistics.median(r["blocks"] / r["step_s"] for r in steady_rows), 1),
-        "blocks_per_token": round(sum(r["blocks"] for r in steady_rows) / sum(r["tokens"] for r in steady_rows), 3),
-        "data_wait_frac": round(statistics.mean(r["data_wait_frac"] for r in steady_rows), 4),
+        "step_s": round(figures["step_s_median"], 3),
+        **{k: figures[k] for k in ("tok_per_s", "blocks_per_s", "data_wait_frac")},
+        "blocks_per_token": round(sum(r["blocks"] for r in measured) / sum(r["tokens"] for r in measured), 3),
         "wall_s": round(run.seconds, 2),
         "peak_rss_mib": run.peak_rss_mib,
     }
@@ -121,8 +86,7 @@ def relative_to_linear(points: list[dict], size_key: str, cost_key: str) -> list
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="write the results here too")
+    parser = arguments(__doc__)
     parser.add_argument("--base-samples", type=int, default=32, help="the 1x sample count")
     parser.add_argument("--multiples", default="1,4,16")
     parser.add_argument("--lengths", default="128,512,2048", help="sample lengths of the length sweep")
@@ -132,7 +96,6 @@ def main() -> int:
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_scaling_"))
-    t0 = time.perf_counter()
     from testkit.target import build_tiny_target
 
     target = build_tiny_target(root / "target", max_positions=16384)
@@ -168,8 +131,7 @@ def main() -> int:
         "train": [p["train"]["tok_per_s"] for p in lens],
         "train_blocks_per_s": [p["train"]["blocks_per_s"] for p in lens],
     }
-    return emit(results, args.json, t0)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:

@@ -4,23 +4,11 @@ own writer, read back by the training loader, against the machine's own read ban
 
     .venv/bin/python bench/store8b.py [--samples 48] [--json out.json]
 
-Figures:
-  sequential read MB/s   a plain Python read of every store file (16 MB blocks), page cache
-                         evicted first (cold) and again with the files cached (warm): the baseline
-  loader MB/s            sample bytes delivered by the PrefetchLoader (2 threads, reading and
-                         collating 512 anchors x 16 slots per sample, as the 8B preset trains) over
-                         one epoch right after the eviction (cold) and a second one (warm); the goal
-                         is >= 70% of the sequential rate measured in this run
-  H200 demand            samples/s one H200 consumes training the 5-layer 8B drafter at 40% MFU,
-                         from bench/gpu_flops.py's FLOP count of a sample: the loader's samples/s
-                         is set beside it
-The store is written uncompressed (random values do not compress; real activations compress
-~1.26x with zstd, and zstd's decode rate is measured on one shard too).
+Its figures (sequential read, loader, H200 demand) and goals: docs/benchmarks.md, `store8b`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -33,13 +21,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, yes  # noqa: E402
-from bench.gpu_flops import DrafterShape, StepWork, train_step_flops  # noqa: E402
-from bench.reader import evict  # noqa: E402
+from bench.common import Row, arguments, emit, evict, fmt, yes  # noqa: E402
 
 LAYERS, HIDDEN, TOP_K, TOKENS, PROMPT = 5, 4096, 64, 2048, 256
-QWEN3_8B = DrafterShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936,
-                        num_layers=5, num_feature_layers=5, block_size=16)
 
 
 def build_store(root: Path, num_samples: int, per_shard: int, compression: str) -> dict:
@@ -95,7 +79,13 @@ def loader_epochs(root: Path, threads: int, epochs: int) -> list[dict]:
 
 
 def h200_samples_per_s(mfu: float = 0.4, peak: float = 989e12) -> dict:
-    """One sample's training FLOPs (512 anchors x 16 slots, every slot scored but the anchor's)."""
+    """One sample's training FLOPs (512 anchors x 16 slots, every slot scored but the anchor's) for the
+    5-layer drafter on Qwen3-8B."""
+    from stage2_train.model.config import DrafterConfig
+    from stage2_train.model.flops import DrafterShape, StepWork, train_step_flops
+    from stage2_train.train.memory_plan import KNOWN_TARGETS
+
+    shape = DrafterShape.of(DrafterConfig(num_layers=5, block_size=16), KNOWN_TARGETS["qwen3-8b"], LAYERS)
     anchors = 512
     work = StepWork(
         context_tokens=TOKENS,
@@ -103,7 +93,7 @@ def h200_samples_per_s(mfu: float = 0.4, peak: float = 989e12) -> dict:
         scored_rows=anchors * 15,
         attention_pairs=sum(16 * (a + 16) for a in np.linspace(PROMPT, TOKENS - 2, anchors).astype(int)),
     )
-    flops = train_step_flops(QWEN3_8B, work)["total"]
+    flops = train_step_flops(shape, work)["total"]
     return {"flops_per_sample": flops, "samples_per_s": round(mfu * peak / flops, 2), "mfu": mfu, "peak_tflops": peak / 1e12}
 
 
@@ -125,13 +115,11 @@ def zstd_decode_rate(root: Path) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--per-shard", type=int, default=12, help="shard_mb=1024 at ~84 MB per sample")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json")
     args = parser.parse_args()
-    t0 = time.perf_counter()
     import torch
 
     torch.set_num_threads(1)
@@ -165,8 +153,7 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(zroot, ignore_errors=True)
-    return emit(results, args.json, t0)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:

@@ -3,19 +3,11 @@
     .venv/bin/python bench/train.py [--json out.json]                      # a tiny store it builds
     .venv/bin/python bench/train.py --store runs/default/store --anchors 4  # the default SmolLM2 store
 
-Reports, from the run's own train_log.jsonl (steps after the first two):
-  tok_per_s / blocks_per_s   context tokens and drafted blocks trained per second (median)
-  split                      mean seconds and share of a step in data, forward, backward, optimizer
-  ddp                        1 process x 2 micro-batches vs 2 processes (torchrun, gloo) x 1 micro-batch,
-                             same global batch: the largest per-step loss difference (goal: < 1e-5 rel)
-Every run is a real `python -m stage2_train train` subprocess with train.cpu_threads=--threads.
-On CPU the step is dominated by the frozen LM head (rows = blocks x (B-1), times the vocab): blocks/s,
-not tokens/s, is the figure to size a CPU run with.
+Its figures and goals: docs/benchmarks.md, `train`.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import Row, emit, fmt, run_training, steady, yes  # noqa: E402
+from bench.common import STARTED, Row, arguments, emit, fmt, run_training, steady, step_figures, yes  # noqa: E402
 
 
 def tiny_store(root: Path) -> list[str]:
@@ -47,21 +39,15 @@ def tiny_store(root: Path) -> list[str]:
 
 
 def throughput(rows: list[dict], block_size: int) -> dict:
-    steady_rows = steady(rows)
-    phases = ("data_s", "forward_s", "backward_s", "optim_s")
+    figures, steady_rows = step_figures(rows), steady(rows)
     step_s = statistics.mean(r["step_s"] for r in steady_rows)
     return {
-        "steps_measured": len(steady_rows),
-        "tok_per_s": round(statistics.median(r["tokens"] / r["step_s"] for r in steady_rows), 1),
-        "blocks_per_s": round(statistics.median(r["blocks"] / r["step_s"] for r in steady_rows), 2),
-        "scored_rows_per_s": round(statistics.median(r["blocks"] * (block_size - 1) / r["step_s"] for r in steady_rows), 1),
+        **figures,
+        "scored_rows_per_s": round(figures["blocks_per_s"] * (block_size - 1), 1),
         "tokens_per_step": round(statistics.mean(r["tokens"] for r in steady_rows), 1),
         "blocks_per_step": round(statistics.mean(r["blocks"] for r in steady_rows), 1),
         "step_s": round(step_s, 4),
-        "split_s": {p: round(statistics.mean(r[p] for r in steady_rows), 4) for p in phases},
-        "split_share": {p: round(statistics.mean(r[p] for r in steady_rows) / step_s, 3) for p in phases},
-        "data_wait_frac": round(statistics.mean(r["data_wait_frac"] for r in steady_rows), 4),
-        "loss_first_last": [round(rows[0]["loss"], 4), round(rows[-1]["loss"], 4)],
+        "split_share": {p: round(s / step_s, 3) for p, s in figures["split_s"].items()},
         **epoch_boundaries(rows),
     }
 
@@ -103,8 +89,7 @@ def loader_rate(config: str, overrides: list[str], trainer_step_s: float, second
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="write the results here too")
+    parser = arguments(__doc__)
     parser.add_argument("--store", help="an existing store (default: build a tiny one)")
     parser.add_argument("--config", default="configs/default.yaml", help="preset for --store runs")
     parser.add_argument("--steps", type=int, default=30, help="several tiny epochs (~6 steps each)")
@@ -116,7 +101,6 @@ def main() -> int:
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    t0 = time.perf_counter()
     base = ["log.wandb=disabled", "eval.holdout_fraction=0.05", f"sampler.max_anchors_per_seq={args.anchors}",
             f"model.block_size={args.block_size}", f"loss.gamma={ {16: 7.0, 10: 5.0, 8: 4.0}.get(args.block_size, 7.0) }",
             "model.num_layers=1", f"train.cpu_threads={args.threads}"]
@@ -126,7 +110,7 @@ def main() -> int:
     else:
         base = [*tiny_store(root), *base]
         store_desc = "tiny (6 layers x 64 wide, vocab 49152, 60 chats)"
-    results: dict = {"store": store_desc, "threads": args.threads, "build_store_s": round(time.perf_counter() - t0, 1)}
+    results: dict = {"store": store_desc, "threads": args.threads, "build_store_s": round(time.perf_counter() - STARTED, 1)}
 
     def train(name: str, overrides: list[str], nproc: int = 1):
         return run_training(root / name, [*base, *overrides], args.config, nproc, env={"OMP_NUM_THREADS": str(args.threads)})
@@ -151,8 +135,7 @@ def main() -> int:
             "wall_s_1proc": round(one_run.seconds, 1),
             "wall_s_2proc": round(two_run.seconds, 1),
         }
-    return emit(results, args.json, t0)
-
+    return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:

@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import os
+import re
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,7 +88,7 @@ def run_cli(prog: str, doc: str, verbs: Sequence[Verb], argv: list[str] | None =
     try:
         out = verb.run(args)
     except UserError as exc:
-        return report_error(exc)
+        return report_error(exc, args.config, args.overrides)
     if out is None:
         return 0
     if args.json or verb.show is None:
@@ -145,11 +147,42 @@ def print_check(cfg: RunConfig, with_docs: bool = False, quiet: bool = False) ->
     return warnings
 
 
-def report_error(exc: UserError) -> int:
+def report_error(exc: UserError, config: str | None = None, overrides: Sequence[str] = ()) -> int:
+    """The error on one line; with the command's `config` and `overrides`, every command it suggests
+    is spelled for this run (`for_this_run`)."""
     if os.environ.get("DFLASH_TRACEBACK"):
         raise exc
-    print(f"error: {exc}", file=sys.stderr)
+    message = str(exc) if config is None else for_this_run(str(exc), config, overrides)
+    print(f"error: {message}", file=sys.stderr)
     return exc.exit_code
+
+
+# A command an error suggests, in backticks: `python -m stage1_extract verify --repair` (or torchrun's
+# `-m`), `make extract`; group 1 is the command up to its verb or target, group 2 what follows.
+SUGGESTED = re.compile(r"`((?:[^`]*?-m (?:stage1_extract|stage2_train)|make) [a-z][a-z_-]*)([^`]*)`")
+
+
+def for_this_run(message: str, config: str, overrides: Sequence[str]) -> str:
+    """`message` with each command it suggests given this run's `--config` and command-line
+    `key=value` overrides: errors name the fix without knowing how the command was called, and
+    without them the fix would act on --config's default (runs/default), not on the run that failed.
+    A command that names its own --config is left as it is (a `--config ...` placeholder is filled
+    in); a key the suggestion sets itself keeps the suggestion's value."""
+    given = [o for o in overrides if "=" in o and not o.startswith("-")]
+
+    def spelled(match: re.Match[str]) -> str:
+        command, rest = match[1], match[2]
+        if "--config" in rest.replace("--config ...", "") or "CONFIG=" in rest:
+            return match[0]
+        rest = rest.replace(" --config ...", "")
+        own = {word.split("=", 1)[0] for word in rest.split() if "=" in word and not word.startswith("-")}
+        carried = [o for o in given if o.split("=", 1)[0] not in own]
+        if command.startswith("make "):
+            args = f" ARGS={shlex.quote(' '.join(carried))}" if carried else ""
+            return f"`{command} CONFIG={shlex.quote(config)}{args}{rest}`"
+        return f"`{command} --config {' '.join(shlex.quote(w) for w in (config, *carried))}{rest}`"
+
+    return SUGGESTED.sub(spelled, message)
 
 
 def to_json(value: Any) -> str:

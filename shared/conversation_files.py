@@ -72,6 +72,7 @@ def read_conversations(
         raise InputFileError(f"data file not found: {path}")
     stats = stats if stats is not None else ReadStats()
     kept = offset = 0
+    warned = False
     for table in _tables(path):
         fmt, why = _table_format(table, data_format)
         count = 0
@@ -85,7 +86,7 @@ def read_conversations(
                     fmt, why = detect_format(record), "like the rows before it"
                 if fmt is None or not fits(record, fmt):
                     raise record if isinstance(record, Exception) else mismatch(fmt, record, why)
-                messages, tools, cut = parse_row(record, fmt, limits)
+                messages, tools, cut, dropped = parse_row(record, fmt, limits)
             except ValueError as exc:
                 message = f"{path}: row {row}: {exc}"
                 if on_bad_row == "raise":
@@ -99,6 +100,13 @@ def read_conversations(
             finally:
                 del record  # a huge row's text is gone once it is cut, not when the next row comes
             kept += 1
+            stats.leading_turns_dropped += dropped
+            if dropped and not warned:
+                warned = True
+                log.warning(
+                    "%s: row %d opens with %d assistant/tool turn(s) before its first user turn: dropped (they answer "
+                    "nothing in the row); every such turn is counted as leading_turns_dropped", path, row, dropped,
+                )
             yield Conversation(row=row, messages=messages, source=str(path), tools=tools, cut=cut)
         offset += count
 

@@ -3,7 +3,7 @@ and tokenize them, the export doctor to render a stored sample's prompt again), 
 target's chat template.
 
     fmt = detect_format(record)                          # "sharegpt" | "openai" | "prompt_completion" | None
-    messages, tools, cut = parse_row(record, fmt, limits)
+    messages, tools, cut, dropped = parse_row(record, fmt, limits)
     text = render(tokenizer, messages, tools=tools, add_generation_prompt=True)
 
 The formats (`data.format`; `auto` reads each file's format from its columns or its first row):
@@ -21,6 +21,11 @@ One form: `{"role", "content"}` per message, plus `token_ids` on an answer the t
 `tool_calls` (`[{"name", "arguments" (JSON text), "id"?}]`) on an assistant turn that calls tools,
 `tool_call_id` / `name` on a tool's result. Keys appear only when they hold something, so a row's
 hash (`Conversation.row_hash`) is the same for the same conversation in any format.
+
+A conversation starts at its first user turn: the assistant (and tool) turns before it, as in a
+ShareGPT chunk cut from a longer chat, answer nothing in the row, so regenerating one would answer an
+empty prompt and supervising it would teach text conditioned on nothing. They are dropped (system
+turns stay) and counted (`ReadStats.leading_turns_dropped`: generate's summary, the manifest's data).
 
 Tool calls are the assistant's own tokens, so they are supervised like its text; tool results are
 not. A chat template that knows tool calls (it mentions `tool_calls`: Qwen3, Llama 3.1) gets them as
@@ -88,6 +93,7 @@ class ReadStats:
     rows: int = 0
     bad_rows: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    leading_turns_dropped: int = 0  # assistant / tool turns before a row's first user turn (module docstring)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,10 +139,13 @@ def mismatch(fmt: str | None, record: Any, why: str) -> ValueError:
 # One row -> messages
 
 
-def parse_row(record: Any, fmt: str, limits: RowLimits | None = None) -> tuple[list[dict[str, Any]], str | None, bool]:
+def parse_row(
+    record: Any, fmt: str, limits: RowLimits | None = None
+) -> tuple[list[dict[str, Any]], str | None, bool, int]:
     """One raw row of format `fmt` -> (messages in the one form, tools as JSON text or None, whether
-    `limits` cut any text or ids). Text and ids are cut before anything else reads them. Raises
-    ValueError saying what is wrong (the reader adds the file and row)."""
+    `limits` cut any text or ids, how many turns before the first user turn were dropped). Text and
+    ids are cut before anything else reads them. Raises ValueError saying what is wrong (the reader
+    adds the file and row)."""
     if isinstance(record, Exception):
         raise record
     if not isinstance(record, dict):
@@ -154,7 +163,9 @@ def parse_row(record: Any, fmt: str, limits: RowLimits | None = None) -> tuple[l
         messages = [{"role": role, "content": cutter.text(t)} for role, t in zip(("user", "assistant"), texts)]
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise ValueError("empty conversation (no non-empty user turn)")
-    return messages, _tools(record.get("tools")), cutter.cut
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    kept = [m for i, m in enumerate(messages) if i >= first_user or m["role"] == "system"]
+    return kept, _tools(record.get("tools")), cutter.cut, len(messages) - len(kept)
 
 
 class _Cutter:

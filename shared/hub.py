@@ -71,16 +71,86 @@ def resolve_hub(text: str, setting: str) -> HubSnapshot:
     except (LocalEntryNotFoundError, OSError, ValueError) as exc:  # IncompleteSnapshotError is a LocalEntryNotFoundError
         raise InputFileError(
             f"{setting}={text}: not in the Hugging Face cache at {cache} ({type(exc).__name__}); nothing is downloaded "
-            f"implicitly: fetch it with `{DOWNLOAD} --config ...` (or `huggingface-cli download {repo}"
+            f"implicitly: fetch it with `{DOWNLOAD} --config ...` (or `hf download {repo}"
             f"{'' if revision == 'main' else ' --revision ' + revision}`), or give a local folder"
         ) from None
     return HubSnapshot(folder, repo, revision, folder.name)
 
 
-def download(text: str) -> HubSnapshot:
-    """Fetch a Hub id into the cache (the network), then resolve it as every command does."""
+# What a target or a drafter folder is loaded from: safetensors weights, configs, tokenizer files
+# (tokenizer.json, tokenizer.model, *.tiktoken, vocab.txt / merges.txt) and chat templates. Not the
+# pickled `.bin` weights or the `original/*.pth` checkpoints some repos carry beside the safetensors
+# (Llama-3.1-8B-Instruct's original/consolidated.00.pth alone is 16 GB), nor anything else.
+HUB_FILES = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt")
+LOGIN = "`export HF_TOKEN=hf_...` or `hf auth login` (`huggingface-cli login` before huggingface_hub 0.34)"
+
+
+def download(text: str, setting: str = "download") -> HubSnapshot:
+    """Fetch a Hub id's HUB_FILES into the cache (the network), then resolve it as every command does.
+    Whatever keeps it from the cache (a gated or private repo, a missing id or revision, a bad token,
+    no network) is one InputFileError naming `setting`, the repo's page and the fix."""
     from huggingface_hub import snapshot_download
 
     repo, revision = split_id(text)
-    snapshot_download(repo, revision=revision, cache_dir=hub_cache())
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, cache_dir=hub_cache(), allow_patterns=list(HUB_FILES)))
+    except Exception as exc:  # noqa: BLE001 - the Hub's errors become one line; anything else keeps its traceback
+        problem = _download_problem(exc, repo, revision)
+        if problem is None:
+            raise
+        raise InputFileError(f"{setting}={text}: {problem}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise InputFileError(
+            f"{setting}={text}: {repo} has no *.safetensors weights in its top folder ({_page(repo)}), and `download` "
+            f"fetches no others (pickled .bin weights run code when loaded): use a repo with safetensors, or fetch it "
+            f"yourself (`hf download {repo} --local-dir DIR`), convert it and set {setting} to that folder"
+        )
     return resolve_hub(text, "download")
+
+
+def _page(repo: str) -> str:
+    from huggingface_hub import constants
+
+    return f"{constants.ENDPOINT}/{repo}"
+
+
+def _download_problem(exc: Exception, repo: str, revision: str) -> str | None:
+    """What kept `repo` from the cache, and the fix, in one line; None for an error not the Hub's."""
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    page = _page(repo)
+    token = "no token was found" if get_token() is None else "the token found here has no access to it"
+    rerun = f"then rerun `{DOWNLOAD}`"
+    if isinstance(exc, GatedRepoError):  # before RepositoryNotFoundError, of which it is one
+        return (
+            f"{repo} is gated and {token}: accept its terms on {page} with your Hugging Face account, give this "
+            f"machine that account's token ({LOGIN}), {rerun}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):  # the Hub answers 401 for a private repo without a token too
+        return (
+            f"the Hub has no repository {repo} ({page}), or it is private or gated and {token}: check the id, or give "
+            f"this machine the token of an account that can read it ({LOGIN}), {rerun}"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return f"{repo} has no revision {revision!r} ({page}/tree/main lists branches and commits): fix the @revision"
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "?"
+        if status == 401:
+            return f"the Hub refused the token (HTTP 401: invalid credentials): set a valid one ({LOGIN}), {rerun}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"the Hub answered HTTP {status} for {repo} ({first}); {rerun} later (it resumes what was fetched)"
+    if isinstance(exc, LocalEntryNotFoundError):  # what snapshot_download raises when it cannot reach the Hub
+        cause = exc.__cause__ or exc.__context__
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{type(cause).__name__ if cause else 'no answer'}"
+        return (
+            f"cannot reach the Hub at {constants.ENDPOINT} ({why}) and {repo}@{revision} is not in the cache at "
+            f"{hub_cache()}: check the network, proxy and HF_ENDPOINT (HF_HUB_OFFLINE=1 forbids downloads), {rerun}"
+        )
+    return None

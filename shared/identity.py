@@ -7,8 +7,9 @@
 
 The header holds the target's content (weights, tokenizer and chat-template hashes, never its folder:
 a target that only moved is the same target), the layer ids, top_k, the storage settings, max_length
-and on_long, and how the target ran (`extraction_settings`: compute dtype, attention, packing; not the
-batch shape, which each shard's part record holds as provenance). Settings left `auto` (the compute dtype,
+and on_long, and how the target ran (`extraction_settings`: compute dtype, attention, packing, a
+tensor-parallel size above 1; not the batch shape, which each shard's part record holds as
+provenance). Settings left `auto` (the compute dtype,
 the attention kernel, packing) are resolved once, by the first extraction, and read back from the
 store afterwards: a store's identity never depends on the machine a command runs on (a CPU login node
 calls a GPU-made store current, and `reprocess` there keeps the GPU's settings or refuses).
@@ -59,6 +60,7 @@ STAGE1_DEFAULTS: dict[str, Any] = {
     "extract.lm_head_chunk_tokens": 2048,
     "extract.device": "auto",
     "extract.packed": "auto",
+    "extract.tensor_parallel_size": 1,
     "generate.backend": "auto",
     "generate.temperature": 0.7,
     "generate.top_p": 0.8,
@@ -101,6 +103,13 @@ def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) ->
     settings = {"compute_dtype": dtype, "attn_implementation": attn, "packed": packed is True or packed == "on"}
     if all(k in pinned for k in BATCH_SETTINGS):  # a version-2 store: judged by what it recorded
         settings.update({k: pinned[k] for k in BATCH_SETTINGS})
+    # A tensor-parallel forward sums each row-parallel matmul across its group in another order: the
+    # bytes differ in their last bits, as with another batch shape. Unlike the batch shape (which an
+    # out-of-memory run must be able to shrink mid-store) the TP size is chosen once per store and a
+    # TP store is kept apart from a one-GPU one. Only above 1, so every one-GPU store keeps its identity.
+    tensor_parallel = stage1_value(cfg, "extract.tensor_parallel_size")
+    if tensor_parallel != 1:
+        settings["tensor_parallel_size"] = tensor_parallel
     return settings
 
 

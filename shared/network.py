@@ -6,7 +6,7 @@ Gloo binds each rank to the address its hostname resolves to (torch's ProcessGro
 device) unless GLOO_SOCKET_IFNAME names an interface. Where the hostname resolves to loopback (the
 127.0.1.1 line Debian and Ubuntu images write into /etc/hosts), every rank binds to 127.x and
 advertises it: ranks on one node still meet, ranks on other nodes never reach it and the first
-collective waits until its timeout (hours for stage 1's barriers). Stage 1's process group and
+collective waits until its timeout (10 minutes for stage 1's join). Stage 1's process group and
 barriers and stage 2's checkpoint agreement group are gloo, so both stages call this first.
 
 A rendezvous on loopback (MASTER_ADDR 127.0.0.1: several "nodes" on one machine) needs nothing.

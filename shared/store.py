@@ -91,6 +91,15 @@ class StoreConfig(Section):
         self.require(self.local_cache_gb >= 0, "local_cache_gb", "must be >= 0")
         self.require(0 <= self.fp4_outlier_channels <= 256, "fp4_outlier_channels", "must be in 0..256")
 
+    def alternatives(self) -> list[str]:
+        if self.dtype == "fp4":
+            return []
+        return [
+            "store.dtype=fp4: 0.29x of bf16's bytes per token at the Qwen3-8B shape (fp8 0.505x; docs/capacity.md); "
+            "a drafter trained on it accepted as many tokens as one trained on fp8 on the CPU default, fp4 - fp8 "
+            "-0.001 [-0.018, +0.015] (BENCHMARKS.md \"fp4_compare\"; one small target: measure yours)"
+        ]
+
     def identity(self) -> dict[str, Any]:
         """The settings that change a shard's bytes (the header's `storage`); the outlier count only
         for fp4, so the identity of bf16 and fp8 stores is what it was before fp4 existed."""

@@ -53,10 +53,17 @@ def pick_attn_implementation(requested: str, device: str) -> str:
 
 
 def load_target_model(
-    cfg: TargetConfig, device: str = "cpu", *, dtype: str | None = None, attn_implementation: str | None = None
+    cfg: TargetConfig,
+    device: str = "cpu",
+    *,
+    dtype: str | None = None,
+    attn_implementation: str | None = None,
+    split: dict[str, Any] | None = None,
 ) -> Any:
     """The full frozen target in eval mode, for generation and extraction. `dtype` and
-    `attn_implementation` (an existing store's settings) replace the config's `auto` choice."""
+    `attn_implementation` (an existing store's settings) replace the config's `auto` choice. `split`:
+    from_pretrained's tensor-parallel arguments (stage1_extract/tensor_parallel.py), which place each
+    rank's share of the weights on its own device."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -73,9 +80,11 @@ def load_target_model(
         dtype=getattr(torch, TORCH_DTYPES[dtype or resolve_dtype(cfg.dtype, device)]),
         attn_implementation=attn_implementation or pick_attn_implementation(cfg.attn_implementation, device),
         # Straight onto the GPU: an 8B target would otherwise pass 16 GB through host memory per rank.
-        device_map=device if device.startswith("cuda") else None,
+        **(split or {"device_map": device if device.startswith("cuda") else None}),
     )
-    model.to(device).eval().requires_grad_(False)
+    if split is None:
+        model.to(device)
+    model.eval().requires_grad_(False)
     return model
 
 

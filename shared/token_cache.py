@@ -29,7 +29,8 @@ import numpy as np
 
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 4  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format
+TOKENS_VERSION = 5  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+# 5: turns before the first user turn dropped
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2

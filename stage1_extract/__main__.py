@@ -56,6 +56,8 @@ def show_generate(out: dict[str, Any]) -> str:
         f"-> {out['output']}"
         + (f"\n{out['tool_call_turns_kept']} assistant turn(s) that call tools kept as the data has them"
            if out.get("tool_call_turns_kept") else "")
+        + (f"\n{out['leading_turns_dropped']} turn(s) before a row's first user turn dropped (they answer nothing)"
+           if out.get("leading_turns_dropped") else "")
     )
 
 
@@ -69,6 +71,13 @@ def show_plan(out: dict[str, Any]) -> str:
         lines.append(f"answers not generated yet, {out['answers_estimated']}; at most {size(out['total_bytes_at_most'])}")
     if out.get("generated_data"):
         lines.append(f"generated data: {out['generated_data']}")
+    memory = out.get("gpu_memory")
+    if memory:
+        lines.append(
+            f"GPU memory while extracting: {memory['weights_gib_per_gpu']} GiB weights + {memory['working_set_gib']} GiB working "
+            f"set + {memory['reserve_gib']:g} reserve = {memory['total_gib']} of {memory['gpu_memory_gib']:g} GiB per "
+            f"{memory['gpu']} at extract.tensor_parallel_size={memory['tensor_parallel_size']} ({memory['basis']})"
+        )
     for stage, est in (out.get("time") or {}).items():
         lines.append(f"{stage}: ~{duration(est['hours'])} on {est['gpus']} x {est['gpu']} ({est['basis']})")
     return "\n".join(lines)
@@ -92,6 +101,8 @@ def show_extract(out: dict[str, Any]) -> str:
     return head + (
         f"\nmanifest: {out['num_samples']} samples, {out['num_tokens']:,} tokens, {size(out['num_bytes'])}; "
         f"{out['num_truncated']} truncated, {out['num_skipped']} skipped"
+        + (f"; {out['leading_turns_dropped']} turn(s) before a row's first user turn dropped"
+           if out.get("leading_turns_dropped") else "")
     )
 
 

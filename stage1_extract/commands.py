@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,21 @@ from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
 from shared.identity import AUTO_SETTINGS, header_differences, header_key
 from shared.lock import exclusive
-from shared.network import check_gloo_network
 from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles, load_manifest
 from shared.target import TargetConfig
-from shared.target_model import load_target_model, runnable_problem
+from shared.target_model import load_target_model, resolve_device, runnable_problem
 from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
-from stage1_extract.distributed import _all_ok, _barrier, distributed_context, rank_device, store_lock
+from stage1_extract.distributed import (
+    agreed_done,
+    all_ok,
+    distributed_context,
+    join_ranks,
+    leave_ranks,
+    rank_device,
+    store_lock,
+    wait_for_ranks,
+)
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.header import load_or_pin_plan, other_data_problem
@@ -35,6 +42,15 @@ from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_chan
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.prepare import Prepared, discard_token_cache, planned_shards, shard_size, token_bytes
 from stage1_extract.resolve import prepare_run
+from stage1_extract.tensor_parallel import (
+    Layout,
+    check_split,
+    layout,
+    local_world_size,
+    process_group_backend,
+    split_arguments,
+    tensor_parallel_mesh,
+)
 from stage1_extract.verify import EXTRACT, REBUILD, deep_problems, verify_store
 
 log = logging.getLogger(__name__)
@@ -50,7 +66,7 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
         value = cfg.value(setting)
         if isinstance(value, str) and is_hub_id(value):
             log.info("downloading %s=%s", setting, value)
-            snapshot = download(value)
+            snapshot = download(value, setting)
             fetched[setting] = {**snapshot.record(), "folder": str(snapshot.folder)}
     if not fetched:
         return {"downloaded": {}, "note": "target.path and model.init_from name no Hub id (org/name[@revision]): nothing to fetch"}
@@ -59,23 +75,14 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
 
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
-    if world > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            check_gloo_network()  # a hostname on loopback would hang the first barrier for its 6 hours
-            # Only barriers travel; gloo works on CPU and GPU nodes. They wait for the slowest rank's
-            # tokenizing or last window, so the default 30-minute timeout would kill healthy runs.
-            dist.init_process_group("gloo", timeout=timedelta(hours=6))
+    tensor_parallel = layout(rank, world, cfg.extract.tensor_parallel_size, local_world_size())  # before any collective
+    # Barriers and agreements travel over gloo (CPU tensors); a tensor-parallel target's activations over NCCL.
+    join_ranks(world, process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp))
     try:
         with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract") as lock:
             return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
     finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        leave_ranks(world)
 
 
 def _extract(
@@ -108,7 +115,7 @@ def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -
                 prepared = prepare_run(cfg)
             except BaseException as exc:  # noqa: BLE001 - raised after the last barrier
                 error = exc
-        _barrier(world)
+        wait_for_ranks(world)
     if error is not None:
         raise error
     return prepared
@@ -140,7 +147,7 @@ def _pin_plan(
                 model = ensure_outlier_channels(prepared, before, cfg.store, cfg.extract, cfg.target, device)
         except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
             error = exc
-    if not _all_ok(world, error is None):
+    if not all_ok(world, error is None, behind_work=True):
         if error is not None:
             raise error
         raise StoreError(f"{files.url}: rank 0 refused to extract into it (its error says why)")
@@ -183,27 +190,33 @@ def extract_store(
     merges the manifest. `model`: the target when rank 0 already loaded it (fp4's channel fit);
     `records`: the part records when this rank read them already (one read per record on an object store)."""
     rank, world, local_rank = ranks
+    lay = layout(rank, world, extract.tensor_parallel_size)
     files = prepared.files
     channels = pinned_outlier_channels(files, store, len(prepared.layer_ids))
-    done = done_shards(files, shards, records)
+    done = agreed_done(done_shards(files, shards, records) if rank == 0 or world == 1 else set(), len(shards), world)
     check_space(prepared, store, shards, done, force)
-    windows = windows_for_rank(shards, extract.window_shards, rank, world)
+    # A tensor-parallel group (consecutive ranks) shares its windows: the data-parallel place is the group's.
+    windows = windows_for_rank(shards, extract.window_shards, lay.dp_rank, lay.dp_size)
     mine = [s for w in windows for s in w if s.index not in done]
-    result = None
+    result, mesh = None, None
+    if lay.tp > 1:  # the mesh's groups are made by every rank, also those with nothing left to extract
+        mesh = tensor_parallel_mesh(rank_device(extract.device, local_rank), lay)
     if mine:
         device = rank_device(extract.device, local_rank)
-        result = _run_windows(prepared, windows, done, device, target_cfg, store, extract, progress, model, channels)
-    _barrier(world)
+        result = _run_windows(prepared, windows, done, device, target_cfg, store, extract, progress and lay.writes, model, channels, (lay, mesh))
+    wait_for_ranks(world)
     summary: dict[str, Any] = {
         "store": files.url,
         "rank": rank,
         "world_size": world,
         "shards_total": len(shards),
         "shards_already_done": len(done),
-        "shards_extracted_here": len(mine),
+        "shards_extracted_here": len(mine) if lay.writes else 0,
         "prepare_seconds": round(prepare_seconds, 2),  # read + tokenize every row (on every rank)
     }
-    if result is not None:
+    if lay.tp > 1:
+        summary["tensor_parallel"] = {"size": lay.tp, "group": lay.dp_rank, "groups": lay.dp_size, "writes": lay.writes}
+    if result is not None and lay.writes:
         summary.update(
             {
                 "tokens": result.tokens,
@@ -221,7 +234,7 @@ def extract_store(
         )
     if rank == 0:
         summary.update(_merge(prepared, shards, samples_per_shard, channels))
-    _barrier(world)
+    wait_for_ranks(world)
     return summary
 
 
@@ -236,7 +249,10 @@ def _run_windows(
     progress: bool,
     model: Any = None,
     channels: Any = None,
+    tensor_parallel: tuple[Layout, Any] | None = None,
 ) -> Any:
+    """Load the target as the store's header says (split across its TP group when
+    `tensor_parallel` = (layout, mesh) says so) and extract this rank's windows."""
     settings = prepared.header["extraction"]  # what the header promises is what runs
     problem = runnable_problem(settings, device)
     if problem is not None and model is None:
@@ -248,17 +264,22 @@ def _run_windows(
             f"(e.g. target.attn_implementation=sdpa extract.packed=off), which makes every shard stale: `reprocess` "
             f"re-extracts them all"
         )
+    lay, mesh = tensor_parallel or (Layout(0, 1, 1), None)
     if model is None:  # else rank 0's, loaded with these settings to fit fp4's outlier channels
+        split = split_arguments(lay, mesh) if lay.tp > 1 else None
         model = load_target_model(
-            target_cfg, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"]
+            target_cfg, device, dtype=settings["compute_dtype"], attn_implementation=settings["attn_implementation"], split=split
         )
+        if split is not None:
+            check_split(model, lay)
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
             f"{settings['attn_implementation']!r}"
         )
     return run_shards(
-        model, windows, done, prepared.files.url, store, extract, prepared.layer_ids, settings["packed"], progress, channels
+        model, windows, done, prepared.files.url, store, extract, prepared.layer_ids, settings["packed"], progress, channels,
+        write=lay.writes,
     )
 
 
@@ -271,6 +292,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             "format": prepared.data_format,  # how the export doctor reads the rows again
             "num_rows": len(prepared.rows),
             "bad_rows_skipped": prepared.stats.bad_rows,
+            "leading_turns_dropped": prepared.stats.leading_turns_dropped,  # turns before a row's first user turn
         },
         "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": samples_per_shard,
@@ -280,7 +302,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
         extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
-    out = {"merge_seconds": round(time.perf_counter() - started, 2)}
+    out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": prepared.stats.leading_turns_dropped}
     out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns")})
     if manifest["num_empty_turns"]:
         log.warning(

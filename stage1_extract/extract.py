@@ -15,6 +15,7 @@ windows r, r + W, ...; rank 0 merges the part records into manifest.json, writte
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,15 +49,24 @@ class ExtractConfig(Section):
     """At most this many samples per target forward batch."""
     window_shards: int = 4
     """Shards whose samples are length-sorted together."""
-    writer_queue_mb: int = 2048
+    writer_queue_mb: int | None = None
     """Host memory (pinned on GPU) of forward batches waiting for the shard writer, per rank: the loop
-    blocks rather than exceed it (8 ranks x 2 GB = 16 GB per node). See stage1_extract/writer.py."""
+    blocks rather than exceed it. null: two forward batches of this target's host copies (2 x
+    batch_tokens x (layers x hidden x compute dtype + top_k x 8) bytes: 5.1 GiB at the 8B presets,
+    40.5 GiB per node of 8 ranks), so a batch lands while the writer absorbs the one before. See
+    stage1_extract/writer.py."""
     writer_threads: int = 2
     """Shards compressed, hashed and written in parallel, per rank (zstd and sha256 release the GIL)."""
     lm_head_chunk_tokens: int = 2048
     """Tokens per LM-head + log-softmax chunk."""
     device: str = "auto"
     """Where stage 1 runs the target (generate and extract): auto = the GPU of this rank when there is one, else CPU."""
+    tensor_parallel_size: int = 1
+    """GPUs per copy of the target (a target larger than one GPU): ranks form groups of this many
+    consecutive ranks, each group loads the target split by its own TP plan and extracts its share
+    of the windows, its first rank writing (stage1_extract/tensor_parallel.py). Must divide the
+    processes per node; `plan` gives the weights per GPU at this size. Part of the store's identity
+    when above 1 (a TP forward sums in another order: the bytes differ in their last bits)."""
     packed: Literal["auto", "on", "off"] = "auto"
     """A forward batch as one row of samples, no padding: auto = with flash-attn (varlen, GPU); on = also
     with sdpa/eager, which keep the samples apart with a [tokens, tokens] mask; an attention that cannot is refused."""
@@ -66,9 +76,23 @@ class ExtractConfig(Section):
         self.require(self.batch_tokens >= 16, "batch_tokens", "must be >= 16")
         self.require(self.max_samples_per_batch >= 1, "max_samples_per_batch", "must be >= 1")
         self.require(self.window_shards >= 1, "window_shards", "must be >= 1")
-        self.require(self.writer_queue_mb >= 1, "writer_queue_mb", "must be >= 1")
+        self.require(self.writer_queue_mb is None or self.writer_queue_mb >= 1, "writer_queue_mb", "must be >= 1 (or null)")
         self.require(self.writer_threads >= 1, "writer_threads", "must be >= 1")
         self.require(self.lm_head_chunk_tokens >= 1, "lm_head_chunk_tokens", "must be >= 1")
+        self.require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+
+
+def host_token_bytes(num_layers: int, hidden_size: int, dtype_bytes: int, top_k: int) -> int:
+    """Host bytes of one token's copies: its layers' states in the compute dtype, top_k fp32
+    log-probs and int32 ids."""
+    return num_layers * hidden_size * dtype_bytes + top_k * 8
+
+
+def writer_queue_mb(cfg: ExtractConfig, token_bytes: int) -> int:
+    """`extract.writer_queue_mb`, or two forward batches of `token_bytes` per token when unset."""
+    if cfg.writer_queue_mb is not None:
+        return cfg.writer_queue_mb
+    return math.ceil(2 * cfg.batch_tokens * token_bytes / 2**20)
 
 
 @dataclass
@@ -81,22 +105,34 @@ class ExtractResult:
     writer: WriterStats = field(default_factory=WriterStats)
 
 
-def to_host(outputs: list[tuple[Any, Any, Any]], device: Any) -> tuple[list[tuple[Any, Any, Any]], Any]:
-    """Issue the device-to-host copies of a batch's outputs; returns the host tensors and the event
-    that says when they have landed (None on CPU, where a copy is done when it returns).
+def stored_value_sum(outputs: list[tuple[Any, Any, Any]]) -> Any:
+    """The fp32 sum of every value a batch stores (hidden states, top-k log-probs), on the device:
+    finite iff every value is, so the writer checks one number per batch, read after the batch's
+    event, instead of scanning every value on the host (~2.7 GB per 65K-token batch at 8B). A sum that
+    overflowed fp32 (values near 1e30) only sends the batch to the host's sample-by-sample check."""
+    import torch
+
+    return torch.stack([t.sum(dtype=torch.float32) for hidden, values, _ in outputs for t in (hidden, values)]).sum()
+
+
+def to_host(outputs: list[tuple[Any, Any, Any]], device: Any, value_sum: Any = None) -> tuple[list[tuple[Any, Any, Any]], Any, Any]:
+    """Issue the device-to-host copies of a batch's outputs (and of its `value_sum`); returns the
+    host tensors, the event that says when they have landed (None on CPU, where a copy is done when
+    it returns) and the host copy of `value_sum`.
 
     On CUDA the copies go to pinned memory (`non_blocking=True` allocates it from torch's caching
     host allocator, which reuses freed blocks), so they overlap the next forward; the event is
     recorded on the current stream of the tensors' own device, after the copies, and the writer
-    waits on it before reading a byte."""
+    waits on it before reading a byte (the sum included: reading it is never a sync in the loop)."""
     import torch
 
     if device.type != "cuda":
-        return [(h.cpu(), v.cpu(), i.cpu()) for h, v, i in outputs], None
+        return [(h.cpu(), v.cpu(), i.cpu()) for h, v, i in outputs], None, value_sum
     host = [tuple(t.to("cpu", non_blocking=True) for t in triple) for triple in outputs]
+    value_sum_host = None if value_sum is None else value_sum.to("cpu", non_blocking=True)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(device))
-    return host, ready
+    return host, ready, value_sum_host
 
 
 class ForwardTimer:
@@ -174,8 +210,10 @@ def run_shards(
     packed: bool,
     progress: bool = True,
     outlier_channels: Any = None,
+    write: bool = True,
 ) -> ExtractResult:
-    """Extract this rank's unfinished shards, window by window, and write them."""
+    """Extract this rank's unfinished shards, window by window, and write them (`write` False: a
+    tensor-parallel rank that only computes its share of each forward; its group's first rank writes)."""
     from tqdm import tqdm
 
     result = ExtractResult()
@@ -183,28 +221,38 @@ def run_shards(
     todo_ids = {r.sample_id for s in todo for r in s.kept}
     total_tokens = sum(len(r.input_ids) for s in todo for r in s.kept)
     started = time.perf_counter()
-    device = next(model.parameters()).device
-    # The batch shape is not part of the store's identity (an OOM'd run continues with a smaller
-    # batch), so each shard says which one made it.
+    parameter = next(model.parameters())
+    device = parameter.device
+    token_bytes = host_token_bytes(len(layer_ids), model.config.get_text_config().hidden_size, parameter.element_size(), cfg.top_k)
+    # The batch shape is not part of the store's identity (an out-of-memory run continues with a
+    # smaller batch), so each shard's part record says which one made it.
     batching = {"batching": {k: getattr(cfg, k) for k in BATCH_SETTINGS}}
-    writer = ShardWriter(url, store_cfg, todo, cfg.writer_queue_mb, cfg.writer_threads, outlier_channels, batching)
+    writer = (
+        ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), cfg.writer_threads, outlier_channels, batching)
+        if write else None
+    )
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:
         for batch, outputs in forward_batches(model, windows, cfg, layer_ids, packed, wanted=todo_ids, timer=timer):
+            if writer is None:
+                continue
             wanted = [(row, out) for row, out in zip(batch, outputs) if row.sample_id in todo_ids]
-            host, ready = to_host([out for _, out in wanted], device)
+            stored = [out for _, out in wanted]
+            host, ready, value_sum = to_host(stored, device, stored_value_sum(stored))
             samples = [
                 SampleFeatures(row.sample_id, row.input_ids, row.loss_mask, hidden, values, ids)
                 for (row, _), (hidden, values, ids) in zip(wanted, host)
             ]
-            writer.put(HostBatch(samples, ready, host_bytes(samples)))
+            writer.put(HostBatch(samples, ready, host_bytes(samples), value_sum))
             tokens = sum(len(s.input_ids_T) for s in samples)
             result.tokens += tokens
             bar.update(tokens)
-        result.writer = writer.finish()
+        if writer is not None:
+            result.writer = writer.finish()
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
     finally:
         bar.close()

@@ -4,6 +4,10 @@ Per token: the outputs of the chosen decoder layers (HF hidden_states[i + 1], ca
 those layers, so the other layers' states are never kept) and the top-k log-probabilities of the
 target's next-token distribution (final norm + LM head, log-softmax in fp32, computed in chunks so
 the [tokens, vocab] logits never exist whole).
+
+A packed batch under flash-attn gets its samples' boundaries once (`packed_lengths`): left to
+itself, transformers derives them from the position ids in every layer, a few host syncs each
+(~108 per forward of a 36-layer target).
 """
 
 from __future__ import annotations
@@ -72,6 +76,20 @@ def topk_logprobs(final_hidden_NH: Any, lm_head: Any, k: int, chunk: int) -> tup
     return torch.cat(values), torch.cat(indices)
 
 
+def packed_lengths(model: Any, lengths: list[int], device: Any) -> dict[str, Any]:
+    """The varlen kwargs of transformers' flash-attn path (`FlashAttentionKwargs` in
+    modeling_flash_attention_utils: cumulative sequence lengths as int32 on the device, the longest
+    as a Python int), passed through the decoder call to every attention layer; empty for the other
+    kernels, which take packing from their mask."""
+    import torch
+
+    if model.config._attn_implementation not in FLASH_PACKING:
+        return {}
+    cu_seq_lens = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(device)
+    longest = int(max(lengths))
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest, "max_length_k": longest}
+
+
 def forward_batch(model: Any, capture: LayerCapture, rows: list[TokenizedRow], top_k: int, chunk: int, packed: bool) -> list[tuple[Any, Any, Any]]:
     """Per row: (hidden [T, L, H], topk_logprobs [T, K], topk_ids [T, K]) on the model's device."""
     import torch
@@ -85,7 +103,8 @@ def forward_batch(model: Any, capture: LayerCapture, rows: list[TokenizedRow], t
             pos_1N = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
             # No KV cache: with one, transformers turns its packed-sequence detection off and sdpa/eager
             # attend across samples; flash-attn would stay right but fill a cache it never reads.
-            final_1NH = decoder(input_ids=ids_1N, position_ids=pos_1N, use_cache=False).last_hidden_state
+            varlen = packed_lengths(model, lengths, device)
+            final_1NH = decoder(input_ids=ids_1N, position_ids=pos_1N, use_cache=False, **varlen).last_hidden_state
             hidden_1NLH = capture.stacked()
             values_NK, ids_NK = topk_logprobs(final_1NH[0], model.lm_head, top_k, chunk)
             bounds = np.concatenate([[0], np.cumsum(lengths)])

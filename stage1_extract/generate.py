@@ -1,13 +1,16 @@
 """Regenerate the assistant turns with the target, as the DFlash recipe does.
 
     python -m stage1_extract generate --config configs/default.yaml
+    torchrun --nproc_per_node 8 -m stage1_extract generate --config my-qwen3.yaml   # one vLLM engine per GPU
 
 A drafter learns to predict the target's own continuations, so every assistant turn is rewritten
 by the target (temperature 0.7, top-p 0.8 by default). A turn that calls tools is kept as the data
-has it: the tool results after it answer that call, which a rewritten turn might not make. Backends: vllm on GPU, transformers
-(batched, left-padded) on CPU. Work is done in chunks of conversations, each written as its own
-Parquet part; a rerun skips finished parts, so a killed run resumes. The parts are merged into
-`run_dir/data/generated.parquet` at the end.
+has it: the tool results after it answer that call, which a rewritten turn might not make. Backends
+(`backends.py`): vllm on GPU, transformers (batched, left-padded) on CPU. Work is cut into parts of
+`generate.rows_per_part` conversations, each written as its own Parquet part the moment its last
+answer lands; the engine is kept fed across parts (the next part's requests go in while the current
+part's longest answers still decode). A rerun skips finished parts, so a killed run resumes. The
+parts are merged into `run_dir/data/generated.parquet` at the end.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -27,7 +30,7 @@ from shared.conversations import Conversation
 from shared.errors import DataError
 from shared.files import full_disk, write_atomic
 from shared.identity import generate_settings_key
-from shared.target import stop_token_ids
+from stage1_extract.backends import Engine, Request, request_seed
 from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import prompt_ids
 
@@ -50,11 +53,18 @@ class GenerateConfig(Section):
     rows_per_part: int = 128
     """Conversations per resumable Parquet part."""
     seed: int = 0
-    """Seeds the sampled answers (with each row and turn). Not the run's `seed`: training with another
-    seed keeps these answers and the store made from them."""
+    """Seeds the sampled answers (each rank's engine, or with per_request_seeds each row and turn). Not
+    the run's `seed`: training with another seed keeps these answers and the store made from them."""
     tensor_parallel_size: int = 1
     """vllm: GPUs per engine. Under torchrun each rank (or group of ranks) runs its own engine on its
     own GPU(s) over its share of the parts (data parallel)."""
+    per_request_seeds: bool = False
+    """vllm: seed every request from its row and turn instead of one engine seed per rank. Off, vLLM
+    samples on its fast path; on, every decode step of a request goes through vLLM's per-request
+    seeded sampler (slower). Neither makes a GPU run reproducible (vLLM is not batch-invariant: an
+    answer's logits move in their last bits with the rest of the batch, see docs/store.md); on, only
+    the random draws are fixed. Not part of the answers' settings: either way an answer is a sample of
+    the target at the same temperature and top-p, and finished parts are kept."""
 
     def validate(self) -> None:
         self.require(self.temperature >= 0, "temperature", "must be >= 0")
@@ -83,101 +93,6 @@ def resolve_backend(backend: str, device: str) -> str:
     return "transformers"
 
 
-@dataclass(frozen=True)
-class Request:
-    """One answer to generate: the prompt's token ids and the seed of its sampling, derived from the
-    row and the turn (`request_seed`), so an answer depends on its row only: not on the batch, the
-    part, the rank or how many ranks share the work."""
-
-    prompt_ids: list[int]
-    seed: int
-
-
-def request_seed(seed: int, row: int, turn: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-# A backend turns requests into the target's own answers: token ids, stop tokens removed (the chat
-# template closes the turn itself), one list per request.
-Backend = Callable[[list[Request]], list[list[int]]]
-
-
-def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:
-    """The answer's ids before its first stop token (padding after it included)."""
-    stops = set(stop_ids)
-    for position, token in enumerate(ids):
-        if token in stops:
-            return ids[:position]
-    return ids
-
-
-def transformers_backend(model: Any, tokenizer: Any, cfg: GenerateConfig, seed: int) -> Backend:
-    import torch
-
-    device = next(model.parameters()).device
-    stop_ids = stop_token_ids(tokenizer, model)
-    # Left padding is masked out, so any id serves; a tokenizer with neither pad nor EOS gets 0.
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
-    if not stop_ids:
-        log.warning("the tokenizer and generation config name no EOS token: answers stop at generate.max_new_tokens")
-
-    def run(requests: list[Request]) -> list[list[int]]:
-        answers: list[list[int]] = [[] for _ in requests]
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))  # less left padding
-        for start in range(0, len(order), cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            width = max(len(requests[i].prompt_ids) for i in idx)
-            ids_BT = torch.full((len(idx), width), pad_id, dtype=torch.long)
-            attn_BT = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):
-                prompt = requests[i].prompt_ids
-                ids_BT[row, width - len(prompt) :] = torch.tensor(prompt)
-                attn_BT[row, width - len(prompt) :] = 1
-            # HF's generate samples a batch from the global generator (no per-row generator): the
-            # batch's seed mixes its requests' seeds, so a resumed run regenerates exactly what it
-            # lost, and fork_rng puts the caller's RNG state back afterwards.
-            batch_seed = request_seed(seed, sum(requests[i].seed for i in idx) & 0x7FFF_FFFF, len(idx))
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
-                torch.manual_seed(batch_seed)
-                out_BT = model.generate(
-                    input_ids=ids_BT.to(device),
-                    attention_mask=attn_BT.to(device),
-                    do_sample=cfg.temperature > 0,
-                    temperature=cfg.temperature if cfg.temperature > 0 else None,
-                    top_p=cfg.top_p if cfg.temperature > 0 else None,
-                    top_k=None,
-                    max_new_tokens=cfg.max_new_tokens,
-                    eos_token_id=stop_ids or None,
-                    pad_token_id=pad_id,
-                )
-            for row, i in enumerate(idx):
-                answers[i] = until_stop(out_BT[row, width:].tolist(), stop_ids)
-        return answers
-
-    return run
-
-
-def vllm_backend(model_dir: str, cfg: GenerateConfig, seed: int, dtype: str, stop_ids: list[int]) -> Backend:
-    """One vLLM engine on this process's GPU (or `generate.tensor_parallel_size` GPUs). Each request
-    carries its own seed; the answer is vLLM's token ids, never its text re-tokenized."""
-    from vllm import LLM, SamplingParams  # GPU only: imported here so CPU installs never need it
-
-    from shared.target_model import TORCH_DTYPES
-
-    llm = LLM(model=model_dir, dtype=TORCH_DTYPES[dtype], seed=seed, tensor_parallel_size=cfg.tensor_parallel_size)
-
-    def run(requests: list[Request]) -> list[list[int]]:
-        params = [
-            SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=r.seed)
-            for r in requests
-        ]
-        outputs = llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
-        return [until_stop(list(o.outputs[0].token_ids), stop_ids) for o in outputs]
-
-    return run
-
-
 def assistant_slots(messages: list[dict[str, Any]]) -> list[int]:
     """Indices of the turns to (re)write: every assistant turn that calls no tool, plus one after a
     trailing user (or tool) turn."""
@@ -187,27 +102,46 @@ def assistant_slots(messages: list[dict[str, Any]]) -> list[int]:
     return slots
 
 
-def regenerate(conversations: list[Conversation], tokenizer: Any, backend: Backend, seed: int) -> list[Conversation]:
-    """Rewrite every assistant turn in order; turn r of all conversations is one batched round. Each
-    new turn keeps the target's own token ids (`token_ids`, what extraction stores) beside their
-    decoded text (for people and for other tools)."""
-    current = [list(c.messages) for c in conversations]
-    slots = [assistant_slots(c.messages) for c in conversations]
-    for round_index in range(max(len(s) for s in slots)):
-        todo = [i for i, s in enumerate(slots) if round_index < len(s)]
-        requests = [
-            Request(
-                prompt_ids(tokenizer, current[i][: slots[i][round_index]], conversations[i].tools),
-                request_seed(seed, conversations[i].row, round_index),
+class PartRewrite:
+    """One part's conversations, their assistant turns rewritten in order: turn r of every
+    conversation that has one is round r; a round's requests go out together, the next round's once
+    all its answers are back (each prompt holds the answers before it). Each new turn keeps the
+    target's own token ids (`token_ids`, what extraction stores) beside their decoded text (for
+    people and for other tools)."""
+
+    def __init__(self, number: int, conversations: list[Conversation], tokenizer: Any, seed: int):
+        self.number, self.source, self.tokenizer, self.seed = number, conversations, tokenizer, seed
+        self.current = [list(c.messages) for c in conversations]
+        self.slots = [assistant_slots(c.messages) for c in conversations]
+        self.round = -1
+        self.awaited = 0
+
+    def next_round(self) -> list[tuple[Hashable, Request]]:
+        """The next round's requests, keyed (part, conversation); none when the part is done."""
+        self.round += 1
+        todo = [i for i, s in enumerate(self.slots) if self.round < len(s)]
+        self.awaited = len(todo)
+        return [
+            (
+                (self.number, i),
+                Request(
+                    prompt_ids(self.tokenizer, self.current[i][: self.slots[i][self.round]], self.source[i].tools),
+                    request_seed(self.seed, self.source[i].row, self.round),
+                ),
             )
             for i in todo
         ]
-        answers = backend(requests)
-        for i, ids in zip(todo, answers):
-            reply = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True), "token_ids": list(ids)}
-            at = slots[i][round_index]
-            current[i] = current[i][:at] + [reply] + current[i][at + 1 :]
-    return [Conversation(row=c.row, messages=m, source=c.source, tools=c.tools) for c, m in zip(conversations, current)]
+
+    def answer(self, i: int, ids: list[int]) -> bool:
+        """Put conversation i's answer of this round in place; True when the round is complete."""
+        reply = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True), "token_ids": list(ids)}
+        at = self.slots[i][self.round]
+        self.current[i] = self.current[i][:at] + [reply] + self.current[i][at + 1 :]
+        self.awaited -= 1
+        return self.awaited == 0
+
+    def conversations(self) -> list[Conversation]:
+        return [Conversation(row=c.row, messages=m, source=c.source, tools=c.tools) for c, m in zip(self.source, self.current)]
 
 
 @dataclass
@@ -218,6 +152,8 @@ class GenerateResult:
     seconds: float
     parts_reused: int
     tool_call_turns_kept: int = 0  # assistant turns that call tools, kept as the data has them
+    start_seconds: float = 0.0  # starting the backend (model load, vllm engine), apart from generating
+    generate_seconds: float = 0.0  # answering the parts: the backend's generate calls and their templates
 
 
 def part_name(number: int, chunk: list[Conversation]) -> str:
@@ -228,7 +164,7 @@ def part_name(number: int, chunk: list[Conversation]) -> str:
 def generate_all(
     conversations: list[Conversation],
     tokenizer: Any,
-    make_backend: Callable[[], Backend],
+    make_engine: Callable[[], Engine],
     out_path: Path,
     cfg: GenerateConfig,
     settings: dict[str, Any],
@@ -239,8 +175,10 @@ def generate_all(
 ) -> GenerateResult:
     """Every part of the conversations written once (resumable); with several ranks (torchrun, one
     engine per GPU) rank r writes parts r, r + W, ..., and rank 0 waits until every part exists (or
-    a rank reports a failure) and merges them into `out_path`. The answers depend on the rows only
-    (per-request seeds), so any rank count gives the same file."""
+    a rank reports a failure) and merges them into `out_path`. A rank's parts are fed to its engine
+    while it decodes: a part enters when fewer than `rows_per_part` requests are left in flight, and
+    is written the moment its last answer lands, so parts may be finished out of order; a finished
+    part is never generated again."""
     from tqdm import tqdm
 
     parts_dir = out_path.with_name(out_path.stem + ".parts")
@@ -281,27 +219,52 @@ def generate_all(
     failure.unlink(missing_ok=True)
     started = time.perf_counter()
     generated_tokens = reused = 0
+    start_s = generate_s = 0.0
     mine = [number for number in range(len(chunks)) if number % world == rank]
     bar = tqdm(total=sum(len(chunks[n]) for n in mine), desc="generate", unit="conv", disable=not progress)
-    backend: Backend | None = None  # the model loads only when a part is left to write
     if rank == 0:
         for stale in set(p.name for p in parts_dir.glob("part-*.parquet")) - set(wanted):
             (parts_dir / stale).unlink()  # rows edited or removed since: their answers no longer apply
+    todo = []
+    for number in mine:
+        if (parts_dir / wanted[number]).exists():
+            reused += 1
+            bar.update(len(chunks[number]))
+        else:
+            todo.append(number)
+    engine: Engine | None = None  # the model loads only when a part is left to write
+    running: dict[int, PartRewrite] = {}
     part = meta_path
+
+    def advance(number: int) -> None:
+        """The part's next round into the engine, or the part written when it has none left."""
+        nonlocal part
+        requests = running[number].next_round()
+        if requests:
+            engine.submit(requests)
+            return
+        part = parts_dir / wanted[number]
+        write_conversations_parquet(running.pop(number).conversations(), part)
+        bar.update(len(chunks[number]))
+        bar.set_postfix(tok_s=f"{generated_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
+
     try:
-        for number in mine:
-            chunk, part = chunks[number], parts_dir / wanted[number]
-            if part.exists():
-                reused += 1
-                bar.update(len(chunk))
-                continue
-            backend = backend or make_backend()
-            done = regenerate(chunk, tokenizer, backend, seed=seed)
-            generated_tokens += sum(len(m["token_ids"]) for c in done for m in c.messages if m.get("token_ids") is not None)
-            write_conversations_parquet(done, part)
-            bar.update(len(chunk))
-            elapsed = time.perf_counter() - started
-            bar.set_postfix(tok_s=f"{generated_tokens / max(elapsed, 1e-9):.0f}")
+        loop_started = time.perf_counter()
+        while todo or running:
+            if engine is None:
+                t0 = time.perf_counter()
+                engine = make_engine()
+                start_s = time.perf_counter() - t0
+            # Feed the engine: the next part goes in while the current one's longest answers decode.
+            while todo and engine.pending() < cfg.rows_per_part:
+                number = todo.pop(0)
+                running[number] = PartRewrite(number, chunks[number], tokenizer, seed)
+                advance(number)
+            for (number, i), ids in engine.collect() if running else []:
+                generated_tokens += len(ids)
+                if running[number].answer(i, ids):
+                    advance(number)
+        generate_s = time.perf_counter() - loop_started - start_s
     except BaseException as exc:
         error = named(exc, part)
         try:
@@ -316,7 +279,7 @@ def generate_all(
         bar.close()
     kept = sum(bool(m.get("tool_calls")) for c in conversations for m in c.messages if m["role"] == "assistant")
     if rank != 0:
-        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept)
+        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
     wait_for_parts(parts_dir, wanted, world)
     merged = [
         Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
@@ -326,7 +289,7 @@ def generate_all(
         write_conversations_parquet(merged, out_path)
     except OSError as exc:
         raise named(exc, out_path) from None
-    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept)
+    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
 
 
 def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:

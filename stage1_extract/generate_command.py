@@ -27,8 +27,9 @@ from shared.paths import RunPaths
 from shared.target import load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
 from shared.target_model import load_target_model, resolve_device, resolve_dtype
 from shared.token_cache import source_fingerprint
+from stage1_extract.backends import BatchEngine, transformers_backend, vllm_engine
 from stage1_extract.distributed import distributed_context, rank_device
-from stage1_extract.generate import generate_all, resolve_backend, transformers_backend, vllm_backend
+from stage1_extract.generate import generate_all, resolve_backend
 
 
 def prompts_format(cfg: RunConfig) -> str:
@@ -70,13 +71,14 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     weights_sha256 = weights_fingerprint(model_dir)
     settings = generate_settings(cfg, weights_sha256)
 
-    def make_backend():
+    def make_engine():
         if backend_name == "vllm":
             dtype = resolve_dtype(cfg.target.dtype, device)
+            stop_ids = stop_token_ids(tokenizer, model_dir=model_dir)
             with vllm_process_view(local_rank, world, cfg.generate.tensor_parallel_size):
-                return vllm_backend(str(model_dir), cfg.generate, cfg.generate.seed, dtype, stop_token_ids(tokenizer, model_dir=model_dir))
+                return vllm_engine(str(model_dir), cfg.generate, cfg.generate.seed, dtype, stop_ids, rank)
         model = load_target_model(cfg.target, rank_device(cfg.extract.device, local_rank))
-        return transformers_backend(model, tokenizer, cfg.generate, cfg.generate.seed)
+        return BatchEngine(transformers_backend(model, tokenizer, cfg.generate, cfg.generate.seed))
 
     # Rank 0 holds the data folder; every other rank its own slot, so a second job is refused on each.
     lock_dir = out.parent if rank == 0 else paths.generated_parts / "ranks" / str(rank)
@@ -84,7 +86,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         if rank == 0:  # what the answers were made from goes with them: gone until they are rewritten
             paths.generated_provenance.unlink(missing_ok=True)
         result = generate_all(
-            conversations, tokenizer, make_backend, out, cfg.generate, settings, cfg.generate.seed,
+            conversations, tokenizer, make_engine, out, cfg.generate, settings, cfg.generate.seed,
             progress=progress and rank == 0, rank=rank, world=world,
         )
         if rank == 0:
@@ -95,8 +97,11 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "output": str(result.path),
         "conversations": result.num_conversations,
         "bad_rows_skipped": stats.bad_rows,
+        "leading_turns_dropped": stats.leading_turns_dropped,  # not regenerated: they answer no user turn
         "generated_tokens": result.num_generated_tokens,
         "seconds": round(result.seconds, 1),
+        "backend_start_seconds": round(result.start_seconds, 3),
+        "generate_call_seconds": round(result.generate_seconds, 3),
         "parts_reused": result.parts_reused,
         "tool_call_turns_kept": result.tool_call_turns_kept,
         "backend": backend_name,

@@ -33,6 +33,7 @@ from stage1_extract.generate import assistant_slots
 from stage1_extract.generate_command import prompts_format
 from stage1_extract.prepare import row_limits, token_bytes
 from stage1_extract.resolve import prepare_run, resolve_store
+from stage1_extract.tensor_parallel import RESERVE_GIB, fitting_size, weight_gib_per_gpu, working_set_gib
 from stage1_extract.tokens import resolve_workers, tokenize_all
 
 SAMPLE_ROWS = 20_000  # prompts tokenized before generate; the totals are scaled to all rows
@@ -45,29 +46,39 @@ class GpuRates:
 
     name: str
     bf16_tflops: float  # dense bf16 peak (no sparsity), TFLOP/s
-    generate_tok_s: float  # vLLM output tokens/s per GPU, offline batch, an 8B target
+    generate_tok_s: float  # vLLM output tokens/s per GPU, offline batch, an 8B target in bf16
     source: str
+    memory_gib: float  # nvidia-smi's total: H100 SXM 81,559 MiB, H200 143,771, A100 SXM 80 GB 81,920, L40S 46,068
 
+
+# Generation runs the target in bf16 (target.dtype: vllm gets no quantization), while the published
+# offline figures for an 8B target are FP8: MLPerf Inference v5.1 Llama-3.1-8B Offline, Red Hat's
+# vLLM 0.10.0 submissions with FP8 weights, 5,777 tok/s on one H100 and 1,642 on one L40S. vLLM's FP8
+# page puts FP8 W8A8 at "up to a 1.6x improvement in throughput" over 16-bit, so bf16 is taken as the
+# FP8 figure / 1.6: at most that much slower, hours on the long side.
+FP8_SPEEDUP = 1.6
+MLPERF = "MLPerf Inference v5.1 Llama-3.1-8B Offline, {} tok/s on one {} with FP8 weights (Red Hat, vLLM 0.10.0)"
+BF16 = f"/ {FP8_SPEEDUP:g} for bf16 (vLLM's FP8 W8A8 page: up to {FP8_SPEEDUP:g}x the throughput)"
+H100_BF16_TOK_S = 5777.0 / FP8_SPEEDUP
 
 GPUS = {
     "h100": GpuRates(
-        "H100 SXM", 989.0, 5777.0,
-        "bf16 peak: NVIDIA H100 datasheet; generation: MLPerf Inference v5.1 Llama-3.1-8B Offline, 5,777 tok/s on one "
-        "H100 (Red Hat, vLLM 0.10.0, FP8 weights)",
+        "H100 SXM", 989.0, H100_BF16_TOK_S,
+        f"bf16 peak: NVIDIA H100 datasheet; generation: {MLPERF.format('5,777', 'H100')} {BF16}", 79.6,
     ),
     "h200": GpuRates(
-        "H200 SXM", 989.0, 8276.0,
-        "bf16 peak: NVIDIA H200 datasheet (the H100's compute); generation: the H100 figure x 4.8/3.35 TB/s memory "
-        "bandwidth (decoding reads every weight per step)",
+        "H200 SXM", 989.0, H100_BF16_TOK_S * 4.8 / 3.35,
+        "bf16 peak: NVIDIA H200 datasheet (the H100's compute); generation: the H100's bf16 figure x 4.8/3.35 TB/s "
+        "memory bandwidth (decoding reads every weight per step)", 140.4,
     ),
     "a100": GpuRates(
-        "A100 SXM", 312.0, 2889.0,
-        "bf16 peak: NVIDIA A100 datasheet; generation: the H100 figure / 2 (Lambda's vLLM benchmark: H100 ~2x A100)",
+        "A100 SXM", 312.0, H100_BF16_TOK_S / 2,
+        "bf16 peak: NVIDIA A100 datasheet; generation: the H100's bf16 figure / 2 (Lambda's vLLM benchmark: H100 ~2x "
+        "A100)", 80.0,
     ),
     "l40s": GpuRates(
-        "L40S", 362.0, 1642.0,
-        "bf16 peak: NVIDIA L40S datasheet; generation: MLPerf Inference v5.1 Llama-3.1-8B Offline, 1,642 tok/s on one "
-        "L40S (Red Hat, vLLM 0.10.0, FP8 weights)",
+        "L40S", 362.0, 1642.0 / FP8_SPEEDUP,
+        f"bf16 peak: NVIDIA L40S datasheet; generation: {MLPERF.format('1,642', 'L40S')} {BF16}", 45.0,
     ),
 }
 DEFAULT_GPU = "h100"
@@ -116,6 +127,7 @@ def cmd_plan(cfg: RunConfig, *, gpu: str | None = None, gpus: int = 8) -> dict[s
         if prepared.generated_problem:
             plan["generated_data"] = prepared.generated_problem
         generate_tokens = None
+    plan["gpu_memory"] = extraction_memory(cfg, target, kind)
     free = files.free_bytes()
     plan.update(
         {
@@ -127,6 +139,47 @@ def cmd_plan(cfg: RunConfig, *, gpu: str | None = None, gpus: int = 8) -> dict[s
         }
     )
     return plan
+
+
+def extraction_memory(cfg: RunConfig, target: Any, kind: str) -> dict[str, Any]:
+    """GiB on each GPU while extracting at `extract.tensor_parallel_size`: the target's weights (split by
+    its TP plan, the embedding and norms whole), the forward's working set, a reserve; ConfigError when
+    that passes the GPU's memory, naming the smallest size that fits."""
+    rates, extract, arch = GPUS[kind], cfg.extract, target.arch
+    dtype = cfg.target.dtype if cfg.target.dtype != "auto" else "bf16"  # what a GPU runs
+    dtype_bytes = 4 if dtype == "fp32" else 2
+
+    def need(tp: int) -> tuple[float, float, str]:
+        weights, source = weight_gib_per_gpu(target.target_dir, arch, dtype_bytes, tp)
+        working = working_set_gib(arch, len(target.layer_ids), extract.batch_tokens, extract.lm_head_chunk_tokens, dtype_bytes, tp)
+        return weights, working, source
+
+    tp = extract.tensor_parallel_size
+    weights, working, source = need(tp)
+    total = weights + working + RESERVE_GIB
+    smallest = fitting_size(lambda t: sum(need(t)[:2]) + RESERVE_GIB <= rates.memory_gib, arch)
+    out = {
+        "tensor_parallel_size": tp,
+        "weights_gib_per_gpu": round(weights, 2),
+        "working_set_gib": round(working, 2),
+        "reserve_gib": RESERVE_GIB,
+        "total_gib": round(total, 2),
+        "gpu": kind,
+        "gpu_memory_gib": rates.memory_gib,
+        "fits": total <= rates.memory_gib,
+        "smallest_tensor_parallel_size": smallest,
+        "basis": f"{dtype} weights from {source}, split {tp} way(s) but the embedding and norms; working set: one "
+        f"{extract.batch_tokens:,}-token batch's layer activations, captured layers and one "
+        f"{extract.lm_head_chunk_tokens:,}-token LM-head chunk (an upper bound); reserve for the CUDA context and NCCL",
+    }
+    if not out["fits"]:
+        fix = (f"set extract.tensor_parallel_size={smallest} (and launch a multiple of it per node)" if smallest
+               else "no tensor-parallel size the target's heads allow fits: use a larger GPU (--gpu)")
+        raise ConfigError(
+            f"extract.tensor_parallel_size={tp}: {weights:.1f} GiB of weights per GPU + {working:.1f} GiB working set + "
+            f"{RESERVE_GIB:g} GiB reserve = {total:.1f} GiB, more than a {rates.name}'s {rates.memory_gib:g} GiB; {fix}"
+        )
+    return out
 
 
 def store_size(
@@ -275,7 +328,7 @@ def stage_hours(
         per_gpu = rates.generate_tok_s * REFERENCE_PARAMS / params
         out["generate"] = entry(
             generate_tokens / (per_gpu * gpus),
-            f"{generate_tokens:,.0f} answer tokens at {per_gpu:,.0f} tok/s per GPU: {rates.generate_tok_s:,.0f} for an 8B "
+            f"{generate_tokens:,.0f} answer tokens at {per_gpu:,.0f} tok/s per GPU: {rates.generate_tok_s:,.0f} for a bf16 8B "
             f"target x 8B / {params / 1e9:.2g}B parameters ({rates.source.split('generation: ')[1]}); prefill not "
             f"counted apart",
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig
+from shared.errors import ConfigError
 from shared.identity import extraction_source, generated_problem, store_header
 from shared.paths import RunPaths
 from shared.store import StoreFiles
@@ -22,6 +23,7 @@ from shared.target import TargetInfo, resolve_target
 from stage1_extract.data import DataConfig
 from stage1_extract.forward import check_packing
 from stage1_extract.prepare import Prepared, pinned_extraction, prepare
+from stage1_extract.tensor_parallel import tensor_parallel_problem
 
 
 def source_format(data: DataConfig) -> str:
@@ -38,6 +40,15 @@ def resolve_store(cfg: RunConfig, *, deep: bool = False) -> tuple[TargetInfo, St
     header = store_header(cfg, target, pinned_extraction(files))
     if header["extraction"]["packed"]:  # before any row is read: a refused setting costs nothing
         check_packing(header["extraction"]["attn_implementation"], target.arch.model_type)
+    tensor_parallel = header["extraction"].get("tensor_parallel_size", 1)
+    problem = tensor_parallel_problem(target.arch, tensor_parallel)
+    if problem:
+        raise ConfigError(f"{problem}: choose a size that divides them (`python -m stage1_extract plan` names the smallest that fits)")
+    if tensor_parallel > 1 and cfg.store.dtype == "fp4":
+        raise ConfigError(
+            f"store.dtype=fp4 with extract.tensor_parallel_size={tensor_parallel}: fp4 fits its outlier channels on "
+            f"rank 0 with the whole target on one GPU; store bf16 or fp8 for a target split across GPUs"
+        )
     return target, files, header
 
 

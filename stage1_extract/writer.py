@@ -21,10 +21,14 @@ Memory, per rank, is bounded by design:
 A copy is read only after it has landed: each batch carries the CUDA event its producer recorded
 on the stream of the copies' own device after issuing them (`ready`), and the absorbing thread
 waits on that event before touching a byte; on CPU there is nothing to wait for (`ready` is None).
+Finiteness is checked on the device: a batch carries the fp32 sum of its stored values
+(`value_sum`, copied with it), and only a batch whose sum is not finite is checked sample by sample
+on the host, to name the sample; a batch without one (a caller that computed none) is checked so.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -47,6 +51,7 @@ class HostBatch:
     samples: list[SampleFeatures]
     ready: Any
     nbytes: int
+    value_sum: Any = None  # host copy of the device's fp32 sum of the stored values (stage1_extract.extract)
 
 
 @dataclass
@@ -57,6 +62,7 @@ class WriterStats:
     absorb_seconds: float = 0.0  # waiting for copies to land + encoding each batch
     queue_wait_seconds: float = 0.0  # time the forward loop spent blocked on a full queue
     peak_queue_bytes: int = 0
+    host_checked_batches: int = 0  # batches checked value by value on the host (a non-finite sum, or none given)
 
 
 class ShardWriter:
@@ -158,10 +164,13 @@ class ShardWriter:
         """Wait for the batch's copies, check and encode its samples, and free its host bytes."""
         started = time.perf_counter()
         if batch.ready is not None:
-            batch.ready.synchronize()  # the copies into these buffers have landed
+            batch.ready.synchronize()  # the copies into these buffers (and their sum) have landed
+        suspect = batch.value_sum is None or not math.isfinite(float(batch.value_sum))
+        self.stats.host_checked_batches += suspect
         touched = set()
         for sample in batch.samples:
-            check_finite(sample)
+            if suspect:
+                check_finite(sample)
             index = self.shard_of[sample.sample_id]
             self.received[index][sample.sample_id] = encode_sample(sample, self.cfg.dtype, self.outlier_channels)
             touched.add(index)

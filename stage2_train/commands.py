@@ -82,14 +82,23 @@ def run_dir_lock(stack: ExitStack, accelerator: Any, run_dir: str) -> str | None
 
 def cmd_plan(cfg: RunConfig, search: bool = False, world_size: int = 8) -> dict[str, Any]:
     """The GPU memory of this config's worst training step (the densest micro-batch its sampler
-    budgets allow), traced with fake tensors (`train/memory_plan.py`), at the target's shape: its
-    folder's config.json, or the published shape of a known target named by target.path (planning
-    needs no weights)."""
+    budgets allow), traced with fake tensors (`train/memory_plan.py`), at the target's shape."""
+    from stage2_train.train.memory_plan import plan
+
+    inputs, source = plan_inputs(cfg)
+    out = plan(inputs, world_size=world_size, search=search)
+    return {"config": cfg.source, "shape_from": source, **out}
+
+
+def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
+    """What the memory plan reads of a run config (PlanInputs) and where the target's shape came from:
+    its folder's config.json, or the published shape of a known target named by target.path
+    (planning needs no weights)."""
     from pathlib import PurePath
 
     from shared.errors import ConfigError
     from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
-    from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs, plan
+    from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs
 
     folder = Path(cfg.target.path).expanduser()
     if cfg.target.path == EMBEDDED_DEFAULT or (folder / "config.json").is_file():
@@ -105,31 +114,35 @@ def cmd_plan(cfg: RunConfig, search: bool = False, world_size: int = 8) -> dict[
             )
         arch, source = KNOWN_TARGETS[name], f"the published {name} shape"
     layers = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_feature_layers
-    inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers)
-    out = plan(inputs, world_size=world_size, search=search)
-    return {"config": cfg.source, "shape_from": source, **out}
+    return PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers), source
 
 
 # ---------------------------------------------------------------------------------------------
 # eval and export
 
 
-def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, checkpoint_arg: str | None, device: Any = "cpu") -> Any:
-    """The drafter of `checkpoint_arg` (`best`, a checkpoint, a drafter folder) or of the run's newest
-    checkpoint that verifies, as its saved description says. A `model.*` value given on the command
-    line that contradicts it is refused naming both; the config file's model section only says how to
-    run it (a note names what it would have changed)."""
+def _saved_drafter_path(cfg: RunConfig, checkpoint_arg: str | None) -> Path:
+    """The folder eval and export read: `checkpoint_arg` (`best`, a checkpoint, a drafter folder) or the
+    run's newest checkpoint that verifies."""
+    from stage2_train.serve.load import saved_drafter_path
+    from stage2_train.train.checkpoint.select import resolve_checkpoint
+
+    return saved_drafter_path(resolve_checkpoint(checkpoint_arg, RunPaths.of(cfg).checkpoints))
+
+
+def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, path: Path, device: Any = "cpu") -> Any:
+    """The drafter saved at `path` (`_saved_drafter_path`), as its saved description says. A `model.*`
+    value given on the command line that contradicts it is refused naming both; the config file's
+    model section only says how to run it (a note names what it would have changed)."""
     import sys
 
     from stage2_train.serve.evaluation import HeldoutSet
     from stage2_train.serve.load import load_drafter
-    from stage2_train.train.checkpoint.select import resolve_checkpoint
 
-    source = resolve_checkpoint(checkpoint_arg, RunPaths.of(cfg).checkpoints)
     if isinstance(heldout_or_target, HeldoutSet):
-        loaded = heldout_or_target.load(source, cfg.model, device)
+        loaded = heldout_or_target.load(path, cfg.model, device)
     else:
-        loaded = load_drafter(source, heldout_or_target, runtime=cfg.model)
+        loaded = load_drafter(path, heldout_or_target, runtime=cfg.model)
     given = {k for k in cfg.overridden if k.startswith("model.")}
     contradictions = loaded.description.contradictions(cfg.model, given)
     if contradictions:
@@ -145,17 +158,26 @@ def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, checkpoint_arg: str |
 
 
 def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
-    """Offline and online evaluation of the newest (or given) checkpoint on the held-out split, beside
-    an untrained drafter of the same description and the n-gram drafter, on the GPU when there is
-    one (`serve/evaluation.py`); also written to run_dir/eval/<checkpoint>.json."""
+    """Offline and online evaluation of the newest (or given) checkpoint on the held-out split it was
+    trained with (`serve/trained_on.py`), beside an untrained drafter of the same description and the
+    n-gram drafter, on the GPU when there is one (`serve/evaluation.py`); also written to
+    run_dir/eval/<checkpoint>.json."""
+    import sys
+
     from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters, one_line
+    from stage2_train.serve.trained_on import read_trained_on
     from stage2_train.train.launch import train_device
 
-    heldout = HeldoutSet.open(cfg)  # the trainer's checks: target, tokenizer, layers
+    path = _saved_drafter_path(cfg, checkpoint)
+    heldout = HeldoutSet.open(cfg, read_trained_on(path))  # the trainer's checks: target, tokenizer, layers
+    for note in heldout.notes:
+        print(f"note: {note}", file=sys.stderr)
     if len(heldout.heldout) == 0:
-        raise StoreError(f"eval.holdout_fraction={cfg.eval.holdout_fraction} leaves no held-out sample among {len(heldout.reader)}")
+        raise StoreError(
+            f"eval.holdout_fraction={heldout.split['holdout_fraction']} leaves no held-out sample among {len(heldout.reader)}"
+        )
     device = train_device(cfg.train)
-    loaded = _saved_drafter(cfg, heldout, checkpoint, device)
+    loaded = _saved_drafter(cfg, heldout, path, device)
     drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device)}
     prompts = heldout.prompts(cfg.eval.online_num_prompts)
     report = evaluate_drafters(
@@ -166,6 +188,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     result = {
         "checkpoint": str(source),
         "num_heldout": int(len(heldout.heldout)),
+        "split": heldout.split,
         "offline": report["offline"]["trained"],
         "online": report["online"],
         "gap": report["gap"]["trained"],
@@ -190,7 +213,7 @@ def cmd_export(
     from stage2_train.serve.load import read_export_config
 
     target = resolve_target(cfg.target)
-    loaded = _saved_drafter(cfg, target, checkpoint)
+    loaded = _saved_drafter(cfg, target, _saved_drafter_path(cfg, checkpoint))
     tokenizer, _ = cached_tokenizer(str(target.target_dir))
     out_dir = Path(out or RunPaths.of(cfg).export)
     name = target.source.get("hub_id") or Path(cfg.target.path).name  # never this machine's path
@@ -199,12 +222,13 @@ def cmd_export(
         **{k: v for k, v in target.source.items() if k in ("hub_id", "revision", "commit")},
         "verifier": name,
         "weights_sha256": target.weights_sha256,
-        "mask_token": mask_token_string(tokenizer, target.mask_token_id),
+        "mask_token": mask_token_string(tokenizer, loaded.description.mask_token_id),  # the drafter's, never the config's
         "architectures": json.loads((target.target_dir / "config.json").read_text()).get("architectures") or [],
     }
-    export_drafter(loaded.drafter, loaded.description, target_info, out_dir, format=format)
+    training = loaded.trained_on.to_dict() if loaded.trained_on is not None else None
+    export_drafter(loaded.drafter, loaded.description, target_info, out_dir, format=format, training=training)
     cfg.write_resolved(out_dir / LOCAL_ONLY)
-    write_card(out_dir, loaded.description, _card_facts(cfg, target_info, loaded.weights_file))
+    write_card(out_dir, loaded.description, _card_facts(cfg, target_info, loaded))
     publishable(out_dir)
     config = read_export_config(out_dir)
     source = loaded.weights_file
@@ -225,21 +249,28 @@ def cmd_export(
     }
 
 
-def _card_facts(cfg: RunConfig, target_info: dict[str, Any], weights_file: Path) -> dict[str, Any]:
-    """What the model card states, from what the run recorded: the store's manifest, the checkpoint's
-    step, and that checkpoint's held-out eval (run_dir/eval/<step>.json) when `eval` made one."""
+def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dict[str, Any]:
+    """What the model card states, from what the run recorded: the store's manifest (only when it is
+    the store the checkpoint was trained on), the checkpoint's step, and that checkpoint's held-out
+    eval (run_dir/eval/<step>.json) when `eval` made one."""
     from shared.store import StoreFiles, load_manifest
+    from stage2_train.serve.trained_on import other_store
 
     paths = RunPaths.of(cfg)
     facts: dict[str, Any] = {"target": target_info}
-    step_dir = weights_file.parent
+    step_dir = loaded.weights_file.parent
     if step_dir.name.startswith("step_"):
         facts["steps"] = int(step_dir.name[len("step_"):])
     files = StoreFiles(paths.store)
     if files.exists("manifest.json"):
         manifest = load_manifest(files)
-        facts["data"] = {"source": Path(str((manifest.get("data") or {}).get("source", "unknown"))).name,
-                         "num_samples": manifest.get("num_samples"), "num_tokens": manifest.get("num_tokens")}
+        other = other_store(loaded.trained_on, manifest)
+        if other is not None:
+            facts["data"] = {"other_store": other}
+        else:
+            facts["data"] = {"source": Path(str((manifest.get("data") or {}).get("source", "unknown"))).name,
+                             "num_samples": manifest.get("num_samples"), "num_tokens": manifest.get("num_tokens"),
+                             "verified": bool(loaded.trained_on and loaded.trained_on.store_digest)}
     evaluated = paths.eval_dir / f"{step_dir.name}.json"
     if evaluated.is_file():
         online = json.loads(evaluated.read_text())["online"]

@@ -16,8 +16,9 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def chat_rows(count: int, seed: int = 0) -> list[dict]:
-    """Conversations of varied length (so batching and sharding have something to do)."""
+def chat_rows(count: int, seed: int = 0, answer_words: list[int] | None = None) -> list[dict]:
+    """Conversations of varied length (so batching and sharding have something to do); `answer_words`:
+    each answer's length in words (about a token each), else 5 to 60."""
     import random
 
     rng = random.Random(seed)
@@ -25,7 +26,7 @@ def chat_rows(count: int, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(count):
         question = " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))
-        answer = " ".join(rng.choice(words) for _ in range(rng.randint(5, 60)))
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(5, 60) if answer_words is None else answer_words[i]))
         rows.append({"messages": [{"role": "user", "content": f"{i}: {question}"}, {"role": "assistant", "content": answer}]})
     return rows
 

@@ -3,6 +3,7 @@
     arch = tiny_arch(kv_heads=2)
     drafter = tiny_drafter(arch, num_layers=2)               # random frozen embedding and LM head
     batch = three_sample_batch(arch)                         # three samples packed, shuffled
+    graphs, worst = compiled_flex_over_packs(packs, kind, heads=4, kv_heads=2, head_dim=16)
 """
 
 from __future__ import annotations
@@ -88,6 +89,45 @@ def make_packed_batch(
         batch.topk_logprobs_NBK = torch.randn(N, block_size, top_k, generator=gen).log_softmax(-1)
         batch.topk_ids_NBK = torch.randint(0, MASK_ID, (N, block_size, top_k), generator=gen)
     return batch
+
+
+def compiled_flex_over_packs(
+    packs: list[DrafterBatch], kind, heads: int, kv_heads: int, head_dim: int, dtype=torch.float32, check: int | None = None
+) -> tuple[list[int], float]:
+    """Compiled flex attention (attention.COMPILE_BACKEND, from a fresh dynamo) over packs of different
+    shapes, each on its own device, with random q/k/v: dynamo's graph count after each pack, and the
+    largest |difference| from the rule written out (the naive plan) over the first `check` packs (all
+    when None). tests/test_attention.py runs it on CPU, bench/gpu_check.py with inductor on a GPU."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from stage2_train.model import attention
+
+    def reset() -> None:
+        attention._flex_attention.cache_clear()
+        attention._block_mask_builder.cache_clear()
+        torch._dynamo.reset()
+
+    reset()
+    counters.clear()
+    graphs, worst, scale = [], 0.0, head_dim**-0.5
+    try:
+        with torch.no_grad():
+            for i, batch in enumerate(packs):
+                (N, B), T, device = batch.block_ids_NB.shape, batch.context_TF.shape[0], batch.anchor_pos_N.device
+                q = torch.randn(N, B, heads, head_dim, device=device, dtype=dtype)
+                k_ctx, v_ctx = (torch.randn(T, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+                k_blk, v_blk = (torch.randn(N, B, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+                plan = attention._plan_flex(batch, B, kind, compiled=True)
+                out = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk, plan, scale=scale)
+                if check is None or i < check:  # the rule is quadratic: a few packs on large shapes
+                    naive = attention.AttentionPlan("naive", B, kind, batch=batch)
+                    ref = attention.packed_attention(q, k_ctx, v_ctx, k_blk, v_blk, naive, scale=scale)
+                    worst = max(worst, float((out.float() - ref.float()).abs().max()))
+                graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        reset()
+    return graphs, worst
 
 
 def three_sample_batch(arch, block_size=4, shuffle=True, num_feature_layers=2) -> DrafterBatch:

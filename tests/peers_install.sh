@@ -4,7 +4,7 @@
 #
 #   bash tests/peers_install.sh [DIR]          # DIR defaults to /tmp/dflash-peers
 #   export DFLASH_PEERS=...                    # the line it prints at the end
-#   .venv/bin/python -m pytest -q tests/test_peers.py
+#   .venv/bin/python -m pytest -q tests/test_peers.py tests/test_peers_variants.py
 #
 # Every package goes in with `pip install --no-deps --target`: the peers run on the venv's torch,
 # transformers, safetensors and pydantic, never on copies of their own. PYTHON picks the interpreter

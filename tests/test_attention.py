@@ -12,8 +12,15 @@ import warnings
 import pytest
 import torch
 
-from stage2_train.model.attention import FULL, MaskKind, layer_kinds, packed_attention
-from testkit.drafter import MASK_ID, make_packed_batch, three_sample_batch, tiny_arch, tiny_drafter
+from stage2_train.model.attention import FULL, MaskKind, layer_kinds
+from testkit.drafter import (
+    MASK_ID,
+    compiled_flex_over_packs,
+    make_packed_batch,
+    three_sample_batch,
+    tiny_arch,
+    tiny_drafter,
+)
 
 
 def test_layer_kinds_follow_zlab_reading_of_the_config():
@@ -96,44 +103,20 @@ def random_batch(rng: random.Random, arch, block_size=4):
     return make_packed_batch(tokens, anchors, block_size, 2 * arch.hidden_size, seed=rng.randrange(1000))
 
 
+@pytest.mark.slow  # ~60 s on 2 cores: `make test-all`
 def test_compiled_flex_compiles_a_fixed_number_of_times_over_twenty_pack_shapes(monkeypatch):
     """The mask is built from index tensors only: 20 micro-batches of different shapes cost a few
     compilations (dynamo's counters: one per size-1 specialisation, a pack of one block or of one
     128-key tile, none after), and compiled flex equals the naive rule on each. Dynamo's guards decide
     recompilation whatever the backend; CPU compiles with aot_eager (see COMPILE_BACKEND), and the
     GPU check runs the same loop with inductor."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
     from stage2_train.model import attention
 
     monkeypatch.setattr(attention, "COMPILE_BACKEND", "aot_eager")
-    attention._flex_attention.cache_clear()
-    attention._block_mask_builder.cache_clear()
-    torch._dynamo.reset()
-    counters.clear()
-    arch = tiny_arch(kv_heads=2)
-    kind = MaskKind(6, True)
-    rng = random.Random(0)
-    graphs = []
-    try:
-        with torch.no_grad():
-            for _ in range(20):
-                batch = random_batch(rng, arch)
-                N, B = batch.block_ids_NB.shape
-                T = batch.context_TF.shape[0]
-                q = torch.randn(N, B, 4, 16)
-                k_ctx, v_ctx = torch.randn(T, 2, 16), torch.randn(T, 2, 16)
-                k_blk, v_blk = torch.randn(N, B, 2, 16), torch.randn(N, B, 2, 16)
-                plan = attention._plan_flex(batch, B, kind, compiled=True)
-                out = packed_attention(q, k_ctx, v_ctx, k_blk, v_blk, plan, scale=0.25)  # the plan says compiled
-                naive = attention.AttentionPlan(backend="naive", block_size=B, kind=kind, batch=batch)
-                torch.testing.assert_close(out, packed_attention(q, k_ctx, v_ctx, k_blk, v_blk, naive, scale=0.25), atol=1e-4, rtol=1e-4)
-                graphs.append(counters["stats"]["unique_graphs"])
-    finally:
-        attention._flex_attention.cache_clear()
-        attention._block_mask_builder.cache_clear()
-        torch._dynamo.reset()
+    arch, rng = tiny_arch(kv_heads=2), random.Random(0)
+    packs = [random_batch(rng, arch) for _ in range(20)]
+    graphs, worst = compiled_flex_over_packs(packs, MaskKind(6, True), heads=4, kv_heads=2, head_dim=16)
+    assert worst < 1e-4, worst  # every pack equals the rule written out
     assert graphs[-1] <= 6 and graphs[9] == graphs[-1], f"graphs compiled after each of 20 packs: {graphs}"
 
 

@@ -411,6 +411,23 @@ def test_compatibility_refusal_names_the_field_and_both_values():
         check_compatible(saved, current, force=False)
 
 
+def test_another_variant_is_reported_once_as_the_variant():
+    """A DSpark run resuming a DFlash checkpoint: model.variant names it; the heads its description
+    gains (markov_rank, ...) are not reported again as the drafter's description."""
+    saved = {"model": {"variant": "dflash", "markov_rank": 256, "block_size": 16}}
+    current = {"model": {"variant": "dspark", "markov_rank": 256, "block_size": 16}}
+    before = {"variant": "dflash", "block_size": 16}
+    now = {"variant": "dspark", "block_size": 16, "markov_rank": 256, "markov_head": "vanilla", "confidence_head": True}
+    assert check_compatible(saved, current, force=True, saved_drafter=before, drafter=now) == [
+        "model.variant: saved 'dflash', now 'dspark' (the drafter's architecture and its labels (dspark predicts one token further))"
+    ]
+    # the same variant with other head sizes: once, as its setting
+    resized = {"model": {**current["model"], "markov_rank": 64}}
+    assert check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64}) == [
+        "model.markov_rank: saved 256, now 64 (the DSpark heads (their weights would not fit))"
+    ]
+
+
 def test_a_checkpoint_saved_before_a_rename_resumes_under_the_new_name():
     """A config saved by a checkpoint before sampler.token_budget became sampler.micro_batch_tokens
     (eval.offline_token_budget -> offline_batch_tokens): the same value is no change, another is
@@ -706,3 +723,45 @@ def test_a_rank_file_that_never_shows_fails_the_save_naming_it(tmp_path, monkeyp
         ckpt.save(2, lambda: small_rank_state(2), blocking=True)
     assert 1.0 <= time.monotonic() - started < 10
     assert latest_checkpoint(tmp_path).name == "step_000001"  # nothing committed without rank 1's state
+
+
+# ---- the `best` pointer: one reader, every rank told (review1 item 15) --------------------------------
+def best_as_rank_sees_it(rank: int, port: int, dirs: list[Path], out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ckpt = Checkpointer(CheckpointConfig(keep_best=True), dirs[rank], None, rank, 2)
+        out.put((rank, ckpt.best_metric, ckpt.best_value))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_holds_the_best_pointer_rank_0_read(tmp_path):
+    """Rank 1 sees another `best` file than rank 0 (a stale NFS copy, here another folder): it must hold
+    rank 0's pointer, or the ranks disagree on whether an eval is a new best and some save while others
+    do not. Two gloo ranks forked from this process (no fresh interpreter to import torch)."""
+    import multiprocessing
+    import socket
+
+    dirs = [tmp_path / "as_rank_0_sees_it", tmp_path / "as_rank_1_sees_it"]
+    for folder, pointer in zip(dirs, ({"step": 4, "metric": "accept_len", "value": 1.5}, {"step": 2, "metric": "walk_tau", "value": 1.1})):
+        folder.mkdir()
+        (folder / "best").write_text(json.dumps(pointer))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    procs = [context.Process(target=best_as_rank_sees_it, args=(rank, port, dirs, out)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        seen = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert seen == [(0, "accept_len", 1.5), (1, "accept_len", 1.5)]

@@ -57,3 +57,31 @@ def test_report_for_people_and_for_scripts(tmp_path, capsys):
     assert text.startswith("healthy: ") and "report.md" in text and "plots in" in text
     assert stage2_cli.main(["report", "--json", str(log)]) == 0
     assert set(json.loads(capsys.readouterr().out)) >= {"out_dir", "report", "plots", "healthy", "num_events"}
+
+
+def test_a_fix_command_in_an_error_names_this_runs_config_and_overrides(tmp_path, capsys):
+    """Without --config the printed fix would act on runs/default, not on the run that failed."""
+    config = tmp_path / "my run.yaml"
+    config.write_text(f"inherit: default\nrun_dir: {tmp_path / 'run'}\n")
+    assert stage1_cli.main(["extract", "--config", str(config), "data.max_samples=4", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'run'}/data/generated.parquet does not exist: run `python -m stage1_extract generate "
+        f"--config '{config}' data.max_samples=4` first (or set data.regenerate=false to extract data.path as it is)\n"
+    )
+
+
+def test_every_suggested_command_gets_the_config_unless_it_names_one():
+    from shared.cli import for_this_run
+
+    message = (
+        "run `python -m stage1_extract verify --repair` or `reprocess`; `python -m stage1_extract extract --config ...` "
+        "builds it (`make extract`); `torchrun --nproc_per_node 8 -m stage2_train train train.resume_force=true`; "
+        "`python -m stage2_train eval --config other.yaml`"
+    )
+    assert for_this_run(message, "my.yaml", ["run_dir=/r", "train.resume_force=false", "runs/x"]) == (
+        "run `python -m stage1_extract verify --config my.yaml run_dir=/r train.resume_force=false --repair` or "
+        "`reprocess`; `python -m stage1_extract extract --config my.yaml run_dir=/r train.resume_force=false` builds it "
+        "(`make extract CONFIG=my.yaml ARGS='run_dir=/r train.resume_force=false'`); `torchrun --nproc_per_node 8 -m "
+        "stage2_train train --config my.yaml run_dir=/r train.resume_force=true`; `python -m stage2_train eval --config "
+        "other.yaml`"
+    )

@@ -201,3 +201,63 @@ def test_both_stages_check_before_their_first_collective(loopback_host, tmp_path
     with pytest.raises(ConfigError, match="GLOO_SOCKET_IFNAME=ib0"):
         stage2.cmd_train(cfg, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+RANKS_SCRIPT = """
+import os, sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as dist
+from stage1_extract import distributed as d
+
+d.JOIN_TIMEOUT, d.WORK_TIMEOUT = timedelta(seconds=4), timedelta(seconds=120)  # 10 min and 6 h, scaled down
+late, folder, ranks_here = float(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+(folder / os.environ["RANK"]).touch()
+while len(list(folder.iterdir())) < ranks_here:  # start together: imports on shared cores take seconds
+    time.sleep(0.05)
+start = time.monotonic()
+try:
+    d.join_ranks(2)
+except Exception as exc:
+    print(f"not joined after {time.monotonic() - start:.0f} s: {type(exc).__name__}", flush=True)
+    sys.exit(0)
+time.sleep(late)  # this rank's tokenizing or shards take longer than JOIN_TIMEOUT
+d.wait_for_ranks(2)
+print("waited", flush=True)
+time.sleep(late)
+try:
+    dist.barrier()  # the default group (the store lock's vote) keeps JOIN_TIMEOUT
+    print("voted", flush=True)
+except RuntimeError:
+    print("vote timed out", flush=True)
+d.leave_ranks(2)
+"""
+
+
+@pytest.mark.slow  # three interpreters importing torch, ranks 7 s late twice: ~30 s
+def test_a_node_that_never_joins_stops_the_others_soon_and_only_work_barriers_wait_long(tmp_path):
+    """One node refusing the network check used to leave the others in init_process_group for 6 hours."""
+    import subprocess
+    import sys
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def launch(rank: int, port: int, late: float, folder: Path, ranks_here: int) -> subprocess.Popen:
+        folder.mkdir(exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        return subprocess.Popen([sys.executable, "-c", RANKS_SCRIPT, str(late), str(folder), str(ranks_here)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    port = free_port()
+    pair = [launch(rank, port, 7.0 * rank, tmp_path / "pair", 2) for rank in (0, 1)]
+    alone = launch(0, free_port(), 0.0, tmp_path / "alone", 1)  # its rank 1's node refused to start
+    outs = [p.communicate(timeout=90) for p in (*pair, alone)]
+    assert [p.returncode for p in (*pair, alone)] == [0, 0, 0], [err[-2000:] for _, err in outs]
+    # rank 1 came 7 s late to both: the work barrier waited for it, the vote gave up after 4 s (and so
+    # did rank 1's, its partner gone)
+    assert [out for out, _ in outs[:2]] == ["waited\nvote timed out\n"] * 2
+    assert outs[2][0] in ("not joined after 4 s: DistStoreError\n", "not joined after 5 s: DistStoreError\n")

@@ -239,6 +239,62 @@ def test_read_rows_numbers_rows_as_stage_1_does(tmp_path):
     assert [c.row for c in read_conversations(path, on_bad_row="skip")] == [0, 3]
 
 
+# A ShareGPT chunk cut from a longer chat: it opens with the assistant (and a tool call and its result).
+OPENS_WITH_ASSISTANT = [
+    {"system": "Be brief.", "conversations": [
+        {"from": "gpt", "value": "As I said, it is 4."}, {"from": "human", "value": "Why?"}, {"from": "gpt", "value": "2+2."}]},
+    {"conversations": [
+        {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2}}'}, {"from": "observation", "value": "4"},
+        {"from": "gpt", "value": "It is 4."}, {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "6."}]},
+    {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+]
+
+
+def test_turns_before_the_first_user_turn_are_dropped_and_counted(tmp_path, tokenizer):
+    """Regenerating them would answer an empty prompt; supervising them, text conditioned on nothing."""
+    from stage1_extract.generate import assistant_slots
+
+    stats = ReadStats()
+    convs = list(read_conversations(write_jsonl(tmp_path / "s.jsonl", OPENS_WITH_ASSISTANT), stats=stats))
+    assert [c.messages for c in convs] == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "2+2."}],
+        [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}],
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+    ]
+    assert stats.leading_turns_dropped == 4 and stats.bad_rows == 0
+    for conv in convs:  # every turn generate rewrites answers a user turn
+        assert all(any(m["role"] == "user" for m in conv.messages[:slot]) for slot in assistant_slots(conv.messages))
+    sample = tokenize_conversation(tokenizer, convs[0].messages, 256)
+    assert supervised(tokenizer, sample) == "2+2.<|im_end|>\n"
+    assert "As I said" not in tokenizer.decode(sample.input_ids)
+    openai = [{"messages": [{"role": "assistant", "content": "Hi!"}, *CHAT]}]
+    stats = ReadStats()
+    assert [c.messages for c in read_conversations(write_jsonl(tmp_path / "o.jsonl", openai), stats=stats)] == [CHAT]
+    assert stats.leading_turns_dropped == 1
+
+
+def test_generate_and_extract_count_the_dropped_turns(tiny_target_dir, tmp_path):
+    from shared.config import load_run_config
+    from shared.store import read_manifest
+    from stage1_extract import commands
+    from testkit.data import stage1_overrides
+
+    data = write_jsonl(tmp_path / "s.jsonl", OPENS_WITH_ASSISTANT)
+    overrides = stage1_overrides(tiny_target_dir, data, tmp_path / "run")
+    extracted = commands.cmd_extract(load_run_config("configs/default.yaml", overrides), progress=False)
+    assert extracted["leading_turns_dropped"] == 4
+    assert read_manifest(str(tmp_path / "run" / "store"))["data"]["leading_turns_dropped"] == 4
+    generated = commands.cmd_generate(load_run_config("configs/default.yaml", [
+        *overrides, "data.regenerate=true", "generate.max_new_tokens=3", "extract.device=cpu"]), progress=False)
+    assert generated["leading_turns_dropped"] == 4
+    from stage1_extract.__main__ import show_extract, show_generate
+
+    assert show_generate(generated).endswith("\n4 turn(s) before a row's first user turn dropped (they answer nothing)")
+    assert show_extract(extracted).endswith("; 4 turn(s) before a row's first user turn dropped")
+    roles = [[m["role"] for m in c.messages] for c in read_conversations(generated["output"])]
+    assert roles == [["system", "user", "assistant"], ["user", "assistant"], ["user", "assistant"]]
+
+
 # ---- loss masks ---------------------------------------------------------------------------------------
 def test_tool_calls_and_answers_are_supervised_tool_results_and_user_turns_are_not(tmp_path, tokenizer):
     """SmolLM2's template knows no tool calls: they are written into the assistant's turn as Hermes text."""

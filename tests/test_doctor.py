@@ -461,3 +461,20 @@ def test_report_panels_read_at_a_glance():
     series = [line for line in accept_ax.get_lines() if line.get_label().startswith("held-out")]
     assert len(series) == 2 and all(a != b for a, b in zip(series[0].get_xdata(), series[1].get_xdata()))
     plt.close(fig)
+
+
+def test_the_doctor_reads_a_variants_own_heads():
+    """A DSpark run whose confidence head over-predicts, a DFlash2 run whose selector loses to its own
+    argmax: each said with its numbers; a DFlash run's log says nothing of either."""
+    rows = trainer_records(60)
+    dspark = [{**r, "confidence_pred_mean": 0.62, "accept_rate": 0.41, "confidence_abs_error": 0.25} if r.get("kind") == "train" else r for r in rows]
+    dflash2 = [{**r, "selector_accuracy": 0.30, "unary_top1_accuracy": 0.34, "candidate_recall": 0.9} if r.get("kind") == "train" else r for r in rows]
+    assert diagnose(rows)["summary"]["variant_heads"] == []
+    (note,) = diagnose(dspark)["summary"]["variant_heads"]
+    assert note.startswith("dspark confidence head: predicts 0.620 per slot where the top-k overlap is 0.410 (mean |error| 0.250)")
+    assert "miscalibrated" in note
+    (note,) = diagnose(dflash2)["summary"]["variant_heads"]
+    assert "selector: picks the target's top-1 on 0.300 of slots, the unary argmax on 0.340 (lift -0.040)" in note
+    assert "loses to the argmax" in note
+    calibrated = [{**r, "accept_rate": 0.6} for r in dspark]
+    assert "miscalibrated" not in diagnose(calibrated)["summary"]["variant_heads"][0]

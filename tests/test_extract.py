@@ -407,6 +407,58 @@ def test_packed_extraction_equals_padded_extraction(tiny_target_dir, attn):
         assert torch.equal(ids_q, ids_p)
 
 
+def test_packed_flash_attention_gets_the_sequence_boundaries_once_per_forward(tiny_target_dir):
+    """Under flash-attn a packed batch hands every layer its samples' boundaries (transformers'
+    varlen kwargs: cu_seq_lens as int32, the longest length as an int), so no layer derives them from
+    the position ids (a few host syncs per layer). Shown with a stand-in for flash-attn's varlen kernel
+    (CPU has none): each layer sees the boundaries, and the store's features equal the padded path's."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from stage1_extract.batching import TokenizedRow
+    from stage1_extract.forward import forward_batch
+
+    seen = []
+
+    def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        seen.append((cu, longest, kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k")))
+        assert cu is not None and isinstance(longest, int), "the layer would derive the boundaries itself"
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        bounds = cu.tolist()
+        out = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
+               for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(out, dim=2).transpose(1, 2), None
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 17, 9, 30]
+    rows = [
+        TokenizedRow(sample_id=i, row_hash="", input_ids=torch.randint(0, 1000, (n,), generator=generator).numpy().astype(np.int32), loss_mask=np.ones(n, bool))
+        for i, n in enumerate(lengths)
+    ]
+    capture = LayerCapture(model, LAYERS)
+    padded = forward_batch(model, capture, rows, top_k=8, chunk=16, packed=False)
+    ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = varlen_attention
+    try:
+        model.config._attn_implementation = "flash_attention_2"
+        packed = forward_batch(model, capture, rows, top_k=8, chunk=16, packed=True)
+    finally:
+        model.config._attn_implementation = "sdpa"
+        del ALL_ATTENTION_FUNCTIONS._local_mapping["flash_attention_2"]
+        capture.close()
+    assert len(seen) == model.config.num_hidden_layers  # every layer, one forward
+    for cu_q, longest, cu_k, longest_k in seen:
+        assert cu_q.dtype == torch.int32 and cu_q.tolist() == [0, 5, 22, 31, 61] and cu_k is cu_q
+        assert longest == longest_k == 30
+    for (hidden_p, values_p, ids_p), (hidden_q, values_q, ids_q) in zip(padded, packed):
+        torch.testing.assert_close(hidden_q, hidden_p, rtol=0, atol=1e-5)
+        torch.testing.assert_close(values_q, values_p, rtol=0, atol=1e-5)
+        assert torch.equal(ids_q, ids_p)
+
+
 def test_packed_extraction_is_refused_where_the_attention_cannot_keep_samples_apart(tiny_target_dir, data_file, tmp_path, monkeypatch):
     """Refused by name before any row is read or the target loads; sdpa and eager honour packing."""
     import transformers.masking_utils

@@ -7,6 +7,7 @@ that changes the stored bytes.
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -69,25 +70,38 @@ class FakeEvent:
         self.synchronized = True
 
 
+class LandedSum:
+    """A batch's value sum, which may be read only after the batch's event."""
+
+    def __init__(self, event, value):
+        self.event, self.value = event, value
+
+    def __float__(self):
+        assert self.event.synchronized, "a batch's value sum was read before its copies landed"
+        return self.value
+
+
 def test_the_writer_reads_a_batch_only_after_its_copies_have_landed(tmp_path, monkeypatch):
-    """Every batch carries the event of its copies; nothing reads the host bytes before waiting on it."""
+    """Every batch carries the event of its copies; nothing reads the host bytes, nor the batch's
+    value sum, before waiting on it."""
     shards = rows_and_shards(2, 2)
     event_of: dict[int, FakeEvent] = {}
-    real_check = writer_mod.check_finite
+    real_encode = writer_mod.encode_sample
 
-    def checked(sample):
+    def encode(sample, *args):
         assert event_of[sample.sample_id].synchronized, "a sample was read before its copies landed"
-        real_check(sample)
+        return real_encode(sample, *args)
 
-    monkeypatch.setattr(writer_mod, "check_finite", checked)
+    monkeypatch.setattr(writer_mod, "encode_sample", encode)
     writer = ShardWriter(str(tmp_path / "store"), StoreConfig(compression="none"), shards, queue_mb=64)
     for shard in shards:
         event = FakeEvent()
         samples = host_samples(shard)
         event_of.update(dict.fromkeys((s.sample_id for s in samples), event))
-        writer.put(HostBatch(samples, event, host_bytes(samples)))
+        writer.put(HostBatch(samples, event, host_bytes(samples), LandedSum(event, 1.0)))
     stats = writer.finish()
     assert stats.shards_written == 2 and all(e.synchronized for e in event_of.values())
+    assert stats.host_checked_batches == 0
 
 
 def test_the_loop_hands_every_batch_its_ready_event(tiny_target_dir, tmp_path, monkeypatch):
@@ -97,14 +111,61 @@ def test_the_loop_hands_every_batch_its_ready_event(tiny_target_dir, tmp_path, m
     cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
     made = []
 
-    def to_host(outputs, device):
+    def to_host(outputs, device, value_sum):
         event = FakeEvent()
         made.append(event)
-        return [tuple(t.cpu() for t in triple) for triple in outputs], event
+        return [tuple(t.cpu() for t in triple) for triple in outputs], event, LandedSum(event, float(value_sum))
 
     monkeypatch.setattr(extract_mod, "to_host", to_host)
     commands.cmd_extract(cfg, progress=False)
     assert made and all(e.synchronized for e in made)
+
+
+def test_finiteness_is_one_device_sum_per_batch_never_a_host_scan(tiny_target_dir, tmp_path, monkeypatch):
+    """The loop sums each batch's stored values on the device (one fp32 number, copied with the
+    batch); the writer reads it after the batch's event and scans no value on the host while it is
+    finite. A NaN still names its sample (tests/test_extract.py)."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    scanned, sums = [], []
+    real_sum = extract_mod.stored_value_sum
+
+    def summed(outputs):
+        total = real_sum(outputs)
+        sums.append((total.shape, total.dtype, len(outputs)))
+        return total
+
+    monkeypatch.setattr(writer_mod, "check_finite", scanned.append)
+    monkeypatch.setattr(extract_mod, "stored_value_sum", summed)
+    commands.cmd_extract(cfg, progress=False)
+    assert sums and all(shape == () and dtype == torch.float32 for shape, dtype, _ in sums)
+    assert sum(n for _, _, n in sums) == 6 and scanned == []
+
+
+def test_the_writer_queue_holds_two_forward_batches_of_the_target(tiny_target_dir, tmp_path, monkeypatch):
+    """Left unset, extract.writer_queue_mb is two batches of host copies: 5.1 GiB at the 8B presets
+    (65,536 tokens x (5 layers x 4,096 x bf16 + 64 x 8)), which the old 2 GiB default could not hold
+    once; on the tiny target, what the loop hands the writer."""
+    from stage1_extract.extract import ExtractConfig, host_token_bytes, writer_queue_mb
+
+    preset = load_run_config(ROOT / "configs/qwen3-8b.yaml", [])
+    assert preset.extract.writer_queue_mb is None and preset.extract.batch_tokens == 65536
+    per_token = host_token_bytes(5, 4096, 2, preset.extract.top_k)
+    assert per_token == 41472 and writer_queue_mb(preset.extract, per_token) == 5184  # MiB: 2 x 2.53 GiB
+    assert writer_queue_mb(ExtractConfig(writer_queue_mb=300), per_token) == 300
+    made = []
+    real_writer = extract_mod.ShardWriter
+
+    def writer(url, store_cfg, shards, queue_mb, *args):
+        made.append(queue_mb)
+        return real_writer(url, store_cfg, shards, queue_mb, *args)
+
+    monkeypatch.setattr(extract_mod, "ShardWriter", writer)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    commands.cmd_extract(cfg, progress=False)
+    # 3 feature layers of the tiny target's 64 in fp32, top-8
+    assert made == [math.ceil(2 * cfg.extract.batch_tokens * host_token_bytes(3, 64, 4, cfg.extract.top_k) / 2**20)]
 
 
 def test_the_writer_queue_is_bounded_in_bytes(tmp_path, monkeypatch):

@@ -315,6 +315,7 @@ def test_healthy_and_jittery_logs_without_standard_errors_raise_nothing(seed):
     assert found(detect(without_se(plateau(30, jitter=1.0, seed=seed), num_samples=None, seed=seed))) == []
 
 
+@pytest.mark.slow  # ~60 s on 2 cores: `make test-all`
 def test_trend_rule_false_alarms_on_pure_noise_are_rare():
     """The trend rule's false-alarm rate, measured: logs whose held-out level is flat noise (three
     metrics, independent evals with 10% jitter, no noise logged so only the trend rule judges) while

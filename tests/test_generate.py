@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from shared.conversations import Conversation
 from shared.reader import StoreReader
 from shared.target import load_tokenizer
 from stage1_extract import commands, generate
+from stage1_extract.backends import engine_seed
 from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import tokenize_conversation
 from testkit.data import write_jsonl
@@ -29,33 +32,72 @@ EOS = 2  # SmolLM2's <|im_end|>
 
 
 class FakeSamplingParams:
-    def __init__(self, **kwargs):
+    def __init__(self, seed=None, **kwargs):
+        self.seed = seed
         self.__dict__.update(kwargs)
 
 
+class FakeEngine:
+    """vLLM's engine API (add_request / step / has_unfinished_requests), decoding one token per
+    step for at most `max_num_seqs` requests at a time, first come first served. An answer is drawn
+    from its request's own seed when it has one, else from the engine's seeded stream in the order
+    requests start (so, as on vLLM, it depends on what ran before it)."""
+
+    max_num_seqs = 4
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.waiting, self.running = [], {}
+        self.added = []  # (request id, prompt ids) in order
+        self.steps = []  # request ids decoding at each step
+        self.fail_after_steps = None
+
+    def add_request(self, request_id, prompt, params):
+        assert isinstance(request_id, str) and set(prompt) == {"prompt_token_ids"}
+        self.added.append((request_id, prompt["prompt_token_ids"]))
+        self.waiting.append((request_id, params))
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting or self.running)
+
+    def step(self):
+        if self.fail_after_steps is not None and len(self.steps) >= self.fail_after_steps:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request_id, params = self.waiting.pop(0)
+            rng = random.Random(params.seed) if params.seed is not None else self.rng
+            ids = [rng.randrange(300, 5000) for _ in range(rng.randint(3, params.max_tokens - 1))] + [EOS]
+            self.running[request_id] = [ids, 0]
+        self.steps.append(sorted(self.running))
+        outputs = []
+        for request_id in list(self.running):
+            ids, done = self.running[request_id]
+            self.running[request_id][1] = done + 1
+            finished = done + 1 == len(ids)
+            if finished:
+                del self.running[request_id]
+            outputs.append(types.SimpleNamespace(
+                request_id=request_id, finished=finished, outputs=[types.SimpleNamespace(token_ids=ids[: done + 1])]
+            ))
+        return outputs
+
+
 class FakeLLM:
-    """vLLM's offline API: answers drawn from each request's own seed, ending in EOS."""
+    """vLLM's offline entry point: it builds the engine the backend feeds."""
 
     made: list[dict] = []
 
     def __init__(self, model, dtype, seed, tensor_parallel_size):
         FakeLLM.made.append(
-            {"tp": tensor_parallel_size, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "rank_env": "RANK" in os.environ}
+            {"tp": tensor_parallel_size, "seed": seed, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "rank_env": "RANK" in os.environ}
         )
-
-    def generate(self, prompts, params, use_tqdm=False):
-        assert len(prompts) == len(params)
-        outs = []
-        for _, p in zip(prompts, params):
-            rng = random.Random(p.seed)
-            ids = [rng.randrange(300, 5000) for _ in range(rng.randint(3, p.max_tokens - 1))] + [EOS]
-            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, text="not used")]))
-        return outs
+        self.llm_engine = FakeEngine(seed)
+        FakeLLM.engines.append(self.llm_engine)
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    FakeLLM.made = []
+    FakeLLM.made, FakeLLM.engines = [], []
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeSamplingParams))
     return FakeLLM
 
@@ -78,27 +120,50 @@ def answers(path):
     return [[m.get("token_ids") for m in c.messages if m["role"] == "assistant"] for c in read_conversations(path)]
 
 
-def test_vllm_answers_keep_their_token_ids_and_a_seed_per_row(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+def test_vllm_answers_keep_their_token_ids_and_sample_on_the_fast_path(tiny_target_dir, tmp_path, fake_vllm):
+    """By default no request carries a seed (vLLM's fast sampler; one engine seed per rank); with
+    generate.per_request_seeds each request is seeded from its row and turn, so another part size
+    gives the same answers."""
     data = prompts_file(tmp_path)
     out = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "a", **{"generate.tensor_parallel_size": 2}), progress=False)
     got = answers(out["output"])
     assert all(len(a) == 1 and a[0] and EOS not in a[0] for a in got)  # ids kept, stop token left to the template
-    assert len({tuple(a[0]) for a in got}) == len(got)  # a seed per request, not one per call
-    assert fake_vllm.made[0]["tp"] == 2
+    assert fake_vllm.made[0]["tp"] == 2 and fake_vllm.made[0]["seed"] == engine_seed(0, 0)
+    engine = fake_vllm.engines[0]
+    assert len(engine.added) == 10 and len({tuple(a[0]) for a in got}) == len(got)
     tokenizer = load_tokenizer(generate_config(tiny_target_dir, data, tmp_path / "a").target)
     texts = [c.messages[-1]["content"] for c in read_conversations(out["output"])]
     assert texts[0] == tokenizer.decode(got[0][0], skip_special_tokens=True)  # the text is for people
-    # Another part size: the same answers (the seed belongs to the row, not to the call).
-    other = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "b", **{"generate.rows_per_part": 4}), progress=False)
-    assert answers(other["output"]) == got
+    seeded = {"generate.per_request_seeds": "true"}
+    three = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "b", **seeded), progress=False)
+    four = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "c", **seeded, **{"generate.rows_per_part": 4}), progress=False)
+    assert answers(three["output"]) == answers(four["output"])  # the seed belongs to the row, not to the call
+    assert answers(three["output"]) != got
+
+
+def test_the_engine_start_is_timed_apart_from_generating(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """A few dozen prompts on a GPU take seconds; an engine's start can take a minute: the summary
+    says which was which."""
+    import time
+
+    made, step = FakeLLM.__init__, FakeEngine.step
+    monkeypatch.setattr(FakeLLM, "__init__", lambda self, *a, **k: (time.sleep(0.3), made(self, *a, **k))[1])
+    monkeypatch.setattr(FakeEngine, "step", lambda self: (time.sleep(0.02), step(self))[1])
+    out = commands.cmd_generate(generate_config(tiny_target_dir, prompts_file(tmp_path), tmp_path / "a"), progress=False)
+    steps = len(FakeLLM.engines[0].steps)
+    assert 0.3 <= out["backend_start_seconds"] < 0.6  # one engine started once, none of the engine's steps
+    assert steps > 4 and out["generate_call_seconds"] >= 0.02 * steps
+    assert out["backend_start_seconds"] + out["generate_call_seconds"] <= out["seconds"] + 0.05
 
 
 def test_ranks_each_run_an_engine_on_their_own_gpu_and_share_the_parts(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
-    """Under torchrun rank r runs one engine on its GPU, sees no torchrun variables while it
-    starts, writes parts r, r + W, ...; rank 0 merges: the file equals a single-process run's."""
+    """Under torchrun rank r runs one engine on its GPU with its own seed, sees no torchrun variables
+    while it starts, writes parts r, r + W, ...; rank 0 merges: with per-request seeds the file
+    equals a single-process run's."""
     data = prompts_file(tmp_path, n=11)
-    single = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "one"), progress=False)
-    cfg = generate_config(tiny_target_dir, data, tmp_path / "two")
+    seeded = {"generate.per_request_seeds": "true"}
+    single = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "one", **seeded), progress=False)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "two", **seeded)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     for rank in (1, 0):  # rank 1 first: rank 0 then finds its parts and merges
         monkeypatch.setenv("RANK", str(rank))
@@ -107,9 +172,72 @@ def test_ranks_each_run_an_engine_on_their_own_gpu_and_share_the_parts(tiny_targ
         result = commands.cmd_generate(cfg, progress=False)
         assert result["rank"] == rank and os.environ["RANK"] == str(rank)  # restored after the engine started
     assert [m["visible"] for m in fake_vllm.made[-2:]] == ["5", "4"] and not any(m["rank_env"] for m in fake_vllm.made)
+    assert [m["seed"] for m in fake_vllm.made[-2:]] == [engine_seed(0, 1), engine_seed(0, 0)] and engine_seed(0, 1) != engine_seed(0, 0)
     assert answers(result["output"]) == answers(single["output"])
     parts = sorted(p.name for p in (tmp_path / "two" / "data" / "generated.parts").glob("part-*.parquet"))
     assert len(parts) == 4
+
+
+def part_of(tokenizer, prompt_ids, rows_per_part):
+    row = int(re.search(r"question number (\d+)", tokenizer.decode(prompt_ids)).group(1))
+    return row // rows_per_part
+
+
+def test_the_engine_decodes_several_parts_at_once_and_each_part_is_written_as_it_completes(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """A part waits for its longest answer; the engine does not: the next part's requests are in
+    before the current part is written, several parts decode in one step, and a part is written the
+    moment its last answer lands, while the engine is still busy with the others."""
+    data = prompts_file(tmp_path, n=10)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "run")  # 4 parts of 3, 3, 3, 1 rows
+    tokenizer = load_tokenizer(cfg.target)
+    real_write = generate.write_conversations_parquet
+    written = []  # (part number, parts the engine had received by then, engine still busy)
+
+    def write_part(conversations, path):
+        if not path.name.startswith("part-"):  # the merged file
+            return real_write(conversations, path)
+        engine = fake_vllm.engines[0]
+        received = {part_of(tokenizer, ids, 3) for _, ids in engine.added}
+        written.append((int(path.name.split("-")[1]), received, engine.has_unfinished_requests()))
+        real_write(conversations, path)
+
+    monkeypatch.setattr(generate, "write_conversations_parquet", write_part)
+    out = commands.cmd_generate(cfg, progress=False)
+    assert out["conversations"] == 10
+    assert sorted(p for p, _, _ in written) == [0, 1, 2, 3]
+    first, received, busy = written[0]
+    assert busy and received - {first}  # written while the engine still decodes another part's requests
+    engine = fake_vllm.engines[0]
+    part_by_id = {request_id: part_of(tokenizer, ids, 3) for request_id, ids in engine.added}
+    together = max(len({part_by_id[r] for r in step}) for step in engine.steps)
+    assert together >= 2
+
+
+def test_a_killed_run_resumes_from_its_finished_parts_and_never_regenerates_them(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """The engine dies mid-run: the parts finished by then are kept as they are, and the rerun asks
+    the engine only for the rows of the parts that are missing."""
+    data = prompts_file(tmp_path, n=12)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "run")  # 4 parts of 3
+    tokenizer = load_tokenizer(cfg.target)
+    real_init = FakeEngine.__init__
+
+    def dies(self, seed):
+        real_init(self, seed)
+        self.fail_after_steps = 16
+
+    monkeypatch.setattr(FakeEngine, "__init__", dies)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        commands.cmd_generate(cfg, progress=False)
+    parts_dir = tmp_path / "run" / "data" / "generated.parts"
+    kept = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in parts_dir.glob("part-*.parquet")}
+    assert 1 <= len(kept) < 4
+    monkeypatch.setattr(FakeEngine, "__init__", real_init)
+    out = commands.cmd_generate(cfg, progress=False)
+    assert out["parts_reused"] == len(kept) and out["conversations"] == 12
+    for name, (data_bytes, mtime) in kept.items():
+        assert (parts_dir / name).read_bytes() == data_bytes and (parts_dir / name).stat().st_mtime_ns == mtime
+    asked = {part_of(tokenizer, ids, 3) for _, ids in fake_vllm.engines[-1].added}
+    assert asked == {int(p.name.split("-")[1]) for p in parts_dir.glob("part-*.parquet")} - {int(n.split("-")[1]) for n in kept}
 
 
 def test_a_failed_rank_stops_rank_0_naming_it(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
@@ -191,7 +319,9 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_its_free_space(tiny_targe
     parts = tmp_path / "run" / "data" / "generated.parts"
     assert "\n" not in err and "Traceback" not in err
     assert err.startswith(f"error: {parts}: no space left on the device (") and " free) writing part-000001-" in err
-    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate`" in err
+    # The rerun command carries the run's own overrides (shared/cli.py names the config it came with).
+    assert "1 of 3 parts written so far are kept; free space and rerun `python -m stage1_extract generate " in err
+    assert "generate.rows_per_part=3 extract.device=cpu`, which resumes from them" in err
     assert [p.name for p in parts.glob("part-*.parquet")] == [written[0].name]
 
 
@@ -215,3 +345,16 @@ def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_its_result_regener
     assert conv.messages[1] == {"role": "assistant", "content": "OLD", "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]}
     assert [m.get("token_ids") is not None for m in conv.messages] == [False, False, False, True, False, True]
     assert conv.messages[3]["content"] != "OLD ANSWER" and conv.tools == '[{"type": "function", "function": {"name": "get_weather"}}]'
+
+
+def test_every_8b_sequence_generates_on_every_gpu():
+    """Wherever the 8B path is shown, `generate` runs under torchrun (one vLLM engine per GPU), not
+    as one process driving one engine while seven GPUs idle."""
+    repo = Path(__file__).resolve().parents[1]
+    shown = []
+    for path in [repo / "README.md", *sorted((repo / "docs").glob("*.md")), *sorted((repo / "configs").glob("*.yaml"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "stage1_extract generate" in line and re.search(r"8b|my-qwen3|my-llama", line):
+                shown.append((path.name, number, line))
+    assert {name for name, _, _ in shown} >= {"README.md", "gpu.md", "qwen3-8b.yaml", "llama-3.1-8b.yaml"}
+    assert [s for s in shown if "torchrun --nproc_per_node 8 -m stage1_extract generate" not in s[2]] == []

@@ -12,6 +12,7 @@ import pytest
 
 from shared.config import load_run_config
 from shared.errors import InputFileError
+from shared.hub import HUB_FILES
 from shared.target import TargetConfig, resolve_target, resolve_target_dir
 from stage1_extract import commands as stage1
 from testkit.data import chat_rows, stage1_overrides, write_jsonl
@@ -78,6 +79,7 @@ def test_download_fetches_only_hub_ids_and_only_when_asked(hub, monkeypatch, tmp
     def fake_snapshot_download(repo_id, revision=None, cache_dir=None, local_files_only=False, **kw):
         if not local_files_only:
             calls.append((repo_id, revision))
+            assert kw["allow_patterns"] == list(HUB_FILES)
             return str(add_to_hub_cache(Path(cache_dir), repo_id, Path(resolve_target_dir(TargetConfig(path="tiny-org/tiny-target")))))
         return real(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True, **kw)
 
@@ -110,3 +112,100 @@ def test_model_init_from_takes_a_published_drafter_by_hub_id(hub, tmp_path):
     with pytest.raises(InputFileError, match=r"model.init_from=z-org/missing: not in the Hugging Face cache"):
         init_weights_for("z-org/missing", cfg, target)
     assert isinstance(target.arch, TargetArch)
+
+
+def test_download_fetches_what_loading_needs_not_the_original_checkpoints():
+    """Llama-3.1-8B-Instruct's files, filtered by huggingface_hub's own rule with download's patterns."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    files = [
+        ".gitattributes", "LICENSE", "README.md", "USE_POLICY.md", "config.json", "generation_config.json",
+        "model-00001-of-00004.safetensors", "model-00004-of-00004.safetensors", "model.safetensors.index.json",
+        "original/consolidated.00.pth", "original/params.json", "original/tokenizer.model", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json", "pytorch_model.bin", "chat_template.jinja", "merges.txt",
+    ]
+    assert sorted(filter_repo_objects(files, allow_patterns=list(HUB_FILES))) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "merges.txt", "model-00001-of-00004.safetensors",
+        "model-00004-of-00004.safetensors", "model.safetensors.index.json", "original/params.json",
+        "original/tokenizer.model", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+    ]
+
+
+def _hub_refusal(status: int, url: str, **headers: str) -> Exception:
+    """The exception huggingface_hub itself raises for this answer of the Hub (its own hf_raise_for_status)."""
+    import httpx2  # what this huggingface_hub speaks HTTP with
+    from huggingface_hub.utils import hf_raise_for_status
+
+    try:
+        hf_raise_for_status(httpx2.Response(status, headers=headers, request=httpx2.Request("GET", url)))
+    except Exception as exc:  # noqa: BLE001 - returned for the fake to raise
+        return exc
+    raise AssertionError(f"HTTP {status} raised nothing")
+
+
+API = "https://huggingface.co/api/models/meta-llama/Llama-3.1-8B-Instruct/revision/main"
+
+
+@pytest.mark.parametrize(
+    "refusal, expected",
+    [
+        (lambda: _hub_refusal(403, API, **{"X-Error-Code": "GatedRepo"}),
+         "target.path=meta-llama/Llama-3.1-8B-Instruct: meta-llama/Llama-3.1-8B-Instruct is gated and no token was found: "
+         "accept its terms on https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct with your Hugging Face account, "
+         "give this machine that account's token (`export HF_TOKEN=hf_...` or `hf auth login` (`huggingface-cli login` "
+         "before huggingface_hub 0.34)), then rerun `python -m stage1_extract download`"),
+        (lambda: _hub_refusal(401, API),
+         "target.path=meta-llama/Llama-3.1-8B-Instruct: the Hub has no repository meta-llama/Llama-3.1-8B-Instruct "
+         "(https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct), or it is private or gated and no token was found: "
+         "check the id, or give this machine the token of an account that can read it (`export HF_TOKEN=hf_...` or `hf "
+         "auth login` (`huggingface-cli login` before huggingface_hub 0.34)), then rerun `python -m stage1_extract download`"),
+        (lambda: _hub_refusal(401, API, **{"X-Error-Message": "Invalid credentials in Authorization header"}),
+         "target.path=meta-llama/Llama-3.1-8B-Instruct: the Hub refused the token (HTTP 401: invalid credentials): set a "
+         "valid one (`export HF_TOKEN=hf_...` or `hf auth login` (`huggingface-cli login` before huggingface_hub 0.34)), "
+         "then rerun `python -m stage1_extract download`"),
+        (lambda: _hub_refusal(404, API, **{"X-Error-Code": "RevisionNotFound"}),
+         "target.path=meta-llama/Llama-3.1-8B-Instruct: meta-llama/Llama-3.1-8B-Instruct has no revision 'main' "
+         "(https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/tree/main lists branches and commits): fix the @revision"),
+    ],
+    ids=["gated", "private-or-missing", "bad-token", "no-revision"],
+)
+def test_a_repo_the_hub_refuses_is_one_line_naming_the_token_and_the_page(hub, monkeypatch, tmp_path, refusal, expected):
+    import huggingface_hub
+
+    def refused(repo_id, **kw):
+        raise refusal()
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refused)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    cfg = load_run_config("configs/default.yaml", ["target.path=meta-llama/Llama-3.1-8B-Instruct"])
+    with pytest.raises(InputFileError) as error:
+        stage1.cmd_download(cfg)
+    assert str(error.value) == expected
+
+
+def test_an_unreachable_hub_and_a_repo_without_safetensors_are_one_line(hub, monkeypatch, tmp_path, tiny_target_dir):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(repo_id, **kw):
+        try:
+            raise ConnectionError("no route to host")
+        except ConnectionError as exc:  # snapshot_download's own wrapping of a failed connection
+            raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub") from exc
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    cfg = load_run_config("configs/default.yaml", ["target.path=org/model"])
+    with pytest.raises(InputFileError, match=r"^target.path=org/model: cannot reach the Hub at https://huggingface.co "
+                                             r"\(ConnectionError\) and org/model@main is not in the cache at .*check the network"):
+        stage1.cmd_download(cfg)
+
+    pickles = tmp_path / "pickles"
+    pickles.mkdir()
+    for file in tiny_target_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, pickles / file.name)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, cache_dir=None, **kw: str(
+        add_to_hub_cache(Path(cache_dir), repo_id, pickles)))
+    with pytest.raises(InputFileError, match=r"^target.path=org/model: org/model has no \*.safetensors weights in its top "
+                                             r"folder \(https://huggingface.co/org/model\)"):
+        stage1.cmd_download(cfg)

@@ -42,6 +42,41 @@ def test_the_formula_counts_the_drafters_parameters_exactly():
     assert qwen["params"] == pytest.approx(1.05, abs=0.01) and qwen["frozen_embed_and_head_bf16"] == pytest.approx(2.32, abs=0.01)
 
 
+@pytest.mark.parametrize("variant, extra", [
+    ("dspark", {"markov_rank": 8}), ("dspark", {"markov_rank": 8, "markov_head": "gated"}),
+    ("dspark", {"markov_rank": 8, "markov_head": "rnn", "confidence_head": False}),
+    ("dflash2", {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4, "conv_kernel_size": 3}),
+])
+def test_the_formula_counts_each_variants_parameters(variant, extra):
+    from stage2_train.model.drafter import drafter_class
+
+    arch = tiny_arch(kv_heads=2)
+    cfg = DrafterConfig(variant=variant, num_layers=3, block_size=4, **extra)
+    model = drafter_class(variant)(cfg, arch, 2, 99)
+    trainable = sum(p.numel() for p in model.parameters())
+    base = sum(p.numel() for p in tiny_drafter(arch, num_layers=3, num_feature_layers=2).parameters())
+    assert trainable > base
+    assert formula(cfg, arch, 2, world_size=1)["weights_fp32"] == round(4 * trainable / 2**30, 2)
+    assert formula(cfg, arch, 2, world_size=1)["params"] * 1e9 == pytest.approx(trainable, abs=5e5)
+    qwen = formula(DrafterConfig(variant=variant, num_layers=5), KNOWN_TARGETS["qwen3-8b"], 5, world_size=8)["params"]
+    assert qwen == pytest.approx({"dspark": 1.05 + 0.078, "dflash2": 1.05 + 0.078 + 0.001 + 0.042}[variant], abs=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, extra", [
+    ("dspark", {"markov_rank": 64, "markov_head": "rnn"}), ("dflash2", {"conv_group_size": 8, "selector_rank": 64, "selector_top_k": 4}),
+])
+def test_the_traced_step_of_a_variant_holds_its_heads(variant, extra):
+    """The plan traces the variant's own step (its heads in the forward and the loss): its weights are
+    the formula's, heads included (a 100K vocabulary, so the [V, r] heads weigh ~0.05 GiB)."""
+    arch = tiny_arch(kv_heads=2, vocab=100_000)
+    cfg = DrafterConfig(variant=variant, num_layers=2, block_size=4, **extra)
+    traced = traced_step(cfg, LossConfig(gamma=4.0), arch, 2, StepShape(256, 32, 4, 4), bf16=False)
+    assert traced["Parameter"] == pytest.approx(formula(cfg, arch, 2, world_size=1)["weights_fp32"], abs=0.006)
+    plain = traced_step(DrafterConfig(num_layers=2, block_size=4), LossConfig(gamma=4.0), arch, 2, StepShape(256, 32, 4, 4), bf16=False)
+    assert traced["Parameter"] > plain["Parameter"] + 0.04
+
+
 def test_the_densest_micro_batch_is_the_most_blocks_both_budgets_allow():
     # The 8B preset: 16 samples of 1,024 tokens with 512 anchors each fill both budgets.
     assert densest_micro_batch(16384, 8192, 512, 16) == StepShape(16384, 8192, 16, 16)

@@ -23,6 +23,9 @@ every test compares numbers, not "it ran":
   Full attention only: speculators fixes a sliding window at the block's anchor (our export refuses).
 - speculators' `dpace_loss_decay` against our `dpace_weights`, and its Muon/AdamW split against ours.
 
+The DSpark and DFlash2 variants' parity (speculators' classes, z-lab's DFlash2) is in
+tests/test_peers_variants.py, which uses the helpers here.
+
 Shape legend: T tokens of a sample, L feature layers, H hidden, N blocks, B block size, V vocab.
 """
 

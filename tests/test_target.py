@@ -71,6 +71,7 @@ def test_missing_target_folder_is_a_clear_error(tmp_path):
         resolve_target_dir(TargetConfig(path=str(tmp_path / "Qwen3-8B")))
 
 
+@pytest.mark.slow  # ~60 s on 2 cores: `make test-all`
 def test_converted_checkpoint_matches_the_gguf_model():
     """The bf16 safetensors conversion predicts what the GGUF-loaded model predicts."""
     from transformers import AutoModelForCausalLM

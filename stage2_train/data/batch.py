@@ -6,8 +6,11 @@ K = stored top-k.
 
 A block n drafts tokens anchor_pos_N[n] + 0..B-1 of sample block_seq_N[n]. Its queries see
 the context tokens of the same sample strictly before the anchor, and the B slots of their own
-block (bidirectional); nothing else. Slot 0 holds the anchor token and is never scored; slot k
-predicts the token at anchor + k.
+block (bidirectional); nothing else. Slot 0 holds the anchor token. With `label_shift` 0 (DFlash,
+DFlash2) slot k predicts the token at anchor + k and slot 0 is never scored; with 1 (DSpark, its
+`sample_from_anchor`) slot k, at the same RoPE position anchor + k, predicts anchor + k + 1, so every
+slot is scored. `prev_ids_NB` is the data token just before each slot's label (the anchor for the
+first scored slot): what the DSpark Markov head and the DFlash2 selector condition on in training.
 """
 
 from __future__ import annotations
@@ -43,6 +46,13 @@ class DrafterBatch:
     # Where cross-entropy and the metrics apply (assistant tokens) when more slots are scored by the
     # KL term alone (loss.distill_positions=all); None: every scored slot.
     supervised_NB: torch.Tensor | None = None
+    label_shift: int = 0  # 1: slot k is labelled with the token at anchor + k + 1 (every slot scored)
+    prev_ids_NB: torch.Tensor | None = None  # long, the data token before each slot's label
+
+    @property
+    def first_slot(self) -> int:
+        """The first slot that can be scored: 1 (slot 0 is the anchor's own token), 0 with label_shift 1."""
+        return 1 - self.label_shift
 
     def supervised(self) -> torch.Tensor:
         return (self.labels_NB != IGNORE) if self.supervised_NB is None else self.supervised_NB
@@ -105,12 +115,15 @@ def collate(
     gather_topk: bool = True,
     context_TF: torch.Tensor | None = None,
     distill_all: bool = False,
+    label_shift: int = 0,
 ) -> DrafterBatch:
     """Pack samples (no padding) and build their blocks, labels and target top-k.
 
-    Block n of sample s anchored at a: slots a+0 .. a+B-1. labels[n, k] = input_ids[a+k] when
-    k >= 1, a+k < T and loss_mask[a+k]; else -100. Top-k for slot k comes from position a+k-1 (the
-    target's prediction of token a+k) and is zero where the label is -100.
+    Block n of sample s anchored at a: slots a+0 .. a+B-1. With c = a + k + label_shift the position
+    slot k predicts: labels[n, k] = input_ids[c] when c < T and loss_mask[c] (and k >= 1 when
+    label_shift is 0); else -100. Top-k for slot k comes from position c-1 (row t holds the target's
+    prediction of token t+1) and is zero where the label is -100; prev_ids[n, k] = input_ids[c-1]
+    (at least the anchor, at most the last token).
 
     `context_TF`, when given, already holds the samples' features packed in order (the loader read
     them into it): their hidden_TLH are its slices and are not copied again.
@@ -120,9 +133,11 @@ def collate(
     """
     if len(samples) != len(anchors_per_sample):
         raise ValueError(f"{len(samples)} samples but {len(anchors_per_sample)} anchor lists")
+    if label_shift not in (0, 1):
+        raise ValueError(f"label_shift must be 0 or 1, got {label_shift}")
     k_B = torch.arange(block_size)
     context, positions, seqs = [], [], []
-    block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids, supervised = [], [], [], [], [], [], []
+    block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids, supervised, prev = [], [], [], [], [], [], [], []
     for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
         ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
         num_tokens = ids_T.shape[0]
@@ -131,13 +146,14 @@ def collate(
         positions.append(torch.arange(num_tokens))
         seqs.append(torch.full((num_tokens,), s, dtype=torch.long))
         anchors_A = anchors_A.long()
-        pos_AB = anchors_A[:, None] + k_B[None, :]
+        pos_AB = anchors_A[:, None] + k_B[None, :] + label_shift  # the position each slot predicts
         inside_AB = pos_AB < num_tokens
+        prev.append(ids_T[torch.maximum(pos_AB - 1, anchors_A[:, None]).clamp(max=num_tokens - 1)])
         pos_AB = pos_AB.clamp(max=num_tokens - 1)
         supervised_AB = inside_AB & mask_T[pos_AB]
-        supervised_AB[:, 0] = False
+        supervised_AB[:, : 1 - label_shift] = False
         scored_AB = inside_AB.clone() if distill_all else supervised_AB
-        scored_AB[:, 0] = False
+        scored_AB[:, : 1 - label_shift] = False
         supervised.append(supervised_AB)
         labels.append(torch.where(scored_AB, ids_T[pos_AB], IGNORE))
         blocks_AB = torch.full_like(pos_AB, mask_token_id)
@@ -172,4 +188,6 @@ def collate(
         scored_M=scored_M,
         scored_per_slot=per_slot,
         supervised_NB=torch.cat(supervised) if distill_all else None,
+        label_shift=label_shift,
+        prev_ids_NB=torch.cat(prev),
     )

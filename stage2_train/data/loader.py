@@ -135,6 +135,7 @@ class PrefetchLoader:
         pin_memory: bool = False,
         held_by_consumer: int = 1,
         distill_all: bool = False,
+        label_shift: int = 0,
     ):
         if num_threads < 1 or prefetch < 1:
             raise ValueError(f"num_threads and prefetch must be >= 1, got {num_threads} and {prefetch}")
@@ -151,6 +152,7 @@ class PrefetchLoader:
         self.gather_topk = gather_topk
         self.pin_memory = pin_memory
         self.distill_all = distill_all
+        self.label_shift = label_shift
         # Buffers in use at once: the queue, the threads filling, and what the consumer holds.
         self.held_by_consumer = held_by_consumer
         self._pool: BufferPool | None = None
@@ -251,6 +253,7 @@ class PrefetchLoader:
                 gather_topk=self.gather_topk,
                 context_TF=None if context_TLH is None else context_TLH.flatten(1),
                 distill_all=self.distill_all,
+                label_shift=self.label_shift,
             )
         except Exception as exc:
             raise DataLoadError(

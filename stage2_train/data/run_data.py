@@ -34,7 +34,8 @@ def open_run_data(
         seed=cfg.seed,
         holdout_fraction=cfg.eval.holdout_fraction,
         split_seed=cfg.eval.split_seed,
-        gather_topk=cfg.loss.needs_topk,
+        gather_topk=cfg.loss.needs_topk or cfg.model.reads_topk,
+        label_shift=cfg.model.label_shift,
         num_threads=num_threads or cfg.train.num_data_threads,
         prefetch=prefetch or cfg.train.prefetch_micro_batches,
         reader_options=cfg.store.reader_options(),
@@ -74,6 +75,7 @@ def with_a_block(batch: DrafterBatch, mask_token_id: int) -> DrafterBatch:
         labels_NB=torch.full((1, B), IGNORE, dtype=torch.long),
         scored_M=torch.zeros(0, dtype=torch.long),
         scored_per_slot=(0,) * B,
+        prev_ids_NB=None if batch.prev_ids_NB is None else torch.full((1, B), mask_token_id, dtype=torch.long),
         supervised_NB=None if batch.supervised_NB is None else torch.zeros(1, B, dtype=torch.bool),
         **topk,
     )

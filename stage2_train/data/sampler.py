@@ -370,8 +370,11 @@ class LengthMixedSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
+        # `replan`: a forced resume of a checkpoint saved before the block budget, moved to its epoch's
+        # start (train/resume.py); that epoch is planned under today's budget.
+        exempt = ("micro_batch_blocks", "blocks_digest") if state.get("replan") else ()
         for key in (*_PLAN_KEYS, "num_samples", "lengths_digest", "blocks_digest"):
-            if state.get(key) != mine[key]:
+            if key not in exempt and state.get(key) != mine[key]:
                 raise CheckpointError(
                     f"sampler state: {key} was {state.get(key)!r} when saved, is {mine[key]!r} now ({_CAUSES.get(key, key)} "
                     f"changed); the batch plan would differ, so resuming exactly is impossible"

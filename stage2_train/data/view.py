@@ -95,8 +95,9 @@ def check_store(reader: StoreReader, target: TargetInfo, need_topk: bool) -> Non
     check_manifest_matches(reader.manifest, expected_manifest(target), url)
     if need_topk and not reader.manifest.get("top_k"):
         raise StoreError(
-            f"{url}/manifest.json: top_k is {reader.manifest.get('top_k')!r}, but loss.kl_weight > 0 needs "
-            f"stored top-k; re-extract with extract.top_k > 0 or set loss.kl_weight=0"
+            f"{url}/manifest.json: top_k is {reader.manifest.get('top_k')!r}, but loss.kl_weight > 0, "
+            f"loss.full_vocab_slots or model.variant=dspark/dflash2 needs stored top-k; re-extract with "
+            f"extract.top_k > 0, or set loss.kl_weight=0 and loss.full_vocab_slots=null"
         )
     if len(reader) == 0:
         raise StoreError(f"{url}: the store holds no samples")
@@ -127,6 +128,7 @@ class DataSettings:
     pin_memory: bool = False  # pinned, reused host buffers (a CUDA trainer: asynchronous copies)
     grad_accum: int = 1  # train.grad_accum: micro-batches per optimizer step (the trainer holds them on the host at once)
     distill_all: bool = False  # blocks anywhere the target read (loss.distill_positions=all)
+    label_shift: int = 0  # 1: slot k predicts anchor + k + 1 (model.variant=dspark)
 
 
 @dataclass
@@ -186,5 +188,6 @@ def _train_data(
         pin_memory=settings.pin_memory,
         held_by_consumer=settings.grad_accum,
         distill_all=settings.distill_all,
+        label_shift=settings.label_shift,
     )
     return TrainData(target, reader, train, heldout, train_reader, sampler, anchors, loader)

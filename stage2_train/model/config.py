@@ -17,8 +17,18 @@ def recipe_gamma(block_size: int) -> float | None:
     return RECIPE_GAMMA.get(block_size)
 
 
+VARIANTS = ("dflash", "dspark", "dflash2")
+
+
 class DrafterConfig(Section):
     section: ClassVar[str] = "model"
+    variant: Literal["dflash", "dspark", "dflash2"] = "dflash"
+    """dflash: the published drafter (slot k predicts anchor + k, B - 1 drafts). dspark (speculators /
+    DeepSpec): the DFlash backbone plus a Markov head (a low-rank logit bias from the previous token of
+    the block) and a confidence head (each slot's chance of acceptance); slot k predicts anchor + k + 1,
+    so a block drafts B tokens. dflash2 (z-lab / speculators): grouped dynamic convolutions over the
+    block around attention and MLP in every layer, and a candidate selector that reranks each slot's
+    top candidates given the token before it (model/dspark.py, model/dflash2.py)."""
     num_layers: int = 1
     """5 for the published Qwen3-8B drafter."""
     block_size: int = 16
@@ -56,8 +66,28 @@ class DrafterConfig(Section):
     target's last decoder layers, the final norm as the target's, and fc passes the deepest feature
     layer through (a warm start: the drafter begins as the target's top applied to its own features)."""
     init_from: str | None = None
-    """A DFlash drafter folder (exported here, or published by z-lab / SpecForge) to start training
-    from instead of a random init; checked against the target's hidden size, layer ids and mask token."""
+    """A drafter folder (exported here, or published by z-lab / SpecForge / speculators) to start training
+    from instead of a random init, or a training checkpoint's step folder; checked against the target's
+    hidden size, layer ids, mask token, variant and weights."""
+    allow_other_target: bool = False
+    """eval, export and model.init_from refuse a drafter recorded as trained against other target
+    weights than target.path's (another model or revision of the same shape); true uses it anyway
+    (the export then records both: the drafter's target and this one)."""
+    markov_rank: int = 256
+    """dspark: r of the Markov head's bias W2 W1[previous token] (speculators' markov_rank)."""
+    markov_head: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    """dspark: vanilla (the bias of the previous token), gated (gated by the slot's hidden state) or rnn
+    (a state carried along the block); vLLM serves vanilla only."""
+    confidence_head: bool = True
+    """dspark: a linear head on [hidden ; W1[previous token]] predicting each slot's acceptance."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of each grouped dynamic convolution over the block's slots (<= block_size)."""
+    conv_group_size: int = 16
+    """dflash2: hidden channels sharing one dynamic coefficient (must divide the hidden size)."""
+    selector_rank: int = 256
+    """dflash2: r of the candidate selector's codebooks."""
+    selector_top_k: int = 16
+    """dflash2: candidates per slot the selector reranks (the drafter's own top-k)."""
 
     def validate(self) -> None:
         self.require(self.num_layers >= 1, "num_layers", "must be >= 1")
@@ -85,9 +115,29 @@ class DrafterConfig(Section):
             "must be >= 1 when a layer is sliding_attention",
         )
         self.require(0 < self.init_std < 1, "init_std", "must be in (0, 1)")
+        self.require(self.markov_rank >= 1, "markov_rank", "must be >= 1")
+        self.require(
+            1 <= self.conv_kernel_size <= self.block_size, "conv_kernel_size", f"must be in 1..model.block_size ({self.block_size})"
+        )
+        self.require(self.conv_group_size >= 1, "conv_group_size", "must be >= 1 (and divide the target's hidden size)")
+        self.require(self.selector_rank >= 1, "selector_rank", "must be >= 1")
+        self.require(self.selector_top_k >= 1, "selector_top_k", "must be >= 1")
+
+    @property
+    def label_shift(self) -> int:
+        """0: slot k predicts the token at anchor + k (slot 0 unscored); 1 (dspark): anchor + k + 1."""
+        return 1 if self.variant == "dspark" else 0
+
+    @property
+    def reads_topk(self) -> bool:
+        """Whether the variant's heads train on the stored top-k (dspark's confidence target, dflash2's
+        selector label: the target's top-1); the loss may read it too (`LossConfig.needs_topk`)."""
+        return self.variant == "dflash2" or (self.variant == "dspark" and self.confidence_head)
 
     def recipe_warnings(self) -> list[str]:
         out = []
+        if self.variant != "dflash":
+            out.append(f"model.variant={self.variant}: the published recipe trains dflash")
         if self.block_size != 16:
             out.append(f"model.block_size={self.block_size}: the published DFlash drafters use 16")
         if self.layer_types is not None and "sliding_attention" in self.layer_types:
@@ -143,8 +193,20 @@ class LossConfig(Section):
     target read (prompts and template too). The extra slots get only the KL term against the stored
     top-k: their labels are the data's text, not the target's own samples, so cross-entropy stays on
     the assistant tokens. Needs loss.kl_weight > 0."""
+    confidence_weight: float = 1.0
+    """dspark: weight of the confidence head's BCE against each slot's acceptance estimate
+    (speculators' confidence_head_alpha, 1.0). The estimate is sum over the stored top-k of
+    min(p_target, q_drafter), a lower bound of speculators' full-vocabulary 1 - TV (README)."""
+    selector_weight: float = 1.0
+    """dflash2: weight of the selector's cross-entropy over each slot's top candidates
+    (speculators' selector_loss_alpha, 1.0); its label is the target's own top-1 token."""
+    selector_misses: Literal["inject", "drop"] = "inject"
+    """dflash2: when the target's top-1 is not among the drafter's top candidates, put it in place of
+    the weakest one (inject: speculators) or give that slot no selector loss (drop: SpecForge)."""
 
     def validate(self) -> None:
+        self.require(self.confidence_weight >= 0, "confidence_weight", "must be >= 0")
+        self.require(self.selector_weight >= 0, "selector_weight", "must be >= 0")
         self.require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", "must be a finite number > 0")
         self.require(self.ce_weight >= 0, "ce_weight", "must be >= 0")
         self.require(self.kl_weight >= 0, "kl_weight", "must be >= 0")
@@ -164,7 +226,8 @@ class LossConfig(Section):
 
     @property
     def needs_topk(self) -> bool:
-        """Whether the loss reads the stored top-k (the KL term, or candidate softmax slots)."""
+        """Whether the loss reads the stored top-k (the KL term, or candidate softmax slots). The
+        variants read it too: `needs_topk(model, loss)`."""
         return self.kl_weight > 0 or self.full_vocab_slots is not None
 
     def recipe_warnings(self, block_size: int | None = None) -> list[str]:

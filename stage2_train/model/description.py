@@ -18,10 +18,15 @@ from typing import Any
 
 from shared.errors import CheckpointError
 from shared.target import TargetArch, TargetInfo
-from stage2_train.model.config import DrafterConfig
+from stage2_train.model.config import VARIANTS, DrafterConfig
 
 DESCRIPTION_VERSION = 1
-VARIANTS = ("dflash",)
+# What each variant adds to the DFlash description (its own modules' sizes); None for the others.
+VARIANT_FIELDS = {
+    "dflash": (),
+    "dspark": ("markov_rank", "markov_head", "confidence_head"),
+    "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+}
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,40 @@ class DrafterDescription:
     projection_dim: int | None = None
     target_model_type: str = "unknown"
     target_weights_sha256: str | None = None  # None for a published drafter that does not say
+    # dspark
+    markov_rank: int | None = None
+    markov_head: str | None = None
+    confidence_head: bool | None = None
+    # dflash2
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     version: int = DESCRIPTION_VERSION
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise CheckpointError(f"drafter variant {self.variant!r} is not one this pipeline builds ({', '.join(VARIANTS)})")
+        for variant, names in VARIANT_FIELDS.items():
+            for name in names:
+                given = getattr(self, name) is not None
+                if given != (variant == self.variant):
+                    raise CheckpointError(
+                        f"a {self.variant} drafter's description {'gives' if given else 'lacks'} {name} "
+                        f"(a field of {variant} drafters)"
+                    )
+        if self.variant == "dflash2" and self.hidden_size % self.conv_group_size:
+            raise CheckpointError(
+                f"the drafter's conv_group_size {self.conv_group_size} does not divide its hidden size {self.hidden_size} "
+                f"(model.conv_group_size)"
+            )
+        if self.variant == "dflash2" and self.selector_top_k > self.vocab_size:
+            raise CheckpointError(f"the drafter's selector_top_k {self.selector_top_k} exceeds its vocabulary {self.vocab_size}")
+
+    @property
+    def label_shift(self) -> int:
+        """0: slot k predicts the token at anchor + k; 1 (dspark): anchor + k + 1."""
+        return 1 if self.variant == "dspark" else 0
         if len(self.layer_types) != self.num_layers:
             raise CheckpointError(f"the drafter lists {len(self.layer_types)} layer types for {self.num_layers} layers")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -111,8 +145,11 @@ class DrafterDescription:
         backend and chunking, activation checkpointing, init scale), which the description leaves open."""
         runtime = runtime or DrafterConfig()
         sliding = "sliding_attention" in self.layer_types
+        variant = {name: getattr(self, name) for name in VARIANT_FIELDS[self.variant]}
         return runtime.model_copy(
             update={
+                **variant,
+                "variant": self.variant,
                 "num_layers": self.num_layers,
                 "block_size": self.block_size,
                 "intermediate_size": self.intermediate_size,
@@ -129,6 +166,7 @@ class DrafterDescription:
         """Settings in `given` (dotted `model.*` keys set on the command line) whose value differs from
         this description, as 'model.key: the drafter has X, the command line gives Y'."""
         ours = describe_model(cfg, self.hidden_size, self.intermediate_size_default(cfg))
+        ours.update({name: getattr(cfg, name) for name in VARIANT_FIELDS[self.variant]})  # this drafter's own heads
         out = []
         for key, value in ours.items():
             if f"model.{key}" in given and value != getattr(self, key):
@@ -138,9 +176,11 @@ class DrafterDescription:
     def intermediate_size_default(self, cfg: DrafterConfig) -> int:
         return cfg.intermediate_size if cfg.intermediate_size is not None else self.intermediate_size
 
-    def check_target(self, target: TargetInfo, where: str) -> None:
+    def check_target(self, target: TargetInfo, where: str, *, allow_other_target: bool = False) -> None:
         """Refuse a target this drafter cannot run with, naming the field: its width, its vocabulary,
-        and layers it does not have."""
+        layers it does not have, and (unless `allow_other_target`) other weights than it was trained
+        against: another model or revision of the same shape (Qwen3-8B-Base for Qwen3-8B) gives other
+        features, and an export would name the wrong target."""
         checks = [
             ("hidden_size", self.hidden_size, target.arch.hidden_size),
             ("vocab_size", self.vocab_size, target.arch.vocab_size),
@@ -150,11 +190,20 @@ class DrafterDescription:
                 raise CheckpointError(f"{where}: the drafter was made for a target with {name}={ours}, this target has {theirs}")
         if max(self.target_layer_ids) >= target.arch.num_hidden_layers:
             raise CheckpointError(f"{where}: target_layer_ids {list(self.target_layer_ids)} exceed the target's layers")
+        trained, given = self.target_weights_sha256, target.weights_sha256
+        if trained and given and trained != given and not allow_other_target:
+            raise CheckpointError(
+                f"{where}: the drafter was trained against target weights {trained[:12]}, target.path={target.path!r} has "
+                f"{given[:12]} (another model or revision); set target.path to the target it was trained on, or "
+                f"model.allow_other_target=true to use it with this one"
+            )
 
 
 def describe_model(cfg: DrafterConfig, hidden_size: int, intermediate_size: int) -> dict[str, Any]:
     """The architecture fields a model config gives (what `contradictions` compares)."""
     return {
+        "variant": cfg.variant,
+        **{name: getattr(cfg, name) for name in VARIANT_FIELDS[cfg.variant]},
         "num_layers": cfg.num_layers,
         "block_size": cfg.block_size,
         "intermediate_size": intermediate_size,
@@ -177,7 +226,6 @@ def describe_parts(
 ) -> DrafterDescription:
     """The description from its pieces: a model config, the target's dimensions, layer ids and mask."""
     return DrafterDescription(
-        variant="dflash",
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_key_value_heads=arch.num_key_value_heads,

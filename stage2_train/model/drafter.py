@@ -12,6 +12,11 @@ Architecture (z-lab/dflash `dflash/model.py`, `DFlashDraftModel`; reimplemented,
 - `forward` returns the final-normed hidden states of all B slots; logits come from the target's
   frozen lm_head (`logits`), and slot k predicts the token at anchor + k (slot 0 is not scored).
 
+The variants subclass it (`drafter_class`): DSpark (model/dspark.py) adds a Markov and a confidence
+head and shifts the labels by one; DFlash2 (model/dflash2.py) wraps each layer's sublayers in grouped
+dynamic convolutions (`make_layer`) and adds a candidate selector. Each says what it adds to the loss
+(`loss_rows`) and how it drafts a block greedily (`draft`).
+
 Attention in a packed micro-batch (`stage2_train/data/batch.py`) follows the DFlash mask, planned
 once per forward by `stage2_train/model/attention.py` (flex on CUDA, SDPA on CPU).
 
@@ -149,6 +154,8 @@ class DFlashDrafter(nn.Module):
     # Frozen or constant, identical on every rank: DDP would otherwise broadcast them from rank 0 at
     # every step (the projection is R x F fp32, 335 MB at Qwen3-8B's shape).
     _ddp_params_and_buffers_to_ignore: ClassVar[list[str]] = ["embed_VH", "lm_head_VH", "projection_RF"]
+    # The variants (model/dspark.py, model/dflash2.py) subclass this drafter; what they change:
+    label_shift: ClassVar[int] = 0  # slot k predicts anchor + k + label_shift (the batch is collated so)
 
     def __init__(self, cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int, mask_token_id: int):
         super().__init__()
@@ -177,13 +184,30 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, arch.rms_norm_eps)
         inner = cfg.intermediate_size or arch.intermediate_size
         self.kinds = layer_kinds(cfg.layer_types, cfg.num_layers, cfg.sliding_window, cfg.is_causal)
-        self.layers = nn.ModuleList(DecoderLayer(arch, inner, kind) for kind in self.kinds)
+        self.layers = nn.ModuleList(self.make_layer(arch, inner, kind) for kind in self.kinds)
         self.norm = RMSNorm(H, arch.rms_norm_eps)
         self.register_buffer("embed_VH", None, persistent=False)
         self.register_buffer("lm_head_VH", None, persistent=False)
         self.attention_backend = cfg.attention  # resolved per batch device; tests set "naive"
         self.description: DrafterDescription | None = None  # set by build_drafter: what the drafter is
         self.reset_parameters()
+
+    def make_layer(self, arch: TargetArch, intermediate_size: int, kind: MaskKind) -> DecoderLayer:
+        return DecoderLayer(arch, intermediate_size, kind)
+
+    @property
+    def max_draft(self) -> int:
+        """Tokens one block drafts: B - 1 (slot 0 holds the anchor); B for DSpark."""
+        return self.block_size - 1
+
+    def loss_rows(self, hidden_NBH: torch.Tensor, batch: DrafterBatch, cfg: Any = None) -> Any:
+        """What a variant adds to the loss's LM-head chunks (model/loss.py); DFlash adds nothing."""
+        return None
+
+    @torch.no_grad()
+    def draft(self, hidden_BH: torch.Tensor, anchor: int, confidence_stop: float | None = None) -> list[int]:
+        """Greedy drafts of one block from its final hidden states: argmax of slots 1..B-1."""
+        return self.logits(hidden_BH[1:]).argmax(-1).tolist()
 
     def reset_parameters(self) -> None:
         for module in self.modules():
@@ -280,7 +304,7 @@ def build_drafter(
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        drafter = DFlashDrafter(cfg, description.arch(), len(description.target_layer_ids), description.mask_token_id)
+        drafter = drafter_class(cfg.variant)(cfg, description.arch(), len(description.target_layer_ids), description.mask_token_id)
     drafter.description = description
     if weights is not None:
         check_fit(drafter, weights, f"model.num_layers={cfg.num_layers}, {len(description.target_layer_ids)} feature layers")
@@ -292,6 +316,22 @@ def build_drafter(
         lm_head_VH = embed_VH if tied else lm_head_VH.to(frozen_dtype)
     drafter.set_frozen_parts(embed_VH, lm_head_VH)
     return drafter
+
+
+def drafter_class(variant: str) -> type[DFlashDrafter]:
+    """The module of a variant (model.variant)."""
+    if variant == "dflash":
+        return DFlashDrafter
+    # The variants subclass DFlashDrafter, so their modules import this one: imported here, when asked.
+    if variant == "dspark":
+        from stage2_train.model.dspark import DSparkDrafter
+
+        return DSparkDrafter
+    if variant == "dflash2":
+        from stage2_train.model.dflash2 import DFlash2Drafter
+
+        return DFlash2Drafter
+    raise ValueError(f"model.variant must be dflash, dspark or dflash2, got {variant!r}")
 
 
 def check_fit(module: nn.Module, weights: dict[str, torch.Tensor], described: str) -> None:

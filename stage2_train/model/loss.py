@@ -29,16 +29,25 @@ The LM head runs on scored rows only, in chunks of `ce_chunk_blocks` blocks' wor
 under activation checkpointing, so at most one chunk of [rows, V] logits exists at a time
 (forward and backward).
 
-Metrics are tensors (no .item()). Counts (COUNT_KEYS) can be summed over micro-batches and ranks;
-`finalize_metrics(counts, cfg)` turns summed counts into ratios exactly.
+Metrics are tensors (no .item()). Counts (COUNT_KEYS, and a variant's `X_num` / `X_den` pairs) can be
+summed over micro-batches and ranks; `finalize_metrics(counts, cfg)` turns summed counts into ratios
+exactly (a pair gives the metric X).
 
-Shape legend: N blocks, B block size, H hidden, V vocab, K stored top-k, M scored rows,
-P = B - 1 scored positions (slot k = 1..B-1 at index k-1).
+The variants (model/dspark.py, model/dflash2.py) reuse all of this: `dflash_loss(..., variant=drafter)`
+hands each LM-head chunk to the drafter's `loss_rows` object, which may change the chunk's logits
+(DSpark's Markov bias), add per-row terms (its confidence target; DFlash2's selector), its own objective
+terms and its own counts. DSpark's batches are shifted (`DrafterBatch.label_shift`): slot k predicts
+anchor + k + 1, so its first scored slot is 0 and every rule below that says "slot 1" means the batch's
+`first_slot`; the decay is then exp(-k/gamma) from slot 0, speculators' weights for it.
+
+Shape legend: N blocks, B block size, H hidden, V vocab, K stored top-k, M scored rows, C candidates,
+P = B - first_slot scored positions (slot k = first_slot..B-1 at index k - first_slot).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,18 +68,19 @@ COUNT_KEYS = (
 )
 
 
-def position_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> torch.Tensor:
-    """w_B: 0 at slot 0 (never scored), exp(-(k-1)/gamma) at slot k >= 1."""
+def position_weights(block_size: int, gamma: float, device: torch.device | str | None = None, first: int = 1) -> torch.Tensor:
+    """w_B: 0 before the first scored slot (slot 0, the anchor's own token), exp(-(k-first)/gamma) from it:
+    the d-th draft of a block weighs exp(-(d-1)/gamma) whichever slot carries it."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
+    w = torch.exp(-(k - first) / gamma)
+    w[:first] = 0.0
     return w
 
 
-def loss_weights(labels_NB: torch.Tensor, gamma: float) -> torch.Tensor:
+def loss_weights(labels_NB: torch.Tensor, gamma: float, first: int = 1) -> torch.Tensor:
     """w_NB: the position weight where a slot is scored, else 0. Its sum is the loss normaliser,
     so a trainer can sum it over micro-batches first for an exact token-level mean."""
-    w_B = position_weights(labels_NB.shape[1], gamma, labels_NB.device)
+    w_B = position_weights(labels_NB.shape[1], gamma, labels_NB.device, first)
     return torch.where(labels_NB != IGNORE, w_B, 0.0)
 
 
@@ -79,7 +89,7 @@ def objective_normalizer(batch: DrafterBatch, cfg: LossConfig) -> torch.Tensor:
     weights' sum, or (D-PACE, whose weights come from the forward) the count of scored slots."""
     if cfg.weighting == "dpace":
         return (batch.labels_NB != IGNORE).sum().float()
-    return loss_weights(batch.labels_NB, cfg.gamma).sum()
+    return loss_weights(batch.labels_NB, cfg.gamma, batch.first_slot).sum()
 
 
 def dpace_weights(ce_NB: torch.Tensor, mask_NB: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -92,23 +102,27 @@ def dpace_weights(ce_NB: torch.Tensor, mask_NB: torch.Tensor, alpha: float) -> t
         return suffix_NB * m_NB
 
 
-def _chunk_terms(hidden_MH, lm_head_VH, labels_M, topk_lp_MK, topk_ids_MK):
-    """Per row of one chunk: CE of the label, KL to the target's top-k (zeros without top-k), and
-    whether the argmax is the label."""
+def _chunk_terms(hidden_MH, lm_head_VH, labels_M, topk_lp_MK, topk_ids_MK, variant=None) -> dict[str, torch.Tensor]:
+    """Per row of one chunk: CE of the label, KL to the target's top-k (zeros without top-k), the
+    argmax and whether it is the label; and the variant's terms on the same logits."""
     logits_MV = F.linear(hidden_MH.to(lm_head_VH.dtype), lm_head_VH).float()
+    if variant is not None:
+        logits_MV = variant.adjust(logits_MV, None)
     logq_MV = logits_MV.log_softmax(-1)
     ce_M = -logq_MV.gather(1, labels_M[:, None])[:, 0]
-    correct_M = logits_MV.argmax(-1) == labels_M
-    if topk_lp_MK is None:
-        return ce_M, torch.zeros_like(ce_M), correct_M
-    logp_MK = topk_lp_MK.float().log_softmax(-1)  # the target's top-k, renormalised
-    p_MK = logp_MK.exp()
-    logq_MK = logq_MV.gather(1, topk_ids_MK)
-    kl_M = torch.where(p_MK > 0, p_MK * (logp_MK - logq_MK), 0.0).sum(-1)
-    return ce_M, kl_M, correct_M
+    pred_M = logits_MV.argmax(-1) if variant is None else variant.pick(logits_MV, None)
+    out = {"ce": ce_M, "kl": torch.zeros_like(ce_M), "pred": pred_M, "correct": pred_M == labels_M}
+    if topk_lp_MK is not None:
+        logp_MK = topk_lp_MK.float().log_softmax(-1)  # the target's top-k, renormalised
+        p_MK = logp_MK.exp()
+        logq_MK = logq_MV.gather(1, topk_ids_MK)
+        out["kl"] = torch.where(p_MK > 0, p_MK * (logp_MK - logq_MK), 0.0).sum(-1)
+    if variant is not None:
+        out.update(variant.terms(logits_MV, logq_MV, None, labels_M, topk_lp_MK, topk_ids_MK))
+    return out
 
 
-def _candidate_terms(hidden_MH, lm_head_VH, labels_M, topk_lp_MK, topk_ids_MK):
+def _candidate_terms(hidden_MH, lm_head_VH, labels_M, topk_lp_MK, topk_ids_MK, variant=None) -> dict[str, torch.Tensor]:
     """The same terms over C = [label, the target's stored top-k ids] only (a sampled softmax whose
     samples are the target's own likely tokens, the hard negatives): CE of the label and KL to the
     target's renormalised top-k, both against the drafter's softmax over C; "correct" means the
@@ -116,15 +130,24 @@ def _candidate_terms(hidden_MH, lm_head_VH, labels_M, topk_lp_MK, topk_ids_MK):
     cand_MC = torch.cat([labels_M[:, None], topk_ids_MK], dim=1)
     weight_MCH = lm_head_VH[cand_MC].to(hidden_MH.dtype)
     logits_MC = torch.einsum("mh,mch->mc", hidden_MH, weight_MCH).float()
+    if variant is not None:
+        logits_MC = variant.adjust(logits_MC, cand_MC)
     duplicate_MC = torch.cat([torch.zeros_like(labels_M[:, None], dtype=torch.bool), topk_ids_MK == labels_M[:, None]], 1)
-    logq_MC = logits_MC.masked_fill(duplicate_MC, float("-inf")).log_softmax(-1)
+    logits_MC = logits_MC.masked_fill(duplicate_MC, float("-inf"))
+    logq_MC = logits_MC.log_softmax(-1)
     ce_M = -logq_MC[:, 0]
-    correct_M = logq_MC.argmax(-1) == 0
+    if variant is None:
+        pred_M = cand_MC.gather(1, logq_MC.argmax(-1, keepdim=True))[:, 0]
+    else:
+        pred_M = variant.pick(logits_MC, cand_MC)
     logp_MK = topk_lp_MK.float().log_softmax(-1)
     p_MK = logp_MK.exp()
     logq_MK = torch.where(duplicate_MC[:, 1:], logq_MC[:, :1], logq_MC[:, 1:])  # the label's column stands in
     kl_M = torch.where(p_MK > 0, p_MK * (logp_MK - logq_MK), 0.0).sum(-1)
-    return ce_M, kl_M, correct_M
+    out = {"ce": ce_M, "kl": kl_M, "pred": pred_M, "correct": pred_M == labels_M}
+    if variant is not None:
+        out.update(variant.terms(logits_MC, logq_MC, cand_MC, labels_M, topk_lp_MK, topk_ids_MK))
+    return out
 
 
 @dataclass
@@ -140,6 +163,7 @@ class ScoredRows:
     topk_ids_MK: torch.Tensor | None
     per_slot: tuple[int, ...] = ()  # scored rows per slot 0..B-1 (rows are slot-major)
     sup_M: torch.Tensor | None = None  # rows where CE and the metrics apply (None: all)
+    first: int = 1  # the batch's first scorable slot
 
 
 def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, with_topk: bool) -> ScoredRows:
@@ -147,7 +171,9 @@ def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, wit
     N, B, H = hidden_NBH.shape
     labels_NB = batch.labels_NB
     if with_topk and (batch.topk_logprobs_NBK is None or batch.topk_ids_NBK is None):
-        raise ValueError("loss.kl_weight > 0 or loss.full_vocab_slots needs a store with top-k (the batch has none)")
+        raise ValueError(
+            "loss.kl_weight > 0, loss.full_vocab_slots or model.variant=dspark/dflash2 needs a store with top-k (the batch has none)"
+        )
     rows_M = with_scored_index(batch).scored_M
     topk_lp_MK = topk_ids_MK = None
     if with_topk:
@@ -159,10 +185,11 @@ def scored_rows(hidden_NBH: torch.Tensor, batch: DrafterBatch, gamma: float, wit
         slot_M=rows_M % B,
         hidden_MH=hidden_NBH.reshape(N * B, H)[rows_M],
         labels_M=labels_NB.reshape(-1)[rows_M],
-        w_M=loss_weights(labels_NB, gamma).reshape(-1)[rows_M],
+        w_M=loss_weights(labels_NB, gamma, batch.first_slot).reshape(-1)[rows_M],
         topk_lp_MK=topk_lp_MK,
         topk_ids_MK=topk_ids_MK,
         per_slot=with_scored_index(batch).scored_per_slot,
+        first=batch.first_slot,
         sup_M=None if batch.supervised_NB is None else batch.supervised_NB.reshape(-1)[rows_M],
     )
 
@@ -173,36 +200,37 @@ def lm_head_terms(
     rows_per_chunk: int,
     like: torch.Tensor,
     full_vocab_slots: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(CE_M, KL_M, correct_M) of every scored row through the frozen LM head, `rows_per_chunk` rows
-    at a time, each chunk under activation checkpointing when it needs a backward (one [rows, V] at
-    a time; what a chunk returns is a vector per row). With `full_vocab_slots`, rows of later slots
-    take the candidate softmax instead."""
+    variant: Any = None,
+) -> dict[str, torch.Tensor]:
+    """Per-row terms (ce, kl, pred, correct and the variant's) of every scored row through the frozen
+    LM head, `rows_per_chunk` rows at a time, each chunk under activation checkpointing when it needs a
+    backward (one [rows, V] at a time; what a chunk returns is a vector per row). With
+    `full_vocab_slots`, rows past the first N drafts take the candidate softmax instead. `variant`: the
+    drafter's `loss_rows` object (None for DFlash), sliced per chunk."""
     M = rows.rows_M.shape[0]
-    device = rows.labels_M.device
-    ce_parts, kl_parts, correct_parts = [like.new_zeros(0, dtype=torch.float32)], [like.new_zeros(0, dtype=torch.float32)], []
-    # Rows are slot-major, so the full-vocabulary slots 1..full_vocab_slots are a prefix whose
-    # length the host already knows: no data-dependent indexing on the device.
-    num_full = M if full_vocab_slots is None else sum(rows.per_slot[: full_vocab_slots + 1])
+    # Rows are slot-major, so the full-vocabulary drafts are a prefix whose length the host already
+    # knows: no data-dependent indexing on the device.
+    num_full = M if full_vocab_slots is None else sum(rows.per_slot[: rows.first + full_vocab_slots])
     needs_grad = torch.is_grad_enabled() and like.requires_grad
+    def args(sel: slice) -> tuple:
+        topk_lp, topk_ids = rows.topk_lp_MK, rows.topk_ids_MK
+        return (
+            rows.hidden_MH[sel], lm_head_VH, rows.labels_M[sel], None if topk_lp is None else topk_lp[sel],
+            None if topk_ids is None else topk_ids[sel], None if variant is None else variant.chunk(sel),
+        )
+
+    parts: list[dict[str, torch.Tensor]] = []
     for terms, (lo, hi) in ((_chunk_terms, (0, num_full)), (_candidate_terms, (num_full, M))):
         chunked = hi - lo > rows_per_chunk and needs_grad
         for start in range(lo, hi, rows_per_chunk):
             sel = slice(start, min(start + rows_per_chunk, hi))
-            args = (
-                rows.hidden_MH[sel],
-                lm_head_VH,
-                rows.labels_M[sel],
-                None if rows.topk_lp_MK is None else rows.topk_lp_MK[sel],
-                None if rows.topk_ids_MK is None else rows.topk_ids_MK[sel],
-            )
-            ce_M, kl_M, correct_M = checkpoint(terms, *args, use_reentrant=False) if chunked else terms(*args)
-            ce_parts.append(ce_M)
-            kl_parts.append(kl_M)
-            correct_parts.append(correct_M)
-    correct = torch.cat(correct_parts) if correct_parts else torch.zeros(0, dtype=torch.bool, device=device)
+            parts.append(checkpoint(terms, *args(sel), use_reentrant=False) if chunked else terms(*args(sel)))
+    if not parts:  # nothing scored: an empty chunk gives every term its (empty) row vector
+        parts.append(_chunk_terms(*args(slice(0, 0))))
+    out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
     # `like.sum() * 0` keeps the graph connected when nothing is scored (every rank still reduces)
-    return torch.cat(ce_parts) + like.sum() * 0.0, torch.cat(kl_parts), correct
+    out["ce"] = out["ce"] + like.sum() * 0.0
+    return out
 
 
 def dflash_loss(
@@ -211,23 +239,30 @@ def dflash_loss(
     batch: DrafterBatch,
     cfg: LossConfig,
     normalizer: torch.Tensor | float | None = None,
+    variant: Any = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, metrics). Slot k's hidden state is scored against labels_NB[:, k] (no shift).
+    """(loss, metrics). Slot k's hidden state is scored against labels_NB[:, k] (no shift: the batch
+    put each slot's label there).
 
     `normalizer`: divide the objective by this instead of this micro-batch's own
     (`objective_normalizer`; pass the sum over the whole optimizer step for an exact per-token mean).
+    `variant`: a DSpark or DFlash2 drafter (its `loss_rows` adds its heads' terms); None: DFlash.
     """
     N, B, _ = hidden_NBH.shape
-    rows = scored_rows(hidden_NBH, batch, cfg.gamma, with_topk=cfg.needs_topk)
-    ce_M, kl_M, correct_M = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk_blocks * B, hidden_NBH, cfg.full_vocab_slots)
+    extra = None if variant is None else variant.loss_rows(hidden_NBH, batch, cfg)
+    rows = scored_rows(hidden_NBH, batch, cfg.gamma, with_topk=cfg.needs_topk or (extra is not None and extra.needs_topk))
+    if extra is not None:
+        extra = extra.select(rows)
+    terms = lm_head_terms(rows, lm_head_VH, cfg.ce_chunk_blocks * B, hidden_NBH, cfg.full_vocab_slots, extra)
+    ce_M, kl_M, correct_M = terms["ce"], terms["kl"], terms["correct"]
     if cfg.weighting == "dpace":
-        ce_NB = torch.zeros(N * B, device=ce_M.device)
-        ce_NB[rows.rows_M] = ce_M.detach()
-        w_train_M = dpace_weights(ce_NB.view(N, B), batch.labels_NB != IGNORE, cfg.dpace_alpha).reshape(-1)[rows.rows_M]
+        w_train_M = dpace_row_weights(ce_M, rows, N, B, batch.labels_NB != IGNORE, cfg.dpace_alpha)
     else:
         w_train_M = rows.w_M
     sup_M = torch.ones_like(correct_M) if rows.sup_M is None else rows.sup_M
     objective = cfg.ce_weight * (w_train_M * sup_M * ce_M).sum() + cfg.kl_weight * (w_train_M * kl_M).sum()
+    if extra is not None:
+        objective = objective + extra.objective(terms, rows, w_train_M, cfg)
     denom = objective_normalizer(batch, cfg).clamp_min(1e-12) if normalizer is None else normalizer
     loss = objective / denom
     with torch.no_grad():
@@ -236,45 +271,57 @@ def dflash_loss(
         correct_NB[rows.rows_M] = correct_M
         w_M = rows.w_M * sup_M  # the metrics: decay weights, supervised slots
         counts = block_counts(
-            correct_NB.view(N, B), batch.supervised(), loss_weights(labels_NB, cfg.gamma),
-            (w_M * ce_M.detach()).sum(), (w_M * kl_M.detach()).sum(),
+            correct_NB.view(N, B), batch.supervised(), loss_weights(labels_NB, cfg.gamma, batch.first_slot),
+            (w_M * ce_M.detach()).sum(), (w_M * kl_M.detach()).sum(), batch.first_slot,
         )
+        if extra is not None:
+            counts.update(extra.counts(terms, rows, cfg))
     return loss, {**counts, **finalize_metrics(counts, cfg)}
 
 
+def dpace_row_weights(
+    ce_M: torch.Tensor, rows: ScoredRows, N: int, B: int, mask_NB: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """D-PACE's weights of the scored rows, from their CE laid back into blocks."""
+    ce_NB = torch.zeros(N * B, device=ce_M.device)
+    ce_NB[rows.rows_M] = ce_M.detach()
+    return dpace_weights(ce_NB.view(N, B), mask_NB, alpha).reshape(-1)[rows.rows_M]
+
+
 def block_counts(
-    correct_NB: torch.Tensor, valid_NB: torch.Tensor, w_NB: torch.Tensor, ce_sum: torch.Tensor, kl_sum: torch.Tensor
+    correct_NB: torch.Tensor, valid_NB: torch.Tensor, w_NB: torch.Tensor, ce_sum: torch.Tensor, kl_sum: torch.Tensor,
+    first: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """The COUNT_KEYS of some blocks.
+    """The COUNT_KEYS of some blocks (`first`: the first scorable slot, 0 for DSpark's shifted blocks).
 
     A block's acceptance length is what one verification of it would yield: its run of correct
-    scored slots from slot 1, plus the target's bonus token, except when the run ran into an
+    scored slots from the first draft, plus the target's bonus token, except when the run ran into an
     unscored slot (the end of the response): decoding stops there, with no bonus. So offline
-    blocks give decoding's numbers at response ends too. Only blocks whose slot 1 is scored count
+    blocks give decoding's numbers at response ends too. Only blocks whose first draft is scored count
     for accept_len: decoding drafts only where the next token is the response's (with
     loss.distill_positions=all a block anchored in the prompt scores KL-only slots first and CE
     slots later; its "run" would read 0)."""
-    scored_N = valid_NB[:, 1]
-    accept_N = accept_lengths(correct_NB, valid_NB)
+    scored_N = valid_NB[:, first]
+    accept_N = accept_lengths(correct_NB, valid_NB, first)
     return {
         "ce_sum": ce_sum.float(),
         "kl_sum": kl_sum.float(),
         "weight_sum": (w_NB * valid_NB).sum().float(),
         "num_valid": valid_NB.sum(),
-        "correct_per_pos": (correct_NB & valid_NB)[:, 1:].sum(0),
-        "valid_per_pos": valid_NB[:, 1:].sum(0),
+        "correct_per_pos": (correct_NB & valid_NB)[:, first:].sum(0),
+        "valid_per_pos": valid_NB[:, first:].sum(0),
         "accept_sum": (accept_N * scored_N).sum(),
         "num_blocks": scored_N.sum(),
     }
 
 
-def accept_lengths(correct_NB: torch.Tensor, valid_NB: torch.Tensor) -> torch.Tensor:
-    """Per block: 1 + correct scored slots in a row from slot 1, less the bonus when that run ended
-    at an unscored slot (the response ended; decoding gets no token past it)."""
-    run_N = (correct_NB[:, 1:] & valid_NB[:, 1:]).long().cumprod(1).sum(1)
+def accept_lengths(correct_NB: torch.Tensor, valid_NB: torch.Tensor, first: int = 1) -> torch.Tensor:
+    """Per block: 1 + correct scored slots in a row from slot `first`, less the bonus when that run
+    ended at an unscored slot (the response ended; decoding gets no token past it)."""
+    run_N = (correct_NB[:, first:] & valid_NB[:, first:]).long().cumprod(1).sum(1)
     B = correct_NB.shape[1]
-    stop_N = (run_N + 1).clamp(max=B - 1)  # the slot where the run stopped
-    ran_out_N = (run_N + 1 < B) & ~valid_NB.gather(1, stop_N[:, None])[:, 0]
+    stop_N = (run_N + first).clamp(max=B - 1)  # the slot where the run stopped
+    ran_out_N = (run_N < B - first) & ~valid_NB.gather(1, stop_N[:, None])[:, 0]
     return run_N + (~ran_out_N).long()
 
 
@@ -289,6 +336,10 @@ def finalize_metrics(counts: dict[str, torch.Tensor], cfg: LossConfig) -> dict[s
                  in decoding; `walk_tau` (offline eval) corrects that, `tau` is measured decoding."""
     c = {k: counts[k].float() for k in COUNT_KEYS}
     weight = c["weight_sum"].clamp_min(1e-12)
+    ratios = {  # a variant's X_num / X_den pairs: its own metrics (confidence_loss, selector_accuracy, ...)
+        key[: -len("_num")]: counts[key].float() / counts[key[: -len("_num")] + "_den"].float().clamp_min(1e-12)
+        for key in sorted(counts) if key.endswith("_num") and key[: -len("_num")] + "_den" in counts
+    }
     return {
         "loss": (cfg.ce_weight * c["ce_sum"] + cfg.kl_weight * c["kl_sum"]) / weight,
         "ce": c["ce_sum"] / weight,
@@ -296,9 +347,15 @@ def finalize_metrics(counts: dict[str, torch.Tensor], cfg: LossConfig) -> dict[s
         "accuracy": c["correct_per_pos"].sum() / c["num_valid"].clamp_min(1),
         "acc_per_pos": c["correct_per_pos"] / c["valid_per_pos"].clamp_min(1),
         "accept_len": c["accept_sum"] / c["num_blocks"].clamp_min(1),
+        **ratios,
     }
+
+
+def count_keys(metrics: dict[str, torch.Tensor]) -> list[str]:
+    """The summable entries of a loss's metrics: COUNT_KEYS and a variant's X_num / X_den pairs."""
+    return [*COUNT_KEYS, *sorted(k for k in metrics if k.endswith(("_num", "_den")))]
 
 
 def sum_counts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Add the counts of several micro-batches or packs (ranks: `all_reduce` the same keys)."""
-    return {k: torch.stack([p[k].float() for p in parts]).sum(0) for k in COUNT_KEYS}
+    return {k: torch.stack([p[k].float() for p in parts]).sum(0) for k in count_keys(parts[0])}

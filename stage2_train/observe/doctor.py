@@ -28,7 +28,7 @@ from shared.errors import DataError
 from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.detectors import LiveDetectors
 from stage2_train.observe.explain import context_points, describe, explain
-from stage2_train.observe.records import finite, normalize
+from stage2_train.observe.records import finite, normalize, number
 from stage2_train.observe.sources import load_log
 
 
@@ -133,6 +133,7 @@ def diagnose(
             if last[k] is not None
         },
         "heldout": heldout_summary(evals),
+        "variant_heads": variant_heads([raw for r, raw in rows if r["kind"] == "train" and r["step"] is not None]),
         "cannot_tell": info["cannot_tell"],
         "recipe_departures": recipe_departures(event_rows),
     }
@@ -152,6 +153,33 @@ def heldout_summary(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
         if finite(evals[-1][name]):
             final[name] = evals[-1][name]
     return {"evals": len(evals), "best": best, "final": final, "final_step": evals[-1]["step"]}
+
+
+def variant_heads(train_raw: list[dict[str, Any]], last: int = 20) -> list[str]:
+    """What a DSpark or DFlash2 run's own metrics say over its last `last` train rows (medians): whether
+    the confidence head predicts the acceptance it is trained on (eval.confidence_stop stops on its
+    numbers), and whether the selector picks the target's token more often than the unary argmax."""
+
+    def level(name: str) -> float | None:
+        values = sorted(v for r in train_raw[-last:] if finite(v := number(r.get(name))))
+        return values[len(values) // 2] if values else None
+
+    notes = []
+    predicted, rate, error = level("confidence_pred_mean"), level("accept_rate"), level("confidence_abs_error")
+    if predicted is not None and rate is not None:
+        note = (f"dspark confidence head: predicts {predicted:.3f} per slot where the top-k overlap is {rate:.3f} "
+                f"(mean |error| {error if error is not None else float('nan'):.3f})")
+        if abs(predicted - rate) > 0.1:
+            note += "; miscalibrated by more than 0.1: an early stop (eval.confidence_stop) would cut on wrong numbers"
+        notes.append(note)
+    selector, unary, recall = level("selector_accuracy"), level("unary_top1_accuracy"), level("candidate_recall")
+    if selector is not None and unary is not None:
+        note = (f"dflash2 selector: picks the target's top-1 on {selector:.3f} of slots, the unary argmax on {unary:.3f} "
+                f"(lift {selector - unary:+.3f}); the top-1 is among the candidates on {recall if recall is not None else float('nan'):.3f}")
+        if selector < unary - 0.01:
+            note += "; the selector loses to the argmax it reranks: train longer, or lower loss.selector_weight"
+        notes.append(note)
+    return notes
 
 
 def recipe_departures(event_rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
@@ -222,6 +250,9 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     if s.get("recipe_departures"):
         lines.append("departures from the published recipe (run_start):")
         lines += [f"  {w}" for w in s["recipe_departures"]]
+    if s.get("variant_heads"):
+        lines.append("the variant's heads (last rows):")
+        lines += [f"  {note}" for note in s["variant_heads"]]
     if s["cannot_tell"]:
         lines.append("cannot tell:")
         lines += [f"  {c}" for c in s["cannot_tell"]]

@@ -24,7 +24,8 @@ LOCAL_ONLY = "dflash_pipeline_config.yaml"  # the resolved run config, written b
 
 def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, Any]) -> Path:
     """README.md of an exported drafter. `facts`: target (name, revision), data (what the store was
-    made from, samples, tokens), steps, and the held-out eval when one was run."""
+    made from, samples, tokens; or `other_store`, why the store at hand is not the one trained on),
+    steps, and the held-out eval when one was run."""
     d = description
     target = facts.get("target") or {}
     target_name = target.get("hub_id") or target.get("name") or "the target"
@@ -40,6 +41,12 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
             f"so compare with figures of the same harness only."
         )
     data = facts.get("data") or {}
+    if data.get("other_store"):  # the config's store is not the one trained on: nothing about it is stated
+        data_line = f"not stated: the configured store is not the one trained on ({data['other_store']})"
+    else:
+        data_line = f"{data.get('source', 'unknown')}: {data.get('num_samples', '?')} samples, {data.get('num_tokens', '?')} tokens"
+        if data and not data.get("verified"):
+            data_line += " (the checkpoint recorded no store digest to check this store against)"
     sliding = "sliding_attention" in d.layer_types
     lines = [
         "---",
@@ -59,7 +66,7 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         f"| target | `{target_name}`{revision} ({d.num_target_layers} layers, hidden {d.hidden_size}, vocab {d.vocab_size}) |",
         f"| drafter | {d.num_layers} layer(s), block size {d.block_size}, mask token id {d.mask_token_id}"
         + (f", sliding window {d.sliding_window}" if sliding else "") + " |",
-        f"| data | {data.get('source', 'unknown')}: {data.get('num_samples', '?')} samples, {data.get('num_tokens', '?')} tokens |",
+        f"| data | {data_line} |",
         f"| training | {facts.get('steps', '?')} optimizer steps |",
         "",
         "## Acceptance",

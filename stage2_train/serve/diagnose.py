@@ -146,8 +146,11 @@ def decode(
     loaded = load_drafter(folder, target.info(view.get("target_layer_ids") or []))
     drafter = loaded.drafter.to(settings.device)
     layer_ids = list(loaded.description.target_layer_ids)
-    if reader is not None:
-        _, heldout = split_indices(reader, settings.holdout_fraction, settings.split_seed)
+    if reader is not None:  # the split our export recorded it was trained with (`serve/trained_on.py`), else the config's
+        record = loaded.trained_on
+        fraction = record.holdout_fraction if record and record.holdout_fraction is not None else settings.holdout_fraction
+        seed = record.split_seed if record and record.split_seed is not None else settings.split_seed
+        _, heldout = split_indices(reader, fraction, seed)
         prompts = [p for _, p in heldout_prompts(reader, heldout, settings.num_prompts)]
         source = f"{len(prompts)} held-out store prompts"
     else:

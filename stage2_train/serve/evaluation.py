@@ -2,6 +2,7 @@
 and `bench/learning.py` all call.
 
     heldout = HeldoutSet.open(cfg)                                  # the target, the store, the one held-out rule
+    heldout = HeldoutSet.open(cfg, trained_on=read_trained_on(step_dir))   # a saved drafter's own split and store
     drafters = {"trained": heldout.load(checkpoint, cfg.model).drafter, "untrained": heldout.untrained(cfg)}
     report = evaluate_drafters(drafters, heldout, prompts=heldout.prompts(12), eval_cfg=cfg.eval, ...)
 
@@ -18,13 +19,14 @@ LM head are read once for every drafter of the set (at 8B they are ~5 GB).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from shared.config import RunConfig
+from shared.errors import StoreError
 from shared.paths import RunPaths
 from shared.target import TargetInfo, cached_tokenizer, resolve_target, stop_token_ids
 from shared.target_parts import load_embed_and_head
@@ -35,13 +37,16 @@ from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.load import LoadedDrafter, load_drafter
 from stage2_train.serve.online_eval import (
     acceptance_gap,
+    bootstrap_drafted,
     bootstrap_tau,
     heldout_prompts,
     load_online_target,
     online_eval,
 )
 from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+from stage2_train.serve.trained_on import TrainedOn, heldout_split, other_store
 from stage2_train.train.evaluate import offline_eval
+from stage2_train.train.state import store_digest
 
 
 @dataclass
@@ -53,13 +58,31 @@ class HeldoutSet:
     reader: Any
     heldout: np.ndarray  # indices into `reader`
     parts: tuple[torch.Tensor, torch.Tensor]  # (embed_VH, lm_head_VH), shared by every drafter
+    split: dict[str, Any] = field(default_factory=dict)  # the split and store used, and where they came from
+    notes: list[str] = field(default_factory=list)  # config-file values ignored for the drafter's own
 
     @classmethod
-    def open(cls, cfg: RunConfig) -> HeldoutSet:
+    def open(cls, cfg: RunConfig, trained_on: TrainedOn | None = None) -> HeldoutSet:
+        """The config's store and split; with `trained_on` (a saved drafter's record), the split it was
+        trained with (`serve/trained_on.py`), on the store it was trained on unless eval.allow_other_store."""
         target = resolve_target(cfg.target)
-        reader = open_store(RunPaths.of(cfg).store, target, options=cfg.store.reader_options())
-        _, heldout = split_indices(reader, cfg.eval.holdout_fraction, cfg.eval.split_seed)
-        return cls(target, reader, heldout, load_embed_and_head(target.target_dir))
+        store = RunPaths.of(cfg).store
+        reader = open_store(store, target, options=cfg.store.reader_options())
+        fraction, seed, notes = heldout_split(cfg, trained_on)
+        problem = other_store(trained_on, reader.manifest)
+        if problem is not None and not cfg.eval.allow_other_store:
+            raise StoreError(
+                f"{store} is not the store {trained_on.where} was trained on ({problem}): its scores would not be the "
+                f"held-out scores of that training; set store.path to the store it was trained on, or "
+                f"eval.allow_other_store=true to evaluate it on this one"
+            )
+        _, heldout = split_indices(reader, fraction, seed)
+        split = {
+            "holdout_fraction": fraction, "split_seed": seed, "from": trained_on.where if trained_on else "config",
+            "store_digest": store_digest(reader.manifest),
+            "trained_on_store": None if trained_on is None or not trained_on.store_digest else problem is None,
+        }
+        return cls(target, reader, heldout, load_embed_and_head(target.target_dir), split, notes)
 
     def load(self, source: Any, runtime: DrafterConfig | None = None, device: Any = "cpu") -> LoadedDrafter:
         """A saved drafter (checkpoint or folder), as its description says, on `device`."""
@@ -88,10 +111,12 @@ def evaluate_drafters(
     groups: dict[str, Sequence[int]] | None = None,
     max_new_tokens: int | None = None,
     device: Any = "cpu",
+    confidence_stops: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """Offline (the drafters named in `offline`, default all) and online evaluation of `drafters` and
     the n-gram drafter on `prompts`; intervals on all prompts and on each of `groups` (prompt indices),
-    paired against `baseline`."""
+    paired against `baseline`. `confidence_stops`: per drafter, a DSpark early stop other than
+    `eval.confidence_stop`."""
     eval_cfg = cfg.eval
     offline_rows = {
         name: offline_eval(
@@ -103,9 +128,13 @@ def evaluate_drafters(
     target_model = load_online_target(cfg.target, eval_cfg.online_dtype, device)
     tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
-    proposers = {n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n) for n, d in drafters.items()}
-    block_size = next(iter(drafters.values())).block_size
-    proposers["ngram"] = NgramProposer(block_size - 1)
+    stops = confidence_stops or {}
+    proposers = {
+        n: DFlashProposer(d, heldout.target.layer_ids, feature_dtype=feature_dtype, name=n, confidence_stop=stops.get(n, eval_cfg.confidence_stop))
+        for n, d in drafters.items()
+    }
+    # The n-gram drafter proposes as many tokens as the baseline drafter's block.
+    proposers["ngram"] = NgramProposer(proposers[baseline].max_draft)
     online = online_eval(
         target_model, proposers, list(prompts), max_new_tokens=max_new_tokens or eval_cfg.online_max_new_tokens,
         eos_token_ids=stop_token_ids(tokenizer, target_model),
@@ -122,6 +151,7 @@ def evaluate_drafters(
             interval = bootstrap_tau([entry["per_prompt"][i] for i in index], baseline=paired)
             entry["groups"][group] = {k: round(v, 4) for k, v in interval.items()}
         entry["interval"] = entry["groups"]["all"]
+        entry["drafted_interval"] = {k: round(v, 4) for k, v in bootstrap_drafted(entry["per_prompt"]).items()}
     gaps = {name: acceptance_gap(row, online["proposers"][name]["tau"]) for name, row in offline_rows.items()}
     return {"offline": offline_rows, "online": online, "gap": gaps, "baseline": baseline}
 
@@ -134,7 +164,7 @@ def one_line(report: dict[str, Any], trained: str = "trained") -> str:
         if entry is None:
             continue
         i = entry["interval"]
-        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}]"
+        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}], {entry['drafted_per_step']:.1f} drafted/step"
         if "diff" in i:
             text += f" ({i['diff']:+.3f} [{i['diff_lo']:+.3f}, {i['diff_hi']:+.3f}] vs {trained})"
         parts.append(text)

@@ -13,7 +13,8 @@ SGLang (`--speculative-algorithm DFLASH`) and vLLM (`speculative_config={"method
   `dflash_config: {target_layer_ids, mask_token_id, mask_token}` (ids = decoder layer i's output,
   HF `hidden_states[i + 1]`; `mask_token` is the string SGLang resolves when it has no id). Plain RoPE
   (`rope_scaling: null`), `tie_word_embeddings: false`. Our own provenance sits under
-  `dflash_pipeline` (format version, target path and weights sha256, source checkpoint).
+  `dflash_pipeline` (format version, the drafter's description, the target's name and weights sha256,
+  and `training`: the held-out split and store digest it was trained with, which `eval` reuses).
 - `model.safetensors`: the drafter's own tensors, no embedding and no LM head (the serving engine
   borrows the target's), named as the reference names them (`fc.weight`, `hidden_norm.weight`,
   `norm.weight`, `layers.N.*`), which is `DFlashDrafter.state_dict()` as is.
@@ -51,16 +52,28 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Export
 
 
-def drafter_hf_config(description: DrafterDescription, target_info: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """The config.json of the exported drafter (see the module docstring for each DFlash field)."""
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
+
+
+def drafter_hf_config(
+    description: DrafterDescription, target_info: dict[str, Any], dtype: str, training: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The config.json of the exported drafter (see the module docstring for each DFlash field). A
+    DFlash2 drafter is z-lab's `DFlash2DraftModel` (its convolution and selector sizes in `dflash_config`,
+    where z-lab, SpecForge and SGLang read them); z-lab's layout has no DSpark."""
     d = description
     layer_types = list(d.layer_types)
     sliding = "sliding_attention" in layer_types
     dflash_config: dict[str, Any] = {"target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_token_id}
     if target_info.get("mask_token"):
         dflash_config["mask_token"] = target_info["mask_token"]
+    if d.variant == "dflash2":
+        dflash_config.update({
+            "block_size": d.block_size, "conv_kernel_size": d.conv_kernel_size, "conv_group_size": d.conv_group_size,
+            "selector_rank": d.selector_rank, "selector_top_k": d.selector_top_k,
+        })
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[d.variant]],
         "model_type": "qwen3",
         "hidden_size": d.hidden_size,
         "intermediate_size": d.intermediate_size,
@@ -105,6 +118,7 @@ def drafter_hf_config(description: DrafterDescription, target_info: dict[str, An
                 "vocab_size": d.vocab_size,
                 **{k: v for k, v in target_info.items() if k != "mask_token"},
             },
+            **({"training": training} if training else {}),
         },
     }
 
@@ -117,11 +131,14 @@ def export_drafter(
     *,
     dtype: str = "bfloat16",
     format: str = "zlab",
+    training: dict[str, Any] | None = None,
 ) -> Path:
     """Write config.json and model.safetensors (weights in `dtype`, embeddings and LM head left out):
-    z-lab's layout (what SGLang and vLLM's dflash method load), or speculators' (its trainer and
-    vLLM's speculators path; the same tensors under the same names). A projected drafter is written
-    as the standard drafter it equals (the projection folded into fc)."""
+    z-lab's layout (what SGLang and vLLM's dflash method load; DFlash and DFlash2, a DSpark drafter is
+    refused by name), or speculators' (its trainer and vLLM's speculators path, every variant; the same
+    tensors under the same names). A projected drafter is written as the standard drafter it equals
+    (the projection folded into fc). `training`: its held-out split and store digest
+    (`serve/trained_on.py`), recorded under dflash_pipeline.training."""
     if format not in ("zlab", "speculators"):
         raise ValueError(f"export format must be zlab or speculators, got {format!r}")
     if dtype not in DTYPES:
@@ -140,9 +157,14 @@ def export_drafter(
     tensors = {
         name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in drafter.folded_state_dict().items()
     }
-    config = drafter_hf_config(d, target_info, dtype)
+    if format == "zlab" and d.variant == "dspark":
+        raise CheckpointError(
+            "export --format zlab: z-lab's layout has no DSpark drafter (its loaders build DFlash and DFlash2); "
+            "export --format speculators, the layout vLLM's dspark method and speculators read"
+        )
+    config = drafter_hf_config(d, target_info, dtype, training)
     if format == "speculators":
-        config = speculators_config(config, list(d.target_layer_ids), str(target_info.get("verifier") or target_info.get("name", "")))
+        config = speculators_config(config, d, str(target_info.get("verifier") or target_info.get("name", "")))
     # Weights first, config last, each through a temp name: a folder with a config is complete.
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -153,12 +175,16 @@ def export_drafter(
 SPECULATORS_VERSION = "0.9.0"  # the release whose DFlash format this writes (its converter: PR #617)
 
 
-def speculators_config(hf_config: dict[str, Any], layer_ids: list[int], verifier: str) -> dict[str, Any]:
-    """vllm-project/speculators' DFlash config.json for the same weights (its names are ours):
-    the drafter's Qwen3 config inside `transformer_layer_config`, the DFlash fields top-level,
-    `aux_hidden_state_layer_ids` = layer id + 1 (speculators names the residual stream entering a
-    layer, HF hidden_states[id]; z-lab the layer's output), and the verifier as a local folder, from
-    which speculators refills what it does not save (embed_tokens, lm_head, verifier_norm)."""
+def speculators_config(hf_config: dict[str, Any], description: DrafterDescription, verifier: str) -> dict[str, Any]:
+    """vllm-project/speculators' config.json for the same weights (its names are ours), for each
+    variant (`speculators_model_type` dflash, dspark or dflash2): the drafter's Qwen3 config inside
+    `transformer_layer_config`, the block fields and the variant's own top-level (DSpark's
+    `sample_from_anchor: true`, Markov rank and head, confidence head; DFlash2's convolution and
+    selector sizes), `aux_hidden_state_layer_ids` = layer id + 1 (speculators names the residual stream
+    entering a layer, HF hidden_states[id]; z-lab the layer's output), and the verifier as a local
+    folder, from which speculators refills what it does not save (embed_tokens, lm_head, verifier_norm)."""
+    d = description
+    layer_ids = list(d.target_layer_ids)
     if "sliding_attention" in hf_config["layer_types"]:
         raise CheckpointError(
             "export --format speculators: this drafter has sliding-window layers, and speculators computes them "
@@ -175,23 +201,39 @@ def speculators_config(hf_config: dict[str, Any], layer_ids: list[int], verifier
         )
     }
     block = hf_config["block_size"]
+    variant: dict[str, Any] = {}
+    if d.variant == "dspark":
+        variant = {
+            "markov_rank": d.markov_rank, "markov_head_type": d.markov_head, "enable_confidence_head": d.confidence_head,
+            "confidence_head_with_markov": bool(d.confidence_head),
+        }
+    elif d.variant == "dflash2":
+        variant = {
+            "conv_kernel_size": d.conv_kernel_size, "conv_group_size": d.conv_group_size, "selector_rank": d.selector_rank,
+            "selector_top_k": d.selector_top_k,
+        }
     return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+        "architectures": [ARCHITECTURES[d.variant]],
+        "speculators_model_type": d.variant,
         "speculators_version": SPECULATORS_VERSION,
         "block_size": block,
         "mask_token_id": hf_config["dflash_config"]["mask_token_id"],
         "aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],
         "draft_vocab_size": hf_config["vocab_size"],
         "target_hidden_size": None,
-        "sample_from_anchor": False,
-        "sliding_window_non_causal": False,
+        "sample_from_anchor": d.label_shift == 1,
+        # speculators' per-variant default; it only concerns sliding layers, which this export refuses
+        "sliding_window_non_causal": d.variant == "dflash2",
         "tie_word_embeddings": False,
+        **variant,
         "transformer_layer_config": {"model_type": "qwen3", **layer_cfg},
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": d.variant,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": block - 1, "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [{
+                "proposal_type": "greedy", "speculative_tokens": block - 1 + d.label_shift, "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }],
             "verifier": {"name_or_path": verifier, "architectures": hf_config["dflash_pipeline"]["target"].get("architectures") or []},
         },
         "torch_dtype": hf_config["torch_dtype"],

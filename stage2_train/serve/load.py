@@ -2,12 +2,14 @@
 speculators'), always as the drafter that was saved.
 
     loaded = load_drafter("runs/default/checkpoints", target)     # or a step folder, or an export folder
-    loaded.drafter, loaded.description, loaded.weights_file
+    loaded.drafter, loaded.description, loaded.weights_file, loaded.trained_on
     weights = init_weights_for(folder, cfg.model, target)         # model.init_from, checked against this run
 
 A checkpoint's `drafter.json` (or, for checkpoints written before it existed, the model section of the
 run config it saved) and a folder's config.json describe the drafter; the description decides what is
-built, and the command line's model section only says how to run it (`model/description.py`).
+built, and the command line's model section only says how to run it (`model/description.py`). A
+drafter whose description records other target weights than the target's (another model or revision
+of the same shape) is refused unless model.allow_other_target.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from shared.hub import is_hub_id, resolve_hub
 from shared.target import TargetArch, TargetInfo, dflash_layer_ids
 from shared.target_parts import load_embed_and_head
 from stage2_train.model.config import DrafterConfig
-from stage2_train.model.description import DrafterDescription, describe
+from stage2_train.model.description import VARIANT_FIELDS, DrafterDescription, describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.export import CONFIG_NAME, WEIGHTS_NAME
-from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, load_checkpoint, read_weights
+from stage2_train.serve.trained_on import TrainedOn, read_trained_on
+from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, read_weights, saved_run_config
 from stage2_train.train.checkpoint.select import select_checkpoint
 
 
@@ -37,6 +40,7 @@ class LoadedDrafter:
     drafter: DFlashDrafter
     description: DrafterDescription
     weights_file: Path  # the model.safetensors read
+    trained_on: TrainedOn | None = None  # its held-out split and store, where recorded (`serve/trained_on.py`)
 
 
 def load_drafter(
@@ -46,27 +50,39 @@ def load_drafter(
     runtime: DrafterConfig | None = None,
     parts: tuple[torch.Tensor, torch.Tensor] | None = None,
     frozen_dtype: torch.dtype | None = None,
+    allow_other_target: bool | None = None,
 ) -> LoadedDrafter:
     """The drafter saved at `source`: a checkpoint step folder, a checkpoints folder (the newest
     checkpoint that verifies), or a drafter folder with config.json. Built as its description says,
-    checked against `target` (width, vocabulary, layers), with the target's frozen embedding and LM
-    head (`parts`, read from the target's safetensors when not given); `runtime` says how to run it."""
-    path = drafter_folder(source)
+    checked against `target` (width, vocabulary, layers, and the weights it was trained against unless
+    `allow_other_target`, by default runtime's model.allow_other_target), with the target's frozen
+    embedding and LM head (`parts`, read from the target's safetensors when not given); `runtime`
+    says how to run it."""
+    path = saved_drafter_path(source)
     if (path / CONFIG_NAME).is_file() and not (path / "meta.json").is_file():
         description, (weights, file) = folder_description(path), read_weights(path / WEIGHTS_NAME)
     else:
-        if path.is_dir() and not (path / WEIGHTS_NAME).is_file():
-            selection = select_checkpoint(path)
-            if selection.path is None:
-                reasons = "; ".join(f"{p}: {why}" for p, why in selection.skipped) or "none saved yet"
-                raise CheckpointError(f"no usable checkpoint in {path} ({reasons}); train first (`make train`)")
-            path = selection.path
         weights, file = read_weights(path)  # verified against the checkpoint's checksums
         description = checkpoint_description(file.parent, target)
-    description.check_target(target, str(path))
+    if allow_other_target is None:
+        allow_other_target = runtime is not None and runtime.allow_other_target
+    description.check_target(target, str(path), allow_other_target=allow_other_target)
     embed_VH, lm_head_VH = parts if parts is not None else load_embed_and_head(target.target_dir)
     drafter = build_drafter(description, embed_VH, lm_head_VH, runtime=runtime, weights=weights, frozen_dtype=frozen_dtype)
-    return LoadedDrafter(drafter.eval(), description, file)
+    return LoadedDrafter(drafter.eval(), description, file, read_trained_on(file.parent))
+
+
+def saved_drafter_path(source: str | os.PathLike) -> Path:
+    """The folder `source` names: a checkpoint step folder or a drafter folder as given (a Hub id's
+    snapshot), a checkpoints folder resolved to its newest checkpoint that verifies."""
+    path = drafter_folder(source)
+    if path.is_dir() and not (path / WEIGHTS_NAME).is_file() and not (path / CONFIG_NAME).is_file():
+        selection = select_checkpoint(path)
+        if selection.path is None:
+            reasons = "; ".join(f"{p}: {why}" for p, why in selection.skipped) or "none saved yet"
+            raise CheckpointError(f"no usable checkpoint in {path} ({reasons}); train first (`make train`)")
+        path = selection.path
+    return path
 
 
 def drafter_folder(source: str | os.PathLike, setting: str = "model.init_from") -> Path:
@@ -81,8 +97,8 @@ def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescrip
     rebuilt from the run config it saved (its model section and the layer ids and mask it resolved)."""
     if (step_dir / DESCRIPTION_FILE).is_file():
         return DrafterDescription.from_dict(json.loads((step_dir / DESCRIPTION_FILE).read_text()), str(step_dir / DESCRIPTION_FILE))
-    saved = load_checkpoint(step_dir, verified=True).get("config")
-    if not isinstance(saved, dict) or "model" not in saved:
+    saved = saved_run_config(step_dir)
+    if saved is None or "model" not in saved:
         raise CheckpointError(f"{step_dir}: no {DESCRIPTION_FILE} and no saved run config to describe its drafter")
     resolved = saved.get("resolved") or {}
     model = DrafterConfig.from_dict({k: v for k, v in saved["model"].items() if k in DrafterConfig.model_fields})
@@ -107,19 +123,28 @@ def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
+# The variants' own fields, as speculators' config.json (top level) and z-lab's / SpecForge's
+# `dflash_config` name them.
+DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
-    """A speculators DFlash config.json read as the z-lab layout `drafter_spec` reads (its weights
-    need no renaming). Layer ids come back as id - 1; sliding layers are refused (other semantics)."""
+    """A speculators DFlash, DSpark or DFlash2 config.json read as the z-lab layout `folder_description`
+    reads (its weights need no renaming). Layer ids come back as id - 1; sliding layers are refused
+    (other semantics)."""
+    kind = config.get("speculators_model_type")
     layer = dict(config.get("transformer_layer_config") or {})
     if not layer:
-        raise CheckpointError(f"{where}: speculators_model_type=dflash but no transformer_layer_config")
+        raise CheckpointError(f"{where}: speculators_model_type={kind} but no transformer_layer_config")
     if "sliding_attention" in (layer.get("layer_types") or []):
         raise CheckpointError(
             f"{where}: transformer_layer_config.layer_types has sliding_attention: speculators fixes each block's window "
             f"at its anchor (PR #749), which this drafter does not compute; start from a full-attention drafter"
         )
-    if config.get("sample_from_anchor"):
-        raise CheckpointError(f"{where}: sample_from_anchor=true is not the DFlash block this pipeline trains")
+    if kind != "dspark" and config.get("sample_from_anchor"):
+        raise CheckpointError(f"{where}: sample_from_anchor=true is not the {kind} block this pipeline trains")
     dflash = dict(config.get("dflash_config") or {})
     block = dflash.get("block_size", config.get("block_size", 16))
     aux = config.get("aux_hidden_state_layer_ids")
@@ -127,12 +152,38 @@ def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
         raise CheckpointError(f"{where}: aux_hidden_state_layer_ids is missing")
     layer.pop("layer_types", None)
     layer.update({"use_sliding_window": False, "sliding_window": None})
+    own = DSPARK_FIELDS if kind == "dspark" else DFLASH2_FIELDS if kind == "dflash2" else ()
     return {
         **layer,
         **({"dflash_pipeline": config["dflash_pipeline"]} if "dflash_pipeline" in config else {}),
+        "architectures": [SPECULATORS_TYPES[kind]],
         "block_size": block,
-        "dflash_config": {"target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id"))},
+        "dflash_config": {
+            "target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id")),
+            **{name: config[name] for name in own if name in config},
+        },
     }
+
+
+def variant_of(config: dict[str, Any], value: Any, where: Path) -> dict[str, Any]:
+    """The variant a (z-lab layout) config describes, from its architectures, with its own fields."""
+    names = config.get("architectures") or []
+    if "DSparkDraftModel" in names:
+        from stage2_train.model.dspark import check_dspark_config
+
+        fields = {name: value(name) for name in DSPARK_FIELDS if value(name) is not None}
+        return {"variant": "dspark", **check_dspark_config(fields, str(where))}
+    if "DFlash2DraftModel" in names:
+        sizes = {name: value(name) for name in DFLASH2_FIELDS}
+        missing = [name for name, v in sizes.items() if not isinstance(v, int) or v < 1]
+        if missing:
+            raise CheckpointError(f"{where}: a DFlash2DraftModel without {missing} (dflash_config or top level)")
+        if value("output_multiplier", 1.0) != 1.0 or value("final_logit_softcapping"):
+            raise CheckpointError(
+                f"{where}: output_multiplier / final_logit_softcapping change the unary logits, which this drafter does not"
+            )
+        return {"variant": "dflash2", **sizes}
+    return {"variant": "dflash"}
 
 
 def folder_description(folder: str | os.PathLike) -> DrafterDescription:
@@ -143,7 +194,12 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     a hand-edited config.json cannot silently describe another drafter."""
     config = read_export_config(folder)
     where = Path(folder) / CONFIG_NAME
-    if config.get("speculators_model_type") == "dflash":
+    kind = config.get("speculators_model_type")
+    if kind is not None:
+        if kind not in SPECULATORS_TYPES:
+            raise CheckpointError(
+                f"{where}: speculators_model_type={kind!r} is not a block drafter this pipeline builds ({', '.join(SPECULATORS_TYPES)})"
+            )
         config = from_speculators(config, where)
     dflash = config.get("dflash_config") or {}
     if not isinstance(dflash, dict):
@@ -188,7 +244,7 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     sliding = "sliding_attention" in types
     described = DrafterDescription(
-        variant="dflash",
+        **variant_of(config, value, where),
         block_size=block_size,
         num_layers=config["num_hidden_layers"],
         hidden_size=arch.hidden_size,
@@ -226,7 +282,8 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
 
 # What the engines read from config.json, which must agree with our own description of the drafter.
 _READ_BY_LOADERS = (
-    "block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "variant", "markov_rank", "markov_head", "confidence_head", "conv_kernel_size", "conv_group_size", "selector_rank",
+    "selector_top_k", "block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "layer_types", "sliding_window", "is_causal", "target_layer_ids", "mask_token_id", "rope_theta",
 )
 
@@ -276,12 +333,20 @@ def load_exported(folder: str | os.PathLike, embed_VH: torch.Tensor, lm_head_VH:
 
 
 def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any) -> dict[str, torch.Tensor]:
-    """The weights of a published or exported drafter, to start training from (`model.init_from`),
-    after checking it fits this target and model config; every mismatch names the field to set."""
+    """The weights of a published or exported drafter, or of a training checkpoint's step folder, to
+    start training from (`model.init_from`), after checking it fits this target and model config; every
+    mismatch names the field to set. Other target weights than it was trained against are refused
+    unless model.allow_other_target."""
     folder = drafter_folder(folder)
-    theirs = folder_description(folder)
-    ours = describe(cfg.model_copy(update={"feature_projection": "none"}), target)
     where = f"model.init_from={str(folder)!r}"
+    checkpoint = (folder / "meta.json").is_file()
+    theirs = checkpoint_description(folder, target) if checkpoint else folder_description(folder)
+    if theirs.feature_projection != "none":  # a checkpoint's projection is not folded into fc (an export's is)
+        raise CheckpointError(
+            f"{where}: this checkpoint's drafter has feature_projection={theirs.feature_projection}; export it "
+            f"(`python -m stage2_train export --checkpoint {folder} --out DIR`) and start from DIR"
+        )
+    ours = describe(cfg.model_copy(update={"feature_projection": "none"}), target)
     checks = [
         ("hidden_size", theirs.hidden_size, ours.hidden_size, "the target's hidden size"),
         ("target_layer_ids", theirs.target_layer_ids, ours.target_layer_ids, "target.layer_ids"),
@@ -292,6 +357,8 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
         ("sliding_window", theirs.sliding_window, ours.sliding_window, "model.sliding_window"),
         ("is_causal", theirs.is_causal, ours.is_causal, "model.is_causal"),
         ("intermediate_size", theirs.intermediate_size, ours.intermediate_size, "model.intermediate_size"),
+        ("variant", theirs.variant, ours.variant, "model.variant"),
+        *((name, getattr(theirs, name), getattr(ours, name), f"model.{name}") for name in VARIANT_FIELDS[theirs.variant]),
         ("num_attention_heads", theirs.num_attention_heads, ours.num_attention_heads, "the target's heads"),
         ("num_key_value_heads", theirs.num_key_value_heads, ours.num_key_value_heads, "the target's kv heads"),
     ]
@@ -302,5 +369,6 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
                 f"{where}: the drafter has {name}={have!r} but this run has {want!r} ({setting}); "
                 f"set {setting}={have!r} or start from another drafter"
             )
-    weights, _ = read_weights(Path(folder) / WEIGHTS_NAME)
+    theirs.check_target(target, where, allow_other_target=cfg.allow_other_target)
+    weights, _ = read_weights(folder if checkpoint else folder / WEIGHTS_NAME)
     return weights

@@ -58,13 +58,14 @@ def online_eval(
 ) -> dict[str, Any]:
     """Greedy target decoding vs speculative decoding with each proposer on the same prompts.
 
-    Per proposer: tau (tokens per verifying forward, pooled over prompts), the acceptance-length
-    histogram, exact (every output == the target's greedy output), wall time and speedup."""
+    Per proposer: tau (tokens per verifying forward, pooled over prompts), drafted tokens per forward,
+    the acceptance-length histogram, exact (every output == the target's greedy output), wall time and
+    speedup."""
     if not prompts:
         raise DataError("online eval: no held-out sample has a prompt (tokens before its first supervised one)")
     greedy_wall = 0.0
     stats = {
-        name: {"tokens": 0, "forwards": 0, "num_exact": 0, "wall_s": 0.0, "draft_s": 0.0, "hist": {}, "per_prompt": []}
+        name: {"tokens": 0, "forwards": 0, "drafted": 0, "num_exact": 0, "wall_s": 0.0, "draft_s": 0.0, "hist": {}, "per_prompt": []}
         for name in proposers
     }
     for prompt in prompts:
@@ -77,7 +78,8 @@ def online_eval(
             s = stats[name]
             s["tokens"] += sum(result.acceptance_lengths)
             s["forwards"] += result.num_target_forwards
-            s["per_prompt"].append([sum(result.acceptance_lengths), result.num_target_forwards])
+            s["drafted"] += sum(result.drafted)
+            s["per_prompt"].append([sum(result.acceptance_lengths), result.num_target_forwards, sum(result.drafted)])
             s["num_exact"] += int(result.tokens == reference.tokens)
             s["wall_s"] += result.wall_s
             s["draft_s"] += result.draft_s
@@ -88,13 +90,16 @@ def online_eval(
         max_len = max(s["hist"], default=1)
         summary[name] = {
             "tau": s["tokens"] / s["forwards"] if s["forwards"] else 1.0,
+            # tokens verified besides the anchor per forward: what a step costs the target (a DSpark
+            # block drafts B, a confidence stop fewer; the n-gram drafter only what it finds)
+            "drafted_per_step": s["drafted"] / s["forwards"] if s["forwards"] else 0.0,
             "exact": s["num_exact"] == len(prompts),
             "num_exact": s["num_exact"],
             "accept_hist": [s["hist"].get(j, 0) for j in range(1, max_len + 1)],
             "wall_s": round(s["wall_s"], 4),
             "draft_s": round(s["draft_s"], 4),
             "speedup": greedy_wall / s["wall_s"] if s["wall_s"] > 0 else None,
-            "per_prompt": s["per_prompt"],  # [tokens, verifying forwards] per prompt: intervals over prompts
+            "per_prompt": s["per_prompt"],  # [tokens, verifying forwards, drafted] per prompt: intervals over prompts
         }
     return {
         "num_prompts": len(prompts),
@@ -122,15 +127,21 @@ def bootstrap_tau(per_prompt: list[list[int]], resamples: int = 2000, seed: int 
     resampling prompts jointly removes the prompts' own spread from the comparison."""
     import numpy as np
 
-    own = np.asarray(per_prompt, dtype=np.float64)
+    own = np.asarray(per_prompt, dtype=np.float64)[:, :2]
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(own), size=(resamples, len(own)))
     tau = own[:, 0].sum() / own[:, 1].sum()
     samples = own[picks, 0].sum(1) / own[picks, 1].sum(1)
     out = {"tau": float(tau), "lo": float(np.quantile(samples, 0.025)), "hi": float(np.quantile(samples, 0.975))}
     if baseline is not None:
-        base = np.asarray(baseline, dtype=np.float64)
+        base = np.asarray(baseline, dtype=np.float64)[:, :2]
         diff = samples - base[picks, 0].sum(1) / base[picks, 1].sum(1)
         out.update({"diff": float(tau - base[:, 0].sum() / base[:, 1].sum()),
                     "diff_lo": float(np.quantile(diff, 0.025)), "diff_hi": float(np.quantile(diff, 0.975))})
     return out
+
+
+def bootstrap_drafted(per_prompt: list[list[int]], resamples: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Drafted tokens per verifying forward pooled over prompts, with its 95% bootstrap interval."""
+    out = bootstrap_tau([[p[2], p[1]] for p in per_prompt], resamples, seed)
+    return {"drafted_per_step": out["tau"], "lo": out["lo"], "hi": out["hi"]}

@@ -16,7 +16,8 @@ branch of z-lab/dflash `dflash_generate` (reimplemented, not copied):
 2. the last accepted token is the anchor at position p; the target's KV cache and the context
    features cover exactly the positions < p. The proposer drafts up to B-1 tokens (a DFlash drafter
    sees the block [anchor, MASK x (B-1)] at positions p..p+B-1 and the features of positions < p,
-   as in training);
+   as in training; a DSpark drafter drafts up to B from the same block, fewer when its confidence
+   head stops it);
 3. ONE target forward over [anchor, drafts] verifies them: the longest prefix where draft == target
    argmax is accepted, plus the target's own next token (the bonus). The KV cache is cropped back to
    the accepted positions (`DynamicCache.crop` takes a negative count in transformers 5) and their
@@ -59,7 +60,10 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """A DFlash drafter: one forward over [anchor, MASK x (B-1)], drafts = argmax of slots 1..B-1.
+    """A block drafter of any variant: one forward over [anchor, MASK x (B-1)], then the drafter's own
+    greedy `draft` of the block: DFlash the argmax of slots 1..B-1; DSpark slots 0..B-1 left to right
+    with its Markov bias (and, with `confidence_stop`, an early stop from its confidence head);
+    DFlash2 slots 1..B-1 left to right through its candidate selector.
 
     `feature_dtype` rounds the captured features before the drafter sees them (bf16: what the
     drafter was trained on when the store keeps bf16 or fp8 features)."""
@@ -71,6 +75,7 @@ class DFlashProposer:
         *,
         feature_dtype: torch.dtype | None = None,
         name: str = "dflash",
+        confidence_stop: float | None = None,
     ):
         if len(layer_ids) != drafter.num_feature_layers:
             raise ValueError(
@@ -78,9 +83,10 @@ class DFlashProposer:
             )
         self.drafter = drafter
         self.name = name
-        self.max_draft = drafter.block_size - 1
+        self.max_draft = getattr(drafter, "max_draft", drafter.block_size - 1)
         self.feature_layer_ids = list(layer_ids)
         self.feature_dtype = feature_dtype
+        self.confidence_stop = confidence_stop
 
     @torch.no_grad()
     def propose(self, tokens: list[int], context_TF: torch.Tensor | None) -> list[int]:
@@ -110,7 +116,10 @@ class DFlashProposer:
             hidden_BH = drafter(batch)[0]
         finally:
             drafter.train(was_training)
-        return drafter.logits(hidden_BH[1:]).argmax(-1).tolist()
+        draft = getattr(drafter, "draft", None)
+        if draft is None:  # a stand-in with only forward and logits (tests): DFlash's argmax
+            return drafter.logits(hidden_BH[1:]).argmax(-1).tolist()
+        return draft(hidden_BH, tokens[-1], self.confidence_stop)
 
 
 class NgramProposer:
@@ -174,6 +183,7 @@ class SpecResult:
     draft_s: float  # time inside the proposer
     # (anchor position, drafts) of every verify, when recorded
     proposals: list[tuple[int, list[int]]] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)  # tokens verified by each forward besides the anchor
 
     @property
     def num_target_forwards(self) -> int:
@@ -266,6 +276,7 @@ def speculative_generate(
     capture = LayerCapture(target, proposer.feature_layer_ids) if proposer.feature_layer_ids else None
     draft_s = 0.0
     acceptance: list[int] = []
+    drafted: list[int] = []
     proposals: list[tuple[int, list[int]]] = []
     start = time.perf_counter()
     try:
@@ -283,6 +294,7 @@ def speculative_generate(
             drafts = [int(t) for t in drafts[: min(proposer.max_draft, max_new_tokens - generated - 1)]]
             if record:
                 proposals.append((anchor_pos, drafts))
+            drafted.append(len(drafts))
             accepted, new_tokens = _verify(target, cache, cache_kw, tokens[-1], drafts, eos)
             if capture:
                 context_TF = torch.cat([context_TF, capture.stacked()[0].flatten(-2)[: accepted + 1]])
@@ -298,4 +310,5 @@ def speculative_generate(
         wall_s=time.perf_counter() - start,
         draft_s=draft_s,
         proposals=proposals,
+        drafted=drafted,
     )

@@ -184,7 +184,11 @@ class EvalConfig(Section):
     holdout_fraction: float = 0.02
     """Share of samples never trained on, chosen by a hash of their content (identical samples stay together)."""
     split_seed: int = 0
-    """Fixes the split independently of the training seed."""
+    """Fixes the split independently of the training seed. `eval` of a saved drafter uses the split it
+    was trained with (a command-line value that contradicts it is refused)."""
+    allow_other_store: bool = False
+    """`eval` refuses a store whose contents differ from the one the checkpoint was trained on
+    (reprocessed, or another store); true evaluates on it anyway, and the report says so."""
     every_steps: int = 0
     """Offline eval during training every N optimizer steps; 0 = only at the end."""
     offline_max_samples: int = 16
@@ -204,7 +208,15 @@ class EvalConfig(Section):
     verification can round a tie the other way than one-token decoding, so speculative output would
     differ from the greedy reference for reasons that are not the drafter's; fp32 makes that rare."""
 
+    confidence_stop: float | None = None
+    """DSpark decoding: end a block's draft before the slot where the confidence head's predicted chance
+    that every draft so far is accepted (prod sigmoid(c_k)) falls below this; null = draft the whole
+    block (DeepSpec's default). At least one token is drafted. Other variants ignore it."""
+
     def validate(self) -> None:
+        self.require(
+            self.confidence_stop is None or 0.0 < self.confidence_stop < 1.0, "confidence_stop", "must be in (0, 1) or null"
+        )
         self.require(0.0 <= self.holdout_fraction < 1.0, "holdout_fraction", "must be in [0, 1)")
         self.require(self.every_steps >= 0, "every_steps", "must be >= 0")
         self.require(self.offline_max_samples >= 1, "offline_max_samples", "must be >= 1")

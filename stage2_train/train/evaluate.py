@@ -52,7 +52,7 @@ class ScoredBlocks:
 
     counts: dict[str, torch.Tensor]
     accept_N: torch.Tensor  # 1 + accepted drafts per block (the bonus included, as in training)
-    pred_NB: torch.Tensor  # the drafter's argmax at slots 1..B-1 (-1 at slot 0)
+    pred_NB: torch.Tensor  # the drafter's prediction at slots first..B-1 (-1 before)
     ce_NB: torch.Tensor  # CE of the label per slot (0 where unscored)
     w_NB: torch.Tensor  # the loss's position weight where scored, else 0
     correct_NB: torch.Tensor  # scored and argmax == label
@@ -60,31 +60,41 @@ class ScoredBlocks:
 
 @torch.no_grad()
 def score_blocks(drafter: DFlashDrafter, batch: DrafterBatch, gamma: float, rows_per_chunk: int = 1024) -> ScoredBlocks:
-    """Every block of `batch` scored: a slot is correct when its argmax equals a scored label;
-    accept_len = 1 + consecutive correct slots from slot 1 (an unscored slot ends the run, as in the
-    training metrics)."""
+    """Every block of `batch` scored: a slot is correct when its prediction equals a scored label;
+    accept_len = 1 + consecutive correct slots from the first draft (an unscored slot ends the run,
+    as in the training metrics). A variant predicts as it decodes, teacher-forced on the data tokens:
+    DSpark's argmax of the Markov-corrected logits, DFlash2's selector pick (its CE stays the unary's)."""
     hidden_NBH = drafter(batch)
     N, B, H = hidden_NBH.shape
+    first = batch.first_slot
     labels_NB = batch.labels_NB
-    hidden_MH = hidden_NBH[:, 1:].reshape(-1, H)
-    labels_M = labels_NB[:, 1:].reshape(-1)
+    loss_rows = getattr(drafter, "loss_rows", None)
+    extra = None if loss_rows is None else loss_rows(hidden_NBH, batch)
+    if extra is not None:
+        slots_M = (torch.arange(N, device=labels_NB.device)[:, None] * B + torch.arange(first, B, device=labels_NB.device)).reshape(-1)
+        extra = extra.select(slots_M)
+    hidden_MH = hidden_NBH[:, first:].reshape(-1, H)
+    labels_M = labels_NB[:, first:].reshape(-1)
     preds, logprobs = [], []
     for start in range(0, hidden_MH.shape[0], rows_per_chunk):
-        logits_MV = drafter.logits(hidden_MH[start : start + rows_per_chunk]).float()
-        preds.append(logits_MV.argmax(-1))
-        label_M = labels_M[start : start + rows_per_chunk].clamp(min=0)
+        sel = slice(start, start + rows_per_chunk)
+        logits_MV = drafter.logits(hidden_MH[sel]).float()
+        if extra is not None:
+            logits_MV = extra.chunk(sel).adjust(logits_MV, None)
+        preds.append(logits_MV.argmax(-1) if extra is None else extra.chunk(sel).pick(logits_MV, None))
+        label_M = labels_M[sel].clamp(min=0)
         logprobs.append(logits_MV.log_softmax(-1).gather(1, label_M[:, None])[:, 0])
     pred_NB = torch.full_like(labels_NB, -1)
-    pred_NB[:, 1:] = torch.cat(preds).view(N, B - 1)
+    pred_NB[:, first:] = torch.cat(preds).view(N, B - first)
     valid_NB = labels_NB != IGNORE
     ce_NB = torch.zeros(N, B, device=labels_NB.device)
-    ce_NB[:, 1:] = -torch.cat(logprobs).view(N, B - 1)
+    ce_NB[:, first:] = -torch.cat(logprobs).view(N, B - first)
     ce_NB = torch.where(valid_NB, ce_NB, 0.0)
-    w_NB = loss_weights(labels_NB, gamma)
+    w_NB = loss_weights(labels_NB, gamma, first)
     correct_NB = valid_NB & (pred_NB == labels_NB)
     ce_sum = (w_NB * ce_NB).sum()
-    counts = block_counts(correct_NB, valid_NB, w_NB, ce_sum, torch.zeros((), device=ce_sum.device))
-    return ScoredBlocks(counts, accept_lengths(correct_NB, valid_NB), pred_NB, ce_NB, w_NB, correct_NB)
+    counts = block_counts(correct_NB, valid_NB, w_NB, ce_sum, torch.zeros((), device=ce_sum.device), first)
+    return ScoredBlocks(counts, accept_lengths(correct_NB, valid_NB, first), pred_NB, ce_NB, w_NB, correct_NB)
 
 
 def _packs(indices: Sequence[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:
@@ -133,12 +143,13 @@ TOTAL_KEYS = (
 )
 
 
-def empty_totals(block_size: int) -> dict[str, torch.Tensor]:
-    """Zero totals: what a rank with no held-out sample contributes to the reduction."""
+def empty_totals(max_draft: int) -> dict[str, torch.Tensor]:
+    """Zero totals: what a rank with no held-out sample contributes to the reduction (`max_draft`:
+    the drafts of one block, B - 1, or B for DSpark)."""
     out = {k: torch.zeros((), dtype=torch.float64) for k in TOTAL_KEYS}
     for key in ("correct_per_pos", "valid_per_pos"):
-        out[key] = torch.zeros(block_size - 1, dtype=torch.float64)
-    out["accept_hist"] = torch.zeros(block_size, dtype=torch.float64)
+        out[key] = torch.zeros(max_draft, dtype=torch.float64)
+    out["accept_hist"] = torch.zeros(max_draft + 1, dtype=torch.float64)
     return out
 
 
@@ -146,9 +157,9 @@ def flatten_totals(totals: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([totals[k].reshape(-1).double() for k in TOTAL_KEYS])
 
 
-def unflatten_totals(flat: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+def unflatten_totals(flat: torch.Tensor, max_draft: int) -> dict[str, torch.Tensor]:
     out, offset = {}, 0
-    for key, like in empty_totals(block_size).items():
+    for key, like in empty_totals(max_draft).items():
         out[key] = flat[offset : offset + like.numel()].reshape(like.shape).cpu()
         offset += like.numel()
     return out
@@ -170,6 +181,8 @@ def offline_totals(
     row a single rank would have computed (`offline_row`). Deterministic: anchors are
     AnchorSampler's epoch-0 draw per sample. The drafter is put in eval mode and restored."""
     block_size = drafter.block_size
+    shift = getattr(drafter, "label_shift", 0)
+    max_draft = block_size - 1 + shift
     gamma = gamma if gamma is not None else (recipe_gamma(block_size) or 7.0)
     dense = max_anchors_per_seq is None
     anchor_sampler = AnchorSampler(
@@ -178,12 +191,12 @@ def offline_totals(
         seed=seed,
     )
     device = drafter.fc.weight.device
-    totals = empty_totals(block_size)
+    totals = empty_totals(max_draft)
     was_training = drafter.training
     drafter.eval()
     try:
         for pack in _packs(indices, np.asarray(reader.lengths), batch_tokens):
-            batch, without = _pack_batch(reader, pack, anchor_sampler, drafter.mask_token_id)
+            batch, without = _pack_batch(reader, pack, anchor_sampler, drafter.mask_token_id, shift)
             totals["num_samples"] += len(pack)
             totals["num_samples_without_anchor"] += without
             if batch is None:
@@ -192,7 +205,7 @@ def offline_totals(
             for key, value in scored.counts.items():
                 totals[key] += value.double().cpu()
             accept_N = scored.accept_N.cpu()
-            totals["accept_hist"] += torch.bincount(accept_N - 1, minlength=block_size).double()
+            totals["accept_hist"] += torch.bincount(accept_N - 1, minlength=max_draft + 1).double()
             for metric, values in _sample_values(batch, scored, dense).items():
                 v = torch.tensor(values, dtype=torch.float64)
                 totals[f"sample_{metric}_n"] += len(values)
@@ -284,7 +297,9 @@ def offline_eval(
     return offline_row(totals, gamma, dense=max_anchors_per_seq is None)
 
 
-def _pack_batch(reader: Any, pack: list[int], anchor_sampler: AnchorSampler, mask_token_id: int) -> tuple[DrafterBatch | None, int]:
+def _pack_batch(
+    reader: Any, pack: list[int], anchor_sampler: AnchorSampler, mask_token_id: int, label_shift: int = 0
+) -> tuple[DrafterBatch | None, int]:
     """(the pack's samples as one batch, or None, and how many of them have no valid anchor)."""
     samples, anchors = [], []
     for index in pack:
@@ -296,7 +311,10 @@ def _pack_batch(reader: Any, pack: list[int], anchor_sampler: AnchorSampler, mas
     without = len(pack) - len(samples)
     if not samples:
         return None, without
-    batch = collate(samples, anchors, block_size=anchor_sampler.block_size, mask_token_id=mask_token_id, gather_topk=False)
+    batch = collate(
+        samples, anchors, block_size=anchor_sampler.block_size, mask_token_id=mask_token_id, gather_topk=False,
+        label_shift=label_shift,
+    )
     return batch, without
 
 
@@ -333,7 +351,8 @@ class HeldoutEvaluator:
         if not self.any:
             return None
         error: BaseException | None = None
-        totals = empty_totals(model.block_size)
+        max_draft = model.block_size - 1 + getattr(model, "label_shift", 0)
+        totals = empty_totals(max_draft)
         try:
             totals = offline_totals(
                 model, self.reader, self.mine, max_anchors_per_seq=anchors, batch_tokens=self.batch_tokens,
@@ -348,6 +367,6 @@ class HeldoutEvaluator:
         if float(flat[-1]) > 0:
             raise RuntimeError("the held-out evaluation failed on another rank (its traceback is in that rank's log)")
         try:
-            return offline_row(unflatten_totals(flat[:-1], model.block_size), self.gamma, anchors is None)
+            return offline_row(unflatten_totals(flat[:-1], max_draft), self.gamma, anchors is None)
         except ValueError as exc:  # e.g. no held-out sample long enough for one block
             return str(exc)

@@ -36,7 +36,7 @@ from shared.target import TargetArch
 from stage2_train.data.batch import IGNORE, DrafterBatch, scored_index
 from stage2_train.data.config import SamplerConfig
 from stage2_train.model.config import DrafterConfig, LossConfig
-from stage2_train.model.drafter import DFlashDrafter
+from stage2_train.model.drafter import drafter_class
 from stage2_train.model.loss import dflash_loss
 from stage2_train.train.config import NoiseConfig, OptimConfig
 from stage2_train.train.schedules import NoiseSchedule, Optimizers, noise_generator
@@ -99,14 +99,15 @@ def densest_micro_batch(tokens: int, blocks_budget: int, max_anchors: int, block
     return StepShape(tokens, blocks, samples, block_size)
 
 
-def _micro_batch(shape: StepShape, vocab_size: int) -> DrafterBatch:
-    """The micro-batch's index tensors as the loader leaves them on the host, every slot scored; built
-    outside fake mode (the scored index needs real values). The context and top-k come in fake mode."""
+def _micro_batch(shape: StepShape, vocab_size: int, label_shift: int = 0) -> DrafterBatch:
+    """The micro-batch's index tensors as the loader leaves them on the host, every slot scored (from
+    slot 1; a DSpark block, `label_shift` 1, from slot 0); built outside fake mode (the scored index
+    needs real values). The context and top-k come in fake mode."""
     N, B = shape.blocks, shape.block_size
     lengths, blocks = shape.sample_tokens(), shape.sample_blocks()
     anchors = [torch.linspace(0, max(S - 2, 0), a).long() for S, a in zip(lengths, blocks)]
     labels_NB = torch.randint(0, vocab_size, (N, B))
-    labels_NB[:, 0] = IGNORE
+    labels_NB[:, : 1 - label_shift] = IGNORE
     scored_M, per_slot = scored_index(labels_NB)
     return DrafterBatch(
         context_TF=torch.empty(0),
@@ -120,6 +121,8 @@ def _micro_batch(shape: StepShape, vocab_size: int) -> DrafterBatch:
         num_tokens=shape.tokens,
         scored_M=scored_M,
         scored_per_slot=per_slot,
+        label_shift=label_shift,
+        prev_ids_NB=torch.zeros(N, B, dtype=torch.long),
     )
 
 
@@ -154,9 +157,9 @@ def traced_step(
     dtype = torch.bfloat16 if bf16 else torch.float32
     # The resident micro-batches only show with every one of them; otherwise two show the pattern.
     micro_batches = grad_accum if "all_micro_batches_on_device" in legacy else min(grad_accum, 2)
-    indices = _micro_batch(shape, arch.vocab_size)
+    indices = _micro_batch(shape, arch.vocab_size, model_cfg.label_shift)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = DFlashDrafter(model_cfg, arch, num_feature_layers, min(arch.vocab_size - 1, 151669))
+        model = drafter_class(model_cfg.variant)(model_cfg, arch, num_feature_layers, min(arch.vocab_size - 1, 151669))
         model.attention_backend = "memory"
         embed = torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         head = embed if arch.tie_word_embeddings else torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
@@ -165,7 +168,7 @@ def traced_step(
         optimizers = Optimizers(model, optim_cfg or OptimConfig(), total_steps=2)
         N, B = shape.blocks, shape.block_size
         host = replace(indices, context_TF=torch.empty(shape.tokens, num_feature_layers * arch.hidden_size, dtype=dtype))
-        if loss_cfg.needs_topk:  # the stored top-k the KL term or candidate softmax reads (K = TOP_K)
+        if loss_cfg.needs_topk or model_cfg.reads_topk:  # the stored top-k the KL term, candidate softmax or a head reads (K = TOP_K)
             host = replace(host, topk_logprobs_NBK=torch.empty(N, B, TOP_K), topk_ids_NBK=torch.zeros(N, B, TOP_K, dtype=torch.long))
         tracker = MemTracker()
         tracker.track_external(model, *optimizers.all())
@@ -184,7 +187,7 @@ def traced_step(
                         hidden_NBH = model(batch)
                         if "fp32_output_cast" in legacy:
                             hidden_NBH = hidden_NBH.float()
-                        loss, _ = dflash_loss(hidden_NBH, model.lm_head_VH, batch, loss_cfg, None)
+                        loss, _ = dflash_loss(hidden_NBH, model.lm_head_VH, batch, loss_cfg, None, variant=model)
                     loss.backward()
                     del batch, hidden_NBH, loss
                     if "noisy_copy" in legacy:
@@ -210,6 +213,7 @@ def formula(model_cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int,
     H, inner, L = arch.hidden_size, model_cfg.intermediate_size or arch.intermediate_size, model_cfg.num_layers
     attn = H * arch.num_attention_heads * arch.head_dim * 2 + H * arch.num_key_value_heads * arch.head_dim * 2
     params = L * (attn + 3 * H * inner + 2 * H + 2 * arch.head_dim) + num_feature_layers * H * H + 2 * H
+    params += variant_params(model_cfg, arch)
     gib = 2**30
     frozen = arch.vocab_size * H * 2 * (1 if arch.tie_word_embeddings else 2)
     return {
@@ -220,6 +224,24 @@ def formula(model_cfg: DrafterConfig, arch: TargetArch, num_feature_layers: int,
         "adamw_state_fp32": round(8 * params / gib, 2),
         "frozen_embed_and_head_bf16": round(frozen / gib, 2),
     }
+
+
+def variant_params(model_cfg: DrafterConfig, arch: TargetArch) -> int:
+    """What a variant adds to the drafter's trained parameters (model/dspark.py, model/dflash2.py). At
+    Qwen3-8B (V 151,936, H 4096, r 256): DSpark's two [V, r] Markov matrices are 77.8 M (+4,353 for the
+    confidence head); DFlash2's codebooks 77.8 M + 1.0 M, and its convolutions 2 x (2 taps x 2 sides x H/16
+    x H + 2 x 2 x H) per layer, 8.4 M (42 M over 5 layers). Their activations are traced: the Markov
+    bias is added inside each LM-head chunk, the selector's scores are [rows, K]."""
+    V, H = arch.vocab_size, arch.hidden_size
+    c = model_cfg
+    if c.variant == "dspark":
+        r = c.markov_rank
+        heads = {"vanilla": 0, "gated": (H + r) * r + r, "rnn": (2 * r + H) * 3 * r + 3 * r}[c.markov_head]
+        return 2 * V * r + heads + ((H + r + 1) if c.confidence_head else 0)
+    if c.variant == "dflash2":
+        conv = 2 * (2 * c.conv_kernel_size * (H // c.conv_group_size) * H + 2 * c.conv_kernel_size * H)
+        return 2 * V * c.selector_rank + c.selector_rank * H + c.num_layers * conv
+    return 0
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """The one resume policy: which checkpoint a run continues from, and what may differ when it does.
 
 `train.resume`: auto (the newest checkpoint every rank can verify, `Checkpointer.select`), never,
-or a path. A checkpoint whose settings change what training computes (COMPATIBILITY_FIELDS) is
-refused by name unless `train.resume_force`; every changed setting goes into the `resume` event
-either way (`config_changes`).
+or a path. A checkpoint whose settings change what training computes (COMPATIBILITY_FIELDS), or
+whose drafter (its drafter.json) differs from this run's in any field, is refused by name unless
+`train.resume_force`; every changed setting goes into the `resume` event either way
+(`config_changes`, and `forced_differences` when forced). A checkpoint saved before micro-batches had
+a block budget cannot rebuild its batch plan: refused, or under `train.resume_force` its epoch is
+re-planned from the start (`replanned` in the event).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from shared.config import dotted_differences, flatten
 from shared.errors import CheckpointError, ConfigError
+from stage2_train.model.description import VARIANT_FIELDS
 from stage2_train.observe.config import DetectorConfig
 
 # Fields that change what training computes: resuming with a different value is refused (unless
@@ -29,12 +33,21 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "model.layer_types": "the drafter's attention layout",
     "model.sliding_window": "the drafter's attention layout",
     "model.is_causal": "the drafter's attention layout",
+    "model.variant": "the drafter's architecture and its labels (dspark predicts one token further)",
+    "model.markov_rank": "the DSpark heads (their weights would not fit)",
+    "model.markov_head": "the DSpark heads",
+    "model.confidence_head": "the DSpark heads",
+    "model.conv_kernel_size": "the DFlash2 convolutions (their weights would not fit)",
+    "model.conv_group_size": "the DFlash2 convolutions (their weights would not fit)",
+    "model.selector_rank": "the DFlash2 selector (its weights would not fit)",
+    "model.selector_top_k": "the DFlash2 selector's candidates",
     "loss.gamma": "the position weights of the loss",
     "loss.distill_positions": "where anchors are drawn",
     "target.num_feature_layers": "how many target features the drafter fuses",
     "target.layer_ids": "which target layers feed the drafter, as configured",
     "resolved.layer_ids": "which target layers feed the drafter, as resolved against the target",
     "resolved.target_fingerprint": "the target weights the features came from",
+    "resolved.mask_token_id": "the mask token filling the drafter's blocks (target.mask_token_id)",
     "resolved.store_digest": "the store's contents (reprocessed, or another store): the samples and the batch plan",
     "seed": "the batch plan, the anchors and the noise",
     "eval.holdout_fraction": "the held-out split, hence which samples train and the batch plan",
@@ -52,7 +65,30 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
 OPTIONAL_FIELDS = {
     "resolved.target_fingerprint", "optim.name", "resolved.store_digest", "model.layer_types", "model.sliding_window",
     "model.is_causal", "model.feature_projection", "model.projection_dim", "loss.distill_positions",
+    "resolved.mask_token_id", "model.variant", "model.markov_rank", "model.markov_head", "model.confidence_head",
+    "model.conv_kernel_size", "model.conv_group_size", "model.selector_rank", "model.selector_top_k",
 }
+
+# The drafter's description (drafter.json) is compared field by field too. A field one of the settings
+# above decides is reported once, under that setting; the others name what sets them.
+_MODEL_FIELDS = ("num_layers", "block_size", "intermediate_size", "layer_types", "sliding_window", "is_causal",
+                 "feature_projection", "projection_dim", "variant", "markov_rank", "markov_head", "confidence_head",
+                 "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DESCRIPTION_COMPARED_AS = {
+    **{f: f"model.{f}" for f in _MODEL_FIELDS},
+    "target_layer_ids": "resolved.layer_ids", "target_weights_sha256": "resolved.target_fingerprint",
+    "mask_token_id": "resolved.mask_token_id",
+}
+DESCRIPTION_SET_BY = {
+    **{f: f"model.{f}" for f in _MODEL_FIELDS},
+    "target_layer_ids": "target.layer_ids", "target_weights_sha256": "target.path", "mask_token_id": "target.mask_token_id",
+}
+
+# A variant's own description fields: when model.variant changed, they are reported as that change.
+_VARIANT_ONLY = {name for names in VARIANT_FIELDS.values() for name in names}
+
+# Sampler state a checkpoint saved before micro-batches had a block budget lacks: its plan cannot be rebuilt.
+BLOCK_BUDGET_KEYS = ("micro_batch_blocks", "blocks_digest")
 
 # Settings renamed since a checkpoint may have been written: new dotted key -> the old one. A saved
 # config is read under the new names before anything is compared.
@@ -83,11 +119,14 @@ _ABSENT = _Absent()
 
 
 def check_compatible(
-    saved_config: dict[str, Any], current_config: dict[str, Any], force: bool = False
+    saved_config: dict[str, Any], current_config: dict[str, Any], force: bool = False,
+    saved_drafter: dict[str, Any] | None = None, drafter: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Differences in COMPATIBILITY_FIELDS, as 'field: saved X, now Y'. Raises unless `force`."""
+    """Differences in COMPATIBILITY_FIELDS, as 'field: saved X, now Y', then those of the drafter's
+    description (`saved_drafter`, `drafter`: drafter.json's fields) that no setting above reported.
+    Raises unless `force`."""
     saved, current = upgrade_saved(saved_config), flatten(current_config)
-    differences = []
+    differences, changed = [], set()
     for key in COMPATIBILITY_FIELDS:
         if key not in saved and key not in current:
             continue
@@ -95,7 +134,17 @@ def check_compatible(
             continue
         before, now = saved.get(key, _ABSENT), current.get(key, _ABSENT)
         if before != now:
+            changed.add(key)
             differences.append(f"{key}: saved {before!r}, now {now!r} ({COMPATIBILITY_FIELDS[key]})")
+    if saved_drafter is not None and drafter is not None:  # a checkpoint from before drafter.json: its config only
+        for key, now in drafter.items():
+            before = saved_drafter.get(key, _ABSENT)
+            if key == "version" or before == now or DESCRIPTION_COMPARED_AS.get(key) in changed:
+                continue
+            if key in _VARIANT_ONLY and "model.variant" in changed:
+                continue
+            set_by = DESCRIPTION_SET_BY.get(key, "the target's shape (target.path)")
+            differences.append(f"drafter.{key}: saved {before!r}, now {now!r} (the drafter's description, set by {set_by})")
     if differences and not force:
         raise CheckpointError(
             "cannot resume: "
@@ -121,10 +170,12 @@ class ResumePoint:
     event: dict[str, Any] | None
 
 
-def find_resume_point(choice: str, force: bool, checkpointer: Any, current_config: dict[str, Any], rank: int) -> ResumePoint:
+def find_resume_point(choice: str, force: bool, checkpointer: Any, info: dict[str, Any], rank: int) -> ResumePoint:
     """`train.resume` applied: auto, never, or a path. Checkpoints passed over (damaged, incomplete)
     are named on stderr (rank 0) and in the event; the chosen one is verified once across ranks
-    (`Checkpointer.select`) and its settings compared with this run's before anything is loaded."""
+    (`Checkpointer.select`) and its settings and drafter compared with this run's (`info`: its
+    `run_info`, the resolved config and the drafter's description) before anything is loaded."""
+    current_config = info["config"]
     if choice == "never":
         return ResumePoint(None, None, None)
     skipped: list[tuple[str, str]] = []
@@ -147,12 +198,39 @@ def find_resume_point(choice: str, force: bool, checkpointer: Any, current_confi
     if path is None:
         return ResumePoint(None, None, {"path": None, "skipped": passed_over} if skipped else None)
     state = checkpointer.load(path, verified=verified)
-    forced = check_compatible(state["config"], current_config, force)
+    forced = check_compatible(state["config"], current_config, force, state.get("drafter"), info.get("drafter"))
+    replanned = replan_before_block_budget(state, path, force)
+    if rank == 0 and (forced or replanned):
+        what = forced + ([f"epoch {replanned['epoch']} re-planned from its start"] if replanned else [])
+        print(f"warning: train.resume_force: resuming {path} with " + "; ".join(what), file=sys.stderr)
     event = {
         "path": str(path),
         "skipped": passed_over,
         "forced_differences": forced,
         "total_steps_before": state["trainer"].get("total_steps"),
         "config_changes": config_changes(state["config"], current_config),
+        **({"replanned": replanned} if replanned else {}),
     }
     return ResumePoint(path, state, event)
+
+
+def replan_before_block_budget(state: dict[str, Any], path: Path, force: bool) -> dict[str, Any] | None:
+    """A checkpoint saved before micro-batches had a block budget (its sampler state lacks
+    BLOCK_BUDGET_KEYS): its batch plan cannot be rebuilt, so it is refused, or under `force` its
+    sampler state is moved to the start of its epoch, re-planned under today's budget (the steps
+    already done in that epoch are trained again, on other batches). Returns the event's `replanned`."""
+    name = "loader" if "loader" in state else "sampler"  # the component's name before the rename
+    sampler = state.get(name)
+    missing = [k for k in BLOCK_BUDGET_KEYS if isinstance(sampler, dict) and k not in sampler]
+    if not missing:
+        return None
+    epoch, step = int(sampler["epoch"]), int(sampler["step_in_epoch"])
+    if not force:
+        raise CheckpointError(
+            f"cannot resume {path}: it was saved before micro-batches had a block budget (its sampler state lacks "
+            f"{', '.join(missing)}), so its batch plan cannot be rebuilt; set train.resume_force=true to re-plan its epoch "
+            f"{epoch} from the start (the {step} step(s) already done in that epoch are trained again), or start a new "
+            f"run from its weights: model.init_from={path} run_dir=<another folder>"
+        )
+    state[name] = {**sampler, "step_in_epoch": 0, "micro_step": 0, "replan": True}
+    return {"epoch": epoch, "saved_step_in_epoch": step, "saved_micro_step": int(sampler["micro_step"]), "missing": missing}

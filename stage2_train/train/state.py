@@ -100,7 +100,9 @@ class Description:
         return self.description.to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Checked against the run's own description by the resume's config comparison."""
+        """Nothing to restore: the resume has compared it with the run's own description, field by
+        field, before anything loaded (train/resume.py `check_compatible`), and refused a difference
+        unless train.resume_force (then the run goes on as its own description says)."""
 
 
 def store_digest(manifest: dict[str, Any]) -> str:
@@ -133,6 +135,7 @@ def run_info(
         "world_size": world_size, "grad_accum": cfg.train.grad_accum, "micro_batch_tokens": cfg.sampler.micro_batch_tokens,
         "tokens_per_step": cfg.sampler.micro_batch_tokens * cfg.train.grad_accum * world_size,
         "max_anchors_per_seq": cfg.sampler.max_anchors_per_seq, "block_size": cfg.model.block_size,
+        "variant": cfg.model.variant,
         "num_layers": cfg.model.num_layers, "init_from": cfg.model.init_from if initialised else None,
         "loss.gamma": cfg.loss.gamma, "loss.ce_weight": cfg.loss.ce_weight, "loss.kl_weight": cfg.loss.kl_weight,
         "noise.std": cfg.noise.std, "noise.warmup_steps": cfg.noise.warmup_steps, "noise.kind": cfg.noise.kind,

@@ -56,7 +56,7 @@ from stage2_train.data.run_data import open_run_data, with_a_block
 from stage2_train.model.description import describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_target_layers
 from stage2_train.model.loss import (
-    COUNT_KEYS,
+    count_keys,
     dflash_loss,
     finalize_metrics,
     objective_normalizer,
@@ -293,12 +293,12 @@ class Trainer:
         with nullcontext() if last else self.accelerator.no_sync(self.ddp_model):
             with self.accelerator.autocast():
                 hidden_NBH = self.ddp_model(batch)
-                loss, metrics = dflash_loss(hidden_NBH, self.model.lm_head_VH, batch, self.cfg.loss, normalizer)
+                loss, metrics = dflash_loss(hidden_NBH, self.model.lm_head_VH, batch, self.cfg.loss, normalizer, variant=self.model)
             self._sync()
             mid = time.perf_counter()
             self.accelerator.backward(loss)
             self._sync()
-        return {k: metrics[k] for k in COUNT_KEYS}, mid - start, time.perf_counter() - mid
+        return {k: metrics[k] for k in count_keys(metrics)}, mid - start, time.perf_counter() - mid
 
     def optimizer_step(self, counts: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor, bool, float]:
         """Clip, AdamW, schedule; returns (lr used, grad norm before clipping, skipped, seconds).
@@ -448,7 +448,7 @@ class Trainer:
     def resume(self) -> str | None:
         """Continue from the checkpoint `train.resume` chooses (`train/resume.py`: the one policy)."""
         point = find_resume_point(
-            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info["config"], self.rank
+            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info, self.rank
         )
         if point.state is not None:
             self.checkpointer.load_state_dict(point.state)
@@ -467,10 +467,11 @@ class Trainer:
         return on_device.cpu()
 
     def _reduce_counts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Sum the COUNT_KEYS tensors over ranks in one all_reduce; returns CPU tensors."""
-        flat = self._reduce_sum(torch.cat([local[k].reshape(-1).float() for k in COUNT_KEYS])).cpu()
+        """Sum the count tensors (the loss's COUNT_KEYS and its variant's) over ranks in one all_reduce;
+        returns CPU tensors. Every rank runs the same variant, so every rank has the same keys."""
+        flat = self._reduce_sum(torch.cat([local[k].reshape(-1).float() for k in count_keys(local)])).cpu()
         out, offset = {}, 0
-        for k in COUNT_KEYS:
+        for k in count_keys(local):
             size = local[k].numel()
             out[k] = flat[offset : offset + size].reshape(local[k].shape)
             offset += size

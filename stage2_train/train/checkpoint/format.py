@@ -283,6 +283,17 @@ def load_checkpoint(path: str | os.PathLike, rank: int = 0, *, verified: bool = 
     return {key: state[key] for key in meta["keys"]}
 
 
+def saved_run_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The resolved run config a checkpoint saved (its `config` component, in rank 0's JSON), read
+    without opening a tensor file; None when it saved none. Not verified: the caller loads (and so
+    verifies) the checkpoint too."""
+    try:
+        config = json.loads((Path(path) / f"{rank_stem(0)}.json").read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def read_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Path]:
     """(drafter weights, the file read) from a `model.safetensors`, or a folder holding one (a
     checkpoint step or an exported drafter). A training checkpoint is verified against its

@@ -109,20 +109,29 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._job: Job | None = None
         self._last_step: int | None = None
-        best = best_pointer(self.dir) if cfg.keep_best else None
+        # A group of our own, so the writer thread's collective never interleaves with DDP's.
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        best = self._read_best() if cfg.keep_best else None
         # The pointer names its metric: walk_tau when the evals score every anchor, else accept_len.
         self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
         self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
         self._pointed_step: int | None = None  # the step `best` was last pointed at by this process
-        # A group of our own, so the writer thread's collective never interleaves with DDP's.
-        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for leftover in self.dir.glob(TMP_PREFIX + "*"):
                 shutil.rmtree(leftover, ignore_errors=True)
         if self._group is not None:
             dist.barrier(group=self._group)
+
+    def _read_best(self) -> dict | None:
+        """The `best` pointer as rank 0 reads it, on every rank. Ranks reading it themselves can see
+        different files (another node's NFS cache): they would then disagree on whether an eval is a new
+        best, some would save and others not, and the agreement collectives would pair up wrongly."""
+        pointer = [best_pointer(self.dir) if self.rank == 0 else None]
+        if self._group is not None:
+            dist.broadcast_object_list(pointer, src=0, group=self._group)
+        return pointer[0]
 
     # ---- the registry -------------------------------------------------------------------------
     def register(self, components: Mapping[str, Any]) -> None:

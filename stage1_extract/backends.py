@@ -1,0 +1,210 @@
+"""Generation backends behind one engine interface: requests go in, answers come out as they finish.
+
+    engine = vllm_engine(model_dir, cfg, seed, dtype, stop_ids, rank)     # GPU: vLLM's engine, fed request by request
+    engine = BatchEngine(transformers_backend(model, tokenizer, cfg, seed))  # CPU: one submitted group per call
+    engine.submit([(key, Request(prompt_ids, seed)), ...])
+    for key, answer_ids in engine.collect(): ...                          # blocks until one or more finish
+
+`generate.generate_all` keeps the engine fed across parts: it submits the next part's requests while
+the current part's longest answers are still decoding, and writes each part as its last answer lands.
+
+Seeds. vLLM samples fastest with one engine seed (`engine_seed`: from the run's seed and the rank, so
+ranks draw different streams); a seed per request (`generate.per_request_seeds`) sends every decode
+step of that request through vLLM's per-request seeded sampler and off its fast top-p path. Neither
+makes a GPU run reproducible: vLLM is not batch-invariant, so an answer's logits move in their last
+bits with whatever else is in the batch, and the two samples part at the first near-tie. What is
+reproducible is said in docs/store.md. The transformers backend seeds each batch from its requests'
+seeds (HF's generate samples from the global generator), so a CPU run repeats itself exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shared.target import stop_token_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One answer to generate: the prompt's token ids and the seed of its sampling, derived from the
+    row and the turn (`request_seed`), so it depends on its row only: not on the batch, the part, the
+    rank or how many ranks share the work."""
+
+    prompt_ids: list[int]
+    seed: int
+
+
+def request_seed(seed: int, row: int, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def engine_seed(seed: int, rank: int) -> int:
+    """The seed of rank `rank`'s vLLM engine: each rank draws its own stream."""
+    return request_seed(seed, -1, rank) & 0x7FFF_FFFF
+
+
+def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:
+    """The answer's ids before its first stop token (padding after it included)."""
+    stops = set(stop_ids)
+    for position, token in enumerate(ids):
+        if token in stops:
+            return ids[:position]
+    return ids
+
+
+Keyed = list[tuple[Hashable, Request]]
+
+
+class Engine(Protocol):
+    """Answers requests as they finish: the target's own token ids, stop tokens removed (the chat
+    template closes the turn itself)."""
+
+    def submit(self, requests: Keyed) -> None: ...
+
+    def collect(self) -> list[tuple[Hashable, list[int]]]:
+        """The answers finished since the last call, at least one (blocks until one is)."""
+        ...
+
+    def pending(self) -> int:
+        """Requests submitted and not yet collected."""
+        ...
+
+
+# A backend answering a list of requests at once, one list per request (the transformers backend).
+Backend = Callable[[list[Request]], list[list[int]]]
+
+
+class BatchEngine:
+    """A backend that answers a whole list at once, run one submitted group per `collect`: each
+    group (one part's round) is generated exactly as it was submitted, so its answers do not depend on
+    what else is queued."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.groups: deque[Keyed] = deque()
+
+    def submit(self, requests: Keyed) -> None:
+        if requests:
+            self.groups.append(requests)
+
+    def collect(self) -> list[tuple[Hashable, list[int]]]:
+        group = self.groups.popleft()
+        answers = self.backend([r for _, r in group])
+        return [(key, ids) for (key, _), ids in zip(group, answers)]
+
+    def pending(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+
+def transformers_backend(model: Any, tokenizer: Any, cfg: Any, seed: int) -> Backend:
+    """Batched, left-padded `generate` on the model's device (`cfg`: the generate section)."""
+    import torch
+
+    device = next(model.parameters()).device
+    stop_ids = stop_token_ids(tokenizer, model)
+    # Left padding is masked out, so any id serves; a tokenizer with neither pad nor EOS gets 0.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    if not stop_ids:
+        log.warning("the tokenizer and generation config name no EOS token: answers stop at generate.max_new_tokens")
+
+    def run(requests: list[Request]) -> list[list[int]]:
+        answers: list[list[int]] = [[] for _ in requests]
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))  # less left padding
+        for start in range(0, len(order), cfg.batch_size):
+            idx = order[start : start + cfg.batch_size]
+            width = max(len(requests[i].prompt_ids) for i in idx)
+            ids_BT = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            attn_BT = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                prompt = requests[i].prompt_ids
+                ids_BT[row, width - len(prompt) :] = torch.tensor(prompt)
+                attn_BT[row, width - len(prompt) :] = 1
+            # HF's generate samples a batch from the global generator (no per-row generator): the
+            # batch's seed mixes its requests' seeds, so a resumed run regenerates exactly what it
+            # lost, and fork_rng puts the caller's RNG state back afterwards.
+            batch_seed = request_seed(seed, sum(requests[i].seed for i in idx) & 0x7FFF_FFFF, len(idx))
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+                torch.manual_seed(batch_seed)
+                out_BT = model.generate(
+                    input_ids=ids_BT.to(device),
+                    attention_mask=attn_BT.to(device),
+                    do_sample=cfg.temperature > 0,
+                    temperature=cfg.temperature if cfg.temperature > 0 else None,
+                    top_p=cfg.top_p if cfg.temperature > 0 else None,
+                    top_k=None,
+                    max_new_tokens=cfg.max_new_tokens,
+                    eos_token_id=stop_ids or None,
+                    pad_token_id=pad_id,
+                )
+            for row, i in enumerate(idx):
+                answers[i] = until_stop(out_BT[row, width:].tolist(), stop_ids)
+        return answers
+
+    return run
+
+
+class VllmEngine:
+    """vLLM's engine fed request by request (`LLM.llm_engine`: add_request / step), so requests of
+    several parts decode together and an answer is handed back the step it finishes. Answers are
+    vLLM's token ids, never its text re-tokenized (nor detokenized at all: only final outputs)."""
+
+    def __init__(self, llm: Any, cfg: Any, stop_ids: list[int], per_request_seeds: bool):
+        from vllm import SamplingParams  # GPU only: imported here so CPU installs never need it
+
+        self.engine = llm.llm_engine
+        self.stop_ids = stop_ids
+        self.per_request_seeds = per_request_seeds
+        self.options = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_new_tokens}
+        try:  # only the finished answer, token ids only: no partial outputs built every step
+            from vllm.sampling_params import RequestOutputKind
+
+            self.options.update(output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        except ImportError:  # a stand-in (tests) or an older vLLM: outputs filtered on `finished` below
+            pass
+        self.sampling = SamplingParams
+        self.shared_params = SamplingParams(**self.options)  # the fast path: no seed of its own
+        self.keys: dict[str, Hashable] = {}
+        self.ids = itertools.count()
+
+    def submit(self, requests: Keyed) -> None:
+        for key, request in requests:
+            params = self.sampling(**self.options, seed=request.seed) if self.per_request_seeds else self.shared_params
+            request_id = str(next(self.ids))
+            given = self.engine.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            # Recent vLLM returns the id it uses for the request's outputs.
+            self.keys[given if isinstance(given, str) else request_id] = key
+
+    def collect(self) -> list[tuple[Hashable, list[int]]]:
+        done: list[tuple[Hashable, list[int]]] = []
+        while not done:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM holds no unfinished request while {len(self.keys)} answers are awaited")
+            for output in self.engine.step():
+                if output.finished and output.request_id in self.keys:
+                    key = self.keys.pop(output.request_id)
+                    done.append((key, until_stop(list(output.outputs[0].token_ids), self.stop_ids)))
+        return done
+
+    def pending(self) -> int:
+        return len(self.keys)
+
+
+def vllm_engine(model_dir: str, cfg: Any, seed: int, dtype: str, stop_ids: list[int], rank: int = 0) -> VllmEngine:
+    """One vLLM engine on this process's GPU (or `generate.tensor_parallel_size` GPUs), seeded per rank."""
+    from vllm import LLM  # GPU only
+
+    from shared.target_model import TORCH_DTYPES
+
+    llm = LLM(
+        model=model_dir, dtype=TORCH_DTYPES[dtype], seed=engine_seed(seed, rank), tensor_parallel_size=cfg.tensor_parallel_size
+    )
+    return VllmEngine(llm, cfg, stop_ids, cfg.per_request_seeds)

@@ -1,0 +1,99 @@
+"""What a saved drafter was trained on, read back wherever it is used: the held-out split and the store.
+
+    record = read_trained_on(step_dir_or_folder)          # None when nothing was recorded
+    fraction, seed, notes = heldout_split(cfg, record)     # the split `eval` scores: the drafter's own
+    other_store(record, manifest)                          # None, or why this store is not the one trained on
+
+A checkpoint saves its run's resolved config (train/state.py `RunRecord`: eval.holdout_fraction,
+eval.split_seed, resolved.store_digest); an export copies those three into its config.json
+(`dflash_pipeline.training`). A held-out set cut with another fraction or seed holds samples the
+drafter trained on, so `eval` always uses the drafter's own split: a value given on the command line
+that contradicts it is refused naming both, one from a config file is ignored with a note (the policy
+of `model.*` values, commands.py `_saved_drafter`). A store of other contents (reprocessed, or
+another one) is refused by `eval` unless eval.allow_other_store, and a model card states the store's
+figures only when it is the one trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.config import RunConfig
+from shared.errors import ConfigError
+from stage2_train.train.checkpoint.format import saved_run_config
+from stage2_train.train.state import store_digest
+
+TRAINING_KEY = "training"  # config.json's dflash_pipeline.training
+SPLIT_KEYS = ("holdout_fraction", "split_seed")
+
+
+@dataclass(frozen=True)
+class TrainedOn:
+    where: str  # what recorded it: a checkpoint step folder, or an export's config.json
+    holdout_fraction: float | None = None
+    split_seed: int | None = None
+    store_digest: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """What an export records (`dflash_pipeline.training`)."""
+        return {"holdout_fraction": self.holdout_fraction, "split_seed": self.split_seed, "store_digest": self.store_digest}
+
+
+def read_trained_on(path: str | Path) -> TrainedOn | None:
+    """The record of a checkpoint step folder (its saved run config) or of a drafter folder (config.json's
+    `dflash_pipeline.training`); None when there is none (a published drafter, a bare checkpoint)."""
+    path = Path(path)
+    folder = path.parent if path.is_file() else path
+    if (folder / "meta.json").is_file():
+        saved = saved_run_config(folder)
+        if saved is None:
+            return None
+        split, resolved = saved.get("eval") or {}, saved.get("resolved") or {}
+        return TrainedOn(str(folder), *(split.get(k) for k in SPLIT_KEYS), resolved.get("store_digest"))
+    config_path = folder / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    training = (config.get("dflash_pipeline") or {}).get(TRAINING_KEY) if isinstance(config, dict) else None
+    if not isinstance(training, dict):
+        return None
+    return TrainedOn(f"{config_path} (dflash_pipeline.{TRAINING_KEY})", *(training.get(k) for k in SPLIT_KEYS), training.get("store_digest"))
+
+
+def heldout_split(cfg: RunConfig, record: TrainedOn | None) -> tuple[float, int, list[str]]:
+    """(holdout_fraction, split_seed) to evaluate `record`'s drafter on: its own where recorded, else
+    the config's; and a note for each config-file value that was ignored. A command-line value
+    (cfg.overridden) that contradicts the record is refused naming both."""
+    values: dict[str, Any] = {}
+    refused, notes = [], []
+    for key in SPLIT_KEYS:
+        mine = getattr(cfg.eval, key)
+        saved = None if record is None else getattr(record, key)
+        values[key] = mine if saved is None else saved
+        if saved is None or saved == mine:
+            continue
+        if f"eval.{key}" in cfg.overridden:
+            refused.append(f"eval.{key}: the drafter was trained with {saved}, the command line gives {mine}")
+        else:
+            notes.append(f"eval.{key}: the drafter was trained with {saved}, the config gives (ignored) {mine}")
+    if refused:
+        raise ConfigError(
+            f"{record.where} was trained with another held-out split than the command line gives: " + "; ".join(refused)
+            + ". Another split would score samples it trained on, so eval uses the drafter's own: drop those overrides"
+        )
+    return float(values["holdout_fraction"]), int(values["split_seed"]), notes
+
+
+def other_store(record: TrainedOn | None, manifest: dict[str, Any]) -> str | None:
+    """Why the store of `manifest` is not the one `record`'s drafter was trained on, or None (the same
+    store, or nothing recorded to compare with)."""
+    if record is None or not record.store_digest:
+        return None
+    digest = store_digest(manifest)
+    if digest == record.store_digest:
+        return None
+    return f"store digest {digest}, the drafter was trained on {record.store_digest} (recorded in {record.where})"

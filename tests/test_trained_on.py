@@ -1,0 +1,256 @@
+"""A saved drafter is used as it was trained: its held-out split, its store, its target, its mask
+token, its description on resume, and a checkpoint from before the block budget.
+
+    .venv/bin/python -m pytest tests/test_trained_on.py -q
+
+Each test reproduces a case the hostile review found (review1 items 1, 5, 7, 8): eval scoring samples
+the checkpoint trained on, a resume with another mask token accepted silently, an export naming a
+same-shape target it was not trained on, and old checkpoints that could not be resumed at all.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shared.config import load_run_config
+from shared.errors import CheckpointError, ConfigError, StoreError
+from shared.files import file_sha256
+from stage1_extract import commands as stage1
+from stage2_train.commands import cmd_eval, cmd_export, cmd_train
+from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+from testkit.target import build_tiny_target
+
+TRAINED = {
+    "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 4, "model.block_size": 8, "loss.gamma": 4.0,
+    "train.max_steps": 2, "train.num_data_threads": 1, "checkpoint.every_steps": 2, "log.every_steps": 1,
+    "eval.holdout_fraction": 0.2, "eval.split_seed": 0, "eval.offline_max_samples": 2, "eval.online_num_prompts": 1,
+    "eval.online_max_new_tokens": 4, "log.wandb": "disabled",
+}
+
+
+def extract(target_dir: Path, root: Path, rows: list) -> Path:
+    data = write_jsonl(root / "chat.jsonl", rows)
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(target_dir, data, root / "run"))
+    stage1.cmd_extract(cfg, progress=False)
+    return Path(cfg.store.url(cfg.run_dir))
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_target_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(the store trained on, another store of other conversations), both from the tiny target."""
+    return (
+        extract(tiny_target_dir, tmp_path_factory.mktemp("trained_on"), chat_rows(24)),
+        extract(tiny_target_dir, tmp_path_factory.mktemp("other_store"), chat_rows(12, seed=1)),
+    )
+
+
+def overrides(target_dir: Path, store: Path, run_dir: Path, **extra) -> list[str]:
+    return train_overrides_for(target_dir, store, run_dir, {**TRAINED, **extra})
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target_dir, stores, tmp_path_factory) -> Path:
+    """A run dir holding step_000002, trained with eval.holdout_fraction=0.2, split_seed=0."""
+    run_dir = tmp_path_factory.mktemp("trained_run")
+    cmd_train(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], run_dir)), progress=False)
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    return Path(shutil.copytree(trained, tmp_path / "run"))
+
+
+def log_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+
+
+# ---- eval: the drafter's own split, on its own store (item 1) --------------------------------------
+def test_eval_scores_the_split_the_checkpoint_was_trained_with(tiny_target_dir, stores, trained, tmp_path, capsys):
+    from shared.reader import StoreReader
+    from stage2_train.data.view import split_indices
+    from stage2_train.train.state import store_digest
+
+    base = overrides(tiny_target_dir, stores[0], trained)
+    with pytest.raises(ConfigError, match=r"eval\.split_seed: the drafter was trained with 0, the command line gives 3\. "
+                                          r"Another split would score samples it trained on"):
+        cmd_eval(load_run_config("configs/default.yaml", base + ["eval.split_seed=3"]))
+    # The same values in a config file: ignored with a note, the checkpoint's split used.
+    in_file = [o for o in base if not o.startswith(("eval.holdout_fraction=", "eval.split_seed="))]
+    config = tmp_path / "eval.yaml"
+    config.write_text("inherit: default\neval:\n  holdout_fraction: 0.5\n  split_seed: 3\n")
+    result = cmd_eval(load_run_config(config, in_file))
+    reader = StoreReader(str(stores[0]))
+    held = split_indices(reader, 0.2, 0)[1]
+    assert result["num_heldout"] == len(held) != len(split_indices(reader, 0.5, 3)[1])
+    assert result["split"] == {
+        "holdout_fraction": 0.2, "split_seed": 0, "from": str(trained / "checkpoints" / "step_000002"),
+        "store_digest": store_digest(reader.manifest), "trained_on_store": True,
+    }
+    err = capsys.readouterr().err
+    assert "note: eval.holdout_fraction: the drafter was trained with 0.2, the config gives (ignored) 0.5" in err
+    assert "note: eval.split_seed: the drafter was trained with 0, the config gives (ignored) 3" in err
+
+
+def test_eval_refuses_another_store_unless_allowed(tiny_target_dir, stores, trained):
+    other = overrides(tiny_target_dir, stores[1], trained)
+    with pytest.raises(StoreError, match=r"is not the store .*step_000002 was trained on \(store digest \w+, the drafter was "
+                                         r"trained on \w+ .*set store\.path to the store it was trained on, or "
+                                         r"eval\.allow_other_store=true"):
+        cmd_eval(load_run_config("configs/default.yaml", other))
+    result = cmd_eval(load_run_config("configs/default.yaml", other + ["eval.allow_other_store=true"]))
+    assert result["split"]["trained_on_store"] is False and result["split"]["holdout_fraction"] == 0.2
+
+
+# ---- export: the target, the mask token and the store it was trained on (items 1, 7) ---------------
+def test_export_records_the_split_and_states_the_store_only_when_it_was_trained_on(tiny_target_dir, stores, trained, tmp_path):
+    from shared.reader import StoreReader
+    from stage2_train.train.state import store_digest
+
+    digest = store_digest(StoreReader(str(stores[0])).manifest)
+    cmd_export(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained)), out=str(tmp_path / "a"))
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["dflash_pipeline"]["training"] == {"holdout_fraction": 0.2, "split_seed": 0, "store_digest": digest}
+    assert "| data | chat.jsonl: 24 samples" in (tmp_path / "a" / "README.md").read_text()
+    cmd_export(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[1], trained)), out=str(tmp_path / "b"))
+    card = (tmp_path / "b" / "README.md").read_text()
+    assert "| data | not stated: the configured store is not the one trained on (store digest" in card
+    assert "12 samples" not in card
+
+
+def test_export_and_init_from_refuse_a_same_shape_target_with_other_weights(tiny_target_dir, stores, trained, tmp_path):
+    other_target = build_tiny_target(tmp_path / "other_target", seed=1)  # the same shape, other weights
+    step = trained / "checkpoints" / "step_000002"
+    base = overrides(other_target, stores[0], trained)
+    refusal = r"the drafter was trained against target weights \w{12}, target\.path=.*other_target.* has \w{12} .*" \
+              r"model\.allow_other_target=true to use it with this one"
+    with pytest.raises(CheckpointError, match=refusal):
+        cmd_export(load_run_config("configs/default.yaml", base), out=str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+    cmd_export(load_run_config("configs/default.yaml", base + ["model.allow_other_target=true"]), out=str(tmp_path / "y"))
+    recorded = json.loads((tmp_path / "y" / "config.json").read_text())["dflash_pipeline"]
+    assert recorded["drafter"]["target_weights_sha256"] != recorded["target"]["weights_sha256"]  # both said
+    new_run = overrides(other_target, stores[0], tmp_path / "new", **{"model.init_from": str(step)})
+    with pytest.raises(CheckpointError, match=r"model\.init_from=.*step_000002.*: " + refusal):
+        cmd_train(load_run_config("configs/default.yaml", new_run), progress=False)
+
+
+def test_the_exported_mask_token_is_the_drafters_not_the_configs(tiny_target_dir, tmp_path):
+    """A drafter trained with mask 16 exported by a config whose target.mask_token_id is 17: config.json
+    and its mask_token string both say 16."""
+    import torch
+
+    from shared.config import build_run_config
+    from shared.target import TargetArch, cached_tokenizer
+    from stage2_train.model.config import DrafterConfig
+    from stage2_train.model.description import describe_parts
+    from stage2_train.model.drafter import DFlashDrafter
+    from stage2_train.train.checkpoint.saver import Checkpointer
+    from stage2_train.train.config import CheckpointConfig
+
+    arch = TargetArch.from_dir(tiny_target_dir)
+    model = DrafterConfig(num_layers=1, block_size=4)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(model, arch, 3, 16)
+    description = describe_parts(model, arch, [1, 2, 3], 16)
+    Checkpointer(CheckpointConfig(), tmp_path / "run" / "checkpoints").save(
+        3, lambda: {"model": drafter.state_dict(), "drafter": description.to_dict()}, blocking=True
+    )
+    cfg = build_run_config({"run_dir": str(tmp_path / "run"), "model": {"num_layers": 1, "block_size": 4},
+                            "target": {"path": str(tiny_target_dir), "num_feature_layers": 3, "mask_token_id": 17}})
+    cmd_export(cfg)
+    dflash = json.loads((tmp_path / "run" / "export" / "config.json").read_text())["dflash_config"]
+    tokenizer, _ = cached_tokenizer(str(tiny_target_dir))
+    assert dflash["mask_token_id"] == 16 and dflash["mask_token"] == tokenizer.convert_ids_to_tokens(16)
+    assert tokenizer.convert_ids_to_tokens(16) != tokenizer.convert_ids_to_tokens(17)
+
+
+# ---- resume: the drafter's description, field by field (item 5) -----------------------------------
+def test_a_resume_with_another_mask_token_is_refused_unless_forced(tiny_target_dir, stores, run_copy, capfd):
+    saved_mask = json.loads((run_copy / "checkpoints" / "step_000002" / "drafter.json").read_text())["mask_token_id"]
+    other = saved_mask + 1
+    more = overrides(tiny_target_dir, stores[0], run_copy, **{"train.max_steps": 3, "target.mask_token_id": other})
+    with pytest.raises(CheckpointError, match=rf"cannot resume: resolved\.mask_token_id: saved {saved_mask}, now {other} "
+                                              r"\(the mask token filling the drafter's blocks \(target\.mask_token_id\)\) "
+                                              r"\(these change what training computes; set train\.resume_force=true"):
+        cmd_train(load_run_config("configs/default.yaml", more), progress=False)
+    summary = cmd_train(load_run_config("configs/default.yaml", more + ["train.resume_force=true"]), progress=False)
+    assert summary["steps"] == 3
+    resume = [r for r in log_of(run_copy) if r.get("event") == "resume"][-1]
+    assert resume["forced_differences"] == [
+        f"resolved.mask_token_id: saved {saved_mask}, now {other} (the mask token filling the drafter's blocks (target.mask_token_id))"
+    ]  # the description's mask_token_id is the same difference: reported once
+    assert "warning: train.resume_force: resuming" in capfd.readouterr().err
+    assert json.loads((run_copy / "checkpoints" / "step_000003" / "drafter.json").read_text())["mask_token_id"] == other
+
+
+def test_every_field_of_the_drafters_description_is_compared_on_resume():
+    """Fields no setting compares (the target's shape: rope_theta, heads) are named as drafter.<field>;
+    one a setting already names (block_size) is reported once, under the setting."""
+    from stage2_train.train.resume import check_compatible
+
+    config = {"model": {"block_size": 16}, "resolved": {"mask_token_id": 5}}
+    drafter = {"block_size": 16, "rope_theta": 10000.0, "mask_token_id": 5, "version": 1}
+    assert check_compatible(config, config, saved_drafter=drafter, drafter=dict(drafter)) == []
+    with pytest.raises(CheckpointError, match=r"drafter\.rope_theta: saved 10000\.0, now 1000000\.0 \(the drafter's "
+                                              r"description, set by the target's shape \(target\.path\)\)"):
+        check_compatible(config, config, saved_drafter=drafter, drafter={**drafter, "rope_theta": 1e6})
+    now = {"model": {"block_size": 8}, "resolved": {"mask_token_id": 5}}
+    forced = check_compatible(config, now, True, saved_drafter=drafter, drafter={**drafter, "block_size": 8, "version": 2})
+    assert forced == ["model.block_size: saved 16, now 8 (the drafter's block, hence anchors, attention and loss weights)"]
+
+
+# ---- a checkpoint from before the block budget (item 8) ---------------------------------------------
+def strip_block_budget(step: Path) -> dict:
+    """step's sampler state as a checkpoint written before the block budget has it; meta.json updated."""
+    rank_file = step / "rank_00000.json"
+    plain = json.loads(rank_file.read_text())
+    for key in ("micro_batch_blocks", "blocks_digest"):
+        del plain["loader"][key]
+    rank_file.write_text(json.dumps(plain))
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"]["rank_00000.json"] = {"bytes": rank_file.stat().st_size, "sha256": file_sha256(rank_file)}
+    (step / "meta.json").write_text(json.dumps(meta))
+    return plain["loader"]
+
+
+def test_a_checkpoint_from_before_the_block_budget_resumes_under_resume_force(tiny_target_dir, stores, run_copy, capfd):
+    step = run_copy / "checkpoints" / "step_000002"
+    saved = strip_block_budget(step)
+    assert saved["step_in_epoch"] == 2 and saved["epoch"] == 0  # mid-epoch: the plan matters
+    more = overrides(tiny_target_dir, stores[0], run_copy, **{"train.max_steps": 4})
+    with pytest.raises(CheckpointError, match=rf"cannot resume {step}: it was saved before micro-batches had a block budget "
+                                              r"\(its sampler state lacks micro_batch_blocks, blocks_digest\).*"
+                                              r"set train\.resume_force=true to re-plan its epoch 0 from the start .*"
+                                              rf"model\.init_from={step} run_dir=<another folder>"):
+        cmd_train(load_run_config("configs/default.yaml", more), progress=False)
+    assert cmd_train(load_run_config("configs/default.yaml", more + ["train.resume_force=true"]), progress=False)["steps"] == 4
+    log = log_of(run_copy)
+    resume = [r for r in log if r.get("event") == "resume"][-1]
+    assert resume["replanned"] == {"epoch": 0, "saved_step_in_epoch": 2, "saved_micro_step": 0,
+                                   "missing": ["micro_batch_blocks", "blocks_digest"]}
+    rows = [r for r in log if r["kind"] == "train" and r["step"] > 2]
+    assert [(r["step"], r["epoch"], r["step_in_epoch"]) for r in rows] == [(3, 0, 0), (4, 0, 1)]  # the epoch from its start
+    assert "epoch 0 re-planned from its start" in capfd.readouterr().err
+
+
+def test_init_from_a_checkpoint_step_starts_from_its_weights(tiny_target_dir, stores, trained, tmp_path):
+    """The other way the refusal above offers: a new run from the checkpoint's weights."""
+    from stage2_train.serve.load import init_weights_for
+    from stage2_train.train.checkpoint.format import read_weights
+
+    step = trained / "checkpoints" / "step_000002"
+    cfg = load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], tmp_path / "new", **{
+        "model.init_from": str(step), "train.max_steps": 1}))
+    from shared.target import resolve_target
+
+    weights = init_weights_for(step, cfg.model, resolve_target(cfg.target))
+    saved, _ = read_weights(step)
+    assert sorted(weights) == sorted(saved) and all(bool((weights[k] == saved[k]).all()) for k in saved)
+    assert cmd_train(cfg, progress=False)["steps"] == 1
+    start = next(r for r in log_of(tmp_path / "new") if r.get("event") == "run_start")
+    assert start["hyperparameters"]["init_from"] == str(step)

@@ -1,0 +1,442 @@
+"""The DSpark and DFlash2 variants: their batches, modules, loss terms, decoding, description and folders.
+
+.venv/bin/python -m pytest tests/test_variants.py -q
+
+Parity with speculators' and z-lab's own classes is in tests/test_peers.py (where the peers are installed).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.errors import CheckpointError
+from stage2_train.data.batch import IGNORE, collate
+from stage2_train.model.config import DrafterConfig, LossConfig
+from stage2_train.model.description import DrafterDescription, describe_parts
+from stage2_train.model.dflash2 import DFlash2Drafter, grouped_conv
+from stage2_train.model.drafter import DFlashDrafter, build_drafter
+from stage2_train.model.dspark import DSparkDrafter
+from stage2_train.model.loss import dflash_loss, position_weights
+from stage2_train.serve.export import export_drafter
+from stage2_train.serve.load import folder_description, init_weights_for, load_exported
+from stage2_train.train.evaluate import score_blocks
+from tests.test_model import MASK_ID, tiny_arch
+from tests.test_trainer import store  # noqa: F401 - the 40-sample feature store fixture
+
+LAYER_IDS = [1, 3]
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def variant_cfg(variant: str, **extra) -> DrafterConfig:
+    sizes = {
+        "dflash": {},
+        "dspark": {"markov_rank": 8},
+        "dflash2": {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4},
+    }[variant]
+    return DrafterConfig(variant=variant, num_layers=2, block_size=BLOCK, attention="sdpa", init_std=0.2, **{**sizes, **extra})
+
+
+def make_drafter(variant: str, seed: int = 0, arch=None, randomize: bool = True, **extra):
+    """A drafter of `variant` whose every weight is random (the heads' and the convolutions' too)."""
+    arch = arch or tiny_arch()
+    gen = torch.Generator().manual_seed(seed + 50)
+    embed, head = torch.randn(arch.vocab_size, arch.hidden_size, generator=gen), torch.randn(arch.vocab_size, arch.hidden_size, generator=gen)
+    cfg = variant_cfg(variant, **extra)
+    drafter = build_drafter(describe_parts(cfg, arch, LAYER_IDS, MASK_ID), embed, head, runtime=cfg, seed=seed)
+    if randomize:
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+                elif "conv" in name or "markov" in name or "confidence" in name or "selector" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return drafter.eval()
+
+
+def make_samples(lengths, hidden, vocab=100, top_k=8, seed=1, mask=None):
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for T in lengths:
+        lp_TK = torch.randn(T, top_k, generator=gen).log_softmax(-1).sort(-1, descending=True).values - 0.1
+        samples.append({
+            "input_ids_T": torch.randint(0, MASK_ID, (T,), generator=gen),
+            "loss_mask_T": torch.ones(T, dtype=torch.bool) if mask is None else mask[:T].clone(),
+            "hidden_TLH": torch.randn(T, len(LAYER_IDS), hidden, generator=gen),
+            "topk_logprobs_TK": lp_TK,
+            "topk_ids_TK": torch.stack([torch.randperm(vocab, generator=gen)[:top_k] for _ in range(T)]),
+        })
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: DSpark's labels are one token further
+
+
+def test_a_dspark_batch_labels_slot_k_with_the_token_after_it_and_reads_top_k_row_a_plus_k():
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    (sample,) = make_samples([12], 8, mask=mask)
+    ids, lp, top = sample["input_ids_T"], sample["topk_logprobs_TK"], sample["topk_ids_TK"]
+    anchors = torch.tensor([2, 4, 9])
+    dflash = collate([sample], [anchors], block_size=BLOCK, mask_token_id=MASK_ID, label_shift=0)
+    dspark = collate([sample], [anchors], block_size=BLOCK, mask_token_id=MASK_ID, label_shift=1)
+    assert torch.equal(dflash.block_ids_NB, dspark.block_ids_NB)  # same input block, same RoPE positions
+    for n, a in enumerate(anchors.tolist()):
+        for k in range(BLOCK):
+            # DFlash: slot k predicts a + k (slot 0 never); DSpark: a + k + 1, every slot
+            for batch, c, scorable in ((dflash, a + k, k >= 1), (dspark, a + k + 1, True)):
+                scored = scorable and c < 12 and bool(mask[c])
+                assert int(batch.labels_NB[n, k]) == (int(ids[c]) if scored else IGNORE), (batch.label_shift, a, k)
+                if scored:  # top-k row c - 1 holds the target's distribution of token c
+                    assert torch.equal(batch.topk_logprobs_NBK[n, k], lp[c - 1])
+                    assert torch.equal(batch.topk_ids_NBK[n, k], top[c - 1])
+                assert int(batch.prev_ids_NB[n, k]) == int(ids[min(max(c - 1, a), 11)])
+    # anchor 4: DSpark slot 2 predicts 7 (unsupervised), slot 3 predicts 8 (supervised again)
+    assert dspark.labels_NB[1].tolist() == [int(ids[5]), int(ids[6]), IGNORE, int(ids[8])]
+    # anchor 9 runs past the end: DSpark scores 10 and 11, DFlash 10 and 11 from slots 1 and 2
+    assert dspark.labels_NB[2].tolist() == [int(ids[10]), int(ids[11]), IGNORE, IGNORE]
+    assert dflash.labels_NB[2].tolist() == [IGNORE, int(ids[10]), int(ids[11]), IGNORE]
+    assert (dspark.first_slot, dflash.first_slot) == (0, 1)
+
+
+def test_dspark_weights_decay_from_slot_0():
+    assert torch.allclose(position_weights(4, 4.0, first=0), torch.exp(-torch.arange(4.0) / 4.0))
+    assert position_weights(4, 4.0)[0] == 0 and torch.allclose(position_weights(4, 4.0)[1:], torch.exp(-torch.arange(3.0) / 4.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+
+
+def test_each_variant_has_its_peers_weight_names_and_shapes():
+    arch = tiny_arch()
+    names = {v: dict(make_drafter(v, randomize=False).state_dict()) for v in ("dflash", "dspark", "dflash2")}
+    base = set(names["dflash"])
+    r, V, H = 8, arch.vocab_size, arch.hidden_size
+    assert {k: tuple(v.shape) for k, v in names["dspark"].items() if k not in base} == {
+        "markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r),
+        "confidence_head.proj.weight": (1, H + r), "confidence_head.proj.bias": (1,),
+    }
+    extra = {k: tuple(v.shape) for k, v in names["dflash2"].items() if k not in base}
+    assert extra == {
+        **{f"layers.{i}.{c}_conv.{p}": s for i in range(2) for c in ("attention", "mlp")
+           for p, s in (("base_kernel", (2, 2, H)), ("kernel_projection.weight", (2 * 2 * (H // 8), H)))},
+        "candidate_selector.predecessor_codebook": (V, r), "candidate_selector.successor_codebook": (V, r),
+        "candidate_selector.hidden_projection.weight": (r, H),
+    }
+    assert {k for k in make_drafter("dspark", markov_head="gated").state_dict() if k not in base} >= {
+        "markov_head.gate_proj.weight", "markov_head.gate_proj.bias"}
+    assert {k for k in make_drafter("dspark", markov_head="rnn").state_dict() if k not in base} >= {"markov_head.joint_proj.weight"}
+
+
+def test_a_new_dflash2_drafter_computes_the_dflash_drafter_it_extends():
+    """Identity convolutions (speculators' and SpecForge's init): the same backbone, the same outputs."""
+    dflash = make_drafter("dflash", seed=3)
+    dflash2 = make_drafter("dflash2", seed=3, randomize=False)
+    assert dflash2.load_state_dict(dflash.state_dict(), strict=False).unexpected_keys == []
+    batch = collate(make_samples([14, 11], 64), [torch.tensor([2, 7]), torch.tensor([0, 5, 9])], block_size=BLOCK, mask_token_id=MASK_ID)
+    with torch.no_grad():
+        assert torch.equal(dflash(batch), dflash2(batch))
+        dflash2.layers[0].mlp_conv.kernel_projection.weight.normal_(0, 0.1)
+        assert not torch.allclose(dflash(batch), dflash2(batch))
+
+
+def test_the_grouped_convolution_is_causal_inside_each_block_with_the_coefficient_at_the_output_slot():
+    gen = torch.Generator().manual_seed(4)
+    N, B, H, G, taps = 3, 5, 8, 4, 3
+    x, base = torch.randn(N, B, H, generator=gen), torch.randn(taps, H, generator=gen)
+    delta = torch.randn(N, B, taps, H // G, generator=gen)
+    out = grouped_conv(x, delta, base, G)
+    expected = torch.zeros(N, B, H)
+    for n in range(N):
+        for t in range(B):
+            for c in range(H):
+                for tau in range(min(taps, t + 1)):
+                    expected[n, t, c] += (base[tau, c] + delta[n, t, tau, c // G]) * x[n, t - tau, c]
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss terms
+
+
+def shifted_batch(lengths=(14, 12), anchors=((1, 6, 11), (0, 4, 9)), label_shift=1, seed=1, greedy=False):
+    """A batch of random samples; `greedy`: the text is the target's own greedy text (its stored top-1
+    is always the next token), where the selector's label and the data label agree."""
+    samples = make_samples(list(lengths), 64, seed=seed)
+    if greedy:
+        for sample in samples:
+            ids, top = sample["input_ids_T"], sample["topk_ids_TK"]
+            top[:-1, 0] = ids[1:]
+            top[:-1, 1:] = torch.where(top[:-1, 1:] == ids[1:, None], (ids[1:, None] + 1) % MASK_ID, top[:-1, 1:])
+    return collate(samples, [torch.tensor(a) for a in anchors], block_size=BLOCK, mask_token_id=MASK_ID, label_shift=label_shift)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_the_dspark_loss_is_markov_corrected_ce_and_kl_plus_the_confidence_bce(head):
+    drafter = make_drafter("dspark", markov_head=head)
+    batch = shifted_batch()
+    cfg = LossConfig(gamma=4.0, kl_weight=0.5, confidence_weight=0.7)
+    with torch.no_grad():
+        hidden = drafter(batch)
+        loss, m = dflash_loss(hidden, drafter.lm_head_VH, batch, cfg, variant=drafter)
+        # by hand: the bias of each slot from the data token before its label, rnn state along the block
+        mk = drafter.markov_head
+        e = mk.markov_w1.weight[batch.prev_ids_NB]
+        z = torch.zeros_like(e)
+        state = torch.zeros_like(e[:, 0])
+        for k in range(BLOCK):
+            if head == "vanilla":
+                z[:, k] = e[:, k]
+            elif head == "gated":
+                z[:, k] = torch.sigmoid(mk.gate_proj(torch.cat([hidden[:, k], e[:, k]], -1))) * e[:, k]
+            else:
+                a, c, o = mk.joint_proj(torch.cat([state, e[:, k], hidden[:, k]], -1)).chunk(3, -1)
+                state = torch.sigmoid(a) * state + (1 - torch.sigmoid(a)) * torch.tanh(c)
+                z[:, k] = torch.tanh(o)
+        logits = hidden @ drafter.lm_head_VH.T + z @ mk.markov_w2.weight.T
+        valid = batch.labels_NB != IGNORE
+        w = torch.exp(-torch.arange(BLOCK) / 4.0).expand_as(valid) * valid
+        logq = logits.log_softmax(-1)
+        ce = -logq.gather(-1, batch.labels_NB.clamp(min=0)[..., None])[..., 0]
+        logp = batch.topk_logprobs_NBK.log_softmax(-1)
+        kl = (logp.exp() * (logp - logq.gather(-1, batch.topk_ids_NBK))).sum(-1)
+        alpha = torch.minimum(batch.topk_logprobs_NBK.exp(), logq.gather(-1, batch.topk_ids_NBK).exp()).sum(-1)
+        conf = drafter.confidence_head.proj(torch.cat([hidden, e], -1))[..., 0]
+        bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
+        expected = ((w * ce).sum() + 0.5 * (w * kl).sum() + 0.7 * (w * bce).sum()) / w.sum()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(m["confidence_loss"]) == pytest.approx(float((w * bce).sum() / w.sum()), rel=1e-5)
+    assert float(m["accept_rate"]) == pytest.approx(float(alpha[valid].mean()), rel=1e-5)
+    assert float(m["accuracy"]) == pytest.approx(float((logits.argmax(-1) == batch.labels_NB)[valid].float().mean()))
+    assert m["acc_per_pos"].shape == (BLOCK,)  # every slot of a DSpark block is a draft
+
+
+@pytest.mark.parametrize("misses", ["inject", "drop"])
+def test_the_dflash2_selector_loss_reranks_the_drafters_top_k_toward_the_targets_top_1(misses):
+    drafter = make_drafter("dflash2")
+    batch = shifted_batch(label_shift=0)
+    cfg = LossConfig(gamma=4.0, selector_weight=0.6, selector_misses=misses)
+    with torch.no_grad():
+        hidden = drafter(batch)
+        loss, m = dflash_loss(hidden, drafter.lm_head_VH, batch, cfg, variant=drafter)
+        unary = hidden @ drafter.lm_head_VH.T
+        valid = batch.labels_NB != IGNORE
+        w = torch.exp(-(torch.arange(BLOCK) - 1) / 4.0).expand_as(valid) * valid
+        ce = -unary.log_softmax(-1).gather(-1, batch.labels_NB.clamp(min=0)[..., None])[..., 0]
+        sel = drafter.candidate_selector
+        ctx = sel.predecessor_codebook[batch.prev_ids_NB] * (hidden @ sel.hidden_projection.weight.T)
+        total, hits, misses_seen = 0.0, 0, 0
+        for n, k in valid.nonzero().tolist():
+            top1 = int(batch.topk_ids_NBK[n, k, 0])  # the store's top-k is sorted: the target's greedy token
+            cand = unary[n, k].topk(4).indices.tolist()
+
+            def scores(ids, n=n, k=k):
+                return unary[n, k, ids] + (ctx[n, k] * sel.successor_codebook[ids]).sum(-1)
+
+            hits += int(cand[int(scores(cand).argmax())] == top1)
+            if top1 not in cand:
+                misses_seen += 1
+                if misses == "drop":
+                    continue
+                cand[-1] = top1
+            total += float(w[n, k]) * float(F.cross_entropy(scores(cand)[None], torch.tensor([cand.index(top1)])))
+        expected = ((w * ce).sum() + 0.6 * total) / w.sum()
+    assert misses_seen > 0  # both rules are exercised
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(m["selector_accuracy"]) == pytest.approx(hits / int(valid.sum()))
+
+
+def test_the_variants_train_their_heads_and_fit_a_batch():
+    for variant in ("dspark", "dflash2"):
+        drafter = make_drafter(variant, randomize=False).train()
+        batch = shifted_batch(label_shift=drafter.label_shift, seed=5, greedy=True)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-2)
+        cfg = LossConfig(gamma=4.0, kl_weight=1.0)
+        first = None
+        for _ in range(40):
+            loss, m = dflash_loss(drafter(batch), drafter.lm_head_VH, batch, cfg, variant=drafter)
+            first = first if first is not None else m
+            optimizer.zero_grad()
+            loss.backward()
+            heads = [p for n, p in drafter.named_parameters() if any(s in n for s in ("markov", "confidence", "selector", "conv"))]
+            assert heads and all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads), variant
+            optimizer.step()
+        assert m["accuracy"] > 0.9 and m["loss"] < 0.3 * first["loss"], (variant, float(m["accuracy"]))
+        if variant == "dspark":
+            assert abs(float(m["confidence_pred_mean"] - m["accept_rate"])) < 0.1  # it learned to predict acceptance
+        else:
+            assert float(m["selector_accuracy"]) > 0.9
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: the drafter drafts what its teacher-forced scoring predicts
+
+
+@pytest.mark.parametrize("variant, head", [("dspark", "vanilla"), ("dspark", "rnn"), ("dflash2", None)])
+def test_a_block_drafted_left_to_right_is_what_teacher_forcing_on_those_drafts_predicts(variant, head):
+    extra = {"markov_head": head} if head else {}
+    drafter = make_drafter(variant, **extra)
+    (sample,) = make_samples([20], 64, seed=6)
+    anchor = 12
+    single = collate([sample], [torch.tensor([anchor])], block_size=BLOCK, mask_token_id=MASK_ID, label_shift=drafter.label_shift)
+    with torch.no_grad():
+        drafts = drafter.draft(drafter(single)[0], int(sample["input_ids_T"][anchor]))
+    assert len(drafts) == drafter.max_draft == (BLOCK if variant == "dspark" else BLOCK - 1)
+    # Write the drafts into the text after the anchor: teacher forcing then conditions on them.
+    sample["input_ids_T"][anchor + 1 : anchor + 1 + len(drafts)] = torch.tensor(drafts)
+    batch = collate([sample], [torch.tensor([anchor])], block_size=BLOCK, mask_token_id=MASK_ID, label_shift=drafter.label_shift)
+    scored = score_blocks(drafter, batch, gamma=4.0)
+    assert scored.pred_NB[0, batch.first_slot :].tolist() == drafts
+    assert int(scored.accept_N[0]) == len(drafts) + 1  # every draft right, plus the bonus
+
+
+def test_the_confidence_head_ends_a_dspark_block_early():
+    drafter = make_drafter("dspark")
+    (sample,) = make_samples([20], 64, seed=7)
+    batch = collate([sample], [torch.tensor([10])], block_size=BLOCK, mask_token_id=MASK_ID, label_shift=1)
+    with torch.no_grad():
+        hidden_BH = drafter(batch)[0]
+        whole = drafter.draft(hidden_BH, 5)
+        proj = drafter.confidence_head.proj
+        proj.weight.zero_()
+        proj.bias.fill_(-3.0)  # sigmoid 0.047 per slot
+        assert drafter.draft(hidden_BH, 5, confidence_stop=0.5) == whole[:1]  # at least one draft
+        proj.bias.fill_(1.0)  # 0.73, 0.53, 0.39, ...
+        assert drafter.draft(hidden_BH, 5, confidence_stop=0.5) == whole[:2]
+        assert drafter.draft(hidden_BH, 5, confidence_stop=None) == whole
+
+
+# ---------------------------------------------------------------------------------------------
+# Description, export and import
+
+
+def test_the_description_carries_the_variant_and_refuses_fields_of_another():
+    arch = tiny_arch()
+    d = describe_parts(variant_cfg("dspark", markov_head="gated"), arch, LAYER_IDS, MASK_ID)
+    assert (d.variant, d.markov_rank, d.markov_head, d.confidence_head, d.selector_rank) == ("dspark", 8, "gated", True, None)
+    again = DrafterDescription.from_dict(json.loads(json.dumps(d.to_dict())))
+    assert again == d and again.model_config().variant == "dspark" and again.model_config().markov_head == "gated"
+    with pytest.raises(CheckpointError, match="a dflash drafter's description gives markov_rank"):
+        DrafterDescription.from_dict({**d.to_dict(), "variant": "dflash"})
+    with pytest.raises(CheckpointError, match="conv_group_size 7 does not divide its hidden size 64"):
+        DrafterDescription.from_dict({**describe_parts(variant_cfg("dflash2"), arch, LAYER_IDS, MASK_ID).to_dict(), "conv_group_size": 7})
+    assert d.contradictions(variant_cfg("dflash2"), {"model.variant"}) == [
+        "model.variant: the drafter has dspark, the command line gives dflash2"]
+    assert d.contradictions(variant_cfg("dspark", markov_rank=16), {"model.markov_rank"}) == [
+        "model.markov_rank: the drafter has 8, the command line gives 16"]
+    for variant, cls in (("dflash", DFlashDrafter), ("dspark", DSparkDrafter), ("dflash2", DFlash2Drafter)):
+        assert type(make_drafter(variant, randomize=False)) is cls
+
+
+@pytest.mark.parametrize("variant, fmt", [("dspark", "speculators"), ("dflash2", "speculators"), ("dflash2", "zlab")])
+def test_a_variant_exports_and_reads_back_as_the_same_drafter(tmp_path, variant, fmt):
+    drafter = make_drafter(variant)
+    description = describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID)
+    out = export_drafter(drafter, description, {"path": "/models/t", "architectures": ["Qwen3ForCausalLM"]}, tmp_path / "x",
+                         dtype="float32", format=fmt)
+    config = json.loads((out / "config.json").read_text())
+    expected_arch = {"dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}[variant]
+    assert config["architectures"] == [expected_arch]
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == variant and config["sample_from_anchor"] == (variant == "dspark")
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafter.max_draft
+    else:
+        assert {k: config["dflash_config"][k] for k in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
+            "block_size": BLOCK, "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+    assert folder_description(out) == description
+    # a folder without our own description (a peer's) reads the same from the peers' fields alone
+    del config["dflash_pipeline"]
+    (out / "config.json").write_text(json.dumps(config))
+    theirs = folder_description(out)
+    assert (theirs.variant, theirs.block_size, theirs.target_layer_ids) == (variant, BLOCK, tuple(LAYER_IDS))
+    assert all(getattr(theirs, f) == getattr(description, f) for f in ("markov_rank", "markov_head", "confidence_head",
+               "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"))
+    again = load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
+    again.attention_backend = "sdpa"
+    batch = shifted_batch(label_shift=drafter.label_shift)
+    assert type(again) is type(drafter) and all(torch.equal(v, again.state_dict()[k]) for k, v in drafter.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(again(batch), drafter(batch))
+
+
+def test_zlab_layout_refuses_dspark_by_name_and_init_from_checks_the_variant(tmp_path):
+    from shared.target import TargetInfo
+
+    drafter = make_drafter("dspark")
+    description = describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID)
+    with pytest.raises(CheckpointError, match="z-lab's layout has no DSpark drafter.*--format speculators"):
+        export_drafter(drafter, description, {"path": "x"}, tmp_path / "z", format="zlab")
+    out = export_drafter(drafter, description, {"path": "x"}, tmp_path / "s", dtype="float32", format="speculators")
+    target = TargetInfo("", tmp_path, drafter.arch, LAYER_IDS, MASK_ID, "", "", "")
+    weights = init_weights_for(out, drafter.cfg, target)
+    assert all(torch.equal(weights[k], v) for k, v in drafter.state_dict().items())
+    with pytest.raises(CheckpointError, match=r"the drafter has variant='dspark' but this run has 'dflash' \(model.variant\)"):
+        init_weights_for(out, variant_cfg("dflash"), target)
+    with pytest.raises(CheckpointError, match=r"markov_rank=8 but this run has 16 \(model.markov_rank\)"):
+        init_weights_for(out, variant_cfg("dspark", markov_rank=16), target)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "confidence_head_with_markov": False, "dflash_pipeline": {}}))
+    with pytest.raises(CheckpointError, match="confidence_head_with_markov=false"):
+        folder_description(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: train, evaluate, export, read back, decode
+
+
+@pytest.mark.parametrize("variant", ["dspark", "dflash2"])
+def test_a_variant_trains_logs_its_metrics_exports_and_decodes_exactly(tiny_target_dir, store, tmp_path, variant):  # noqa: F811
+    from stage2_train import commands
+    from stage2_train.observe.metrics import read_log
+    from stage2_train.serve.load import load_drafter
+    from stage2_train.serve.speculative import DFlashProposer, speculative_generate, target_greedy
+    from tests.test_trainer import config
+
+    sizes = {"model.markov_rank": 16} if variant == "dspark" else {"model.selector_rank": 16, "model.selector_top_k": 8}
+    cfg = config(tiny_target_dir, store, tmp_path, **{
+        "model.variant": variant, **sizes, "train.max_steps": 4, "eval.every_steps": 2, "checkpoint.every_steps": 4,
+        "loss.kl_weight": 1.0, "loss.full_vocab_slots": 1, "loss.weighting": "dpace",
+    })
+    commands.cmd_train(cfg, progress=False)
+    rows = read_log(tmp_path / "train_log.jsonl", "train")
+    drafts = 8 if variant == "dspark" else 7  # block 8: DSpark drafts every slot
+    own = ("confidence_loss", "accept_rate", "confidence_pred_mean", "confidence_abs_error") if variant == "dspark" else (
+        "selector_loss", "selector_accuracy", "unary_top1_accuracy", "candidate_recall")
+    assert len(rows) == 4 and all(isinstance(r[k], float) for r in rows for k in own)
+    assert all(len(r["acc_per_pos"]) == drafts for r in rows)
+    evals = read_log(tmp_path / "train_log.jsonl", "eval")
+    assert len(evals[-1]["acc_per_pos"]) == drafts and evals[-1]["walk_tau"] >= 1.0
+    assert len(evals[-1]["accept_hist"]) == drafts + 1
+    run_start = [e for e in read_log(tmp_path / "train_log.jsonl", "event") if e["event"] == "run_start"][0]
+    assert run_start["drafter"]["variant"] == variant and run_start["hyperparameters"]["variant"] == variant
+
+    out = commands.cmd_export(cfg, format="speculators", out=str(tmp_path / "export"))
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["speculators_model_type"] == variant and out["block_size"] == 8
+    from shared.target import resolve_target
+
+    target = resolve_target(cfg.target)
+    trained, folder = load_drafter(tmp_path / "checkpoints", target), load_drafter(tmp_path / "export", target)
+    assert trained.description == folder.description and trained.description.variant == variant
+    assert all(torch.equal(v.bfloat16(), folder.drafter.state_dict()[k]) for k, v in trained.drafter.state_dict().items())
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    prompt = list(range(300, 312))
+    greedy = target_greedy(model, prompt, max_new_tokens=24, eos_token_ids=None)
+    spec = speculative_generate(model, DFlashProposer(trained.drafter, target.layer_ids), prompt, max_new_tokens=24, eos_token_ids=None)
+    assert spec.tokens == greedy.tokens
+    assert max(spec.drafted) == drafts and all(1 <= a <= drafts + 1 for a in spec.acceptance_lengths)
