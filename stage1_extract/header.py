@@ -40,7 +40,6 @@ def load_or_pin_plan(
     return samples_per_shard
 
 
-
 def other_data_problem(files: StoreFiles, shards: list[ShardPlan], records: dict[int, dict[str, Any]], source: Any) -> str | None:
     """Why `extract` must not continue this store: shards made from other rows than the data gives
     (`records`: every part record, `merge.part_records(..., beyond_plan=True)`). Replacing them is
