@@ -72,7 +72,7 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 TOP_LEVEL_SCALARS = {"run_dir": str, "seed": int}
 TOP_LEVEL_DOCS = {
     "run_dir": "Root of everything a command writes: data, store (unless store.path), checkpoints, logs.",
-    "seed": "Seeds generation, the drafter's initialisation, batching, anchors and noise.",
+    "seed": "Seeds the drafter's initialisation, batching, anchors and noise (generation has its own: generate.seed).",
 }
 
 

@@ -1,6 +1,6 @@
 """Is a store still what its config makes? The check `stage2_train train` runs before it builds anything.
 
-    report = store_staleness(cfg, target, reader.manifest)
+    report = agreed_staleness(cfg, target, reader.manifest, rank, world_size)   # rank 0's verdict, on every rank
     if not report.current:
         raise StoreError(report.describe(store_url))      # unless train.allow_stale_store=true
 
@@ -12,27 +12,36 @@ the current data (its key hashes the data's bytes, the tokenizer and the row set
 row's hash), else by the data file's sha256 against the one the manifest recorded (unchanged bytes,
 unchanged rows). No target is loaded and nothing is tokenized. The generated conversations are checked
 against the prompts, target and sampling settings they must come from (their provenance).
+
+Data that is absent here (training on another cluster, a new run_dir pointing store.path at an existing
+store) is not a reason to refuse: the manifest's record of its source stands, with a warning that the
+rows were not re-checked. Under torchrun only rank 0 reads and hashes the files (multi-GB at 800K
+samples; ranks on other nodes may not even see the same cache) and broadcasts its verdict, so every
+rank trains or every rank raises (`agreed_staleness`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.config import RunConfig
-from shared.errors import ConfigError, InputFileError
+from shared.errors import ConfigError, StoreError, UserError
 from shared.identity import (
-    extraction_source,
     generated_problem,
     header_differences,
     header_key,
     rows_sha256,
+    source_path,
     stage1_value,
     store_header,
 )
 from shared.paths import RunPaths
 from shared.target import TargetInfo
 from shared.token_cache import ROW_SETTINGS, DamagedCache, TokenCache, token_cache_key
+
+log = logging.getLogger(__name__)
 
 FIX = "run `python -m stage1_extract reprocess` with this config (it re-extracts only those)"
 
@@ -44,6 +53,7 @@ class Staleness:
     stale: list[tuple[int, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     rows_checked_by: str = ""  # "token cache", "data sha256", or why the rows could not be checked
+    warnings: list[str] = field(default_factory=list)  # what was trusted rather than checked
 
     @property
     def current(self) -> bool:
@@ -67,7 +77,7 @@ class Staleness:
 
     def to_dict(self) -> dict[str, Any]:
         return {"stale_shards": [{"index": i, "why": w} for i, w in self.stale], "problems": self.problems,
-                "rows_checked_by": self.rows_checked_by}
+                "rows_checked_by": self.rows_checked_by, "warnings": self.warnings}
 
 
 def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]) -> Staleness:
@@ -82,10 +92,18 @@ def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]
     if problem is not None:
         report.problems.append(problem)
     try:
-        source = extraction_source(cfg)
-    except (InputFileError, ConfigError) as exc:
-        report.rows_checked_by = "not checked: the data is missing"
+        source = source_path(cfg)
+    except ConfigError as exc:
+        report.rows_checked_by = "not checked: the config names no data"
         report.problems.append(f"the data this config names cannot be read ({exc}), so the store cannot be checked against it")
+        return report
+    if not source.exists():  # e.g. training on another cluster: the store stands as its manifest records it
+        made = manifest.get("data") or {}
+        report.rows_checked_by = f"not checked: {source} absent"
+        report.warnings.append(
+            f"rows not re-checked: {source} absent; training on {made.get('source', 'the store')} as the manifest "
+            f"records it (sha256 {str(made.get('source_sha256'))[:12]})"
+        )
         return report
     _check_rows(cfg, target, manifest, source, report)
     return report
@@ -127,3 +145,35 @@ def _compare_rows(manifest: dict[str, Any], row_hashes: list[str], report: Stale
             report.stale.append((index, "input rows changed"))
     for index in sorted(set(records) - set(range(len(planned)))):
         report.stale.append((index, "orphaned: its rows left the data"))
+
+
+def agreed_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], rank: int, world_size: int) -> Staleness:
+    """`store_staleness` as rank 0 computes it, on every rank (torch.distributed's default group: every
+    rank calls this once). Ranks that each read the files could disagree (a token cache one node sees
+    and another does not), and one raising while the others wait in DDP's set-up hangs the job until
+    the NCCL timeout; rank 0 alone also hashes the data once instead of once per rank. An error on rank
+    0 reaches every rank: a user error with its message, anything else naming rank 0's traceback."""
+    verdict: Any = None
+    if rank == 0:
+        try:
+            verdict = store_staleness(cfg, target, manifest)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn it, or they wait forever
+            if world_size == 1:
+                raise
+            verdict, failure = (isinstance(exc, UserError), f"{type(exc).__name__}: {exc}"), exc
+        for warning in getattr(verdict, "warnings", ()):
+            log.warning("%s", warning)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if isinstance(verdict, tuple):
+        if rank == 0:
+            raise failure
+        user_error, message = verdict
+        if user_error:
+            raise StoreError(f"rank 0 could not check the store: {message}")
+        raise RuntimeError(f"rank 0 failed checking the store ({message}); its traceback is in rank 0's output")
+    return verdict

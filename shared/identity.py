@@ -7,7 +7,9 @@
 
 The header holds the target's content (weights, tokenizer and chat-template hashes, never its folder:
 a target that only moved is the same target), the layer ids, top_k, the storage settings, max_length
-and on_long, and how the target ran (`extraction_settings`). Settings left `auto` (the compute dtype,
+and on_long, and how the target ran (`extraction_settings`: compute dtype, attention, packing, a
+tensor-parallel size above 1; not the batch shape, which each shard's part record holds as
+provenance). Settings left `auto` (the compute dtype,
 the attention kernel, packing) are resolved once, by the first extraction, and read back from the
 store afterwards: a store's identity never depends on the machine a command runs on (a CPU login node
 calls a GPU-made store current, and `reprocess` there keeps the GPU's settings or refuses).
@@ -32,7 +34,11 @@ from shared.store import SCHEMA_VERSION
 from shared.target import TargetInfo
 from shared.target_model import pick_attn_implementation, resolve_device, resolve_dtype
 
-IDENTITY_VERSION = 2  # 2: the target by content (no path), auto settings read back from the store
+# 2: the target by content (no path), auto settings read back from the store; 3: the batch shape out
+# of the identity (`BATCH_SETTINGS`, recorded per shard instead). A store made at 2 keeps its version
+# and its keys: its header carries the batch shape it pinned, whatever the config says now.
+IDENTITY_VERSION = 3
+BATCH_SETTINGS = ("batch_tokens", "max_samples_per_batch", "window_shards", "lm_head_chunk_tokens")
 
 # Stage 1's defaults for every setting a store's identity reads (tests/test_identity.py: equal to the
 # defaults of stage 1's own sections).
@@ -60,6 +66,7 @@ STAGE1_DEFAULTS: dict[str, Any] = {
     "generate.top_p": 0.8,
     "generate.max_new_tokens": 512,
     "generate.rows_per_part": 128,
+    "generate.seed": 0,
 }
 
 
@@ -75,7 +82,12 @@ def stage1_value(cfg: RunConfig, key: str) -> Any:
 def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) -> dict[str, Any]:
     """How the target runs. `auto` settings resolve from the device of this machine for a new store,
     and are read back from the store's `pinned` settings for an existing one: the same store has the
-    same identity on a GPU node and on a CPU login node."""
+    same identity on a GPU node and on a CPU login node.
+
+    The batch shape (`BATCH_SETTINGS`) is not part of it: another batch changes a stored value in its
+    last bits at most (each shard's part record says which it was made with), and an extraction that ran out of
+    memory must continue with a smaller batch. A store made before that (identity version 2) keeps
+    the batch shape it pinned in its header, so its keys stay what they were."""
     pinned = pinned or {}
     target = cfg.target
     device = resolve_device(stage1_value(cfg, "extract.device"))
@@ -88,18 +100,13 @@ def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) ->
     packed = stage1_value(cfg, "extract.packed")
     if packed == "auto":
         packed = pinned["packed"] if "packed" in pinned else attn == "flash_attention_2"
-    settings = {
-        "compute_dtype": dtype,
-        "attn_implementation": attn,
-        "packed": packed is True or packed == "on",
-        "batch_tokens": stage1_value(cfg, "extract.batch_tokens"),
-        "max_samples_per_batch": stage1_value(cfg, "extract.max_samples_per_batch"),
-        "window_shards": stage1_value(cfg, "extract.window_shards"),
-        "lm_head_chunk_tokens": stage1_value(cfg, "extract.lm_head_chunk_tokens"),
-    }
+    settings = {"compute_dtype": dtype, "attn_implementation": attn, "packed": packed is True or packed == "on"}
+    if all(k in pinned for k in BATCH_SETTINGS):  # a version-2 store: judged by what it recorded
+        settings.update({k: pinned[k] for k in BATCH_SETTINGS})
     # A tensor-parallel forward sums each row-parallel matmul across its group in another order: the
-    # bytes differ in their last bits, as with another batch shape. Only above 1, so every store made
-    # with one GPU per copy of the target keeps the identity it had.
+    # bytes differ in their last bits, as with another batch shape. Unlike the batch shape (which an
+    # out-of-memory run must be able to shrink mid-store) the TP size is chosen once per store and a
+    # TP store is kept apart from a one-GPU one. Only above 1, so every one-GPU store keeps its identity.
     tensor_parallel = stage1_value(cfg, "extract.tensor_parallel_size")
     if tensor_parallel != 1:
         settings["tensor_parallel_size"] = tensor_parallel
@@ -116,9 +123,10 @@ def storage_settings(store: Any) -> dict[str, Any]:
 def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything that determines the stored bytes: the identity section of the manifest (and of
     plan.json). `pinned`: the extraction settings the store was made with, if it exists."""
+    extraction = extraction_settings(cfg, pinned)
     return {
         "schema_version": SCHEMA_VERSION,
-        "identity_version": IDENTITY_VERSION,
+        "identity_version": 2 if "batch_tokens" in extraction else IDENTITY_VERSION,
         "target": target.identity(),
         "tokenizer_sha256": target.tokenizer_sha256,
         "chat_template_sha256": target.chat_template_sha256,
@@ -127,7 +135,7 @@ def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | No
         "storage": storage_settings(cfg.store),
         "max_length": stage1_value(cfg, "data.max_length"),
         "on_long": stage1_value(cfg, "data.on_long"),
-        "extraction": extraction_settings(cfg, pinned),
+        "extraction": extraction,
     }
 
 
@@ -158,36 +166,42 @@ def prompts_path(cfg: RunConfig) -> Path:
     return RunPaths.of(cfg).default_prompts(count, share)
 
 
-def extraction_source(cfg: RunConfig) -> Path:
-    """Extraction reads the target's regenerated conversations (the recipe), or data.path as is."""
+def source_path(cfg: RunConfig) -> Path:
+    """What extraction reads, whether it exists here or not: the target's regenerated conversations
+    (the recipe), or data.path as is."""
     if stage1_value(cfg, "data.regenerate"):
-        path = RunPaths.of(cfg).generated
-        if not path.exists():
-            raise InputFileError(
-                f"{path} does not exist: run `python -m stage1_extract generate` first "
-                f"(or set data.regenerate=false to extract data.path as it is)"
-            )
-        return path
+        return RunPaths.of(cfg).generated
     given = stage1_value(cfg, "data.path")
     if given is None:
         raise ConfigError("data.regenerate=false needs data.path: the default prompts have no answers")
-    path = Path(given)
-    if not path.exists():
+    return Path(given)
+
+
+def extraction_source(cfg: RunConfig) -> Path:
+    """`source_path`, refused by name when it does not exist."""
+    path = source_path(cfg)
+    if path.exists():
+        return path
+    if stage1_value(cfg, "data.regenerate"):
         raise InputFileError(
-            f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
-            f"check the path, or build it first (`make generate CONFIG=...` writes a preset's answers to run_dir/data)"
+            f"{path} does not exist: run `python -m stage1_extract generate` first "
+            f"(or set data.regenerate=false to extract data.path as it is)"
         )
-    return path
+    raise InputFileError(
+        f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
+        f"check the path, or build it first (`make generate CONFIG=...` writes a preset's answers to run_dir/data)"
+    )
 
 
 def generate_settings(cfg: RunConfig, weights_sha256: str) -> dict[str, Any]:
-    """What makes an answer: the sampling settings, the target, the seed and the part size (rows are
-    keyed per part, so appending or editing rows regenerates only the parts they fall in)."""
+    """What makes an answer: the sampling settings, the target, generate.seed (never the run's seed,
+    which training changes freely) and the part size (rows are keyed per part, so appending or
+    editing rows regenerates only the parts they fall in)."""
     return {
         "generate": {k: stage1_value(cfg, f"generate.{k}") for k in ("backend", "temperature", "top_p", "max_new_tokens")},
         "rows_per_part": stage1_value(cfg, "generate.rows_per_part"),
         "target": weights_sha256,
-        "seed": cfg.seed,
+        "seed": stage1_value(cfg, "generate.seed"),  # "seed": the key answers generated before it existed carry
     }
 
 
@@ -234,7 +248,7 @@ def generated_problem(cfg: RunConfig, weights_sha256: str) -> str | None:
         return None
     names = {
         "prompts_sha256": f"the prompts' content ({prompts})", "settings.target": "the target's weights",
-        "max_samples": "data.max_samples", "on_bad_row": "data.on_bad_row", "format": "data.format", "settings.seed": "seed",
+        "max_samples": "data.max_samples", "on_bad_row": "data.on_bad_row", "format": "data.format", "settings.seed": "generate.seed",
     }
     what = ", ".join(
         f"{names.get(k, k.replace('settings.', ''))} ({_short(v[0])} -> {_short(v[1])})" for k, v in changed.items()

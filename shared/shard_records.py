@@ -2,8 +2,9 @@
 
 A record (written by stage 1's shard writer into parts/shard-NNNNNN.json, then merged into the
 manifest) describes one shard group: its name (None when every sample of the shard was skipped),
-its index, how many samples and tokens it holds, each sample's input row and length, the content
-checksum, and the hash of the input rows it was made from. Readers index these fields directly, so
+its index, how many samples and tokens it holds, each sample's input row, length and supervised pairs
+(the anchor positions that set the trainer's block budget), the content checksum, and the hash of the
+input rows it was made from. Readers index these fields directly, so
 a record that lacks one, or whose fields disagree with each other, is refused here by field and
 shard rather than as a KeyError somewhere in training.
 """
@@ -26,6 +27,11 @@ REQUIRED = {
 }
 
 
+# Per-sample fields a store written before they existed lacks: content_hashes (duplicates, the split)
+# and supervised_pairs (the trainer's block budget; the reader counts them from the loss masks then).
+OPTIONAL = ("content_hashes", "supervised_pairs")
+
+
 def record_problem(record: Any, position: int) -> str | None:
     """Why the record at `position` of the manifest's shard list is unusable, naming the shard and
     the field, or None."""
@@ -41,9 +47,9 @@ def record_problem(record: Any, position: int) -> str | None:
     if record["index"] != position:
         return f"{where}.index is {record['index']}, but the record is number {position} of the list"
     num = record["num_samples"]
-    for field in ("sample_ids", "lengths", "content_hashes"):
+    for field in ("sample_ids", "lengths", "content_hashes", "supervised_pairs"):
         values = record.get(field)
-        if values is None and field == "content_hashes":  # stores written before content hashes
+        if values is None and field in OPTIONAL:
             continue
         if not isinstance(values, list) or len(values) != num:
             have = f"{len(values)} entries" if isinstance(values, list) else repr(values)
@@ -53,6 +59,9 @@ def record_problem(record: Any, position: int) -> str | None:
             return f"{where}.{field} holds a value that is not {_kind_name(kind)}"
     if any(n <= 0 for n in record["lengths"]):
         return f"{where}.lengths holds a length below 1"
+    for s, (pairs, length) in enumerate(zip(record.get("supervised_pairs") or (), record["lengths"])):
+        if not 0 <= pairs < length:  # positions t and t + 1 both inside the sample
+            return f"{where}.supervised_pairs[{s}] is {pairs}, outside 0..{length - 1} for a sample of {length} tokens"
     if sum(record["lengths"]) != record["num_tokens"]:
         return f"{where}.lengths sum to {sum(record['lengths'])}, num_tokens is {record['num_tokens']}"
     if (record["name"] is None) != (num == 0):

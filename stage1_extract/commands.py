@@ -26,6 +26,7 @@ from shared.target_model import load_target_model, resolve_device, runnable_prob
 from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
 from stage1_extract.distributed import (
     agreed_done,
+    all_ok,
     distributed_context,
     join_ranks,
     leave_ranks,
@@ -35,8 +36,8 @@ from stage1_extract.distributed import (
 )
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
-from stage1_extract.header import load_or_pin_plan
-from stage1_extract.merge import done_shards, merge_manifest, part_path
+from stage1_extract.header import load_or_pin_plan, other_data_problem
+from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records
 from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.prepare import Prepared, discard_token_cache, planned_shards, shard_size, token_bytes
@@ -94,10 +95,10 @@ def _extract(
     if prepared.generated_problem is not None:  # every rank: each prepared the same inputs
         raise DataError(prepared.generated_problem)
     prepare_seconds = time.perf_counter() - started
-    shards, samples_per_shard, model = _pin_plan(cfg, prepared, rank, world, reprocess, local_rank)
+    shards, samples_per_shard, model, records = _pin_plan(cfg, prepared, rank, world, reprocess, local_rank)
     return extract_store(
         prepared, shards, samples_per_shard, cfg.store, cfg.extract, cfg.target, (rank, world, local_rank),
-        force=force, progress=progress, prepare_seconds=prepare_seconds, model=model,
+        force=force, progress=progress, prepare_seconds=prepare_seconds, model=model, records=records,
     )
 
 
@@ -122,29 +123,36 @@ def _prepare_all_ranks(cfg: RunConfig, rank: int, world: int, local_rank: int) -
 
 def _pin_plan(
     cfg: RunConfig, prepared: Prepared, rank: int, world: int, reprocess: bool, local_rank: int
-) -> tuple[list[ShardPlan], int, Any]:
+) -> tuple[list[ShardPlan], int, Any, dict[int, dict[str, Any]] | None]:
     """Rank 0 pins samples_per_shard (the computed size, not the first shard's, which a short first
-    run would make small forever), saves the resolved config beside the store and, for fp4, pins the
-    outlier channels (a bounded forward the others wait for); every rank then checks the pinned
-    header and plans the shards: (the shards, samples_per_shard, the target when rank 0 loaded it
-    to fit the channels)."""
-    files, model, error = prepared.files, None, None
+    run would make small forever), reads the part records and (extract, not reprocess) refuses shards
+    made from other rows, saves the resolved config beside the store and, for fp4, pins the outlier
+    channels (a bounded forward the others wait for); every rank learns rank 0's verdict at once,
+    then checks the pinned header and plans the shards: (the shards, samples_per_shard, the target
+    when rank 0 loaded it to fit the channels, the part records rank 0 read)."""
+    files, model, records, error = prepared.files, None, None, None
     if rank == 0:
         try:
             before = files.read_json("plan.json")["header"] if files.exists("plan.json") else None
-            load_or_pin_plan(files, prepared.header, shard_size(prepared, cfg.store), len(prepared.rows), repin=reprocess)
+            per = load_or_pin_plan(files, prepared.header, shard_size(prepared, cfg.store), len(prepared.rows), repin=reprocess)
+            planned = plan_shards(prepared.rows, per, header_key(prepared.header))
+            records = part_records(files, planned, beyond_plan=True)
+            problem = None if reprocess else other_data_problem(files, planned, records, prepared.source)
+            if problem is not None:
+                raise StoreError(problem)
             if "://" not in files.url:
                 cfg.write_resolved(Path(files.url) / "extract_config.yaml")
             if cfg.store.dtype == "fp4":
                 device = rank_device(cfg.extract.device, local_rank)
                 model = ensure_outlier_channels(prepared, before, cfg.store, cfg.extract, cfg.target, device)
-        except BaseException as exc:  # noqa: BLE001 - raised after the barrier, which every rank reaches
+        except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
             error = exc
-    wait_for_ranks(world)
-    if error is not None:
-        raise error
+    if not all_ok(world, error is None, behind_work=True):
+        if error is not None:
+            raise error
+        raise StoreError(f"{files.url}: rank 0 refused to extract into it (its error says why)")
     samples_per_shard = load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
-    return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard, model
+    return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard, model, records
 
 
 def check_space(prepared: Prepared, store: StoreConfig, shards: list[ShardPlan], done: set[int], force: bool) -> None:
@@ -176,14 +184,16 @@ def extract_store(
     progress: bool,
     prepare_seconds: float,
     model: Any = None,
+    records: dict[int, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Extract this rank's shards not yet done (`ranks`: rank, world size, local rank), then rank 0
-    merges the manifest. `model`: the target when rank 0 already loaded it (fp4's channel fit)."""
+    merges the manifest. `model`: the target when rank 0 already loaded it (fp4's channel fit);
+    `records`: the part records when this rank read them already (one read per record on an object store)."""
     rank, world, local_rank = ranks
     lay = layout(rank, world, extract.tensor_parallel_size)
     files = prepared.files
     channels = pinned_outlier_channels(files, store, len(prepared.layer_ids))
-    done = agreed_done(done_shards(files, shards) if rank == 0 or world == 1 else set(), len(shards), world)
+    done = agreed_done(done_shards(files, shards, records) if rank == 0 or world == 1 else set(), len(shards), world)
     check_space(prepared, store, shards, done, force)
     # A tensor-parallel group (consecutive ranks) shares its windows: the data-parallel place is the group's.
     windows = windows_for_rank(shards, extract.window_shards, lay.dp_rank, lay.dp_size)

@@ -94,18 +94,20 @@ def agreed_done(done: set[int], num_shards: int, world: int) -> set[int]:
 def store_lock(url: str, rank: int, world: int, command: str) -> Iterator[str | None]:
     """Rank 0 holds the store's lock for the whole job; every rank learns at once if it could not.
     Yields the lock's kind on rank 0 ("flock", or "lease" where the file system has no flock)."""
-    with exclusive_on_rank0(url, f"stage1_extract {command}", rank, lambda ok: _all_ok(world, ok)) as kind:
+    with exclusive_on_rank0(url, f"stage1_extract {command}", rank, lambda ok: all_ok(world, ok)) as kind:
         yield kind
 
 
-def _all_ok(world: int, ok: bool) -> bool:
+def all_ok(world: int, ok: bool, behind_work: bool = False) -> bool:
+    """Whether every rank is `ok`, on every rank. `behind_work`: some rank may first do long work (rank
+    0 fitting fp4's outlier channels), so the agreement waits up to WORK_TIMEOUT on the work group."""
     if world == 1:
         return ok
     import torch
     import torch.distributed as dist
 
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_work_group if behind_work else None)
     return bool(flag.item())
 
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 
 from shared.codecs import SampleFeatures
 from shared.config import Section
+from shared.identity import BATCH_SETTINGS
 from shared.store import StoreConfig
 from shared.target_model import LayerCapture
 from stage1_extract.batching import ShardPlan, TokenizedRow, token_budget_batches
@@ -223,7 +224,13 @@ def run_shards(
     parameter = next(model.parameters())
     device = parameter.device
     token_bytes = host_token_bytes(len(layer_ids), model.config.get_text_config().hidden_size, parameter.element_size(), cfg.top_k)
-    writer = ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), cfg.writer_threads, outlier_channels) if write else None
+    # The batch shape is not part of the store's identity (an out-of-memory run continues with a
+    # smaller batch), so each shard's part record says which one made it.
+    batching = {"batching": {k: getattr(cfg, k) for k in BATCH_SETTINGS}}
+    writer = (
+        ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), cfg.writer_threads, outlier_channels, batching)
+        if write else None
+    )
     timer = ForwardTimer(device)
     bar = tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True, disable=not progress)
     try:

@@ -52,6 +52,9 @@ class GenerateConfig(Section):
     """Sequences per transformers generate call."""
     rows_per_part: int = 128
     """Conversations per resumable Parquet part."""
+    seed: int = 0
+    """Seeds the sampled answers (each rank's engine, or with per_request_seeds each row and turn). Not
+    the run's `seed`: training with another seed keeps these answers and the store made from them."""
     tensor_parallel_size: int = 1
     """vllm: GPUs per engine. Under torchrun each rank (or group of ranks) runs its own engine on its
     own GPU(s) over its share of the parts (data parallel)."""

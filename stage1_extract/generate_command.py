@@ -76,9 +76,9 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
             dtype = resolve_dtype(cfg.target.dtype, device)
             stop_ids = stop_token_ids(tokenizer, model_dir=model_dir)
             with vllm_process_view(local_rank, world, cfg.generate.tensor_parallel_size):
-                return vllm_engine(str(model_dir), cfg.generate, cfg.seed, dtype, stop_ids, rank)
+                return vllm_engine(str(model_dir), cfg.generate, cfg.generate.seed, dtype, stop_ids, rank)
         model = load_target_model(cfg.target, rank_device(cfg.extract.device, local_rank))
-        return BatchEngine(transformers_backend(model, tokenizer, cfg.generate, cfg.seed))
+        return BatchEngine(transformers_backend(model, tokenizer, cfg.generate, cfg.generate.seed))
 
     # Rank 0 holds the data folder; every other rank its own slot, so a second job is refused on each.
     lock_dir = out.parent if rank == 0 else paths.generated_parts / "ranks" / str(rank)
@@ -86,7 +86,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         if rank == 0:  # what the answers were made from goes with them: gone until they are rewritten
             paths.generated_provenance.unlink(missing_ok=True)
         result = generate_all(
-            conversations, tokenizer, make_engine, out, cfg.generate, settings, cfg.seed,
+            conversations, tokenizer, make_engine, out, cfg.generate, settings, cfg.generate.seed,
             progress=progress and rank == 0, rank=rank, world=world,
         )
         if rank == 0:

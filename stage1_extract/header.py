@@ -1,7 +1,8 @@
 """The plan pinned by a store's first run: its identity header (`shared/identity.py`) and
 samples_per_shard. A shard is current when its part record carries the header key of the current
 settings and the hash of its input rows (`merge.record_matches`); `status` names the fields that
-changed.
+changed. `extract` continues a store only with the data it was made from (`other_data_problem`);
+`reprocess` is the verb that replaces shards.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 from shared.config import dotted_differences
 from shared.errors import StoreError
 from shared.store import StoreFiles
+from stage1_extract.batching import ShardPlan
+from stage1_extract.merge import foreign_shards
 
 
 def load_or_pin_plan(
@@ -35,3 +38,21 @@ def load_or_pin_plan(
         return int(plan["samples_per_shard"])
     files.write_json("plan.json", {"header": header, "samples_per_shard": samples_per_shard, "num_rows": num_rows})
     return samples_per_shard
+
+
+def other_data_problem(files: StoreFiles, shards: list[ShardPlan], records: dict[int, dict[str, Any]], source: Any) -> str | None:
+    """Why `extract` must not continue this store: shards made from other rows than the data gives
+    (`records`: every part record, `merge.part_records(..., beyond_plan=True)`). Replacing them is
+    `reprocess`'s job; a second dataset pointed at the same store.path would otherwise silently
+    re-extract the first one's shards, and merge would delete them."""
+    foreign = foreign_shards(shards, records)
+    if not foreign:
+        return None
+    made_from = (files.read_json("manifest.json").get("data") or {}).get("source") if files.exists("manifest.json") else None
+    shown = ", ".join(str(i) for i in foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+    return (
+        f"{files.url}: shard(s) {shown} were extracted from other input rows than {source} gives"
+        + (f" (the store was made from {made_from})" if made_from and str(made_from) != str(source) else "")
+        + "; `extract` does not replace them. If you edited the data, run `python -m stage1_extract reprocess` "
+        "(it re-extracts only those shards); for another dataset, set store.path (or run_dir) to a new folder"
+    )

@@ -24,20 +24,29 @@ def record_matches(record: dict[str, Any] | None, shard: ShardPlan) -> bool:
 PART_READ_THREADS = 32
 
 
-def part_records(files: StoreFiles, shards: list[ShardPlan]) -> dict[int, dict[str, Any]]:
+def part_records(files: StoreFiles, shards: list[ShardPlan], beyond_plan: bool = False) -> dict[int, dict[str, Any]]:
     """The part record of every shard that has one: one listing, then reads in parallel. On an
-    object store each read is a latency-bound GET; 100K shards read one by one take minutes."""
+    object store each read is a latency-bound GET; 100K shards read one by one take minutes.
+    `beyond_plan` (with every planned shard): also the records of indices past the last one."""
     present = set(files.list("parts"))
     wanted = [s.index for s in shards if part_path(s.index).rsplit("/", 1)[1] in present]
+    if beyond_plan:
+        wanted += sorted(i for i in (int(n[6:-5]) for n in present if n.startswith("shard-") and n.endswith(".json")) if i >= len(shards))
     with ThreadPoolExecutor(PART_READ_THREADS, thread_name_prefix="dflash-parts") as pool:
         records = list(pool.map(lambda index: files.read_json(part_path(index)), wanted))
     return dict(zip(wanted, records))
 
 
-def done_shards(files: StoreFiles, shards: list[ShardPlan]) -> set[int]:
+def done_shards(files: StoreFiles, shards: list[ShardPlan], records: dict[int, dict[str, Any]] | None = None) -> set[int]:
     """Indices of the shards whose part record matches their rows and settings."""
-    records = part_records(files, shards)
+    records = part_records(files, shards) if records is None else records
     return {s.index for s in shards if record_matches(records.get(s.index), s)}
+
+
+def foreign_shards(shards: list[ShardPlan], records: dict[int, dict[str, Any]]) -> list[int]:
+    """Indices of the part records (`part_records(..., beyond_plan=True)`) made from other input rows
+    than the shard planned at their index, or past the last one: what `extract` must not replace."""
+    return sorted(i for i, r in records.items() if i >= len(shards) or r.get("rows_sha256") != shards[i].rows_sha256)
 
 
 def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[ShardPlan], extra: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """`verify`: every shard of a store checked against its manifest record, field by field (the group
 is there and its name carries the record's index; samples, tokens, per-sample lengths and ids,
-content hashes, bytes on disk and the content checksum agree with the arrays; shapes, dtypes and
+content hashes and supervised pairs (recounted from the loss mask), bytes on disk and the content checksum agree with the arrays; shapes, dtypes and
 offsets hold; values are finite); `--deep` also tokenizes the input data again (no cache) and
 compares every stored sample's input_ids and loss_mask with it, which proves a store matches its
 data whatever happened to any cache. A bad shard says how it is fixed: when only the manifest's
@@ -14,7 +14,7 @@ from typing import Any
 
 from shared.codecs import hidden_array_specs, hidden_problem
 from shared.shard_records import record_problem
-from shared.store import StoreFiles, content_checksum, read_manifest, read_shard_arrays
+from shared.store import StoreFiles, content_checksum, read_manifest, read_shard_arrays, supervised_pairs
 from stage1_extract.batching import content_hash
 from stage1_extract.merge import part_path
 
@@ -97,9 +97,12 @@ def record_disagreements(url: str, files: StoreFiles, present: set[str], manifes
         return problems + [f"arrays: offsets run {offsets[0]}..{offsets[-1]} over {tokens} tokens, not upward from 0"]
     problems += _per_sample(record, "sample_ids", arrays["sample_ids"].tolist())
     problems += _per_sample(record, "lengths", np.diff(offsets).tolist())
+    spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
     if "content_hashes" in record:
-        fresh = [content_hash(arrays["input_ids"][a:b], arrays["loss_mask"][a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        fresh = [content_hash(arrays["input_ids"][a:b], arrays["loss_mask"][a:b]) for a, b in spans]
         problems += _per_sample(record, "content_hashes", fresh)
+    if "supervised_pairs" in record:  # the trainer's block budget: a wrong count packs too many blocks
+        problems += _per_sample(record, "supervised_pairs", [supervised_pairs(arrays["loss_mask"][a:b]) for a, b in spans])
     problem = hidden_problem(arrays, storage["dtype"], manifest.get("fp4_outlier_channels"))
     if problem:
         problems.append(f"arrays: {problem}")

@@ -69,13 +69,15 @@ class ShardWriter:
     """Collects samples per shard; writes each complete shard, then its part record, in a pool."""
 
     def __init__(
-        self, url: str, store_cfg: StoreConfig, shards: list[ShardPlan], queue_mb: int, threads: int = 1, outlier_channels: Any = None
+        self, url: str, store_cfg: StoreConfig, shards: list[ShardPlan], queue_mb: int, threads: int = 1, outlier_channels: Any = None,
+        provenance: dict[str, Any] | None = None,
     ):
         if queue_mb < 1 or threads < 1:
             raise ValueError(f"queue_mb and threads must be >= 1, got {queue_mb} and {threads}")
         self.url = url
         self.cfg = store_cfg
         self.outlier_channels = outlier_channels  # fp4: the store's, pinned in plan.json
+        self.provenance = provenance or {}  # how this run computed its shards (the batch shape), in each part record
         self.files = StoreFiles(url)
         self.limit = queue_mb * 2**20
         self.pending = {s.index: s for s in shards}
@@ -222,6 +224,7 @@ class ShardWriter:
                 "num_truncated": sum(r.truncated for r in shard.rows),
                 "num_skipped": sum(r.skipped for r in shard.rows),
                 "num_empty_turns": sum(r.empty_turns for r in shard.rows),
+                **self.provenance,
             }
         )
         # The part record is written only after the shard's data: it is what marks the shard done.

@@ -101,7 +101,7 @@ def test_manifest_records_what_made_the_store(store, tiny_target_dir):
     assert manifest["schema_version"] == 1
     assert manifest["layer_ids"] == LAYERS and manifest["top_k"] == 8
     assert "path" not in manifest["target"] and manifest["target_source"]["path"] == str(tiny_target_dir)
-    assert manifest["identity_version"] == 2 and manifest["data"]["source_sha256"] == source_fingerprint(Path(cfg.data.path))
+    assert manifest["identity_version"] == 3 and manifest["data"]["source_sha256"] == source_fingerprint(Path(cfg.data.path))
     assert len(manifest["target"]["weights_sha256"]) == 64
     assert len(manifest["tokenizer_sha256"]) == 64 and len(manifest["chat_template_sha256"]) == 64
     assert manifest["storage"] == {"dtype": "bf16", "compression": "zstd", "zstd_level": 3, "chunk_tokens": 1024}
@@ -170,6 +170,44 @@ def test_crash_then_resume_equals_an_uninterrupted_run(tiny_target_dir, data_fil
     summary = commands.cmd_extract(cfg, progress=False)
     assert summary["shards_already_done"] == 1
     assert store_contents(cfg.store.url(cfg.run_dir)) == store_contents(store[2].url)
+
+
+def test_out_of_memory_continues_with_a_smaller_batch_each_shard_as_a_clean_run_makes_it(
+    tiny_target_dir, data_file, tmp_path, store, monkeypatch
+):
+    """An 8B extraction ran out of memory mid-store: the same command with a smaller extract.batch_tokens
+    continues it. The batch shape is no part of the store's identity: the shards already done stay,
+    the rest are made with the smaller batch, each exactly as a clean run with its batch makes it,
+    and each shard's record says which batch made it."""
+    cfg = config(tiny_target_dir, data_file, tmp_path / "run")
+    second = read_manifest(store[2].url)["shards"][1]["sample_start"]
+    parts = tmp_path / "run" / "store" / "parts"
+    real_forward = extract_mod.forward_batch
+
+    def out_of_memory_in_shard_1(model, capture, rows, *args):
+        if any(r.sample_id >= second for r in rows):
+            deadline = time.monotonic() + 60  # shard 0 is written in the background: let it land first
+            while not (parts / "shard-000000.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(model, capture, rows, *args)
+
+    monkeypatch.setattr(extract_mod, "forward_batch", out_of_memory_in_shard_1)
+    with pytest.raises(torch.OutOfMemoryError):
+        commands.cmd_extract(cfg, progress=False)
+    monkeypatch.setattr(extract_mod, "forward_batch", real_forward)
+    smaller = config(tiny_target_dir, data_file, tmp_path / "run", **{"extract.batch_tokens": 64})
+    summary = commands.cmd_extract(smaller, progress=False)
+    assert summary["shards_already_done"] == 1 and summary["shards_extracted_here"] == summary["shards_total"] - 1
+    clean_small = config(tiny_target_dir, data_file, tmp_path / "clean", **{"extract.batch_tokens": 64})
+    commands.cmd_extract(clean_small, progress=False)
+    continued = store_contents(smaller.store.url(smaller.run_dir))
+    assert continued[:1] == store_contents(store[2].url)[:1]  # made with 512 tokens a batch, kept
+    assert continued[1:] == store_contents(clean_small.store.url(clean_small.run_dir))[1:]
+    records = read_manifest(smaller.store.url(smaller.run_dir))["shards"]
+    assert [r["batching"]["batch_tokens"] for r in records] == [512] + [64] * (len(records) - 1)
+    assert commands.cmd_status(cfg)["complete"] and commands.cmd_status(smaller)["complete"]
+    assert commands.cmd_verify(smaller)["ok"]
 
 
 def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_file, tmp_path, store):

@@ -214,22 +214,23 @@ def test_writer_threads_write_shards_in_parallel(tmp_path, monkeypatch):
     assert sorted(StoreFiles(str(tmp_path / "store")).list("parts")) == ["shard-000000.json", "shard-000001.json"]
 
 
-def test_status_names_the_compute_dtype_packing_and_batching_that_made_a_shard(tiny_target_dir, tmp_path):
-    """An fp32 store is not current for a bf16 config (nor for another batch shape): status names the field."""
+def test_status_names_the_compute_dtype_and_packing_that_made_a_shard_and_records_its_batch_shape(tiny_target_dir, tmp_path):
+    """An fp32 store is not current for a bf16 config: status names the field. The batch shape is not
+    identity (it changes a value in its last bits at most): each shard's record says which made it."""
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
     run = tmp_path / "run"
     cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(tiny_target_dir, data, run))
     commands.cmd_extract(cfg, progress=False)
-    manifest_extraction = StoreFiles(cfg.store.url(cfg.run_dir)).read_json("manifest.json")["extraction"]
-    assert manifest_extraction == {
-        "compute_dtype": "fp32", "attn_implementation": "sdpa", "packed": False,
-        "batch_tokens": 512, "max_samples_per_batch": 64, "window_shards": 1, "lm_head_chunk_tokens": 2048,
-    }
-    for override, field in (("target.dtype=bf16", "extraction.compute_dtype"), ("extract.batch_tokens=1024", "extraction.batch_tokens")):
-        changed = load_run_config(ROOT / "configs/default.yaml", [*stage1_overrides(tiny_target_dir, data, run), override])
-        report = commands.cmd_status(changed)
-        assert report["settings_changed"] == [field]
-        assert {r["state"] for r in report["shards"]} == {"stale"}
-        assert all(r["why"] == f"settings changed: {field}" for r in report["shards"])
+    manifest = StoreFiles(cfg.store.url(cfg.run_dir)).read_json("manifest.json")
+    assert manifest["extraction"] == {"compute_dtype": "fp32", "attn_implementation": "sdpa", "packed": False}
+    batching = {"batch_tokens": 512, "max_samples_per_batch": 64, "window_shards": 1, "lm_head_chunk_tokens": 2048}
+    assert [r["batching"] for r in manifest["shards"]] == [batching] * len(manifest["shards"])
+    changed = load_run_config(ROOT / "configs/default.yaml", [*stage1_overrides(tiny_target_dir, data, run), "target.dtype=bf16"])
+    report = commands.cmd_status(changed)
+    assert report["settings_changed"] == ["extraction.compute_dtype"]
+    assert {r["state"] for r in report["shards"]} == {"stale"}
+    assert all(r["why"] == "settings changed: extraction.compute_dtype" for r in report["shards"])
     with pytest.raises(Exception, match="extraction.compute_dtype"):
-        commands.cmd_extract(load_run_config(ROOT / "configs/default.yaml", [*stage1_overrides(tiny_target_dir, data, run), "target.dtype=bf16"]), progress=False)
+        commands.cmd_extract(changed, progress=False)
+    other_batch = [*stage1_overrides(tiny_target_dir, data, run), "extract.batch_tokens=1024", "extract.window_shards=2"]
+    assert commands.cmd_status(load_run_config(ROOT / "configs/default.yaml", other_batch))["complete"]

@@ -397,10 +397,12 @@ def test_a_block_size_longer_than_every_sample_is_refused(store, tiny_target_dir
 
 def test_an_epoch_without_a_single_block_stops(store, tiny_target_dir, tmp_path, monkeypatch):
     from shared.errors import DataError
+    from shared.reader import StoreReader
     from stage2_train.commands import cmd_train
     from stage2_train.data import anchors
 
     monkeypatch.setattr(anchors.AnchorSampler, "anchors", lambda self, mask, *, sample_id, epoch: mask.nonzero()[:0, 0])
+    monkeypatch.setattr(StoreReader, "supervised_pairs", lambda self: 0 * self.lengths)  # the budget's counts agree
     cfg = train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 50, "checkpoint.every_steps": 0})
     with pytest.raises(DataError, match=r"epoch 0 gave no block to train on"):
         cmd_train(cfg, progress=False)
@@ -440,8 +442,10 @@ def edit_record(text: str, position: int, **edits) -> str:
         (lambda text: edit_record(text, 0, lengths=lambda v: v[:-1]), r"shards\[0\] \(shard-000000-\w+\)\.lengths has \d+ entries, num_samples is \d+"),
         (lambda text: edit_record(text, 0, num_tokens=lambda v: str(v)), r"shards\[0\] \(shard-000000-\w+\)\.num_tokens is '\d+', not an integer"),
         (lambda text: edit_record(text, 0, lengths=lambda v: [v[0] + 5] + v[1:]), r"shards\[0\] \(\S+\)\.lengths sum to \d+, num_tokens is \d+"),
+        (lambda text: edit_record(text, 0, supervised_pairs=lambda v: v[:-1]), r"shards\[0\] \(\S+\)\.supervised_pairs has \d+ entries, num_samples is \d+"),
+        (lambda text: edit_record(text, 0, supervised_pairs=lambda v: [-1] + v[1:]), r"shards\[0\] \(\S+\)\.supervised_pairs\[0\] is -1, outside 0\.\.\d+"),
     ],
-    ids=["torn", "a-list", "no-shards", "no-sample_ids", "lengths-short", "num_tokens-a-string", "lengths-sum"],
+    ids=["torn", "a-list", "no-shards", "no-sample_ids", "lengths-short", "num_tokens-a-string", "lengths-sum", "pairs-short", "pairs-negative"],
 )
 def test_a_damaged_manifest_is_named_and_reprocess_rebuilds_it(store_copy, damage, what):
     from shared.errors import StoreError

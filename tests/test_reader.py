@@ -239,3 +239,33 @@ def test_samples_supervised_pairs_come_from_the_manifest_or_once_from_the_loss_m
         for i in range(len(reader)):
             drawn = anchors.anchors(reader[i]["loss_mask_T"], sample_id=i, epoch=3)
             assert len(drawn) == blocks[i]
+
+
+def test_a_wrong_supervised_pairs_count_in_the_manifest_is_named_by_the_loader(tmp_path):
+    """The block budget packs micro-batches by each sample's supervised_pairs from the manifest; a count
+    that disagrees with the sample's loss mask (and so with the anchors it draws) is refused naming
+    the sample and its shard, never trained on with a budget that does not hold."""
+    import json
+
+    from stage2_train.data.anchors import AnchorSampler
+    from stage2_train.data.config import SamplerConfig
+    from stage2_train.data.loader import DataLoadError, PrefetchLoader
+    from stage2_train.data.sampler import LengthMixedSampler
+
+    shards = [samples(4, seed=1), samples(3, seed=2, first_id=4)]
+    make_store(str(tmp_path), shards, StoreConfig())
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    for record, shard in zip(manifest["shards"], shards):
+        record["supervised_pairs"] = [supervised_pairs(s.loss_mask_T) for s in shard]
+    manifest["shards"][1]["supervised_pairs"][1] -= 1  # input row 5: one block fewer than its loss mask gives
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    reader = StoreReader(str(tmp_path))
+    cfg = SamplerConfig(micro_batch_tokens=4096, max_anchors_per_seq=1000)
+    anchors = AnchorSampler(cfg, block_size=4, seed=0)
+    sampler = LengthMixedSampler(cfg, reader.lengths, seed=0, blocks=anchors.block_counts(reader.lengths, reader.supervised_pairs()))
+    loader = PrefetchLoader(reader, sampler, anchors, mask_token_id=999)
+    with pytest.raises(DataLoadError, match=(
+        r"sample 5 \(input row 5\) in shard shard-000001-x .* draws (\d+) anchors from its loss mask, but the manifest's "
+        r"supervised_pairs plan \d+ blocks.*`python -m stage1_extract verify`"
+    )):
+        list(loader)

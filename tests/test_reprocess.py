@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shared.config import load_run_config
+from shared.errors import StoreError
 from shared.store import read_manifest
 from stage1_extract import commands
 
@@ -102,6 +103,39 @@ def test_appended_and_removed_rows(built, tiny_target_dir):
     out = commands.cmd_reprocess(cfg, progress=False)
     assert out["orphans_removed"]
     assert commands.cmd_status(cfg)["complete"] and read_manifest(cfg.store.url(cfg.run_dir))["num_samples"] == 10
+
+
+def test_extract_refuses_a_store_made_from_other_data_and_reprocess_replaces_it(built, tmp_path):
+    """A second dataset pointed at the same store (store.path shared by two runs) or an edited row:
+    `extract` refuses naming the shards, both datasets and the two ways out, and touches nothing;
+    `reprocess` is the verb that replaces shards."""
+    cfg, data = built
+    before = contents(cfg)
+    other = write_jsonl(tmp_path / "other.jsonl", chat_rows(30, seed=9))
+    second = config(Path(cfg.target.path), other, Path(cfg.run_dir))
+    with pytest.raises(StoreError, match=(
+        rf"shard\(s\) 0, 1 were extracted from other input rows than {other} gives \(the store was made from {data}\); "
+        r"`extract` does not replace them.*`python -m stage1_extract reprocess`.*set store.path \(or run_dir\) to a new folder"
+    )):
+        commands.cmd_extract(second, progress=False)
+    assert contents(cfg) == before and commands.cmd_status(cfg)["complete"]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[-1]["messages"][1]["content"] = "an edited answer"
+    write_jsonl(data, rows)
+    with pytest.raises(StoreError, match=r"shard\(s\) 1 were extracted from other input rows"):
+        commands.cmd_extract(cfg, progress=False)
+    assert commands.cmd_reprocess(cfg, progress=False)["reextracted"] == [1]
+    assert commands.cmd_status(cfg)["complete"]
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "llama-3.1-8b"])
+def test_the_8b_presets_give_each_run_its_own_store(preset):
+    """A user config inherits a preset and sets run_dir: its store is run_dir/store, never one path
+    every run of the preset shares (a second dataset's extract would replace the first's shards)."""
+    from shared.paths import RunPaths
+
+    cfg = load_run_config(ROOT / "configs" / f"{preset}.yaml", ["run_dir=/scratch/runs/mine"])
+    assert cfg.value("store.path") is None and RunPaths.of(cfg).store == "/scratch/runs/mine/store"
 
 
 def chunk_file(cfg, array: str) -> Path:
@@ -205,12 +239,18 @@ def shift_lengths(record: dict) -> None:
     record["lengths"][1] -= 5
 
 
+def shift_pairs(record: dict) -> None:
+    """Sample 0's supervised pairs one off (still a count its length allows): the block budget's input."""
+    record["supervised_pairs"][0] += 1 if record["supervised_pairs"][0] == 0 else -1
+
+
 @pytest.mark.parametrize(
     "field, edit",
     [
         ("lengths", shift_lengths),
         ("sample_ids", lambda r: r["sample_ids"].__setitem__(slice(0, 2), r["sample_ids"][1::-1])),
         ("content_hashes", lambda r: r["content_hashes"].__setitem__(3, "0" * 16)),
+        ("supervised_pairs", lambda r: shift_pairs(r)),
         ("bytes", lambda r: r.update(bytes=r["bytes"] + 1)),
         ("checksum", lambda r: r.update(checksum="0" * 64)),
         ("index", lambda r: r.update(name=r["name"].replace("shard-000001-", "shard-000007-"))),
@@ -236,17 +276,19 @@ def test_verify_names_a_manifest_field_that_contradicts_its_shard_and_repair_reb
     assert read_manifest(url)["shards"] == good["shards"] and read_manifest(url)["shards"][1]["name"] == name
 
 
-def test_verify_extracts_again_when_the_part_record_is_wrong_too(built):
+@pytest.mark.parametrize("field, edit", [("lengths", shift_lengths), ("supervised_pairs", shift_pairs)])
+def test_verify_extracts_again_when_the_part_record_is_wrong_too(built, field, edit):
+    """--repair never copies a wrong count from the part record: it checks that record against the shard too."""
     cfg, _ = built
     url = Path(cfg.store.url(cfg.run_dir))
     good = contents(cfg)
     for path in (url / "manifest.json", url / "parts" / "shard-000000.json"):
         data = json.loads(path.read_text())
-        shift_lengths(data["shards"][0] if "shards" in data else data)
+        edit(data["shards"][0] if "shards" in data else data)
         path.write_text(json.dumps(data))
     (bad,) = commands.cmd_verify(cfg)["bad_shards"]
-    assert bad["fields"] == ["lengths"] and bad["fix"] == "extract again"
-    assert bad["error"].startswith("lengths: sample 0 has") and bad["index"] == 0
+    assert bad["fields"] == [field] and bad["fix"] == "extract again"
+    assert bad["error"].startswith(f"{field}: sample 0 has") and bad["index"] == 0
     repaired = commands.cmd_verify(cfg, repair=True, progress=False)
     assert repaired["ok"] and repaired["reextracted"] == [bad["shard"]]
     assert contents(cfg) == good

@@ -268,16 +268,20 @@ def test_evals_during_training_sample_anchors_and_the_last_scores_every_one(tiny
 
 
 def no_anchor_for_even_samples(monkeypatch):
-    """Samples whose id is even yield no block (as an answer of one token would)."""
+    """Samples whose id is even yield no block (as an answer of one token would), and the store's
+    supervised_pairs, which the block budget plans with, say so too (the loader holds them to it)."""
+    from shared.reader import StoreReader
     from stage2_train.data import anchors
 
     real = anchors.AnchorSampler.anchors
+    real_pairs = StoreReader.supervised_pairs
 
     def anchors_of(self, loss_mask_T, *, sample_id, epoch):
         found = real(self, loss_mask_T, sample_id=sample_id, epoch=epoch)
         return found[:0] if sample_id % 2 == 0 else found
 
     monkeypatch.setattr(anchors.AnchorSampler, "anchors", anchors_of)
+    monkeypatch.setattr(StoreReader, "supervised_pairs", lambda self: real_pairs(self) * (self.sample_ids % 2 == 1))
 
 
 def test_micro_batches_without_a_block_still_train(tiny_target_dir, store, tmp_path, monkeypatch):

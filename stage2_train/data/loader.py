@@ -286,11 +286,18 @@ class PrefetchLoader:
     def _read(
         self, index: int, epoch: int, where: str, hidden_out: torch.Tensor | None = None
     ) -> tuple[dict[str, Any], torch.Tensor]:
-        """One sample and its anchors for `epoch`, checked; DataLoadError naming it and its shard."""
+        """One sample and its anchors for `epoch`, checked (tensors, length, and as many anchors as the
+        sampler planned blocks for it); DataLoadError naming it and its shard."""
         try:
             sample = self.reader[index] if hidden_out is None else self.reader.read(index, hidden_out=hidden_out)
             anchors_A = self.anchor_sampler.anchors(sample["loss_mask_T"], sample_id=int(sample["sample_id"]), epoch=epoch)
             check_sample(sample, anchors_A, int(self.sampler.lengths[index]))
+            planned = int(self.sampler.blocks[index])  # min(the manifest's supervised_pairs, max_anchors_per_seq)
+            if len(anchors_A) > planned or (self.sampler.blocks_exact and len(anchors_A) != planned):
+                raise ValueError(
+                    f"draws {len(anchors_A)} anchors from its loss mask, but the manifest's supervised_pairs plan "
+                    f"{planned} blocks (the micro-batch block budget counts them)"
+                )
         except Exception as exc:
             if isinstance(exc, UserError):  # the reader named the file already
                 raise DataLoadError(f"data loader ({where}): {exc}", index) from exc

@@ -176,6 +176,7 @@ class LengthMixedSampler:
         if len(empty):
             raise ValueError(f"sample {int(empty[0])} has {int(self.lengths[empty[0]])} tokens; must be >= 1")
         self.micro_batch_blocks = cfg.blocks_budget()
+        self.blocks_exact = blocks is not None  # counted from the store (the loader holds each sample to it), else a bound
         if blocks is None:
             blocks = np.minimum(self.lengths - 1, cfg.max_anchors_per_seq)
         self.blocks = np.asarray(blocks, dtype=np.int64)

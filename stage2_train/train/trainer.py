@@ -46,7 +46,7 @@ import torch
 from shared.config import RunConfig
 from shared.errors import DataError, DivergedError, StoreError
 from shared.files import write_atomic
-from shared.freshness import Staleness, store_staleness
+from shared.freshness import Staleness, agreed_staleness
 from shared.paths import RunPaths
 from shared.target_parts import load_embed_and_head, load_target_layers
 from stage2_train.data.batch import DrafterBatch
@@ -163,9 +163,9 @@ class Trainer:
     # ---- building -------------------------------------------------------------------------------
     def _check_store(self) -> Staleness:
         """`status`'s verdict on the store (shared/freshness.py), refused when stale unless
-        train.allow_stale_store (then a `stale_store` event at the start says what differs). Every
-        rank computes the same verdict from the same files, so all raise or none do."""
-        report = store_staleness(self.cfg, self.data.target, self.data.reader.manifest)
+        train.allow_stale_store (then a `stale_store` event at the start says what differs). Rank 0
+        computes it and broadcasts it, so all ranks raise or none do."""
+        report = agreed_staleness(self.cfg, self.data.target, self.data.reader.manifest, self.rank, self.world_size)
         if not report.current and not self.cfg.train.allow_stale_store:
             raise StoreError(report.describe(self.data.reader.url))
         return report

@@ -60,12 +60,18 @@ if os.environ.get("DFLASH_PAUSE_AFTER_FIRST_SHARD"):
     writer.ShardWriter._write = _pausing_write
 
 if os.environ.get("DFLASH_NO_ANCHORS_FOR_EVEN_SAMPLES"):
+    import shared.reader
     from stage2_train.data import anchors
 
     _real_anchors = anchors.AnchorSampler.anchors
+    _real_pairs = shared.reader.StoreReader.supervised_pairs
 
     def _odd_only(self, loss_mask_T, *, sample_id, epoch):
         found = _real_anchors(self, loss_mask_T, sample_id=sample_id, epoch=epoch)
         return found[:0] if sample_id % 2 == 0 else found  # as an answer of one token would
 
+    def _odd_pairs(self):  # the counts the block budget plans with say the same (the loader checks them)
+        return _real_pairs(self) * (self.sample_ids % 2 == 1)
+
     anchors.AnchorSampler.anchors = _odd_only
+    shared.reader.StoreReader.supervised_pairs = _odd_pairs
