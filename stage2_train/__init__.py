@@ -34,4 +34,20 @@ def _global_batch(cfg: RunConfig) -> list[str]:
     ]
 
 
-register_rules(warnings=_gamma_for_block_size, notes=_global_batch)
+def _confidence_slots(cfg: RunConfig) -> list[str]:
+    """DSpark's confidence target needs the drafter's full softmax: slots scored over candidates
+    (loss.full_vocab_slots) train no confidence, so a stop rule past them is untrained."""
+    if cfg.model.variant != "dspark" or not cfg.model.confidence_head or cfg.loss.full_vocab_slots is None:
+        return []
+    return [
+        f"DSpark's confidence head trains on the first {cfg.loss.full_vocab_slots} slot(s) only: the others are scored "
+        f"over candidates (loss.full_vocab_slots), where no acceptance target exists; set loss.full_vocab_slots=null "
+        f"before relying on eval.confidence_stop"
+    ]
+
+
+def _notes(cfg: RunConfig) -> list[str]:
+    return _global_batch(cfg) + _confidence_slots(cfg)
+
+
+register_rules(warnings=_gamma_for_block_size, notes=_notes)

@@ -1,6 +1,6 @@
 """Parity of the DSpark and DFlash2 drafters with the peers' own classes (speculators 0.9.0, z-lab dflash 0.1.0).
 
-    bash bench/peers_install.sh          # once; prints DFLASH_PEERS
+    bash tests/peers_install.sh          # once; prints DFLASH_PEERS
     DFLASH_PEERS=... .venv/bin/python -m pytest -q tests/test_peers.py tests/test_peers_variants.py
 
 Skipped without DFLASH_PEERS, as tests/test_peers.py (whose helpers these use). In fp32, on tiny shapes:
@@ -49,7 +49,7 @@ from tests.test_peers import (
     zlab_block,
 )
 
-pytestmark = pytest.mark.skipif(not PEERS, reason="peer packages not installed: run `bash bench/peers_install.sh`")
+pytestmark = pytest.mark.skipif(not PEERS, reason="peer packages not installed: run `bash tests/peers_install.sh`")
 
 LENGTHS = [22, 18]  # two documents in one packed row
 SUPERVISED = [(4, 13), (4, 10)]  # per document: [start, end) of the loss mask speculators reads

@@ -223,6 +223,30 @@ def test_the_dspark_loss_is_markov_corrected_ce_and_kl_plus_the_confidence_bce(h
     assert m["acc_per_pos"].shape == (BLOCK,)  # every slot of a DSpark block is a draft
 
 
+def test_the_confidence_head_trains_only_on_slots_scored_against_the_whole_vocabulary():
+    """On candidate-softmax slots (loss.full_vocab_slots) q covers ~K+1 candidates, and sum_K min(p, q)
+    would call a drafter with 0.4% overlap 33% accepted: those rows train no confidence and stay out
+    of accept_rate, while the head still gets a gradient (every DDP rank reduces it)."""
+    drafter = make_drafter("dspark")
+    batch = shifted_batch()
+    cfg = LossConfig(gamma=4.0, kl_weight=0.5, confidence_weight=0.7, full_vocab_slots=1)
+    hidden = drafter(batch)
+    loss, m = dflash_loss(hidden, drafter.lm_head_VH, batch, cfg, variant=drafter)
+    loss.backward()
+    assert drafter.confidence_head.proj.weight.grad is not None
+    with torch.no_grad():
+        mk = drafter.markov_head
+        e = mk.markov_w1.weight[batch.prev_ids_NB]
+        logq = (hidden @ drafter.lm_head_VH.T + e @ mk.markov_w2.weight.T).log_softmax(-1)
+        alpha = torch.minimum(batch.topk_logprobs_NBK.exp(), logq.gather(-1, batch.topk_ids_NBK).exp()).sum(-1)
+        conf = drafter.confidence_head.proj(torch.cat([hidden, e], -1))[..., 0]
+        bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
+    slot0 = batch.labels_NB[:, 0] != IGNORE  # DSpark's slot 0 is its first draft: the one full-vocabulary slot
+    assert int(slot0.sum()) > 0 and int((batch.labels_NB[:, 1:] != IGNORE).sum()) > 0
+    assert float(m["accept_rate"]) == pytest.approx(float(alpha[:, 0][slot0].mean()), rel=1e-5)
+    assert float(m["confidence_loss"]) == pytest.approx(float(bce[:, 0][slot0].mean()), rel=1e-5)
+
+
 @pytest.mark.parametrize("misses", ["inject", "drop"])
 def test_the_dflash2_selector_loss_reranks_the_drafters_top_k_toward_the_targets_top_1(misses):
     drafter = make_drafter("dflash2")
@@ -371,6 +395,23 @@ def test_a_variant_exports_and_reads_back_as_the_same_drafter(tmp_path, variant,
         assert torch.equal(again(batch), drafter(batch))
 
 
+def test_speculators_export_refuses_a_block_causal_drafter_and_warns_of_a_head_vllm_does_not_serve(tmp_path, caplog):
+    """speculators' config cannot say "causal inside the block": its engines would run the block
+    bidirectionally and draft other tokens without an error, so the export is refused; a gated
+    Markov head is written (speculators loads it) with a warning that vLLM serves vanilla only."""
+    target = {"path": "/models/t", "architectures": ["Qwen3ForCausalLM"]}
+    causal = make_drafter("dspark", is_causal=True)
+    with pytest.raises(CheckpointError, match="model.is_causal=true .* export the zlab format"):
+        export_drafter(causal, describe_parts(causal.cfg, causal.arch, LAYER_IDS, MASK_ID), target, tmp_path / "c",
+                       dtype="float32", format="speculators")
+    assert not (tmp_path / "c" / "config.json").exists()
+    gated = make_drafter("dspark", markov_head="gated")
+    with caplog.at_level("WARNING"):
+        export_drafter(gated, describe_parts(gated.cfg, gated.arch, LAYER_IDS, MASK_ID), target, tmp_path / "g",
+                       dtype="float32", format="speculators")
+    assert "model.markov_head=gated" in caplog.text and "vanilla Markov head only" in caplog.text
+
+
 def test_zlab_layout_refuses_dspark_by_name_and_init_from_checks_the_variant(tmp_path):
     from shared.target import TargetInfo
 
@@ -440,3 +481,13 @@ def test_a_variant_trains_logs_its_metrics_exports_and_decodes_exactly(tiny_targ
     spec = speculative_generate(model, DFlashProposer(trained.drafter, target.layer_ids), prompt, max_new_tokens=24, eos_token_ids=None)
     assert spec.tokens == greedy.tokens
     assert max(spec.drafted) == drafts and all(1 <= a <= drafts + 1 for a in spec.acceptance_lengths)
+
+
+def test_check_says_where_dspark_confidence_is_not_trained():
+    from shared.config import load_run_config
+
+    def said(*overrides):
+        return any("confidence head trains on the first 1 slot" in n for n in load_run_config("default", list(overrides)).notes())
+
+    assert said("model.variant=dspark") and not said("model.variant=dspark", "loss.full_vocab_slots=null")
+    assert not said() and not said("model.variant=dspark", "model.confidence_head=false")

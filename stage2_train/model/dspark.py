@@ -184,33 +184,42 @@ class MarkovRows:
     def terms(self, logits, logq, cand_MC, labels_M, topk_lp_MK, topk_ids_MK) -> dict[str, torch.Tensor]:
         if self.conf is None or topk_lp_MK is None:
             return {}
-        with torch.no_grad():
-            if cand_MC is None:
-                logq_MK = logq.gather(1, topk_ids_MK)
-            else:  # the label's column stands in for a top-k id equal to it (masked as a duplicate)
-                logq_MK = torch.where(topk_ids_MK == labels_M[:, None], logq[:, :1], logq[:, 1:])
-            # alpha_K = sum_K min(p, q): p un-renormalised (the stored full-vocabulary log-probs)
-            alpha_M = torch.minimum(topk_lp_MK.float().exp(), logq_MK.exp()).sum(-1).clamp(0.0, 1.0)
         conf_M = self.conf.float()
+        if cand_MC is not None:
+            # q here is the softmax over ~K+1 candidates, not the vocabulary: sum_K min(p, q) would
+            # overstate the overlap (0.33 against 0.004 on the same rows), so these rows train no
+            # confidence (loss.full_vocab_slots null trains it on every slot). `conf_M * 0` keeps
+            # the head in the graph: every DDP rank reduces its gradient.
+            none_M = torch.zeros_like(conf_M, dtype=torch.bool)
+            return {"alpha": torch.zeros_like(conf_M), "conf_bce": conf_M * 0.0, "conf_prob": torch.sigmoid(conf_M).detach(),
+                    "conf_on": none_M}
+        with torch.no_grad():
+            # alpha_K = sum_K min(p, q): p un-renormalised (the stored full-vocabulary log-probs), q
+            # the drafter's full softmax at the stored ids: a lower bound of the overlap 1 - TV(p, q)
+            alpha_M = torch.minimum(topk_lp_MK.float().exp(), logq.gather(1, topk_ids_MK).exp()).sum(-1).clamp(0.0, 1.0)
         bce_M = F.binary_cross_entropy_with_logits(conf_M, alpha_M, reduction="none")
-        return {"alpha": alpha_M, "conf_bce": bce_M, "conf_prob": torch.sigmoid(conf_M).detach()}
+        return {"alpha": alpha_M, "conf_bce": bce_M, "conf_prob": torch.sigmoid(conf_M).detach(),
+                "conf_on": torch.ones_like(conf_M, dtype=torch.bool)}
 
     def objective(self, terms: dict[str, torch.Tensor], rows: Any, w_train_M: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-        """confidence_weight x the decay-weighted BCE (speculators keeps it on the fixed decay under D-PACE too)."""
+        """confidence_weight x the decay-weighted BCE (speculators keeps it on the fixed decay under D-PACE too),
+        over the rows scored against the full vocabulary."""
         if "conf_bce" not in terms:
             return terms["ce"].new_zeros(())
-        return cfg.confidence_weight * (rows.w_M * terms["conf_bce"]).sum()
+        return cfg.confidence_weight * (rows.w_M * terms["conf_bce"] * terms["conf_on"]).sum()
 
     def counts(self, terms: dict[str, torch.Tensor], rows: Any, cfg: LossConfig) -> dict[str, torch.Tensor]:
         if "conf_bce" not in terms:
             return {}
-        n = torch.ones_like(terms["alpha"]).sum()
+        on = terms["conf_on"].float()
+        n = on.sum()
         alpha, prob = terms["alpha"], terms["conf_prob"]
+        w_M = rows.w_M * on
         return {
-            "confidence_loss_num": (rows.w_M * terms["conf_bce"].detach()).sum(), "confidence_loss_den": rows.w_M.sum(),
-            "accept_rate_num": alpha.sum(), "accept_rate_den": n,  # mean alpha_K: the drafter's overlap with the target
-            "confidence_pred_mean_num": prob.sum(), "confidence_pred_mean_den": n.clone(),
-            "confidence_abs_error_num": (prob - alpha).abs().sum(), "confidence_abs_error_den": n.clone(),
+            "confidence_loss_num": (w_M * terms["conf_bce"].detach()).sum(), "confidence_loss_den": w_M.sum(),
+            "accept_rate_num": (alpha * on).sum(), "accept_rate_den": n,  # mean alpha_K: the drafter's overlap with the target
+            "confidence_pred_mean_num": (prob * on).sum(), "confidence_pred_mean_den": n.clone(),
+            "confidence_abs_error_num": ((prob - alpha).abs() * on).sum(), "confidence_abs_error_den": n.clone(),
         }
 
 

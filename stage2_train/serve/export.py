@@ -29,6 +29,7 @@ compute (YaRN RoPE, sliding-window or causal layers, biases) is refused naming t
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from shared.errors import CheckpointError
 from shared.files import atomic_path, write_atomic
 from stage2_train.model.description import DrafterDescription
 from stage2_train.model.drafter import DFlashDrafter
+
+log = logging.getLogger(__name__)
 
 EXPORT_FORMAT_VERSION = 1
 WEIGHTS_NAME = "model.safetensors"
@@ -191,6 +194,12 @@ def speculators_config(hf_config: dict[str, Any], description: DrafterDescriptio
             "another way (its window is fixed at the block's anchor, z-lab's and SpecForge's moves with each query), "
             "so it would serve other outputs; export the zlab format, or train full-attention layers"
         )
+    if d.is_causal:  # only full layers are left here, and speculators runs them bidirectionally inside the block
+        raise CheckpointError(
+            "export --format speculators: this drafter was trained with model.is_causal=true (causal inside the block), "
+            "and speculators' config has no such field: it would run the block bidirectionally and draft other tokens; "
+            "export the zlab format (it carries is_causal), or train with model.is_causal unset"
+        )
     layer_cfg = {
         k: hf_config[k]
         for k in (
@@ -203,6 +212,12 @@ def speculators_config(hf_config: dict[str, Any], description: DrafterDescriptio
     block = hf_config["block_size"]
     variant: dict[str, Any] = {}
     if d.variant == "dspark":
+        if d.markov_head != "vanilla":  # written as speculators trains it; what an engine serves differs
+            log.warning(
+                "export --format speculators: a DSpark drafter with model.markov_head=%s loads in speculators' own "
+                "DSparkDraftModel, but vLLM's dspark method serves the vanilla Markov head only: check your serving "
+                "engine before deploying it (or train model.markov_head=vanilla)", d.markov_head,
+            )
         variant = {
             "markov_rank": d.markov_rank, "markov_head_type": d.markov_head, "enable_confidence_head": d.confidence_head,
             "confidence_head_with_markov": bool(d.confidence_head),
