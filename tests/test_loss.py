@@ -22,14 +22,7 @@ from stage2_train.model.loss import (
 )
 from testkit.drafter import MASK_ID, make_packed_batch, tiny_arch, tiny_drafter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two OpenMP threads on a shared 2-core box spin-wait: a tiny step takes 1.2 s instead of 13 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def labels_only_batch(labels_NB, topk_lp=None, topk_ids=None) -> DrafterBatch:

@@ -21,14 +21,7 @@ from stage2_train.model.config import DrafterConfig
 from stage2_train.model.drafter import DFlashDrafter
 from testkit.drafter import MASK_ID, make_packed_batch, three_sample_batch, tiny_arch, tiny_drafter
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two OpenMP threads on a shared 2-core box spin-wait: a tiny step takes 1.2 s instead of 13 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------------------------------------

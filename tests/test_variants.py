@@ -31,12 +31,7 @@ LAYER_IDS = [1, 3]
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def variant_cfg(variant: str, **extra) -> DrafterConfig:
