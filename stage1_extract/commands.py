@@ -46,6 +46,7 @@ from stage1_extract.status import cmd_status, shard_report  # noqa: F401  (a ver
 from stage1_extract.tensor_parallel import (
     Layout,
     check_split,
+    launch_problem,
     layout,
     local_world_size,
     process_group_backend,
@@ -77,6 +78,9 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
     tensor_parallel = layout(rank, world, cfg.extract.tensor_parallel_size, local_world_size())  # before any collective
+    problem = launch_problem(tensor_parallel.tp, world, f"the {world} processes of this job")
+    if problem is not None:  # on every rank, before one tokenizes a row or pins the size in plan.json
+        raise ConfigError(problem)
     # Barriers and agreements travel over gloo (CPU tensors); a tensor-parallel target's activations over NCCL.
     join_ranks(world, process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp))
     try:

@@ -23,10 +23,10 @@ from shared.identity import header_key, store_header
 from shared.reader import StoreReader
 from shared.store import read_manifest
 from shared.target import TargetArch, resolve_target
-from stage1_extract import commands
+from stage1_extract import commands, tensor_parallel
 from stage1_extract.plan import extraction_memory
 from stage1_extract.resolve import resolve_store
-from stage1_extract.tensor_parallel import Layout, layout, tensor_parallel_problem
+from stage1_extract.tensor_parallel import Layout, launch_problem, layout, tensor_parallel_problem
 from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +56,30 @@ def test_a_target_whose_heads_do_not_divide_is_refused_before_any_row_is_read(ti
         tiny_target_dir, tmp_path / "none.jsonl", tmp_path / "run", **{"extract.tensor_parallel_size": 4}))
     with pytest.raises(ConfigError, match=r"key/value heads 2 do not divide by extract.tensor_parallel_size=4: choose a size"):
         resolve_store(cfg)
+
+
+def test_a_tp_size_transformers_cannot_honour_is_refused_before_any_rank_joins_tokenizes_or_pins(
+    tiny_target_dir, tmp_path, monkeypatch
+):
+    """transformers 5.x builds its TP mesh over the whole job: TP 2 on 4 processes is refused on every
+    rank before it joins the process group, reads a row or pins plan.json (then TP 4 would be refused
+    as a changed setting), and by `plan` for --gpus 4, naming the size that runs."""
+    monkeypatch.setattr(tensor_parallel, "_spans_the_world", lambda: True)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(
+        tiny_target_dir, data, tmp_path / "run", **{"extract.tensor_parallel_size": 2}))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(commands, "join_ranks", lambda *a: pytest.fail("joined the process group"))
+    monkeypatch.setattr(commands, "prepare_run", lambda *a, **k: pytest.fail("tokenized the rows"))
+    expected = (r"^extract.tensor_parallel_size=2 with the 4 processes of this job: transformers .* so the size must be 1 or "
+                r"the number of processes; set extract.tensor_parallel_size=4 .*launch 2 processes \(torchrun --nproc_per_node 2\)")
+    with pytest.raises(ConfigError, match=expected):
+        commands.cmd_extract(cfg, progress=False)
+    assert not (tmp_path / "run" / "store" / "plan.json").exists()
+    with pytest.raises(ConfigError, match=r"^extract.tensor_parallel_size=2 with plan --gpus 4: .* set extract.tensor_parallel_size=4"):
+        commands.cmd_plan(cfg, gpu="h100", gpus=4)
+    assert launch_problem(4, 4, "x") is None and launch_problem(1, 8, "x") is None
 
 
 def test_the_plan_gives_the_weights_per_gpu_and_refuses_a_size_that_does_not_fit():
