@@ -77,17 +77,22 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
 
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
+    _join(cfg, rank, world)
+    try:
+        with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract") as lock:
+            return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
+    finally:
+        leave_ranks(world)
+
+
+def _join(cfg: RunConfig, rank: int, world: int) -> None:
+    """The launch checked, then the job's process group joined (a no-op when already joined)."""
     tensor_parallel = layout(rank, world, cfg.extract.tensor_parallel_size, local_world_size())  # before any collective
     problem = launch_problem(tensor_parallel.tp, world, f"the {world} processes of this job")
     if problem is not None:  # on every rank, before one tokenizes a row or pins the size in plan.json
         raise ConfigError(problem)
     # Barriers and agreements travel over gloo (CPU tensors); a tensor-parallel target's activations over NCCL.
     join_ranks(world, process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp))
-    try:
-        with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract") as lock:
-            return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
-    finally:
-        leave_ranks(world)
 
 
 def _extract(
@@ -318,10 +323,26 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
 
 
 def cmd_reprocess(cfg: RunConfig, force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Re-extract only stale and missing shards, drop orphans, rewrite the manifest last."""
-    rank, _, _ = distributed_context()
-    before = shard_report(cfg) if rank == 0 else None
-    summary = cmd_extract(cfg, force=force, progress=progress, reprocess=True)
+    """Re-extract only stale and missing shards, drop orphans, rewrite the manifest last. Every rank
+    joins first: rank 0's reading of the shards re-tokenizes a changed data file (minutes at 800K
+    rows) while the others wait on the work group (WORK_TIMEOUT), not in the join (JOIN_TIMEOUT)."""
+    rank, world, _ = distributed_context()
+    _join(cfg, rank, world)
+    before, error = None, None
+    try:
+        if rank == 0:
+            try:
+                before = shard_report(cfg)
+            except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
+                error = exc
+        if not all_ok(world, error is None, behind_work=True):
+            if error is not None:
+                raise error
+            raise StoreError(f"{RunPaths.of(cfg).store}: rank 0 could not read the store's shards (its error says why)")
+    except BaseException:
+        leave_ranks(world)
+        raise
+    summary = cmd_extract(cfg, force=force, progress=progress, reprocess=True)  # joined already: it keeps the group
     if rank == 0:
         summary["before"] = before["counts"]
         summary["settings_changed"] = before["settings_changed"]

@@ -359,3 +359,22 @@ def test_a_shard_replaced_under_a_reader_without_a_claim_is_named_as_a_rewrite(b
     shutil.rmtree(Path(url) / "shards" / fresh.manifest["shards"][1]["name"] / "hidden")
     with pytest.raises(StoreError, match=r"lacks the array\(s\) \['hidden'\]; run `python -m stage1_extract verify --repair`"):
         fresh[len(fresh) - 1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_reprocess_under_torchrun_joins_before_rank_0_reads_the_shards(built, monkeypatch, rank):
+    """Rank 0's reading of the shards may re-tokenize the whole data file: every rank has joined the
+    process group first, so the others wait for it on the work group (hours), never in the join
+    (JOIN_TIMEOUT, 10 minutes); only rank 0 reads."""
+    cfg, _ = built
+    calls = []
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(commands, "join_ranks", lambda world, backend: calls.append(("join", world, backend)))
+    report = commands.shard_report(cfg)
+    monkeypatch.setattr(commands, "shard_report", lambda c: calls.append("report") or report)
+    monkeypatch.setattr(commands, "all_ok", lambda world, ok, behind_work=False: calls.append(("agree", ok, behind_work)) or ok)
+    monkeypatch.setattr(commands, "cmd_extract", lambda c, **k: calls.append("extract") or {"rank": rank})
+    commands.cmd_reprocess(cfg, progress=False)
+    agreed = ("agree", True, True)  # on the work group
+    assert calls == [("join", 2, "gloo"), "report", agreed, "extract"] if rank == 0 else [("join", 2, "gloo"), agreed, "extract"]
