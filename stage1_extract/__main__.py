@@ -124,6 +124,8 @@ def show_status(out: dict[str, Any]) -> str:
 
 
 def show_verify(out: dict[str, Any]) -> str:
+    if out.get("rank", 0) != 0:  # verify --repair under torchrun: rank 0 verifies, this rank helped extract
+        return f"rank {out['rank']}: " + (show_extract(out["extract"]) if out.get("extract") else "nothing to repair")
     lines = [f"{out['store']}: {out['shards_checked']} shards checked{' (deep: against the data)' if out.get('deep') else ''}"]
     for bad in out["bad_shards"]:
         lines.append(f"  {bad['shard']}: {bad['error']}")

@@ -18,9 +18,8 @@ from shared.config import RunConfig
 from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
 from shared.identity import AUTO_SETTINGS, header_key
-from shared.lock import exclusive
 from shared.paths import RunPaths
-from shared.store import StoreConfig, StoreFiles, load_manifest
+from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetConfig
 from shared.target_model import load_target_model, resolve_device, runnable_problem
 from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
@@ -53,7 +52,7 @@ from stage1_extract.tensor_parallel import (
     split_arguments,
     tensor_parallel_mesh,
 )
-from stage1_extract.verify import EXTRACT, REBUILD, deep_problems, verify_store
+from stage1_extract.verify import REBUILD, check_store
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +220,7 @@ def extract_store(
         "world_size": world,
         "shards_total": len(shards),
         "shards_already_done": len(done),
-        "shards_extracted_here": len(mine) if lay.writes else 0,
+        "shards_extracted_here": result.writer.shards_written if result is not None else 0,  # what this rank wrote
         "prepare_seconds": round(prepare_seconds, 2),  # read + tokenize every row (on every rank)
     }
     if lay.tp > 1:
@@ -356,9 +355,10 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep
     against the input data tokenized afresh. With repair, a shard whose record alone is wrong (its
     part record agrees with it) gets its record rebuilt from the part records, re-extracting
     nothing; every other bad shard is deleted with its part record and extracted again (after a deep
-    mismatch the token cache is rebuilt first: it is what stood between the data and the store)."""
+    mismatch the token cache is rebuilt first: it is what stood between the data and the store).
+    A tensor-parallel store is repaired under torchrun (its TP size of processes): rank 0 verifies
+    and deletes, every rank extracts; one process refuses before deleting anything."""
     paths = RunPaths.of(cfg)
-    url = paths.store
     fresh: list[Prepared] = []  # the data tokenized afresh (--deep), once
 
     def tokenized_afresh() -> Prepared:
@@ -366,10 +366,46 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep
             fresh.append(prepare_run(cfg, use_token_cache=False))
         return fresh[0]
 
-    report = _verify(url, tokenized_afresh if deep else None)
-    if repair and report["bad_shards"]:
-        bad = report["bad_shards"]
-        with exclusive(url, "stage1_extract verify --repair"):
+    if not repair:
+        return check_store(paths.store, tokenized_afresh if deep else None)
+    rank, world, local_rank = distributed_context()
+    if world > 1:  # one process on a TP store: refused below, and only when a shard needs extracting
+        _join(cfg, rank, world)  # the others wait while rank 0 verifies (a deep check tokenizes every row)
+    try:
+        return _repair(cfg, paths, (rank, world, local_rank), progress, tokenized_afresh if deep else None)
+    finally:
+        leave_ranks(world)
+
+
+def _repair(
+    cfg: RunConfig, paths: RunPaths, ranks: tuple[int, int, int], progress: bool, afresh: Callable[[], Prepared] | None
+) -> dict[str, Any]:
+    """verify --repair on every rank: rank 0 verifies and (when the job can extract the store's TP
+    size) deletes what must be extracted again; every rank then extracts and rank 0 merges."""
+    (rank, world, local_rank), url = ranks, paths.store
+    report, error = None, None
+    if rank == 0:
+        try:
+            report = check_store(url, afresh)
+            tp = cfg.extract.tensor_parallel_size
+            if report["bad_shards"] and world == 1 and tp > 1:
+                raise ConfigError(
+                    f"verify --repair: {url} was extracted with extract.tensor_parallel_size={tp}, which one process "
+                    f"cannot run, so its {len(report['bad_shards'])} bad shard(s) ({report['bad_shards'][0]['shard']}, ...) "
+                    f"were left as they are; run `torchrun --nproc_per_node {tp} -m stage1_extract verify --repair` "
+                    f"with this run's --config and overrides"
+                )
+        except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
+            error = exc
+    if not all_ok(world, error is None, behind_work=True):
+        if error is not None:
+            raise error
+        raise StoreError(f"{url}: rank 0 could not verify it (its error says why)")
+    if all_ok(world, rank != 0 or not report["bad_shards"]):  # rank 0's verdict: nothing to repair
+        return report if rank == 0 else {"store": url, "rank": rank, "ok": True, "repaired": []}
+    with store_lock(url, rank, world, "verify --repair"):
+        if rank == 0:
+            bad = report["bad_shards"]
             if any(b.get("deep") for b in bad):
                 discard_token_cache(paths.token_cache)
             files = StoreFiles(url)
@@ -377,28 +413,11 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep
                 if b.get("fix") != REBUILD:
                     files.remove(f"shards/{b['shard']}")
                     files.remove(part_path(b["index"]))
-            _extract(cfg, False, progress, 0, 1, 0, False)  # extracts what is gone, then merges the manifest
-        after = _verify(url, tokenized_afresh if deep else None)
-        after["repaired"] = [b["shard"] for b in bad]
-        after["records_rebuilt"] = [b["shard"] for b in bad if b.get("fix") == REBUILD]
-        after["reextracted"] = [b["shard"] for b in bad if b.get("fix") != REBUILD]
-        return after
-    return report
-
-
-def _verify(url: str, tokenized_afresh: Callable[[], Prepared] | None) -> dict[str, Any]:
-    """The store against its manifest; with `tokenized_afresh` (--deep), against the data too."""
-    report = verify_store(url)
-    report["deep"] = tokenized_afresh is not None
-    if tokenized_afresh is None:
-        return report
-    fresh = tokenized_afresh()
-    manifest_index = {r["name"]: r["index"] for r in load_manifest(StoreFiles(url))["shards"] if r["name"]}
-    known = {b["shard"] for b in report["bad_shards"]}
-    for shard, why in deep_problems(url, {r.sample_id: r for r in fresh.rows}).items():
-        if shard not in known:
-            report["bad_shards"].append(
-                {"shard": shard, "index": manifest_index[shard], "fields": ["input_ids"], "error": why, "fix": EXTRACT, "deep": True}
-            )
-    report["ok"] = not report["bad_shards"]
-    return report
+        extracted = _extract(cfg, False, progress and rank == 0, rank, world, local_rank, False)  # then merges the manifest
+    if rank != 0:
+        return {"store": url, "rank": rank, "ok": True, "extract": extracted}
+    after = check_store(url, afresh)
+    after["repaired"] = [b["shard"] for b in bad]
+    after["records_rebuilt"] = [b["shard"] for b in bad if b.get("fix") == REBUILD]
+    after["reextracted"] = [b["shard"] for b in bad if b.get("fix") != REBUILD]
+    return after
