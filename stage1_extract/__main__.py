@@ -56,6 +56,8 @@ def show_generate(out: dict[str, Any]) -> str:
         f"-> {out['output']}"
         + (f"\n{out['tool_call_turns_kept']} assistant turn(s) that call tools kept as the data has them"
            if out.get("tool_call_turns_kept") else "")
+        + (f"\n{out['long_prompt_turns_kept']} assistant turn(s) whose prompt passed the engine's context kept as the "
+           f"data has them (the log names the rows)" if out.get("long_prompt_turns_kept") else "")
         + (f"\n{out['leading_turns_dropped']} turn(s) before a row's first user turn dropped (they answer nothing)"
            if out.get("leading_turns_dropped") else "")
     )
