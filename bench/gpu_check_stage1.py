@@ -337,5 +337,6 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
     # With a few dozen prompts the engine's start would swamp the figure: the command times it apart.
     tokens, calls_s = summary["generated_tokens"], summary["generate_call_seconds"]
     entry.update({"generated_tokens": tokens, "cli_seconds": summary["seconds"], "engine_start_s": summary["backend_start_seconds"],
-                  "generate_s": calls_s, "tok_per_s": round(tokens / calls_s, 1), "tok_per_s_with_start": round(tokens / summary["seconds"], 1)})
+                  "generate_s": calls_s, "tok_per_s": round(tokens / calls_s, 1), "tok_per_s_with_start": round(tokens / summary["seconds"], 1),
+                  "in_flight_limit": summary.get("in_flight_limit")})  # vLLM's max_num_seqs, what the loop feeds up to
 

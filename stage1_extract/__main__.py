@@ -56,6 +56,8 @@ def show_generate(out: dict[str, Any]) -> str:
         f"-> {out['output']}"
         + (f"\n{out['tool_call_turns_kept']} assistant turn(s) that call tools kept as the data has them"
            if out.get("tool_call_turns_kept") else "")
+        + (f"\n{out['long_prompt_turns_kept']} assistant turn(s) whose prompt passed the engine's context kept as the "
+           f"data has them (the log names the rows)" if out.get("long_prompt_turns_kept") else "")
         + (f"\n{out['leading_turns_dropped']} turn(s) before a row's first user turn dropped (they answer nothing)"
            if out.get("leading_turns_dropped") else "")
     )
@@ -124,6 +126,8 @@ def show_status(out: dict[str, Any]) -> str:
 
 
 def show_verify(out: dict[str, Any]) -> str:
+    if out.get("rank", 0) != 0:  # verify --repair under torchrun: rank 0 verifies, this rank helped extract
+        return f"rank {out['rank']}: " + (show_extract(out["extract"]) if out.get("extract") else "nothing to repair")
     lines = [f"{out['store']}: {out['shards_checked']} shards checked{' (deep: against the data)' if out.get('deep') else ''}"]
     for bad in out["bad_shards"]:
         lines.append(f"  {bad['shard']}: {bad['error']}")

@@ -78,6 +78,22 @@ class Engine(Protocol):
         """Requests submitted and not yet collected."""
         ...
 
+    def capacity(self) -> int:
+        """Requests the engine decodes at once (vLLM's max_num_seqs), 0 where it sets no such limit."""
+        ...
+
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt it leaves room to answer (below vLLM's max_model_len), None: no limit known."""
+        ...
+
+
+class RequestRefused(Exception):
+    """The engine refused one request (vLLM validates each in add_request): `key` names it."""
+
+    def __init__(self, key: Hashable, reason: str):
+        super().__init__(reason)
+        self.key, self.reason = key, reason
+
 
 # A backend answering a list of requests at once, one list per request (the transformers backend).
 Backend = Callable[[list[Request]], list[list[int]]]
@@ -103,6 +119,12 @@ class BatchEngine:
 
     def pending(self) -> int:
         return sum(len(g) for g in self.groups)
+
+    def capacity(self) -> int:
+        return 0  # one group per collect: more queued gains nothing
+
+    def max_prompt_tokens(self) -> int | None:
+        return None
 
 
 def transformers_backend(model: Any, tokenizer: Any, cfg: Any, seed: int) -> Backend:
@@ -174,12 +196,17 @@ class VllmEngine:
         self.shared_params = SamplingParams(**self.options)  # the fast path: no seed of its own
         self.keys: dict[str, Hashable] = {}
         self.ids = itertools.count()
+        self.max_num_seqs = engine_setting(self.engine, "scheduler_config", "max_num_seqs")
+        self.max_model_len = engine_setting(self.engine, "model_config", "max_model_len")
 
     def submit(self, requests: Keyed) -> None:
         for key, request in requests:
             params = self.sampling(**self.options, seed=request.seed) if self.per_request_seeds else self.shared_params
             request_id = str(next(self.ids))
-            given = self.engine.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            try:
+                given = self.engine.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            except ValueError as exc:  # vLLM's validation of this one request: the caller names its row
+                raise RequestRefused(key, str(exc)) from exc
             # Recent vLLM returns the id it uses for the request's outputs.
             self.keys[given if isinstance(given, str) else request_id] = key
 
@@ -196,6 +223,22 @@ class VllmEngine:
 
     def pending(self) -> int:
         return len(self.keys)
+
+    def capacity(self) -> int:
+        return self.max_num_seqs or 0
+
+    def max_prompt_tokens(self) -> int | None:
+        return None if self.max_model_len is None else self.max_model_len - 1  # room for one answer token
+
+
+def engine_setting(engine: Any, section: str, name: str) -> int | None:
+    """An int of the engine's config: `vllm_config.<section>.<name>` (vLLM's LLMEngine), or the section
+    on the engine itself (older engines); None where neither holds it."""
+    for holder in (getattr(engine, "vllm_config", None), engine):
+        value = getattr(getattr(holder, section, None), name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 def vllm_engine(model_dir: str, cfg: Any, seed: int, dtype: str, stop_ids: list[int], rank: int = 0) -> VllmEngine:

@@ -1,5 +1,5 @@
-"""Stage 1's verbs: download, extract, status, reprocess, verify here; generate in `generate_command.py`,
-plan in `plan.py` (named here too, so `commands` holds every verb).
+"""Stage 1's verbs: download, extract, reprocess, verify here; generate in `generate_command.py`, plan
+in `plan.py`, status in `status.py` (named here too, so `commands` holds every verb).
 
 Each takes the composed RunConfig, resolves what its steps need once (`resolve.py`: the target's
 record, the store's header and files, the tokenized rows) and hands those steps sections and records,
@@ -17,10 +17,9 @@ from typing import Any
 from shared.config import RunConfig
 from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
-from shared.identity import AUTO_SETTINGS, header_differences, header_key
-from shared.lock import exclusive
+from shared.identity import AUTO_SETTINGS, header_key
 from shared.paths import RunPaths
-from shared.store import StoreConfig, StoreFiles, load_manifest
+from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetConfig
 from shared.target_model import load_target_model, resolve_device, runnable_problem
 from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
@@ -40,18 +39,20 @@ from stage1_extract.header import load_or_pin_plan, other_data_problem
 from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records
 from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
-from stage1_extract.prepare import Prepared, discard_token_cache, planned_shards, shard_size, token_bytes
+from stage1_extract.prepare import Prepared, discard_token_cache, shard_size, token_bytes
 from stage1_extract.resolve import prepare_run
+from stage1_extract.status import cmd_status, shard_report  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.tensor_parallel import (
     Layout,
     check_split,
+    launch_problem,
     layout,
     local_world_size,
     process_group_backend,
     split_arguments,
     tensor_parallel_mesh,
 )
-from stage1_extract.verify import EXTRACT, REBUILD, deep_problems, verify_store
+from stage1_extract.verify import REBUILD, check_store
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +76,22 @@ def cmd_download(cfg: RunConfig) -> dict[str, Any]:
 
 def cmd_extract(cfg: RunConfig, force: bool = False, progress: bool = True, reprocess: bool = False) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
-    tensor_parallel = layout(rank, world, cfg.extract.tensor_parallel_size, local_world_size())  # before any collective
-    # Barriers and agreements travel over gloo (CPU tensors); a tensor-parallel target's activations over NCCL.
-    join_ranks(world, process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp))
+    _join(cfg, rank, world)
     try:
         with store_lock(RunPaths.of(cfg).store, rank, world, "reprocess" if reprocess else "extract") as lock:
             return {**_extract(cfg, force, progress and rank == 0, rank, world, local_rank, reprocess), "lock": lock}
     finally:
         leave_ranks(world)
+
+
+def _join(cfg: RunConfig, rank: int, world: int) -> None:
+    """The launch checked, then the job's process group joined (a no-op when already joined)."""
+    tensor_parallel = layout(rank, world, cfg.extract.tensor_parallel_size, local_world_size())  # before any collective
+    problem = launch_problem(tensor_parallel.tp, world, f"the {world} processes of this job")
+    if problem is not None:  # on every rank, before one tokenizes a row or pins the size in plan.json
+        raise ConfigError(problem)
+    # Barriers and agreements travel over gloo (CPU tensors); a tensor-parallel target's activations over NCCL.
+    join_ranks(world, process_group_backend(resolve_device(cfg.extract.device), tensor_parallel.tp))
 
 
 def _extract(
@@ -211,7 +220,7 @@ def extract_store(
         "world_size": world,
         "shards_total": len(shards),
         "shards_already_done": len(done),
-        "shards_extracted_here": len(mine) if lay.writes else 0,
+        "shards_extracted_here": result.writer.shards_written if result is not None else 0,  # what this rank wrote
         "prepare_seconds": round(prepare_seconds, 2),  # read + tokenize every row (on every rank)
     }
     if lay.tp > 1:
@@ -312,79 +321,27 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
     return out
 
 
-def shard_report(cfg: RunConfig) -> dict[str, Any]:
-    """Per shard of the current config and data: current, stale (and why), missing; plus orphans."""
-    return _shard_states(prepare_run(cfg), cfg.store, every_record=False)[0]
-
-
-def _shard_states(
-    prepared: Prepared, store: StoreConfig, every_record: bool
-) -> tuple[dict[str, Any], list[ShardPlan], set[int]]:
-    """(the report, the planned shards, the done ones among those whose part record was read: every
-    shard's, or only the shards the manifest does not list). Part records are read once."""
-    files = prepared.files
-    shards = planned_shards(prepared, store)
-    manifest, damaged = None, None
-    if files.exists("manifest.json"):
-        try:
-            manifest = load_manifest(files)
-        except StoreError as exc:  # reprocess rebuilds it from the part records
-            damaged = str(exc)
-    listed = {r["index"]: r for r in manifest["shards"]} if manifest else {}
-    header_changes = header_differences({k: manifest.get(k) for k in prepared.header}, prepared.header) if manifest else []
-    rows: list[dict[str, Any]] = []
-    done = done_shards(files, shards if every_record else [s for s in shards if s.index not in listed])
-    for shard in shards:
-        record = listed.get(shard.index)
-        if record is None:
-            state, why = "missing", ("extracted, manifest not yet merged" if shard.index in done else "not extracted")
-        elif record.get("header_key") != shard.key:
-            state, why = "stale", "settings changed: " + ", ".join(header_changes or ["schema"])
-        elif record["rows_sha256"] != shard.rows_sha256:
-            state, why = "stale", "input rows changed"
-        else:
-            state, why = "current", ""
-        rows.append({"index": shard.index, "state": state, "why": why, "samples": len(shard.rows)})
-    orphaned = [r["name"] or f"index {r['index']}" for i, r in listed.items() if i >= len(shards)]
-    counts = {state: sum(r["state"] == state for r in rows) for state in ("current", "stale", "missing")}
-    report = {
-        "store": files.url,
-        "manifest": manifest is not None,
-        "manifest_damaged": damaged,
-        "settings_changed": header_changes,
-        "counts": {**counts, "orphaned": len(orphaned)},
-        "orphaned": orphaned,
-        "shards": rows,
-        # The generated conversations the shards were cut from belong to other prompts, target or
-        # sampling settings than the config gives (their provenance, `generate` writes it).
-        "generated_data": prepared.generated_problem or "current",
-        "complete": manifest is not None and counts["current"] == len(shards) and not orphaned
-        and prepared.generated_problem is None,
-    }
-    return report, shards, done
-
-
-def cmd_status(cfg: RunConfig, deep: bool = False) -> dict[str, Any]:
-    """Every shard current, stale (and why), missing or orphaned, against the config and the data;
-    `deep` rehashes the target's weights instead of trusting the fingerprint cache."""
-    report, shards, done_indices = _shard_states(prepare_run(cfg, deep=deep), cfg.store, every_record=True)
-    done = [s for s in shards if s.index in done_indices]
-    report.update(
-        {
-            "shards_done": len(done),
-            "shards_total": len(shards),
-            "tokens_done": sum(len(r.input_ids) for s in done for r in s.kept),
-            "tokens_total": sum(len(r.input_ids) for s in shards for r in s.kept),
-        }
-    )
-    return report
-
-
 def cmd_reprocess(cfg: RunConfig, force: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Re-extract only stale and missing shards, drop orphans, rewrite the manifest last."""
-    rank, _, _ = distributed_context()
-    before = shard_report(cfg) if rank == 0 else None
-    summary = cmd_extract(cfg, force=force, progress=progress, reprocess=True)
+    """Re-extract only stale and missing shards, drop orphans, rewrite the manifest last. Every rank
+    joins first: rank 0's reading of the shards re-tokenizes a changed data file (minutes at 800K
+    rows) while the others wait on the work group (WORK_TIMEOUT), not in the join (JOIN_TIMEOUT)."""
+    rank, world, _ = distributed_context()
+    _join(cfg, rank, world)
+    before, error = None, None
+    try:
+        if rank == 0:
+            try:
+                before = shard_report(cfg)
+            except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
+                error = exc
+        if not all_ok(world, error is None, behind_work=True):
+            if error is not None:
+                raise error
+            raise StoreError(f"{RunPaths.of(cfg).store}: rank 0 could not read the store's shards (its error says why)")
+    except BaseException:
+        leave_ranks(world)
+        raise
+    summary = cmd_extract(cfg, force=force, progress=progress, reprocess=True)  # joined already: it keeps the group
     if rank == 0:
         summary["before"] = before["counts"]
         summary["settings_changed"] = before["settings_changed"]
@@ -398,9 +355,10 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep
     against the input data tokenized afresh. With repair, a shard whose record alone is wrong (its
     part record agrees with it) gets its record rebuilt from the part records, re-extracting
     nothing; every other bad shard is deleted with its part record and extracted again (after a deep
-    mismatch the token cache is rebuilt first: it is what stood between the data and the store)."""
+    mismatch the token cache is rebuilt first: it is what stood between the data and the store).
+    A tensor-parallel store is repaired under torchrun (its TP size of processes): rank 0 verifies
+    and deletes, every rank extracts; one process refuses before deleting anything."""
     paths = RunPaths.of(cfg)
-    url = paths.store
     fresh: list[Prepared] = []  # the data tokenized afresh (--deep), once
 
     def tokenized_afresh() -> Prepared:
@@ -408,10 +366,46 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep
             fresh.append(prepare_run(cfg, use_token_cache=False))
         return fresh[0]
 
-    report = _verify(url, tokenized_afresh if deep else None)
-    if repair and report["bad_shards"]:
-        bad = report["bad_shards"]
-        with exclusive(url, "stage1_extract verify --repair"):
+    if not repair:
+        return check_store(paths.store, tokenized_afresh if deep else None)
+    rank, world, local_rank = distributed_context()
+    if world > 1:  # one process on a TP store: refused below, and only when a shard needs extracting
+        _join(cfg, rank, world)  # the others wait while rank 0 verifies (a deep check tokenizes every row)
+    try:
+        return _repair(cfg, paths, (rank, world, local_rank), progress, tokenized_afresh if deep else None)
+    finally:
+        leave_ranks(world)
+
+
+def _repair(
+    cfg: RunConfig, paths: RunPaths, ranks: tuple[int, int, int], progress: bool, afresh: Callable[[], Prepared] | None
+) -> dict[str, Any]:
+    """verify --repair on every rank: rank 0 verifies and (when the job can extract the store's TP
+    size) deletes what must be extracted again; every rank then extracts and rank 0 merges."""
+    (rank, world, local_rank), url = ranks, paths.store
+    report, error = None, None
+    if rank == 0:
+        try:
+            report = check_store(url, afresh)
+            tp = cfg.extract.tensor_parallel_size
+            if report["bad_shards"] and world == 1 and tp > 1:
+                raise ConfigError(
+                    f"verify --repair: {url} was extracted with extract.tensor_parallel_size={tp}, which one process "
+                    f"cannot run, so its {len(report['bad_shards'])} bad shard(s) ({report['bad_shards'][0]['shard']}, ...) "
+                    f"were left as they are; run `torchrun --nproc_per_node {tp} -m stage1_extract verify --repair` "
+                    f"with this run's --config and overrides"
+                )
+        except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
+            error = exc
+    if not all_ok(world, error is None, behind_work=True):
+        if error is not None:
+            raise error
+        raise StoreError(f"{url}: rank 0 could not verify it (its error says why)")
+    if all_ok(world, rank != 0 or not report["bad_shards"]):  # rank 0's verdict: nothing to repair
+        return report if rank == 0 else {"store": url, "rank": rank, "ok": True, "repaired": []}
+    with store_lock(url, rank, world, "verify --repair"):
+        if rank == 0:
+            bad = report["bad_shards"]
             if any(b.get("deep") for b in bad):
                 discard_token_cache(paths.token_cache)
             files = StoreFiles(url)
@@ -419,28 +413,11 @@ def cmd_verify(cfg: RunConfig, repair: bool = False, progress: bool = True, deep
                 if b.get("fix") != REBUILD:
                     files.remove(f"shards/{b['shard']}")
                     files.remove(part_path(b["index"]))
-            _extract(cfg, False, progress, 0, 1, 0, False)  # extracts what is gone, then merges the manifest
-        after = _verify(url, tokenized_afresh if deep else None)
-        after["repaired"] = [b["shard"] for b in bad]
-        after["records_rebuilt"] = [b["shard"] for b in bad if b.get("fix") == REBUILD]
-        after["reextracted"] = [b["shard"] for b in bad if b.get("fix") != REBUILD]
-        return after
-    return report
-
-
-def _verify(url: str, tokenized_afresh: Callable[[], Prepared] | None) -> dict[str, Any]:
-    """The store against its manifest; with `tokenized_afresh` (--deep), against the data too."""
-    report = verify_store(url)
-    report["deep"] = tokenized_afresh is not None
-    if tokenized_afresh is None:
-        return report
-    fresh = tokenized_afresh()
-    manifest_index = {r["name"]: r["index"] for r in load_manifest(StoreFiles(url))["shards"] if r["name"]}
-    known = {b["shard"] for b in report["bad_shards"]}
-    for shard, why in deep_problems(url, {r.sample_id: r for r in fresh.rows}).items():
-        if shard not in known:
-            report["bad_shards"].append(
-                {"shard": shard, "index": manifest_index[shard], "fields": ["input_ids"], "error": why, "fix": EXTRACT, "deep": True}
-            )
-    report["ok"] = not report["bad_shards"]
-    return report
+        extracted = _extract(cfg, False, progress and rank == 0, rank, world, local_rank, False)  # then merges the manifest
+    if rank != 0:
+        return {"store": url, "rank": rank, "ok": True, "extract": extracted}
+    after = check_store(url, afresh)
+    after["repaired"] = [b["shard"] for b in bad]
+    after["records_rebuilt"] = [b["shard"] for b in bad if b.get("fix") == REBUILD]
+    after["reextracted"] = [b["shard"] for b in bad if b.get("fix") != REBUILD]
+    return after

@@ -30,7 +30,7 @@ from shared.conversations import Conversation
 from shared.errors import DataError
 from shared.files import full_disk, write_atomic
 from shared.identity import generate_settings_key
-from stage1_extract.backends import Engine, Request, request_seed
+from stage1_extract.backends import Engine, Request, RequestRefused, request_seed
 from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import prompt_ids
 
@@ -115,22 +115,29 @@ class PartRewrite:
         self.slots = [assistant_slots(c.messages) for c in conversations]
         self.round = -1
         self.awaited = 0
+        self.past_context: dict[int, int] = {}  # conversation -> its turns kept as the data has them
 
-    def next_round(self) -> list[tuple[Hashable, Request]]:
-        """The next round's requests, keyed (part, conversation); none when the part is done."""
+    def next_round(self, max_prompt: int | None = None) -> list[tuple[Hashable, Request]]:
+        """The next round's requests, keyed (part, conversation); none when the part is done. A prompt
+        longer than `max_prompt` (the engine's context, less room for an answer) is not sent: that turn
+        and the conversation's later ones (longer still) stay as the data has them."""
         self.round += 1
-        todo = [i for i, s in enumerate(self.slots) if self.round < len(s)]
-        self.awaited = len(todo)
-        return [
-            (
-                (self.number, i),
-                Request(
-                    prompt_ids(self.tokenizer, self.current[i][: self.slots[i][self.round]], self.source[i].tools),
-                    request_seed(self.seed, self.source[i].row, self.round),
-                ),
-            )
-            for i in todo
-        ]
+        requests: list[tuple[Hashable, Request]] = []
+        for i, slots in enumerate(self.slots):
+            if self.round >= len(slots) or i in self.past_context:
+                continue
+            ids = prompt_ids(self.tokenizer, self.current[i][: slots[self.round]], self.source[i].tools)
+            if max_prompt is not None and len(ids) > max_prompt:
+                self.past_context[i] = len(slots) - self.round
+                log.warning(
+                    "row %d of %s: the prompt of its assistant turn %d is %d tokens, past the engine's %d: that turn and "
+                    "the %d after it are kept as the data has them (counted as long_prompt_turns_kept)",
+                    self.source[i].row, self.source[i].source, self.round, len(ids), max_prompt, len(slots) - self.round - 1,
+                )
+                continue
+            requests.append(((self.number, i), Request(ids, request_seed(self.seed, self.source[i].row, self.round))))
+        self.awaited = len(requests)
+        return requests
 
     def answer(self, i: int, ids: list[int]) -> bool:
         """Put conversation i's answer of this round in place; True when the round is complete."""
@@ -154,6 +161,8 @@ class GenerateResult:
     tool_call_turns_kept: int = 0  # assistant turns that call tools, kept as the data has them
     start_seconds: float = 0.0  # starting the backend (model load, vllm engine), apart from generating
     generate_seconds: float = 0.0  # answering the parts: the backend's generate calls and their templates
+    long_prompt_turns_kept: int = 0  # turns whose prompt passed the engine's context, kept as the data has them
+    in_flight_limit: int = 0  # requests fed before the engine is left to decode: its max_num_seqs, at least a part
 
 
 def part_name(number: int, chunk: list[Conversation]) -> str:
@@ -176,9 +185,10 @@ def generate_all(
     """Every part of the conversations written once (resumable); with several ranks (torchrun, one
     engine per GPU) rank r writes parts r, r + W, ..., and rank 0 waits until every part exists (or
     a rank reports a failure) and merges them into `out_path`. A rank's parts are fed to its engine
-    while it decodes: a part enters when fewer than `rows_per_part` requests are left in flight, and
-    is written the moment its last answer lands, so parts may be finished out of order; a finished
-    part is never generated again."""
+    while it decodes: a part enters while fewer requests than the engine decodes at once (vLLM's
+    max_num_seqs, at least `rows_per_part`) are in flight, so its batch stays full, and is written
+    the moment its last answer lands, so parts may be finished out of order; a finished part is never
+    generated again."""
     from tqdm import tqdm
 
     parts_dir = out_path.with_name(out_path.stem + ".parts")
@@ -235,15 +245,26 @@ def generate_all(
     engine: Engine | None = None  # the model loads only when a part is left to write
     running: dict[int, PartRewrite] = {}
     part = meta_path
+    long_turns = limit = 0
 
     def advance(number: int) -> None:
         """The part's next round into the engine, or the part written when it has none left."""
-        nonlocal part
-        requests = running[number].next_round()
+        nonlocal part, long_turns
+        rewrite = running[number]
+        requests = rewrite.next_round(engine.max_prompt_tokens())
         if requests:
-            engine.submit(requests)
+            try:
+                engine.submit(requests)
+            except RequestRefused as exc:
+                row = rewrite.source[exc.key[1]].row
+                raise DataError(
+                    f"{rewrite.source[exc.key[1]].source}: row {row}: the engine refused its assistant turn {rewrite.round} "
+                    f"({exc.reason}) while writing {wanted[number]}; fix or drop that row, then rerun `python -m "
+                    f"stage1_extract generate` (finished parts are kept)"
+                ) from None
             return
         part = parts_dir / wanted[number]
+        long_turns += sum(rewrite.past_context.values())
         write_conversations_parquet(running.pop(number).conversations(), part)
         bar.update(len(chunks[number]))
         bar.set_postfix(tok_s=f"{generated_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
@@ -255,8 +276,10 @@ def generate_all(
                 t0 = time.perf_counter()
                 engine = make_engine()
                 start_s = time.perf_counter() - t0
-            # Feed the engine: the next part goes in while the current one's longest answers decode.
-            while todo and engine.pending() < cfg.rows_per_part:
+                limit = max(cfg.rows_per_part, engine.capacity())
+            # Feed the engine up to what it decodes at once: the next parts go in while the current
+            # one's longest answers decode, and a part enters as soon as answers leave room for it.
+            while todo and engine.pending() < limit:
                 number = todo.pop(0)
                 running[number] = PartRewrite(number, chunks[number], tokenizer, seed)
                 advance(number)
@@ -279,7 +302,9 @@ def generate_all(
         bar.close()
     kept = sum(bool(m.get("tool_calls")) for c in conversations for m in c.messages if m["role"] == "assistant")
     if rank != 0:
-        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
+        return GenerateResult(
+            out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s, long_turns, limit
+        )
     wait_for_parts(parts_dir, wanted, world)
     merged = [
         Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
@@ -289,7 +314,9 @@ def generate_all(
         write_conversations_parquet(merged, out_path)
     except OSError as exc:
         raise named(exc, out_path) from None
-    return GenerateResult(out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s)
+    return GenerateResult(
+        out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s, long_turns, limit
+    )
 
 
 def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:

@@ -104,6 +104,9 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "generate_call_seconds": round(result.generate_seconds, 3),
         "parts_reused": result.parts_reused,
         "tool_call_turns_kept": result.tool_call_turns_kept,
+        # Turns whose prompt passed the engine's context (vLLM's max_model_len): kept as the data has them.
+        "long_prompt_turns_kept": result.long_prompt_turns_kept,
+        "in_flight_limit": result.in_flight_limit,  # requests kept in the engine: its max_num_seqs, at least a part
         "backend": backend_name,
         "rank": rank,
         "world_size": world,

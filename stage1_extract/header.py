@@ -28,16 +28,45 @@ def load_or_pin_plan(
             files.write_json("plan.json", plan)
         changed = dotted_differences({k: plan["header"].get(k) for k in header}, header)
         if changed:
-            field_name, (before, now) = next(iter(changed.items()))
-            also = f" (and {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
-            raise StoreError(
-                f"{files.url}/plan.json: this store was started with {field_name}={before!r}, the config now "
-                f"gives {now!r}{also}. Run `python -m stage1_extract reprocess` to update the stale shards, or use "
-                f"another store.path"
-            )
+            raise StoreError(changed_plan_message(files.url, changed))
         return int(plan["samples_per_shard"])
     files.write_json("plan.json", {"header": header, "samples_per_shard": samples_per_shard, "num_rows": num_rows})
     return samples_per_shard
+
+
+# The setting behind each header field a user sets, and what an absent field means (a TP size is in
+# the header only above 1): the refusal says which value continues the store.
+SETTING_OF = {
+    "top_k": "extract.top_k",
+    "max_length": "data.max_length",
+    "on_long": "data.on_long",
+    "extraction.compute_dtype": "target.dtype",
+    "extraction.attn_implementation": "target.attn_implementation",
+    "extraction.packed": "extract.packed",
+    "extraction.tensor_parallel_size": "extract.tensor_parallel_size",
+    **{f"storage.{k}": f"store.{k}" for k in ("dtype", "compression", "zstd_level", "chunk_tokens", "fp4_outlier_channels")},
+}
+ABSENT_MEANS = {"extraction.tensor_parallel_size": 1}
+
+
+def changed_plan_message(url: str, changed: dict[str, list[Any]]) -> str:
+    """The refusal of a changed identity field: the cheap fix (set it back) first where a setting gives
+    it, then `reprocess` (which re-extracts every shard it makes stale)."""
+    field_name, (before, now) = next(iter(changed.items()))
+    before, now = (ABSENT_MEANS.get(field_name, v) if v is None else v for v in (before, now))
+    also = f" (and {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
+    setting = SETTING_OF.get(field_name)
+    if setting is None:  # the target, tokenizer, template or layers: nothing to set back
+        return (
+            f"{url}/plan.json: this store was started with {field_name}={before!r}, the config now gives {now!r}{also}. "
+            f"Run `python -m stage1_extract reprocess` to update the stale shards, or use another store.path"
+        )
+    shown = {True: "on", False: "off"}.get(before, before) if field_name == "extraction.packed" else before
+    return (
+        f"{url}/plan.json: this store was started with {setting}={shown} ({field_name}), the config now gives {now!r}{also}: "
+        f"set {setting}={shown} to continue this store, or run `python -m stage1_extract reprocess` to re-extract its "
+        f"shards with the new value, or use another store.path"
+    )
 
 
 def other_data_problem(files: StoreFiles, shards: list[ShardPlan], records: dict[int, dict[str, Any]], source: Any) -> str | None:

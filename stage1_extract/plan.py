@@ -33,7 +33,13 @@ from stage1_extract.generate import assistant_slots
 from stage1_extract.generate_command import prompts_format
 from stage1_extract.prepare import row_limits, token_bytes
 from stage1_extract.resolve import prepare_run, resolve_store
-from stage1_extract.tensor_parallel import RESERVE_GIB, fitting_size, weight_gib_per_gpu, working_set_gib
+from stage1_extract.tensor_parallel import (
+    RESERVE_GIB,
+    fitting_size,
+    launch_problem,
+    weight_gib_per_gpu,
+    working_set_gib,
+)
 from stage1_extract.tokens import resolve_workers, tokenize_all
 
 SAMPLE_ROWS = 20_000  # prompts tokenized before generate; the totals are scaled to all rows
@@ -97,6 +103,9 @@ def cmd_plan(cfg: RunConfig, *, gpu: str | None = None, gpus: int = 8) -> dict[s
         raise ConfigError(f"plan --gpu {gpu!r}: known GPU kinds are {', '.join(GPUS)} (their rates: stage1_extract/plan.py)")
     if gpus < 1:
         raise ConfigError(f"plan --gpus must be >= 1, got {gpus}")
+    problem = launch_problem(cfg.extract.tensor_parallel_size, gpus, f"plan --gpus {gpus}")
+    if problem is not None:  # before a row is read: extract would refuse this job as late as that
+        raise ConfigError(problem)
     data = cfg.data
     generated = RunPaths.of(cfg).generated
     if data.regenerate and not generated.exists():

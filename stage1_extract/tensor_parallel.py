@@ -1,7 +1,12 @@
 """Targets larger than one GPU: tensor parallelism through transformers' own TP plans.
 
-    torchrun --nproc_per_node 8 -m stage1_extract extract --config my-70b.yaml extract.tensor_parallel_size=4
-    python -m stage1_extract plan --config my-70b.yaml --gpu h100      # weights per GPU at that size
+    python -m stage1_extract plan --config my-70b.yaml --gpu h100 --gpus 8 extract.tensor_parallel_size=8
+    torchrun --nproc_per_node 8 -m stage1_extract extract --config my-70b.yaml extract.tensor_parallel_size=8
+
+On transformers 5.x (this project's) the size must be 1 or the job's number of processes: it builds
+its TP mesh over every rank itself (`launch_problem`, refused before any rank tokenizes). On 4.x,
+where from_pretrained takes a group's device mesh, 8 GPUs also run 2 copies x 4
+(`extract.tensor_parallel_size=4`), a path no test here has run.
 
 Ranks form TP groups of `extract.tensor_parallel_size` consecutive ranks (so a group shares a node:
 the size must divide the GPUs per node). Each group loads the target split by the model's own plan
@@ -117,21 +122,32 @@ def _spans_the_world() -> bool:
     return "tp_size" in fields or "tp_size" in inspect.signature(DistributedConfig).parameters
 
 
+def launch_problem(tp: int, world: int, job: str) -> str | None:
+    """Why `world` processes (`job` names them: "the 8 processes of this job", "plan --gpus 8") cannot
+    run TP groups of `tp` with this transformers, or None: where it builds its mesh over every rank of
+    the job itself, the one group must be the whole job. `extract` asks before any rank joins,
+    tokenizes or pins the store's plan (the size is pinned with it), `plan` before it reads a row."""
+    if tp in (1, world) or not _spans_the_world():
+        return None
+    import transformers
+
+    return (
+        f"extract.tensor_parallel_size={tp} with {job}: transformers {transformers.__version__} builds its "
+        f"tensor-parallel mesh over every rank of the job, so the size must be 1 or the number of processes; set "
+        f"extract.tensor_parallel_size={world} (one copy of the target over all {world} GPUs), launch {tp} processes "
+        f"(torchrun --nproc_per_node {tp}), or use transformers <5 (from_pretrained takes a group's device mesh there)"
+    )
+
+
 def tensor_parallel_mesh(device: str, lay: Layout) -> Any:
     """The job's (dp, tp) device mesh, built by every rank (its groups are collective), or None
-    where transformers builds its own (then the TP group must be the whole job)."""
+    where transformers builds its own (then the TP group is the whole job: `launch_problem`)."""
     if lay.tp == 1:
         return None
     if _spans_the_world():
-        if lay.tp != lay.world:
-            import transformers
-
-            raise ConfigError(
-                f"extract.tensor_parallel_size={lay.tp} with {lay.world} ranks: transformers {transformers.__version__} "
-                f"builds its tensor-parallel mesh over every rank of the job, so the size must equal the number of "
-                f"processes ({lay.world}); launch {lay.tp} processes per job, or use transformers <5 (from_pretrained "
-                f"takes a group's device mesh there)"
-            )
+        problem = launch_problem(lay.tp, lay.world, f"the {lay.world} processes of this job")
+        if problem is not None:
+            raise ConfigError(problem)
         return None
     from torch.distributed.device_mesh import init_device_mesh
 

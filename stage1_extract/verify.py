@@ -10,16 +10,43 @@ record is wrong and the shard's part record agrees with the shard, `--repair` re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from shared.codecs import hidden_array_specs, hidden_problem
 from shared.shard_records import record_problem
-from shared.store import StoreFiles, content_checksum, read_manifest, read_shard_arrays, supervised_pairs
+from shared.store import (
+    StoreFiles,
+    content_checksum,
+    load_manifest,
+    read_manifest,
+    read_shard_arrays,
+    supervised_pairs,
+)
 from stage1_extract.batching import content_hash
 from stage1_extract.merge import part_path
 
 REBUILD = "rebuild the record"
 EXTRACT = "extract again"
+
+
+def check_store(url: str, tokenized_afresh: Callable[[], Any] | None) -> dict[str, Any]:
+    """The store against its manifest; with `tokenized_afresh` (--deep: the rows prepared again, no
+    token cache), against the data too."""
+    report = verify_store(url)
+    report["deep"] = tokenized_afresh is not None
+    if tokenized_afresh is None:
+        return report
+    fresh = tokenized_afresh()
+    manifest_index = {r["name"]: r["index"] for r in load_manifest(StoreFiles(url))["shards"] if r["name"]}
+    known = {b["shard"] for b in report["bad_shards"]}
+    for shard, why in deep_problems(url, {r.sample_id: r for r in fresh.rows}).items():
+        if shard not in known:
+            report["bad_shards"].append(
+                {"shard": shard, "index": manifest_index[shard], "fields": ["input_ids"], "error": why, "fix": EXTRACT, "deep": True}
+            )
+    report["ok"] = not report["bad_shards"]
+    return report
 
 
 def verify_store(url: str) -> dict[str, Any]:

@@ -318,7 +318,8 @@ def test_after_a_full_disk_only_the_shards_left_must_fit(tiny_target_dir, data_f
 def test_changed_settings_are_refused_by_name(store, tiny_target_dir, data_file):
     cfg, _, _ = store
     changed = config(tiny_target_dir, data_file, Path(cfg.run_dir), **{"extract.top_k": 4})
-    with pytest.raises(ValueError, match=r"started with top_k=8, the config now gives 4"):
+    with pytest.raises(ValueError, match=r"started with extract.top_k=8 \(top_k\), the config now gives 4: set extract.top_k=8 "
+                                         r"to continue this store, or run `python -m stage1_extract reprocess`"):
         commands.cmd_extract(changed, progress=False)
 
 

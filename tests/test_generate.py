@@ -20,6 +20,7 @@ import pytest
 from shared.config import load_run_config
 from shared.conversation_files import read_conversations
 from shared.conversations import Conversation
+from shared.errors import DataError
 from shared.reader import StoreReader
 from shared.target import load_tokenizer
 from stage1_extract import commands, generate
@@ -44,16 +45,26 @@ class FakeEngine:
     requests start (so, as on vLLM, it depends on what ran before it)."""
 
     max_num_seqs = 4
+    max_model_len = 2048
+
+    @property
+    def vllm_config(self):  # where vLLM's LLMEngine holds its scheduler and model settings
+        return types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=self.max_num_seqs),
+                                     model_config=types.SimpleNamespace(max_model_len=self.max_model_len))
 
     def __init__(self, seed):
         self.rng = random.Random(seed)
         self.waiting, self.running = [], {}
         self.added = []  # (request id, prompt ids) in order
         self.steps = []  # request ids decoding at each step
+        self.added_by_step = []  # requests added before each step
         self.fail_after_steps = None
 
     def add_request(self, request_id, prompt, params):
         assert isinstance(request_id, str) and set(prompt) == {"prompt_token_ids"}
+        if len(prompt["prompt_token_ids"]) > self.max_model_len:  # as vLLM validates a request
+            raise ValueError(f"The decoder prompt (length {len(prompt['prompt_token_ids'])}) is longer than the maximum "
+                             f"model length of {self.max_model_len}.")
         self.added.append((request_id, prompt["prompt_token_ids"]))
         self.waiting.append((request_id, params))
 
@@ -69,6 +80,7 @@ class FakeEngine:
             ids = [rng.randrange(300, 5000) for _ in range(rng.randint(3, params.max_tokens - 1))] + [EOS]
             self.running[request_id] = [ids, 0]
         self.steps.append(sorted(self.running))
+        self.added_by_step.append(len(self.added))
         outputs = []
         for request_id in list(self.running):
             ids, done = self.running[request_id]
@@ -211,6 +223,60 @@ def test_the_engine_decodes_several_parts_at_once_and_each_part_is_written_as_it
     part_by_id = {request_id: part_of(tokenizer, ids, 3) for request_id, ids in engine.added}
     together = max(len({part_by_id[r] for r in step}) for step in engine.steps)
     assert together >= 2
+
+
+def test_the_engine_is_fed_up_to_its_own_batch_not_to_a_part(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """vLLM decodes max_num_seqs sequences a step (hundreds on an H100): parts of 3 rows go in until
+    8 requests are in flight, so its first step is full and it never runs below its batch while
+    rows are left, and each part is still written the moment it completes."""
+    monkeypatch.setattr(FakeEngine, "max_num_seqs", 8)
+    data = prompts_file(tmp_path, n=24)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "run")  # 8 parts of 3
+    tokenizer = load_tokenizer(cfg.target)
+    out = commands.cmd_generate(cfg, progress=False)
+    assert out["conversations"] == 24 and out["in_flight_limit"] == 8
+    engine = fake_vllm.engines[0]
+    assert len(engine.steps[0]) == 8 and max(len(step) for step in engine.steps) == 8
+    assert all(len(step) == 8 for step, added in zip(engine.steps, engine.added_by_step) if added < 24)  # rows left
+    part_by_id = {request_id: part_of(tokenizer, ids, 3) for request_id, ids in engine.added}
+    assert max(len({part_by_id[r] for r in step}) for step in engine.steps) >= 3
+    assert len(list((tmp_path / "run" / "data" / "generated.parts").glob("part-*.parquet"))) == 8
+
+
+def test_a_prompt_past_the_engines_context_keeps_its_turns_and_is_counted(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """vLLM refuses a prompt longer than max_model_len: that turn and the row's later ones are kept
+    as the data has them and counted, the other rows and the row's earlier turns are answered."""
+    monkeypatch.setattr(FakeEngine, "max_model_len", 160)
+    long = "please read this long question carefully " * 30
+    rows = [{"messages": [{"role": "user", "content": f"question number {i}: how does one sort a list?"}]} for i in range(4)]
+    rows[1]["messages"] = [{"role": "user", "content": long}]
+    rows[2]["messages"] += [{"role": "assistant", "content": "sort it."}, {"role": "user", "content": long},
+                            {"role": "assistant", "content": "the data's own answer"}]
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    out = commands.cmd_generate(generate_config(tiny_target_dir, data, tmp_path / "run"), progress=False)
+    assert out["conversations"] == 4 and out["long_prompt_turns_kept"] == 2
+    generated = list(read_conversations(tmp_path / "run" / "data" / "generated.parquet"))
+    assert generated[1].messages == rows[1]["messages"]  # no answer: extraction judges the row as the data gives it
+    first, kept = [m for m in generated[2].messages if m["role"] == "assistant"]
+    assert first.get("token_ids") and not kept.get("token_ids") and kept["content"] == "the data's own answer"
+    assert all(m[-1].get("token_ids") for m in (generated[0].messages, generated[3].messages))
+
+
+def test_a_request_the_engine_refuses_names_the_row_and_its_part(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    tokenizer = load_tokenizer(generate_config(tiny_target_dir, prompts_file(tmp_path), tmp_path / "run").target)
+    add = FakeEngine.add_request
+
+    def refuses_row_4(self, request_id, prompt, params):
+        if part_of(tokenizer, prompt["prompt_token_ids"], 1) == 4:
+            raise ValueError("Token id 99999 is out of vocabulary")
+        return add(self, request_id, prompt, params)
+
+    monkeypatch.setattr(FakeEngine, "add_request", refuses_row_4)
+    cfg = generate_config(tiny_target_dir, tmp_path / "prompts.jsonl", tmp_path / "run")
+    with pytest.raises(DataError, match=r"prompts.jsonl: row 4: the engine refused its assistant turn 0 \(Token id 99999 is out "
+                                        r"of vocabulary\) while writing part-000001-\w+.parquet; fix or drop that row, then "
+                                        r"rerun `python -m stage1_extract generate` \(finished parts are kept\)$"):
+        commands.cmd_generate(cfg, progress=False)
 
 
 def test_a_killed_run_resumes_from_its_finished_parts_and_never_regenerates_them(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):

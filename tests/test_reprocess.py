@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from shared.config import load_run_config
-from shared.errors import StoreError
+from shared.errors import ConfigError, StoreError
 from shared.store import read_manifest
 from stage1_extract import commands
+from stage1_extract.merge import part_path
 
 from .conftest import chat_rows, stage1_overrides, write_jsonl
 
@@ -164,6 +165,22 @@ def test_verify_catches_damage_and_repair_fixes_it(built, damage):
     repaired = commands.cmd_verify(cfg, repair=True, progress=False)
     assert repaired["ok"] and repaired["repaired"] == [name]
     assert contents(cfg) == good
+
+
+def test_one_process_refuses_to_repair_a_tensor_parallel_store_before_deleting_anything(built, tiny_target_dir, tmp_path):
+    """A TP store's shards can only be extracted again by its TP size of processes: one process
+    deletes nothing (the bad shard and its part record stay) and names the torchrun command."""
+    cfg, data = built
+    path = chunk_file(cfg, "hidden")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    split = config(tiny_target_dir, data, tmp_path / "run", **{"extract.tensor_parallel_size": 2})
+    damaged = path.read_bytes()
+    with pytest.raises(ConfigError, match=r"^verify --repair: .* extract.tensor_parallel_size=2, which one process cannot run, so "
+                                          r"its 1 bad shard\(s\) .* were left as they are; run `torchrun --nproc_per_node 2 -m "
+                                          r"stage1_extract verify --repair` with this run's --config and overrides$"):
+        commands.cmd_verify(split, repair=True, progress=False)
+    assert path.read_bytes() == damaged and (Path(cfg.store.url(cfg.run_dir)) / part_path(1)).exists()
+    assert commands.cmd_verify(split, repair=False)["bad_shards"]  # verify alone still reports it
 
 
 def test_verify_cli_exits_nonzero_naming_the_shard(built):
@@ -359,3 +376,22 @@ def test_a_shard_replaced_under_a_reader_without_a_claim_is_named_as_a_rewrite(b
     shutil.rmtree(Path(url) / "shards" / fresh.manifest["shards"][1]["name"] / "hidden")
     with pytest.raises(StoreError, match=r"lacks the array\(s\) \['hidden'\]; run `python -m stage1_extract verify --repair`"):
         fresh[len(fresh) - 1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_reprocess_under_torchrun_joins_before_rank_0_reads_the_shards(built, monkeypatch, rank):
+    """Rank 0's reading of the shards may re-tokenize the whole data file: every rank has joined the
+    process group first, so the others wait for it on the work group (hours), never in the join
+    (JOIN_TIMEOUT, 10 minutes); only rank 0 reads."""
+    cfg, _ = built
+    calls = []
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(commands, "join_ranks", lambda world, backend: calls.append(("join", world, backend)))
+    report = commands.shard_report(cfg)
+    monkeypatch.setattr(commands, "shard_report", lambda c: calls.append("report") or report)
+    monkeypatch.setattr(commands, "all_ok", lambda world, ok, behind_work=False: calls.append(("agree", ok, behind_work)) or ok)
+    monkeypatch.setattr(commands, "cmd_extract", lambda c, **k: calls.append("extract") or {"rank": rank})
+    commands.cmd_reprocess(cfg, progress=False)
+    agreed = ("agree", True, True)  # on the work group
+    assert calls == [("join", 2, "gloo"), "report", agreed, "extract"] if rank == 0 else [("join", 2, "gloo"), agreed, "extract"]

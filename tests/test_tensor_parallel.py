@@ -18,15 +18,16 @@ import pytest
 import torch
 
 from shared.config import load_run_config
-from shared.errors import ConfigError
+from shared.errors import ConfigError, StoreError
 from shared.identity import header_key, store_header
 from shared.reader import StoreReader
-from shared.store import read_manifest
+from shared.store import StoreFiles, read_manifest
 from shared.target import TargetArch, resolve_target
-from stage1_extract import commands
+from stage1_extract import commands, tensor_parallel
+from stage1_extract.header import load_or_pin_plan
 from stage1_extract.plan import extraction_memory
 from stage1_extract.resolve import resolve_store
-from stage1_extract.tensor_parallel import Layout, layout, tensor_parallel_problem
+from stage1_extract.tensor_parallel import Layout, launch_problem, layout, tensor_parallel_problem
 from testkit.data import chat_rows, stage1_overrides, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,30 @@ def test_a_target_whose_heads_do_not_divide_is_refused_before_any_row_is_read(ti
         tiny_target_dir, tmp_path / "none.jsonl", tmp_path / "run", **{"extract.tensor_parallel_size": 4}))
     with pytest.raises(ConfigError, match=r"key/value heads 2 do not divide by extract.tensor_parallel_size=4: choose a size"):
         resolve_store(cfg)
+
+
+def test_a_tp_size_transformers_cannot_honour_is_refused_before_any_rank_joins_tokenizes_or_pins(
+    tiny_target_dir, tmp_path, monkeypatch
+):
+    """transformers 5.x builds its TP mesh over the whole job: TP 2 on 4 processes is refused on every
+    rank before it joins the process group, reads a row or pins plan.json (then TP 4 would be refused
+    as a changed setting), and by `plan` for --gpus 4, naming the size that runs."""
+    monkeypatch.setattr(tensor_parallel, "_spans_the_world", lambda: True)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(
+        tiny_target_dir, data, tmp_path / "run", **{"extract.tensor_parallel_size": 2}))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(commands, "join_ranks", lambda *a: pytest.fail("joined the process group"))
+    monkeypatch.setattr(commands, "prepare_run", lambda *a, **k: pytest.fail("tokenized the rows"))
+    expected = (r"^extract.tensor_parallel_size=2 with the 4 processes of this job: transformers .* so the size must be 1 or "
+                r"the number of processes; set extract.tensor_parallel_size=4 .*launch 2 processes \(torchrun --nproc_per_node 2\)")
+    with pytest.raises(ConfigError, match=expected):
+        commands.cmd_extract(cfg, progress=False)
+    assert not (tmp_path / "run" / "store" / "plan.json").exists()
+    with pytest.raises(ConfigError, match=r"^extract.tensor_parallel_size=2 with plan --gpus 4: .* set extract.tensor_parallel_size=4"):
+        commands.cmd_plan(cfg, gpu="h100", gpus=4)
+    assert launch_problem(4, 4, "x") is None and launch_problem(1, 8, "x") is None
 
 
 def test_the_plan_gives_the_weights_per_gpu_and_refuses_a_size_that_does_not_fit():
@@ -111,6 +136,23 @@ def test_the_tp_size_is_identity_only_above_one(tiny_target_dir, tmp_path):
     assert report["counts"]["current"] == 0 and report["counts"]["stale"] == len(report["shards"]) >= 1
 
 
+@pytest.mark.parametrize(("made", "now"), [(2, 1), (1, 2), (2, 4)])
+def test_a_changed_tp_size_names_the_size_that_continues_the_store_before_reprocess(tmp_path, made, now):
+    """An absent size is the default (1), never None, and setting it back (no re-extraction) comes first."""
+    files = StoreFiles(str(tmp_path / "store"))
+
+    def header(tp):
+        return {"extraction": {"compute_dtype": "fp32", **({"tensor_parallel_size": tp} if tp > 1 else {})}}
+
+    load_or_pin_plan(files, header(made), 10, 100)
+    with pytest.raises(StoreError, match=(
+        rf"/plan.json: this store was started with extract.tensor_parallel_size={made} \(extraction.tensor_parallel_size\), "
+        rf"the config now gives {now}: set extract.tensor_parallel_size={made} to continue this store, or run "
+        rf"`python -m stage1_extract reprocess` to re-extract its shards with the new value, or use another store.path$"
+    )):
+        load_or_pin_plan(files, header(now), 0, 100)
+
+
 def tiny_qwen3(out: Path) -> Path:
     """A Qwen3 whose heads split 2 ways (4 heads, 2 KV heads; untied head), SmolLM2's tokenizer."""
     from transformers import AutoTokenizer, Qwen3Config
@@ -152,6 +194,7 @@ def test_two_gloo_ranks_split_a_qwen3_target_and_store_what_one_process_stores(t
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = {r["rank"]: r for r in json_objects(done.stdout)}
     assert ranks[0]["tensor_parallel"] == {"size": 2, "group": 0, "groups": 1, "writes": True}
+    # What each rank's writer wrote: rank 1 made none (both would write the same files if it did).
     assert ranks[1]["tensor_parallel"]["writes"] is False and ranks[1]["shards_extracted_here"] == 0
     assert ranks[0]["shards_extracted_here"] == ranks[0]["shards_total"] >= 1
 
@@ -170,3 +213,15 @@ def test_two_gloo_ranks_split_a_qwen3_target_and_store_what_one_process_stores(t
     assert worst <= 1e-3
     verified = commands.cmd_verify(load_run_config("configs/default.yaml", split), progress=False)
     assert verified["ok"] and not verified["bad_shards"]
+
+    # A damaged shard: one process refuses to repair it (tests/test_reprocess.py); the command it
+    # names, verify --repair under torchrun, extracts it again split 2 ways, and the store verifies.
+    name = read_manifest(two.url)["shards"][0]["name"]
+    (chunk,) = [p for p in (Path(two.url) / "shards" / name / "hidden").rglob("*") if p.is_file() and "c" in p.parts]
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    repair = [*command[:-len(split) - 3], "verify", "--repair", "--json", "--no-progress", *split]
+    done = subprocess.run(repair, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = {r.get("rank", 0): r for r in json_objects(done.stdout)}
+    assert ranks[0]["ok"] and ranks[0]["reextracted"] == [name]
+    assert ranks[1]["extract"]["shards_extracted_here"] == 0 and ranks[0]["shards_checked"] >= 1
