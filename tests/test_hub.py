@@ -13,6 +13,7 @@ import pytest
 from shared.config import load_run_config
 from shared.errors import InputFileError
 from shared.hub import HUB_FILES
+from shared.store import StoreFiles, load_manifest
 from shared.target import TargetConfig, resolve_target, resolve_target_dir
 from stage1_extract import commands as stage1
 from testkit.data import chat_rows, stage1_overrides, write_jsonl
@@ -66,7 +67,7 @@ def test_a_store_from_a_hub_target_records_the_commit(hub, tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
     cfg = load_run_config("configs/default.yaml", stage1_overrides("tiny-org/tiny-target", data, tmp_path / "run"))
     stage1.cmd_extract(cfg, progress=False)
-    manifest = stage1.load_manifest(stage1.StoreFiles(cfg.store.url(cfg.run_dir)))
+    manifest = load_manifest(StoreFiles(cfg.store.url(cfg.run_dir)))
     assert manifest["target_source"]["hub_id"] == "tiny-org/tiny-target" and manifest["target_source"]["commit"] == COMMIT
     assert stage1.cmd_status(cfg)["complete"]
 
