@@ -210,6 +210,7 @@ def test_out_of_memory_continues_with_a_smaller_batch_each_shard_as_a_clean_run_
     assert commands.cmd_verify(smaller)["ok"]
 
 
+@pytest.mark.slow  # 10-15 s: `make test-all`
 def test_sigkill_mid_extraction_resumes_to_the_same_store(tiny_target_dir, data_file, tmp_path, store):
     overrides = stage1_overrides(tiny_target_dir, data_file, tmp_path, **{"extract.window_shards": 1})
     command = [sys.executable, "-m", "stage1_extract", "extract", "--json", "--no-progress", *overrides]
@@ -352,6 +353,7 @@ def json_objects(text: str) -> list[dict]:
     return objects
 
 
+@pytest.mark.slow  # 10-15 s: `make test-all`
 def test_two_processes_split_shards_and_equal_one_process(tiny_target_dir, data_file, tmp_path, store):
     overrides = stage1_overrides(tiny_target_dir, data_file, tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -367,6 +369,7 @@ def test_two_processes_split_shards_and_equal_one_process(tiny_target_dir, data_
     assert store_contents(str(tmp_path / "store")) == store_contents(store[2].url)
 
 
+@pytest.mark.slow  # 10-15 s: `make test-all`
 def test_bad_input_under_two_processes_fails_on_every_rank_naming_the_row(tiny_target_dir, tmp_path):
     """Rank 0 tokenizes first while the others wait; its error must not leave them waiting."""
     rows = chat_rows(12)

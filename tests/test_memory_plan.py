@@ -130,6 +130,7 @@ def test_the_traced_peak_follows_the_micro_batch_and_checkpointing():
     assert large["Total"] > small["Total"]
 
 
+@pytest.mark.slow  # 10-15 s: `make test-all`
 def test_each_removed_cost_is_what_the_trace_measures_when_it_is_put_back():
     """The three costs the trainer no longer pays, each traced by putting it back, come back at least
     at their sizes: (grad_accum - 1) more micro-batches on the device, a noisy bf16 copy of the
@@ -160,6 +161,7 @@ def test_search_finds_the_largest_budgets_under_a_memory_bound():
     assert largest_fitting(inputs, 0.001)["micro_batch_blocks"] is None
 
 
+@pytest.mark.slow  # 10-15 s: `make test-all`
 def test_plan_prints_for_the_default_preset():
     done = subprocess.run(
         [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", "default"], cwd=REPO, capture_output=True, text=True,
