@@ -115,12 +115,12 @@ def test_check_names_every_measured_alternative_the_config_does_not_use(hub_8b):
     recipe = load_run_config(ROOT / "configs" / "qwen3-8b.yaml", [])
     keys = [line.split("=")[0] for line in recipe.alternatives()]
     assert keys == [
-        "store.dtype", "model.layer_types", "model.feature_projection", "loss.weighting", "loss.distill_positions", "optim.name",
-        "checkpoint.keep_best",
+        "store.dtype", "model.variant", "model.layer_types", "model.feature_projection", "loss.weighting",
+        "loss.distill_positions", "optim.name", "checkpoint.keep_best",
     ]
     chosen = load_run_config(
         ROOT / "configs" / "qwen3-8b.yaml",
-        ["store.dtype=fp4", "loss.weighting=dpace", "optim.name=muon", "checkpoint.keep_best=true"],
+        ["store.dtype=fp4", "model.variant=dflash2", "loss.weighting=dpace", "optim.name=muon", "checkpoint.keep_best=true"],
     )
     assert [line.split("=")[0] for line in chosen.alternatives()] == [
         "model.layer_types", "model.feature_projection", "loss.distill_positions",

@@ -154,6 +154,12 @@ class DrafterConfig(Section):
 
     def alternatives(self) -> list[str]:
         out = []
+        if self.variant == "dflash":
+            out.append(
+                "model.variant=dflash2: tau +0.062 [+0.029, +0.096] over DFlash at equal steps on the CPU default, with 6.6x "
+                "the trained parameters and 1.86x the step time there; dspark +0.025 [-0.004, +0.057] (noise) "
+                "(BENCHMARKS.md \"variants\"; docs/variants.md)"
+            )
         if self.layer_types is None or "sliding_attention" not in self.layer_types:
             out.append(
                 "model.layer_types=[sliding_attention, ..., full_attention] + model.sliding_window: attention cost "
