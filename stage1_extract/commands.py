@@ -236,7 +236,7 @@ def extract_store(
                 # writer threads were busy writer_seconds (summed) against forward_seconds of target.
                 "writer_queue_wait_s": round(result.writer.queue_wait_seconds, 3),
                 "writer_seconds": round(result.writer.write_seconds, 2),
-                "writer_threads": extract.writer_threads,
+                "writer_threads": result.writer_threads,
                 "writer_absorb_s": round(result.writer.absorb_seconds, 2),
                 "writer_peak_queue_mb": round(result.writer.peak_queue_bytes / 2**20, 1),
             }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,8 +56,13 @@ class ExtractConfig(Section):
     batch_tokens x (layers x hidden x compute dtype + top_k x 8) bytes: 5.1 GiB at the 8B presets,
     40.5 GiB per node of 8 ranks), so a batch lands while the writer absorbs the one before. See
     stage1_extract/writer.py."""
-    writer_threads: int = 2
-    """Shards compressed, hashed and written in parallel, per rank (zstd and sha256 release the GIL)."""
+    writer_threads: int | None = None
+    """Shards compressed, hashed and written in parallel, per rank (zstd and sha256 release the GIL).
+    null: 2 on CPU (the target's forward needs the cores); on a GPU the CPUs this rank may use (its
+    affinity over LOCAL_WORLD_SIZE) less two for the forward loop and the absorbing thread, from 2 to 8.
+    One thread writes an 8B-shaped bf16+zstd store at ~64 MB/s (BENCHMARKS.md "store8b"), and a
+    65K-token batch at 8B is ~2.7 GB against an H100 forward of ~2.7 s: two threads cannot keep up.
+    Each thread holds up to one complete shard (store.shard_mb) while it writes."""
     lm_head_chunk_tokens: int = 2048
     """Tokens per LM-head + log-softmax chunk."""
     device: str = "auto"
@@ -77,7 +83,7 @@ class ExtractConfig(Section):
         self.require(self.max_samples_per_batch >= 1, "max_samples_per_batch", "must be >= 1")
         self.require(self.window_shards >= 1, "window_shards", "must be >= 1")
         self.require(self.writer_queue_mb is None or self.writer_queue_mb >= 1, "writer_queue_mb", "must be >= 1 (or null)")
-        self.require(self.writer_threads >= 1, "writer_threads", "must be >= 1")
+        self.require(self.writer_threads is None or self.writer_threads >= 1, "writer_threads", "must be >= 1 or null")
         self.require(self.lm_head_chunk_tokens >= 1, "lm_head_chunk_tokens", "must be >= 1")
         self.require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
 
@@ -86,6 +92,18 @@ def host_token_bytes(num_layers: int, hidden_size: int, dtype_bytes: int, top_k:
     """Host bytes of one token's copies: its layers' states in the compute dtype, top_k fp32
     log-probs and int32 ids."""
     return num_layers * hidden_size * dtype_bytes + top_k * 8
+
+
+def writer_threads(cfg: ExtractConfig, device_type: str) -> int:
+    """`extract.writer_threads`, or, when unset, 2 on CPU and the rank's share of the node's CPUs
+    less two (the forward loop, the absorbing thread), 2..8, on a GPU."""
+    if cfg.writer_threads is not None:
+        return cfg.writer_threads
+    if device_type != "cuda":
+        return 2
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(2, min(8, cpus // ranks - 2))
 
 
 def writer_queue_mb(cfg: ExtractConfig, token_bytes: int) -> int:
@@ -103,6 +121,7 @@ class ExtractResult:
     seconds: float = 0.0
     forward_seconds: float = 0.0
     writer: WriterStats = field(default_factory=WriterStats)
+    writer_threads: int = 0  # as resolved (extract.writer_threads null: from the device and the CPUs)
 
 
 def stored_value_sum(outputs: list[tuple[Any, Any, Any]]) -> Any:
@@ -227,8 +246,9 @@ def run_shards(
     # The batch shape is not part of the store's identity (an out-of-memory run continues with a
     # smaller batch), so each shard's part record says which one made it.
     batching = {"batching": {k: getattr(cfg, k) for k in BATCH_SETTINGS}}
+    result.writer_threads = writer_threads(cfg, device.type) if write else 0
     writer = (
-        ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), cfg.writer_threads, outlier_channels, batching)
+        ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), result.writer_threads, outlier_channels, batching)
         if write else None
     )
     timer = ForwardTimer(device)

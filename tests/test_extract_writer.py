@@ -234,3 +234,20 @@ def test_status_names_the_compute_dtype_and_packing_that_made_a_shard_and_record
         commands.cmd_extract(changed, progress=False)
     other_batch = [*stage1_overrides(tiny_target_dir, data, run), "extract.batch_tokens=1024", "extract.window_shards=2"]
     assert commands.cmd_status(load_run_config(ROOT / "configs/default.yaml", other_batch))["complete"]
+
+
+def test_writer_threads_unset_follow_the_device_and_the_ranks_share_of_the_cpus(monkeypatch):
+    """Two threads cannot write an 8B store at an H100's pace (~64 MB/s each against ~1 GB/s of
+    output): unset, a GPU rank takes its share of the node's CPUs less two, from 2 to 8; CPU keeps 2."""
+    from stage1_extract.extract import ExtractConfig, writer_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert writer_threads(ExtractConfig(), "cuda") == 8  # 96 / 8 - 2 = 10, capped at 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert writer_threads(ExtractConfig(), "cuda") == 4
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert writer_threads(ExtractConfig(), "cuda") == 2
+    assert writer_threads(ExtractConfig(), "cpu") == 2
+    assert writer_threads(ExtractConfig(writer_threads=5), "cuda") == 5
