@@ -104,12 +104,12 @@ def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) ->
     if all(k in pinned for k in BATCH_SETTINGS):  # a version-2 store: judged by what it recorded
         settings.update({k: pinned[k] for k in BATCH_SETTINGS})
     # A tensor-parallel forward sums each row-parallel matmul across its group in another order: the
-    # bytes differ in their last bits, as with another batch shape. Unlike the batch shape (which an
-    # out-of-memory run must be able to shrink mid-store) the TP size is chosen once per store and a
-    # TP store is kept apart from a one-GPU one. Only above 1, so every one-GPU store keeps its identity.
-    tensor_parallel = stage1_value(cfg, "extract.tensor_parallel_size")
-    if tensor_parallel != 1:
-        settings["tensor_parallel_size"] = tensor_parallel
+    # bytes differ in their last bits, as with another batch shape, so the TP size is not identity
+    # either (each part record says which made its shard). Were it, `train` with the config file alone
+    # (the size given on extract's command line) would call a TP store stale and send its user to
+    # re-extract a 70B target on one GPU. A store pinned while it was identity keeps it.
+    if "tensor_parallel_size" in pinned:
+        settings["tensor_parallel_size"] = pinned["tensor_parallel_size"]
     return settings
 
 

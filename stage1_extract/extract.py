@@ -71,8 +71,9 @@ class ExtractConfig(Section):
     """GPUs per copy of the target (a target larger than one GPU): ranks form groups of this many
     consecutive ranks, each group loads the target split by its own TP plan and extracts its share
     of the windows, its first rank writing (stage1_extract/tensor_parallel.py). Must divide the
-    processes per node; `plan` gives the weights per GPU at this size. Part of the store's identity
-    when above 1 (a TP forward sums in another order: the bytes differ in their last bits)."""
+    processes per node; `plan` gives the weights per GPU at this size. Not part of the store's
+    identity (a TP forward sums in another order: the bytes differ in their last bits, as with another
+    batch shape); each shard's part record says which size made it."""
     packed: Literal["auto", "on", "off"] = "auto"
     """A forward batch as one row of samples, no padding: auto = with flash-attn (varlen, GPU); on = also
     with sdpa/eager, which keep the samples apart with a [tokens, tokens] mask; an attention that cannot is refused."""
@@ -245,7 +246,7 @@ def run_shards(
     token_bytes = host_token_bytes(len(layer_ids), model.config.get_text_config().hidden_size, parameter.element_size(), cfg.top_k)
     # The batch shape is not part of the store's identity (an out-of-memory run continues with a
     # smaller batch), so each shard's part record says which one made it.
-    batching = {"batching": {k: getattr(cfg, k) for k in BATCH_SETTINGS}}
+    batching = {"batching": {**{k: getattr(cfg, k) for k in BATCH_SETTINGS}, "tensor_parallel_size": cfg.tensor_parallel_size}}
     result.writer_threads = writer_threads(cfg, device.type) if write else 0
     writer = (
         ShardWriter(url, store_cfg, todo, writer_queue_mb(cfg, token_bytes), result.writer_threads, outlier_channels, batching)

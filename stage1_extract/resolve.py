@@ -40,7 +40,7 @@ def resolve_store(cfg: RunConfig, *, deep: bool = False) -> tuple[TargetInfo, St
     header = store_header(cfg, target, pinned_extraction(files))
     if header["extraction"]["packed"]:  # before any row is read: a refused setting costs nothing
         check_packing(header["extraction"]["attn_implementation"], target.arch.model_type)
-    tensor_parallel = header["extraction"].get("tensor_parallel_size", 1)
+    tensor_parallel = cfg.extract.tensor_parallel_size  # how this run splits the target (not the store's identity)
     problem = tensor_parallel_problem(target.arch, tensor_parallel)
     if problem:
         raise ConfigError(f"{problem}: choose a size that divides them (`python -m stage1_extract plan` names the smallest that fits)")

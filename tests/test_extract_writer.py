@@ -223,7 +223,8 @@ def test_status_names_the_compute_dtype_and_packing_that_made_a_shard_and_record
     commands.cmd_extract(cfg, progress=False)
     manifest = StoreFiles(cfg.store.url(cfg.run_dir)).read_json("manifest.json")
     assert manifest["extraction"] == {"compute_dtype": "fp32", "attn_implementation": "sdpa", "packed": False}
-    batching = {"batch_tokens": 512, "max_samples_per_batch": 64, "window_shards": 1, "lm_head_chunk_tokens": 2048}
+    batching = {"batch_tokens": 512, "max_samples_per_batch": 64, "window_shards": 1, "lm_head_chunk_tokens": 2048,
+                "tensor_parallel_size": 1}
     assert [r["batching"] for r in manifest["shards"]] == [batching] * len(manifest["shards"])
     changed = load_run_config(ROOT / "configs/default.yaml", [*stage1_overrides(tiny_target_dir, data, run), "target.dtype=bf16"])
     report = commands.cmd_status(changed)

@@ -116,9 +116,10 @@ def test_the_plan_counts_the_weights_in_the_safetensors_headers(tiny_target_dir,
     assert "tensors in the safetensors headers" in out["gpu_memory"]["basis"] and out["gpu_memory"]["fits"]
 
 
-def test_the_tp_size_is_identity_only_above_one(tiny_target_dir, tmp_path):
-    """One GPU per copy of the target: the header is the one every existing store has. Split: the
-    bytes differ in their last bits, so the size is an extraction setting and status names it."""
+def test_the_tp_size_is_not_identity_so_train_reads_a_tp_store_as_current(tiny_target_dir, tmp_path):
+    """A TP forward differs from one GPU's in the last bits only, as another batch shape does. Were the
+    size identity, `train` with the config file alone (the size given on extract's command line)
+    would call the store stale and send its user to re-extract a 70B target on one GPU."""
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
 
     def cfg(tp):
@@ -126,28 +127,32 @@ def test_the_tp_size_is_identity_only_above_one(tiny_target_dir, tmp_path):
             tiny_target_dir, data, tmp_path / "run", **{"extract.tensor_parallel_size": tp}))
 
     target = resolve_target(cfg(1).target)
-    one, two = store_header(cfg(1), target), store_header(cfg(2), target)
-    assert "tensor_parallel_size" not in one["extraction"] and two["extraction"]["tensor_parallel_size"] == 2
-    unset = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
-    assert header_key(store_header(unset, target)) == header_key(one)
+    assert store_header(cfg(1), target) == store_header(cfg(2), target)
     commands.cmd_extract(cfg(1), progress=False)
     report = commands.shard_report(cfg(2))
-    assert report["settings_changed"] == ["extraction.tensor_parallel_size"]
-    assert report["counts"]["current"] == 0 and report["counts"]["stale"] == len(report["shards"]) >= 1
+    assert report["settings_changed"] == [] and report["counts"]["stale"] == 0 and report["counts"]["current"] >= 1
+    manifest = json.loads((tmp_path / "run" / "store" / "manifest.json").read_text())
+    assert {r["batching"]["tensor_parallel_size"] for r in manifest["shards"]} == {1}  # which size made each shard
+    # a store pinned while the size was identity (above 1) keeps it, so its keys stay what they were
+    pinned = {**store_header(cfg(1), target)["extraction"], "tensor_parallel_size": 2}
+    assert store_header(cfg(1), target, pinned=pinned)["extraction"]["tensor_parallel_size"] == 2
 
 
-@pytest.mark.parametrize(("made", "now"), [(2, 1), (1, 2), (2, 4)])
-def test_a_changed_tp_size_names_the_size_that_continues_the_store_before_reprocess(tmp_path, made, now):
-    """An absent size is the default (1), never None, and setting it back (no re-extraction) comes first."""
+@pytest.mark.parametrize(("field", "made", "now", "setting", "shown"), [
+    ("packed", True, False, "extract.packed", "on"),
+    ("tensor_parallel_size", 2, None, "extract.tensor_parallel_size", 2),  # a store pinned while it was identity
+])
+def test_a_changed_setting_names_the_value_that_continues_the_store_before_reprocess(tmp_path, field, made, now, setting, shown):
+    """Setting it back (no re-extraction) comes first; an absent TP size is the default (1), never None."""
     files = StoreFiles(str(tmp_path / "store"))
 
-    def header(tp):
-        return {"extraction": {"compute_dtype": "fp32", **({"tensor_parallel_size": tp} if tp > 1 else {})}}
+    def header(value):
+        return {"extraction": {"compute_dtype": "fp32", **({field: value} if value is not None else {})}}
 
     load_or_pin_plan(files, header(made), 10, 100)
     with pytest.raises(StoreError, match=(
-        rf"/plan.json: this store was started with extract.tensor_parallel_size={made} \(extraction.tensor_parallel_size\), "
-        rf"the config now gives {now}: set extract.tensor_parallel_size={made} to continue this store, or run "
+        rf"/plan.json: this store was started with {setting}={shown} \(extraction.{field}\), "
+        rf"the config now gives {False if now is False else 1}: set {setting}={shown} to continue this store, or run "
         rf"`python -m stage1_extract reprocess` to re-extract its shards with the new value, or use another store.path$"
     )):
         load_or_pin_plan(files, header(now), 0, 100)
@@ -199,8 +204,9 @@ def test_two_gloo_ranks_split_a_qwen3_target_and_store_what_one_process_stores(t
     assert ranks[0]["shards_extracted_here"] == ranks[0]["shards_total"] >= 1
 
     one, two = StoreReader(str(tmp_path / "one" / "store")), StoreReader(str(tmp_path / "two" / "store"))
-    assert read_manifest(two.url)["extraction"]["tensor_parallel_size"] == 2
-    assert "tensor_parallel_size" not in read_manifest(one.url)["extraction"]
+    # the same identity (a TP forward differs in the last bits only); each part record names its size
+    assert read_manifest(two.url)["extraction"] == read_manifest(one.url)["extraction"]
+    assert {r["batching"]["tensor_parallel_size"] for r in read_manifest(two.url)["shards"]} == {2}
     assert len(one) == len(two) == 12 and one.sample_ids.tolist() == two.sample_ids.tolist()
     worst = 0.0
     for i in range(len(one)):
