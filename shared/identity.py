@@ -253,6 +253,9 @@ def generated_problem(cfg: RunConfig, weights_sha256: str) -> str | None:
     what = ", ".join(
         f"{names.get(k, k.replace('settings.', ''))} ({_short(v[0])} -> {_short(v[1])})" for k, v in changed.items()
     )
+    if set(changed) == {"settings.seed"}:
+        # answers generated before generate.seed existed carry the run's seed: setting it back is free
+        fix = f"set generate.seed={changed['settings.seed'][0]} to use them as they are, or {fix}"
     return f"{paths.generated} was generated from {made.get('prompts')} with other inputs than the config gives: {what}; {fix}"
 
 
