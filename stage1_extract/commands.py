@@ -35,12 +35,12 @@ from stage1_extract.distributed import (
 )
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
-from stage1_extract.header import load_or_pin_plan, other_data_problem
+from stage1_extract.header import load_or_pin_plan, other_data_problem, plan_problem
 from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records
 from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.prepare import Prepared, discard_token_cache, shard_size, token_bytes
-from stage1_extract.resolve import prepare_run
+from stage1_extract.resolve import prepare_run, resolve_store
 from stage1_extract.status import cmd_status, shard_report  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.tensor_parallel import (
     Layout,
@@ -395,6 +395,11 @@ def _repair(
                     f"were left as they are; run `torchrun --nproc_per_node {tp} -m stage1_extract verify --repair` "
                     f"with this run's --config and overrides"
                 )
+            # Refuse before deleting: a config that cannot continue the store would leave the bad
+            # shards deleted and the manifest listing them.
+            problem = plan_problem(StoreFiles(url), resolve_store(cfg)[2]) if report["bad_shards"] else None
+            if problem:
+                raise StoreError(f"verify --repair deleted nothing: {problem}")
         except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
             error = exc
     if not all_ok(world, error is None, behind_work=True):

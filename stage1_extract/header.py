@@ -34,6 +34,16 @@ def load_or_pin_plan(
     return samples_per_shard
 
 
+def plan_problem(files: StoreFiles, header: dict[str, Any]) -> str | None:
+    """Why this config cannot continue the store (its plan.json pinned another header), before a
+    command deletes anything it would then be unable to make again; None when it can."""
+    if not files.exists("plan.json"):
+        return None
+    pinned = files.read_json("plan.json")["header"]
+    changed = dotted_differences({k: pinned.get(k) for k in header}, header)
+    return changed_plan_message(files.url, changed) if changed else None
+
+
 # The setting behind each header field a user sets, and what an absent field means (a TP size is in
 # the header only above 1): the refusal says which value continues the store.
 SETTING_OF = {

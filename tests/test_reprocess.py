@@ -183,6 +183,21 @@ def test_one_process_refuses_to_repair_a_tensor_parallel_store_before_deleting_a
     assert commands.cmd_verify(split, repair=False)["bad_shards"]  # verify alone still reports it
 
 
+def test_repair_with_a_config_that_cannot_continue_the_store_deletes_nothing(built, tiny_target_dir, tmp_path):
+    """Deleting first and refusing after would leave the bad shard gone and the manifest listing it:
+    the refusal comes before anything is deleted, naming the setting that continues the store."""
+    cfg, data = built
+    path = chunk_file(cfg, "hidden")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    damaged = path.read_bytes()
+    other = config(tiny_target_dir, data, tmp_path / "run", **{"extract.top_k": 4})
+    with pytest.raises(StoreError, match=r"^verify --repair deleted nothing: .*plan.json: this store was started with "
+                                         r"extract.top_k=8 \(top_k\), the config now gives 4: set extract.top_k=8 to continue"):
+        commands.cmd_verify(other, repair=True, progress=False)
+    assert path.read_bytes() == damaged and (Path(cfg.store.url(cfg.run_dir)) / part_path(1)).exists()
+    assert commands.cmd_verify(cfg, repair=True, progress=False)["ok"]  # the store's own config repairs it
+
+
 def test_verify_cli_exits_nonzero_naming_the_shard(built):
     import subprocess
     import sys

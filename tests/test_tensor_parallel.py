@@ -19,7 +19,7 @@ import torch
 
 from shared.config import load_run_config
 from shared.errors import ConfigError, StoreError
-from shared.identity import header_key, store_header
+from shared.identity import store_header
 from shared.reader import StoreReader
 from shared.store import StoreFiles, read_manifest
 from shared.target import TargetArch, resolve_target
