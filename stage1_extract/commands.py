@@ -203,7 +203,16 @@ def extract_store(
     files = prepared.files
     channels = pinned_outlier_channels(files, store, len(prepared.layer_ids))
     done = agreed_done(done_shards(files, shards, records) if rank == 0 or world == 1 else set(), len(shards), world)
-    check_space(prepared, store, shards, done, force)
+    # Rank 0 decides (ranks on other nodes see other disks' free space), and every rank learns it:
+    # one rank raising alone would leave the others in the next collective.
+    space_error = None
+    if rank == 0:
+        try:
+            check_space(prepared, store, shards, done, force)
+        except StoreError as exc:
+            space_error = exc
+    if not all_ok(world, space_error is None):
+        raise space_error or StoreError(f"{files.url}: rank 0 found too little free space for the shards left (its error says how much)")
     # A tensor-parallel group (consecutive ranks) shares its windows: the data-parallel place is the group's.
     windows = windows_for_rank(shards, extract.window_shards, lay.dp_rank, lay.dp_size)
     mine = [s for w in windows for s in w if s.index not in done]
