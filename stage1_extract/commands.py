@@ -29,6 +29,7 @@ from stage1_extract.distributed import (
     distributed_context,
     join_ranks,
     leave_ranks,
+    on_rank_0,
     rank_device,
     store_lock,
     wait_for_ranks,
@@ -203,16 +204,9 @@ def extract_store(
     files = prepared.files
     channels = pinned_outlier_channels(files, store, len(prepared.layer_ids))
     done = agreed_done(done_shards(files, shards, records) if rank == 0 or world == 1 else set(), len(shards), world)
-    # Rank 0 decides (ranks on other nodes see other disks' free space), and every rank learns it:
-    # one rank raising alone would leave the others in the next collective.
-    space_error = None
-    if rank == 0:
-        try:
-            check_space(prepared, store, shards, done, force)
-        except StoreError as exc:
-            space_error = exc
-    if not all_ok(world, space_error is None):
-        raise space_error or StoreError(f"{files.url}: rank 0 found too little free space for the shards left (its error says how much)")
+    # Rank 0 decides (ranks on other nodes see other disks' free space), and every rank learns it.
+    on_rank_0(rank, world, lambda: check_space(prepared, store, shards, done, force),
+              f"{files.url}: rank 0 found too little free space for the shards left (its error says how much)")
     # A tensor-parallel group (consecutive ranks) shares its windows: the data-parallel place is the group's.
     windows = windows_for_rank(shards, extract.window_shards, lay.dp_rank, lay.dp_size)
     mine = [s for w in windows for s in w if s.index not in done]
@@ -336,17 +330,9 @@ def cmd_reprocess(cfg: RunConfig, force: bool = False, progress: bool = True) ->
     rows) while the others wait on the work group (WORK_TIMEOUT), not in the join (JOIN_TIMEOUT)."""
     rank, world, _ = distributed_context()
     _join(cfg, rank, world)
-    before, error = None, None
     try:
-        if rank == 0:
-            try:
-                before = shard_report(cfg)
-            except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
-                error = exc
-        if not all_ok(world, error is None, behind_work=True):
-            if error is not None:
-                raise error
-            raise StoreError(f"{RunPaths.of(cfg).store}: rank 0 could not read the store's shards (its error says why)")
+        before = on_rank_0(rank, world, lambda: shard_report(cfg),
+                           f"{RunPaths.of(cfg).store}: rank 0 could not read the store's shards (its error says why)")
     except BaseException:
         leave_ranks(world)
         raise
@@ -392,29 +378,25 @@ def _repair(
     """verify --repair on every rank: rank 0 verifies and (when the job can extract the store's TP
     size) deletes what must be extracted again; every rank then extracts and rank 0 merges."""
     (rank, world, local_rank), url = ranks, paths.store
-    report, error = None, None
-    if rank == 0:
-        try:
-            report = check_store(url, afresh)
-            tp = cfg.extract.tensor_parallel_size
-            if report["bad_shards"] and world == 1 and tp > 1:
-                raise ConfigError(
-                    f"verify --repair: {url} was extracted with extract.tensor_parallel_size={tp}, which one process "
-                    f"cannot run, so its {len(report['bad_shards'])} bad shard(s) ({report['bad_shards'][0]['shard']}, ...) "
-                    f"were left as they are; run `torchrun --nproc_per_node {tp} -m stage1_extract verify --repair` "
-                    f"with this run's --config and overrides"
-                )
-            # Refuse before deleting: a config that cannot continue the store would leave the bad
-            # shards deleted and the manifest listing them.
-            problem = plan_problem(StoreFiles(url), resolve_store(cfg)[2]) if report["bad_shards"] else None
-            if problem:
-                raise StoreError(f"verify --repair deleted nothing: {problem}")
-        except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
-            error = exc
-    if not all_ok(world, error is None, behind_work=True):
-        if error is not None:
-            raise error
-        raise StoreError(f"{url}: rank 0 could not verify it (its error says why)")
+
+    def verified() -> dict[str, Any]:
+        report = check_store(url, afresh)
+        tp = cfg.extract.tensor_parallel_size
+        if report["bad_shards"] and world == 1 and tp > 1:
+            raise ConfigError(
+                f"verify --repair: {url} was extracted with extract.tensor_parallel_size={tp}, which one process "
+                f"cannot run, so its {len(report['bad_shards'])} bad shard(s) ({report['bad_shards'][0]['shard']}, ...) "
+                f"were left as they are; run `torchrun --nproc_per_node {tp} -m stage1_extract verify --repair` "
+                f"with this run's --config and overrides"
+            )
+        # Refuse before deleting: a config that cannot continue the store would leave the bad
+        # shards deleted and the manifest listing them.
+        problem = plan_problem(StoreFiles(url), resolve_store(cfg)[2]) if report["bad_shards"] else None
+        if problem:
+            raise StoreError(f"verify --repair deleted nothing: {problem}")
+        return report
+
+    report = on_rank_0(rank, world, verified, f"{url}: rank 0 could not verify it (its error says why)")
     if all_ok(world, rank != 0 or not report["bad_shards"]):  # rank 0's verdict: nothing to repair
         return report if rank == 0 else {"store": url, "rank": rank, "ok": True, "repaired": []}
     with store_lock(url, rank, world, "verify --repair"):

@@ -16,11 +16,12 @@ their own with WORK_TIMEOUT, since the default 30 minutes would kill healthy run
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from shared.errors import StoreError
 from shared.lock import exclusive_on_rank0
 from shared.target_model import resolve_device
 
@@ -109,6 +110,23 @@ def all_ok(world: int, ok: bool, behind_work: bool = False) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_work_group if behind_work else None)
     return bool(flag.item())
+
+
+def on_rank_0(rank: int, world: int, work: Callable[[], Any], refused: str, behind_work: bool = True) -> Any:
+    """`work` on rank 0 alone, its outcome agreed by every rank: rank 0 returns its result (the others
+    None), or every rank raises together (rank 0 its own error, the others `refused`), so no rank
+    is left waiting in the next collective for one that raised."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = work()
+        except BaseException as exc:  # noqa: BLE001 - raised after the agreement, which every rank reaches
+            error = exc
+    if not all_ok(world, error is None, behind_work=behind_work):
+        if error is not None:
+            raise error
+        raise StoreError(refused)
+    return result
 
 
 def rank_device(setting: str, local_rank: int) -> str:

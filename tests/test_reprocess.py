@@ -405,7 +405,9 @@ def test_reprocess_under_torchrun_joins_before_rank_0_reads_the_shards(built, mo
     monkeypatch.setattr(commands, "join_ranks", lambda world, backend: calls.append(("join", world, backend)))
     report = commands.shard_report(cfg)
     monkeypatch.setattr(commands, "shard_report", lambda c: calls.append("report") or report)
-    monkeypatch.setattr(commands, "all_ok", lambda world, ok, behind_work=False: calls.append(("agree", ok, behind_work)) or ok)
+    from stage1_extract import distributed
+
+    monkeypatch.setattr(distributed, "all_ok", lambda world, ok, behind_work=False: calls.append(("agree", ok, behind_work)) or ok)
     monkeypatch.setattr(commands, "cmd_extract", lambda c, **k: calls.append("extract") or {"rank": rank})
     commands.cmd_reprocess(cfg, progress=False)
     agreed = ("agree", True, True)  # on the work group
