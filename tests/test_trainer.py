@@ -570,7 +570,7 @@ def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
     for rank, path in reads:
         by_file.setdefault(Path(path).name, []).append(rank)
     assert by_file == {
-        "model.safetensors": ["0"], "shared.safetensors": ["0"], "shared.json": ["0"],
+        "model.safetensors": ["0"], "shared.safetensors": ["0"], "shared.json": ["0"], "drafter.json": ["0"],
         "rank_00000.safetensors": ["0"], "rank_00000.json": ["0"], "rank_00001.safetensors": ["1"], "rank_00001.json": ["1"],
     }
     again = [r for r in read_log(tmp_path / "train_log.jsonl", "train")][6:]
