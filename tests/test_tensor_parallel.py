@@ -29,6 +29,7 @@ from stage1_extract.plan import extraction_memory
 from stage1_extract.resolve import resolve_store
 from stage1_extract.tensor_parallel import Layout, launch_problem, layout, tensor_parallel_problem
 from testkit.data import chat_rows, stage1_overrides, write_jsonl
+from tests.test_extract import json_objects  # the ranks' summaries, printed one after another
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_70B = TargetArch("llama", 8192, 28672, 80, 64, 8, 128, 128256, 1e-5, 5e5, 131072, False)
@@ -171,14 +172,6 @@ def tiny_qwen3(out: Path) -> Path:
                          max_position_embeddings=2048, tie_word_embeddings=False)
     build_random_target(out, config, tokenizer_dir, "cpu")
     return out
-
-
-def json_objects(text: str) -> list[dict]:
-    decoder, objects, pos = json.JSONDecoder(), [], 0
-    while (start := text.find("{", pos)) >= 0:
-        obj, pos = decoder.raw_decode(text, start)
-        objects.append(obj)
-    return objects
 
 
 @pytest.mark.slow

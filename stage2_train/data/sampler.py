@@ -133,6 +133,14 @@ _CAUSES = {
 }
 
 
+
+def refuse_over_budget(counts: np.ndarray, budget: int, what: str, fix: str) -> None:
+    """A sample larger than a micro-batch's budget can never be placed: name the first and how many."""
+    over = np.flatnonzero(counts > budget)
+    if len(over):
+        i = int(over[0])
+        raise DataError(f"sample {i} {what.format(int(counts[i]))}={budget} ({len(over)} samples); {fix}")
+
 class LengthMixedSampler:
     """Yields this rank's micro-batches (lists of sample indices) for the rest of the current epoch.
 
@@ -164,14 +172,8 @@ class LengthMixedSampler:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
             raise ValueError(f"lengths must be a non-empty 1-D array, got shape {self.lengths.shape}")
-        too_long = np.flatnonzero(self.lengths > cfg.micro_batch_tokens)
-        if len(too_long):
-            i = int(too_long[0])
-            raise DataError(
-                f"sample {i} has {int(self.lengths[i])} tokens, more than sampler.micro_batch_tokens="
-                f"{cfg.micro_batch_tokens} ({len(too_long)} samples too long); raise the budget or re-extract "
-                f"with a shorter data.max_length"
-            )
+        refuse_over_budget(self.lengths, cfg.micro_batch_tokens, "has {} tokens, more than sampler.micro_batch_tokens",
+                           "raise the budget or re-extract with a shorter data.max_length")
         empty = np.flatnonzero(self.lengths < 1)
         if len(empty):
             raise ValueError(f"sample {int(empty[0])} has {int(self.lengths[empty[0]])} tokens; must be >= 1")
@@ -182,13 +184,8 @@ class LengthMixedSampler:
         self.blocks = np.asarray(blocks, dtype=np.int64)
         if self.blocks.shape != self.lengths.shape or (self.blocks < 0).any():
             raise ValueError(f"blocks must be {len(self.lengths)} counts >= 0, one per sample, got shape {self.blocks.shape}")
-        too_many = np.flatnonzero(self.blocks > self.micro_batch_blocks)
-        if len(too_many):
-            i = int(too_many[0])
-            raise DataError(
-                f"sample {i} yields {int(self.blocks[i])} blocks, more than sampler.micro_batch_blocks="
-                f"{self.micro_batch_blocks} ({len(too_many)} samples); raise it to at least sampler.max_anchors_per_seq"
-            )
+        refuse_over_budget(self.blocks, self.micro_batch_blocks, "yields {} blocks, more than sampler.micro_batch_blocks",
+                           "raise it to at least sampler.max_anchors_per_seq")
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
