@@ -10,6 +10,7 @@ never silently dropped.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -55,10 +56,22 @@ class DataConfig(Section):
         self.require(self.tokenize_workers >= 0, "tokenize_workers", "must be >= 0 (0 = one per CPU, at most 16)")
 
 
-def write_conversations_parquet(conversations: list[Conversation], path: Path) -> None:
+PART_COUNTS_KEY = b"dflash.part_counts"
+
+
+def part_counts(path: Path) -> dict[str, int]:
+    """The counts `write_conversations_parquet` stored in a file's metadata ({} when none)."""
+    import pyarrow.parquet as pq
+
+    raw = (pq.read_schema(path).metadata or {}).get(PART_COUNTS_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def write_conversations_parquet(conversations: list[Conversation], path: Path, counts: dict[str, int] | None = None) -> None:
     """Atomic Parquet write of `messages` rows (plus `source_row` so edits can be traced). Tool calls,
     tool results' ids and `tools` get their columns only when some row has them, so a file of plain
-    chats has the bytes it always had."""
+    chats has the bytes it always had. `counts` go into the file's own metadata (`part_counts` reads
+    them): a part carries what was counted while it was made, whichever rank or run made it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -78,6 +91,7 @@ def write_conversations_parquet(conversations: list[Conversation], path: Path) -
         }
         for c in conversations
     ]
-    table = pa.Table.from_pylist(rows, schema=pa.schema(columns))
+    metadata = {PART_COUNTS_KEY: json.dumps(counts)} if counts else None
+    table = pa.Table.from_pylist(rows, schema=pa.schema(columns, metadata=metadata))
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)

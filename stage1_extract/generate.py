@@ -31,7 +31,7 @@ from shared.errors import DataError
 from shared.files import full_disk, write_atomic
 from shared.identity import generate_settings_key
 from stage1_extract.backends import Engine, Request, RequestRefused, request_seed
-from stage1_extract.data import write_conversations_parquet
+from stage1_extract.data import part_counts, write_conversations_parquet
 from stage1_extract.template import prompt_ids
 
 log = logging.getLogger(__name__)
@@ -245,11 +245,11 @@ def generate_all(
     engine: Engine | None = None  # the model loads only when a part is left to write
     running: dict[int, PartRewrite] = {}
     part = meta_path
-    long_turns = limit = 0
+    limit = 0
 
     def advance(number: int) -> None:
         """The part's next round into the engine, or the part written when it has none left."""
-        nonlocal part, long_turns
+        nonlocal part
         rewrite = running[number]
         requests = rewrite.next_round(engine.max_prompt_tokens())
         if requests:
@@ -264,8 +264,8 @@ def generate_all(
                 ) from None
             return
         part = parts_dir / wanted[number]
-        long_turns += sum(rewrite.past_context.values())
-        write_conversations_parquet(running.pop(number).conversations(), part)
+        write_conversations_parquet(running.pop(number).conversations(), part,
+                                    {"long_prompt_turns_kept": sum(rewrite.past_context.values())})
         bar.update(len(chunks[number]))
         bar.set_postfix(tok_s=f"{generated_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
 
@@ -302,10 +302,10 @@ def generate_all(
         bar.close()
     kept = sum(bool(m.get("tool_calls")) for c in conversations for m in c.messages if m["role"] == "assistant")
     if rank != 0:
-        return GenerateResult(
-            out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s, long_turns, limit
-        )
+        return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s, 0, limit)
     wait_for_parts(parts_dir, wanted, world)
+    # Summed over every part, each rank's and each earlier run's: the count belongs to the data made.
+    long_turns = sum(part_counts(parts_dir / name).get("long_prompt_turns_kept", 0) for name in wanted)
     merged = [
         Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
         for i, c in enumerate(read_conversations(parts_dir))

@@ -205,13 +205,13 @@ def test_the_engine_decodes_several_parts_at_once_and_each_part_is_written_as_it
     real_write = generate.write_conversations_parquet
     written = []  # (part number, parts the engine had received by then, engine still busy)
 
-    def write_part(conversations, path):
+    def write_part(conversations, path, counts=None):
         if not path.name.startswith("part-"):  # the merged file
             return real_write(conversations, path)
         engine = fake_vllm.engines[0]
         received = {part_of(tokenizer, ids, 3) for _, ids in engine.added}
         written.append((int(path.name.split("-")[1]), received, engine.has_unfinished_requests()))
-        real_write(conversations, path)
+        real_write(conversations, path, counts)
 
     monkeypatch.setattr(generate, "write_conversations_parquet", write_part)
     out = commands.cmd_generate(cfg, progress=False)
@@ -260,6 +260,26 @@ def test_a_prompt_past_the_engines_context_keeps_its_turns_and_is_counted(tiny_t
     first, kept = [m for m in generated[2].messages if m["role"] == "assistant"]
     assert first.get("token_ids") and not kept.get("token_ids") and kept["content"] == "the data's own answer"
     assert all(m[-1].get("token_ids") for m in (generated[0].messages, generated[3].messages))
+
+
+def test_turns_kept_past_the_context_are_counted_over_every_ranks_parts_and_resumed_ones(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """Each part carries its own count, so rank 0's summary counts the other ranks' parts and the
+    parts a resumed run reused, not only what it answered itself."""
+    monkeypatch.setattr(FakeEngine, "max_model_len", 160)
+    long = "please read this long question carefully " * 30
+    rows = [{"messages": [{"role": "user", "content": long if i in (1, 4, 5) else f"question number {i}: how?"}]} for i in range(6)]
+    cfg = generate_config(tiny_target_dir, write_jsonl(tmp_path / "prompts.jsonl", rows), tmp_path / "run")  # parts 0-2, 3-5
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    for rank in (1, 0):  # rank 1 answers part 1 (rows 4 and 5 past the context), rank 0 part 0 and merges
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        out = commands.cmd_generate(cfg, progress=False)
+    assert out["long_prompt_turns_kept"] == 3
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    again = commands.cmd_generate(cfg, progress=False)  # every part reused, none answered
+    assert again["parts_reused"] == 2 and again["long_prompt_turns_kept"] == 3
 
 
 def test_a_request_the_engine_refuses_names_the_row_and_its_part(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
@@ -363,11 +383,11 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_its_free_space(tiny_targe
     real_part, real_atomic = generate.write_conversations_parquet, generate.write_atomic
     written = []
 
-    def part_writer(conversations, path):
+    def part_writer(conversations, path, counts=None):
         if written:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         written.append(path)
-        real_part(conversations, path)
+        real_part(conversations, path, counts)
 
     def atomic(path, data):
         if written and ".failed-rank" in str(path):
