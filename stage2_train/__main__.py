@@ -193,11 +193,14 @@ VERBS = [
          show=show_export, options=export_options),
     Verb("doctor", "diagnose a training log: stalls, spikes, cliffs, overfitting (ours, wandb, TensorBoard, CSV)",
          log_command, show=lambda out: out["text"], as_json=lambda out: out["text"], exit_code=lambda out: out["code"],
-         options=doctor_options, description="Diagnose a training log (this trainer's, a wandb run, a TensorBoard "
-         "folder, a CSV/JSONL history); or, with --export, check an exported drafter against its target: mask token, "
+         options=doctor_options, description="Diagnose a training log: PATH, the first argument without '=' (a run "
+         "directory, this trainer's train_log.jsonl, a wandb run, a TensorBoard folder, a CSV/JSONL history; default: "
+         "the config's run_dir). Or, with --export, check an exported drafter against its target: mask token, "
          "layer ids, shapes, rotary settings, the chat template the data was rendered with, then decode a few prompts."),
     Verb("report", "plots of a training log with the doctor's events marked, and a Markdown summary", log_command,
-         show=show_report, options=out_option),
+         show=show_report, options=out_option, description="Plots of a training log with the doctor's events marked, "
+         "and a Markdown summary. PATH, the first argument without '=': a run directory or any log the doctor reads "
+         "(default: the config's run_dir)."),
 ]
 
 

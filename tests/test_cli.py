@@ -29,6 +29,16 @@ def test_every_verb_has_its_own_help_and_the_list_names_them_all(cli, capsys):
     assert cli.main(["no-such-verb"]) == 2 and "unknown command 'no-such-verb'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("verb", ["doctor", "report"])
+def test_the_log_verbs_help_names_their_path_argument(verb, capsys):
+    """doctor and report read the log given as a plain argument (docs/doctor.md: `doctor PATH`), which
+    argparse lists only as `key=value`: their help says so, and what is read without one."""
+    with pytest.raises(SystemExit):
+        stage2_cli.main([verb, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "PATH, the first argument without '='" in text and "default: the config's run_dir" in text
+
+
 def test_the_version_is_the_package_version(capsys):
     from shared.cli import version
 
