@@ -60,7 +60,7 @@ class ExtractConfig(Section):
     """Shards compressed, hashed and written in parallel, per rank (zstd and sha256 release the GIL).
     null: 2 on CPU (the target's forward needs the cores); on a GPU the CPUs this rank may use (its
     affinity over LOCAL_WORLD_SIZE) less two for the forward loop and the absorbing thread, from 2 to 8.
-    One thread writes an 8B-shaped bf16+zstd store at ~64 MB/s (BENCHMARKS.md "store8b"), and a
+    One thread writes an 8B-shaped uncompressed bf16 store at ~64 MB/s (BENCHMARKS.md "store8b"), and a
     65K-token batch at 8B is ~2.7 GB against an H100 forward of ~2.7 s: two threads cannot keep up.
     Each thread holds up to one complete shard (store.shard_mb) while it writes."""
     lm_head_chunk_tokens: int = 2048
