@@ -31,7 +31,7 @@ def test_every_preset_validates(preset):
 def test_presets_inherit_and_differ_in_few_fields():
     qwen = load_run_config(ROOT / "configs/qwen3-8b.yaml", [])
     assert qwen.target.mask_token_id == 151669
-    assert qwen.extract.top_k == 64  # inherited from default.yaml
+    assert qwen.extract.top_k == 64  # inherited from recipe.yaml
 
 
 def test_unknown_key_is_rejected_with_dotted_name():
