@@ -581,3 +581,29 @@ def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
     resumed = load_file(ckpt / "step_000006" / "model.safetensors")
     assert resumed.keys() == weights.keys()
     assert all(torch.equal(resumed[k], weights[k]) for k in weights)
+
+
+def test_each_training_rank_makes_its_own_gpu_current_before_accelerate_starts(monkeypatch):
+    """Rank k's GPU is current before the Accelerator exists (else its NCCL communicator, default
+    stream and first allocations are cuda:0's, and eight ranks crowd one GPU)."""
+    import accelerate
+
+    from stage2_train.train import launch
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: events.append(("set_device", index)))
+
+    class FakeAccelerator:
+        def __init__(self, cpu, mixed_precision):
+            events.append(("accelerator", cpu, mixed_precision))
+            self.distributed_type = accelerate.utils.DistributedType.MULTI_GPU
+
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    launch.make_accelerator(load_run_config("configs/default.yaml", ["train.device=cuda"]).train)
+    assert events == [("set_device", 5), ("accelerator", False, "bf16")]
+    events.clear()
+    launch.make_accelerator(load_run_config("configs/default.yaml", ["train.device=cpu"]).train)
+    assert events == [("accelerator", True, "no")]
