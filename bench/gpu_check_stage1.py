@@ -329,7 +329,7 @@ def phase_generate(entry: dict[str, Any], ctx: Context) -> None:
     entry.update({"target": ctx.small_label, "backend": backend, "prompts": prompts, "max_new_tokens": sizes.gen_max_new_tokens})
     overrides = [f"run_dir={ctx.work / 'generate'}", f"target.path={ctx.small_target}", f"data.num_default_prompts={prompts}",
                  f"generate.backend={backend}", f"generate.max_new_tokens={sizes.gen_max_new_tokens}",
-                 f"extract.device={sizes.device}", f"target.dtype={'bf16' if sizes.device == 'cuda' else 'fp32'}"]
+                 f"target.dtype={'bf16' if sizes.device == 'cuda' else 'fp32'}"]  # extract.device=auto: as users run it
     entry["overrides"] = overrides
     with gpu_memory_peak(entry, sizes.device == "cuda"):
         summary = ctx.run_cli(["-m", "stage1_extract", "generate", "--json", "--no-progress", "--config", "configs/default.yaml",

@@ -64,6 +64,9 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     rank, world, local_rank = distributed_context()
     if rank == 0:
         cfg.write_resolved(out.with_name("generate_config.yaml"))
+    # vLLM forks its engine process: CUDA must not be initialised here first. torch's plain
+    # is_available() runs cuInit (the fork's CUDA then fails); its NVML check does not.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     device = resolve_device(cfg.extract.device)
     backend_name = resolve_backend(cfg.generate.backend, device)
     tokenizer = load_tokenizer(cfg.target)
@@ -119,10 +122,14 @@ def vllm_process_view(local_rank: int, world: int, tensor_parallel_size: int) ->
     """What a vLLM engine of one torchrun rank must see while it starts: only this rank's GPU(s)
     (local ranks x tensor_parallel_size consecutive devices), and no torchrun variables (with RANK or
     WORLD_SIZE set vLLM would join the launcher's world instead of building its own of one engine).
-    The environment is restored afterwards; the engine's processes keep the view they started with."""
+    The engine's worker processes are spawned, not forked (a fork of a process that touched CUDA
+    cannot use it, and vLLM forks unless it sees CUDA initialised). The environment is restored
+    afterwards; the engine's processes keep the view they started with."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ[k] for k in (*names, "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    kept = (*names, "CUDA_VISIBLE_DEVICES", "VLLM_WORKER_MULTIPROC_METHOD")
+    saved = {k: os.environ[k] for k in kept if k in os.environ}
     try:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if world > 1:
             visible = saved.get("CUDA_VISIBLE_DEVICES")
             devices = visible.split(",") if visible else [str(i) for i in range(local_device_count())]
@@ -139,7 +146,7 @@ def vllm_process_view(local_rank: int, world: int, tensor_parallel_size: int) ->
                 os.environ.pop(name, None)
         yield
     finally:
-        for name in (*names, "CUDA_VISIBLE_DEVICES"):
+        for name in kept:
             os.environ.pop(name, None)
         os.environ.update(saved)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from shared.config import load_run_config
 from shared.conversation_files import read_conversations
@@ -101,7 +102,8 @@ class FakeLLM:
 
     def __init__(self, model, dtype, seed, tensor_parallel_size):
         FakeLLM.made.append(
-            {"tp": tensor_parallel_size, "seed": seed, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "rank_env": "RANK" in os.environ}
+            {"tp": tensor_parallel_size, "seed": seed, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "rank_env": "RANK" in os.environ,
+             "start_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")}
         )
         self.llm_engine = FakeEngine(seed)
         FakeLLM.engines.append(self.llm_engine)
@@ -166,6 +168,20 @@ def test_the_engine_start_is_timed_apart_from_generating(tiny_target_dir, tmp_pa
     assert 0.3 <= out["backend_start_seconds"] < 0.6  # one engine started once, none of the engine's steps
     assert steps > 4 and out["generate_call_seconds"] >= 0.02 * steps
     assert out["backend_start_seconds"] + out["generate_call_seconds"] <= out["seconds"] + 0.05
+
+
+def test_the_engine_starts_from_a_process_that_never_initialised_cuda(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """vLLM forks its engine unless it sees CUDA initialised, and a fork of a process whose CUDA driver
+    started (torch's plain is_available() runs cuInit) cannot use CUDA: with `extract.device=auto` the
+    device is asked through NVML, and the engine's workers are spawned."""
+    asked = []
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")) or False)
+    commands.cmd_generate(generate_config(tiny_target_dir, prompts_file(tmp_path, n=3), tmp_path / "run", **{"extract.device": "auto"}),
+                          progress=False)
+    assert asked and set(asked) == {"1"}
+    assert fake_vllm.made[-1]["start_method"] == "spawn" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
 
 
 def test_ranks_each_run_an_engine_on_their_own_gpu_and_share_the_parts(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
