@@ -40,7 +40,7 @@ from stage2_train.train.checkpoint.select import (
     select_checkpoint,
 )
 from stage2_train.train.config import CheckpointConfig
-from stage2_train.train.resume import check_compatible
+from stage2_train.train.resume import check_compatible, find_resume_point
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -642,6 +642,9 @@ def test_a_checkpoint_of_another_rank_count_is_refused_not_skipped(tmp_path):
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"saved by 4 rank\(s\), this run has 1.*--nproc_per_node 4"):
         make_checkpointer(tmp_path).select()
+    # named by path (train.resume=<dir>) alike, not loaded, nor called damaged
+    with pytest.raises(CheckpointError, match=r"saved by 4 rank\(s\), this run has 1.*--nproc_per_node 4"):
+        find_resume_point(str(tmp_path / "step_000003"), False, make_checkpointer(tmp_path), {"config": {}}, 0)
 
 
 def test_best_is_pointed_at_a_save_that_committed_while_the_eval_ran(tmp_path, monkeypatch):

@@ -190,6 +190,7 @@ def find_resume_point(choice: str, force: bool, checkpointer: Any, info: dict[st
         path = Path(choice)
         if not path.is_dir():
             raise ConfigError(f"train.resume={choice!r}: no checkpoint directory at {path}")
+        checkpointer.refuse_other_world_size(path)  # before verify: another rank count is not damage
         problem = checkpointer.verify(path)
         if problem is not None:
             raise CheckpointError(f"train.resume={choice!r}: {problem}")

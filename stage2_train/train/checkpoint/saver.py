@@ -377,7 +377,7 @@ class Checkpointer:
         chosen here is loaded with `load(path, verified=True)`, which reads without hashing again."""
         selection = Selection(None)
         for path in reversed(candidates(self.dir)):
-            self._refuse_other_world_size(path)
+            self.refuse_other_world_size(path)
             problem = self.verify(path)
             if problem is None:
                 selection.path = path
@@ -385,7 +385,7 @@ class Checkpointer:
             selection.skipped.append((str(path), problem))
         return selection
 
-    def _refuse_other_world_size(self, path: Path) -> None:
+    def refuse_other_world_size(self, path: Path) -> None:
         """A checkpoint saved by another number of ranks is this run's history, not damage: skipping
         it would start afresh and later overwrite it. Every rank reads the same meta.json, so every
         rank raises alike (no collective)."""
