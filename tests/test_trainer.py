@@ -585,7 +585,8 @@ def test_two_process_resume_continues_exactly(tiny_target_dir, store, tmp_path):
 
 def test_each_training_rank_makes_its_own_gpu_current_before_accelerate_starts(monkeypatch):
     """Rank k's GPU is current before the Accelerator exists (else its NCCL communicator, default
-    stream and first allocations are cuda:0's, and eight ranks crowd one GPU)."""
+    stream and first allocations are cuda:0's, and eight ranks crowd one GPU); DDP does not re-send
+    the buffers every rank already holds."""
     import accelerate
 
     from stage2_train.train import launch
@@ -595,8 +596,9 @@ def test_each_training_rank_makes_its_own_gpu_current_before_accelerate_starts(m
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: events.append(("set_device", index)))
 
     class FakeAccelerator:
-        def __init__(self, cpu, mixed_precision):
+        def __init__(self, cpu, mixed_precision, kwargs_handlers):
             events.append(("accelerator", cpu, mixed_precision))
+            assert [h.broadcast_buffers for h in kwargs_handlers] == [False]  # the frozen buffers are equal everywhere
             self.distributed_type = accelerate.utils.DistributedType.MULTI_GPU
 
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
@@ -607,3 +609,49 @@ def test_each_training_rank_makes_its_own_gpu_current_before_accelerate_starts(m
     events.clear()
     launch.make_accelerator(load_run_config("configs/default.yaml", ["train.device=cpu"]).train)
     assert events == [("accelerator", True, "no")]
+
+
+class FrozenBuffers(torch.nn.Module):
+    """A trained layer and a frozen, non-persistent buffer, as the drafter holds the target's LM head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("head_VH", torch.zeros(8, 4), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) @ self.head_VH.T
+
+
+def ddp_buffers_on_rank(rank: int, port: int, out: str) -> None:
+    from stage2_train.train.launch import make_accelerator
+
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    accelerator = make_accelerator(load_run_config("configs/default.yaml", ["train.device=cpu", "train.cpu_threads=1"]).train)
+    model = accelerator.prepare(FrozenBuffers())
+    seen = []
+    for _ in range(2):
+        model.module.head_VH.fill_(float(rank + 1))  # the ranks disagree, which the drafter's never do
+        model(torch.ones(2, 4)).sum().backward()
+        seen.append(model.module.head_VH[0, 0].item())
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"wrapped": type(model).__name__, "seen": seen}))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow  # two gloo ranks: ~10 s
+def test_ddp_leaves_the_frozen_buffers_where_each_rank_holds_them(tmp_path):
+    """DDP's default broadcasts every module buffer from rank 0 before each forward: 2.5 GB of target
+    embedding and LM head per step at 8B, equal on every rank by construction. 2 gloo ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(ddp_buffers_on_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["wrapped"] for r in ranks] == ["DistributedDataParallel"] * 2
+    assert ranks[1]["seen"] == [2.0, 2.0]  # not rank 0's 1.0
