@@ -23,9 +23,9 @@ rank when one exits, ends them; they never write.
 
 Identity: a TP forward sums each row-parallel matmul's partial products across the group, in another
 order than one GPU does, so the stored bf16 values differ in their last bits (2 gloo ranks on CPU:
-within 1e-7 of one process in fp32). The size is therefore part of the store's extraction settings,
-like batch_tokens (shared/identity.py), and only when above 1: a store made on one GPU per rank
-keeps its identity.
+within 1e-7 of one process in fp32). Like the batch shape, the size is not the store's identity:
+the values agree within rounding, so a store made split and one made on one GPU per rank are the
+same store; each part record names the size it was made with (`batching`).
 """
 
 from __future__ import annotations

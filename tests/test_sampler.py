@@ -396,3 +396,20 @@ def test_resume_refuses_another_block_budget_or_other_blocks():
     saved_before = {k: v for k, v in state.items() if k not in ("micro_batch_blocks", "blocks_digest")}
     with pytest.raises(ValueError, match="micro_batch_blocks was None when saved.*before micro-batches had a block budget"):
         LengthMixedSampler(cfg, lengths, seed=0, blocks=blocks_of(pairs, cfg)).load_state_dict(saved_before)
+
+
+def test_an_epoch_whose_order_packs_no_pair_still_plans_when_its_samples_fit_somewhere():
+    """45 samples, 16 micro-batches a step, at most 2 samples each, nearly every one alone by its
+    blocks: epoch 0's order packed a pair where epoch 1's packed none, and epoch 1 failed at its
+    boundary after a whole epoch of training. Its last step's samples now join earlier micro-batches."""
+    lengths = np.array([118, 147, 105, 217, 146, 200, 152, 125, 48, 24, 139, 122, 134, 3, 16, 215, 104, 60, 86, 5, 160, 130, 211,
+                        222, 54, 175, 91, 174, 30, 209, 149, 70, 243, 202, 103, 184, 45, 200, 68, 230, 117, 168, 65, 17, 115])
+    blocks = np.array([37, 41, 28, 5, 14, 59, 19, 31, 46, 23, 14, 47, 16, 0, 15, 50, 31, 1, 4, 4, 30, 44, 27, 39, 53, 60, 18, 34,
+                       29, 16, 21, 38, 39, 23, 61, 1, 12, 51, 14, 10, 29, 31, 52, 16, 6])
+    cfg = SamplerConfig(micro_batch_tokens=256, micro_batch_blocks=64, max_anchors_per_seq=64, max_samples_per_batch=2)
+    sampler = LengthMixedSampler(cfg, lengths, seed=109, world_size=8, grad_accum=2, blocks=blocks)
+    for epoch in range(6):
+        plan = sampler.plan_epoch(epoch)
+        bins = [b for step in range(len(plan)) for b in plan[step]]
+        assert sorted(i for b in bins for i in b) == list(range(45))
+        assert all(b and len(b) <= 2 and lengths[b].sum() <= 256 and blocks[b].sum() <= 64 for b in bins)

@@ -86,14 +86,19 @@ def lpt(
     return bins, left
 
 
-def fill_empty_bins(steps: list[list[list[int]]], lengths: list[int], epoch: int) -> None:
-    """Give every empty micro-batch of the last step the shortest sample of a crowded earlier bin."""
+def fill_empty_bins(steps: list[list[list[int]]], lengths: list[int], blocks: list[int], budgets: Budgets, epoch: int) -> None:
+    """Give every empty micro-batch of the last step the shortest sample of a crowded earlier bin.
+    Where no bin holds two samples (nearly every sample fills a micro-batch alone, so another epoch's
+    order may pack where this one did not), the last step's samples join earlier micro-batches with
+    room for them and the step goes."""
     for b, items in enumerate(steps[-1]):
         if items:
             continue
         donors = [d for step in reversed(steps[:-1]) for d in step if len(d) >= 2]
         if not donors:
             donors = [d for d in steps[-1] if len(d) >= 2]
+        if not donors and len(steps) >= 2 and _merge_last_step(steps, lengths, blocks, budgets):
+            return
         if not donors:
             raise DataError(
                 f"epoch {epoch}: too few samples to give each of the {len(steps[-1])} micro-batches of "
@@ -102,3 +107,23 @@ def fill_empty_bins(steps: list[list[list[int]]], lengths: list[int], epoch: int
         donor = donors[0]
         shortest = min(range(len(donor)), key=lambda k: lengths[donor[k]])
         steps[-1][b].append(donor.pop(shortest))
+
+
+def _merge_last_step(steps: list[list[list[int]]], lengths: list[int], blocks: list[int], budgets: Budgets) -> bool:
+    """The last step's samples, longest first, each into the earlier micro-batch with the most tokens
+    to spare that takes it within both budgets; the step is removed. False (nothing changed) when
+    one does not fit anywhere."""
+    bins = [b for step in steps[:-1] for b in step]
+    room = [[budgets.tokens - sum(lengths[i] for i in b), budgets.blocks - sum(blocks[i] for i in b), len(b)] for b in bins]
+    placed: list[tuple[int, int]] = []
+    for i in sorted((i for b in steps[-1] for i in b), key=lambda i: -lengths[i]):
+        fits = [k for k, (t, k_blocks, n) in enumerate(room) if t >= lengths[i] and k_blocks >= blocks[i] and n < budgets.samples]
+        if not fits:
+            return False
+        k = max(fits, key=lambda k: room[k][0])
+        room[k] = [room[k][0] - lengths[i], room[k][1] - blocks[i], room[k][2] + 1]
+        placed.append((k, i))
+    for k, i in placed:
+        bins[k].append(i)
+    steps.pop()
+    return True

@@ -290,7 +290,7 @@ class LengthMixedSampler:
             second, left_second = lpt(pool[1::2], lens, blks, num_bins, budgets)
             if not left_first and not left_second and all(first) and all(second):
                 steps[-2:] = [first, second]
-        fill_empty_bins(steps, lens, epoch)
+        fill_empty_bins(steps, lens, blks, budgets, epoch)
         return EpochPlan(steps, num_bins, self.lengths, self.blocks)
 
     # ---- this rank's view -----------------------------------------------------------------
