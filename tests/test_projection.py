@@ -6,17 +6,23 @@ standard fc at export so serving engines compute exactly what was trained.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from stage2_train.data.projection import basis, energy_kept, second_moment
+from stage2_train.data.projection import basis, energy_kept, fit_distributed, fit_projection, second_moment
 from testkit.drafter import MASK_ID, three_sample_batch, tiny_arch, tiny_drafter
 
 
 class Reader:
     def __init__(self, samples):
-        self.samples = samples
+        self.samples, self.reads = samples, []
+        self.lengths = np.array([len(x) for x in samples])
+
+    def __len__(self):
+        return len(self.samples)
 
     def __getitem__(self, i):
+        self.reads.append(i)
         return {"hidden_TLH": self.samples[i]}
 
 
@@ -76,3 +82,19 @@ def test_init_from_a_full_drafter_maps_fc_through_the_basis():
     with torch.no_grad():
         torch.testing.assert_close(projected(batch), full(batch), atol=2e-4, rtol=1e-4)
     assert MASK_ID < arch.vocab_size
+
+
+def test_the_fit_reads_a_seeded_token_budget_of_the_split_not_all_of_it():
+    """At Qwen3-8B (F = 20,480) each token costs F^2 fp64 multiply-adds: the whole of a 300K-sample
+    split is days of fit before the first step. The budget's samples are the same for every rank."""
+    everything = fit_projection(Reader(features(n=12)), range(12), 6, "rms")
+    whole = Reader(features(n=12))
+    assert torch.equal(fit_distributed(whole, 0, 1, 6, "rms", budget_tokens=480, seed=3), everything)  # 480 = all 12 x 40
+    part = Reader(features(n=12))
+    P = fit_distributed(part, 0, 1, 6, "rms", budget_tokens=100, seed=3)
+    chosen = sorted(part.reads)
+    assert len(chosen) == 3 and chosen != [0, 1, 2]  # 3 x 40 tokens reach 100; a seeded draw, not the first three
+    assert torch.equal(P, fit_projection(Reader(features(n=12)), chosen, 6, "rms"))
+    again = Reader(features(n=12))
+    fit_distributed(again, 0, 1, 6, "rms", budget_tokens=100, seed=3)
+    assert sorted(again.reads) == chosen

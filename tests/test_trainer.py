@@ -188,6 +188,27 @@ def test_the_cpu_default_loss_trains_end_to_end(tiny_target_dir, store, tmp_path
     assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.15, losses
 
 
+def test_a_projected_run_fits_its_basis_on_the_token_budget_it_is_given(tiny_target_dir, store, tmp_path):
+    """model.projection_fit_tokens below the split's tokens: the basis the drafter trains with is the
+    fit over the seeded budget's samples, not over the whole split (days at 8B)."""
+    from safetensors.torch import load_file
+
+    from shared.paths import RunPaths
+    from stage2_train.data.projection import fit_distributed
+
+    budget = {"model.feature_projection": "pca", "model.projection_dim": 24, "model.projection_fit_tokens": 300}
+    cfg = config(tiny_target_dir, store, tmp_path, **budget)
+    assert commands.cmd_train(cfg, progress=False)["steps"] == MAX_STEPS
+    data = open_cfg_data(cfg)
+    try:
+        assert int(data.train_reader.lengths.sum()) > 2 * 300
+        expected = fit_distributed(data.train_reader, 0, 1, 24, "rms", budget_tokens=300, seed=cfg.seed)
+    finally:
+        data.close()
+    saved = load_file(RunPaths.of(cfg).step(MAX_STEPS) / "model.safetensors")["projection_RF"]
+    assert torch.equal(saved, expected)
+
+
 def test_lr_factor_shapes():
     cfg = OptimConfig(warmup_ratio=0.1, schedule="linear", min_lr_ratio=0.1)
     factors = [lr_factor(s, 100, cfg) for s in range(100)]

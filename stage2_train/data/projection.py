@@ -24,23 +24,37 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from shared.errors import CheckpointError
 
 
-def second_moment(reader: Any, indices: Iterable[int]) -> tuple[torch.Tensor, int]:
-    """(sum over tokens of x x^T in float64 [F, F], tokens) of the samples `indices`."""
+def second_moment(reader: Any, indices: Iterable[int], device: Any = "cpu") -> tuple[torch.Tensor, int]:
+    """(sum over tokens of x x^T in float64 [F, F] on `device`, tokens) of the samples `indices`."""
     total: torch.Tensor | None = None
     tokens = 0
     for index in indices:
-        x_TF = reader[int(index)]["hidden_TLH"].flatten(1).double()
-        gram = x_TF.T @ x_TF
-        total = gram if total is None else total + gram
+        x_TF = reader[int(index)]["hidden_TLH"].flatten(1).to(device, torch.float64)
+        if total is None:
+            total = x_TF.T @ x_TF
+        else:
+            total.addmm_(x_TF.T, x_TF)  # in place: at F = 20,480 each [F, F] is 3.4 GB
         tokens += x_TF.shape[0]
     if total is None:
         raise ValueError("no sample to fit the feature basis on")
     return total, tokens
+
+
+def fit_indices(lengths: np.ndarray, budget_tokens: int, seed: int) -> np.ndarray:
+    """The training samples the basis is fitted on: all of them when their tokens are within
+    `budget_tokens`, else a seeded random subset, in store order, whose tokens just reach it (the same
+    on every rank: it depends on the lengths and the seed only)."""
+    if int(lengths.sum()) <= budget_tokens:
+        return np.arange(len(lengths))
+    order = np.random.default_rng([seed, 0x9CA]).permutation(len(lengths))
+    count = int(np.searchsorted(np.cumsum(lengths[order]), budget_tokens)) + 1
+    return np.sort(order[:count])
 
 
 def basis(moment_FF: torch.Tensor, tokens: int, rank: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,20 +87,22 @@ def fit_projection(reader: Any, indices: Iterable[int], rank: int, scale: str) -
 
 
 def fit_distributed(
-    reader: Any, rank: int, world_size: int, dim: int, scale: str, reduce_sum: Any = None, broadcast: Any = None
+    reader: Any, rank: int, world_size: int, dim: int, scale: str, reduce_sum: Any = None, broadcast: Any = None,
+    budget_tokens: int | None = None, seed: int = 0, device: Any = "cpu",
 ) -> torch.Tensor:
-    """`fit_projection` over the training split shared by the ranks: each rank sums the second moments
-    of samples rank, rank + W, ...; `reduce_sum` (one all_reduce) gives every rank the total, and rank
-    0's basis is `broadcast` to all (eigh on other CPUs or nodes may differ in the last bits), so every
-    rank holds the same bytes."""
-    import numpy as np
-
-    moment, tokens = second_moment(reader, np.arange(len(reader))[rank::world_size])
+    """`fit_projection` over the training split (at most `budget_tokens` of it, `fit_indices`) shared
+    by the ranks: each rank sums the second moments of its share's samples rank, rank + W, ... on
+    `device`; `reduce_sum` (one all_reduce) gives every rank the total, and rank 0's basis is
+    `broadcast` to all (eigh on other devices or nodes may differ in the last bits), so every rank
+    holds the same bytes. Returns P_RF on the CPU."""
+    chosen = np.arange(len(reader)) if budget_tokens is None else fit_indices(reader.lengths, budget_tokens, seed)
+    moment, tokens = second_moment(reader, chosen[rank::world_size], device)
     if world_size > 1:
-        packed = reduce_sum(torch.cat([moment.reshape(-1), torch.tensor([float(tokens)], dtype=torch.float64)]))
+        packed = reduce_sum(torch.cat([moment.reshape(-1), torch.tensor([float(tokens)], dtype=torch.float64, device=moment.device)]))
         moment, tokens = packed[:-1].reshape(moment.shape), int(packed[-1])
     P_RF, _ = basis(moment, tokens, dim, scale)
-    return broadcast(P_RF) if world_size > 1 else P_RF
+    del moment
+    return (broadcast(P_RF) if world_size > 1 else P_RF).cpu()
 
 
 def project_init_weights(weights: dict[str, torch.Tensor], P_RF: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -57,6 +57,10 @@ class DrafterConfig(Section):
     projection_scale: Literal["none", "rms"] = "rms"
     """Per-dimension scale before the eigendecomposition (P = U^T S^-1): rms keeps a few massive
     outlier dimensions of the hidden states from taking the basis."""
+    projection_fit_tokens: int = 4_000_000
+    """Tokens of the training split the basis is fitted on (a seeded sample of it when it holds more),
+    shared by the ranks: the fit's cost grows with tokens x F^2 (F = 20,480 at Qwen3-8B: ~0.2 PFLOP a
+    rank of 8 at the default, seconds on a GPU; the whole of a 300K-sample split would take days)."""
     init_std: float = 0.02
     """Qwen3 initializer_range."""
     activation_checkpointing: bool = False
@@ -108,6 +112,7 @@ class DrafterConfig(Section):
                 "may hold only full_attention and sliding_attention",
             )
         self.require(self.projection_dim is None or self.projection_dim >= 1, "projection_dim", "must be >= 1 or null")
+        self.require(self.projection_fit_tokens >= 1, "projection_fit_tokens", "must be >= 1")
         sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
         self.require(
             not sliding or (self.sliding_window is not None and self.sliding_window >= 1),

@@ -181,7 +181,7 @@ class Trainer:
             dim = self.cfg.model.projection_dim or target.arch.hidden_size
             projection = fit_distributed(
                 self.data.train_reader, self.rank, self.world_size, dim, self.cfg.model.projection_scale,
-                reduce_sum=lambda t: self._reduce_sum(t.to(self.device)).cpu(), broadcast=self._broadcast,
+                self._reduce_sum, self._broadcast, self.cfg.model.projection_fit_tokens, self.cfg.seed, self.device,
             )
         if weights is not None and projection is not None:
             weights = project_init_weights(weights, projection)
