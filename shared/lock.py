@@ -353,3 +353,24 @@ def _read_json(data: bytes) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+@contextmanager
+def waiting_flock(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` held while the block runs, waiting for it (the others here refuse a
+    second holder); none where the folder or flock refuses: for work that is only wasted, never
+    wrong, when two do it at once."""
+    import fcntl
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a")
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield

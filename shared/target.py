@@ -25,6 +25,7 @@ from shared.embedded import EMBEDDED_DEFAULT, cache_dir, default_target_dir
 from shared.errors import ConfigError, InputFileError
 from shared.files import file_sha256, write_atomic
 from shared.hub import DOWNLOAD, is_hub_id, resolve_hub
+from shared.lock import waiting_flock
 from shared.section import Section
 
 
@@ -253,23 +254,30 @@ def weights_fingerprint(model_dir: str | os.PathLike, *, deep: bool = False) -> 
     cache_path = cache_dir() / "fingerprints" / f"{key}.json"
     stats = [(p, p.stat()) for p in files]
     stamp = [[p.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns] for p, st in stats]
-    if not deep:
+    if not deep and (cached := _cached_fingerprint(cache_path, stamp)):
+        return cached
+    # The ranks of a node starting together wait for the first to hash (8 reads of a 16 GB target
+    # otherwise) and then read its cache; where the cache cannot be locked, each hashes on its own.
+    with waiting_flock(cache_path.with_suffix(".lock")):
+        if not deep and (cached := _cached_fingerprint(cache_path, stamp)):
+            return cached
+        digest = hashlib.sha256()
+        for p in files:
+            digest.update(p.name.encode() + b"\0" + file_sha256(p).encode())
+        value = digest.hexdigest()
         try:
-            cached = json.loads(cache_path.read_text())
-            if cached.get("stamp") == stamp:
-                return cached["sha256"]
-        except (OSError, ValueError, KeyError):
-            pass
-    digest = hashlib.sha256()
-    for p in files:
-        digest.update(p.name.encode() + b"\0" + file_sha256(p).encode())
-    value = digest.hexdigest()
-    try:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(cache_path, json.dumps({"folder": str(model_dir.resolve()), "stamp": stamp, "sha256": value}))
-    except OSError:
-        pass  # a read-only cache: hash again next time
+            write_atomic(cache_path, json.dumps({"folder": str(model_dir.resolve()), "stamp": stamp, "sha256": value}))
+        except OSError:
+            pass  # a read-only cache: hash again next time
     return value
+
+
+def _cached_fingerprint(cache_path: Path, stamp: list) -> str | None:
+    try:
+        cached = json.loads(cache_path.read_text())
+        return cached["sha256"] if cached.get("stamp") == stamp else None
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def tokenizer_fingerprints(tokenizer: Any) -> dict[str, str]:

@@ -587,6 +587,33 @@ def test_pickle_only_targets_are_refused_and_the_target_folder_is_never_written(
     assert load_target_model(TargetConfig(path=str(pickled), allow_pickle_weights=True)) is not None
 
 
+def test_ranks_starting_together_hash_the_target_once(tiny_target_dir, tmp_path, monkeypatch):
+    """Eight ranks of a fresh node each hashing a 16 GB target read it eight times over: the first
+    hashes, the others wait for its cache entry."""
+    import threading
+    import time
+
+    import shared.target as target_mod
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    real, hashed = target_mod.file_sha256, []
+
+    def slow_sha256(path):
+        hashed.append(path.name)
+        time.sleep(0.2)  # long enough for every rank to arrive while the first hashes
+        return real(path)
+
+    monkeypatch.setattr(target_mod, "file_sha256", slow_sha256)
+    values = []
+    ranks = [threading.Thread(target=lambda: values.append(target_mod.weights_fingerprint(tiny_target_dir))) for _ in range(4)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    weights = sorted(p.name for p in tiny_target_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
+    assert len(values) == 4 and len(set(values)) == 1 and sorted(hashed) == weights
+
+
 def test_stop_tokens_come_from_tokenizer_and_generation_config_and_may_be_none():
     from types import SimpleNamespace
 
