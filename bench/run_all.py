@@ -64,15 +64,15 @@ EXTRA_BENCHES = {
     "fp4": ["bench/fp4.py", "--config", "configs/default.yaml", "--run-dir", "runs/fp4-default"],
     "fp4_compare": [
         "bench/compare.py", "--name", "fp4-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
-        "--variant", "fp8:store.path=runs/fp4-default/store-fp8", "--variant", "bf16:store.path=runs/fp4-default/store-bf16",
-        "--variant", "fp4:store.path=runs/fp4-default/store-fp4", "store.path=runs/fp4-default/store-bf16",
+        "--variant", "fp8:store.path=runs/fp4-default/store-fp8,store.dtype=fp8", "--variant", "bf16:store.path=runs/fp4-default/store-bf16",
+        "--variant", "fp4:store.path=runs/fp4-default/store-fp4,store.dtype=fp4", "store.path=runs/fp4-default/store-bf16",
     ],
     "fp4_long": ["bench/fp4.py", "--config", "configs/cpu-long.yaml", "--run-dir", "runs/fp4-cpu-long"],
     "fp4_compare_long": [
         "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "fp4-cpu-long", "--steps", "1600",
         "--heldout", "24", "--unseen", "16",
-        "--variant", "fp8:store.path=runs/fp4-cpu-long/store-fp8", "--variant", "bf16:store.path=runs/fp4-cpu-long/store-bf16",
-        "--variant", "fp4:store.path=runs/fp4-cpu-long/store-fp4", "store.path=runs/fp4-cpu-long/store-bf16",
+        "--variant", "fp8:store.path=runs/fp4-cpu-long/store-fp8,store.dtype=fp8", "--variant", "bf16:store.path=runs/fp4-cpu-long/store-bf16",
+        "--variant", "fp4:store.path=runs/fp4-cpu-long/store-fp4,store.dtype=fp4", "store.path=runs/fp4-cpu-long/store-bf16",
     ],
     "levers_long": [
         "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "levers-cpu-long", "--steps", "1600",
