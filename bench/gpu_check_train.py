@@ -145,6 +145,8 @@ def check_ddp_run(entry: dict[str, Any], report: dict[str, Any], cfg: Any, steps
     problems = []
     if report.get("wrapped") != "DistributedDataParallel" or report.get("backend") != ("nccl" if cuda else "gloo"):
         problems.append(f"the drafter ran as {report.get('wrapped')} over {report.get('backend')}, not DDP over {'nccl' if cuda else 'gloo'}")
+    if report.get("broadcast_buffers") is not False:
+        problems.append(f"DDP broadcast_buffers is {report.get('broadcast_buffers')}: the frozen embedding and LM head go out every step")
     if report.get("no_sync") != steps * (cfg.train.grad_accum - 1):
         problems.append(f"no_sync entered {report.get('no_sync')} times, expected {steps * (cfg.train.grad_accum - 1)}")
     if len(rows) != steps or entry["evals"] < 1 or entry["best"] is None:
@@ -213,7 +215,8 @@ def train_worker(report_path: str, argv: list[str]) -> int:
         model = out[0] if isinstance(out, tuple) else out
         report.update({"wrapped": type(model).__name__, "world_size": self.num_processes,
                        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-                       "static_graph": getattr(model, "static_graph", None), "reducer": hasattr(model, "reducer")})
+                       "static_graph": getattr(model, "static_graph", None), "reducer": hasattr(model, "reducer"),
+                       "broadcast_buffers": getattr(model, "broadcast_buffers", None)})
         return out
 
     @contextmanager
