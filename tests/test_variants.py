@@ -351,6 +351,12 @@ def test_the_description_carries_the_variant_and_refuses_fields_of_another():
         DrafterDescription.from_dict({**d.to_dict(), "variant": "dflash"})
     with pytest.raises(CheckpointError, match="conv_group_size 7 does not divide its hidden size 64"):
         DrafterDescription.from_dict({**describe_parts(variant_cfg("dflash2"), arch, LAYER_IDS, MASK_ID).to_dict(), "conv_group_size": 7})
+    plain = describe_parts(variant_cfg("dflash"), arch, LAYER_IDS, MASK_ID).to_dict()
+    for edit, message in (({"layer_types": ["full_attention"] * 5}, "lists 5 layer types for"),
+                          ({"mask_token_id": plain["vocab_size"]}, "mask_token_id .* is outside its vocabulary"),
+                          ({"num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3")):
+        with pytest.raises(CheckpointError, match=message):  # a hand-edited drafter.json, one line naming the field
+            DrafterDescription.from_dict({**plain, **edit})
     assert d.contradictions(variant_cfg("dflash2"), {"model.variant"}) == [
         "model.variant: the drafter has dspark, the command line gives dflash2"]
     assert d.contradictions(variant_cfg("dspark", markov_rank=16), {"model.markov_rank"}) == [

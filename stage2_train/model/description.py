@@ -82,11 +82,6 @@ class DrafterDescription:
             )
         if self.variant == "dflash2" and self.selector_top_k > self.vocab_size:
             raise CheckpointError(f"the drafter's selector_top_k {self.selector_top_k} exceeds its vocabulary {self.vocab_size}")
-
-    @property
-    def label_shift(self) -> int:
-        """0: slot k predicts the token at anchor + k; 1 (dspark): anchor + k + 1."""
-        return 1 if self.variant == "dspark" else 0
         if len(self.layer_types) != self.num_layers:
             raise CheckpointError(f"the drafter lists {len(self.layer_types)} layer types for {self.num_layers} layers")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -96,6 +91,11 @@ class DrafterDescription:
                 f"the drafter's num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
                 f"{self.num_key_value_heads}"
             )
+
+    @property
+    def label_shift(self) -> int:
+        """0: slot k predicts the token at anchor + k; 1 (dspark): anchor + k + 1."""
+        return 1 if self.variant == "dspark" else 0
 
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:
