@@ -91,12 +91,12 @@ def extraction_settings(cfg: RunConfig, pinned: dict[str, Any] | None = None) ->
     pinned = pinned or {}
     target = cfg.target
     device = resolve_device(stage1_value(cfg, "extract.device"))
-    attn = target.attn_implementation
-    if attn == "auto":
-        attn = pinned.get("attn_implementation") or pick_attn_implementation("auto", device)
     dtype = target.dtype
     if dtype == "auto":
         dtype = pinned.get("compute_dtype") or resolve_dtype("auto", device)
+    attn = target.attn_implementation
+    if attn == "auto":
+        attn = pinned.get("attn_implementation") or pick_attn_implementation("auto", device, dtype)
     packed = stage1_value(cfg, "extract.packed")
     if packed == "auto":
         packed = pinned["packed"] if "packed" in pinned else attn == "flash_attention_2"

@@ -43,11 +43,19 @@ def resolve_dtype(requested: str, device: str) -> str:
     return "bf16" if device.startswith("cuda") or cpu_has_native_bf16() else "fp32"
 
 
-def pick_attn_implementation(requested: str, device: str) -> str:
-    """flash-attn when asked or when it is installed on a GPU; SDPA everywhere else."""
+def pick_attn_implementation(requested: str, device: str, dtype: str | None = None) -> str:
+    """flash-attn when asked, or when it is installed on a GPU and the target computes in 16 bits
+    (flash-attn refuses fp32: transformers only warns at load, the first forward raises); SDPA
+    everywhere else. Asking for flash-attn in fp32 is refused here, naming both settings."""
+    if requested == "flash_attention_2" and dtype == "fp32":
+        raise ConfigError(
+            "target.attn_implementation=flash_attention_2 cannot run an fp32 target (flash-attn computes in "
+            "fp16/bf16 only): set target.attn_implementation=sdpa, or a bf16 dtype (target.dtype, or "
+            "eval.online_dtype for online evaluation)"
+        )
     if requested != "auto":
         return requested
-    if device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None:
+    if device.startswith("cuda") and dtype != "fp32" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
 
@@ -74,11 +82,12 @@ def load_target_model(
             f"target.path={cfg.path!r} holds only pickle (.bin) weights, which run code when loaded; convert "
             f"them to safetensors, or set target.allow_pickle_weights=true if you trust the files"
         )
+    dtype = dtype or resolve_dtype(cfg.dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         use_safetensors=safetensors,
-        dtype=getattr(torch, TORCH_DTYPES[dtype or resolve_dtype(cfg.dtype, device)]),
-        attn_implementation=attn_implementation or pick_attn_implementation(cfg.attn_implementation, device),
+        dtype=getattr(torch, TORCH_DTYPES[dtype]),
+        attn_implementation=pick_attn_implementation(attn_implementation or cfg.attn_implementation, device, dtype),
         # Straight onto the GPU: an 8B target would otherwise pass 16 GB through host memory per rank.
         **(split or {"device_map": device if device.startswith("cuda") else None}),
     )

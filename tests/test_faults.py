@@ -614,6 +614,45 @@ def test_ranks_starting_together_hash_the_target_once(tiny_target_dir, tmp_path,
     assert len(values) == 4 and len(set(values)) == 1 and sorted(hashed) == weights
 
 
+def test_an_fp32_target_on_a_gpu_with_flash_attn_installed_runs_sdpa(tiny_target_dir, monkeypatch):
+    """flash-attn refuses fp32 at the first forward (transformers only warns at load): `eval`'s online
+    target (eval.online_dtype fp32 by default) on a node with the gpu extra would die after the
+    offline eval. auto picks SDPA for fp32; asking for flash-attn in fp32 is refused by name."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import transformers
+
+    from shared.target import TargetConfig
+    from shared.target_model import pick_attn_implementation
+    from stage2_train.serve.online_eval import load_online_target
+
+    real_find_spec, loaded = importlib.util.find_spec, []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+
+    class Model(SimpleNamespace):
+        def to(self, device):
+            return self
+
+        def eval(self):
+            return self
+
+        def requires_grad_(self, flag):
+            return self
+
+    def from_pretrained(path, **kwargs):
+        loaded.append((kwargs["dtype"], kwargs["attn_implementation"]))
+        return Model()
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    load_online_target(TargetConfig(path=str(tiny_target_dir)), "fp32", "cuda")
+    load_online_target(TargetConfig(path=str(tiny_target_dir)), "bf16", "cuda")
+    assert loaded == [(torch.float32, "sdpa"), (torch.bfloat16, "flash_attention_2")]
+    with pytest.raises(ConfigError, match="flash_attention_2 cannot run an fp32 target.*target.attn_implementation=sdpa"):
+        load_online_target(TargetConfig(path=str(tiny_target_dir), attn_implementation="flash_attention_2"), "fp32", "cuda")
+    assert pick_attn_implementation("auto", "cpu", "bf16") == "sdpa"
+
+
 def test_stop_tokens_come_from_tokenizer_and_generation_config_and_may_be_none():
     from types import SimpleNamespace
 

@@ -174,7 +174,7 @@ def test_auto_settings_are_read_back_from_the_store_not_resolved_again(root, tin
     gpu = {"compute_dtype": "bf16", "attn_implementation": "flash_attention_2", "packed": True}
     # Rewrite the store as the GPU node would have made it (its auto settings resolved there).
     monkeypatch.setattr(identity, "resolve_device", lambda setting: "cuda")
-    monkeypatch.setattr(identity, "pick_attn_implementation", lambda requested, device: "flash_attention_2")
+    monkeypatch.setattr(identity, "pick_attn_implementation", lambda requested, device, dtype=None: "flash_attention_2")
     gpu_header = identity.store_header(cfg, prepare_run(cfg).target)
     assert gpu_header["extraction"] | gpu == gpu_header["extraction"]
     monkeypatch.undo()
