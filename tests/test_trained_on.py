@@ -106,6 +106,23 @@ def test_eval_refuses_another_store_unless_allowed(tiny_target_dir, stores, trai
     assert result["split"]["trained_on_store"] is False and result["split"]["holdout_fraction"] == 0.2
 
 
+def test_eval_refuses_a_drafter_trained_on_other_target_layers(tiny_target_dir, stores, trained):
+    """The store's features are of the config's layers: a drafter trained on others would be scored
+    on the wrong features with decoding still exact, so nothing else would show it."""
+    import dataclasses
+
+    from stage2_train.serve.evaluation import HeldoutSet
+
+    cfg = load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained))
+    heldout = HeldoutSet.open(cfg)
+    step = trained / "checkpoints" / "step_000002"
+    assert heldout.load(step).description.target_layer_ids == tuple(heldout.target.layer_ids)
+    heldout.target = dataclasses.replace(heldout.target, layer_ids=[i + 1 for i in heldout.target.layer_ids])
+    with pytest.raises(CheckpointError, match=r"the drafter reads target layers \[.*\], the store and the config give .*"
+                                              r"target\.layer_ids="):
+        heldout.load(step)
+
+
 # ---- export: the target, the mask token and the store it was trained on (items 1, 7) ---------------
 def test_export_records_the_split_and_states_the_store_only_when_it_was_trained_on(tiny_target_dir, stores, trained, tmp_path):
     from shared.reader import StoreReader

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from shared.config import RunConfig
-from shared.errors import StoreError
+from shared.errors import CheckpointError, StoreError
 from shared.paths import RunPaths
 from shared.target import TargetInfo, cached_tokenizer, resolve_target, stop_token_ids
 from shared.target_parts import load_embed_and_head
@@ -87,6 +87,7 @@ class HeldoutSet:
     def load(self, source: Any, runtime: DrafterConfig | None = None, device: Any = "cpu") -> LoadedDrafter:
         """A saved drafter (checkpoint or folder), as its description says, on `device`."""
         loaded = load_drafter(source, self.target, runtime=runtime, parts=self.parts)
+        same_layers(loaded.drafter, self.target, str(source))
         loaded.drafter.to(device)
         return loaded
 
@@ -98,6 +99,18 @@ class HeldoutSet:
     def prompts(self, count: int) -> list[tuple[int, list[int]]]:
         """(sample id, prompt ids) of up to `count` held-out conversations."""
         return heldout_prompts(self.reader, self.heldout, count)
+
+
+def same_layers(drafter: DFlashDrafter, target: TargetInfo, where: str) -> None:
+    """A drafter reads the features of the target layers it was trained on: fed other layers' (the
+    store's and the config's), every score is of the wrong features and decoding stays exact, so
+    nothing else would show it."""
+    description = drafter.description
+    if description is not None and list(description.target_layer_ids) != list(target.layer_ids):
+        raise CheckpointError(
+            f"{where}: the drafter reads target layers {list(description.target_layer_ids)}, the store and the config give "
+            f"{list(target.layer_ids)}; evaluate it on a store extracted with target.layer_ids={list(description.target_layer_ids)}"
+        )
 
 
 def evaluate_drafters(
@@ -118,6 +131,8 @@ def evaluate_drafters(
     paired against `baseline`. `confidence_stops`: per drafter, a DSpark early stop other than
     `eval.confidence_stop`."""
     eval_cfg = cfg.eval
+    for name, drafter in drafters.items():
+        same_layers(drafter, heldout.target, name)
     offline_rows = {
         name: offline_eval(
             drafters[name], heldout.reader, heldout.heldout[: eval_cfg.offline_max_samples].tolist(),
