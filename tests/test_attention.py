@@ -139,3 +139,22 @@ def test_under_bf16_autocast_the_context_is_not_upcast():
     seen.clear()
     model(batch)  # without autocast the weights' dtype rules: the context is cast once, to fp32
     assert seen["fc_in"] == torch.float32
+
+
+def test_compiled_flex_has_room_for_each_mask_kind_and_mode_and_no_graph_for_a_lone_block():
+    """Dynamo stops compiling a function after 8 graphs and then runs flex unfused (the whole mask
+    and scores materialised: an out-of-memory at 8B). Each mask kind x training / evaluation x the
+    shape specialisations needs its graph; a micro-batch of one block must not add one by its strides."""
+    import torch._dynamo
+
+    from stage2_train.model import attention
+
+    with torch._dynamo.config.patch(recompile_limit=8):
+        attention._block_mask_builder.cache_clear()
+        attention._flex_attention.cache_clear()
+        attention._flex_attention(True)
+        assert torch._dynamo.config.recompile_limit >= 64
+    one_block = make_packed_batch([[1] * 40], [[10]], 4, 2 * tiny_arch().hidden_size, seed=0)
+    index = attention.flex_index(one_block, 4)
+    assert all(t.is_contiguous() and 0 not in t.stride() for t in index.values())
+    attention._flex_attention.cache_clear()  # the next compiled call raises the limit again after the patch's undo

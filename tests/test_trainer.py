@@ -397,8 +397,11 @@ def test_bf16_trains_fp32_master_weights_from_a_bf16_drafter_and_after_resume(
     seen = {"layer": set(), "output": set()}
     on_training_forward(trainer.model.layers[0].mlp.down_proj, lambda out: seen["layer"].add(out.dtype))
     on_training_forward(trainer.model, lambda out: seen["output"].add(out.dtype))
+    evaluated = set()  # the held-out eval computes as the step does (and needs no graphs of its own)
+    trainer.model.register_forward_hook(lambda m, args, out: None if m.training else evaluated.add(out.dtype))
     trainer.fit()
     assert seen == {"layer": {torch.bfloat16}, "output": {torch.bfloat16}}  # no fp32 copy of the output
+    assert evaluated == {torch.bfloat16}
     assert_fp32_master_state(trainer)
 
     extra["train.max_steps"] = 5

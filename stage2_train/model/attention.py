@@ -172,7 +172,25 @@ def _flex_attention(compiled: bool) -> Any:
     no backward in torch 2.13)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if compiled:
+        allow_recompiles()
     return torch.compile(flex_attention, dynamic=True, backend=COMPILE_BACKEND) if compiled else flex_attention
+
+
+RECOMPILE_LIMIT = 64
+
+
+def allow_recompiles() -> None:
+    """Room for the graphs flex legitimately needs: one per mask kind (full, sliding, causal) x grad
+    mode (training, evaluation) x the few shape specialisations (one 128-row tile or more). Past
+    dynamo's default of 8 per function it stops compiling and runs flex unfused, which materialises
+    the whole mask and scores: an out-of-memory hours into an 8B run, on whichever rank met the new
+    combination first."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
 
 
 @functools.cache
@@ -181,6 +199,8 @@ def _block_mask_builder(compiled: bool) -> Any:
     call, and its docs now ask for this instead)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if compiled:
+        allow_recompiles()
     return torch.compile(create_block_mask, dynamic=True, backend=COMPILE_BACKEND) if compiled else create_block_mask
 
 
@@ -224,7 +244,7 @@ def flex_index(batch: DrafterBatch, block_size: int) -> dict[str, torch.Tensor]:
     blk_NB = torch.arange(N, device=device)[:, None].expand(N, B)
     q_anchor = batch.anchor_pos_N[:, None].expand(N, B)
     T = batch.context_pos_T.shape[0]
-    return {
+    index = {
         "q_seq": batch.block_seq_N[:, None].expand(N, B).reshape(-1),
         "q_pos": (q_anchor + i_B).reshape(-1),
         "q_blk": blk_NB.reshape(-1),
@@ -233,6 +253,9 @@ def flex_index(batch: DrafterBatch, block_size: int) -> dict[str, torch.Tensor]:
         "k_pos": torch.cat([batch.context_pos_T, (q_anchor + i_B).reshape(-1)]),
         "k_blk": torch.cat([torch.full((T,), -1, dtype=torch.long, device=device), blk_NB.reshape(-1)]),
     }
+    # Contiguous: with one block, reshape(-1) of an expand is a stride-0 view, and the compiled code
+    # guards on strides (a micro-batch of one block would compile its own graph).
+    return {name: t.contiguous() for name, t in index.items()}
 
 
 def _plan_flex(batch: DrafterBatch, block_size: int, kind: MaskKind, compiled: bool, index: dict | None = None) -> AttentionPlan:

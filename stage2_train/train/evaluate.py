@@ -17,6 +17,7 @@ Shape legend: N blocks, B block size, H hidden, V vocab, M rows scored in one ch
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -337,13 +338,15 @@ class HeldoutEvaluator:
     fails says so in the same reduction, so every rank raises together."""
 
     def __init__(
-        self, reader: Any, heldout: np.ndarray, *, max_samples: int, batch_tokens: int, seed: int, gamma: float,
-        rank: int, world_size: int, reduce_sum: Any,
+        self, reader: Any, heldout: np.ndarray, eval_cfg: Any, *, seed: int, gamma: float, rank: int, world_size: int,
+        reduce_sum: Any, autocast: Any = contextlib.nullcontext,
     ):
-        self.reader, self.seed, self.gamma, self.batch_tokens = reader, seed, gamma, batch_tokens
-        self.mine = heldout[:max_samples][rank::world_size].tolist()
+        self.reader, self.seed, self.gamma, self.batch_tokens = reader, seed, gamma, eval_cfg.offline_batch_tokens
+        self.mine = heldout[: eval_cfg.offline_max_samples][rank::world_size].tolist()
         self.any = len(heldout) > 0
-        self.reduce_sum = reduce_sum
+        # The training step's autocast: the eval computes as the step and the bf16 export do, and the
+        # compiled attention serves both with one set of graphs (an fp32 eval would add its own).
+        self.reduce_sum, self.autocast = reduce_sum, autocast
 
     def row(self, model: DFlashDrafter, anchors: int | None) -> dict[str, Any] | str | None:
         """The eval row of `anchors` per sample (None: every anchor) reduced over the ranks; None when
@@ -354,10 +357,11 @@ class HeldoutEvaluator:
         max_draft = model.block_size - 1 + getattr(model, "label_shift", 0)
         totals = empty_totals(max_draft)
         try:
-            totals = offline_totals(
-                model, self.reader, self.mine, max_anchors_per_seq=anchors, batch_tokens=self.batch_tokens,
-                seed=self.seed, gamma=self.gamma,
-            )
+            with self.autocast():
+                totals = offline_totals(
+                    model, self.reader, self.mine, max_anchors_per_seq=anchors, batch_tokens=self.batch_tokens,
+                    seed=self.seed, gamma=self.gamma,
+                )
         except Exception as exc:  # noqa: BLE001 - raised after the reduction, on every rank
             error = exc
         flat = torch.cat([flatten_totals(totals), torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)])

@@ -125,9 +125,8 @@ class Trainer:
         # The doctor's detectors, live: a spike, stall or cliff is a warning event the moment it shows.
         self.detectors = LiveDetectors(cfg.detectors)
         self.heldout = HeldoutEvaluator(
-            self.data.reader, self.data.heldout_indices, max_samples=cfg.eval.offline_max_samples,
-            batch_tokens=cfg.eval.offline_batch_tokens, seed=cfg.seed, gamma=cfg.loss.gamma,
-            rank=self.rank, world_size=self.world_size, reduce_sum=self._reduce_sum,
+            self.data.reader, self.data.heldout_indices, cfg.eval, seed=cfg.seed, gamma=cfg.loss.gamma,
+            rank=self.rank, world_size=self.world_size, reduce_sum=self._reduce_sum, autocast=accelerator.autocast,
         )
         self.info = run_info(
             cfg, self.data, self.model, self.description, total_steps=self.total_steps, world_size=self.world_size,
