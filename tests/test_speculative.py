@@ -327,6 +327,24 @@ def test_online_eval_reports_tau_and_exactness(target, prompts):
     assert result["proposers"]["never"]["tau"] == 1.0 and result["proposers"]["never"]["num_exact"] == 2
 
 
+def test_online_wall_times_leave_out_the_first_calls_warm_up(target, prompts):
+    """On a GPU the first drafter call compiles its attention (tens of seconds): charged to whichever
+    proposer ran first, it would read as that drafter's slowness."""
+    import time
+
+    class CompilesOnce:
+        feature_layer_ids, max_draft, name, calls = None, BLOCK - 1, "first", 0
+
+        def propose(self, tokens, context_TF):
+            CompilesOnce.calls += 1
+            if CompilesOnce.calls == 1:
+                time.sleep(1.0)
+            return []
+
+    result = online_eval(target, {"first": CompilesOnce()}, prompts, max_new_tokens=4, eos_token_ids=None)
+    assert CompilesOnce.calls > 1 and result["proposers"]["first"]["wall_s"] < 0.5
+
+
 def test_heldout_prompts_are_the_tokens_before_the_first_supervised_one():
     def sample(sid, mask):
         return {

@@ -63,6 +63,13 @@ def online_eval(
     speedup."""
     if not prompts:
         raise DataError("online eval: no held-out sample has a prompt (tokens before its first supervised one)")
+    # A short untimed decode of each first: on a GPU the first drafter call compiles its attention
+    # (tens of seconds) and the first target calls warm the kernels, which the first proposer's and
+    # the greedy wall times would otherwise carry.
+    warm = min(max_new_tokens, 2 * max((p.max_draft for p in proposers.values()), default=1) + 2)
+    target_greedy(target, prompts[0], max_new_tokens=warm, eos_token_ids=eos_token_ids)
+    for proposer in proposers.values():
+        speculative_generate(target, proposer, prompts[0], max_new_tokens=warm, eos_token_ids=eos_token_ids)
     greedy_wall = 0.0
     stats = {
         name: {"tokens": 0, "forwards": 0, "drafted": 0, "num_exact": 0, "wall_s": 0.0, "draft_s": 0.0, "hist": {}, "per_prompt": []}
