@@ -183,7 +183,8 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     report = evaluate_drafters(
         drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg, baseline="trained", offline=["trained"], device=device
     )
-    report["online"]["sample_ids"] = [sid for sid, _ in prompts]
+    if report["online"] is not None:
+        report["online"]["sample_ids"] = [sid for sid, _ in prompts]
     source = loaded.weights_file
     result = {
         "checkpoint": str(source),
@@ -191,7 +192,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         "split": heldout.split,
         "offline": report["offline"]["trained"],
         "online": report["online"],
-        "gap": report["gap"]["trained"],
+        "gap": report["gap"].get("trained"),
         "summary": one_line(report),
     }
     name = source.parent.name if source.name == "model.safetensors" else source.stem
@@ -272,12 +273,12 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
                              "num_samples": manifest.get("num_samples"), "num_tokens": manifest.get("num_tokens"),
                              "verified": bool(loaded.trained_on and loaded.trained_on.store_digest)}
     evaluated = paths.eval_dir / f"{step_dir.name}.json"
-    if evaluated.is_file():
-        online = json.loads(evaluated.read_text())["online"]
+    online = json.loads(evaluated.read_text())["online"] if evaluated.is_file() else None
+    if online is not None:
         trained = online["proposers"]["trained"]["interval"]
         facts["eval"] = {
             **{k: trained[k] for k in ("tau", "lo", "hi")}, "prompts": online["num_prompts"],
-            "max_new_tokens": online["max_new_tokens"],
+            "max_new_tokens": online["max_new_tokens"], "num_exact": online["proposers"]["trained"]["num_exact"],
             **{n: online["proposers"][n]["tau"] for n in ("untrained", "ngram") if n in online["proposers"]},
         }
     return facts

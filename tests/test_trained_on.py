@@ -123,6 +123,19 @@ def test_eval_refuses_a_drafter_trained_on_other_target_layers(tiny_target_dir, 
         heldout.load(step)
 
 
+def test_eval_with_no_online_prompts_reports_offline_only_without_loading_the_target(tiny_target_dir, stores, trained, monkeypatch):
+    """eval.online_num_prompts=0 asks for the offline numbers: the (at 8B 32 GB fp32) target never loads."""
+    import stage2_train.serve.evaluation as evaluation
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the online target was loaded")
+
+    monkeypatch.setattr(evaluation, "load_online_target", no_target)
+    result = cmd_eval(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained) + ["eval.online_num_prompts=0"]))
+    assert result["online"] is None and result["offline"]["accept_len"] >= 1.0
+    assert "offline only (eval.online_num_prompts=0)" in result["summary"]
+
+
 # ---- export: the target, the mask token and the store it was trained on (items 1, 7) ---------------
 def test_export_records_the_split_and_states_the_store_only_when_it_was_trained_on(tiny_target_dir, stores, trained, tmp_path):
     from shared.reader import StoreReader

@@ -492,3 +492,26 @@ def test_check_says_where_dspark_confidence_is_not_trained():
 
     assert said("model.variant=dspark") and not said("model.variant=dspark", "loss.full_vocab_slots=null")
     assert not said() and not said("model.variant=dspark", "model.confidence_head=false")
+
+
+def test_the_card_serves_each_variant_as_the_engines_do_and_states_exactness_as_measured(tmp_path):
+    """A DSpark drafter drafts every slot: vLLM serves it as method dspark with B speculative tokens
+    (it refuses fewer), its vanilla head only; DFlash2 has no engine yet; the exactness claim is the
+    eval's own count, not a promise."""
+    from stage2_train.serve.card import write_card
+
+    arch = tiny_arch()
+    cards = {}
+    for variant, extra in (("dflash", {}), ("dspark", {"markov_head": "gated"}), ("dflash2", {})):
+        d = describe_parts(variant_cfg(variant, **extra), arch, LAYER_IDS, MASK_ID)
+        facts = {"eval": {"tau": 1.5, "lo": 1.4, "hi": 1.6, "prompts": 8, "max_new_tokens": 64, "num_exact": 6}}
+        out = tmp_path / variant
+        out.mkdir()
+        cards[variant] = (d, write_card(out, d, facts).read_text())
+    d, card = cards["dspark"]
+    assert '"method": "dspark"' in card and f'"num_speculative_tokens": {d.block_size}' in card
+    assert "gated head is not one of them" in card and "--speculative-algorithm DFLASH" not in card
+    d, card = cards["dflash"]
+    assert '"method": "dflash"' in card and f'"num_speculative_tokens": {d.block_size - 1}' in card and "DFLASH" in card
+    assert "vllm serve" not in cards["dflash2"][1] and "No engine serves DFlash2" in cards["dflash2"][1]
+    assert all("6 of 8 outputs equal to the target's own" in c and "every output equal" not in c for _, c in cards.values())

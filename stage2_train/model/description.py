@@ -97,6 +97,11 @@ class DrafterDescription:
         """0: slot k predicts the token at anchor + k; 1 (dspark): anchor + k + 1."""
         return 1 if self.variant == "dspark" else 0
 
+    @property
+    def max_draft(self) -> int:
+        """Tokens drafted per step: B - 1 (the anchor's slot is known), B for DSpark (every slot drafts)."""
+        return self.block_size - 1 + self.label_shift
+
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -33,9 +33,13 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
     eval_line = "No held-out evaluation was recorded for this checkpoint (`python -m stage2_train eval` makes one)."
     online = facts.get("eval")
     if online:
+        # The eval says how many outputs equalled the target's greedy ones (bf16 ties can break it).
+        exact = online.get("num_exact")
+        equal = ("every output equal to the target's own" if exact == online["prompts"] else
+                 f"{exact} of {online['prompts']} outputs equal to the target's own" if exact is not None else "greedy")
         eval_line = (
             f"Held-out speculative decoding ({online['prompts']} prompts x {online['max_new_tokens']} new tokens, greedy, "
-            f"every output equal to the target's own): tau **{online['tau']:.3f}** [{online['lo']:.3f}, {online['hi']:.3f}] "
+            f"{equal}): tau **{online['tau']:.3f}** [{online['lo']:.3f}, {online['hi']:.3f}] "
             f"(95% bootstrap interval over prompts); untrained drafter {online.get('untrained', float('nan')):.3f}, "
             f"n-gram drafter {online.get('ngram', float('nan')):.3f}. Harness: dflash-pipeline's `stage2_train eval`, "
             f"so compare with figures of the same harness only."
@@ -57,7 +61,7 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         "",
         f"# {d.variant.upper() if d.variant != 'dflash' else 'DFlash'} drafter for {target_name}",
         "",
-        f"A block-diffusion drafter ({d.variant}) that drafts {d.block_size - 1} tokens per step for `{target_name}`{revision}, "
+        f"A block-diffusion drafter ({d.variant}) that drafts {d.max_draft} tokens per step for `{target_name}`{revision}, "
         f"conditioned on the outputs of its decoder layers {list(d.target_layer_ids)} (HF `hidden_states[i + 1]`). "
         f"Trained with [dflash-pipeline](https://github.com/) from stored target features.",
         "",
@@ -75,21 +79,33 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         "",
         "## Serving",
         "",
-        "vLLM:",
-        "```bash",
-        f"vllm serve {target_name} --speculative-config '{{\"method\": \"dflash\", \"model\": \"<this folder or repo>\", "
-        f"\"num_speculative_tokens\": {d.block_size - 1}}}'",
-        "```",
-        "SGLang:",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm DFLASH "
-        "--speculative-draft-model-path <this folder or repo> --dtype bfloat16",
-        "```",
+        *serving_lines(d, target_name),
         "Serve it with the same chat template (and thinking mode) the training data was rendered with: a different "
         "template is the most common cause of low acceptance in serving.",
         "",
     ]
     return write_atomic(out_dir / CARD_NAME, "\n".join(lines))
+
+
+def serving_lines(d: DrafterDescription, target_name: str) -> list[str]:
+    """How the engines serve this variant: DFlash in vLLM and SGLang; DSpark in vLLM only, as method
+    dspark with B speculative tokens (vLLM refuses fewer) and its vanilla Markov head only; DFlash2
+    nowhere yet (vLLM's loader drops its convolution; vllm #53428, #53612)."""
+    if d.variant == "dflash2":
+        return ["No engine serves DFlash2 drafters as released (vLLM's loader drops the attention convolution: vllm "
+                "#53428, #53612); evaluate it with `python -m stage2_train eval`.", ""]
+    method = "dspark" if d.variant == "dspark" else "dflash"
+    vllm = [
+        "vLLM:", "```bash",
+        f"vllm serve {target_name} --speculative-config '{{\"method\": \"{method}\", \"model\": \"<this folder or repo>\", "
+        f"\"num_speculative_tokens\": {d.max_draft}}}'", "```",
+    ]
+    if d.variant == "dspark":
+        head = "" if d.markov_head == "vanilla" else f" This drafter's {d.markov_head} head is not one of them: vLLM would serve it wrongly."
+        return [*vllm, f"vLLM serves DSpark's vanilla Markov head only.{head} (SGLang's DSpark support is not stated here.)", ""]
+    return [*vllm, "SGLang:", "```bash",
+            f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm DFLASH "
+            "--speculative-draft-model-path <this folder or repo> --dtype bfloat16", "```"]
 
 
 def publishable(out_dir: Path) -> None:

@@ -123,7 +123,9 @@ def describe_layout(view: ExportView) -> list[str]:
         f"target layers {ids} (decoder layer i's output, HF hidden_states[i + 1]), mask token {view.get('mask_token_id')}"
     ]
     block = view.get("block_size")
-    if isinstance(block, int):
+    if view.config.get("speculators_model_type") == "dspark" and isinstance(block, int):
+        out.append(f"serve with {block} speculative tokens (vLLM method dspark, num_speculative_tokens={block}: DSpark drafts every slot)")
+    elif isinstance(block, int):
         out.append(
             f"serve with {block - 1} speculative tokens (vLLM num_speculative_tokens={block - 1}; SGLang reads "
             f"block_size={block})"
@@ -161,7 +163,7 @@ def decode(
     model = load_online_target(target.cfg, settings.dtype, settings.device)
     proposers = {
         "drafter": DFlashProposer(drafter, layer_ids, feature_dtype=torch.bfloat16, name="drafter"),
-        "ngram": NgramProposer(drafter.block_size - 1),
+        "ngram": NgramProposer(loaded.description.max_draft),  # as many as the drafter drafts, as `eval` gives it
     }
     online = online_eval(
         model,

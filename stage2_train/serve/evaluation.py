@@ -140,6 +140,8 @@ def evaluate_drafters(
         )  # every anchor, as a run's final eval: walk_tau needs them all
         for name in (offline if offline is not None else drafters)
     }
+    if not prompts and eval_cfg.online_num_prompts == 0:  # offline only, asked for: the target never loads
+        return {"offline": offline_rows, "online": None, "gap": {}, "baseline": baseline}
     target_model = load_online_target(cfg.target, eval_cfg.online_dtype, device)
     tokenizer, _ = cached_tokenizer(str(heldout.target.target_dir))
     feature_dtype = torch.bfloat16  # the store holds bf16 (fp8 decodes to bf16): what training saw
@@ -173,6 +175,9 @@ def evaluate_drafters(
 
 def one_line(report: dict[str, Any], trained: str = "trained") -> str:
     """`eval`'s last line: trained tau [interval] vs untrained vs n-gram, each with its interval."""
+    if report["online"] is None:
+        row = report["offline"].get(trained, {})
+        return f"{trained}: offline only (eval.online_num_prompts=0), accept_len {row.get('accept_len', float('nan')):.3f}"
     parts = []
     for name in (trained, "untrained", "ngram"):
         entry = report["online"]["proposers"].get(name)
