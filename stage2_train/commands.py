@@ -200,6 +200,24 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     return result
 
 
+def verifier_name(hub_id: str | None, target_config: dict[str, Any], folder_name: str, format: str) -> str:
+    """What an export names its verifier by: speculators loads the verifier's embedding and LM head
+    from it, so a bare local folder name resolves nowhere. The Hub id the target came from, else the
+    one its config.json was saved from, else the folder's name with a warning (speculators format)."""
+    from shared.hub import is_hub_id
+
+    saved_from = str(target_config.get("_name_or_path") or "")
+    if hub_id or is_hub_id(saved_from):
+        return hub_id or saved_from
+    if format == "speculators":
+        import sys
+
+        print(f"warning: speculators_config.verifier.name_or_path is {folder_name!r}, a local folder's name that speculators "
+              f"cannot load the verifier from; set it to the target's Hub id by hand (the target was not loaded from the Hub)",
+              file=sys.stderr)
+    return folder_name
+
+
 def cmd_export(
     cfg: RunConfig, checkpoint: str | None = None, out: str | None = None, format: str = "zlab", push_to_hub: str | None = None
 ) -> dict[str, Any]:
@@ -218,13 +236,15 @@ def cmd_export(
     tokenizer, _ = cached_tokenizer(str(target.target_dir))
     out_dir = Path(out or RunPaths.of(cfg).export)
     name = target.source.get("hub_id") or Path(cfg.target.path).name  # never this machine's path
+    target_config = json.loads((target.target_dir / "config.json").read_text())
+    verifier = verifier_name(target.source.get("hub_id"), target_config, name, format)
     target_info = {
         "name": name,
         **{k: v for k, v in target.source.items() if k in ("hub_id", "revision", "commit")},
-        "verifier": name,
+        "verifier": verifier,
         "weights_sha256": target.weights_sha256,
         "mask_token": mask_token_string(tokenizer, loaded.description.mask_token_id),  # the drafter's, never the config's
-        "architectures": json.loads((target.target_dir / "config.json").read_text()).get("architectures") or [],
+        "architectures": target_config.get("architectures") or [],
     }
     training = loaded.trained_on.to_dict() if loaded.trained_on is not None else None
     export_drafter(loaded.drafter, loaded.description, target_info, out_dir, format=format, training=training)

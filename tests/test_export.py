@@ -436,3 +436,16 @@ def test_an_export_is_publishable(tmp_path, tiny_target_dir, monkeypatch):
     assert result["pushed_to"] == "me/drafter" and calls[0][:2] == ("create_repo", "me/drafter")
     assert calls[1][:2] == ("upload_folder", "me/drafter") and calls[1][3] == ["dflash_pipeline_config.yaml"]
     assert "README.md" in calls[1][2]
+
+
+def test_a_speculators_export_names_a_verifier_speculators_can_load(capsys):
+    """speculators loads the verifier's embedding and LM head from verifier.name_or_path: the Hub id
+    the target came from or was saved from, never a bare folder name without a warning."""
+    from stage2_train.commands import verifier_name
+
+    assert verifier_name("Qwen/Qwen3-8B", {}, "Qwen3-8B", "speculators") == "Qwen/Qwen3-8B"
+    assert verifier_name(None, {"_name_or_path": "Qwen/Qwen3-8B"}, "my-copy", "speculators") == "Qwen/Qwen3-8B"
+    assert capsys.readouterr().err == ""
+    assert verifier_name(None, {"_name_or_path": "/models/q"}, "q", "speculators") == "q"
+    assert "speculators_config.verifier.name_or_path is 'q'" in capsys.readouterr().err
+    assert verifier_name(None, {}, "q", "zlab") == "q" and capsys.readouterr().err == ""
