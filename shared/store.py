@@ -96,8 +96,9 @@ class StoreConfig(Section):
             return []
         return [
             "store.dtype=fp4: 0.29x of bf16's bytes per token at the Qwen3-8B shape (fp8 0.505x; docs/capacity.md); "
-            "a drafter trained on it accepted as many tokens as one trained on fp8 on the CPU default, fp4 - fp8 "
-            "-0.001 [-0.018, +0.015] (BENCHMARKS.md \"fp4_compare\"; one small target: measure yours)"
+            "a drafter trained on it accepted as many tokens as one trained on fp8, fp4 - fp8 -0.001 [-0.018, +0.015] "
+            "on the CPU default and +0.002 [-0.020, +0.024] on cpu-long (BENCHMARKS.md \"fp4_compare\", "
+            "\"fp4_compare_long\"; one small target: measure yours)"
         ]
 
     def identity(self) -> dict[str, Any]:
