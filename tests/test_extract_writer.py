@@ -252,3 +252,31 @@ def test_writer_threads_unset_follow_the_device_and_the_ranks_share_of_the_cpus(
     assert writer_threads(ExtractConfig(), "cuda") == 2
     assert writer_threads(ExtractConfig(), "cpu") == 2
     assert writer_threads(ExtractConfig(writer_threads=5), "cuda") == 5
+
+
+@pytest.mark.device
+def test_host_copies_read_after_their_event_equal_the_device_tensors(device):
+    """What the writer reads after a batch's event equals what the forward made, the batch's
+    finiteness sum included: on a GPU the copies are issued on the forward's own device and stream
+    (cuda:1 when there are two GPUs, rank 1's case; else a side stream of cuda:0) and are pinned;
+    on CPU they are plain copies and there is no event."""
+    from contextlib import nullcontext
+
+    from stage1_extract.extract import stored_value_sum, to_host
+
+    cuda = device.type == "cuda"
+    where = torch.device("cuda", 1) if cuda and torch.cuda.device_count() > 1 else device
+    stream = torch.cuda.Stream(where) if cuda else None
+    with torch.cuda.device(where) if cuda else nullcontext(), torch.cuda.stream(stream) if cuda else nullcontext():
+        outputs = [tuple(torch.randn(4096, *shape, device=where) for shape in ((5, 1024), (64,), (64,))) for _ in range(8)]
+        host, ready, value_sum = to_host(outputs, where, stored_value_sum(outputs))
+        assert (ready is None) == (not cuda)
+        if ready is not None:
+            ready.synchronize()  # as the writer waits, before it reads a byte
+        landed = float(value_sum)
+        if cuda:
+            assert host[0][0].is_pinned()
+            torch.cuda.synchronize(where)
+    assert all(torch.equal(h, o.cpu()) for copies, made in zip(host, outputs) for h, o in zip(copies, made))
+    expected = sum(float(t.double().sum()) for hidden, values, _ in outputs for t in (hidden, values))
+    assert math.isclose(landed, expected, rel_tol=1e-4, abs_tol=1.0)

@@ -344,3 +344,27 @@ def test_host_buffers_are_reused_not_allocated_per_micro_batch():
     held = [loaded for _, loaded in zip(range(8), kept.stream())]  # never given back: fresh buffers
     kept.close()
     assert len({lb.buffer.data_ptr() for lb in held}) == 8
+
+
+@pytest.mark.device
+def test_host_buffers_are_pinned_once_and_reused_across_copies_to_the_device(device):
+    """Ten micro-batches copied to the device (asynchronously from pinned memory on a GPU), each
+    buffer given back with its copy's event: at most `keep` buffers are ever made."""
+    from stage2_train.data.loader import BufferPool
+
+    cuda = device.type == "cuda"
+    pool = BufferPool(16384, (5, 64), torch.bfloat16, keep=3, pin=cuda)
+    copies = []
+    for step in range(10):
+        view, buffer = pool.take(12000)  # waits for the last copy out of a reused buffer
+        view.fill_(step)
+        copies.append(view.to(device, non_blocking=cuda, copy=True))
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        pool.give_back(buffer, event)
+        assert buffer.is_pinned() == cuda
+    # Read only now: a buffer refilled before its copy had run would show a later step's values.
+    assert [float(c[-1, -1, -1]) for c in copies] == list(range(10))
+    assert pool.allocated <= 3

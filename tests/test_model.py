@@ -217,12 +217,15 @@ def test_flex_block_mask_matches_naive_reference():
         torch.testing.assert_close(model(batch), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_flex_matches_naive_on_cuda():
+@pytest.mark.device
+def test_flex_matches_naive_forward_and_backward(device):
+    """The drafter's flex path (compiled with inductor on a GPU) against the rule written out, its
+    gradients included."""
+    if device.type != "cuda":
+        pytest.skip("CPU flex has no backward: test_flex_block_mask_matches_naive_reference checks its forward")
     arch = tiny_arch(kv_heads=2)
-    model = tiny_drafter(arch, num_layers=2).cuda()
-    batch = three_sample_batch(arch).to("cuda")
+    model = tiny_drafter(arch, num_layers=2).to(device)
+    batch = three_sample_batch(arch).to(device)
     model.attention_backend = "naive"
     ref = model(batch)
     ref.square().sum().backward()

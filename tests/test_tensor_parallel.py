@@ -163,10 +163,10 @@ def tiny_qwen3(out: Path) -> Path:
     """A Qwen3 whose heads split 2 ways (4 heads, 2 KV heads; untied head), SmolLM2's tokenizer."""
     from transformers import AutoTokenizer, Qwen3Config
 
-    from shared.embedded import default_target_dir
     from testkit.target import build_random_target
+    from testkit.target import tokenizer_dir as test_tokenizer
 
-    tokenizer_dir = default_target_dir()
+    tokenizer_dir = test_tokenizer()
     config = Qwen3Config(vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=2048, tie_word_embeddings=False)
@@ -175,13 +175,17 @@ def tiny_qwen3(out: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_split_a_qwen3_target_and_store_what_one_process_stores(tmp_path):
-    """torchrun, 2 CPU ranks, extract.tensor_parallel_size=2: one TP group loads the target split by
-    Qwen3's own plan, rank 0 writes; every sample's features equal a single process's within rounding
-    (the row-parallel sums run in another order), the ids and masks exactly, and the store verifies."""
+@pytest.mark.device
+def test_two_ranks_split_a_qwen3_target_and_store_what_one_process_stores(tmp_path, device):
+    """torchrun, 2 ranks (CPU ranks over gloo; 2 GPUs over NCCL under `--device cuda`),
+    extract.tensor_parallel_size=2: one TP group loads the target split by Qwen3's own plan, rank 0
+    writes; every sample's features equal a single process's within rounding (the row-parallel sums
+    run in another order), the ids and masks exactly, and the store verifies."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor-parallel extraction needs 2 GPUs; this machine has {torch.cuda.device_count()}")
     target = tiny_qwen3(tmp_path / "qwen3")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
-    base = {"target.dtype": "fp32", "target.attn_implementation": "sdpa", "extract.packed": "off"}
+    base = {"target.dtype": "fp32", "target.attn_implementation": "sdpa", "extract.packed": "off", "extract.device": device.type}
     single = stage1_overrides(target, data, tmp_path / "one", **base)
     split = stage1_overrides(target, data, tmp_path / "two", **base, **{"extract.tensor_parallel_size": 2})
     commands.cmd_extract(load_run_config("configs/default.yaml", single), progress=False)
@@ -201,15 +205,18 @@ def test_two_gloo_ranks_split_a_qwen3_target_and_store_what_one_process_stores(t
     assert read_manifest(two.url)["extraction"] == read_manifest(one.url)["extraction"]
     assert {r["batching"]["tensor_parallel_size"] for r in read_manifest(two.url)["shards"]} == {2}
     assert len(one) == len(two) == 12 and one.sample_ids.tolist() == two.sample_ids.tolist()
-    worst = 0.0
+    worst, scale = 0.0, 1.0
+    if device.type == "cuda":
+        scale = max(float(one[i]["hidden_TLH"].float().abs().max()) for i in range(len(one)))
     for i in range(len(one)):
         a, b = one[i], two[i]
         assert torch.equal(a["input_ids_T"], b["input_ids_T"]) and torch.equal(a["loss_mask_T"], b["loss_mask_T"])
-        worst = max(worst, float((a["hidden_TLH"].float() - b["hidden_TLH"].float()).abs().max()))
+        worst = max(worst, float((a["hidden_TLH"].float() - b["hidden_TLH"].float()).abs().max() / scale))
         torch.testing.assert_close(b["topk_logprobs_TK"], a["topk_logprobs_TK"], rtol=0, atol=1e-2)  # one fp16 step below 16
         assert (a["topk_ids_TK"] == b["topk_ids_TK"]).float().mean() > 0.99  # near-ties may swap
-    # fp32 values that differ in their last bits, stored as bf16: a step of bf16 at most (measured 2.4e-4).
-    assert worst <= 1e-3
+    # fp32 values that differ in their last bits, stored as bf16: a step of bf16 at most (measured 2.4e-4);
+    # on GPUs, relative to the largest value, as cuBLAS may sum in TF32.
+    assert worst <= (0.05 if device.type == "cuda" else 1e-3)
     verified = commands.cmd_verify(load_run_config("configs/default.yaml", split), progress=False)
     assert verified["ok"] and not verified["bad_shards"]
 
