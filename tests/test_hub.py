@@ -134,11 +134,14 @@ def test_download_fetches_what_loading_needs_not_the_original_checkpoints():
 
 def _hub_refusal(status: int, url: str, **headers: str) -> Exception:
     """The exception huggingface_hub itself raises for this answer of the Hub (its own hf_raise_for_status)."""
-    import httpx2  # what this huggingface_hub speaks HTTP with
     from huggingface_hub.utils import hf_raise_for_status
 
+    try:  # what this huggingface_hub speaks HTTP with: httpx2 from 2.x, httpx before (1.33 on the GPU image)
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
     try:
-        hf_raise_for_status(httpx2.Response(status, headers=headers, request=httpx2.Request("GET", url)))
+        hf_raise_for_status(httpx.Response(status, headers=headers, request=httpx.Request("GET", url)))
     except Exception as exc:  # noqa: BLE001 - returned for the fake to raise
         return exc
     raise AssertionError(f"HTTP {status} raised nothing")
