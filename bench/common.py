@@ -13,8 +13,10 @@ as `make` does, the stage-1 pure forward, the documentation chats, and the repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -112,10 +114,17 @@ class Done:
         return json.loads("\n".join(lines[starts[-1]:])) if starts else {}
 
 
+class CommandFailed(RuntimeError):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 def run_cli(args: list[str], log: Path, env: dict[str, str] | None = None, timeout: float | None = None) -> Done:
     """`python <args>` from the repository root with the repository importable and W&B off; stderr
-    to `log`, stdout to `log`.out. A failure raises RuntimeError with the end of the log; a run
-    past `timeout` seconds is killed and raises subprocess.TimeoutExpired."""
+    to `log`, stdout to `log`.out. A failure raises CommandFailed (a RuntimeError with the exit code
+    and the end of the log); a run past `timeout` seconds is killed, with every process it started
+    (torchrun's ranks), and raises subprocess.TimeoutExpired, as an interrupt of this one does."""
     log.parent.mkdir(parents=True, exist_ok=True)
     out_path = log.with_name(log.name + ".out")
     paths = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
@@ -123,18 +132,28 @@ def run_cli(args: list[str], log: Path, env: dict[str, str] | None = None, timeo
     launched, started = time.time(), time.perf_counter()
     killed = threading.Event()
     with out_path.open("w") as out, log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=out, stderr=err)
-        killer = threading.Timer(max(timeout, 1), lambda: (killed.set(), proc.kill())) if timeout else None
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+
+        def kill() -> None:  # the child's whole group: killing torchrun alone would leave its ranks running
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        killer = threading.Timer(max(timeout, 1), lambda: (killed.set(), kill())) if timeout else None
         if killer:
             killer.start()
-        _, status, usage = os.wait4(proc.pid, 0)  # wait4: this child's own peak memory
-        if killer:
-            killer.cancel()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # wait4: this child's own peak memory
+        except BaseException:  # an interrupt, or the GPU check's SIGTERM: no process outlives it
+            kill()
+            raise
+        finally:
+            if killer:
+                killer.cancel()
     seconds, code = time.perf_counter() - started, os.waitstatus_to_exitcode(status)
     if killed.is_set():
         raise subprocess.TimeoutExpired(args, timeout)
     if code != 0:
-        raise RuntimeError(f"python {' '.join(args[:4])} ... failed (exit {code}); the end of {log}:\n{log.read_text()[-3000:]}")
+        raise CommandFailed(f"python {' '.join(args[:4])} ... failed (exit {code}); the end of {log}:\n{log.read_text()[-3000:]}", code)
     return Done(launched, seconds, usage.ru_maxrss // 1024, out_path.read_text())  # Linux reports KiB
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,7 @@ def test_device_tests_report_each_test_and_fail_on_a_failed_one(tmp_path, monkey
     """The phase reads pytest's own report: a skipped flash-attn test on a GPU is a fallback, a
     failed test fails the phase by name; the rows count each outcome."""
     from bench import gpu_check_kit
+    from bench.common import CommandFailed
 
     def pytest_run(args, name, timeout, env=None):
         assert args[:2] == ["-m", "pytest"] and "--device" in args and env["DFLASH_TEST_TOKENIZER"]
@@ -109,19 +111,19 @@ def test_device_tests_report_each_test_and_fail_on_a_failed_one(tmp_path, monkey
             '<testcase classname="tests.test_extract" name="test_packed[flash_attention_2]"><skipped message="flash-attn: needs CUDA"/>'
             '</testcase><testcase classname="tests.test_loader" name="test_pinned"><failure message="assert 4 &lt;= 3"/>'
             "</testcase></testsuite></testsuites>")
-        raise RuntimeError("pytest exited 1")
+        raise CommandFailed("pytest exited 1", 1)
 
     monkeypatch.setattr(gpu_check_kit.Context, "run_cli", lambda self, *a, **k: pytest_run(*a, **k))
     ctx = gpu_check_kit.Context(sizes=gpu_check_kit.GPU_SIZES, work=tmp_path, rec=None, peak_tflops=None,
                                 small_target="x", tokenizer_dir=tmp_path)
     ctx.rec = type("Rec", (), {"left": lambda self: 100.0})()
     entry: dict = {}
-    with pytest.raises(RuntimeError, match=r"device tests failed: \['test_loader::test_pinned'\]"):
+    with pytest.raises(RuntimeError, match=r"device tests failed: \['test_loader::test_pinned'\] \(logs/device_tests.log.out\)"):
         gpu_check.phase_device_tests(entry, ctx)
     assert entry["tests"] == {"test_extract::test_packed[sdpa]": "passed",
                               "test_extract::test_packed[flash_attention_2]": "skipped: flash-attn: needs CUDA",
                               "test_loader::test_pinned": "failure: assert 4 <= 3"}
-    assert entry["fallbacks"] == ["flash-attn: not installed -> packed extraction was checked with sdpa's packed-sequence mask only"]
+    assert entry["fallbacks"] == ["flash-attn: not installed -> packed extraction was checked under sdpa and eager, not flash-attn's varlen kernel"]
     (row,) = [r for r in gpu_check.rows({"phases": {"device_tests": {**entry, "status": "failed"}}}) if r[0].startswith("the tests")]
     assert row[1:3] == ("1 / 1 / 1", "none failed") and row[4] == "**no**"
 
@@ -135,3 +137,38 @@ def test_a_phase_that_fell_back_ends_fallback_never_ok(tmp_path, monkeypatch):
     assert gpu_check.main(["--cpu-smoke", "--phases", "generate", "--json", str(out), "--work-dir", str(tmp_path)]) == 0
     phase = json.loads(out.read_text())["phases"]["generate"]
     assert (phase["status"], phase["fallbacks"]) == ("fallback", ["vllm: not installed -> transformers"])
+
+
+def test_the_device_tests_are_the_ones_the_gpu_check_promises():
+    """docs/gpu.md lists what `device_tests` runs on a GPU: a test that lost its `device` mark (or was
+    renamed) would drop out of the GPU check unseen."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "device", "tests"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    collected = {line.split("[")[0] for line in done.stdout.splitlines() if "::" in line}
+    assert collected == {
+        "tests/test_attention.py::test_compiled_flex_compiles_a_fixed_number_of_times_over_twenty_pack_shapes",
+        "tests/test_extract.py::test_packed_extraction_equals_padded_extraction",
+        "tests/test_extract_writer.py::test_host_copies_read_after_their_event_equal_the_device_tensors",
+        "tests/test_loader.py::test_host_buffers_are_pinned_once_and_reused_across_copies_to_the_device",
+        "tests/test_model.py::test_flex_matches_naive_forward_and_backward",
+        "tests/test_tensor_parallel.py::test_two_ranks_split_a_qwen3_target_and_store_what_one_process_stores",
+    }, done.stdout[-2000:]
+
+
+def test_a_command_past_its_limit_is_killed_with_every_process_it_started(tmp_path):
+    """torchrun's ranks are the command's children: a GPU check phase that runs out of time must not
+    leave them holding the GPU for the phases after it."""
+    from bench.common import run_cli
+
+    script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(child.pid, flush=True); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_cli(["-c", script], tmp_path / "sleep.log", timeout=2)
+    grandchild = int((tmp_path / "sleep.log.out").read_text())
+    for _ in range(50):  # killed, then reaped by whoever inherited it
+        status = Path(f"/proc/{grandchild}/status")
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {grandchild} outlived the command that started it")
