@@ -79,7 +79,10 @@ def convert_embedded_gguf(out: Path) -> Path:
         raise RuntimeError(f"GGUF conversion lost weights: missing={missing}, unexpected={unexpected}")
     clean.tie_weights()
     clean.to(torch.bfloat16).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if tokenizer.eos_token_id != config.eos_token_id:  # transformers 4.x reads the GGUF's eos as <|im_start|>
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+    tokenizer.save_pretrained(tmp)
     (tmp / ".complete").write_text(json.dumps({"source": str(gguf), "sha256": file_sha256(gguf)}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

@@ -140,17 +140,18 @@ def _download_problem(exc: Exception, repo: str, revision: str) -> str | None:
         )
     if isinstance(exc, RevisionNotFoundError):
         return f"{repo} has no revision {revision!r} ({page}/tree/main lists branches and commits): fix the @revision"
-    if isinstance(exc, HfHubHTTPError):
-        status = exc.response.status_code if exc.response is not None else "?"
-        if status == 401:
-            return f"the Hub refused the token (HTTP 401: invalid credentials): set a valid one ({LOGIN}), {rerun}"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"the Hub answered HTTP {status} for {repo} ({first}); {rerun} later (it resumes what was fetched)"
-    if isinstance(exc, LocalEntryNotFoundError):  # what snapshot_download raises when it cannot reach the Hub
+    if isinstance(exc, LocalEntryNotFoundError):  # what snapshot_download raises when it cannot reach the Hub;
+        # before HfHubHTTPError, of which huggingface_hub 0.x (transformers 4.x) makes it one
         cause = exc.__cause__ or exc.__context__
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{type(cause).__name__ if cause else 'no answer'}"
         return (
             f"cannot reach the Hub at {constants.ENDPOINT} ({why}) and {repo}@{revision} is not in the cache at "
             f"{hub_cache()}: check the network, proxy and HF_ENDPOINT (HF_HUB_OFFLINE=1 forbids downloads), {rerun}"
         )
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "?"
+        if status == 401:
+            return f"the Hub refused the token (HTTP 401: invalid credentials): set a valid one ({LOGIN}), {rerun}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"the Hub answered HTTP {status} for {repo} ({first}); {rerun} later (it resumes what was fetched)"
     return None

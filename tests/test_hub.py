@@ -134,14 +134,25 @@ def test_download_fetches_what_loading_needs_not_the_original_checkpoints():
 
 def _hub_refusal(status: int, url: str, **headers: str) -> Exception:
     """The exception huggingface_hub itself raises for this answer of the Hub (its own hf_raise_for_status)."""
+    import huggingface_hub
     from huggingface_hub.utils import hf_raise_for_status
 
-    try:  # what this huggingface_hub speaks HTTP with: httpx2 from 2.x, httpx before (1.33 on the GPU image)
-        import httpx2 as httpx
-    except ImportError:
-        import httpx
+    # What this huggingface_hub speaks HTTP with: httpx2 from 2.x, httpx in 1.x (1.33 on the GPU image),
+    # requests in 0.x (transformers 4.x).
+    if huggingface_hub.__version__.startswith("0."):
+        import requests
+
+        response = requests.Response()
+        response.status_code, response.url, response.request = status, url, requests.Request("GET", url).prepare()
+        response.headers.update(headers)
+    else:
+        try:
+            import httpx2 as httpx
+        except ImportError:
+            import httpx
+        response = httpx.Response(status, headers=headers, request=httpx.Request("GET", url))
     try:
-        hf_raise_for_status(httpx.Response(status, headers=headers, request=httpx.Request("GET", url)))
+        hf_raise_for_status(response)
     except Exception as exc:  # noqa: BLE001 - returned for the fake to raise
         return exc
     raise AssertionError(f"HTTP {status} raised nothing")
