@@ -200,19 +200,23 @@ def test_a_repo_the_hub_refuses_is_one_line_naming_the_token_and_the_page(hub, m
 
 def test_an_unreachable_hub_and_a_repo_without_safetensors_are_one_line(hub, monkeypatch, tmp_path, tiny_target_dir):
     import huggingface_hub
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    def offline(repo_id, **kw):
-        try:
-            raise ConnectionError("no route to host")
-        except ConnectionError as exc:  # snapshot_download's own wrapping of a failed connection
-            raise LocalEntryNotFoundError("An error happened while trying to locate the files on the Hub") from exc
+    class OfflineOfHub0(LocalEntryNotFoundError, HfHubHTTPError):  # huggingface_hub 0.x (transformers 4.x) makes it both
+        pass
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     cfg = load_run_config("configs/default.yaml", ["target.path=org/model"])
-    with pytest.raises(InputFileError, match=r"^target.path=org/model: cannot reach the Hub at https://huggingface.co "
-                                             r"\(ConnectionError\) and org/model@main is not in the cache at .*check the network"):
-        stage1.cmd_download(cfg)
+    for error in (LocalEntryNotFoundError, OfflineOfHub0):
+        def offline(repo_id, error=error, **kw):
+            try:
+                raise ConnectionError("no route to host")
+            except ConnectionError as exc:  # snapshot_download's own wrapping of a failed connection
+                raise error("An error happened while trying to locate the files on the Hub") from exc
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+        with pytest.raises(InputFileError, match=r"^target.path=org/model: cannot reach the Hub at https://huggingface.co "
+                                                 r"\(ConnectionError\) and org/model@main is not in the cache at .*check the network"):
+            stage1.cmd_download(cfg)
 
     pickles = tmp_path / "pickles"
     pickles.mkdir()
