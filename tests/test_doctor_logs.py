@@ -138,7 +138,10 @@ def test_a_wandb_run_still_being_written_is_read_to_its_last_record(tmp_path, mo
     log.write_bytes(log.read_bytes()[: log.stat().st_size * 2 // 3])  # killed mid-run
     diagnosis = run_doctor(log.parent)
     assert 200 < diagnosis["summary"]["train_rows"] < 400
-    assert any("incomplete" in note for note in diagnosis["summary"]["reader_notes"])
+    # wandb's reader says so as an incomplete file or as a chunk failing its checksum (which one depends
+    # on where the cut falls; the run's ids and times move it: 2 of ~20 runs said the second)
+    notes = diagnosis["summary"]["reader_notes"]
+    assert any("incomplete" in note or "checksum mismatch" in note for note in notes), notes
 
 
 def test_a_folder_of_two_different_wandb_runs_is_refused_naming_them(tmp_path, monkeypatch):
