@@ -134,7 +134,7 @@ def rows(result: dict[str, Any]) -> list[Row]:
     if tests:
         outcomes = [t.split(":")[0] for t in tests.values()]
         skipped = "; ".join(f"{n}: {t.split(': ', 1)[-1]}" for n, t in tests.items() if t.startswith("skipped"))
-        out.append(("the tests a GPU changes (`pytest -m device --device cuda`): passed / skipped / failed",
+        out.append(("the tests a GPU changes (`pytest -m device`, on the check's device): passed / skipped / failed",
                     f"{outcomes.count('passed')} / {outcomes.count('skipped')} / {len(outcomes) - outcomes.count('passed') - outcomes.count('skipped')}",
                     "none failed", skipped[:600], yes(all(o in ("passed", "skipped") for o in outcomes))))
     out.extend(train_rows(phases))
