@@ -7,7 +7,7 @@ A Hub id (`org/name`, optionally `@revision`: a branch, tag or commit) is looked
 Hugging Face libraries use (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub, read when
 the command runs). Nothing downloads implicitly: an id missing from the cache is an error naming the
 command that fetches it (`python -m stage1_extract download`), and `download` is the only call that
-reaches the network. The commit a revision resolved to is recorded beside what was made from it (the
+fetches from the Hub (`export --push-to-hub` the only upload). The commit a revision resolved to is recorded beside what was made from it (the
 store's manifest, an export's config.json), so "Qwen/Qwen3-8B" always says which weights it meant.
 """
 

@@ -169,7 +169,8 @@ VERBS = [
     Verb("check", "validate the config: every key, departures from the recipe", check, options=check_options),
     Verb("download", "fetch the Hub ids the config names (target.path, model.init_from) into the HF cache",
          lambda a: commands.cmd_download(load_config(a)), show=show_download,
-         description="The one command that reaches the network: every other command reads the local Hugging Face cache."),
+         description="The one command that fetches from the Hub: every other command reads the local Hugging Face cache "
+                     "(only `stage2_train export --push-to-hub` uploads)."),
     Verb("plan", "the store's size and free space, and time estimates, before anything runs",
          lambda a: commands.cmd_plan(load_config(a), gpu=a.gpu, gpus=a.gpus), show=show_plan, options=plan_options),
     Verb("generate", "the target rewrites every assistant turn (vllm on GPU, transformers on CPU); resumable",

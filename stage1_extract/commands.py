@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 
 def cmd_download(cfg: RunConfig) -> dict[str, Any]:
     """Fetch the Hub ids the config names, target.path and model.init_from, into the local Hugging
-    Face cache: the one command that reaches the network (every other one reads the cache only)."""
+    Face cache: the one command that fetches from the Hub (every other one reads the cache; only `export
+    --push-to-hub` uploads, and W&B syncs when online)."""
     from shared.hub import download, is_hub_id
 
     fetched = {}
