@@ -9,8 +9,9 @@ every shard record's header key against the header this config gives (target con
 chat template, layer ids, top_k, storage, max_length, on_long, how the target ran), and its input rows
 against the data the config names. Rows are compared cheaply: through the token cache when one holds
 the current data (its key hashes the data's bytes, the tokenizer and the row settings; it keeps every
-row's hash), else by the data file's sha256 against the one the manifest recorded (unchanged bytes,
-unchanged rows). No target is loaded and nothing is tokenized. The generated conversations are checked
+row's hash), else by the data file's sha256 against the one the manifest recorded, with the row
+settings it recorded (data.max_samples, on_bad_row, format) and a shard list that covers its rows
+(unchanged bytes under unchanged settings, every shard present: unchanged rows). No target is loaded and nothing is tokenized. The generated conversations are checked
 against the prompts, target and sampling settings they must come from (their provenance).
 
 Data that is absent here (training on another cluster, a new run_dir pointing store.path at an existing
@@ -39,7 +40,7 @@ from shared.identity import (
 )
 from shared.paths import RunPaths
 from shared.target import TargetInfo
-from shared.token_cache import ROW_SETTINGS, DamagedCache, TokenCache, token_cache_key
+from shared.token_cache import ROW_SETTINGS, SELECTION_SETTINGS, DamagedCache, TokenCache, token_cache_key
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,28 @@ def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], so
             report.rows_checked_by = "token cache"
             _compare_rows(manifest, row_hashes, report)
             return
-    recorded = (manifest.get("data") or {}).get("source_sha256")
+    made = manifest.get("data") or {}
     report.rows_checked_by = "data sha256"
-    if recorded != inputs["source_sha256"]:
+    if made.get("source_sha256") != inputs["source_sha256"]:
         report.problems.append(
-            f"{source} changed since extraction (sha256 {str(recorded)[:12]} -> {inputs['source_sha256'][:12]}); "
+            f"{source} changed since extraction (sha256 {str(made.get('source_sha256'))[:12]} -> {inputs['source_sha256'][:12]}); "
             f"`python -m stage1_extract status` names the shards whose rows changed"
         )
+        return
+    # Unchanged bytes make unchanged rows only under the same row settings, and only a complete shard
+    # list holds them all: a quick run's data.max_samples, or a record removed by hand, would pass.
+    recorded = made.get("row_settings")
+    if recorded is None:
+        report.warnings.append(f"rows checked by the data's sha256 only: this store's manifest predates its record of "
+                               f"{', '.join('data.' + k for k in SELECTION_SETTINGS)}; `python -m stage1_extract status` checks them")
+    for name, value in (recorded or {}).items():
+        if settings.get(name) != value:
+            report.problems.append(f"data.{name} changed since extraction ({value!r} -> {settings.get(name)!r}): the store holds other rows")
+    if made.get("num_rows") is not None and not report.problems:
+        planned = -(-int(made["num_rows"]) // int(manifest["samples_per_shard"]))
+        present = {r["index"] for r in manifest["shards"]}
+        report.stale += [(index, "missing from the manifest") for index in range(planned) if index not in present]
+        report.stale += [(index, "orphaned: past the rows the manifest records") for index in sorted(present - set(range(planned)))]
 
 
 def _compare_rows(manifest: dict[str, Any], row_hashes: list[str], report: Staleness) -> None:

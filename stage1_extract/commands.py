@@ -304,6 +304,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             "source_sha256": prepared.source_sha256,
             "format": prepared.data_format,  # how the export doctor reads the rows again
             "num_rows": len(prepared.rows),
+            "row_settings": prepared.selection,  # what chose the rows, for checks without a token cache
             "bad_rows_skipped": prepared.stats.bad_rows,
             "leading_turns_dropped": prepared.stats.leading_turns_dropped,  # turns before a row's first user turn
         },

@@ -10,7 +10,7 @@ section, the target's record, the store's header and files, the conversations to
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from shared.errors import ConfigError, DataError
 from shared.identity import header_key
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetInfo, cached_tokenizer
-from shared.token_cache import ROW_SETTINGS, DamagedCache, TokenCache, token_cache_key
+from shared.token_cache import ROW_SETTINGS, SELECTION_SETTINGS, DamagedCache, TokenCache, token_cache_key
 from stage1_extract.batching import (
     ShardPlan,
     TokenizedRow,
@@ -45,6 +45,7 @@ class Prepared:
     source_sha256: str
     data_format: str = "auto"  # how `source` was read: the manifest records it for the export doctor
     generated_problem: str | None = None  # the generated conversations belong to other inputs
+    selection: dict[str, Any] = field(default_factory=dict)  # the row settings beyond the header (SELECTION_SETTINGS)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -77,7 +78,8 @@ def prepare(
     rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, data.on_bad_row)
     if not rows:
         raise DataError(f"{source}: no usable rows")
-    return Prepared(header, rows, files, target, stats, source, source_sha256, data_format)
+    selection = {k: getattr(data, k) for k in SELECTION_SETTINGS}
+    return Prepared(header, rows, files, target, stats, source, source_sha256, data_format, selection=selection)
 
 
 def token_cache_settings(data: DataConfig) -> dict[str, Any]:

@@ -352,6 +352,8 @@ def test_a_refused_resume_leaves_train_config_yaml_as_it_was(store, tiny_target_
         ({"model.num_layers": 2}, r"model\.num_layers: saved 1, now 2 \(the drafter's architecture"),
         ({"model.intermediate_size": 96}, r"model\.intermediate_size: saved None, now 96"),
         ({"model.feature_projection": "pca"}, r"model\.feature_projection: saved 'none', now 'pca'"),
+        ({"loss.weighting": "decay"}, r"loss\.weighting: saved 'dpace', now 'decay' \(the position weights"),
+        ({"loss.kl_weight": 0.0}, r"loss\.kl_weight: saved 1\.0, now 0\.0 \(the objective"),
     ],
 )
 def test_a_refused_resume_names_the_config_key_that_changed(store, tiny_target_dir, tmp_path, change, named):

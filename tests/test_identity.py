@@ -131,6 +131,29 @@ def test_a_data_file_absent_here_trains_on_the_store_as_its_manifest_records_it(
     assert f"rows not re-checked: {root / 'chat.jsonl'} absent" in caplog.text
 
 
+def test_a_quick_runs_max_samples_is_refused_once_dropped_with_no_token_cache_for_it(root, tiny_target_dir):
+    """Extracted with data.max_samples=12, trained without: the data's bytes are unchanged, so only the
+    recorded row settings tell that the store holds 12 of the 30 rows (no cache of the new settings
+    exists until a stage-1 command makes one)."""
+    quick = config(tiny_target_dir, root, **{"data.max_samples": 12})
+    stage1.cmd_reprocess(quick, progress=False)
+    cfg = config(tiny_target_dir, root)
+    with pytest.raises(StoreError, match=r"data\.max_samples changed since extraction \(12 -> None\)"):
+        stage2.cmd_train(cfg, progress=False)
+    assert stale_in_status(cfg)  # status tokenizes the whole file and agrees
+
+
+def test_a_shard_record_removed_by_hand_is_refused_without_a_token_cache(root, tiny_target_dir):
+    store = root / "run" / "store"
+    manifest = json.loads((store / "manifest.json").read_text())
+    last = manifest["shards"].pop()
+    shutil.rmtree(store / "shards" / last["name"])
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    cfg = config(tiny_target_dir, root, **{"data.token_cache": False})
+    with pytest.raises(StoreError, match=rf"shard\(s\) {last['index']} stale \(missing from the manifest\)"):
+        stage2.cmd_train(cfg, progress=False)
+
+
 # ---- item 1: generated answers belong to the prompts, target and settings they were made from ----
 
 

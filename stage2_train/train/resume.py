@@ -42,6 +42,14 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "model.selector_rank": "the DFlash2 selector (its weights would not fit)",
     "model.selector_top_k": "the DFlash2 selector's candidates",
     "loss.gamma": "the position weights of the loss",
+    "loss.weighting": "the position weights of the loss (decay or D-PACE)",
+    "loss.dpace_alpha": "the position weights of the loss (D-PACE smoothing)",
+    "loss.ce_weight": "the objective (the cross-entropy term's weight)",
+    "loss.kl_weight": "the objective (the top-k KL term's weight)",
+    "loss.full_vocab_slots": "the objective (which slots score the whole vocabulary)",
+    "loss.confidence_weight": "the objective (DSpark's confidence term)",
+    "loss.selector_weight": "the objective (DFlash2's selector term)",
+    "loss.selector_misses": "the objective (DFlash2's selector labels)",
     "loss.distill_positions": "where anchors are drawn",
     "target.num_feature_layers": "how many target features the drafter fuses",
     "target.layer_ids": "which target layers feed the drafter, as configured",
@@ -67,6 +75,8 @@ OPTIONAL_FIELDS = {
     "model.is_causal", "model.feature_projection", "model.projection_dim", "loss.distill_positions",
     "resolved.mask_token_id", "model.variant", "model.markov_rank", "model.markov_head", "model.confidence_head",
     "model.conv_kernel_size", "model.conv_group_size", "model.selector_rank", "model.selector_top_k",
+    "loss.weighting", "loss.dpace_alpha", "loss.ce_weight", "loss.kl_weight", "loss.full_vocab_slots",
+    "loss.confidence_weight", "loss.selector_weight", "loss.selector_misses",
 }
 
 # The drafter's description (drafter.json) is compared field by field too. A field one of the settings
