@@ -83,7 +83,7 @@ class Staleness:
 
 def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]) -> Staleness:
     report = Staleness()
-    header = store_header(cfg, target, manifest.get("extraction"))
+    header = store_header(cfg, target, manifest.get("extraction"), manifest.get("identity_version"))
     key = header_key(header)
     changed = header_differences(manifest, header)
     for record in manifest["shards"]:
@@ -112,8 +112,7 @@ def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]
 
 def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], source: Any, report: Staleness) -> None:
     settings = {k: stage1_value(cfg, f"data.{k}") for k in ROW_SETTINGS}
-    hashes = {"tokenizer_sha256": target.tokenizer_sha256, "chat_template_sha256": target.chat_template_sha256}
-    key, inputs = token_cache_key(source, hashes, settings)
+    key, inputs = token_cache_key(source, target.tokenizer_hashes(), settings)
     cache = TokenCache(RunPaths.of(cfg).token_cache, key, inputs)
     if stage1_value(cfg, "data.token_cache") and cache.exists():
         try:

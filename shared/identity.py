@@ -1,12 +1,12 @@
 """A store's identity: what made it, computed the same way by stage 1 (`status`, `extract`,
 `reprocess`) and stage 2 (`train` refuses a store `status` would call stale), neither importing the other.
 
-    header = store_header(cfg, target, pinned=manifest_or_plan["extraction"])   # the settings that shape the bytes
+    header = store_header(cfg, target, plan["extraction"], plan["identity_version"])   # the settings that shape the bytes
     key = header_key(header)        # every shard record carries the key of the settings that made it ...
     rows_sha256(row_hashes)         # ... and a hash of its input rows (the token cache holds each row's hash)
 
-The header holds the target's content (weights, tokenizer and chat-template hashes, never its folder:
-a target that only moved is the same target), the layer ids, top_k, the storage settings, max_length
+The header holds the target's content (weights, config.json, the tokenizer's vocabulary and behaviour,
+the chat template, never its folder: a target that only moved is the same target), the layer ids, top_k, the storage settings, max_length
 and on_long, and how the target ran (`extraction_settings`: compute dtype, attention, packing, a
 tensor-parallel size above 1; not the batch shape, which each shard's part record holds as
 provenance). Settings left `auto` (the compute dtype,
@@ -35,9 +35,11 @@ from shared.target import TargetInfo
 from shared.target_model import pick_attn_implementation, resolve_device, resolve_dtype
 
 # 2: the target by content (no path), auto settings read back from the store; 3: the batch shape out
-# of the identity (`BATCH_SETTINGS`, recorded per shard instead). A store made at 2 keeps its version
-# and its keys: its header carries the batch shape it pinned, whatever the config says now.
-IDENTITY_VERSION = 3
+# of the identity (`BATCH_SETTINGS`, recorded per shard instead); 4: the target's config.json and the
+# tokenizer's behaviour in (`target.config_sha256`, `tokenizer_probe_sha256`). A store keeps the
+# version it was made at, and its keys: a version-2 header carries the batch shape it pinned, and a
+# store made before 4 is not judged by fields it never recorded.
+IDENTITY_VERSION = 4
 BATCH_SETTINGS = ("batch_tokens", "max_samples_per_batch", "window_shards", "lm_head_chunk_tokens")
 
 # Stage 1's defaults for every setting a store's identity reads (tests/test_identity.py: equal to the
@@ -120,14 +122,19 @@ def storage_settings(store: Any) -> dict[str, Any]:
     return store.identity()  # the codec and what it keeps (shared/store.py StoreConfig.identity)
 
 
-def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | None = None) -> dict[str, Any]:
+def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | None = None,
+                 version: int | None = None) -> dict[str, Any]:
     """Everything that determines the stored bytes: the identity section of the manifest (and of
-    plan.json). `pinned`: the extraction settings the store was made with, if it exists."""
+    plan.json). `pinned`, `version`: the extraction settings and identity version the store was made
+    with, if it exists."""
     extraction = extraction_settings(cfg, pinned)
+    version = 2 if "batch_tokens" in extraction else int(version or IDENTITY_VERSION)
+    probe = {"tokenizer_probe_sha256": target.tokenizer_probe_sha256} if version >= 4 else {}
     return {
         "schema_version": SCHEMA_VERSION,
-        "identity_version": 2 if "batch_tokens" in extraction else IDENTITY_VERSION,
-        "target": target.identity(),
+        "identity_version": version,
+        **probe,
+        "target": target.identity(with_config=version >= 4),
         "tokenizer_sha256": target.tokenizer_sha256,
         "chat_template_sha256": target.chat_template_sha256,
         "layer_ids": list(target.layer_ids),

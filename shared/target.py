@@ -197,16 +197,25 @@ class TargetInfo:
     tokenizer_sha256: str
     chat_template_sha256: str
     source: dict[str, Any] = field(default_factory=dict)  # target_source(): provenance, not identity
+    config_sha256: str = ""  # config.json without its provenance keys (`config_fingerprint`)
+    tokenizer_probe_sha256: str = ""  # what the tokenizer makes of a fixed text (`tokenizer_fingerprints`)
 
-    def identity(self) -> dict[str, Any]:
-        """What a store records about the target it was made from: content, never the folder."""
-        return {
+    def identity(self, with_config: bool = True) -> dict[str, Any]:
+        """What a store records about the target it was made from: content, never the folder
+        (`with_config`: its config.json too, from identity version 4)."""
+        out = {
             "weights_sha256": self.weights_sha256,
             "model_type": self.arch.model_type,
             "num_hidden_layers": self.arch.num_hidden_layers,
             "hidden_size": self.arch.hidden_size,
             "vocab_size": self.arch.vocab_size,
         }
+        return {**out, "config_sha256": self.config_sha256} if with_config else out
+
+    def tokenizer_hashes(self) -> dict[str, str]:
+        """The fingerprints `cached_tokenizer` gives for this target's folder (the token cache's key)."""
+        return {"tokenizer_sha256": self.tokenizer_sha256, "chat_template_sha256": self.chat_template_sha256,
+                "tokenizer_probe_sha256": self.tokenizer_probe_sha256}
 
 
 def resolve_target(cfg: TargetConfig, *, deep: bool = False) -> TargetInfo:
@@ -224,13 +233,23 @@ def resolve_target(cfg: TargetConfig, *, deep: bool = False) -> TargetInfo:
         tokenizer_sha256=hashes["tokenizer_sha256"],
         chat_template_sha256=hashes["chat_template_sha256"],
         source=target_source(cfg),
+        config_sha256=config_fingerprint(target_dir),
+        tokenizer_probe_sha256=hashes["tokenizer_probe_sha256"],
     )
 
 
-@functools.lru_cache(maxsize=4)
 def cached_tokenizer(target_dir: str) -> tuple[Any, dict[str, str]]:
     """(tokenizer, its fingerprints) of a target folder: loading a tokenizer and hashing its
-    vocabulary take a second or two, done once per folder and process."""
+    vocabulary take a second or two, done once per folder and process, and again when a file of the
+    folder other than the weights changed (a long-lived process must not keep an edited tokenizer)."""
+    folder = Path(target_dir)
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())
+                  if p.is_file() and p.suffix not in (".safetensors", ".bin")) if folder.is_dir() else ()
+    return _cached_tokenizer(target_dir, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(target_dir: str, stamp: tuple) -> tuple[Any, dict[str, str]]:
     tokenizer = load_tokenizer(TargetConfig(path=target_dir))
     return tokenizer, tokenizer_fingerprints(tokenizer)
 
@@ -280,13 +299,41 @@ def _cached_fingerprint(cache_path: Path, stamp: list) -> str | None:
         return None
 
 
+# Keys of config.json that say who wrote it or how to load it, not what the target computes: a
+# re-save by another transformers version must not make every store of the target stale.
+CONFIG_PROVENANCE_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
+                          "_attn_implementation_autoset", "output_attentions", "output_hidden_states", "return_dict")
+
+# Text the tokenizer's behaviour is fingerprinted on: words after spaces (BPE merges such as " the"),
+# runs of whitespace, digits, punctuation, code, accents and several scripts.
+TOKENIZER_PROBE = (
+    "The quick brown fox jumps over the lazy dog; the THE tHe. Don't stop-- it's 3.14159, 1,000,000 and 2026-12-02!\n"
+    "  two  spaces\tand a tab\r\n\n\ndef f(x):\n    return x ** 2  # squared\n{\"key\": [1, 2.5e-3, null]}\n"
+    "naïve café Straße Ελληνικά русский 中文 日本語 한국어 العربية हिन्दी 🙂👍 ~`@#$%^&*()_+=<>?/|\\"
+)
+
+
+def config_fingerprint(target_dir: Path) -> str:
+    """sha256 of the target's config.json without CONFIG_PROVENANCE_KEYS: a config-only update of
+    a model repository (rope_theta, an attention window, a norm epsilon) changes what the same weights
+    compute."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    kept = {k: v for k, v in config.items() if k not in CONFIG_PROVENANCE_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def tokenizer_fingerprints(tokenizer: Any) -> dict[str, str]:
-    """Hashes of the vocabulary and of the chat template, recorded in the store manifest."""
+    """Hashes of the vocabulary, of the chat template and of the tokenizer's behaviour (its ids for
+    TOKENIZER_PROBE and its special tokens): merges, normalizer and pre-tokenizer can change with the
+    vocabulary unchanged, and only the ids show it, whatever version serialises the tokenizer."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     template = getattr(tokenizer, "chat_template", None) or ""
+    probe = TOKENIZER_PROBE + " ".join(sorted(map(str, tokenizer.all_special_tokens)))
+    ids = [tokenizer(probe, add_special_tokens=False)["input_ids"], tokenizer("Hi", add_special_tokens=True)["input_ids"]]
     return {
         "tokenizer_sha256": hashlib.sha256(vocab.encode()).hexdigest(),
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest(),
+        "tokenizer_probe_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
     }
 
 

@@ -52,12 +52,11 @@ class Prepared:
         return self.target.layer_ids
 
 
-def pinned_extraction(files: StoreFiles) -> dict[str, Any] | None:
-    """The extraction settings an existing store was made with (plan.json, pinned by its first run):
-    `auto` settings are read back from it, never resolved again on another machine."""
-    if not files.exists("plan.json"):
-        return None
-    return files.read_json("plan.json").get("header", {}).get("extraction")
+def pinned_header(files: StoreFiles) -> dict[str, Any]:
+    """The identity header an existing store was made with (plan.json, pinned by its first run; {}
+    for a new store): its `auto` settings are read back, never resolved again on another machine,
+    and its identity version kept."""
+    return files.read_json("plan.json").get("header", {}) if files.exists("plan.json") else {}
 
 
 def prepare(

@@ -22,7 +22,7 @@ from shared.store import StoreFiles
 from shared.target import TargetInfo, resolve_target
 from stage1_extract.data import DataConfig
 from stage1_extract.forward import check_packing
-from stage1_extract.prepare import Prepared, pinned_extraction, prepare
+from stage1_extract.prepare import Prepared, pinned_header, prepare
 from stage1_extract.tensor_parallel import tensor_parallel_problem
 
 
@@ -37,7 +37,8 @@ def resolve_store(cfg: RunConfig, *, deep: bool = False) -> tuple[TargetInfo, St
     weights whatever the fingerprint cache says."""
     target = resolve_target(cfg.target, deep=deep)
     files = StoreFiles(RunPaths.of(cfg).store)
-    header = store_header(cfg, target, pinned_extraction(files))
+    pinned = pinned_header(files)
+    header = store_header(cfg, target, pinned.get("extraction"), pinned.get("identity_version"))
     if header["extraction"]["packed"]:  # before any row is read: a refused setting costs nothing
         check_packing(header["extraction"]["attn_implementation"], target.arch.model_type)
     tensor_parallel = cfg.extract.tensor_parallel_size  # how this run splits the target (not the store's identity)

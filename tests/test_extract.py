@@ -101,9 +101,11 @@ def test_manifest_records_what_made_the_store(store, tiny_target_dir):
     assert manifest["schema_version"] == 1
     assert manifest["layer_ids"] == LAYERS and manifest["top_k"] == 8
     assert "path" not in manifest["target"] and manifest["target_source"]["path"] == str(tiny_target_dir)
-    assert manifest["identity_version"] == 3 and manifest["data"]["source_sha256"] == source_fingerprint(Path(cfg.data.path))
+    assert manifest["identity_version"] == 4 and manifest["data"]["source_sha256"] == source_fingerprint(Path(cfg.data.path))
     assert len(manifest["target"]["weights_sha256"]) == 64
     assert len(manifest["tokenizer_sha256"]) == 64 and len(manifest["chat_template_sha256"]) == 64
+    assert len(manifest["target"]["config_sha256"]) == 64 and len(manifest["tokenizer_probe_sha256"]) == 64
+    assert manifest["data"]["row_settings"] == {"on_bad_row": "raise", "max_samples": None, "format": "auto"}
     assert manifest["storage"] == {"dtype": "bf16", "compression": "zstd", "zstd_level": 3, "chunk_tokens": 1024}
     assert manifest["num_samples"] == 30 == len(reader)
     assert manifest["num_tokens"] == int(reader.lengths.sum()) == summary["tokens"]

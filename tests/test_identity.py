@@ -294,7 +294,9 @@ def test_a_store_made_when_the_batch_shape_was_identity_keeps_its_keys_and_conti
 
     cfg = config(tiny_target_dir, root)
     store = root / "run" / "store"
-    header = identity.store_header(cfg, prepare_run(cfg).target)
+    target = prepare_run(cfg).target
+    assert identity.store_header(cfg, target)["identity_version"] == 4
+    header = identity.store_header(cfg, target, version=3)
     assert header["identity_version"] == 3 and "batch_tokens" not in header["extraction"]
     batching = {"batch_tokens": 512, "max_samples_per_batch": 64, "window_shards": 1, "lm_head_chunk_tokens": 2048}
     rewrite_header(store, {**header, "identity_version": 2, "extraction": {**header["extraction"], **batching}})
@@ -308,6 +310,44 @@ def test_a_store_made_when_the_batch_shape_was_identity_keeps_its_keys_and_conti
     manifest = read_manifest(str(store))
     assert manifest["identity_version"] == 2 and manifest["extraction"]["batch_tokens"] == 512  # what it pinned
     assert manifest["shards"][0]["batching"]["batch_tokens"] == 64 and stage1.cmd_status(smaller)["complete"]
+
+
+def test_a_store_made_at_identity_version_3_is_not_judged_by_the_target_fields_it_never_recorded(root, tiny_target_dir):
+    import shared.identity as identity
+
+    cfg = config(tiny_target_dir, root)
+    header = identity.store_header(cfg, prepare_run(cfg).target, version=3)
+    assert "config_sha256" not in header["target"] and "tokenizer_probe_sha256" not in header
+    rewrite_header(root / "run" / "store", header)
+    assert stage1.cmd_status(cfg)["complete"] and stage2.cmd_train(cfg, progress=False)["steps"] == 1
+
+
+@pytest.mark.parametrize("edit, field", [("config", "target.config_sha256"), ("merges", "tokenizer_probe_sha256")])
+def test_a_target_whose_config_or_tokenizer_changed_beside_the_same_weights_and_vocabulary_is_stale(
+        root, tiny_target_dir, tmp_path, edit, field):
+    """A config-only update of a model repository (rope_theta: the same weights compute other states)
+    and a tokenizer fix that keeps the vocabulary (one merge dropped: " the" becomes two ids)."""
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    stage1.cmd_reprocess(config(target, root), progress=False)  # the store made from this folder
+    if edit == "config":
+        settings = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**settings, "rope_theta": 1e6, "transformers_version": "9.9"}))
+    else:
+        tokenizer = json.loads((target / "tokenizer.json").read_text())
+        tokenizer["model"]["merges"] = [m for m in tokenizer["model"]["merges"] if m not in (["Ġ", "t"], "Ġ t")]
+        (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    cfg = config(target, root)
+    assert {why for _, why in stale_in_status(cfg)} == {f"settings changed: {field}"}
+    with pytest.raises(StoreError, match=rf"settings changed: {field}"):
+        stage2.cmd_train(cfg, progress=False)
+
+
+def test_config_json_written_again_by_another_transformers_is_the_same_target(root, tiny_target_dir, tmp_path):
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    stage1.cmd_reprocess(config(target, root), progress=False)
+    settings = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**settings, "transformers_version": "9.9", "use_cache": False}, indent=4))
+    assert stale_in_status(config(target, root)) == []
 
 
 # ---- review item 4: one verdict for every rank ---------------------------------------------------------
