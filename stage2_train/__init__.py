@@ -46,8 +46,39 @@ def _confidence_slots(cfg: RunConfig) -> list[str]:
     ]
 
 
+def _inert_settings(cfg: RunConfig) -> list[str]:
+    """Settings given a value other than their default that nothing reads under the rest of the config:
+    said at `check` and at the start of training, so a sweep over one of them is not a sweep over nothing."""
+    from stage2_train.model.config import VARIANT_FIELDS, VARIANT_LOSS_FIELDS
+
+    def changed(section: str, names: tuple[str, ...] | list[str]) -> list[str]:
+        value = getattr(cfg, section)
+        return [f"{section}.{n}={getattr(value, n)}" for n in names if getattr(value, n) != type(value).model_fields[n].default]
+
+    model, out = cfg.model, []
+    sliding = model.layer_types is not None and "sliding_attention" in model.layer_types
+    if not sliding:
+        out += [f"{s} does nothing: no layer of model.layer_types is sliding_attention" for s in changed("model", ["sliding_window"])]
+    if model.feature_projection == "none":
+        out += [f"{s} does nothing: model.feature_projection=none" for s in changed("model", ["projection_dim"])]
+    for variant in ("dspark", "dflash2"):
+        if model.variant != variant:
+            out += [f"{s} does nothing: it is a {variant} setting and model.variant={model.variant}"
+                    for s in [*changed("model", VARIANT_FIELDS[variant]), *changed("loss", VARIANT_LOSS_FIELDS[variant])]]
+    if cfg.optim.name != "muon":
+        muon = [n for n in type(cfg.optim).model_fields if n.startswith("muon_")]
+        out += [f"{s} does nothing: optim.name={cfg.optim.name}" for s in changed("optim", muon)]
+    if model.variant != "dspark":
+        out += [f"{s} does nothing: only a dspark drafter stops early" for s in changed("eval", ["confidence_stop"])]
+    return out
+
+
+def _warnings(cfg: RunConfig) -> list[str]:
+    return _gamma_for_block_size(cfg) + _inert_settings(cfg)
+
+
 def _notes(cfg: RunConfig) -> list[str]:
     return _global_batch(cfg) + _confidence_slots(cfg)
 
 
-register_rules(warnings=_gamma_for_block_size, notes=_notes)
+register_rules(warnings=_warnings, notes=_notes)

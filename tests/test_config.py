@@ -180,3 +180,25 @@ def test_a_users_config_anywhere_inherits_a_preset_by_name(tmp_path, hub_8b):
     cfg = load_run_config(mine)
     assert cfg.target.path == "Qwen/Qwen3-8B" and cfg.run_dir == "runs/my-qwen3" and cfg.model.num_layers == 5
     assert cfg.value("data.path") == "/data/sharegpt.jsonl" and cfg.recipe_warnings() == []
+
+
+def test_settings_nothing_reads_are_said_at_check_and_train():
+    """A sweep over model.sliding_window with no sliding layer, or over a DSpark head on a DFlash
+    drafter, is a sweep over nothing: each such value is named with why (the presets give none)."""
+    import stage2_train  # noqa: F401 - its rules
+
+    given = ["model.sliding_window=4", "model.projection_dim=32", "model.markov_rank=8", "loss.selector_weight=2",
+             "optim.muon_lr=0.01", "eval.confidence_stop=0.5"]
+    warnings = [w for w in load_run_config("configs/default.yaml", given).recipe_warnings() if "does nothing" in w]
+    assert warnings == [
+        "model.sliding_window=4 does nothing: no layer of model.layer_types is sliding_attention",
+        "model.projection_dim=32 does nothing: model.feature_projection=none",
+        "model.markov_rank=8 does nothing: it is a dspark setting and model.variant=dflash",
+        "loss.selector_weight=2.0 does nothing: it is a dflash2 setting and model.variant=dflash",
+        "optim.muon_lr=0.01 does nothing: optim.name=adamw",
+        "eval.confidence_stop=0.5 does nothing: only a dspark drafter stops early",
+    ]
+    for preset in ("default", "cpu-long", "recipe", "qwen3-8b", "llama-3.1-8b"):
+        assert not [w for w in load_run_config(preset, []).recipe_warnings() if "does nothing" in w], preset
+    dspark = load_run_config("configs/default.yaml", ["model.variant=dspark", "model.markov_rank=8", "eval.confidence_stop=0.5"])
+    assert not [w for w in dspark.recipe_warnings() if "does nothing" in w]

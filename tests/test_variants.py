@@ -361,6 +361,10 @@ def test_the_description_carries_the_variant_and_refuses_fields_of_another():
         "model.variant: the drafter has dspark, the command line gives dflash2"]
     assert d.contradictions(variant_cfg("dspark", markov_rank=16), {"model.markov_rank"}) == [
         "model.markov_rank: the drafter has 8, the command line gives 16"]
+    # a setting this drafter never reads, given on the command line: said, not silently dropped
+    assert d.contradictions(variant_cfg("dspark", conv_kernel_size=3, sliding_window=4), {"model.conv_kernel_size", "model.sliding_window"}) == [
+        "model.sliding_window: the drafter does not read it (no layer is sliding_attention), the command line gives 4",
+        "model.conv_kernel_size: the drafter does not read it (it is a dflash2 setting, the drafter is dspark), the command line gives 3"]
     for variant, cls in (("dflash", DFlashDrafter), ("dspark", DSparkDrafter), ("dflash2", DFlash2Drafter)):
         assert type(make_drafter(variant, randomize=False)) is cls
 

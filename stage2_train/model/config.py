@@ -20,6 +20,16 @@ def recipe_gamma(block_size: int) -> float | None:
 VARIANTS = ("dflash", "dspark", "dflash2")
 
 
+# The model fields each variant reads (the others' are inert there; a drafter's description holds only its own).
+VARIANT_FIELDS = {
+    "dflash": (),
+    "dspark": ("markov_rank", "markov_head", "confidence_head"),
+    "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+}
+# The loss fields only one variant reads.
+VARIANT_LOSS_FIELDS = {"dspark": ("confidence_weight",), "dflash2": ("selector_weight", "selector_misses")}
+
+
 class DrafterConfig(Section):
     section: ClassVar[str] = "model"
     variant: Literal["dflash", "dspark", "dflash2"] = "dflash"

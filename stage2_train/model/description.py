@@ -18,15 +18,10 @@ from typing import Any
 
 from shared.errors import CheckpointError
 from shared.target import TargetArch, TargetInfo
-from stage2_train.model.config import VARIANTS, DrafterConfig
+from stage2_train.model.config import VARIANT_FIELDS, VARIANTS, DrafterConfig
 
 DESCRIPTION_VERSION = 1
 # What each variant adds to the DFlash description (its own modules' sizes); None for the others.
-VARIANT_FIELDS = {
-    "dflash": (),
-    "dspark": ("markov_rank", "markov_head", "confidence_head"),
-    "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
-}
 
 
 @dataclass(frozen=True)
@@ -176,6 +171,15 @@ class DrafterDescription:
         for key, value in ours.items():
             if f"model.{key}" in given and value != getattr(self, key):
                 out.append(f"model.{key}: the drafter has {_plain(getattr(self, key))}, the command line gives {_plain(value)}")
+        # A value this drafter never reads is no contradiction to compare, but the user meant it to change something.
+        unread = {"sliding_window": "no layer is sliding_attention" if "sliding_attention" not in self.layer_types else None,
+                  "projection_dim": "its feature_projection is none" if self.feature_projection != "pca" else None,
+                  **{n: f"it is a {v} setting, the drafter is {self.variant}" for v, names in VARIANT_FIELDS.items()
+                     if v != self.variant for n in names}}
+        named = {line.split(":")[0] for line in out}
+        for key, why in unread.items():
+            if why and f"model.{key}" in given and f"model.{key}" not in named:
+                out.append(f"model.{key}: the drafter does not read it ({why}), the command line gives {_plain(getattr(cfg, key))}")
         return out
 
     def intermediate_size_default(self, cfg: DrafterConfig) -> int:
