@@ -167,6 +167,12 @@ class StoreReader:
                 name, f"cannot be opened ({type(exc).__name__}: {exc})", "run `python -m stage1_extract verify --repair`"
             ) from exc
         info = self._shards[shard]
+        own = self._own_checksum(name)
+        if own is not None and info.get("checksum") is not None and own != info["checksum"]:
+            raise self._damaged(
+                name, f"is another shard than the manifest lists (its content checksum {own[:12]}, the manifest's "
+                f"{info['checksum'][:12]}: copied in from another store?)", "run `python -m stage1_extract verify --repair`",
+            )
         if len(offsets) != info["num_samples"] + 1 or int(offsets[-1]) != info["num_tokens"]:
             raise self._damaged(
                 name, f"holds {len(offsets) - 1} samples / {int(offsets[-1])} tokens, the manifest says "
@@ -177,6 +183,13 @@ class StoreReader:
             while len(self._open) > self._cache_shards:
                 self._open.popitem(last=False)
         return arrays, offsets, channels
+
+    def _own_checksum(self, name: str) -> str | None:
+        """The checksum a shard group records of itself (None for shards written before it did)."""
+        try:
+            return StoreFiles(self.url).read_json(f"shards/{name}/zarr.json").get("attributes", {}).get("checksum")
+        except (OSError, ValueError):
+            return None  # its arrays' own checks name what is wrong
 
     def _open_arrays(self, name: str) -> dict[str, Any]:
         from shared.chunks import open_shard_array

@@ -258,7 +258,10 @@ def write_shard(
     num_tokens = int(arrays["offsets"][-1])
     compressors = ZstdCodec(level=cfg.zstd_level) if cfg.compression == "zstd" else None
     group = zarr.open_group(store=_zarr_store(url, read_only=False), path=f"shards/{name}", mode="w", zarr_format=3)
-    group.attrs.update({"schema_version": SCHEMA_VERSION, "hidden_dtype": cfg.dtype, "num_tokens": num_tokens})
+    checksum = content_checksum(arrays)
+    # The shard's own checksum travels with it: a shard group copied in from another store (same
+    # samples and lengths, another target's features) is told apart from the manifest's at open.
+    group.attrs.update({"schema_version": SCHEMA_VERSION, "hidden_dtype": cfg.dtype, "num_tokens": num_tokens, "checksum": checksum})
     for key, data in arrays.items():
         token_major = key not in NOT_TOKEN_MAJOR
         # Equal chunks of at most chunk_tokens: an uncompressed partial tail chunk would be stored
@@ -284,7 +287,7 @@ def write_shard(
         "num_samples": len(samples),
         "num_tokens": num_tokens,
         "bytes": files.size(f"shards/{name}"),
-        "checksum": content_checksum(arrays),
+        "checksum": checksum,
     }
 
 

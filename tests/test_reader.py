@@ -45,6 +45,26 @@ def test_every_sample_equals_zarrs_own_read_byte_for_byte(tmp_path, storage):
             assert window["input_ids_T"].tolist() == got["input_ids_T"][3:17].tolist()
 
 
+def test_a_shard_group_copied_in_from_another_store_is_refused_naming_it(tmp_path):
+    """The same samples and lengths with other features (another target's store): the counts the
+    manifest holds agree, only the shard's own checksum tells it is not the shard the manifest lists."""
+    import shutil
+
+    from shared.errors import StoreError
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    make_store(str(ours), [samples(4, seed=1)], StoreConfig())
+    other = [SampleFeatures(s.sample_id, s.input_ids_T, s.loss_mask_T, s.hidden_TLH + 1, s.topk_logprobs_TK, s.topk_ids_TK)
+             for s in samples(4, seed=1)]
+    make_store(str(theirs), [other], StoreConfig())
+    assert StoreReader(str(ours))[0]["hidden_TLH"].abs().sum() > 0  # the store reads as it was written
+    shard = ours / "shards" / "shard-000000-x"
+    shutil.rmtree(shard)
+    shutil.copytree(theirs / "shards" / "shard-000000-x", shard)
+    with pytest.raises(StoreError, match=r"shard shard-000000-x is another shard than the manifest lists .* verify --repair"):
+        StoreReader(str(ours))[0]
+
+
 def test_reads_do_not_alias_the_chunk_cache(tmp_path):
     make_store(str(tmp_path), [samples(4)], StoreConfig())
     reader = StoreReader(str(tmp_path))
