@@ -101,6 +101,8 @@ def read_conversations(
                 del record  # a huge row's text is gone once it is cut, not when the next row comes
             kept += 1
             stats.leading_turns_dropped += dropped
+            stats.answers_cut += sum(m.get("answer_cut") is True for m in messages)
+            stats.answers_cut_unknown += sum("token_ids" in m and "answer_cut" not in m for m in messages)
             if dropped and not warned:
                 warned = True
                 log.warning(

@@ -17,9 +17,11 @@ The formats (`data.format`; `auto` reads each file's format from its columns or 
   tool turn `tool_call_id`; content may be a list of text parts (joined with newlines, as vLLM does).
 - **prompt/completion**: `{"prompt": "...", "completion"?: "..."}`, one user turn and its answer.
 
-One form: `{"role", "content"}` per message, plus `token_ids` on an answer the target regenerated,
-`tool_calls` (`[{"name", "arguments" (JSON text), "id"?}]`) on an assistant turn that calls tools,
-`tool_call_id` / `name` on a tool's result. Keys appear only when they hold something, so a row's
+One form: `{"role", "content"}` per message, plus `token_ids` on an answer the target regenerated
+and beside them `answer_cut` (true: `generate.max_new_tokens` cut the answer, the target had not
+ended it; false: the target ended it; absent in files written before it was recorded: read as
+ended, and counted as `answers_cut_unknown`), `tool_calls` (`[{"name", "arguments" (JSON text),
+"id"?}]`) on an assistant turn that calls tools, `tool_call_id` / `name` on a tool's result. Keys appear only when they hold something, so a row's
 hash (`Conversation.row_hash`) is the same for the same conversation in any format.
 
 A conversation starts at its first user turn: the assistant (and tool) turns before it, as in a
@@ -94,6 +96,8 @@ class ReadStats:
     bad_rows: int = 0
     bad_examples: list[str] = field(default_factory=list)
     leading_turns_dropped: int = 0  # assistant / tool turns before a row's first user turn (module docstring)
+    answers_cut: int = 0  # regenerated answers cut at generate.max_new_tokens (`answer_cut`)
+    answers_cut_unknown: int = 0  # regenerated answers from files that do not record `answer_cut` (read as ended)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +213,11 @@ def _openai(messages: Any, cutter: _Cutter) -> list[dict[str, Any]]:
             if role != "assistant" or not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise ValueError(f"{where}.token_ids must be a list of token ids on an assistant turn")
             message["token_ids"] = ids
+        cut = msg.get("answer_cut")
+        if cut is not None:  # whether generate.max_new_tokens cut that answer: it decides its loss mask
+            if not isinstance(cut, bool) or ids is None:
+                raise ValueError(f"{where}.answer_cut must be true or false, beside token_ids")
+            message["answer_cut"] = cut
         if calls:
             if role != "assistant":
                 raise ValueError(f"{where} has tool_calls but role {msg['role']!r}: only an assistant turn calls tools")

@@ -29,8 +29,8 @@ import numpy as np
 
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 5  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
-# 5: turns before the first user turn dropped
+TOKENS_VERSION = 6  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+# 5: turns before the first user turn dropped; 6: a cut answer's end-of-turn marker unsupervised, answers_cut counted
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2

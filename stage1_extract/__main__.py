@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from shared.cli import Verb, check_options, load_config, print_check, run_cli
@@ -60,7 +61,27 @@ def show_generate(out: dict[str, Any]) -> str:
            f"data has them (the log names the rows)" if out.get("long_prompt_turns_kept") else "")
         + (f"\n{out['leading_turns_dropped']} turn(s) before a row's first user turn dropped (they answer nothing)"
            if out.get("leading_turns_dropped") else "")
+        + cut_warning(out)
     )
+
+
+def cut_warning(out: dict[str, Any]) -> str:
+    """generate's line on answers cut at generate.max_new_tokens, and on parts too old to say."""
+    lines = []
+    if out.get("answers_cut"):
+        dropped = out["turns_dropped_after_cut"]
+        lines.append(
+            f"warning: {out['answers_cut']} of {out['answers']} answers ({out['answers_cut_share']:.1%}) were cut at "
+            f"generate.max_new_tokens={out['max_new_tokens']} before the target ended them: kept with their end-of-turn "
+            f"marker unsupervised{f', the {dropped} later turn(s) of their rows dropped' if dropped else ''}; raise "
+            f"generate.max_new_tokens to let them finish"
+        )
+    if out.get("answers_cut_unknown"):
+        lines.append(
+            f"{out['answers_cut_unknown']} answer(s) come from parts written before cut answers were recorded: read as "
+            f"ended (delete {Path(out['output']).with_suffix('.parts')} to regenerate them)"
+        )
+    return "".join(f"\n{line}" for line in lines)
 
 
 def show_plan(out: dict[str, Any]) -> str:
@@ -105,7 +126,17 @@ def show_extract(out: dict[str, Any]) -> str:
         f"{out['num_truncated']} truncated, {out['num_skipped']} skipped"
         + (f"; {out['leading_turns_dropped']} turn(s) before a row's first user turn dropped"
            if out.get("leading_turns_dropped") else "")
+        + cut_answers(out)
     )
+
+
+def cut_answers(out: dict[str, Any]) -> str:
+    """The store's answers cut at generate.max_new_tokens (the manifest's data block), as one line."""
+    return (
+        f"\n{out['answers_cut']} answer(s) cut at generate.max_new_tokens: their end-of-turn marker is not supervised"
+        if out.get("answers_cut") else ""
+    ) + (f"\n{out['answers_cut_unknown']} regenerated answer(s) from a file that does not record cuts: read as ended"
+         if out.get("answers_cut_unknown") else "")
 
 
 def show_status(out: dict[str, Any]) -> str:
@@ -118,6 +149,8 @@ def show_status(out: dict[str, Any]) -> str:
         lines.append(f"manifest: {out['manifest_damaged']}")
     if out.get("generated_data") not in (None, "current"):
         lines.append(f"generated data: {out['generated_data']}")
+    if cut_answers(out):
+        lines.append(cut_answers(out).strip("\n"))
     for row in out["shards"]:
         if row["state"] != "current":
             lines.append(f"  shard {row['index']}: {row['state']} ({row['why']})")
@@ -133,6 +166,8 @@ def show_verify(out: dict[str, Any]) -> str:
         lines.append(f"  {bad['shard']}: {bad['error']}")
     if out.get("repaired"):
         lines.append(f"repaired: {', '.join(out['repaired'])}")
+    if cut_answers(out):
+        lines.append(cut_answers(out).strip("\n"))
     lines.append("ok" if out["ok"] else f"{len(out['bad_shards'])} bad shard(s): `{PROG} verify --repair` extracts them again")
     return "\n".join(lines)
 

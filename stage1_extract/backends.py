@@ -3,10 +3,14 @@
     engine = vllm_engine(model_dir, cfg, seed, dtype, stop_ids, rank)     # GPU: vLLM's engine, fed request by request
     engine = BatchEngine(transformers_backend(model, tokenizer, cfg, seed))  # CPU: one submitted group per call
     engine.submit([(key, Request(prompt_ids, seed)), ...])
-    for key, answer_ids in engine.collect(): ...                          # blocks until one or more finish
+    for key, answer in engine.collect(): ...                              # blocks until one or more finish
 
 `generate.generate_all` keeps the engine fed across parts: it submits the next part's requests while
 the current part's longest answers are still decoding, and writes each part as its last answer lands.
+
+An answer says whether the target ended it (a stop token) or `generate.max_new_tokens` cut it (vLLM's
+finish_reason "length"; on transformers, no stop token among the ids): the chat template closes
+either with its end-of-turn marker, and only a finished answer's marker is the target's.
 
 Seeds. vLLM samples fastest with one engine seed (`engine_seed`: from the run's seed and the rank, so
 ranks draw different streams); a seed per request (`generate.per_request_seeds`) sends every decode
@@ -52,13 +56,23 @@ def engine_seed(seed: int, rank: int) -> int:
     return request_seed(seed, -1, rank) & 0x7FFF_FFFF
 
 
-def until_stop(ids: list[int], stop_ids: list[int]) -> list[int]:
-    """The answer's ids before its first stop token (padding after it included)."""
+@dataclass(frozen=True)
+class Answer:
+    """One generated answer: the target's token ids, stop token removed, and whether
+    generate.max_new_tokens cut it before the target ended it."""
+
+    ids: list[int]
+    cut: bool
+
+
+def until_stop(ids: list[int], stop_ids: list[int]) -> Answer:
+    """The answer's ids before its first stop token (padding after it included); none among the ids:
+    the limit cut it (the transformers backend: generation runs on only while a row has not stopped)."""
     stops = set(stop_ids)
     for position, token in enumerate(ids):
         if token in stops:
-            return ids[:position]
-    return ids
+            return Answer(ids[:position], cut=False)
+    return Answer(ids, cut=True)
 
 
 Keyed = list[tuple[Hashable, Request]]
@@ -66,11 +80,11 @@ Keyed = list[tuple[Hashable, Request]]
 
 class Engine(Protocol):
     """Answers requests as they finish: the target's own token ids, stop tokens removed (the chat
-    template closes the turn itself)."""
+    template closes the turn itself), and whether the limit cut them."""
 
     def submit(self, requests: Keyed) -> None: ...
 
-    def collect(self) -> list[tuple[Hashable, list[int]]]:
+    def collect(self) -> list[tuple[Hashable, Answer]]:
         """The answers finished since the last call, at least one (blocks until one is)."""
         ...
 
@@ -95,8 +109,8 @@ class RequestRefused(Exception):
         self.key, self.reason = key, reason
 
 
-# A backend answering a list of requests at once, one list per request (the transformers backend).
-Backend = Callable[[list[Request]], list[list[int]]]
+# A backend answering a list of requests at once, one answer per request (the transformers backend).
+Backend = Callable[[list[Request]], list[Answer]]
 
 
 class BatchEngine:
@@ -112,10 +126,10 @@ class BatchEngine:
         if requests:
             self.groups.append(requests)
 
-    def collect(self) -> list[tuple[Hashable, list[int]]]:
+    def collect(self) -> list[tuple[Hashable, Answer]]:
         group = self.groups.popleft()
         answers = self.backend([r for _, r in group])
-        return [(key, ids) for (key, _), ids in zip(group, answers)]
+        return [(key, answer) for (key, _), answer in zip(group, answers)]
 
     def pending(self) -> int:
         return sum(len(g) for g in self.groups)
@@ -138,8 +152,8 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: Any, seed: int) -> Bac
     if not stop_ids:
         log.warning("the tokenizer and generation config name no EOS token: answers stop at generate.max_new_tokens")
 
-    def run(requests: list[Request]) -> list[list[int]]:
-        answers: list[list[int]] = [[] for _ in requests]
+    def run(requests: list[Request]) -> list[Answer]:
+        answers: dict[int, Answer] = {}
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))  # less left padding
         for start in range(0, len(order), cfg.batch_size):
             idx = order[start : start + cfg.batch_size]
@@ -169,7 +183,7 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: Any, seed: int) -> Bac
                 )
             for row, i in enumerate(idx):
                 answers[i] = until_stop(out_BT[row, width:].tolist(), stop_ids)
-        return answers
+        return [answers[i] for i in range(len(requests))]
 
     return run
 
@@ -210,15 +224,18 @@ class VllmEngine:
             # Recent vLLM returns the id it uses for the request's outputs.
             self.keys[given if isinstance(given, str) else request_id] = key
 
-    def collect(self) -> list[tuple[Hashable, list[int]]]:
-        done: list[tuple[Hashable, list[int]]] = []
+    def collect(self) -> list[tuple[Hashable, Answer]]:
+        done: list[tuple[Hashable, Answer]] = []
         while not done:
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"vLLM holds no unfinished request while {len(self.keys)} answers are awaited")
             for output in self.engine.step():
                 if output.finished and output.request_id in self.keys:
                     key = self.keys.pop(output.request_id)
-                    done.append((key, until_stop(list(output.outputs[0].token_ids), self.stop_ids)))
+                    completion = output.outputs[0]
+                    # vLLM says why it stopped: "length" is max_tokens, "stop" a stop token or string
+                    ids = until_stop(list(completion.token_ids), self.stop_ids).ids
+                    done.append((key, Answer(ids, cut=completion.finish_reason == "length")))
         return done
 
     def pending(self) -> int:

@@ -307,6 +307,10 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             "row_settings": prepared.selection,  # what chose the rows, for checks without a token cache
             "bad_rows_skipped": prepared.stats.bad_rows,
             "leading_turns_dropped": prepared.stats.leading_turns_dropped,  # turns before a row's first user turn
+            # Regenerated answers generate.max_new_tokens cut (their end-of-turn marker unsupervised), and
+            # those whose file predates the record (read as ended).
+            "answers_cut": prepared.stats.answers_cut,
+            "answers_cut_unknown": prepared.stats.answers_cut_unknown,
         },
         "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": samples_per_shard,
@@ -316,7 +320,8 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
         extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
-    out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": prepared.stats.leading_turns_dropped}
+    out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": prepared.stats.leading_turns_dropped,
+           "answers_cut": prepared.stats.answers_cut, "answers_cut_unknown": prepared.stats.answers_cut_unknown}
     out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns")})
     if manifest["num_empty_turns"]:
         log.warning(

@@ -69,13 +69,16 @@ def part_counts(path: Path) -> dict[str, int]:
 
 def write_conversations_parquet(conversations: list[Conversation], path: Path, counts: dict[str, int] | None = None) -> None:
     """Atomic Parquet write of `messages` rows (plus `source_row` so edits can be traced). Tool calls,
-    tool results' ids and `tools` get their columns only when some row has them, so a file of plain
-    chats has the bytes it always had. `counts` go into the file's own metadata (`part_counts` reads
+    tool results' ids, `answer_cut` (per regenerated answer: did generate.max_new_tokens cut it; null on
+    the turns kept as the data has them) and `tools` get their columns only when some row has them, so
+    a file of plain chats has the bytes it always had. `counts` go into the file's own metadata (`part_counts` reads
     them): a part carries what was counted while it was made, whichever rank or run made it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     fields = [("role", pa.string()), ("content", pa.string()), ("token_ids", pa.list_(pa.int32()))]
+    if any("answer_cut" in m for c in conversations for m in c.messages):
+        fields.append(("answer_cut", pa.bool_()))
     if any(k in m for c in conversations for m in c.messages for k in ("tool_calls", "tool_call_id", "name")):
         call = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
         fields += [("tool_calls", pa.list_(call)), ("tool_call_id", pa.string()), ("name", pa.string())]

@@ -11,6 +11,14 @@ has it: the tool results after it answer that call, which a rewritten turn might
 answer lands; the engine is kept fed across parts (the next part's requests go in while the current
 part's longest answers still decode). A rerun skips finished parts, so a killed run resumes. The
 parts are merged into `run_dir/data/generated.parquet` at the end.
+
+An answer cut at `generate.max_new_tokens` is kept (its tokens are the target's) and marked
+(`answer_cut`), so extraction leaves the end-of-turn marker the template closes it with unsupervised:
+the target did not end its answer there. Its row stops at the cut answer: the row's later turns are
+dropped (counted, `turns_dropped_after_cut`), because the data's next user turn answers the data's
+own, whole answer, and the target's next answer would be conditioned on a cut answer closed as if
+finished, a context it never meets when serving. The summary counts cut answers (`answers_cut`);
+parts written before answers recorded it count theirs as ended (`answers_cut_unknown`).
 """
 
 from __future__ import annotations
@@ -26,11 +34,11 @@ from typing import Any, ClassVar, Literal
 
 from shared.config import Section, dotted_differences
 from shared.conversation_files import read_conversations
-from shared.conversations import Conversation
+from shared.conversations import Conversation, ReadStats
 from shared.errors import DataError
 from shared.files import full_disk, write_atomic
 from shared.identity import generate_settings_key
-from stage1_extract.backends import Engine, Request, RequestRefused, request_seed
+from stage1_extract.backends import Answer, Engine, Request, RequestRefused, request_seed
 from stage1_extract.data import part_counts, write_conversations_parquet
 from stage1_extract.template import prompt_ids
 
@@ -47,7 +55,8 @@ class GenerateConfig(Section):
     top_p: float = 0.8
     """Nucleus sampling (recipe: 0.8)."""
     max_new_tokens: int = 512
-    """Longest regenerated answer, in tokens."""
+    """Longest regenerated answer, in tokens. An answer cut here is kept with its end-of-turn marker
+    unsupervised and its row's later turns dropped; the summary counts them (`answers_cut`)."""
     batch_size: int = 32
     """Sequences per transformers generate call."""
     rows_per_part: int = 128
@@ -107,7 +116,8 @@ class PartRewrite:
     conversation that has one is round r; a round's requests go out together, the next round's once
     all its answers are back (each prompt holds the answers before it). Each new turn keeps the
     target's own token ids (`token_ids`, what extraction stores) beside their decoded text (for
-    people and for other tools)."""
+    people and for other tools) and whether generate.max_new_tokens cut it (`answer_cut`); a cut answer
+    ends its conversation (module docstring)."""
 
     def __init__(self, number: int, conversations: list[Conversation], tokenizer: Any, seed: int):
         self.number, self.source, self.tokenizer, self.seed = number, conversations, tokenizer, seed
@@ -116,6 +126,7 @@ class PartRewrite:
         self.round = -1
         self.awaited = 0
         self.past_context: dict[int, int] = {}  # conversation -> its turns kept as the data has them
+        self.cut_at: dict[int, int] = {}  # conversation -> its turns dropped after its cut answer
 
     def next_round(self, max_prompt: int | None = None) -> list[tuple[Hashable, Request]]:
         """The next round's requests, keyed (part, conversation); none when the part is done. A prompt
@@ -124,7 +135,7 @@ class PartRewrite:
         self.round += 1
         requests: list[tuple[Hashable, Request]] = []
         for i, slots in enumerate(self.slots):
-            if self.round >= len(slots) or i in self.past_context:
+            if self.round >= len(slots) or i in self.past_context or i in self.cut_at:
                 continue
             ids = prompt_ids(self.tokenizer, self.current[i][: slots[self.round]], self.source[i].tools)
             if max_prompt is not None and len(ids) > max_prompt:
@@ -139,11 +150,19 @@ class PartRewrite:
         self.awaited = len(requests)
         return requests
 
-    def answer(self, i: int, ids: list[int]) -> bool:
-        """Put conversation i's answer of this round in place; True when the round is complete."""
-        reply = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True), "token_ids": list(ids)}
+    def answer(self, i: int, answer: Answer) -> bool:
+        """Put conversation i's answer of this round in place (a cut one ends the conversation); True
+        when the round is complete."""
+        reply = {
+            "role": "assistant", "content": self.tokenizer.decode(answer.ids, skip_special_tokens=True),
+            "token_ids": list(answer.ids), "answer_cut": answer.cut,
+        }
         at = self.slots[i][self.round]
-        self.current[i] = self.current[i][:at] + [reply] + self.current[i][at + 1 :]
+        later = self.current[i][at + 1 :]
+        if answer.cut:
+            self.cut_at[i] = len(later)
+            later = []
+        self.current[i] = self.current[i][:at] + [reply] + later
         self.awaited -= 1
         return self.awaited == 0
 
@@ -163,6 +182,10 @@ class GenerateResult:
     generate_seconds: float = 0.0  # answering the parts: the backend's generate calls and their templates
     long_prompt_turns_kept: int = 0  # turns whose prompt passed the engine's context, kept as the data has them
     in_flight_limit: int = 0  # requests fed before the engine is left to decode: its max_num_seqs, at least a part
+    answers: int = 0  # regenerated answers in the merged output
+    answers_cut: int = 0  # of those, cut at generate.max_new_tokens
+    answers_cut_unknown: int = 0  # of those, from parts written before cuts were recorded (read as ended)
+    turns_dropped_after_cut: int = 0  # turns of the data after a cut answer, dropped with it
 
 
 def part_name(number: int, chunk: list[Conversation]) -> str:
@@ -264,8 +287,10 @@ def generate_all(
                 ) from None
             return
         part = parts_dir / wanted[number]
-        write_conversations_parquet(running.pop(number).conversations(), part,
-                                    {"long_prompt_turns_kept": sum(rewrite.past_context.values())})
+        write_conversations_parquet(running.pop(number).conversations(), part, {
+            "long_prompt_turns_kept": sum(rewrite.past_context.values()),
+            "turns_dropped_after_cut": sum(rewrite.cut_at.values()),
+        })
         bar.update(len(chunks[number]))
         bar.set_postfix(tok_s=f"{generated_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
 
@@ -283,9 +308,9 @@ def generate_all(
                 number = todo.pop(0)
                 running[number] = PartRewrite(number, chunks[number], tokenizer, seed)
                 advance(number)
-            for (number, i), ids in engine.collect() if running else []:
-                generated_tokens += len(ids)
-                if running[number].answer(i, ids):
+            for (number, i), answer in engine.collect() if running else []:
+                generated_tokens += len(answer.ids)
+                if running[number].answer(i, answer):
                     advance(number)
         generate_s = time.perf_counter() - loop_started - start_s
     except BaseException as exc:
@@ -305,17 +330,22 @@ def generate_all(
         return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s, 0, limit)
     wait_for_parts(parts_dir, wanted, world)
     # Summed over every part, each rank's and each earlier run's: the count belongs to the data made.
-    long_turns = sum(part_counts(parts_dir / name).get("long_prompt_turns_kept", 0) for name in wanted)
+    counts = [part_counts(parts_dir / name) for name in wanted]
+    read = ReadStats()  # the cut answers, counted as the parts hold them
     merged = [
         Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
-        for i, c in enumerate(read_conversations(parts_dir))
+        for i, c in enumerate(read_conversations(parts_dir, stats=read))
     ]
     try:
         write_conversations_parquet(merged, out_path)
     except OSError as exc:
         raise named(exc, out_path) from None
     return GenerateResult(
-        out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s, long_turns, limit
+        out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s,
+        sum(c.get("long_prompt_turns_kept", 0) for c in counts), limit,
+        answers=sum(m.get("token_ids") is not None for c in merged for m in c.messages),
+        answers_cut=read.answers_cut, answers_cut_unknown=read.answers_cut_unknown,
+        turns_dropped_after_cut=sum(c.get("turns_dropped_after_cut", 0) for c in counts),
     )
 
 

@@ -110,6 +110,14 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         # Turns whose prompt passed the engine's context (vLLM's max_model_len): kept as the data has them.
         "long_prompt_turns_kept": result.long_prompt_turns_kept,
         "in_flight_limit": result.in_flight_limit,  # requests kept in the engine: its max_num_seqs, at least a part
+        # Answers generate.max_new_tokens cut before the target ended them (their end-of-turn marker is
+        # not supervised, their rows' later turns dropped), and answers of parts too old to say.
+        "answers": result.answers,
+        "answers_cut": result.answers_cut,
+        "answers_cut_share": round(result.answers_cut / result.answers, 4) if result.answers else 0.0,
+        "answers_cut_unknown": result.answers_cut_unknown,
+        "turns_dropped_after_cut": result.turns_dropped_after_cut,
+        "max_new_tokens": cfg.generate.max_new_tokens,
         "backend": backend_name,
         "rank": rank,
         "world_size": world,

@@ -53,6 +53,7 @@ def _shard_states(
         rows.append({"index": shard.index, "state": state, "why": why, "samples": len(shard.rows)})
     orphaned = [r["name"] or f"index {r['index']}" for i, r in listed.items() if i >= len(shards)]
     counts = {state: sum(r["state"] == state for r in rows) for state in ("current", "stale", "missing")}
+    made = (manifest or {}).get("data") or {}
     report = {
         "store": files.url,
         "manifest": manifest is not None,
@@ -64,6 +65,9 @@ def _shard_states(
         # The generated conversations the shards were cut from belong to other prompts, target or
         # sampling settings than the config gives (their provenance, `generate` writes it).
         "generated_data": prepared.generated_problem or "current",
+        # As the manifest counted them (None: no manifest, or one merged before they were counted).
+        "answers_cut": made.get("answers_cut"),
+        "answers_cut_unknown": made.get("answers_cut_unknown"),
         "complete": manifest is not None and counts["current"] == len(shards) and not orphaned
         and prepared.generated_problem is None,
     }

@@ -13,6 +13,11 @@ marker, the next turns) is tokenized piece by piece: the prompt before the first
 generation saw it. A template that does not place the answer's text verbatim (it rewrites it) falls
 back to tokenizing the text, counted (`TokenizedSample.ids_fallbacks`).
 
+An answer `generate.max_new_tokens` cut (`answer_cut`) did not end: the template still closes its
+turn, but that end-of-turn marker (the text the template writes after the answer) is not the
+target's, so it is not supervised, and the drafter is never taught that the target stops there. Its
+content is the target's own and stays supervised.
+
 Tool calls are part of the assistant's turn (its own tokens: supervised), tool results are turns of
 their own (not supervised); how a template receives them is `shared.conversations.render`.
 """
@@ -112,13 +117,21 @@ def _tokenize_with_ids(
             prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
             span_marked = render(tokenizer, marked, add_generation_prompt=False, tools=tools)[len(prefix) :]
             before, found, after = span_marked.partition(SENTINEL)
+            cut = bool(message.get("answer_cut"))
             if found and full[start:end] == before + message["content"] + after:
                 text(before, True)
                 pieces.append((list(ids), True))
-                text(after, True)
+                text(after, not cut)
             else:  # the template rewrote the answer's text: the ids cannot be placed, use the text
                 fallbacks += 1
-                text(full[start:end], True)
+                span = full[start:end]
+                if not cut:
+                    text(span, True)
+                elif found and after and span.endswith(after):
+                    text(span[: -len(after)], True)
+                    text(after, False)
+                else:  # no end marker to tell apart: the turn goes unsupervised rather than teach a false end
+                    text(span, False)
         done = end
     text(full[done:], False)
     ids = np.asarray([t for chunk, _ in pieces for t in chunk], dtype=np.int32)

@@ -68,7 +68,9 @@ def verify_store(url: str) -> dict[str, Any]:
                     "fix": REBUILD if part_record_holds(url, files, present, manifest, record["index"]) else EXTRACT,
                 }
             )
-    return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad}
+    made = manifest.get("data") or {}  # what the shards were made from, as the manifest counted it
+    return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad,
+            "answers_cut": made.get("answers_cut"), "answers_cut_unknown": made.get("answers_cut_unknown")}
 
 
 def part_record_holds(url: str, files: StoreFiles, present: set[str], manifest: dict[str, Any], index: int) -> bool:

@@ -289,7 +289,7 @@ def test_generate_and_extract_count_the_dropped_turns(tiny_target_dir, tmp_path)
     assert generated["leading_turns_dropped"] == 4
     from stage1_extract.__main__ import show_extract, show_generate
 
-    assert show_generate(generated).endswith("\n4 turn(s) before a row's first user turn dropped (they answer nothing)")
+    assert "\n4 turn(s) before a row's first user turn dropped (they answer nothing)\n" in show_generate(generated)
     assert show_extract(extracted).endswith("; 4 turn(s) before a row's first user turn dropped")
     roles = [[m["role"] for m in c.messages] for c in read_conversations(generated["output"])]
     assert roles == [["system", "user", "assistant"], ["user", "assistant"], ["user", "assistant"]]

@@ -155,8 +155,12 @@ def test_generate_regenerates_assistant_turns_and_resumes(tiny_target_dir, tmp_p
     first = commands.cmd_generate(cfg, progress=False)
     assert first["conversations"] == 3 and first["parts_reused"] == 0
     out = list(read_conversations(first["output"]))
+    # The random target never says EOS within 6 tokens: transformers' answers are all cut, and the
+    # third row stops at its first answer (its later user turn dropped, no answer asked for it).
+    assert (first["answers"], first["answers_cut"], first["turns_dropped_after_cut"]) == (3, 3, 1)
+    assert all(c.messages[-1]["answer_cut"] and len(c.messages[-1]["token_ids"]) == 6 for c in out)
     roles = [[m["role"] for m in c.messages] for c in out]
-    assert roles == [["user", "assistant"], ["user", "assistant"], ["user", "assistant", "user", "assistant"]]
+    assert roles == [["user", "assistant"], ["user", "assistant"], ["user", "assistant"]]
     assert all(m["content"] not in ("OLD ANSWER", "OLD") for c in out for m in c.messages)
     # A rerun (as after a kill) reuses every finished part and changes nothing.
     second = commands.cmd_generate(cfg, progress=False)

@@ -15,6 +15,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -43,10 +44,13 @@ class FakeEngine:
     """vLLM's engine API (add_request / step / has_unfinished_requests), decoding one token per
     step for at most `max_num_seqs` requests at a time, first come first served. An answer is drawn
     from its request's own seed when it has one, else from the engine's seeded stream in the order
-    requests start (so, as on vLLM, it depends on what ran before it)."""
+    requests start (so, as on vLLM, it depends on what ran before it). A request `cuts` picks runs to
+    max_tokens without a stop token and finishes with vLLM's finish_reason "length"; the others end on
+    EOS ("stop")."""
 
     max_num_seqs = 4
     max_model_len = 2048
+    cuts = staticmethod(lambda prompt_ids: False)
 
     @property
     def vllm_config(self):  # where vLLM's LLMEngine holds its scheduler and model settings
@@ -67,7 +71,7 @@ class FakeEngine:
             raise ValueError(f"The decoder prompt (length {len(prompt['prompt_token_ids'])}) is longer than the maximum "
                              f"model length of {self.max_model_len}.")
         self.added.append((request_id, prompt["prompt_token_ids"]))
-        self.waiting.append((request_id, params))
+        self.waiting.append((request_id, params, prompt["prompt_token_ids"]))
 
     def has_unfinished_requests(self):
         return bool(self.waiting or self.running)
@@ -76,22 +80,25 @@ class FakeEngine:
         if self.fail_after_steps is not None and len(self.steps) >= self.fail_after_steps:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         while self.waiting and len(self.running) < self.max_num_seqs:
-            request_id, params = self.waiting.pop(0)
+            request_id, params, prompt_ids = self.waiting.pop(0)
             rng = random.Random(params.seed) if params.seed is not None else self.rng
-            ids = [rng.randrange(300, 5000) for _ in range(rng.randint(3, params.max_tokens - 1))] + [EOS]
-            self.running[request_id] = [ids, 0]
+            if self.cuts(prompt_ids):
+                ids, reason = [rng.randrange(300, 5000) for _ in range(params.max_tokens)], "length"
+            else:
+                ids, reason = [rng.randrange(300, 5000) for _ in range(rng.randint(3, params.max_tokens - 1))] + [EOS], "stop"
+            self.running[request_id] = [ids, 0, reason]
         self.steps.append(sorted(self.running))
         self.added_by_step.append(len(self.added))
         outputs = []
         for request_id in list(self.running):
-            ids, done = self.running[request_id]
+            ids, done, reason = self.running[request_id]
             self.running[request_id][1] = done + 1
             finished = done + 1 == len(ids)
             if finished:
                 del self.running[request_id]
-            outputs.append(types.SimpleNamespace(
-                request_id=request_id, finished=finished, outputs=[types.SimpleNamespace(token_ids=ids[: done + 1])]
-            ))
+            outputs.append(types.SimpleNamespace(request_id=request_id, finished=finished, outputs=[
+                types.SimpleNamespace(token_ids=ids[: done + 1], finish_reason=reason if finished else None)
+            ]))
         return outputs
 
 
@@ -447,6 +454,145 @@ def test_a_turn_that_calls_tools_is_kept_and_the_answer_after_its_result_regener
     assert conv.messages[1] == {"role": "assistant", "content": "OLD", "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]}
     assert [m.get("token_ids") is not None for m in conv.messages] == [False, False, False, True, False, True]
     assert conv.messages[3]["content"] != "OLD ANSWER" and conv.tools == '[{"type": "function", "function": {"name": "get_weather"}}]'
+
+
+# ---- answers cut at generate.max_new_tokens ------------------------------------------------------------
+AT_LENGTH = "write at length"
+
+
+def cut_when_asked_at_length(monkeypatch, tokenizer):
+    """The stand-in vLLM cuts (finish_reason "length") every answer to a user turn opening with AT_LENGTH."""
+    def cuts(prompt_ids):
+        return tokenizer.decode(prompt_ids).rsplit("<|im_start|>user\n", 1)[1].startswith(AT_LENGTH)
+
+    monkeypatch.setattr(FakeEngine, "cuts", staticmethod(cuts))
+
+
+CUT_ROWS = [
+    {"messages": [{"role": "user", "content": "question 0: how are you?"}]},
+    {"messages": [{"role": "user", "content": f"{AT_LENGTH} about lists"}]},
+    {"messages": [{"role": "user", "content": f"{AT_LENGTH} about dicts"}, {"role": "assistant", "content": "OLD"},
+                  {"role": "user", "content": "and sets?"}, {"role": "assistant", "content": "OLD"}]},
+    {"messages": [{"role": "user", "content": "question 3"}, {"role": "assistant", "content": "OLD"},
+                  {"role": "user", "content": "more?"}, {"role": "assistant", "content": "OLD"}]},
+]
+
+
+def cut_flags(path):
+    return [[m.get("answer_cut") for m in c.messages if m["role"] == "assistant"] for c in read_conversations(path)]
+
+
+def test_answers_cut_at_max_new_tokens_are_marked_counted_and_end_their_row(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """vLLM says an answer hit max_tokens (finish_reason "length"): the answer is kept and marked, its
+    row's later turns are dropped (never asked of the engine), and the summary counts both, over
+    every part, reused ones too, with a warning naming the setting."""
+    from stage1_extract.__main__ import show_generate
+
+    cfg = generate_config(tiny_target_dir, write_jsonl(tmp_path / "prompts.jsonl", CUT_ROWS), tmp_path / "run")
+    cut_when_asked_at_length(monkeypatch, load_tokenizer(cfg.target))
+    out = commands.cmd_generate(cfg, progress=False)
+    assert (out["answers"], out["answers_cut"], out["answers_cut_share"], out["turns_dropped_after_cut"]) == (5, 2, 0.4, 2)
+    assert out["answers_cut_unknown"] == 0 and len(fake_vllm.engines[0].added) == 5
+    assert cut_flags(out["output"]) == [[False], [True], [True], [False, False]]
+    assert [f.name for f in pq.read_schema(out["output"]).field("messages").type.value_type][-1] == "answer_cut"
+    generated = list(read_conversations(out["output"]))
+    assert [m["role"] for m in generated[2].messages] == ["user", "assistant"]  # stopped at its cut answer
+    assert all(len(c.messages[1]["token_ids"]) == 12 and EOS not in c.messages[1]["token_ids"] for c in generated[1:3])
+    assert "\nwarning: 2 of 5 answers (40.0%) were cut at generate.max_new_tokens=12 before the target ended them: kept " \
+           "with their end-of-turn marker unsupervised, the 2 later turn(s) of their rows dropped; raise " \
+           "generate.max_new_tokens to let them finish" in show_generate(out)
+    again = commands.cmd_generate(cfg, progress=False)
+    assert again["parts_reused"] == 2 and (again["answers_cut"], again["turns_dropped_after_cut"]) == (2, 2)
+
+
+def test_parts_written_before_cuts_were_recorded_are_read_as_ended_and_said_so(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """A part without the answer_cut column (an older generate) is reused as it is: its answers load,
+    count as ended, and the summary says how many could not be told apart."""
+    from stage1_extract.__main__ import show_generate
+    from stage1_extract.data import part_counts
+
+    cfg = generate_config(tiny_target_dir, write_jsonl(tmp_path / "prompts.jsonl", CUT_ROWS), tmp_path / "run")
+    cut_when_asked_at_length(monkeypatch, load_tokenizer(cfg.target))
+    commands.cmd_generate(cfg, progress=False)
+    parts = tmp_path / "run" / "data" / "generated.parts"
+    first = sorted(parts.glob("part-*.parquet"))[0]  # rows 0-2: one finished answer, two cut
+    old = [Conversation(c.row, [{k: v for k, v in m.items() if k != "answer_cut"} for m in c.messages], tools=c.tools)
+           for c in read_conversations(first)]
+    write_conversations_parquet(old, first, {"long_prompt_turns_kept": part_counts(first)["long_prompt_turns_kept"]})
+    assert [f.name for f in pq.read_schema(first).field("messages").type.value_type] == ["role", "content", "token_ids"]
+    out = commands.cmd_generate(cfg, progress=False)
+    assert out["parts_reused"] == 2 and (out["answers"], out["answers_cut"], out["answers_cut_unknown"]) == (5, 0, 3)
+    assert cut_flags(out["output"]) == [[None], [None], [None], [False, False]]
+    assert f"\n3 answer(s) come from parts written before cut answers were recorded: read as ended (delete {parts} to " \
+           "regenerate them)" in show_generate(out)
+    tokenizer = load_tokenizer(cfg.target)
+    sample = tokenize_conversation(tokenizer, list(read_conversations(out["output"]))[1].messages, 256)
+    assert tokenizer.decode(sample.input_ids[sample.loss_mask]).endswith("<|im_end|>\n")  # supervised, as before
+
+
+def test_a_cut_answers_end_of_turn_marker_is_not_supervised_and_its_content_is(tiny_target_dir, tmp_path):
+    """The template closes a cut answer with its end-of-turn marker like any other: those tokens are left out of
+    the loss (the target did not end there), the answer's own ids stay in; a finished answer, later
+    in the same row or in another, keeps its marker. Extraction stores that mask, the manifest counts
+    the cut answer and status and verify say so."""
+    from stage1_extract.__main__ import show_status
+
+    tokenizer = load_tokenizer(generate_config(tiny_target_dir, tmp_path, tmp_path).target)
+    word = "extraordinarily"
+    per_char = [tokenizer.convert_tokens_to_ids(c) for c in word]
+
+    def reply(cut):
+        return {"role": "assistant", "content": word, "token_ids": per_char, "answer_cut": cut}
+
+    convs = [Conversation(row=0, messages=[{"role": "user", "content": "say it"}, reply(True),
+                                           {"role": "user", "content": "again"}, reply(False)])]
+    convs += [Conversation(row=i, messages=[{"role": "user", "content": f"say it {i}"}, reply(False)]) for i in (1, 2, 3)]
+    path = tmp_path / "answers.parquet"
+    write_conversations_parquet(convs, path)
+    back = list(read_conversations(path))
+    cut_row, finished_row = (tokenize_conversation(tokenizer, c.messages, 256) for c in back[:2])
+    for sample, supervised in ((cut_row, f"{word}{word}<|im_end|>\n"), (finished_row, f"{word}<|im_end|>\n")):
+        assert tokenizer.decode(sample.input_ids[sample.loss_mask]) == supervised and sample.ids_fallbacks == 0
+    ids = cut_row.input_ids.tolist()
+    end = next(i for i in range(len(ids)) if ids[i : i + len(per_char)] == per_char) + len(per_char)
+    assert cut_row.loss_mask[end - len(per_char) : end].all() and ids[end] == EOS and not cut_row.loss_mask[end : end + 2].any()
+    cfg = load_run_config("configs/default.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32", "target.num_feature_layers=3",
+        f"data.path={path}", "data.regenerate=false", "extract.top_k=8", "store.shard_mb=1",
+    ])
+    assert commands.cmd_extract(cfg, progress=False)["answers_cut"] == 1
+    stored = StoreReader(cfg.store.url(cfg.run_dir))
+    assert np.array_equal(stored[0]["loss_mask_T"].numpy(), cut_row.loss_mask)
+    assert stored.manifest["data"]["answers_cut"] == 1 and stored.manifest["data"]["answers_cut_unknown"] == 0
+    status = commands.cmd_status(cfg)
+    assert status["answers_cut"] == 1 and "\n1 answer(s) cut at generate.max_new_tokens: their end-of-turn marker is " \
+                                           "not supervised\n" in show_status(status)
+    assert commands.cmd_verify(cfg)["answers_cut"] == 1
+
+
+def test_a_cut_answer_whose_text_the_template_rewrites_still_leaves_its_end_marker_unsupervised(tiny_target_dir):
+    """A template that trims the answer's text cannot place its ids (the text is tokenized instead,
+    counted): the marker it writes after the text is still told apart and left out of the loss."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tokenizer.chat_template = tokenizer.chat_template.replace("message['content']", "(message['content'] | trim)")
+    text = "hello there  "
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for cut, supervised in ((True, "hello there"), (False, "hello there<|im_end|>\n")):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text, "token_ids": ids, "answer_cut": cut}]
+        sample = tokenize_conversation(tokenizer, messages, 256)
+        assert sample.ids_fallbacks == 1 and tokenizer.decode(sample.input_ids[sample.loss_mask]) == supervised
+
+
+def test_an_answer_is_cut_when_no_stop_token_ends_it():
+    """The transformers backend's reading of a generated row: a stop token ends the answer (the
+    padding after it dropped); none within max_new_tokens means the limit cut it."""
+    from stage1_extract.backends import Answer, until_stop
+
+    assert until_stop([7, 8, EOS, EOS, EOS], [EOS]) == Answer([7, 8], cut=False)
+    assert until_stop([7, 8, 9, EOS], [EOS]) == Answer([7, 8, 9], cut=False)  # ended on its last allowed token
+    assert until_stop([7, 8, 9, 10], [EOS]) == Answer([7, 8, 9, 10], cut=True)
 
 
 def test_every_8b_sequence_generates_on_every_gpu():
