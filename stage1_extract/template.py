@@ -14,7 +14,8 @@ generation saw it. A template that does not place the answer's text verbatim (it
 back to tokenizing the text, counted (`TokenizedSample.ids_fallbacks`).
 
 Tool calls are part of the assistant's turn (its own tokens: supervised), tool results are turns of
-their own (not supervised); how a template receives them is `shared.conversations.render`.
+their own (not supervised); how a template receives them is `shared.conversations.render`. An
+assistant turn the data marks `weight: 0` (axolotl's "context only") is rendered but not supervised.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def assistant_char_spans(
 def tokenize_conversation(
     tokenizer: Any, messages: list[dict[str, Any]], max_length: int, tools: str | None = None
 ) -> TokenizedSample:
-    empty = sum(1 for m in messages if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"))
+    empty = sum(1 for m in messages if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls")
+                and m.get("weight") != 0)
     if any(m.get("token_ids") is not None for m in messages):
         ids, mask, fallbacks = _tokenize_with_ids(tokenizer, messages, tools)
     else:
@@ -79,7 +81,10 @@ def _tokenize_text(tokenizer: Any, messages: list[dict[str, Any]], tools: str | 
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(len(ids), dtype=bool)
-    for start, end in spans:
+    supervised = [m.get("weight") != 0 for m in messages if m["role"] == "assistant"]
+    for (start, end), wanted in zip(spans, supervised):
+        if not wanted:
+            continue
         # A token is supervised when it starts inside the assistant's text.
         mask |= (offsets[:, 0] >= start) & (offsets[:, 0] < end) & (offsets[:, 1] > offsets[:, 0])
     return ids, mask
@@ -104,21 +109,21 @@ def _tokenize_with_ids(
     for turn, (start, end) in zip(turns, spans):
         text(full[done:start], False)
         message = messages[turn]
-        ids = message.get("token_ids")
+        ids, supervised = message.get("token_ids"), message.get("weight") != 0
         if ids is None:
-            text(full[start:end], True)
+            text(full[start:end], supervised)
         else:
             marked = [*messages[:turn], {**message, "content": SENTINEL}]
             prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
             span_marked = render(tokenizer, marked, add_generation_prompt=False, tools=tools)[len(prefix) :]
             before, found, after = span_marked.partition(SENTINEL)
             if found and full[start:end] == before + message["content"] + after:
-                text(before, True)
-                pieces.append((list(ids), True))
-                text(after, True)
+                text(before, supervised)
+                pieces.append((list(ids), supervised))
+                text(after, supervised)
             else:  # the template rewrote the answer's text: the ids cannot be placed, use the text
                 fallbacks += 1
-                text(full[start:end], True)
+                text(full[start:end], supervised)
         done = end
     text(full[done:], False)
     ids = np.asarray([t for chunk, _ in pieces for t in chunk], dtype=np.int32)
