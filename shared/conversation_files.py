@@ -13,9 +13,10 @@ What `path` may be, and how its rows are numbered:
 - a folder saved by `datasets` (`Dataset.save_to_disk`: its `state.json` lists the arrow files in
   order; a `DatasetDict` folder is refused naming its splits), or a folder of `.parquet` or of `.arrow`
   files read in name order. Rows count on across the files. A folder whose files belong to several
-  splits (the Hub's `data/train_sft-00000-of-00003.parquet` beside `data/test_sft-...`, the `datasets`
-  cache's `<name>-train-00000-of-00002.arrow` beside `<name>-test-...`) is refused naming each split
-  and the `data.path` that reads it: merged, the test split would become training data;
+  splits (the Hub's `data/train_sft-00000-of-00003.parquet` beside `data/test_sft-...`, or
+  `train.parquet` beside `test.parquet`; the `datasets` cache's `<name>-train-00000-of-00002.arrow`
+  beside `<name>-test-...`) is refused naming each split and the `data.path` that reads it: merged,
+  the test split would become training data;
 - a glob in the last part of the path (`data/train_sft-*.parquet`: one split of such a folder), its
   files read in name order.
 A UTF-8 byte-order mark starting a file is not part of its first row. The format is found per file
@@ -55,11 +56,14 @@ log = logging.getLogger(__name__)
 BOM = b"\xef\xbb\xbf"
 ARRAY_CHUNK = 1 << 20  # characters read at a time from a JSON array
 # A split's files as the Hub names them (`train_sft-00000-of-00003.parquet`; older uploads add
-# `-<fingerprint>`) and as the `datasets` cache does (`ultrachat_200k-train_sft-00000-of-00003.arrow`).
-# `datasets` allows split names of word characters and dots only, so the split is the last field.
+# `-<fingerprint>`; a one-file split may be `train.parquet`) and as the `datasets` cache does
+# (`ultrachat_200k-train_sft-00000-of-00003.arrow`, `ultrachat_200k-test.arrow`). `datasets` allows
+# split names of word characters and dots only, so the split is the last field. A file named after
+# no shard and no usual split (`chunk1.parquet`) belongs to none.
+USUAL_SPLITS = "train|test|validation|valid|dev"
 SPLIT_FILES = {
-    ".parquet": re.compile(r"(?P<split>\w+(?:\.\w+)*)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?\.parquet"),
-    ".arrow": re.compile(r"(?P<name>.+?)-(?P<split>\w+(?:\.\w+)*)-\d{5}-of-\d{5}\.arrow"),
+    ".parquet": re.compile(rf"(?:(?P<split>\w+(?:\.\w+)*)-\d{{5}}-of-\d{{5}}(?:-[0-9a-f]+)?|(?P<plain>{USUAL_SPLITS}))\.parquet"),
+    ".arrow": re.compile(rf"(?P<name>.+?)-(?:(?P<split>\w+(?:\.\w+)*)-\d{{5}}-of-\d{{5}}|(?P<plain>{USUAL_SPLITS}))\.arrow"),
 }
 
 
@@ -232,16 +236,16 @@ def _choices(folder: Path, files: list[Path]) -> str | None:
         if match is None:
             other.append(file.name)
             continue
-        name = match.groupdict().get("name")
-        pattern = f"{name + '-' if name else ''}{match['split']}-*{file.suffix}"
-        splits[match["split"]] = (pattern, splits.get(match["split"], ("", 0))[1] + 1)
+        split, name = match["split"] or match["plain"], match.groupdict().get("name")
+        pattern = file.name if match["plain"] else f"{name + '-' if name else ''}{split}-*{file.suffix}"
+        splits[split] = (pattern, splits.get(split, ("", 0))[1] + 1)
     if not splits or (len(splits) == 1 and not other):
         return None
     text = "set data.path to one split's files: " + "; ".join(
         f"{split} ({n} file{'s' * (n > 1)}): {shlex.quote(f'data.path={folder / pattern}')}" for split, (pattern, n) in splits.items()
     )
     if other:
-        text += f"; {len(other)} files name no split ({', '.join(other[:3])}{', ...' if len(other) > 3 else ''})"
+        text += f"; {len(other)} other file{'s' * (len(other) > 1)}, of no split ({', '.join(other[:3])}{', ...' * (len(other) > 3)})"
     return text
 
 

@@ -279,9 +279,17 @@ def test_a_folder_of_several_splits_is_refused_naming_the_data_path_of_each(tmp_
         pq.write_table(pa.Table.from_pylist(rows[:2]), one / name)
     assert [c.row for c in read_conversations(one)] == [0, 1, 2, 3]
     pq.write_table(pa.Table.from_pylist(rows[:1]), one / "extra.parquet")
-    with pytest.raises(InputFileError, match=r"train \(2 files\): 'data.path=.*/one/train-\*\.parquet'; 1 files name no "
+    with pytest.raises(InputFileError, match=r"train \(2 files\): 'data.path=.*/one/train-\*\.parquet'; 1 other file, of no "
                                              r"split \(extra.parquet\)"):
         list(read_conversations(one))
+    plain = tmp_path / "plain"  # the Hub's one-file splits: data/train.parquet beside data/test.parquet
+    plain.mkdir()
+    for name in ("chunk1", "chunk2", "train"):
+        pq.write_table(pa.Table.from_pylist(rows[:1]), plain / f"{name}.parquet")
+    with pytest.raises(InputFileError, match=r"train \(1 file\): data.path=.*/plain/train\.parquet; 2 other files, of no split \(chunk1"):
+        list(read_conversations(plain))
+    (plain / "train.parquet").unlink()
+    assert [c.row for c in read_conversations(plain)] == [0, 1]
 
 
 def test_a_glob_is_a_data_path_for_every_command(tiny_target_dir, tmp_path):
