@@ -12,7 +12,13 @@ What `path` may be, and how its rows are numbered:
 - a `.parquet` or `.arrow` file (Arrow IPC stream, what `datasets` writes, or file);
 - a folder saved by `datasets` (`Dataset.save_to_disk`: its `state.json` lists the arrow files in
   order; a `DatasetDict` folder is refused naming its splits), or a folder of `.parquet` or of `.arrow`
-  files read in name order. Rows count on across the files.
+  files read in name order. Rows count on across the files. A folder whose files belong to several
+  splits (the Hub's `data/train_sft-00000-of-00003.parquet` beside `data/test_sft-...`, or
+  `train.parquet` beside `test.parquet`; the `datasets` cache's `<name>-train-00000-of-00002.arrow`
+  beside `<name>-test-...`) is refused naming each split and the `data.path` that reads it: merged,
+  the test split would become training data;
+- a glob in the last part of the path (`data/train_sft-*.parquet`: one split of such a folder), its
+  files read in name order.
 A UTF-8 byte-order mark starting a file is not part of its first row. The format is found per file
 (`shared/conversations.py`): from a table's columns, or from the first row that is an object; every
 later row of the file must be in it.
@@ -23,6 +29,8 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +42,7 @@ from shared.conversations import (
     Conversation,
     ReadStats,
     RowLimits,
+    both_formats,
     detect_columns,
     detect_format,
     fits,
@@ -46,6 +55,16 @@ log = logging.getLogger(__name__)
 
 BOM = b"\xef\xbb\xbf"
 ARRAY_CHUNK = 1 << 20  # characters read at a time from a JSON array
+# A split's files as the Hub names them (`train_sft-00000-of-00003.parquet`; older uploads add
+# `-<fingerprint>`; a one-file split may be `train.parquet`) and as the `datasets` cache does
+# (`ultrachat_200k-train_sft-00000-of-00003.arrow`, `ultrachat_200k-test.arrow`). `datasets` allows
+# split names of word characters and dots only, so the split is the last field. A file named after
+# no shard and no usual split (`chunk1.parquet`) belongs to none.
+USUAL_SPLITS = "train|test|validation|valid|dev"
+SPLIT_FILES = {
+    ".parquet": re.compile(rf"(?:(?P<split>\w+(?:\.\w+)*)-\d{{5}}-of-\d{{5}}(?:-[0-9a-f]+)?|(?P<plain>{USUAL_SPLITS}))\.parquet"),
+    ".arrow": re.compile(rf"(?P<name>.+?)-(?:(?P<split>\w+(?:\.\w+)*)-\d{{5}}-of-\d{{5}}|(?P<plain>{USUAL_SPLITS}))\.arrow"),
+}
 
 
 @dataclass
@@ -68,8 +87,8 @@ def read_conversations(
     log_skips: bool = True,
 ) -> Iterator[Conversation]:
     path = Path(path)
-    if not path.exists():
-        raise InputFileError(f"data file not found: {path}")
+    if not input_exists(path):
+        raise InputFileError(f"data file not found: {path}" if glob_files(path) is None else f"data.path={path} matches no file")
     stats = stats if stats is not None else ReadStats()
     kept = offset = 0
     warned = False
@@ -86,6 +105,9 @@ def read_conversations(
                     fmt, why = detect_format(record), "like the rows before it"
                 if fmt is None or not fits(record, fmt):
                     raise record if isinstance(record, Exception) else mismatch(fmt, record, why)
+                ambiguous = both_formats(record) if data_format == "auto" else None
+                if ambiguous is not None:
+                    raise ambiguous
                 messages, tools, cut, dropped = parse_row(record, fmt, limits)
             except ValueError as exc:
                 message = f"{path}: row {row}: {exc}"
@@ -153,6 +175,9 @@ def _table_format(table: _Table, data_format: str) -> tuple[str | None, str]:
 
 def data_files(path: Path) -> list[Path]:
     """The files of `path` in row order (module docstring)."""
+    matched = glob_files(path)
+    if matched is not None:
+        return matched
     if not path.is_dir():
         return [path]
     if (path / "dataset_dict.json").is_file():
@@ -174,9 +199,56 @@ def data_files(path: Path) -> list[Path]:
     if parquet and arrow:
         raise InputFileError(f"{path} holds both .parquet and .arrow files: point data.path at a folder of one kind")
     if not parquet and not arrow:
-        hint = " (a Hub dataset keeps them under data/: point data.path there)" if (path / "data").is_dir() else ""
+        hub = path / "data"
+        files = (sorted(hub.glob("*.parquet")) or sorted(hub.glob("*.arrow"))) if hub.is_dir() else []
+        hint = ""
+        if files:
+            choices = _choices(hub, files)
+            hint = f" (a Hub dataset keeps them under data/: {choices or shlex.quote(f'data.path={hub}')})"
         raise InputFileError(f"{path}: folder holds no .parquet or .arrow files{hint}")
+    choices = _choices(path, parquet or arrow)
+    if choices:
+        raise InputFileError(
+            f"{path} holds the files of several splits, which would be read as one data set (a test split trained on): "
+            f"{choices}"
+        )
     return parquet or arrow
+
+
+def glob_files(path: Path) -> list[Path] | None:
+    """The files a glob in the last part of `path` matches, in name order (`data/train_sft-*.parquet`:
+    one split of a Hub dataset); None when `path` is no glob (or a file of that very name exists)."""
+    if path.exists() or not any(c in path.name for c in "*?["):
+        return None
+    return sorted(p for p in path.parent.glob(path.name) if p.is_file())
+
+
+def input_exists(path: Path) -> bool:
+    """`path` exists, or is a glob that matches a file."""
+    return path.exists() or bool(glob_files(path))
+
+
+def _choices(folder: Path, files: list[Path]) -> str | None:
+    """How to read one split (its data.path) when the folder's files belong to several (or some to
+    none); None when they are one split's, or carry no split in their names."""
+    splits: dict[str, tuple[str, int]] = {}  # split -> (the glob of its files, how many)
+    other = []
+    for file in files:
+        match = SPLIT_FILES[file.suffix].fullmatch(file.name)
+        if match is None:
+            other.append(file.name)
+            continue
+        split, name = match["split"] or match["plain"], match.groupdict().get("name")
+        pattern = file.name if match["plain"] else f"{name + '-' if name else ''}{split}-*{file.suffix}"
+        splits[split] = (pattern, splits.get(split, ("", 0))[1] + 1)
+    if not splits or (len(splits) == 1 and not other):
+        return None
+    text = "set data.path to one split's files: " + "; ".join(
+        f"{split} ({n} file{'s' * (n > 1)}): {shlex.quote(f'data.path={folder / pattern}')}" for split, (pattern, n) in splits.items()
+    )
+    if other:
+        text += f"; {len(other)} other file{'s' * (len(other) > 1)}, of no split ({', '.join(other[:3])}{', ...' * (len(other) > 3)})"
+    return text
 
 
 def _tables(path: Path) -> Iterator[_Table]:

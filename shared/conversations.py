@@ -11,18 +11,26 @@ The formats (`data.format`; `auto` reads each file's format from its columns or 
   `from` is human/user, gpt/assistant, system, tool/observation/function_response (a tool's result) or
   function_call (the assistant calls a tool: `value` is JSON `{"name", "arguments"}` or a list of them);
   each turn's text is `value` or `content`, and `role` may stand for `from`.
-- **OpenAI chat**: `{"messages": [{"role", "content"}, ...], "tools"?}` with roles system (or developer),
-  user, assistant and tool (or the older function); an assistant turn may carry `tool_calls`
+- **OpenAI chat**: `{"messages": [{"role", "content"}, ...], "system"?, "tools"?}` with roles system (or
+  developer), user, assistant and tool (or the older function); an assistant turn may carry `tool_calls`
   (`[{"id", "type": "function", "function": {"name", "arguments"}}]`, content then may be null) and a
   tool turn `tool_call_id`; content may be a list of text parts (joined with newlines, as vLLM does).
-- **prompt/completion**: `{"prompt": "...", "completion"?: "..."}`, one user turn and its answer.
+- **prompt/completion**: `{"prompt": "...", "completion"?: "...", "system"?}`, one user turn and its answer.
+
+In every format a row's `system` text opens the conversation as a system turn, and an assistant turn
+may carry `reasoning_content` (its thinking, as Qwen3 and vLLM's reasoning parsers write it) and
+axolotl's `weight` (0: the turn is context, not supervised and not regenerated; 1: the default). A row
+holding both `messages` and `conversations` is refused under data.format=auto: they may be different
+chats, and reading one would drop the other.
 
 One form: `{"role", "content"}` per message, plus `token_ids` on an answer the target regenerated
 and beside them `answer_cut` (true: `generate.max_new_tokens` cut the answer, the target had not
 ended it; false: the target ended it; absent in files written before it was recorded: read as
 ended, and counted as `answers_cut_unknown`), `tool_calls` (`[{"name", "arguments" (JSON text),
-"id"?}]`) on an assistant turn that calls tools, `tool_call_id` / `name` on a tool's result. Keys appear only when they hold something, so a row's
-hash (`Conversation.row_hash`) is the same for the same conversation in any format.
+"id"?}]`) on an assistant turn that calls tools, `reasoning_content` and `weight: 0` on an assistant
+turn, `tool_call_id` / `name` on a tool's result. Keys appear only when they hold something
+(`weight: 1` is left out), so a row's hash (`Conversation.row_hash`) is the same for the same
+conversation in any format.
 
 A conversation starts at its first user turn: the assistant (and tool) turns before it, as in a
 ShareGPT chunk cut from a longer chat, answer nothing in the row, so regenerating one would answer an
@@ -34,7 +42,9 @@ not. A chat template that knows tool calls (it mentions `tool_calls`: Qwen3, Lla
 structured fields, the way a server renders them; a template that does not (SmolLM2) would drop them,
 so they are written into the assistant's text in the Hermes form Qwen uses
 (`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`). A row's `tools` (the functions it
-offers) go to a template that takes `tools`, and are not rendered by one that does not.
+offers) go to a template that takes `tools`, and are not rendered by one that does not. Reasoning
+likewise: a template that reads `reasoning_content` (Qwen3) gets the field, one that does not gets it
+written before the answer as `<think>\\n...\\n</think>\\n\\n`, the form Qwen3 and DeepSeek-R1 emit.
 """
 
 from __future__ import annotations
@@ -131,6 +141,17 @@ def found(record: Any) -> str:
     return f"a JSON {type(record).__name__}" if not isinstance(record, Exception) else str(record)
 
 
+def both_formats(record: Any) -> ValueError | None:
+    """The refusal of a row holding both `messages` and `conversations` (data.format=auto): they may be
+    different chats, and detection would read `messages` and drop the other."""
+    if isinstance(record, dict) and record.get("messages") is not None and record.get("conversations") is not None:
+        return ValueError(
+            "holds both 'messages' (OpenAI chat) and 'conversations' (ShareGPT), and only one is read: remove one, or "
+            "set data.format=openai (reads messages) or data.format=sharegpt (reads conversations)"
+        )
+    return None
+
+
 def mismatch(fmt: str | None, record: Any, why: str) -> ValueError:
     if fmt is None:
         names = list(FORMAT_NAMES.values())
@@ -155,16 +176,20 @@ def parse_row(
     if not isinstance(record, dict):
         raise ValueError(f"row must be an object, got {type(record).__name__}")
     cutter = _Cutter(limits)
+    system = record.get("system")
+    if system is not None and not isinstance(system, str):
+        raise ValueError("'system' must be a string")
+    messages = [{"role": "system", "content": cutter.text(system)}] if system and system.strip() else []
     if fmt == "openai":
-        messages = _openai(record["messages"], cutter)
+        messages += _openai(record["messages"], cutter)
     elif fmt == "sharegpt":
-        messages = _sharegpt(record["conversations"], record.get("system"), cutter)
+        messages += _sharegpt(record["conversations"], cutter)
     else:
         prompt, completion = record["prompt"], record.get("completion")
         if not isinstance(prompt, str) or (completion is not None and not isinstance(completion, str)):
             raise ValueError("'prompt' and 'completion' must be strings")
         texts = [prompt] + ([completion] if completion is not None else [])
-        messages = [{"role": role, "content": cutter.text(t)} for role, t in zip(("user", "assistant"), texts)]
+        messages += [{"role": role, "content": cutter.text(t)} for role, t in zip(("user", "assistant"), texts)]
     if not any(m["role"] == "user" and m["content"].strip() for m in messages):
         raise ValueError("empty conversation (no non-empty user turn)")
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -224,19 +249,14 @@ def _openai(messages: Any, cutter: _Cutter) -> list[dict[str, Any]]:
             message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]", cutter) for k, c in enumerate(calls)]
         if role == "tool":
             message.update(_tool_result_ids(msg, where))
-        out.append(message)
+        out.append(_assistant_fields(message, msg, where, cutter))
     return out
 
 
-def _sharegpt(turns: Any, system: Any, cutter: _Cutter) -> list[dict[str, Any]]:
+def _sharegpt(turns: Any, cutter: _Cutter) -> list[dict[str, Any]]:
     if not isinstance(turns, list):
         raise ValueError("'conversations' must be a list")
     out: list[dict[str, Any]] = []
-    if system is not None:
-        if not isinstance(system, str):
-            raise ValueError("'system' must be a string")
-        if system.strip():
-            out.append({"role": "system", "content": cutter.text(system)})
     for j, turn in enumerate(turns):
         where = f"conversations[{j}]"
         if not isinstance(turn, dict) or turn.get("from", turn.get("role")) is None or not ("value" in turn or "content" in turn):
@@ -250,10 +270,9 @@ def _sharegpt(turns: Any, system: Any, cutter: _Cutter) -> list[dict[str, Any]]:
             except ValueError:
                 raise ValueError(f"{where}: a function_call turn's value must be JSON {{name, arguments}}") from None
             calls = calls if isinstance(calls, list) else [calls]
-            out.append(
-                {"role": "assistant", "content": "",
-                 "tool_calls": [_tool_call(c, f"{where}.value[{k}]", cutter) for k, c in enumerate(calls)]}
-            )
+            message = {"role": "assistant", "content": "",
+                       "tool_calls": [_tool_call(c, f"{where}.value[{k}]", cutter) for k, c in enumerate(calls)]}
+            out.append(_assistant_fields(message, turn, where, cutter))
             continue
         role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
         if role is None:
@@ -262,8 +281,28 @@ def _sharegpt(turns: Any, system: Any, cutter: _Cutter) -> list[dict[str, Any]]:
         message = {"role": role, "content": cutter.text(_text(text, f"{where}.{key}"))}
         if role == "tool":
             message.update(_tool_result_ids(turn, where))
-        out.append(message)
+        out.append(_assistant_fields(message, turn, where, cutter))
     return out
+
+
+def _assistant_fields(message: dict[str, Any], turn: dict[str, Any], where: str, cutter: _Cutter) -> dict[str, Any]:
+    """`message` with the turn's `reasoning_content` and axolotl's `weight` (0: context only), which
+    only an assistant turn carries: anywhere else they would be dropped unread, so they are refused."""
+    reasoning, weight = turn.get("reasoning_content"), turn.get("weight")
+    if weight is not None and weight not in (0, 1):
+        raise ValueError(f"{where}.weight must be 0 (not supervised) or 1, got {weight!r}")
+    if message["role"] != "assistant":
+        if reasoning or weight == 1:
+            key = "reasoning_content" if reasoning else "weight=1"
+            raise ValueError(f"{where} has {key} but role {message['role']!r}: only assistant turns think and are supervised")
+        return message
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ValueError(f"{where}.reasoning_content must be a string")
+    if reasoning:
+        message["reasoning_content"] = cutter.text(reasoning)
+    if weight == 0:
+        message["weight"] = 0
+    return message
 
 
 def _text(content: Any, where: str) -> str:
@@ -329,12 +368,19 @@ def template_text(tokenizer: Any) -> str:
     return str(getattr(tokenizer, "chat_template", None) or "")
 
 
-def template_messages(messages: list[dict[str, Any]], structured_tools: bool) -> list[dict[str, Any]]:
-    """What apply_chat_template receives: role and content, and tool calls as structured fields
-    (a template that knows them) or as Hermes text in the assistant's content (one that does not)."""
+def template_messages(
+    messages: list[dict[str, Any]], structured_tools: bool, structured_reasoning: bool
+) -> list[dict[str, Any]]:
+    """What apply_chat_template receives: role and content, and tool calls and reasoning as structured
+    fields (a template that knows them) or as text in the assistant's content (one that does not)."""
     out = []
     for m in messages:
         message: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and structured_reasoning:
+            message["reasoning_content"] = reasoning
+        elif reasoning is not None:
+            message["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
         calls = m.get("tool_calls")
         if calls and structured_tools:
             message["tool_calls"] = [
@@ -345,7 +391,7 @@ def template_messages(messages: list[dict[str, Any]], structured_tools: bool) ->
         elif calls:
             text = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["name"], ensure_ascii=False)}, "arguments": '
                              f'{c["arguments"]}}}\n</tool_call>' for c in calls)
-            message["content"] = f"{m['content']}\n{text}" if m["content"] else text
+            message["content"] = f"{message['content']}\n{text}" if message["content"] else text
         if m["role"] == "tool" and structured_tools:
             message.update({k: m[k] for k in ("tool_call_id", "name") if k in m})
         out.append(message)
@@ -377,6 +423,6 @@ def render(
             _WARNED.add(template)
             log.warning("the target's chat template takes no tool list: the rows' `tools` are not rendered")
     return tokenizer.apply_chat_template(
-        template_messages(messages, "tool_calls" in template), tokenize=False,
+        template_messages(messages, "tool_calls" in template, "reasoning_content" in template), tokenize=False,
         add_generation_prompt=add_generation_prompt, **kwargs,
     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.config import RunConfig
+from shared.conversation_files import input_exists
 from shared.errors import ConfigError, StoreError, UserError
 from shared.identity import (
     generated_problem,
@@ -98,7 +99,7 @@ def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]
         report.rows_checked_by = "not checked: the config names no data"
         report.problems.append(f"the data this config names cannot be read ({exc}), so the store cannot be checked against it")
         return report
-    if not source.exists():  # e.g. training on another cluster: the store stands as its manifest records it
+    if not input_exists(source):  # e.g. training on another cluster: the store stands as its manifest records it
         made = manifest.get("data") or {}
         report.rows_checked_by = f"not checked: {source} absent"
         report.warnings.append(

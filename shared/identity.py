@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import RunConfig, dotted_differences
+from shared.conversation_files import input_exists
 from shared.errors import ConfigError, InputFileError
 from shared.paths import RunPaths
 from shared.store import SCHEMA_VERSION
@@ -187,7 +188,7 @@ def source_path(cfg: RunConfig) -> Path:
 def extraction_source(cfg: RunConfig) -> Path:
     """`source_path`, refused by name when it does not exist."""
     path = source_path(cfg)
-    if path.exists():
+    if input_exists(path):
         return path
     if stage1_value(cfg, "data.regenerate"):
         raise InputFileError(
@@ -247,7 +248,7 @@ def generated_problem(cfg: RunConfig, weights_sha256: str) -> str | None:
     except (OSError, ValueError):
         return f"{paths.generated} does not say what it was made from ({paths.generated_provenance.name} missing or damaged); {fix}"
     prompts = prompts_path(cfg)
-    if not prompts.exists():
+    if not input_exists(prompts):
         return f"{paths.generated} answers {made.get('prompts')}, but the config's prompts {prompts} do not exist"
     now = generation_inputs(cfg, weights_sha256, source_fingerprint(prompts))
     changed = dotted_differences(made.get("inputs", {}), now)

@@ -27,10 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from shared.conversation_files import glob_files
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 6  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
-# 5: turns before the first user turn dropped; 6: a cut answer's end-of-turn marker unsupervised, answers_cut counted
+TOKENS_VERSION = 7  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+# 5: turns before the first user turn dropped; 6: a cut answer's end-of-turn marker unsupervised, answers_cut counted;
+# 7: a row's `system` in every format, reasoning_content, weight 0
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2
@@ -42,9 +44,10 @@ SELECTION_SETTINGS = ("on_bad_row", "max_samples", "format")
 
 
 def source_fingerprint(path: Path) -> str:
-    """sha256 of the input's bytes (a file, or every file of a folder in name order)."""
+    """sha256 of the input's bytes (a file, every file of a folder in name order, or a glob's files)."""
     digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    matched = glob_files(path)
+    files = matched or (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
     for file in files:
         digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
         with file.open("rb") as f:

@@ -22,7 +22,7 @@ from shared.files import atomic_path
 class DataConfig(Section):
     section: ClassVar[str] = "data"
     path: str | None = None
-    """Conversations to regenerate and extract. None = the embedded default prompt set, built under run_dir. A .jsonl file, a .json array, a .parquet or .arrow file, a folder of .parquet or .arrow files, or a dataset saved by `datasets` (save_to_disk)."""
+    """Conversations to regenerate and extract. None = the embedded default prompt set, built under run_dir. A .jsonl file, a .json array, a .parquet or .arrow file, a folder of .parquet or .arrow files (of one split: a folder of several is refused naming each), a glob of files in one folder (`<dataset>/data/train_sft-*.parquet`: one split of a Hub dataset), or a dataset saved by `datasets` (save_to_disk)."""
     format: Literal["auto", "sharegpt", "openai", "prompt_completion"] = "auto"
     """The rows' format: auto = each file's own, from its columns or first row; sharegpt (conversations: [{from, value}]), openai (messages: [{role, content}], tool_calls), prompt_completion (prompt, completion)."""
     regenerate: bool = True
@@ -69,10 +69,11 @@ def part_counts(path: Path) -> dict[str, int]:
 
 def write_conversations_parquet(conversations: list[Conversation], path: Path, counts: dict[str, int] | None = None) -> None:
     """Atomic Parquet write of `messages` rows (plus `source_row` so edits can be traced). Tool calls,
-    tool results' ids, `answer_cut` (per regenerated answer: did generate.max_new_tokens cut it; null on
-    the turns kept as the data has them) and `tools` get their columns only when some row has them, so
-    a file of plain chats has the bytes it always had. `counts` go into the file's own metadata (`part_counts` reads
-    them): a part carries what was counted while it was made, whichever rank or run made it."""
+    tool results' ids, reasoning, `weight`, `answer_cut` (per regenerated answer: did
+    generate.max_new_tokens cut it; null on the turns kept as the data has them) and `tools` get their
+    columns only when some row has them, so a file of plain chats has the bytes it always had. `counts`
+    go into the file's own metadata (`part_counts` reads them): a part carries what was counted while
+    it was made, whichever rank or run made it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -82,6 +83,9 @@ def write_conversations_parquet(conversations: list[Conversation], path: Path, c
     if any(k in m for c in conversations for m in c.messages for k in ("tool_calls", "tool_call_id", "name")):
         call = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
         fields += [("tool_calls", pa.list_(call)), ("tool_call_id", pa.string()), ("name", pa.string())]
+    for name, kind in (("reasoning_content", pa.string()), ("weight", pa.int8())):
+        if any(name in m for c in conversations for m in c.messages):
+            fields.append((name, kind))
     columns = [("messages", pa.list_(pa.struct(fields))), ("source_row", pa.int64())]
     with_tools = any(c.tools is not None for c in conversations)
     if with_tools:

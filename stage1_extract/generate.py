@@ -5,7 +5,9 @@
 
 A drafter learns to predict the target's own continuations, so every assistant turn is rewritten
 by the target (temperature 0.7, top-p 0.8 by default). A turn that calls tools is kept as the data
-has it: the tool results after it answer that call, which a rewritten turn might not make. Backends
+has it: the tool results after it answer that call, which a rewritten turn might not make. So is a turn
+the data marks `weight: 0`: context, never supervised, so a rewrite would cost generation and teach
+nothing. Backends
 (`backends.py`): vllm on GPU, transformers (batched, left-padded) on CPU. Work is cut into parts of
 `generate.rows_per_part` conversations, each written as its own Parquet part the moment its last
 answer lands; the engine is kept fed across parts (the next part's requests go in while the current
@@ -103,9 +105,10 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def assistant_slots(messages: list[dict[str, Any]]) -> list[int]:
-    """Indices of the turns to (re)write: every assistant turn that calls no tool, plus one after a
-    trailing user (or tool) turn."""
-    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")]
+    """Indices of the turns to (re)write: every assistant turn that calls no tool and is supervised
+    (not `weight: 0`), plus one after a trailing user (or tool) turn."""
+    slots = [i for i, m in enumerate(messages)
+             if m["role"] == "assistant" and not m.get("tool_calls") and m.get("weight") != 0]
     if messages[-1]["role"] != "assistant":
         slots.append(len(messages))
     return slots

@@ -19,7 +19,8 @@ target's, so it is not supervised, and the drafter is never taught that the targ
 content is the target's own and stays supervised.
 
 Tool calls are part of the assistant's turn (its own tokens: supervised), tool results are turns of
-their own (not supervised); how a template receives them is `shared.conversations.render`.
+their own (not supervised); how a template receives them is `shared.conversations.render`. An
+assistant turn the data marks `weight: 0` (axolotl's "context only") is rendered but not supervised.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def assistant_char_spans(
 def tokenize_conversation(
     tokenizer: Any, messages: list[dict[str, Any]], max_length: int, tools: str | None = None
 ) -> TokenizedSample:
-    empty = sum(1 for m in messages if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"))
+    empty = sum(1 for m in messages if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls")
+                and m.get("weight") != 0)
     if any(m.get("token_ids") is not None for m in messages):
         ids, mask, fallbacks = _tokenize_with_ids(tokenizer, messages, tools)
     else:
@@ -84,7 +86,10 @@ def _tokenize_text(tokenizer: Any, messages: list[dict[str, Any]], tools: str | 
     ids = np.asarray(enc["input_ids"], dtype=np.int32)
     offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(len(ids), dtype=bool)
-    for start, end in spans:
+    supervised = [m.get("weight") != 0 for m in messages if m["role"] == "assistant"]
+    for (start, end), wanted in zip(spans, supervised):
+        if not wanted:
+            continue
         # A token is supervised when it starts inside the assistant's text.
         mask |= (offsets[:, 0] >= start) & (offsets[:, 0] < end) & (offsets[:, 1] > offsets[:, 0])
     return ids, mask
@@ -109,9 +114,9 @@ def _tokenize_with_ids(
     for turn, (start, end) in zip(turns, spans):
         text(full[done:start], False)
         message = messages[turn]
-        ids = message.get("token_ids")
+        ids, supervised = message.get("token_ids"), message.get("weight") != 0
         if ids is None:
-            text(full[start:end], True)
+            text(full[start:end], supervised)
         else:
             marked = [*messages[:turn], {**message, "content": SENTINEL}]
             prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
@@ -119,16 +124,16 @@ def _tokenize_with_ids(
             before, found, after = span_marked.partition(SENTINEL)
             cut = bool(message.get("answer_cut"))
             if found and full[start:end] == before + message["content"] + after:
-                text(before, True)
-                pieces.append((list(ids), True))
-                text(after, not cut)
+                text(before, supervised)
+                pieces.append((list(ids), supervised))
+                text(after, supervised and not cut)
             else:  # the template rewrote the answer's text: the ids cannot be placed, use the text
                 fallbacks += 1
                 span = full[start:end]
                 if not cut:
-                    text(span, True)
+                    text(span, supervised)
                 elif found and after and span.endswith(after):
-                    text(span[: -len(after)], True)
+                    text(span[: -len(after)], supervised)
                     text(after, False)
                 else:  # no end marker to tell apart: the turn goes unsupervised rather than teach a false end
                     text(span, False)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shlex
 
 import numpy as np
 import pyarrow as pa
@@ -139,6 +141,35 @@ def test_unknown_sharegpt_speaker_and_a_broken_function_call_are_named(tmp_path)
     assert "row 2: conversations[1]: a function_call turn's value must be JSON {name, arguments}" in stats.bad_examples[1]
 
 
+def test_a_rows_system_opens_the_conversation_in_every_format(tmp_path):
+    """OpenAI and prompt/completion rows carry a top-level `system` as ShareGPT rows do; it was read
+    for ShareGPT only, and the other two lost it without a count."""
+    rows = [{"system": "Be brief.", "messages": CHAT}, {"system": "Be brief.", "prompt": "2+2?", "completion": "4"},
+            {"system": "Be brief.", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}]
+    expected = [{"role": "system", "content": "Be brief."}, *CHAT]
+    convs = [read_one(write_jsonl(tmp_path / f"{i}.jsonl", [row])) for i, row in enumerate(rows)]
+    assert [c.messages for c in convs] == [expected] * 3
+    as_a_turn = read_one(write_jsonl(tmp_path / "turn.jsonl", [{"messages": expected}]))
+    assert {c.row_hash() for c in convs} == {as_a_turn.row_hash()}
+    with pytest.raises(DataError, match=r"row 0: 'system' must be a string"):
+        list(read_conversations(write_jsonl(tmp_path / "bad.jsonl", [{"system": ["x"], "messages": CHAT}])))
+
+
+def test_a_row_with_both_messages_and_conversations_is_refused_unless_data_format_chooses(tmp_path):
+    """They may be two different chats: auto-detection read `messages` and dropped `conversations`."""
+    row = {"messages": CHAT, "conversations": [{"from": "human", "value": "B?"}, {"from": "gpt", "value": "b"}]}
+    path = write_jsonl(tmp_path / "both.jsonl", [{"messages": CHAT}, row])
+    with pytest.raises(DataError, match=r"both\.jsonl: row 1: holds both 'messages' \(OpenAI chat\) and 'conversations' "
+                                        r"\(ShareGPT\), and only one is read: remove one, or set data.format=openai"):
+        list(read_conversations(path))
+    stats = ReadStats()
+    assert [c.row for c in read_conversations(path, on_bad_row="skip", stats=stats, log_skips=False)] == [0]
+    assert stats.bad_rows == 1
+    assert [c.messages for c in read_conversations(path, data_format="openai")] == [CHAT, CHAT]
+    assert next(read_conversations(path, data_format="sharegpt", on_bad_row="skip")).messages == [
+        {"role": "user", "content": "B?"}, {"role": "assistant", "content": "b"}]
+
+
 # ---- files --------------------------------------------------------------------------------------------
 def test_a_json_array_reads_element_by_element(tmp_path, monkeypatch):
     """Numbered by element; read in chunks smaller than a row, a BOM first, white space anywhere."""
@@ -209,6 +240,81 @@ def test_datasets_folders_parquet_and_arrow_files_number_rows_across_files(tmp_p
         list(read_conversations(splits))
 
 
+def hub_dataset(root, rows, suffix=".parquet", prefix=""):
+    """A Hub dataset's layout (HuggingFaceH4/ultrachat_200k): data/<split>-NNNNN-of-NNNNN.parquet, or
+    with `prefix` the `datasets` cache's <name>-<split>-NNNNN-of-NNNNN.arrow; rows 0-4 train (two
+    files), 5-6 test."""
+    data = root / "data"
+    data.mkdir(parents=True)
+    for name, part in (("train_sft-00000-of-00002", rows[:3]), ("train_sft-00001-of-00002", rows[3:5]),
+                       ("test_sft-00000-of-00001", rows[5:])):
+        if suffix == ".parquet":
+            pq.write_table(pa.Table.from_pylist(part), data / f"{name}{suffix}")
+        else:
+            write_arrow_stream(data / f"{prefix}{name}{suffix}", pa.Table.from_pylist(part))
+    return data
+
+
+def test_a_folder_of_several_splits_is_refused_naming_the_data_path_of_each(tmp_path):
+    """data.path=<dataset>/data read the train and test splits as one data set. The refusal names each
+    split's glob, and that data.path reads exactly the split's rows, numbered across its files."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(7)]
+    for suffix, prefix in ((".parquet", ""), (".arrow", "ultrachat_200k-")):
+        data = hub_dataset(tmp_path / suffix[1:], rows, suffix, prefix)
+        for given in (data.parent, data):  # the dataset folder's hint says what the data/ folder's refusal says
+            with pytest.raises(InputFileError) as refused:
+                list(read_conversations(given))
+            message = str(refused.value)
+            assert f"train_sft (2 files): 'data.path={data}/{prefix}train_sft-*{suffix}'" in message
+            assert f"test_sft (1 file): 'data.path={data}/{prefix}test_sft-*{suffix}'" in message
+        assert "holds the files of several splits" in message
+        train = shlex.split(re.search(r"train_sft \(2 files\): ('[^']+')", message)[1])[0].removeprefix("data.path=")
+        assert [(c.row, c.messages[0]["content"]) for c in read_conversations(train)] == [(i, f"q{i}") for i in range(5)]
+        assert [c.row for c in read_conversations(f"{data}/{prefix}test_sft-*{suffix}")] == [0, 1]
+    with pytest.raises(InputFileError, match=r"data.path=.*/data/valid-\*\.parquet matches no file"):
+        list(read_conversations(tmp_path / "parquet" / "data" / "valid-*.parquet"))
+    one = tmp_path / "one"  # one split's files, or files that name no split, read as before
+    one.mkdir()
+    for name in ("train-00000-of-00002.parquet", "train-00001-of-00002.parquet"):
+        pq.write_table(pa.Table.from_pylist(rows[:2]), one / name)
+    assert [c.row for c in read_conversations(one)] == [0, 1, 2, 3]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), one / "extra.parquet")
+    with pytest.raises(InputFileError, match=r"train \(2 files\): 'data.path=.*/one/train-\*\.parquet'; 1 other file, of no "
+                                             r"split \(extra.parquet\)"):
+        list(read_conversations(one))
+    plain = tmp_path / "plain"  # the Hub's one-file splits: data/train.parquet beside data/test.parquet
+    plain.mkdir()
+    for name in ("chunk1", "chunk2", "train"):
+        pq.write_table(pa.Table.from_pylist(rows[:1]), plain / f"{name}.parquet")
+    with pytest.raises(InputFileError, match=r"train \(1 file\): data.path=.*/plain/train\.parquet; 2 other files, of no split \(chunk1"):
+        list(read_conversations(plain))
+    (plain / "train.parquet").unlink()
+    assert [c.row for c in read_conversations(plain)] == [0, 1]
+
+
+def test_a_glob_is_a_data_path_for_every_command(tiny_target_dir, tmp_path):
+    """Extraction reads the glob's files, and the store's source fingerprint is theirs: editing the
+    test split leaves it current, editing a train file does not."""
+    from shared.config import load_run_config
+    from shared.store import read_manifest
+    from shared.token_cache import source_fingerprint
+    from stage1_extract import commands
+    from testkit.data import stage1_overrides
+
+    data = hub_dataset(tmp_path / "ds", [{"messages": CHAT}] * 7)
+    train = data / "train_sft-*.parquet"
+    extracted = commands.cmd_extract(load_run_config("configs/default.yaml", stage1_overrides(
+        tiny_target_dir, train, tmp_path / "run")), progress=False)
+    assert extracted["num_samples"] == 5
+    made = read_manifest(str(tmp_path / "run" / "store"))["data"]
+    assert (made["source"], made["num_rows"]) == (str(train), 5)
+    assert made["source_sha256"] == source_fingerprint(train)
+    pq.write_table(pa.Table.from_pylist([{"messages": CHAT}]), data / "test_sft-00000-of-00001.parquet")
+    assert source_fingerprint(train) == made["source_sha256"]
+    pq.write_table(pa.Table.from_pylist([{"messages": CHAT}]), data / "train_sft-00001-of-00002.parquet")
+    assert source_fingerprint(train) != made["source_sha256"]
+
+
 def test_a_table_is_read_in_the_format_its_columns_say(tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "2+2?", "completion": "4"}]), path)
@@ -228,6 +334,17 @@ def test_tool_calls_survive_the_parquet_stage_1_writes_and_plain_chats_keep_thei
     assert pq.read_schema(tmp_path / "plain.parquet").names == ["messages", "source_row"]
     assert [f.name for f in pq.read_schema(tmp_path / "plain.parquet").field("messages").type.value_type] == [
         "role", "content", "token_ids"]
+
+
+def test_reasoning_and_weight_survive_the_parquet_stage_1_writes(tmp_path):
+    """`generate` writes what it read into Parquet and extraction reads that back: the keys must live."""
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [WEIGHTED]))
+    plain = Conversation(row=1, messages=CHAT)
+    write_conversations_parquet([conv, plain], tmp_path / "both.parquet")
+    back = list(read_conversations(tmp_path / "both.parquet"))
+    assert [(c.messages, c.row_hash()) for c in back] == [(conv.messages, conv.row_hash()), (CHAT, plain.row_hash())]
+    assert conv.messages[1] == {"role": "assistant", "content": "Context.", "weight": 0}
+    assert conv.messages[3]["reasoning_content"] == "Add them."
 
 
 def test_read_rows_numbers_rows_as_stage_1_does(tmp_path):
@@ -338,3 +455,82 @@ def test_a_template_that_knows_tool_calls_gets_them_as_fields(tmp_path):
     assert '<tool_response id=call_1>\n{"sky": "sunny"}\n</tool_response>' in text
     call = '<call get_weather>{"city": "Paris"}</call>'  # the template's own rendering: the fields reached it
     assert supervised(tokenizer, sample) == f"{call}<|im_end|>\nIt is sunny.<|im_end|>\nYou're welcome.<|im_end|>\n"
+
+
+# axolotl's per-turn weight (0: context only) beside reasoning; the same chat in ShareGPT.
+WEIGHTED = {"messages": [
+    {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Context.", "weight": 0},
+    {"role": "user", "content": "2+2?", "weight": 0},
+    {"role": "assistant", "content": "4", "reasoning_content": "Add them.", "weight": 1}]}
+WEIGHTED_SHAREGPT = {"conversations": [
+    {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Context.", "weight": 0},
+    {"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4", "reasoning_content": "Add them."}]}
+
+
+def test_a_weight_0_turn_is_context_neither_supervised_nor_regenerated(tmp_path, tokenizer):
+    """axolotl's `weight: 0` was read as any turn and supervised."""
+    from stage1_extract.generate import assistant_slots
+
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [WEIGHTED]))
+    assert read_one(write_jsonl(tmp_path / "s.jsonl", [WEIGHTED_SHAREGPT])).messages == conv.messages
+    sample = tokenize_conversation(tokenizer, conv.messages, 512)
+    assert "Context." in tokenizer.decode(sample.input_ids)
+    assert supervised(tokenizer, sample) == "<think>\nAdd them.\n</think>\n\n4<|im_end|>\n"
+    assert assistant_slots(conv.messages) == [3]  # `generate` keeps the context turn as the data has it
+    # The target's own ids of a regenerated answer beside it: the weight-0 turn is still not supervised.
+    answer = tokenizer("Four", add_special_tokens=False)["input_ids"]
+    regenerated = [*conv.messages[:3], {"role": "assistant", "content": "Four", "token_ids": answer}]
+    sample = tokenize_conversation(tokenizer, regenerated, 512)
+    assert supervised(tokenizer, sample) == "Four<|im_end|>\n" and sample.ids_fallbacks == 0
+    only_context = conv.messages[:2]
+    assert not tokenize_conversation(tokenizer, only_context, 512).loss_mask.any()  # then a bad row, named
+    assert tokenize_conversation(tokenizer, only_context, 512).empty_turns == 0
+
+
+def test_generate_keeps_a_weight_0_turn_and_its_mark(tiny_target_dir, tmp_path):
+    """The answers `generate` writes are what extraction reads: the context turn is there as the data
+    has it, still marked, and only the supervised turn is the target's."""
+    from shared.config import load_run_config
+    from stage1_extract import commands
+    from testkit.data import stage1_overrides
+
+    overrides = stage1_overrides(tiny_target_dir, write_jsonl(tmp_path / "o.jsonl", [WEIGHTED]), tmp_path / "run")
+    generated = commands.cmd_generate(load_run_config("configs/default.yaml", [
+        *overrides, "data.regenerate=true", "generate.max_new_tokens=3", "extract.device=cpu"]), progress=False)
+    (conv,) = read_conversations(generated["output"])
+    assert conv.messages[1] == {"role": "assistant", "content": "Context.", "weight": 0}
+    assert len(conv.messages[3]["token_ids"]) <= 3 and "reasoning_content" not in conv.messages[3]
+
+
+@pytest.mark.parametrize("turn, message", [
+    ({"role": "assistant", "content": "a", "weight": 0.5}, r"messages\[1\]\.weight must be 0 \(not supervised\) or 1, got 0\.5"),
+    ({"role": "tool", "content": "a", "weight": 1}, r"messages\[1\] has weight=1 but role 'tool': only assistant turns"),
+    ({"role": "user", "content": "a", "reasoning_content": "r"}, r"messages\[1\] has reasoning_content but role 'user'"),
+    ({"role": "assistant", "content": "a", "reasoning_content": ["r"]}, r"messages\[1\]\.reasoning_content must be a string"),
+], ids=["weight-0.5", "weight-1-on-a-tool-turn", "reasoning-on-a-user-turn", "reasoning-not-text"])
+def test_weight_and_reasoning_that_cannot_be_honoured_are_refused_by_row_and_key(tmp_path, turn, message):
+    path = write_jsonl(tmp_path / "o.jsonl", [{"messages": [{"role": "user", "content": "q"}, turn]}])
+    with pytest.raises(DataError, match=r"o\.jsonl: row 0: " + message):
+        list(read_conversations(path))
+
+
+THINKING = (  # a template that reads reasoning_content, as Qwen3's does
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.reasoning_content %}{{ '<reasoning>' + m.reasoning_content + '</reasoning>' }}{%- endif %}"
+    "{{ m.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_reasoning_reaches_the_template_as_a_field_or_as_think_text(tmp_path, tokenizer):
+    """`reasoning_content` was dropped: a template that reads it gets the field, one that does not
+    (SmolLM2) gets it as <think> text before the answer; either way it is the assistant's, supervised."""
+    row = {"messages": [*CHAT[:1], {"role": "assistant", "content": "4", "reasoning_content": "Add them."}]}
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [row]))
+    sample = tokenize_conversation(tokenizer, conv.messages, 512)
+    assert supervised(tokenizer, sample) == "<think>\nAdd them.\n</think>\n\n4<|im_end|>\n"
+    thinking = AutoTokenizer.from_pretrained(default_target_dir())
+    thinking.chat_template = THINKING
+    sample = tokenize_conversation(thinking, conv.messages, 512)
+    assert tokenizer.decode(sample.input_ids) == (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<reasoning>Add them.</reasoning>4<|im_end|>\n")
+    assert supervised(tokenizer, sample) == "<reasoning>Add them.</reasoning>4<|im_end|>\n"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shared.conversation_files import read_rows
+from shared.conversation_files import input_exists, read_rows
 from shared.conversations import render
 from stage2_train.serve.export_view import Finding, TargetSide
 
@@ -103,7 +103,7 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
     """The stored prompts of up to `max_samples` samples against today's render of their messages."""
     recorded = reader.manifest.get("data") or {}
     source = data or recorded.get("source")
-    if not source or not Path(source).exists():
+    if not source or not input_exists(Path(source)):
         return {
             "status": "skipped",
             "why": f"chat template: the data the store was made from ({source or 'not recorded'}) is not "
