@@ -41,12 +41,16 @@ def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     from stage2_train.train.trainer import Trainer
 
     check_gloo_network()  # the checkpoint agreement group is gloo: a hostname on loopback hangs its first save
-    read_manifest(RunPaths.of(cfg).store)  # no store yet: refused naming extract, before anything is created
+    manifest = read_manifest(RunPaths.of(cfg).store)  # no store yet: refused naming extract, before anything is created
     init_weights = None
     if cfg.model.init_from:
-        from stage2_train.serve.load import init_weights_for
+        from stage2_train.serve.load import drafter_folder, init_weights_for
+        from stage2_train.serve.trained_on import init_split_problem, read_trained_on
 
         init_weights = init_weights_for(cfg.model.init_from, cfg.model, resolve_target(cfg.target))
+        problem = init_split_problem(cfg, read_trained_on(drafter_folder(cfg.model.init_from)), manifest)
+        if problem:
+            raise ConfigError(problem)
     accelerator = make_accelerator(cfg.train)
     trainer = None
     try:

@@ -690,6 +690,15 @@ def test_training_can_start_from_an_exported_drafter(store, tiny_target_dir, tmp
 
     with pytest.raises(CheckpointError, match=r"num_hidden_layers=1 but this run has 2 \(model\.num_layers\)"):
         cmd_train(bad, progress=False)
+    # On the same store with another split, the new run's held-out samples would be ones the first
+    # drafter trained on: refused naming its split (from the export's record and from a checkpoint's).
+    from shared.errors import ConfigError
+
+    for source in (out, str(tmp_path / "a" / "checkpoints" / "step_000002")):
+        other_split = train_config(tiny_target_dir, store[1], tmp_path / "d", **{"model.init_from": source, "eval.split_seed": 7})
+        with pytest.raises(ConfigError, match=r"trained on this store with eval\.holdout_fraction=0\.2, eval\.split_seed=0 .* "
+                                              r"would hold out samples it trained on\. Set eval\.holdout_fraction=0\.2 eval\.split_seed=0"):
+            cmd_train(other_split, progress=False)
 
 
 def test_a_missing_data_file_is_named_by_every_command(tiny_target_dir, tmp_path):

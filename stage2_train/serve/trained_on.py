@@ -88,6 +88,26 @@ def heldout_split(cfg: RunConfig, record: TrainedOn | None) -> tuple[float, int,
     return float(values["holdout_fraction"]), int(values["split_seed"]), notes
 
 
+def init_split_problem(cfg: RunConfig, record: TrainedOn | None, manifest: dict[str, Any]) -> str | None:
+    """Why a run starting from `record`'s drafter (model.init_from) on the store of `manifest` would
+    score samples that drafter trained on as held-out, or None. On the same store with another split
+    its held-out samples are partly its training samples: every held-out figure of the new run (its
+    evals, `eval`, an export's card) would be inflated with no sign of it."""
+    if record is None or other_store(record, manifest) is not None or record.store_digest is None:
+        return None
+    theirs = {k: getattr(record, k) for k in SPLIT_KEYS}
+    mine = {k: getattr(cfg.eval, k) for k in SPLIT_KEYS}
+    if None in theirs.values() or theirs == mine:
+        return None
+    return (
+        f"model.init_from: that drafter was trained on this store with eval.holdout_fraction={theirs['holdout_fraction']}, "
+        f"eval.split_seed={theirs['split_seed']} (recorded in {record.where}); this run's split (holdout_fraction="
+        f"{mine['holdout_fraction']}, split_seed={mine['split_seed']}) would hold out samples it trained on. Set "
+        f"eval.holdout_fraction={theirs['holdout_fraction']} eval.split_seed={theirs['split_seed']} to keep its held-out "
+        f"samples unseen"
+    )
+
+
 def other_store(record: TrainedOn | None, manifest: dict[str, Any]) -> str | None:
     """Why the store of `manifest` is not the one `record`'s drafter was trained on, or None (the same
     store, or nothing recorded to compare with)."""

@@ -338,6 +338,9 @@ class Trainer:
         row = {
             "epoch": stats.epoch, "step_in_epoch": stats.step_in_epoch, "steps_in_epoch": stats.steps_in_epoch,
             **ratios,
+            # Drafts past the first N are scored among the label and the target's top-k only: this row's
+            # accuracy and loss are then not the held-out rows' full-vocabulary ones (the doctor reads it).
+            "full_vocab_slots": self.cfg.loss.full_vocab_slots,
             "lr": stats.lr, "noise_std": stats.noise_std, "grad_norm": float(stats.grad_norm),
             "skipped_update": stats.skipped, "tokens": stats.num_tokens, "samples": stats.num_samples,
             "blocks": int(counts["num_blocks"]),
