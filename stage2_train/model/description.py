@@ -178,7 +178,9 @@ class DrafterDescription:
                      if v != self.variant for n in names}}
         named = {line.split(":")[0] for line in out}
         for key, why in unread.items():
-            if why and f"model.{key}" in given and f"model.{key}" not in named:
+            # A default never set is no one's intent (the config file's whole section is passed as given).
+            meant = getattr(cfg, key) != type(cfg).model_fields[key].default
+            if why and meant and f"model.{key}" in given and f"model.{key}" not in named:
                 out.append(f"model.{key}: the drafter does not read it ({why}), the command line gives {_plain(getattr(cfg, key))}")
         return out
 
