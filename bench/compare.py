@@ -74,6 +74,7 @@ def main() -> int:
     from shared.target import cached_tokenizer
     from stage2_train.observe.metrics import read_log
     from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters
+    from stage2_train.serve.online_eval import interval_text
 
     torch.set_num_threads(1)
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in args.variant] or [("base", [])]
@@ -139,16 +140,17 @@ def main() -> int:
     (root / "compare.json").write_text(json.dumps(result, indent=1))
     for name, e in table.items():
         a = e["all"]
-        diff = f"  diff {a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]" if "diff" in a else ""
-        drafted = e["drafted_per_step"]["drafted_per_step"]
-        print(f"{name:>14}: tau {a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}]{diff}  drafted/step {drafted:.2f}  walk {e.get('walk_tau')}  "
-              f"exact {e['exact']}", flush=True)
+        diff = f"  diff {interval_text(a, 'diff', '+.3f')}" if "diff" in a else ""
+        print(f"{name:>14}: tau {interval_text(a)}{diff}  drafted/step {interval_text(e['drafted_per_step'], 'drafted_per_step', '.2f')}  "
+              f"walk {e.get('walk_tau')}  exact {e['exact']}", flush=True)
+    for note in report["online"]["notes"]:
+        print(f"note: {note}", flush=True)
     return emit(result, args.json, t0)
 
 
 def plot(result: dict, path: Path) -> None:
     """Each drafter's online tau with its 95% interval over prompts, on all prompts and per kind; the
-    n-gram drafter's interval as a band."""
+    n-gram drafter's interval as a band. A group of too few prompts for an interval is a bare point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,17 +159,17 @@ def plot(result: dict, path: Path) -> None:
     names = list(result["results"])
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.2))
     ngram = result["results"].get("ngram", {}).get("all")
-    if ngram:
+    if ngram and ngram.get("lo") is not None:
         ax.axvspan(ngram["lo"], ngram["hi"], color="0.9", label="n-gram interval")
     for offset, kind, colour in ((-0.2, "all", "k"), (0.0, "excerpt", "tab:orange"), (0.2, "question", "tab:blue")):
         ys, xs, lo, hi = [], [], [], []
         for y, name in enumerate(names):
             entry = result["results"][name].get(kind)
-            if entry:
+            if entry and entry["tau"] is not None:
                 ys.append(y + offset)
                 xs.append(entry["tau"])
-                lo.append(entry["tau"] - entry["lo"])
-                hi.append(entry["hi"] - entry["tau"])
+                lo.append(entry["tau"] - entry["lo"] if entry.get("lo") is not None else 0.0)
+                hi.append(entry["hi"] - entry["tau"] if entry.get("hi") is not None else 0.0)
         ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", color=colour, ms=4, capsize=2,
                     label=f"{kind} ({result['prompts'].get(kind, 0)} prompts)")
     ax.set_yticks(range(len(names)), names)
@@ -183,11 +185,15 @@ def plot(result: dict, path: Path) -> None:
 
 
 def rows(r: dict) -> list[Row]:
+    """The benchmark table's rows. Intervals missing (too few prompts, `serve/online_eval.py`) print
+    as such, and a rule that needs one is not met."""
+    from stage2_train.serve.online_eval import interval_text
+
     out: list[Row] = []
     if "fp4" in r["results"]:  # the fp4 store's decision rule (fp4_compare)
         a = r["results"]["fp4"]["all"]
-        holds = a["diff_lo"] <= 0 <= a["diff_hi"]
-        out.append(("decision rule: fp4 - fp8 paired online tau interval contains 0", f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]",
+        holds = a.get("diff_lo") is not None and a["diff_lo"] <= 0 <= a["diff_hi"]
+        out.append(("decision rule: fp4 - fp8 paired online tau interval contains 0", interval_text(a, "diff", "+.3f"),
                     "contains 0", "", yes(holds)))
     base = r["baseline"]
     p = r["prompts"]
@@ -195,7 +201,9 @@ def rows(r: dict) -> list[Row]:
                 f"{p['all']}: {p['heldout']} held-out, {p['excerpt']} excerpt, {p['question']} question", "", "", ""))
     for variant, v in r["results"].items():
         a = v["all"]
-        paired = "" if variant == base or "diff" not in a else f"{a['diff']:+.3f} [{a['diff_lo']:+.3f}, {a['diff_hi']:+.3f}]"
+        paired = "" if variant == base or "diff" not in a else interval_text(a, "diff", "+.3f")
+        if paired and a.get("diff_texts_differ"):
+            paired += f" (different texts on {a['diff_texts_differ']} prompts)"
         extra = f"; walk_tau {v['walk_tau']} +- {v['walk_tau_se']}" if "walk_tau" in v else ""
         extra += f"; {v['cpu_min']} CPU min of training" if "cpu_min" in v else ""
         if "params" in v:  # results since the drafter variants: the run's size and step time
@@ -203,16 +211,17 @@ def rows(r: dict) -> list[Row]:
         kinds = [k for k in ("heldout", "excerpt", "question") if k in v]
         drafted, d = ("drafted tokens per step [interval] / ", v["drafted_per_step"]) if "drafted_per_step" in v else ("", None)
         out.append((f"online tau `{variant}` (95% interval over prompts) / {drafted}" + " / ".join(kinds),
-                    f"{a['tau']:.3f} [{a['lo']:.3f}, {a['hi']:.3f}] / "
-                    + (f"{d['drafted_per_step']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}] / " if d else "")
-                    + " / ".join(f"{v[k]['tau']:.3f}" for k in kinds),
+                    f"{interval_text(a)} / "
+                    + (f"{interval_text(d, 'drafted_per_step', '.2f')} / " if d else "")
+                    + " / ".join(interval_text({"tau": v[k]["tau"]}) for k in kinds),
                     "", (f"paired vs `{base}`: {paired}" if paired else f"the baseline `{base}`") + extra,
                     "" if v.get("exact", True) else "**outputs differ**"))
     if "ngram" in r["results"] and r["results"].get(base):
-        best = max((k for k in r["results"] if k not in ("ngram", "untrained")), key=lambda k: r["results"][k]["all"]["tau"])
+        best = max((k for k in r["results"] if k not in ("ngram", "untrained")), key=lambda k: r["results"][k]["all"]["tau"] or 0.0)
         b, g = r["results"][best]["all"], r["results"]["ngram"]["all"]
-        out.append((f"best drafter `{best}` against the n-gram drafter (same prompts)", f"{b['tau']:.3f} vs {g['tau']:.3f}",
-                    "above, interval clear", f"n-gram interval [{g['lo']:.3f}, {g['hi']:.3f}]", yes(b["lo"] > g["tau"])))
+        out.append((f"best drafter `{best}` against the n-gram drafter (same prompts)",
+                    f"{interval_text({'tau': b['tau']})} vs {interval_text({'tau': g['tau']})}",
+                    "above, interval clear", f"n-gram {interval_text(g)}", yes(b.get("lo") is not None and b["lo"] > g["tau"])))
     if r.get("png"):
         out.append(("plot", f"![{Path(r['png']).stem}]({r['png']})", "", "", ""))
     return out

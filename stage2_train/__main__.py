@@ -114,6 +114,7 @@ def show_eval(out: dict[str, Any]) -> str:
         f"offline: accuracy {offline['accuracy']:.3f}, accept_len {offline['accept_len']:.3f}{walk}",
         f"written to {out['written_to']}",
         out["summary"],
+        *(f"note: {note}" for note in (out["online"] or {}).get("notes", [])),
     ])
 
 

@@ -195,7 +195,8 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device)}
     prompts = heldout.prompts(cfg.eval.online_num_prompts)
     report = evaluate_drafters(
-        drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg, baseline="trained", offline=["trained"], device=device
+        drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg, baseline="trained", offline=["trained"], device=device,
+        num_prompts_asked=cfg.eval.online_num_prompts,
     )
     if report["online"] is not None:
         report["online"]["sample_ids"] = [sid for sid, _ in prompts]
@@ -286,8 +287,9 @@ def cmd_export(
 
 def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dict[str, Any]:
     """What the model card states, from what the run recorded: the store's manifest (only when it is
-    the store the checkpoint was trained on), the checkpoint's step, and that checkpoint's held-out
-    eval (run_dir/eval/<step>.json) when `eval` made one."""
+    the store the checkpoint was trained on), the checkpoint's step, and that checkpoint's eval
+    (run_dir/eval/<step>.json) when `eval` made one, with the split and store it used: the card calls
+    it held-out only when it was the drafter's own split of the store it was trained on."""
     from shared.store import StoreFiles, load_manifest
     from stage2_train.serve.trained_on import other_store
 
@@ -307,11 +309,14 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
                              "num_samples": manifest.get("num_samples"), "num_tokens": manifest.get("num_tokens"),
                              "verified": bool(loaded.trained_on and loaded.trained_on.store_digest)}
     evaluated = paths.eval_dir / f"{step_dir.name}.json"
-    online = json.loads(evaluated.read_text())["online"] if evaluated.is_file() else None
+    recorded = json.loads(evaluated.read_text()) if evaluated.is_file() else {}
+    online = recorded.get("online")
     if online is not None:
         trained = online["proposers"]["trained"]["interval"]
         facts["eval"] = {
-            **{k: trained[k] for k in ("tau", "lo", "hi")}, "prompts": online["num_prompts"],
+            # an eval written before `split` was recorded: which data it used is not known
+            "split": recorded.get("split") or {},
+            **{k: trained.get(k) for k in ("tau", "lo", "hi", "num_prompts")}, "prompts": online["num_prompts"],
             "max_new_tokens": online["max_new_tokens"], "num_exact": online["proposers"]["trained"]["num_exact"],
             **{n: online["proposers"][n]["tau"] for n in ("untrained", "ngram") if n in online["proposers"]},
         }

@@ -17,7 +17,7 @@ from shared.target_parts import load_embed_and_head
 from stage2_train.data.loader import collate
 from stage2_train.model.config import DrafterConfig
 from stage2_train.model.drafter import DFlashDrafter
-from stage2_train.serve.online_eval import heldout_prompts, online_eval
+from stage2_train.serve.online_eval import bootstrap_tau, heldout_prompts, interval_text, online_eval
 from stage2_train.serve.speculative import (
     DFlashProposer,
     NgramProposer,
@@ -327,6 +327,117 @@ def test_online_eval_reports_tau_and_exactness(target, prompts):
     assert result["proposers"]["never"]["tau"] == 1.0 and result["proposers"]["never"]["num_exact"] == 2
 
 
+def test_an_interval_needs_five_prompts_and_prompts_without_a_verifying_forward_are_left_out():
+    """One prompt gave "tau 2.000 [2.000, 2.000]" as a 95% interval, and a prompt whose first token ended
+    the turn (0 verifying forwards) made resamples divide 0 by 0: lo/hi nan (review, probe3b/3d)."""
+    one = bootstrap_tau([[40, 20, 140]])
+    assert one == {"tau": 2.0, "lo": None, "hi": None, "num_prompts": 1, "num_without_forwards": 0}
+    assert interval_text(one) == "2.000 (1 prompt: too few for an interval)"
+    rows = [[40 + 4 * i, 20, 140] for i in range(5)]  # taus 2.0, 2.2, ..., 2.8
+    assert bootstrap_tau(rows[:4])["lo"] is None and interval_text(bootstrap_tau(rows[:4])).endswith("(4 prompts: too few for an interval)")
+    five = bootstrap_tau(rows)
+    assert 2.0 <= five["lo"] < five["tau"] == 2.4 < five["hi"] <= 2.8 and five["num_prompts"] == 5
+    assert interval_text(five) == f"2.400 [{five['lo']:.3f}, {five['hi']:.3f}]"
+    # An empty prompt among two: left out and counted, no nan; paired, the difference has no interval either.
+    paired = bootstrap_tau([[0, 0, 0], [40, 20, 140]], baseline=[[0, 0, 0], [20, 20, 140]])
+    assert paired == {"tau": 2.0, "lo": None, "hi": None, "num_prompts": 1, "num_without_forwards": 1,
+                      "diff": 1.0, "diff_lo": None, "diff_hi": None}
+    # Among twelve, the interval is the one of the eleven others: the empty prompt changes nothing.
+    twelve = [[0, 0, 0]] + [[40 + i, 20, 140] for i in range(11)]
+    assert bootstrap_tau(twelve) == {**bootstrap_tau(twelve[1:]), "num_without_forwards": 1}
+    assert not any(isinstance(v, float) and np.isnan(v) for v in bootstrap_tau(twelve).values())
+    assert bootstrap_tau([[0, 0, 0]])["tau"] is None and interval_text(bootstrap_tau([[0, 0, 0]])).startswith("none")
+
+
+class BlockVerifyTie:
+    """What bf16 verification does to near-tied logits, made certain: while hooked, a target forward over
+    more than one new token (a block verification; greedy decoding and the prefill's last position are
+    one) gives `token` the argmax at the block's first position, so speculative output leaves greedy."""
+
+    def __init__(self, target, token):
+        self.handle = target.lm_head.register_forward_hook(self.hook)
+        self.token = token
+
+    def hook(self, module, args, logits_BTV):
+        if logits_BTV.shape[1] > 1:
+            logits_BTV = logits_BTV.clone()
+            logits_BTV[:, 0, self.token] = logits_BTV.max() + 1.0
+        return logits_BTV
+
+
+def test_outputs_that_differ_from_greedy_are_said_per_proposer_and_mark_the_paired_difference(target, prompts):
+    """With eval.online_dtype=bf16 most outputs differed from the target's greedy ones and the printed
+    taus and paired difference said nothing (review, probe3e): now each proposer's line says on how many
+    prompts, a note says why, and the paired difference is marked as comparing different texts."""
+    from stage2_train.serve.evaluation import add_intervals, one_line, online_notes
+
+    class Drafts:
+        feature_layer_ids, max_draft = None, BLOCK - 1
+
+        def __init__(self, name, drafts):
+            self.name, self.drafts = name, drafts
+
+        def propose(self, tokens, context_TF):
+            return self.drafts
+
+    tie = BlockVerifyTie(target, token=5)
+    try:
+        online = online_eval(target, {"single": Drafts("single", []), "block": Drafts("block", [7, 7, 7])}, prompts,
+                             max_new_tokens=9, eos_token_ids=None)
+    finally:
+        tie.handle.remove()
+    block, single = online["proposers"]["block"], online["proposers"]["single"]
+    assert block["exact_per_prompt"] == [False, False] and block["num_exact"] == 0 and not block["exact"]
+    assert single["exact_per_prompt"] == [True, True] and single["exact"]
+    add_intervals(online, "single")
+    assert block["interval"]["diff_texts_differ"] == 2 and "diff" not in single["interval"]
+    online.update({"dtype": "bf16", "num_prompts_asked": 2})
+    notes = online_notes(online, "single")
+    assert notes[0].startswith("outputs differ from the target's greedy output: block on 2 of 2 prompts. Why: the "
+                               "target ran with eval.online_dtype=bf16: ")
+    assert "eval.online_dtype=fp32 gives exact outputs" in notes[0] and "single on" not in notes[0]
+    assert notes[1] == "2 prompts with a verifying forward: too few for a 95% interval over prompts (it takes 5); the taus are point values only"
+    online["notes"] = notes
+    line = one_line({"online": online, "offline": {}}, trained="single")
+    assert line == (
+        "single tau 1.000 (2 prompts: too few for an interval), 0.0 drafted/step | "
+        "block tau 1.000 (2 prompts: too few for an interval), 2.2 drafted/step, output differs from greedy on 2 of 2 "
+        "prompts (+0.000 vs single, different texts)"
+    )
+    online["dtype"] = "fp32"
+    assert "in fp32 verification should reproduce it exactly" in online_notes(online, "single")[0]
+
+
+def test_a_comparison_without_intervals_still_tabulates_and_plots(tmp_path):
+    """bench/compare.py reads lo/hi and diff_lo/diff_hi: a group of too few prompts has none, and its
+    table and plot say so instead of failing; a rule that needs an interval is not met."""
+    from bench.compare import plot, rows
+    from stage2_train.serve.evaluation import add_intervals
+
+    def proposer(per_prompt):
+        return {"per_prompt": per_prompt, "exact_per_prompt": [True] * len(per_prompt), "num_exact": len(per_prompt), "exact": True}
+
+    online = {"num_prompts": 3, "proposers": {
+        "fp8": proposer([[40, 20, 60], [30, 20, 60], [50, 20, 60]]),
+        "fp4": proposer([[38, 20, 60], [30, 20, 60], [52, 20, 60]]),
+        "ngram": proposer([[25, 20, 10], [20, 20, 5], [30, 20, 8]]),
+    }}
+    add_intervals(online, "fp8", {"heldout": [0, 1, 2], "excerpt": [0], "question": []})
+    results = {name: {"exact": p["exact"], **p["groups"], "drafted_per_step": p["drafted_interval"]} for name, p in online["proposers"].items()}
+    result = {"config": "configs/default.yaml", "steps": 4, "baseline": "fp8", "max_new_tokens": 8, "results": results,
+              "prompts": {"all": 3, "heldout": 3, "excerpt": 1, "question": 0}}
+    table = {row[0]: row for row in rows(result)}
+    rule = table["decision rule: fp4 - fp8 paired online tau interval contains 0"]
+    assert rule[1] == "+0.000 (3 prompts: too few for an interval)" and rule[4] == "**no**"
+    fp4 = next(row for name, row in table.items() if name.startswith("online tau `fp4`"))
+    assert fp4[1] == "2.000 (3 prompts: too few for an interval) / 3.00 (3 prompts: too few for an interval) / 2.000 / 1.900"
+    assert "paired vs `fp8`: +0.000 (3 prompts: too few for an interval)" in fp4[3]
+    best = table["best drafter `fp8` against the n-gram drafter (same prompts)"]
+    assert best[3] == "n-gram 1.250 (3 prompts: too few for an interval)" and best[4] == "**no**"
+    plot(result, tmp_path / "compare.png")
+    assert (tmp_path / "compare.png").stat().st_size > 0
+
+
 def test_online_wall_times_leave_out_the_first_calls_warm_up(target, prompts):
     """On a GPU the first drafter call compiles its attention (tens of seconds): charged to whichever
     proposer ran first, it would read as that drafter's slowness."""
@@ -361,7 +472,8 @@ def test_heldout_prompts_are_the_tokens_before_the_first_supervised_one():
 
 
 def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
-    """Stage 1 extracts a store from the tiny target; cmd_eval evaluates a checkpoint on its held-out split."""
+    """Stage 1 extracts a store from the tiny target; cmd_eval evaluates a checkpoint on its held-out split.
+    More prompts are asked for than the split has: the shortfall is printed (review, probe3d)."""
 
     from shared.config import load_run_config
     from stage1_extract.commands import cmd_extract
@@ -388,7 +500,7 @@ def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
         "model": {"num_layers": 1, "block_size": BLOCK, "init_std": 0.2},
         "eval": {
             "holdout_fraction": 0.3,
-            "online_num_prompts": 2,
+            "online_num_prompts": 50,
             "online_max_new_tokens": 9,
             "offline_max_samples": 4,
         },
@@ -405,13 +517,25 @@ def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):
     assert all(p["exact"] for p in online.values())
     assert result["gap"]["online_tau"] == online["trained"]["tau"]
     assert result["offline"]["walk_tau"] is not None  # every anchor scored, as the final eval
+    num = result["online"]["num_prompts"]
+    assert num == 5 == len(result["online"]["sample_ids"])  # every held-out sample with a prompt: 5 of the 50 asked
     for name, p in online.items():
         interval = p["interval"]
         assert interval["lo"] <= round(p["tau"], 4) == interval["tau"] <= interval["hi"]
+        assert interval["num_prompts"] == num and interval["num_without_forwards"] == 0
         assert ("diff" in interval) == (name != "trained")
+        assert interval.get("diff_texts_differ", 0) == 0  # fp32: every output equals greedy, the texts are the same
     assert online["untrained"]["interval"]["diff"] == round(online["untrained"]["tau"] - online["trained"]["tau"], 4)
-    assert json.loads((run_dir / "eval" / "step_000010.json").read_text())["gap"] == result["gap"]
+    written = json.loads((run_dir / "eval" / "step_000010.json").read_text())
+    assert written["gap"] == result["gap"]
+    shortfall = ("5 prompts decoded of the 50 asked (eval.online_num_prompts): the held-out split has no more samples "
+                 "with a prompt (tokens before their first supervised one)")
+    assert written["online"]["notes"] == result["online"]["notes"] == [shortfall]
     assert result["summary"].startswith("trained tau ") and "untrained tau" in result["summary"] and "ngram tau" in result["summary"]
+    assert "differs" not in result["summary"] and "different texts" not in result["summary"]
+    from stage2_train.__main__ import show_eval
+
+    assert show_eval(result).endswith(f"{result['summary']}\nnote: {shortfall}")
     # The drafter is the checkpoint's: a command line that describes another one is refused by name.
     from shared.errors import ConfigError
 

@@ -89,7 +89,7 @@ def test_eval_scores_the_split_the_checkpoint_was_trained_with(tiny_target_dir, 
     assert result["num_heldout"] == len(held) != len(split_indices(reader, 0.5, 3)[1])
     assert result["split"] == {
         "holdout_fraction": 0.2, "split_seed": 0, "from": str(trained / "checkpoints" / "step_000002"),
-        "store_digest": store_digest(reader.manifest), "trained_on_store": True,
+        "store_digest": store_digest(reader.manifest), "data_source": "chat.jsonl", "trained_on_store": True,
     }
     err = capsys.readouterr().err
     assert "note: eval.holdout_fraction: the drafter was trained with 0.2, the config gives (ignored) 0.5" in err
@@ -150,6 +150,31 @@ def test_export_records_the_split_and_states_the_store_only_when_it_was_trained_
     card = (tmp_path / "b" / "README.md").read_text()
     assert "| data | not stated: the configured store is not the one trained on (store digest" in card
     assert "12 samples" not in card
+
+
+def test_the_card_calls_an_eval_held_out_only_on_the_drafters_own_split_of_its_store(tiny_target_dir, stores, run_copy, tmp_path):
+    """An eval made on another store (eval.allow_other_store) was stated on the card as "Held-out
+    speculative decoding" (review, probe6): the card now says which data the eval used."""
+    from shared.reader import StoreReader
+    from stage2_train.train.state import store_digest
+
+    own = load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], run_copy))
+    other = load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[1], run_copy) + ["eval.allow_other_store=true"])
+    assert cmd_eval(other)["split"]["trained_on_store"] is False
+    cmd_export(own, out=str(tmp_path / "other"))
+    card = (tmp_path / "other" / "README.md").read_text()
+    other_digest = store_digest(StoreReader(str(stores[1])).manifest)
+    assert "Held-out" not in card and "held-out split" not in card
+    assert (f"Speculative decoding on another store than the one trained on, on prompts of chat.jsonl (store digest "
+            f"{other_digest}, evaluated with eval.allow_other_store), so these are not held-out figures of this training. "
+            f"1 prompt x 4 new tokens") in card
+    # One prompt: its tau is stated with no interval.
+    assert "(1 prompt: too few for an interval)**" in card and "95% bootstrap interval" not in card
+    cmd_eval(own)
+    cmd_export(own, out=str(tmp_path / "own"))
+    card = (tmp_path / "own" / "README.md").read_text()
+    assert ("Held-out speculative decoding, on the drafter's own held-out split (eval.holdout_fraction 0.2, "
+            "eval.split_seed 0) of the store it was trained on, chat.jsonl. 1 prompt x 4 new tokens") in card
 
 
 def test_export_and_init_from_refuse_a_same_shape_target_with_other_weights(tiny_target_dir, stores, trained, tmp_path):

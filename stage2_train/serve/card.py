@@ -5,8 +5,9 @@ no machine paths, and the push to the Hub when asked.
     publishable(out_dir)                        # files readable as any file the user creates (0644 under umask 022)
     push_to_hub(out_dir, "org/name")            # huggingface_hub's upload_folder: the only network call
 
-The card's figures come from what the run recorded: the held-out evaluation of that checkpoint
-(`stage2_train eval`, run_dir/eval/<step>.json) with its interval, or says none was run.
+The card's figures come from what the run recorded: the evaluation of that checkpoint (`stage2_train
+eval`, run_dir/eval/<step>.json) with its interval and the data it used (held-out only when it was the
+drafter's own split of the store it was trained on), or says none was run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from shared.files import write_atomic
 from stage2_train.model.description import DrafterDescription
+from stage2_train.serve.online_eval import interval_text
 
 CARD_NAME = "README.md"
 LOCAL_ONLY = "dflash_pipeline_config.yaml"  # the resolved run config, written beside the export, never pushed
@@ -37,10 +39,12 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         exact = online.get("num_exact")
         equal = ("every output equal to the target's own" if exact == online["prompts"] else
                  f"{exact} of {online['prompts']} outputs equal to the target's own" if exact is not None else "greedy")
+        title, used = eval_data(online.get("split") or {})
         eval_line = (
-            f"Held-out speculative decoding ({online['prompts']} prompts x {online['max_new_tokens']} new tokens, greedy, "
-            f"{equal}): tau **{online['tau']:.3f}** [{online['lo']:.3f}, {online['hi']:.3f}] "
-            f"(95% bootstrap interval over prompts); untrained drafter {online.get('untrained', float('nan')):.3f}, "
+            f"{title}, on {used}. {online['prompts']} prompt{'' if online['prompts'] == 1 else 's'} x {online['max_new_tokens']} new tokens, greedy, {equal}: "
+            f"tau **{interval_text(online)}**"
+            + (" (95% bootstrap interval over prompts)" if online.get("lo") is not None else "")
+            + f"; untrained drafter {online.get('untrained', float('nan')):.3f}, "
             f"n-gram drafter {online.get('ngram', float('nan')):.3f}. Harness: dflash-pipeline's `stage2_train eval`, "
             f"so compare with figures of the same harness only."
         )
@@ -85,6 +89,24 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         "",
     ]
     return write_atomic(out_dir / CARD_NAME, "\n".join(lines))
+
+
+def eval_data(split: dict[str, Any]) -> tuple[str, str]:
+    """(title, the data it used) of an eval from its recorded `split`: held-out only when it was the
+    drafter's own split of the store it was trained on (`trained_on_store`, `serve/trained_on.py`)."""
+    source = split.get("data_source") or "a store"
+    cut = (f"eval.holdout_fraction {split['holdout_fraction']}, eval.split_seed {split['split_seed']}"
+           if "holdout_fraction" in split else "")
+    if split.get("trained_on_store") is True:
+        return "Held-out speculative decoding", f"the drafter's own held-out split ({cut}) of the store it was trained on, {source}"
+    if split.get("trained_on_store") is False:
+        return ("Speculative decoding on another store than the one trained on",
+                f"prompts of {source} (store digest {split.get('store_digest')}, evaluated with eval.allow_other_store), "
+                f"so these are not held-out figures of this training")
+    if not split:
+        return "Speculative decoding", "data the eval did not record (an eval from an older dflash-pipeline)"
+    return ("Speculative decoding", f"the split ({cut}) of {source}, a store not checked against the one trained on "
+            f"(the checkpoint recorded no store digest), so whether these prompts were held out is not known")
 
 
 def serving_lines(d: DrafterDescription, target_name: str) -> list[str]:

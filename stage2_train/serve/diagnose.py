@@ -176,8 +176,10 @@ def decode(
     for name, entry in online["proposers"].items():
         interval = bootstrap_tau(entry["per_prompt"])
         out["proposers"][name] = {
-            **{k: round(v, 4) for k, v in interval.items()},
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in interval.items()},  # lo/hi None: too few prompts
             "exact": entry["exact"],
+            "num_exact": entry["num_exact"],
+            "num_decoded": len(entry["per_prompt"]),
             "accept_hist": entry["accept_hist"],
         }
     return out
@@ -194,6 +196,8 @@ def builtin_prompts(tokenizer: Any, count: int) -> list[list[int]]:
 
 
 def format_text(report: dict[str, Any]) -> str:
+    from stage2_train.serve.online_eval import interval_text
+
     target = report["target"]
     lines = [
         f"export doctor: {report['export']} ({report['written_by']}) against {target['path']} "
@@ -205,8 +209,8 @@ def format_text(report: dict[str, Any]) -> str:
     acceptance = report["acceptance"]
     if acceptance:
         parts = [
-            f"{name} tau {p['tau']:.3f} [{p['lo']:.3f}, {p['hi']:.3f}]"
-            + ("" if p["exact"] else " (NOT EXACT)")
+            f"{name} tau {interval_text(p)}"
+            + ("" if p["exact"] else f" (NOT EXACT: {p['num_decoded'] - p['num_exact']} of {p['num_decoded']} outputs differ from greedy)")
             for name, p in acceptance["proposers"].items()
         ]
         lines.append(

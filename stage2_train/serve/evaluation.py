@@ -14,12 +14,18 @@ carries its 95% bootstrap interval over prompts and, against the baseline drafte
 difference (the prompts resampled together, so their own spread cancels), on all prompts and per group
 of prompts (`groups`: e.g. documentation excerpts against short questions). The target's embedding and
 LM head are read once for every drafter of the set (at 8B they are ~5 GB).
+
+What would make those figures mean less than they seem is said in `online["notes"]` (printed by `eval`)
+and marked where it applies: outputs that differ from the target's greedy output (per proposer, n of m
+prompts; a paired difference over them compares decodes of different texts: `diff_texts_differ`), fewer
+prompts than asked, too few prompts for an interval, prompts with no verifying forward (left out).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,10 +42,12 @@ from stage2_train.model.description import describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.load import LoadedDrafter, load_drafter
 from stage2_train.serve.online_eval import (
+    MIN_INTERVAL_PROMPTS,
     acceptance_gap,
     bootstrap_drafted,
     bootstrap_tau,
     heldout_prompts,
+    interval_text,
     load_online_target,
     online_eval,
 )
@@ -80,6 +88,7 @@ class HeldoutSet:
         split = {
             "holdout_fraction": fraction, "split_seed": seed, "from": trained_on.where if trained_on else "config",
             "store_digest": store_digest(reader.manifest),
+            "data_source": Path(str((reader.manifest.get("data") or {}).get("source", "unknown"))).name,
             "trained_on_store": None if trained_on is None or not trained_on.store_digest else problem is None,
         }
         return cls(target, reader, heldout, load_embed_and_head(target.target_dir), split, notes)
@@ -125,11 +134,13 @@ def evaluate_drafters(
     max_new_tokens: int | None = None,
     device: Any = "cpu",
     confidence_stops: dict[str, float | None] | None = None,
+    num_prompts_asked: int | None = None,
 ) -> dict[str, Any]:
     """Offline (the drafters named in `offline`, default all) and online evaluation of `drafters` and
     the n-gram drafter on `prompts`; intervals on all prompts and on each of `groups` (prompt indices),
     paired against `baseline`. `confidence_stops`: per drafter, a DSpark early stop other than
-    `eval.confidence_stop`."""
+    `eval.confidence_stop`. `num_prompts_asked`: how many held-out prompts were asked for, when
+    `prompts` may hold fewer (a note says so)."""
     eval_cfg = cfg.eval
     for name, drafter in drafters.items():
         same_layers(drafter, heldout.target, name)
@@ -156,36 +167,101 @@ def evaluate_drafters(
         target_model, proposers, list(prompts), max_new_tokens=max_new_tokens or eval_cfg.online_max_new_tokens,
         eos_token_ids=stop_token_ids(tokenizer, target_model),
     )
-    groups = {"all": range(len(prompts)), **(groups or {})}
-    base = online["proposers"][baseline]["per_prompt"]
+    add_intervals(online, baseline, groups)
+    online.update({"dtype": eval_cfg.online_dtype, "num_prompts_asked": num_prompts_asked or len(prompts)})
+    online["notes"] = online_notes(online, baseline)
+    gaps = {name: acceptance_gap(row, online["proposers"][name]["tau"]) for name, row in offline_rows.items()}
+    return {"offline": offline_rows, "online": online, "gap": gaps, "baseline": baseline}
+
+
+def _prompts(num: int) -> str:
+    return f"{num} prompt{'' if num == 1 else 's'}"
+
+
+def _rounded(interval: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in interval.items()}
+
+
+def add_intervals(online: dict[str, Any], baseline: str, groups: dict[str, Sequence[int]] | None = None) -> None:
+    """Each proposer's `groups` (all prompts, then each of `groups`): tau's interval and, against
+    `baseline`, the paired difference with `diff_texts_differ` (prompts on which either output differs
+    from the target's greedy one: there the pair decoded different texts); `interval` (all prompts)
+    and `drafted_interval`. In place, on `online_eval`'s result."""
+    groups = {"all": range(online["num_prompts"]), **(groups or {})}
+    base = online["proposers"][baseline]
     for name, entry in online["proposers"].items():
         entry["groups"] = {}
         for group, index in groups.items():
             index = list(index)
             if not index:
                 continue
-            paired = None if name == baseline else [base[i] for i in index]
+            paired = None if name == baseline else [base["per_prompt"][i] for i in index]
             interval = bootstrap_tau([entry["per_prompt"][i] for i in index], baseline=paired)
-            entry["groups"][group] = {k: round(v, 4) for k, v in interval.items()}
+            if paired is not None:
+                interval["diff_texts_differ"] = sum(
+                    not (entry["exact_per_prompt"][i] and base["exact_per_prompt"][i]) for i in index
+                )
+            entry["groups"][group] = _rounded(interval)
         entry["interval"] = entry["groups"]["all"]
-        entry["drafted_interval"] = {k: round(v, 4) for k, v in bootstrap_drafted(entry["per_prompt"]).items()}
-    gaps = {name: acceptance_gap(row, online["proposers"][name]["tau"]) for name, row in offline_rows.items()}
-    return {"offline": offline_rows, "online": online, "gap": gaps, "baseline": baseline}
+        entry["drafted_interval"] = _rounded(bootstrap_drafted(entry["per_prompt"]))
+
+
+def online_notes(online: dict[str, Any], baseline: str) -> list[str]:
+    """What a reader of the taus must know: outputs that differ from the target's greedy output (and
+    why), fewer prompts than asked, too few for an interval, prompts with no verifying forward."""
+    notes = []
+    total, proposers = online["num_prompts"], online["proposers"]
+    differ = {name: total - p["num_exact"] for name, p in proposers.items() if p["num_exact"] < total}
+    if differ:
+        dtype = online.get("dtype")
+        why = (
+            f"the target ran with eval.online_dtype={dtype}: verifying a block and decoding one token at a time "
+            f"round near-tied logits differently (ties and rounding change the argmax), and the text after it "
+            f"changes; eval.online_dtype=fp32 gives exact outputs"
+            if dtype not in (None, "fp32") else
+            "in fp32 verification should reproduce it exactly: logits tied to within rounding, or a decoding bug"
+        )
+        counts = ", ".join(f"{name} on {num} of {total} prompts" for name, num in differ.items())
+        notes.append(
+            f"outputs differ from the target's greedy output: {counts}. Why: {why}. Those decodes follow other "
+            f"texts, so their tau is not measured on the greedy text and a paired difference over them (marked "
+            f"'different texts') compares decodes of different texts"
+        )
+    asked = online.get("num_prompts_asked")
+    if asked is not None and asked > total:
+        notes.append(f"{_prompts(total)} decoded of the {asked} asked (eval.online_num_prompts): the held-out "
+                     f"split has no more samples with a prompt (tokens before their first supervised one)")
+    empty = {name: sum(row[1] == 0 for row in p["per_prompt"]) for name, p in proposers.items()}
+    if any(empty.values()):
+        counts = (f"{max(empty.values())} of {total} prompts" if len(set(empty.values())) == 1 else
+                  ", ".join(f"{name} {num} of {total} prompts" for name, num in empty.items() if num))
+        notes.append(f"{counts} ended at their first token (the prefill's token ended the turn): no verifying "
+                     f"forward, so they are left out of tau and its interval")
+    kept = proposers[baseline]["interval"]["num_prompts"]
+    if kept < MIN_INTERVAL_PROMPTS:
+        notes.append(f"{_prompts(kept)} with a verifying forward: too few for a 95% interval over prompts (it takes "
+                     f"{MIN_INTERVAL_PROMPTS}); the taus are point values only")
+    return notes
 
 
 def one_line(report: dict[str, Any], trained: str = "trained") -> str:
-    """`eval`'s last line: trained tau [interval] vs untrained vs n-gram, each with its interval."""
+    """`eval`'s last line: trained tau [interval] vs untrained vs n-gram (every proposer, `trained`
+    first), each with its interval, and on how many prompts its output differed from the target's
+    greedy output."""
     if report["online"] is None:
         row = report["offline"].get(trained, {})
         return f"{trained}: offline only (eval.online_num_prompts=0), accept_len {row.get('accept_len', float('nan')):.3f}"
     parts = []
-    for name in (trained, "untrained", "ngram"):
-        entry = report["online"]["proposers"].get(name)
-        if entry is None:
-            continue
+    total = report["online"]["num_prompts"]
+    proposers = report["online"]["proposers"]
+    for name in [trained, *(n for n in proposers if n != trained)]:
+        entry = proposers[name]
         i = entry["interval"]
-        text = f"{name} tau {i['tau']:.3f} [{i['lo']:.3f}, {i['hi']:.3f}], {entry['drafted_per_step']:.1f} drafted/step"
-        if "diff" in i:
-            text += f" ({i['diff']:+.3f} [{i['diff_lo']:+.3f}, {i['diff_hi']:+.3f}] vs {trained})"
+        text = f"{name} tau {interval_text(i)}, {entry['drafted_per_step']:.1f} drafted/step"
+        if entry["num_exact"] < total:
+            text += f", output differs from greedy on {total - entry['num_exact']} of {total} prompts"
+        if i.get("diff") is not None:
+            diff = interval_text(i, "diff", "+.3f") if i.get("diff_lo") is not None else f"{i['diff']:+.3f}"
+            text += f" ({diff} vs {trained}{', different texts' if i.get('diff_texts_differ') else ''})"
         parts.append(text)
     return " | ".join(parts)
