@@ -298,6 +298,10 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
     step_dir = loaded.weights_file.parent
     if step_dir.name.startswith("step_"):
         facts["steps"] = int(step_dir.name[len("step_"):])
+        from stage2_train.train.checkpoint.format import saved_run_config
+
+        # This run's steps only: a drafter started from another (model.init_from) carries that one's too.
+        facts["init_from"] = ((saved_run_config(step_dir) or {}).get("model") or {}).get("init_from")
     files = StoreFiles(paths.store)
     if files.exists("manifest.json"):
         manifest = load_manifest(files)

@@ -685,6 +685,8 @@ def test_training_can_start_from_an_exported_drafter(store, tiny_target_dir, tmp
         assert torch.allclose(started[name], tensor.float(), atol=1e-6), name
     start = [json.loads(x) for x in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()][0]
     assert start["hyperparameters"]["init_from"] == out
+    card = (Path(cmd_export(second)["out_dir"]) / "README.md").read_text()
+    assert f"| training | 1 optimizer steps, started from `{out}` (its own steps not counted) |" in card
     bad = train_config(tiny_target_dir, store[1], tmp_path / "c", **{"model.init_from": out, "model.num_layers": 2})
     from shared.errors import CheckpointError
 

@@ -67,7 +67,7 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         "",
         f"A block-diffusion drafter ({d.variant}) that drafts {d.max_draft} tokens per step for `{target_name}`{revision}, "
         f"conditioned on the outputs of its decoder layers {list(d.target_layer_ids)} (HF `hidden_states[i + 1]`). "
-        f"Trained with [dflash-pipeline](https://github.com/) from stored target features.",
+        "Trained with dflash-pipeline from stored target features.",
         "",
         "| | |",
         "|---|---|",
@@ -75,7 +75,8 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         f"| drafter | {d.num_layers} layer(s), block size {d.block_size}, mask token id {d.mask_token_id}"
         + (f", sliding window {d.sliding_window}" if sliding else "") + " |",
         f"| data | {data_line} |",
-        f"| training | {facts.get('steps', '?')} optimizer steps |",
+        f"| training | {facts.get('steps', '?')} optimizer steps"
+        + (f", started from `{facts['init_from']}` (its own steps not counted)" if facts.get("init_from") else "") + " |",
         "",
         "## Acceptance",
         "",
