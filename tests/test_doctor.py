@@ -18,8 +18,9 @@ import pytest
 
 from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.detectors import LiveDetectors, as_warning, detect
-from stage2_train.observe.doctor import diagnose
+from stage2_train.observe.doctor import diagnose, format_text
 from stage2_train.observe.doctor import doctor as cmd_doctor
+from stage2_train.observe.explain import describe
 from stage2_train.observe.records import normalize
 from stage2_train.observe.report import report as cmd_report
 
@@ -341,12 +342,143 @@ def test_spike_at_the_end_of_noise_warmup_and_a_blocking_save():
     assert after_save["likely_cause"].startswith("follows the checkpoint save at step 1200")
 
 
+# ---- levels: wrong however smooth the curve -------------------------------------------------------
+def lr_zero_records() -> list[dict]:
+    """lr 0 at every step (a warmup longer than the run, lr 0 in the config): the loss stays flat."""
+    return trainer_records(600, change=lambda step, row: row.update(lr=0.0, loss=6.0 * (1 + 0.01 * math.sin(step))))
+
+
+def diverging_records() -> list[dict]:
+    """From step 500 the loss climbs (x2 by step 800, x3.3 by 1200) and accuracy falls to 0 by step
+    1100, each a little per step: no row stands out from the trailing window before it."""
+
+    def change(step, row):
+        if step > 500:
+            row["loss"] *= 1 + (step - 500) / 300
+            row["accuracy"] -= 0.45 * min(1.0, (step - 500) / 600)
+
+    return trainer_records(1200, change=change)
+
+
+def input_bound_records() -> list[dict]:
+    """The loader waits 80% of every step, from the first: no drop, the run is slow all along."""
+    return trainer_records(600, change=lambda step, row: row.update(data_wait_frac=0.8 + 0.1 * math.sin(step)))
+
+
+def test_lr_at_zero_is_named_and_a_decay_into_zero_is_not(tmp_path):
+    start = {
+        "kind": "event",
+        "event": "run_start",
+        "step": 0,
+        "hyperparameters": {"optim.lr": 6e-4, "warmup_steps": 120, "total_steps": 600},
+    }
+    diagnosis = diagnose([start, *lr_zero_records()])
+    assert found(diagnosis) == [("lr_zero", 1)]
+    ev = diagnosis["events"][0]
+    assert ev["details"] == {"lr": 0.0, "peak_before": None, "confirmed_step": 10, "to_step": 600}
+    assert ev["likely_cause"] == (
+        "the optimizer applies no update at lr 0, the weights do not change: run_start records optim.lr 0.0006, "
+        "warmup 120 of 600 steps, so the logged lr is not the schedule's: a scheduler never stepped, or a param "
+        "group with lr 0"
+    )
+    write_log(tmp_path / "train_log.jsonl", lr_zero_records())
+    text, code = cmd_doctor(tmp_path, as_json=False)
+    assert code == 1 and "  lr 0 at steps 1-600: no update applied" in text
+    assert text.splitlines()[-1].startswith("1 event(s): 1 lr_zero")
+    # An lr that drops to 0 in one row mid-run is named, from the row it dropped.
+    dropped = diagnose(trainer_records(600, change=lambda step, row: row.update(lr=0.0) if step > 300 else None))
+    assert found(dropped) == [("lr_zero", 301)] and dropped["events"][0]["details"]["peak_before"] == 6e-4
+    # A schedule that decays into 0 and stays there for its last 50 steps is the schedule's end.
+    def decay(step, row):
+        if step > 400:
+            row["lr"] = max(0.0, 6e-4 * (1 - (step - 400) / 150))
+
+    assert found(diagnose(trainer_records(600, change=decay))) == []
+
+
+def test_a_slow_divergence_and_decline_are_named():
+    """The spike and cliff detectors compare each row with a trailing window that climbs along with
+    the loss: they see nothing here. The trailing median against the run's best level does."""
+    diagnosis = diagnose(diverging_records())
+    assert found(diagnosis) == [("accuracy_decline", 713), ("loss_divergence", 749)]
+    decline, divergence = diagnosis["events"]
+    assert divergence["size"] == pytest.approx(1.61, abs=0.01)
+    d = divergence["details"]
+    assert (d["best_step"], d["confirmed_step"], d["last_step"], d["window_rows"]) == (513, 798, 1200, 50)
+    assert d["best"] == pytest.approx(1.21, abs=0.01) and d["threshold"] == pytest.approx(1.5 * d["best"], abs=1e-5)
+    assert d["last"] == pytest.approx(3.26, abs=0.01) and d["recovery_steps"] is None
+    assert divergence["likely_cause"].startswith(
+        "the training loss left its best level (steps up to 513) and stayed there: usually an lr too high"
+    )
+    assert decline["size"] == pytest.approx(0.433 - 0.266, abs=0.002) and decline["details"]["best_step"] == 512
+    assert describe(divergence) == (
+        "loss diverging from step 749: median of 50 rows 1.21 at best (step 513) -> 1.96 (x1.61) at step 798, "
+        "3.26 at step 1200, never back"
+    )
+    # The thresholds are the detectors section's.
+    assert found(diagnose(diverging_records(), DetectorConfig(divergence_ratio=4.0))) == [("accuracy_decline", 713)]
+    assert found(diagnose(diverging_records(), DetectorConfig(divergence_rows=500))) == []  # lasts ~450 rows
+    with pytest.raises(ValueError, match="detectors.divergence_ratio must be > 1"):
+        DetectorConfig(divergence_ratio=1.0)
+    with pytest.raises(ValueError, match="detectors.decline_rel must be in"):
+        DetectorConfig(decline_rel=0.0)
+
+
+def test_an_input_bound_loader_is_named_with_the_fix():
+    diagnosis = diagnose(input_bound_records())
+    assert found(diagnosis) == [("input_bound", 11)]  # the first row after warmup_rows
+    ev = diagnosis["events"][0]
+    assert ev["size"] == pytest.approx(0.80, abs=0.005)
+    assert {k: ev["details"][k] for k in ("rows", "threshold", "confirmed_step", "to_step", "recovery_steps")} == {
+        "rows": 50,
+        "threshold": 0.5,
+        "confirmed_step": 60,
+        "to_step": 600,
+        "recovery_steps": None,
+    }
+    assert ev["likely_cause"].startswith(
+        "the loader cannot keep up: the steps wait for data 80% of their time; more loader threads "
+        "(train.num_data_threads), a deeper prefetch (train.prefetch_micro_batches)"
+    )
+    # A loader that waits 30% of each step is below the bar; the bar is detectors.input_bound_frac.
+    waiting = trainer_records(600, change=lambda step, row: row.update(data_wait_frac=0.3))
+    assert found(diagnose(waiting)) == []
+    assert found(diagnose(waiting, DetectorConfig(input_bound_frac=0.25))) == [("input_bound", 11)]
+
+
+def test_every_rank_appending_to_one_log_is_read_as_one_rank():
+    """8 ranks each wrote every train row: read as they are, one spike is one event per rank and every
+    step "goes back" 7 times. With a rank field, and without (the same step 8 times in a row)."""
+
+    def change(step, row):
+        if 301 <= step <= 305:
+            row["loss"] *= 4.0
+
+    one = trainer_records(600, change=change)
+    by_rank = [{**r, "rank": rank} for r in one for rank in (range(8) if r["kind"] == "train" else [None])]
+    by_rank = [{k: v for k, v in r.items() if v is not None} for r in by_rank]
+    unnamed = [{k: v for k, v in r.items() if k != "rank"} for r in by_rank]
+    for records, note in (
+        (by_rank, "8 ranks wrote their train rows (their rank field): read rank 0's only"),
+        (unnamed, "every train step comes 8 times in a row (one row per rank, or its metrics in several rows): read as one row per step"),
+    ):
+        diagnosis = diagnose(records)
+        assert found(diagnosis) == found(diagnose(one)) == [("loss_spike", 301)]
+        s = diagnosis["summary"]
+        assert s["ranks"] == note and s["restarts"] == [] and s["train_rows"] == 600
+        assert f"\n  {note}\n" in format_text(diagnosis, "train_log.jsonl")
+    assert diagnose(one)["summary"]["ranks"] is None
+
+
 # ---- the live path -------------------------------------------------------------------------------
 def nan_records() -> list[dict]:
     return trainer_records(1000, change=lambda step, row: row.update(loss="nan") if step >= 800 else None)
 
 
-@pytest.mark.parametrize("build", [failed_run_records, noisy_healthy_records, nan_records])
+@pytest.mark.parametrize(
+    "build",
+    [failed_run_records, noisy_healthy_records, nan_records, lr_zero_records, diverging_records, input_bound_records],
+)
 def test_live_detectors_fire_on_the_same_rows_as_the_offline_pass(build):
     records = build()
     offline = detect(records)
@@ -364,6 +496,24 @@ def test_live_detectors_fire_on_the_same_rows_as_the_offline_pass(build):
     assert [(e["kind"], e["step"], e["size"]) for e in fired] == [
         (e["kind"], e["step"], e["size"]) for e in offline
     ]
+    assert bool(fired) == (build is not noisy_healthy_records)
+
+
+def test_a_detector_state_from_before_the_level_detectors_resumes():
+    """A checkpoint's detector state without the level detectors' keys starts them afresh: the lr at 0
+    is still named, counted from the resume."""
+    records = lr_zero_records()
+    live = LiveDetectors()
+    for r in records[:100]:
+        live.update(r)
+    state = live.state_dict()
+    for key in ("divergence", "decline", "lr_zero", "input_bound"):
+        del state[key]
+    restored = LiveDetectors()
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    fired = [ev for r in records[100:] for ev in restored.update(r)]
+    first = next(r["step"] for r in records[100:] if r["kind"] == "train")
+    assert found(fired) == [("lr_zero", first)] and restored.state_dict()["lr_zero"]["open"] is not None
 
 
 def test_resume_warms_the_pace_up_again():
@@ -424,6 +574,22 @@ def test_cmd_report_writes_pngs_and_markdown(tmp_path):
     for kind, step in FAILED_RUN_EVENTS:
         assert f"| {step} | {kind} |" in md
     assert "Not in this log, so not plotted: accept_len." in md and "## What this log cannot tell" in md
+
+
+def test_report_draws_and_lists_the_level_events(tmp_path):
+    records = diverging_records()
+    for r in records:
+        if r["kind"] == "train":
+            r.update(data_wait_frac=0.9, lr=0.0 if r["step"] > 1100 else r["lr"])
+    log = tmp_path / "run" / "train_log.jsonl"
+    log.parent.mkdir()
+    write_log(log, records)
+    out = cmd_report(log, None)
+    kinds = [("input_bound", 11), ("accuracy_decline", 713), ("loss_divergence", 749), ("lr_zero", 1101)]
+    assert out["num_events"] == 4 and str(tmp_path / "run" / "doctor" / "events.png") in out["plots"]
+    md = (tmp_path / "run" / "doctor" / "report.md").read_text()
+    for kind, step in kinds:
+        assert f"| {step} | {kind} |" in md
 
 
 def test_departures_from_the_recipe_are_listed_beside_the_events(tmp_path):

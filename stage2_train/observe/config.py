@@ -62,6 +62,22 @@ class DetectorConfig(Section):
     """A throughput drop lies below median - throughput_k * sigma of tokens/s."""
     throughput_min_rel: float = 0.4
     """A throughput drop loses at least this fraction of the median tokens/s."""
+    divergence_ratio: float = 1.5
+    """Slow divergence: the loss's trailing median (window_rows rows) above divergence_ratio times the
+    lowest trailing median earlier in the run, for divergence_rows rows in a row (the spike detector's
+    trailing window climbs along with a slow rise; this compares with the run's best level). Real CPU
+    runs stay within 1.08 of their best."""
+    decline_rel: float = 0.3
+    """Slow decline: accuracy's trailing median below its highest earlier one by this fraction of it
+    (and by at least cliff_min_drop), for divergence_rows rows in a row. Real CPU runs stay within 6%."""
+    divergence_rows: int = 50
+    """Rows in a row a divergence or decline must last to be named (a spike still recovering, or a
+    cliff not yet back, is that event's, and pauses the count)."""
+    lr_zero_rows: int = 10
+    """Rows in a row with lr 0 (not the end of a decay) that make an lr_zero event: no update applied."""
+    input_bound_frac: float = 0.5
+    """Input-bound: the mean data_wait_frac over window_rows rows (after warmup_rows) at or above this,
+    the steps wait for their data that much of the time. Real CPU runs stay below 0.17."""
     generalisation_k: float = 2.0
     """A held-out metric has turned when worse than its best by more than generalisation_k * the
     combined standard error sqrt(se_best^2 + se_now^2) (the rules are in generalisation.py)."""
@@ -71,13 +87,25 @@ class DetectorConfig(Section):
     generalisation_min_rel: float = 0.05
     """A metric whose eval rows carry no `<metric>_se` (noise derived from the eval's size) must
     also be worse than its best by at least this fraction of it; so must the last eval of a trend."""
+    generalisation_far_rel: float = 0.3
+    """A held-out metric below its best by at least this fraction of it, which neither rule could judge
+    (no noise known, too few evals since the best), is named under "cannot tell" even while another
+    metric improves. On logs without noise whose held-out level jitters by 7.5% of itself per eval,
+    0 of 200 logs reach it."""
     generalisation_trend_alpha: float = 0.002
     """The trend rule's test level: the evals since a metric's best fall with a one-sided Mann-Kendall
     p-value at most this (divided by k at the k-th test since the best), at generalisation_sustain
     consecutive evals (with 0.002: six evals after the best at least, seven to confirm)."""
 
     def validate(self) -> None:
-        for key in ("window_rows", "min_history_rows", "sustain_rows", "generalisation_sustain"):
+        for key in (
+            "window_rows",
+            "min_history_rows",
+            "sustain_rows",
+            "generalisation_sustain",
+            "divergence_rows",
+            "lr_zero_rows",
+        ):
             self.require(getattr(self, key) >= 1, key, "must be >= 1")
         self.require(self.min_history_rows <= self.window_rows, "min_history_rows", "must be <= window_rows")
         self.require(self.warmup_rows >= 0, "warmup_rows", "must be >= 0")
@@ -92,7 +120,15 @@ class DetectorConfig(Section):
             "generalisation_k",
         ):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
-        for key in ("spike_min_ratio", "stall_min_ratio", "step_gap_ratio"):
+        for key in ("spike_min_ratio", "stall_min_ratio", "step_gap_ratio", "divergence_ratio"):
             self.require(getattr(self, key) > 1, key, "must be > 1")
-        for key in ("cliff_min_rel", "throughput_min_rel", "generalisation_min_rel", "generalisation_trend_alpha"):
+        for key in (
+            "cliff_min_rel",
+            "throughput_min_rel",
+            "generalisation_min_rel",
+            "generalisation_trend_alpha",
+            "generalisation_far_rel",
+            "decline_rel",
+            "input_bound_frac",
+        ):
             self.require(0 < getattr(self, key) < 1, key, "must be in (0, 1)")

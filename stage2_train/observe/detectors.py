@@ -1,6 +1,8 @@
 """Detectors that turn a training log into events: stalls, step gaps, loss spikes, accuracy cliffs,
 non-finite values, throughput drops, and held-out quality that turns while training improves
-(overfitting, `generalisation.py`). One code path serves the offline doctor and the live trainer.
+(overfitting, `generalisation.py`); and levels that are wrong however smooth the curve: a loss that
+slowly diverges or an accuracy that slowly declines from its best level, an lr stuck at 0, a loader
+the steps wait for (input-bound). One code path serves the offline doctor and the live trainer.
 
     .venv/bin/python -m pytest tests/test_doctor.py -q
 
@@ -13,13 +15,19 @@ non-finite values, throughput drops, and held-out quality that turns while train
 An event is `{"kind", "step", "size", "details"}`; `size` by kind: stall -> gap seconds, step_gap ->
 steps skipped, loss_spike -> loss / level before, accuracy_cliff -> accuracy drop (absolute),
 throughput_drop -> fraction of tokens/s (or samples/s) lost, nan -> None, generalisation ->
-relative worsening of its first turned metric. Every judgement is robust: a value is
+relative worsening of its first turned metric, loss_divergence -> trailing median loss / its best,
+accuracy_decline -> best trailing median accuracy minus the current one, lr_zero -> None,
+input_bound -> mean data_wait_frac over the window. Every judgement is robust: a value is
 compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of accepted values, and
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
 a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
 `min_history_rows` values; pace and throughput also skip `warmup_rows` rows at the start and after a
 resume (first steps are slow). Windows hold (step, value): when the steps go backwards (a resume from
 an older checkpoint, a restart), entries from the abandoned future are dropped.
+
+The level detectors (`levels.py`) compare with the run's own best level or a fixed bar rather than
+a trailing window, which climbs along with a slow divergence; a level that an open spike, cliff or
+throughput drop already explains is left to that event.
 
 Records are read leniently (`records.normalize`): kind inferred, field aliases, "nan" strings.
 """
@@ -28,13 +36,22 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import deque
 from typing import Any
 
 from shared.errors import CheckpointError
 from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.generalisation import Generalisation
-from stage2_train.observe.records import RESET_EVENTS, finite, make_event, median, normalize, r6, robust
+from stage2_train.observe.levels import InputBound, Level, LrZero
+from stage2_train.observe.records import (
+    RESET_EVENTS,
+    Window,
+    finite,
+    make_event,
+    median,
+    normalize,
+    r6,
+    robust,
+)
 
 EVENT_KINDS = (
     "stall",
@@ -44,6 +61,10 @@ EVENT_KINDS = (
     "nan",
     "throughput_drop",
     "generalisation",
+    "loss_divergence",
+    "accuracy_decline",
+    "lr_zero",
+    "input_bound",
 )
 
 
@@ -54,35 +75,13 @@ def as_warning(event: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- one detector per signal -----------------------------------------------------------------------
-class _Window:
-    """Trailing (step, value) pairs plus the bookkeeping every detector shares."""
-
-    def __init__(self, size: int):
-        self.pairs: deque[list[float]] = deque(maxlen=size)
-
-    def values(self) -> list[float]:
-        return [v for _, v in self.pairs]
-
-    def append(self, step: int, value: float) -> None:
-        self.pairs.append([step, value])
-
-    def truncate(self, step: int) -> None:
-        """Drop entries logged at `step` or later (the steps went back to before them)."""
-        kept = [p for p in self.pairs if p[0] < step]
-        self.pairs.clear()
-        self.pairs.extend(kept)
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-
 class _Episodes:
     """What spikes (bad = up) and drops (bad = down) share: the events still recovering, and the
     episode in progress, during which the window is frozen and no new event is raised."""
 
     def __init__(self, cfg: DetectorConfig, bad_is_up: bool):
         self.cfg, self.bad_is_up = cfg, bad_is_up
-        self.window = _Window(cfg.window_rows)
+        self.window = Window(cfg.window_rows)
         self.pending: list[list[float]] = []  # bad rows not yet sustained (drops only)
         self.episode: dict[str, Any] | None = None
         self.recovering: list[dict[str, Any]] = []  # {"level", "event"}: until the value is back
@@ -213,8 +212,8 @@ class _Pace:
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
-        self.sec_per_step = _Window(cfg.window_rows)
-        self.step_deltas = _Window(cfg.window_rows)
+        self.sec_per_step = Window(cfg.window_rows)
+        self.step_deltas = Window(cfg.window_rows)
         self.prev: list[float] | None = None  # [step, t] of the previous train row
         self.paused_s = 0.0  # intended pauses (eval) since the previous row, not counted as stalls
         self.warmup_left = cfg.warmup_rows
@@ -325,6 +324,10 @@ class LiveDetectors:
         )
         self.throughput_warmup = self.cfg.warmup_rows
         self.generalisation = Generalisation(self.cfg)
+        self.divergence = Level(self.cfg, "loss_divergence", bad_is_up=True)
+        self.decline = Level(self.cfg, "accuracy_decline", bad_is_up=False)
+        self.lr_zero = LrZero(self.cfg)
+        self.input_bound = InputBound(self.cfg)
         self.in_nan = False
         self.last_step: int | None = None
         self.rows = 0
@@ -356,6 +359,14 @@ class LiveDetectors:
             events.append(ev)
         if finite(row["accuracy"]) and (ev := self.accuracy.update(step, row["accuracy"])):
             events.append(ev)
+        if finite(row["loss"]) and (ev := self.divergence.update(step, row["loss"], bool(self.loss.recovering))):
+            events.append(ev)
+        if finite(row["accuracy"]) and (
+            ev := self.decline.update(step, row["accuracy"], bool(self.accuracy.recovering))
+        ):
+            events.append(ev)
+        if finite(row["lr"]) and (ev := self.lr_zero.update(step, row["lr"])):
+            events.append(ev)
         rate, unit = (row["tok_per_s"], "tok/s") if finite(row["tok_per_s"]) else (row["samples_per_s"], "samples/s")
         if finite(rate):
             if self.throughput_warmup > 0:
@@ -363,6 +374,9 @@ class LiveDetectors:
             elif ev := self.throughput.update(step, rate):
                 ev["details"]["unit"] = unit
                 events.append(ev)
+        wait = row["data_wait_frac"]
+        if finite(wait) and (ev := self.input_bound.update(step, wait, bool(self.throughput.recovering))):
+            events.append(ev)
         return events
 
     def _nan(self, step: int, row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -376,9 +390,18 @@ class LiveDetectors:
     def _resumed(self, step: int | None) -> None:
         """A resume at `step` (or a restart): forget what came later, warm the pace up again."""
         self.pace.restart(step)
+        self.input_bound.restart(step)
         self.throughput_warmup = self.cfg.warmup_rows
         if step is not None:
-            for detector in (self.loss, self.accuracy, self.throughput, self.generalisation):
+            for detector in (
+                self.loss,
+                self.accuracy,
+                self.throughput,
+                self.generalisation,
+                self.divergence,
+                self.decline,
+                self.lr_zero,
+            ):
                 detector.truncate(step + 1)
             self.throughput.window.pairs.clear()  # throughput after a restart is another machine's
             self.last_step = step
@@ -395,6 +418,10 @@ class LiveDetectors:
                 "accuracy": self.accuracy.state_dict(),
                 "throughput": self.throughput.state_dict(),
                 "generalisation": self.generalisation.state_dict(),
+                "divergence": self.divergence.state_dict(),
+                "decline": self.decline.state_dict(),
+                "lr_zero": self.lr_zero.state_dict(),
+                "input_bound": self.input_bound.state_dict(),
                 "throughput_warmup": self.throughput_warmup,
                 "in_nan": self.in_nan,
                 "last_step": self.last_step,
@@ -405,7 +432,8 @@ class LiveDetectors:
     def load_state_dict(self, state: dict[str, Any], *, resumed: bool = True) -> None:
         """Restore the history; `resumed` (the default) also warms the pace up again, as a resume does.
         A version-1 state (checkpoints from before the generalisation detector) has no eval history;
-        a version-2 one has no noise sources (see `Generalisation.load_state_dict`)."""
+        a version-2 one has no noise sources (see `Generalisation.load_state_dict`). A state from before
+        the level detectors (divergence, decline, lr_zero, input_bound) starts them afresh."""
         if state.get("version") not in (1, 2, 3):
             raise CheckpointError(
                 f"detector state: unknown version {state.get('version')!r} (expected 1, 2 or 3)"
@@ -416,10 +444,16 @@ class LiveDetectors:
         self.accuracy.load_state_dict(state["accuracy"])
         self.throughput.load_state_dict(state["throughput"])
         self.generalisation.load_state_dict(state.get("generalisation", {"evals": [], "train": []}))
+        fresh = LiveDetectors(self.cfg)  # for a checkpoint from before the level detectors
+        for name in ("divergence", "decline", "lr_zero", "input_bound"):
+            setattr(self, name, getattr(fresh, name))
+            if name in state:
+                getattr(self, name).load_state_dict(state[name])
         self.throughput_warmup, self.in_nan = state["throughput_warmup"], state["in_nan"]
         self.last_step, self.rows = state["last_step"], state["rows"]
         if resumed:
             self.pace.restart(None)
+            self.input_bound.restart(None)
             self.throughput_warmup = self.cfg.warmup_rows
 
 

@@ -1,5 +1,6 @@
 """The training doctor: every stall, spike, cliff, NaN, slowdown and held-out turn (overfitting) of a
-run, with its likely cause, from any trainer's log.
+run, and every level that is wrong however smooth the curve (a slow loss divergence or accuracy
+decline, lr at 0, an input-bound loader), with its likely cause, from any trainer's log.
 
     python -m stage2_train doctor runs/default                 # text; exit 1 with events, else 0
     python -m stage2_train doctor runs/default --json          # {"events": [...], "summary": {...}}
@@ -10,10 +11,13 @@ folder, CSV or JSONL history exports, other trainers' metric names mapped by `pe
 `diagnose(records)` runs the detectors (`detectors.py`, `generalisation.py`) and explains each event
 from what the log says happened near it (`explain.py`). Each event gets `likely_cause` (one string)
 and `near` (everything found in its window). What the log cannot tell is listed in
-`summary.cannot_tell`: each detector whose input the log lacks, and overfitting when no held-out
-metric could be judged (then `summary.verdict` is "cannot tell", not "healthy").
+`summary.cannot_tell`: each detector whose input the log lacks, and each held-out metric that fell
+far from its best where no rule could judge it, or every undecided one when no metric could be
+judged (then `summary.verdict` is "cannot tell", not "healthy").
 `summary.read_as` names the log's own metric behind each detector input; `summary.heldout` gives
 the best and last held-out values. `diagnose(records, source=path)` names the log in its errors.
+A log that every rank of a run appended to (rows with several `rank` values, or each step's train
+row repeated as many times in a row) is read as one rank's, and `summary.ranks` says so.
 """
 
 from __future__ import annotations
@@ -28,11 +32,42 @@ from shared.errors import DataError
 from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.detectors import LiveDetectors
 from stage2_train.observe.explain import context_points, describe, explain
-from stage2_train.observe.records import finite, normalize, number
+from stage2_train.observe.records import finite, normalize, number, record_kind
 from stage2_train.observe.sources import load_log
 
 
 # ---- the whole log -------------------------------------------------------------------------------
+def one_rank(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+    """(the rows of one rank, a note) when several ranks appended their train rows to one log, else
+    (records, None). Rows with a `rank` field: the lowest rank's (rows without one are kept). Without
+    it: train steps that each come k >= 2 times in a row (the last may be cut short by a crash) are
+    read as one row each, each field's first value (a log that writes each step's metrics in several
+    rows loses none). Read as they are, each rank's row is another judgement of the same step: one
+    spike becomes one event per rank, and every step "goes back" k - 1 times."""
+    kinds = [record_kind(r) for r in records]
+    ranks = {r["rank"] for r, kind in zip(records, kinds) if kind == "train" and isinstance(r.get("rank"), int)}
+    if len(ranks) > 1:
+        keep = min(ranks)
+        kept = [r for r in records if not isinstance(r.get("rank"), int) or r["rank"] == keep]
+        return kept, f"{len(ranks)} ranks wrote their train rows (their rank field): read rank {keep}'s only"
+    steps = [(i, normalize(r)["step"]) for i, (r, kind) in enumerate(zip(records, kinds)) if kind == "train"]
+    runs: list[list[int]] = []  # record indices of consecutive train rows of one step
+    for (i, step), prev in zip(steps, [None, *steps]):
+        if prev is not None and step is not None and step == prev[1]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    k = len(runs[0]) if runs else 1
+    if k < 2 or len(runs) < 3 or any(len(run) != k for run in runs[:-1]) or len(runs[-1]) > k:
+        return records, None
+    merged: dict[int, dict[str, Any]] = {}  # first record index of a run -> its rows, first values kept
+    for run in runs:
+        merged[run[0]] = {key: value for i in reversed(run) for key, value in records[i].items()}
+    repeats = {i for run in runs for i in run[1:]}
+    kept = [merged.get(i, r) for i, r in enumerate(records) if i not in repeats]
+    return kept, f"every train step comes {k} times in a row (one row per rank, or its metrics in several rows): read as one row per step"
+
+
 def cannot_tell(
     train: list[dict[str, Any]], has_events: bool, has_epoch_events: bool, cfg: DetectorConfig, num_evals: int = 0
 ) -> list[str]:
@@ -75,6 +110,7 @@ def diagnose(
     """{"events": [...], "summary": {...}} for the records of one log, in file order; `source` (the
     log's path) names the log in errors."""
     cfg = cfg or DetectorConfig()
+    records, ranks = one_rank(records)
     rows = [(normalize(r), r) for r in records]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
     if not train:
@@ -96,6 +132,7 @@ def diagnose(
         "has_events": has_events,
         "cannot_tell": cannot_tell(train, has_events, has_epoch_events, cfg, len(evals)),
         "data_wait": {},
+        "schedule": run_start_hyperparameters(event_rows),
     }
     live = LiveDetectors(cfg)
     events = [dict(ev) for record in records for ev in live.update(record)]
@@ -127,6 +164,7 @@ def diagnose(
         "sec_per_step": round(statistics.median(pace), 4) if pace else None,
         "epochs": [min(epochs), max(epochs)] if epochs else None,
         "restarts": restarts(rows),
+        "ranks": ranks,
         "final": {
             k: last[k] if math.isfinite(last[k]) else str(last[k])
             for k in ("loss", "accuracy", "accept_len")
@@ -182,16 +220,19 @@ def variant_heads(train_raw: list[dict[str, Any]], last: int = 20) -> list[str]:
     return notes
 
 
+def run_start_hyperparameters(event_rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The last run_start's `hyperparameters` (optim.lr, warmup_steps, total_steps, recipe_warnings...)."""
+    found: dict[str, Any] = {}
+    for row, raw in event_rows:
+        if row["event"] == "run_start" and isinstance(raw.get("hyperparameters"), dict):
+            found = raw["hyperparameters"]
+    return found
+
+
 def recipe_departures(event_rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
     """The last run_start's departures from the published recipe (a gamma or betas that differ from
     the paper's is a setting to see beside the curve, not an event)."""
-    found: list[str] = []
-    for row, raw in event_rows:
-        if row["event"] == "run_start":
-            hyper = raw.get("hyperparameters")
-            if isinstance(hyper, dict):
-                found = [str(w) for w in (hyper.get("recipe_warnings") or [])]
-    return found
+    return [str(w) for w in (run_start_hyperparameters(event_rows).get("recipe_warnings") or [])]
 
 
 def restarts(rows: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -237,6 +278,8 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     if s.get("read_as"):
         lines.append(f"read as ({s['format']}): " + "; ".join(f"{k} <- {', '.join(v)}" for k, v in s["read_as"].items()))
     lines += [f"  {note}" for note in s.get("reader_notes", [])]
+    if s.get("ranks"):
+        lines.append(f"  {s['ranks']}")
     for ev in diagnosis["events"]:
         lines.append(f"  {describe(ev)}")
         lines.append(f"      likely cause: {ev['likely_cause']}")

@@ -7,8 +7,10 @@ and one line describing each event. Used by the doctor and the report.
     describe(ev)                                # "loss spike at step 2004: 0.78 -> 13 (x17), back in 190 steps"
 
 A generalisation event (held-out quality turning while training improves) gets the advice against
-memorising, and the epoch boundaries near the turn. A log without event rows has its stalls taken for
-probable checkpoint saves.
+memorising, and the epoch boundaries near the turn. A level (a slow loss divergence or accuracy
+decline, lr at 0, an input-bound loader) gets what usually causes it and the setting to change, with
+what the log says happened between the best level and the rise. A log without event rows has its
+stalls taken for probable checkpoint saves.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from stage2_train.observe.records import finite
 CAUSES_OF_PAUSE = ("checkpoint", "eval", "resume", "epoch")
 CAUSES_OF_CHANGE = ("nan", "checkpoint", "resume", "stall", "epoch", "lr", "noise", "data")
 CAUSES_OF_SLOWDOWN = ("data", "checkpoint", "resume", "stall", "epoch", "eval")
+LEVELS = ("loss_divergence", "accuracy_decline", "lr_zero", "input_bound")
 
 
 # ---- what the log says happened ------------------------------------------------------------------
@@ -127,6 +130,11 @@ def explain(
         lo, hi = ev["step"] - (ev["details"]["confirmed_step"] - ev["step"]), ev["details"]["confirmed_step"]
         near = nearby(ev, points, events, info, lo, hi, pause=False)
         return memorising_cause(ev, near, points), near
+    if ev["kind"] in LEVELS:
+        d = ev["details"]
+        lo = d.get("best_step", ev["step"] - max(10 * interval, 10))
+        near = nearby(ev, points, events, info, lo, d["confirmed_step"], pause=False)
+        return level_cause(ev, near, info), near
     pause = ev["kind"] in ("stall", "step_gap")
     start = ev["details"].get("from_step", ev["step"])
     if pause:
@@ -201,6 +209,43 @@ def memorising_cause(ev: dict[str, Any], near: list[dict[str, Any]], points: lis
     return cause
 
 
+def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    """What usually puts a run at such a level and what to change; for a divergence or decline, what the
+    log says happened between the best level and the rise."""
+    kind, d = ev["kind"], ev["details"]
+    if kind == "input_bound":
+        return (
+            f"the loader cannot keep up: the steps wait for data {100 * d['mean']:.0f}% of their time; more loader "
+            "threads (train.num_data_threads), a deeper prefetch (train.prefetch_micro_batches), a local copy "
+            "of a remote store (store.local_cache_dir); another trainer: its DataLoader's num_workers, prefetch_factor"
+        )
+    if kind == "lr_zero":
+        schedule = info.get("schedule") or {}
+        lr, warmup, total = (schedule.get(k) for k in ("optim.lr", "warmup_steps", "total_steps"))
+        if d.get("peak_before"):
+            why = f"the lr fell from {d['peak_before']:.3g} to 0 in one row, not by a decay: a scheduler or optimizer reset"
+        elif lr == 0:
+            why = "optim.lr is 0 in the run's config (run_start)"
+        elif lr is not None:
+            why = (
+                f"run_start records optim.lr {lr:.3g}, warmup {warmup} of {total} steps, so the logged lr is not "
+                "the schedule's: a scheduler never stepped, or a param group with lr 0"
+            )
+        else:
+            why = "an lr of 0 in the config, a warmup longer than the run, or a scheduler never stepped"
+        return f"the optimizer applies no update at lr 0, the weights do not change: {why}"
+    what = "loss" if kind == "loss_divergence" else "accuracy"
+    cause = (
+        f"the training {what} left its best level (steps up to {d['best_step']}) and stayed there: usually an lr "
+        "too high once warmup ends (lower optim.lr, a longer optim.warmup_ratio, optim.grad_clip on) or training "
+        "data that changed"
+    )
+    seen = [p["text"] for p in near if p["what"] in ("lr", "noise", "epoch", "resume", "nan", "loss_spike")]
+    if seen:
+        cause += f"; between the best level and the rise: {'; '.join(seen[:4])}" + (" ..." if len(seen) > 4 else "")
+    return cause
+
+
 def no_logged_cause(ev: dict[str, Any], info: dict[str, Any], lo: int, hi: int, start: int, pause: bool) -> str:
     if pause and not info["has_events"]:
         gap_s = ev["size"] if ev["kind"] == "stall" else ev["details"].get("gap_s")
@@ -247,5 +292,22 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         return (
             f"held-out quality turned at step {ev['step']} (confirmed at step {d['confirmed_step']}): {turned}, "
             f"while training improved" + (f"; {', '.join(gaps)}" if gaps else "")
+        )
+    if kind in ("loss_divergence", "accuracy_decline"):
+        what = "loss diverging" if kind == "loss_divergence" else "accuracy declining"
+        rec = f"back in {d['recovery_steps']} steps" if d["recovery_steps"] is not None else "never back"
+        ratio = f" (x{size:.2f})" if kind == "loss_divergence" else ""
+        last = f", {d['last']:.3g} at step {d['last_step']}" if d["last_step"] != d["confirmed_step"] else ""
+        return (
+            f"{what} from step {ev['step']}: median of {d['window_rows']} rows {d['best']:.3g} at best (step "
+            f"{d['best_step']}) -> {d['now']:.3g}{ratio} at step {d['confirmed_step']}{last}, {rec}"
+        )
+    if kind == "lr_zero":
+        return f"lr 0 at steps {ev['step']}-{d['to_step']}: no update applied"
+    if kind == "input_bound":
+        rec = f"back in {d['recovery_steps']} steps" if d["recovery_steps"] is not None else "never back"
+        return (
+            f"input-bound from step {ev['step']}: mean data_wait_frac {d['mean']:.2f} over {d['rows']} rows to step "
+            f"{d['confirmed_step']} (at least {d['threshold']:.2g}), {d['last_mean']:.2f} at step {d['to_step']}, {rec}"
         )
     return f"{kind} at step {ev['step']}"

@@ -40,8 +40,11 @@ the rule, its margin or p-value), the train and held-out levels and their gap th
 `best_tau` (the eval to keep a checkpoint of). No new event comes until a metric of the turn makes a
 new best, which ends the turn and restarts every count. A resume to an earlier step forgets the
 evals from after it. `undecided()` says, at the end of a log, which metrics neither rule could judge
-(noise too wide for the distance rule and too few evals since the best for the trend rule): the
-doctor reports them as "cannot tell" rather than calling the run healthy.
+(noise too wide for the distance rule and too few evals since the best for the trend rule; or no
+noise known and half the best lost in a drop that then holds): the doctor reports them as "cannot
+tell" rather than calling the run healthy. It judges each metric on its own: a metric that fell far
+(`generalisation_far_rel` of its best, and past its derived noise) is named even while another one
+improves; smaller falls only when no metric is at its best or judged.
 """
 
 from __future__ import annotations
@@ -277,39 +280,45 @@ class Generalisation:
         )
 
     def undecided(self) -> list[str]:
-        """Why no held-out metric could be judged at the last eval, one line per metric: each is below
-        its best, with noise too wide (or unknown) for the distance rule to see it halve and too few
-        evals since the best for the trend rule. Empty while a turn is open, or when any metric is at
-        its best or could be judged (overfitting shows in all of them: a judged ce that holds is
-        enough to call the run healthy)."""
+        """What the rules could not judge at the last eval, one line per held-out metric below its best.
+        Undecided: noise too wide (or unknown) for the distance rule to see the metric halve, and too
+        few evals since the best for the trend rule; or, with no noise known at all, a metric that lost
+        half its best in a fall too unsteady for the trend rule (a drop that then holds).
+
+        Per metric, whatever the others do: an undecided metric that fell at least
+        generalisation_far_rel of its best (and beyond its derived noise margin, when it has one), or
+        lost half of it, is named even while another metric improves (a ce that keeps improving does
+        not vouch for a walk_tau that halved). Smaller falls are named only when no metric is at its
+        best or judged. Empty while a turn is open (the event says more)."""
         if self.turn is not None or len(self.evals) < 2:
             return []
         need = min_trend_evals(self.cfg.generalisation_trend_alpha) + self.cfg.generalisation_sustain - 1
-        out = []
+        judged, lines = False, []  # lines: (named whatever the other metrics do, line)
         for name, best in self.best.items():
             since = self._since_best(name, len(self.evals) - 1)
             value, se, source = next(r for r in reversed(self.evals) if name in r["metrics"])["metrics"][name]
             margin = self._margin(best, se, source)
-            if (
-                not since
-                or len(since) >= need
-                or (margin is not None and margin < BLIND_REL * abs(best["value"]))
-            ):
-                return []  # at its best now, or a rule could judge it
+            top = abs(best["value"])
+            fall = (best["value"] - value) * (1.0 if self.HIGHER_IS_BETTER[name] else -1.0)
+            halved = margin is None and top > 0 and fall >= BLIND_REL * top
+            if not since or (margin is not None and margin < BLIND_REL * top) or (len(since) >= need and not halved):
+                judged = True  # at its best now, or a rule could judge it
+                continue
             if margin is None:
-                noise = (
-                    "no standard errors or eval sizes (num_blocks, num_tokens, num_samples) in the eval rows"
-                )
+                noise = "no standard errors or eval sizes (num_blocks, num_tokens, num_samples) in the eval rows"
             else:
-                origin = (
-                    "its logged standard errors" if source == "logged" else f"its noise derived from {source}"
-                )
+                origin = "its logged standard errors" if source == "logged" else f"its noise derived from {source}"
                 noise = f"{origin} need a worsening of {margin:.3g} to count, more than half the best"
-            out.append(
-                f"{name} {value:.4g}, best {best['value']:.4g} at step {best['step']}, {len(since)} eval(s) since "
-                f"(the trend rule needs {need}); {noise}"
+            if len(since) >= need:
+                evals = f"{len(since)} eval(s) since, {100 * fall / top:.0f}% below it with no steady fall for the trend rule"
+            else:
+                evals = f"{len(since)} eval(s) since (the trend rule needs {need})"
+            far = halved or (
+                fall > 0 and fall >= self.cfg.generalisation_far_rel * top and (margin is None or fall > margin)
             )
-        return out
+            line = f"{name} {value:.4g}, best {best['value']:.4g} at step {best['step']}, {evals}; {noise}"
+            lines.append((far, line))
+        return [line for far, line in lines if far or not judged]
 
     def _eval_at(self, step: int) -> dict[str, Any]:
         return next(r for r in reversed(self.evals) if r["step"] == step)

@@ -1,5 +1,5 @@
 """Records of a training log, read leniently: one canonical view per row (`normalize`), and the
-small helpers every detector shares (robust statistics, the event dict).
+small helpers every detector shares (robust statistics, the event dict, the trailing `Window`).
 
     row = normalize({"step": 12, "tok_per_sec": 26000.0, "loss": "nan"})
     row["kind"], row["tok_per_s"], row["loss"]       # "train", 26000.0, nan
@@ -14,6 +14,7 @@ translated to these names when the log is read (`peers.py`), before they come he
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 # Canonical field -> the names other trainers use for it, tried in order.
@@ -116,3 +117,25 @@ def make_event(kind: str, step: int, size: float | None, **details: Any) -> dict
 
 def r6(value: float) -> float:
     return round(value, 6)
+
+
+class Window:
+    """Trailing (step, value) pairs plus the bookkeeping every detector shares."""
+
+    def __init__(self, size: int):
+        self.pairs: deque[list[float]] = deque(maxlen=size)
+
+    def values(self) -> list[float]:
+        return [v for _, v in self.pairs]
+
+    def append(self, step: int, value: float) -> None:
+        self.pairs.append([step, value])
+
+    def truncate(self, step: int) -> None:
+        """Drop entries logged at `step` or later (the steps went back to before them)."""
+        kept = [p for p in self.pairs if p[0] < step]
+        self.pairs.clear()
+        self.pairs.extend(kept)
+
+    def __len__(self) -> int:
+        return len(self.pairs)

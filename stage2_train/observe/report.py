@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
-from stage2_train.observe.doctor import diagnose
+from stage2_train.observe.doctor import diagnose, one_rank
 from stage2_train.observe.explain import context_points, describe
 from stage2_train.observe.records import finite, normalize
 from stage2_train.observe.sources import load_log
@@ -40,6 +40,10 @@ COLORS = {
     "nan": "black",
     "throughput_drop": "tab:blue",
     "generalisation": "tab:pink",
+    "loss_divergence": "tab:red",
+    "accuracy_decline": "tab:purple",
+    "lr_zero": "tab:gray",
+    "input_bound": "tab:cyan",
 }
 MARKED_ON = {
     "loss_spike": "loss",
@@ -49,6 +53,10 @@ MARKED_ON = {
     "stall": "pace",  # seconds per step, in the event zooms only
     "step_gap": "pace",
     "generalisation": "accuracy",  # the held-out accuracy
+    "loss_divergence": "loss",
+    "accuracy_decline": "accuracy",
+    "lr_zero": "lr",
+    "input_bound": "data_wait_frac",  # in the event zooms only
 }
 # Panel field -> the held-out eval fields drawn on it (same units), with their labels and colours.
 HELDOUT_ON = {
@@ -74,7 +82,7 @@ def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     out_dir = Path(out_dir) if out_dir is not None else log.home / "doctor"
     out_dir.mkdir(parents=True, exist_ok=True)
     diagnosis = diagnose(records, source=path)
-    rows = [(normalize(r), r) for r in records]
+    rows = [(normalize(r), r) for r in one_rank(records)[0]]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
     evals = [r for r, _ in rows if r["kind"] == "eval" and r["step"] is not None]
     context = [p for p in context_points(rows, train) if p["what"] in CONTEXT_STYLE and p["step"] > 0]
@@ -345,8 +353,8 @@ def markdown(
             lines.append(f"| {ev['step']} | {ev['kind']} | {describe(ev)} | {ev['likely_cause']} |")
     else:
         lines.append(
-            "None: no stall, step gap, loss spike, accuracy cliff, non-finite value, throughput drop "
-            "or held-out turn (overfitting)."
+            "None: no stall, step gap, loss spike, accuracy cliff, non-finite value, throughput drop, "
+            "held-out turn (overfitting), loss divergence, accuracy decline, lr at 0 or input-bound loader."
         )
     if s["cannot_tell"]:
         lines += ["", "## What this log cannot tell", ""] + [f"- {c}" for c in s["cannot_tell"]]

@@ -1,0 +1,208 @@
+"""Levels that are wrong however smooth the curve: a loss that slowly diverges or an accuracy that
+slowly declines from the run's best level, an lr stuck at 0, a loader the steps wait for. Fed by
+`LiveDetectors` (detectors.py), so the trainer warns live and the doctor finds the same events.
+
+    .venv/bin/python -m pytest tests/test_doctor.py -q -k "lr_at_zero or divergence or input_bound"
+
+The spike, cliff and drop detectors compare each row with a trailing window, which climbs along with a
+slow divergence; these compare with the run's own best level or a fixed bar (the `detectors`
+section's divergence_ratio, decline_rel, divergence_rows, lr_zero_rows, input_bound_frac). An event
+stays open, its last values updated in place, until the level is back; `recovery_steps` says when.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stage2_train.observe.config import DetectorConfig
+from stage2_train.observe.records import Window, make_event, median, r6
+
+DECAY_TAIL = 0.5  # an lr that reaches 0 from below this fraction of its peak is a schedule's end, not a fault
+
+
+class Level:
+    """A trailing median (window_rows values) far worse than the best trailing median earlier in the
+    run, for divergence_rows rows in a row: the loss diverging slowly (bad = up: above divergence_ratio
+    times its best) or accuracy declining (bad = down: below its best by decline_rel of it). The event
+    stays open, its `last` value updated in place, until the median is back within the threshold.
+
+    Only the best (its step, its median) outlives the window: a resume to before the best forgets it,
+    and the best is found again from the rows that follow."""
+
+    def __init__(self, cfg: DetectorConfig, kind: str, bad_is_up: bool):
+        self.cfg, self.kind, self.bad_is_up = cfg, kind, bad_is_up
+        self.window = Window(cfg.window_rows)
+        self.best: list[float] | None = None  # [step at the window's end, median]
+        self.run: list[float] | None = None  # [first step, rows]: worse medians in a row
+        self.open: dict[str, Any] | None = None
+
+    def _threshold(self, best: float) -> float | None:
+        if self.bad_is_up:
+            return best * self.cfg.divergence_ratio if best > 0 else None
+        return best - max(self.cfg.decline_rel * best, self.cfg.cliff_min_drop)
+
+    def update(self, step: int, value: float, explained: bool) -> dict[str, Any] | None:
+        """`explained`: a spike (cliff) is still not back, so the level is that event's: not counted."""
+        self.window.append(step, value)
+        if len(self.window) < self.cfg.window_rows:
+            return None
+        med = median(sorted(self.window.values()))
+        if self.best is None or (med < self.best[1] if self.bad_is_up else med > self.best[1]):
+            self.best = [step, med]
+        threshold = self._threshold(self.best[1])
+        worse = threshold is not None and (med > threshold if self.bad_is_up else med < threshold)
+        if self.open is not None:
+            if worse:
+                self.open["details"].update(last=r6(med), last_step=int(step))
+            else:
+                self.open["details"]["recovery_steps"] = step - self.open["step"]
+                self.open = None
+            return None
+        if not worse or explained:
+            self.run = None
+            return None
+        self.run = [step, 1] if self.run is None else [self.run[0], self.run[1] + 1]
+        if self.run[1] < self.cfg.divergence_rows:
+            return None
+        best_step, best = self.best
+        self.open = make_event(
+            self.kind,
+            self.run[0],
+            med / best if self.bad_is_up else best - med,
+            best=r6(best),
+            best_step=int(best_step),
+            now=r6(med),
+            threshold=r6(threshold),
+            window_rows=self.cfg.window_rows,
+            confirmed_step=int(step),
+            last=r6(med),
+            last_step=int(step),
+            recovery_steps=None,
+        )
+        return self.open
+
+    def truncate(self, step: int) -> None:
+        self.window.truncate(step)
+        if self.best is not None and self.best[0] >= step:
+            self.best = None
+        if self.open is not None and self.open["step"] >= step:
+            self.open = None
+        self.run = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": list(self.window.pairs), "best": self.best, "run": self.run, "open": self.open}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window.pairs.clear()
+        self.window.pairs.extend(state["window"])
+        self.best, self.run, self.open = state["best"], state["run"], state["open"]
+
+
+class LrZero:
+    """lr 0 (or below) for lr_zero_rows rows in a row: the optimizer applies no update. An lr that
+    decayed into 0 (its last positive value below DECAY_TAIL of its peak: a cosine or linear schedule's
+    last steps) is the schedule's end, not this event. `to_step` is updated in place while lr stays 0."""
+
+    def __init__(self, cfg: DetectorConfig):
+        self.cfg = cfg
+        self.peak = 0.0
+        self.last_positive: float | None = None
+        self.run: list[Any] | None = None  # [first step, rows, decayed into it]
+        self.open: dict[str, Any] | None = None
+
+    def update(self, step: int, lr: float) -> dict[str, Any] | None:
+        if lr > 0:
+            self.peak, self.last_positive = max(self.peak, lr), lr
+            self.run = self.open = None
+            return None
+        if self.open is not None:
+            self.open["details"]["to_step"] = int(step)
+            return None
+        if self.run is None:
+            decayed = self.last_positive is not None and self.last_positive < DECAY_TAIL * self.peak
+            self.run = [step, 0, decayed]
+        self.run[1] += 1
+        if self.run[2] or self.run[1] < self.cfg.lr_zero_rows:
+            return None
+        self.open = make_event(
+            "lr_zero",
+            self.run[0],
+            None,
+            lr=lr,
+            peak_before=r6(self.peak) if self.peak > 0 else None,
+            confirmed_step=int(step),
+            to_step=int(step),
+        )
+        return self.open
+
+    def truncate(self, step: int) -> None:
+        self.run = None
+        if self.open is not None and self.open["step"] >= step:
+            self.open = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"peak": self.peak, "last_positive": self.last_positive, "run": self.run, "open": self.open}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.peak, self.last_positive = state["peak"], state["last_positive"]
+        self.run, self.open = state["run"], state["open"]
+
+
+class InputBound:
+    """The steps wait for their data: the mean data_wait_frac over window_rows rows at or above
+    input_bound_frac. Skips warmup_rows rows at the start and after a resume (a cold loader); a
+    throughput drop not yet back explains the wait already (its cause names the starved loader)."""
+
+    def __init__(self, cfg: DetectorConfig):
+        self.cfg = cfg
+        self.window = Window(cfg.window_rows)
+        self.warmup_left = cfg.warmup_rows
+        self.open: dict[str, Any] | None = None
+
+    def update(self, step: int, frac: float, explained: bool) -> dict[str, Any] | None:
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+            return None
+        self.window.append(step, frac)
+        if len(self.window) < self.cfg.window_rows:
+            return None
+        mean = sum(self.window.values()) / len(self.window)
+        bound = mean >= self.cfg.input_bound_frac
+        if self.open is not None:
+            if bound:
+                self.open["details"].update(to_step=int(step), last_mean=r6(mean))
+            else:
+                self.open["details"]["recovery_steps"] = step - self.open["step"]
+                self.open = None
+            return None
+        if not bound or explained:
+            return None
+        first = int(self.window.pairs[0][0])
+        self.open = make_event(
+            "input_bound",
+            first,
+            mean,
+            mean=r6(mean),
+            rows=len(self.window),
+            threshold=self.cfg.input_bound_frac,
+            confirmed_step=int(step),
+            to_step=int(step),
+            last_mean=r6(mean),
+            recovery_steps=None,
+        )
+        return self.open
+
+    def restart(self, step: int | None) -> None:
+        """A resume: another process's loader, warming up again."""
+        self.window.pairs.clear()
+        self.warmup_left = self.cfg.warmup_rows
+        if step is not None and self.open is not None and self.open["step"] > step:
+            self.open = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": list(self.window.pairs), "warmup_left": self.warmup_left, "open": self.open}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window.pairs.clear()
+        self.window.pairs.extend(state["window"])
+        self.warmup_left, self.open = state["warmup_left"], state["open"]
