@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 import random
 import re
 
@@ -501,3 +502,24 @@ def test_report_draws_heldout_curves_and_lists_the_event(tmp_path):
     md = (folder / "report.md").read_text()
     assert "| 600 | generalisation | held-out quality turned at step 600 (confirmed at step 800)" in md
     assert "12 eval rows" in md
+
+
+def test_candidate_scored_train_metrics_are_not_set_against_held_out_ones():
+    """Under loss.full_vocab_slots the train rows score drafts past slot N among the target's top-k
+    only: their accuracy (an upper bound) and candidate loss read as a widening gap against the
+    held-out rows' full-vocabulary metrics, a memorisation that is not there. The turn itself is
+    still found from the held-out metrics; no gap is read, and the summary says why."""
+    rows = [{**r, "full_vocab_slots": 1} if r["kind"] == "train" else r for r in records(TURN)]
+    diagnosis = diagnose(rows)
+    assert found(diagnosis["events"]) == [("generalisation", 600)]
+    ev = diagnosis["events"][0]
+    d = ev["details"]
+    assert d["gap_now"] == {} and d["gap_then"] == {} and d["train_now"]["comparable"] is False
+    assert "loss.full_vocab_slots=null tells the two apart" in ev["likely_cause"]
+    assert diagnosis["summary"]["metric_notes"] == [
+        "train accuracy and loss score the drafts past slot 1 among the target's stored top-k only "
+        "(loss.full_vocab_slots=1): upper bounds of the full-vocabulary figures the held-out evals give, "
+        "so no train/held-out gap is read from them"]
+    assert "no train/held-out gap is read" in format_text(diagnosis, pathlib.Path("train_log.jsonl"))
+    plain = diagnose(records(TURN))
+    assert plain["summary"]["metric_notes"] == [] and plain["events"][0]["details"]["gap_now"]

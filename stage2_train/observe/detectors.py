@@ -352,7 +352,9 @@ class LiveDetectors:
             self._resumed(step - 1)
         self.last_step = step
         self.rows += 1
-        self.generalisation.add_train(step, row["loss"], row["accuracy"])
+        # Candidate-scored accuracy and loss (loss.full_vocab_slots) still say whether training improves,
+        # but are not the held-out rows' full-vocabulary ones: no gap is read from them.
+        self.generalisation.add_train(step, row["loss"], row["accuracy"], comparable=not finite(row["full_vocab_slots"]))
         events = self._nan(step, row)
         events += self.pace.update(step, row["t"] if finite(row["t"]) else None)
         if finite(row["loss"]) and (ev := self.loss.update(step, row["loss"])):

@@ -174,8 +174,19 @@ def diagnose(
         "variant_heads": variant_heads([raw for r, raw in rows if r["kind"] == "train" and r["step"] is not None]),
         "cannot_tell": info["cannot_tell"],
         "recipe_departures": recipe_departures(event_rows),
+        "metric_notes": candidate_note(train),
     }
     return {"events": events, "summary": summary}
+
+
+def candidate_note(train: list[dict[str, Any]]) -> list[str]:
+    """Why train accuracy and loss are not set against held-out ones, when the run scored drafts over candidates."""
+    slots = next((r["full_vocab_slots"] for r in reversed(train) if finite(r["full_vocab_slots"])), None)
+    if slots is None:
+        return []
+    return [f"train accuracy and loss score the drafts past slot {int(slots)} among the target's stored top-k only "
+            f"(loss.full_vocab_slots={int(slots)}): upper bounds of the full-vocabulary figures the held-out evals give, "
+            f"so no train/held-out gap is read from them"]
 
 
 def heldout_summary(evals: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -277,7 +288,7 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     ]
     if s.get("read_as"):
         lines.append(f"read as ({s['format']}): " + "; ".join(f"{k} <- {', '.join(v)}" for k, v in s["read_as"].items()))
-    lines += [f"  {note}" for note in s.get("reader_notes", [])]
+    lines += [f"  {note}" for note in s.get("reader_notes", []) + s.get("metric_notes", [])]
     if s.get("ranks"):
         lines.append(f"  {s['ranks']}")
     for ev in diagnosis["events"]:

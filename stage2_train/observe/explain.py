@@ -193,6 +193,12 @@ def memorising_cause(ev: dict[str, Any], near: list[dict[str, Any]], points: lis
         f"the checkpoint with the {keep}; checkpoint.keep_best=true keeps it), distilling on more positions "
         "(loss.distill_positions=all)"
     )
+    if (d.get("train_now") or {}).get("comparable") is False:
+        cause += (
+            "; or, as the train rows score drafts past loss.full_vocab_slots among the target's top-k only, the "
+            "full-vocabulary quality of those slots falling while the candidate objective improves "
+            "(loss.full_vocab_slots=null tells the two apart)"
+        )
     epochs = [p for p in near if p["what"] == "epoch"]
     current = [p["epoch"] for p in points if p["what"] == "epoch" and p["step"] <= d["confirmed_step"]]
     if epochs:

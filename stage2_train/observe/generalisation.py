@@ -140,9 +140,10 @@ class Generalisation:
         self.trend_s: dict[str, tuple[int, int]] = {}  # name -> (evals since the best counted, their S)
         self.turn: list[str] | None = None  # the metrics of the event raised, until one makes a new best
 
-    def add_train(self, step: int, loss: float | None, accuracy: float | None) -> None:
+    def add_train(self, step: int, loss: float | None, accuracy: float | None, comparable: bool = True) -> None:
+        """`comparable`: the row's accuracy and loss are over the whole vocabulary, as the held-out rows'."""
         if finite(loss) or finite(accuracy):
-            self.train.append([step, loss if finite(loss) else None, accuracy if finite(accuracy) else None])
+            self.train.append([step, loss if finite(loss) else None, accuracy if finite(accuracy) else None, comparable])
 
     def update(self, step: int, row: dict[str, Any]) -> dict[str, Any] | None:
         level = self._train_level()
@@ -162,6 +163,8 @@ class Generalisation:
         for i, name in enumerate(("loss", "accuracy"), start=1):
             values = sorted(r[i] for r in self.train if r[i] is not None)
             level[name] = r6(median(values)) if values else None
+        if not all(r[3] if len(r) > 3 else True for r in self.train):
+            level["comparable"] = False  # candidate-scored rows (`add_train`): improvement yes, gap no
         return level
 
     @staticmethod
@@ -327,7 +330,9 @@ class Generalisation:
     def _gap(record: dict[str, Any]) -> dict[str, float]:
         """Train accuracy minus held-out accuracy, held-out ce minus train loss."""
         train, held = record["train"], record["metrics"]
-        gap = {}
+        gap: dict[str, float] = {}
+        if train.get("comparable") is False:
+            return gap
         if train.get("accuracy") is not None and "accuracy" in held:
             gap["accuracy"] = r6(train["accuracy"] - held["accuracy"][0])
         if train.get("loss") is not None and "ce" in held:

@@ -32,6 +32,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "samples_per_s": ("samples_per_s", "samples_per_sec"),  # the throughput detector's input without tok_per_s
     "epoch": ("epoch",),
     "data_wait_frac": ("data_wait_frac",),
+    # Set on train rows whose drafts past the first N are scored among the target's top-k candidates.
+    "full_vocab_slots": ("full_vocab_slots",),
     "eval_s": ("eval_s",),
     "blocked_s": ("blocked_s",),
     "write_s": ("write_s",),
