@@ -109,6 +109,7 @@ def read_conversations(
                 if ambiguous is not None:
                     raise ambiguous
                 messages, tools, cut, dropped = parse_row(record, fmt, limits)
+                origin = generated_origin(record)
             except ValueError as exc:
                 message = f"{path}: row {row}: {exc}"
                 if on_bad_row == "raise":
@@ -131,8 +132,19 @@ def read_conversations(
                     "%s: row %d opens with %d assistant/tool turn(s) before its first user turn: dropped (they answer "
                     "nothing in the row); every such turn is counted as leading_turns_dropped", path, row, dropped,
                 )
-            yield Conversation(row=row, messages=messages, source=str(path), tools=tools, cut=cut)
+            yield Conversation(row=row, messages=messages, source=str(path), tools=tools, cut=cut, **origin)
         offset += count
+
+
+def generated_origin(record: dict[str, Any]) -> dict[str, Any]:
+    """The columns `generate` writes beside each conversation (`source_row`: its row in the user's
+    data; `prompt_hash`: that row's prompt), as Conversation fields; {} for rows without them."""
+    out: dict[str, Any] = {}
+    if isinstance(record.get("source_row"), int) and not isinstance(record.get("source_row"), bool):
+        out["source_row"] = record["source_row"]
+    if isinstance(record.get("prompt_hash"), str):
+        out["prompt_hash"] = record["prompt_hash"]
+    return out
 
 
 def read_rows(path: str | Path, wanted: set[int], data_format: str = "auto") -> dict[int, Conversation]:

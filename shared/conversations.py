@@ -81,6 +81,10 @@ class Conversation:
     source: str = ""
     tools: str | None = None  # the row's tool definitions, as JSON text
     cut: bool = False  # a message's text or ids were cut to RowLimits when read
+    # A conversation `generate` wrote (its Parquet columns): the 0-based row of the user's data it was
+    # made from, and the hash of that row's prompt, which the held-out split keeps copies together by.
+    source_row: int | None = None
+    prompt_hash: str | None = None
 
     def row_hash(self) -> str:
         """Identity of the input row: re-extraction is needed exactly when this changes."""

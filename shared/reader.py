@@ -18,17 +18,19 @@ import numpy as np
 
 from shared.codecs import FP4_ARRAYS, decode_hidden, hidden_array_names
 from shared.errors import StoreError
+from shared.shard_records import split_hashes
 from shared.store import ARRAY_NAMES, StoreFiles, _zarr_store, read_manifest
 
 log = logging.getLogger(__name__)
 
 
 def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.ndarray:
-    """int64 per sample: a hash of its tokens and loss mask when every shard record lists them
-    (`content_hashes`), so identical samples share a key and the held-out split keeps them on one
-    side; else the sample ids (stores written before content hashes were recorded)."""
-    if shards and all("content_hashes" in s for s in shards):
-        return np.asarray([int(h[:15], 16) for s in shards for h in s["content_hashes"]], dtype=np.int64)
+    """int64 per sample: the hash `split_hashes` chooses (a regenerated row's prompt, else the sample's
+    tokens and loss mask), so copies share a key and the held-out split keeps them on one side; else
+    the sample ids (stores written before content hashes were recorded)."""
+    chosen = split_hashes(shards)
+    if chosen is not None:
+        return np.asarray([int(h[:15], 16) for h in chosen[1]], dtype=np.int64)
     return sample_ids
 
 

@@ -28,8 +28,23 @@ REQUIRED = {
 
 
 # Per-sample fields a store written before they existed lacks: content_hashes (duplicates, the split)
-# and supervised_pairs (the trainer's block budget; the reader counts them from the loss masks then).
-OPTIONAL = ("content_hashes", "supervised_pairs")
+# and supervised_pairs (the trainer's block budget; the reader counts them from the loss masks then);
+# prompt_hashes only a store of regenerated rows made at identity version 5 or later has.
+OPTIONAL = ("content_hashes", "supervised_pairs", "prompt_hashes")
+HASHES = ("content_hashes", "prompt_hashes")
+
+
+def split_hashes(records: list[dict[str, Any]]) -> tuple[str, list[str]] | None:
+    """(the field, every sample's hash in store order) that keys the held-out split and counts
+    duplicates: `prompt_hashes` when every record lists them (regenerated rows: copies of a prompt share
+    it whatever answers were sampled for each), else `content_hashes` (tokens and loss mask: identical
+    samples share it), else None (a store written before either: the split keys on sample ids). A store
+    keeps the field it was made with: prompt hashes are recorded only by stores made at identity
+    version 5 or later (`shared/identity.py`), so an older store resumed or re-extracted keeps its split."""
+    for field in ("prompt_hashes", "content_hashes"):
+        if records and all(field in r for r in records):
+            return field, [h for r in records for h in r[field]]
+    return None
 
 
 def record_problem(record: Any, position: int) -> str | None:
@@ -47,14 +62,14 @@ def record_problem(record: Any, position: int) -> str | None:
     if record["index"] != position:
         return f"{where}.index is {record['index']}, but the record is number {position} of the list"
     num = record["num_samples"]
-    for field in ("sample_ids", "lengths", "content_hashes", "supervised_pairs"):
+    for field in ("sample_ids", "lengths", *HASHES, "supervised_pairs"):
         values = record.get(field)
         if values is None and field in OPTIONAL:
             continue
         if not isinstance(values, list) or len(values) != num:
             have = f"{len(values)} entries" if isinstance(values, list) else repr(values)
             return f"{where}.{field} has {have}, num_samples is {num}"
-        kind = str if field == "content_hashes" else int
+        kind = str if field in HASHES else int
         if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
             return f"{where}.{field} holds a value that is not {_kind_name(kind)}"
     if any(n <= 0 for n in record["lengths"]):

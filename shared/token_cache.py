@@ -6,7 +6,7 @@ without tokenizing anything (`shared/freshness.py`).
         ids.npy    int32 [total tokens]   every row's input ids, concatenated
         mask.npy   bool  [total tokens]   the loss mask
         rows.npz   offsets [R+1], sample_ids [R], row_hashes [R] (S32), truncated [R], skipped [R],
-                   content_hashes [R] (S16), empty_turns [R]
+                   content_hashes [R] (S16), empty_turns [R], prompt_hashes [R] (S32), source_rows [R]
         meta.json  the key's inputs, the read statistics, and every file's size and sha256
 
 The key hashes the input's bytes, the tokenizer (vocabulary and chat template), the data settings
@@ -30,9 +30,9 @@ import numpy as np
 from shared.conversation_files import glob_files
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 7  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+TOKENS_VERSION = 8  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
 # 5: turns before the first user turn dropped; 6: a cut answer's end-of-turn marker unsupervised, answers_cut counted;
-# 7: a row's `system` in every format, reasoning_content, weight 0
+# 7: a row's `system` in every format, reasoning_content, weight 0; 8: a regenerated row's prompt_hash and source_row
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2
@@ -137,6 +137,8 @@ class TokenCache:
                 "skipped": bool(columns["skipped"][i]),
                 "content_hash": columns["content_hashes"][i].decode(),
                 "empty_turns": int(empty[i]),
+                "prompt_hash": columns["prompt_hashes"][i].decode(),
+                "source_row": int(columns["source_rows"][i]),
             }
             for i in range(len(sample_ids))
         ]
@@ -170,6 +172,8 @@ class TokenCache:
                 skipped=np.array([r.skipped for r in rows], dtype=bool),
                 content_hashes=np.array([r.content_hash.encode() for r in rows], dtype="S16"),
                 empty_turns=np.array([r.empty_turns for r in rows], dtype=np.int32),
+                prompt_hashes=np.array([r.prompt_hash.encode() for r in rows], dtype="S32"),
+                source_rows=np.array([r.source_row for r in rows], dtype=np.int64),
             )
             files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n)} for n in CACHE_FILES}
             meta = {"inputs": self.inputs, "stats": vars(stats), "files": files}

@@ -55,10 +55,13 @@ def show_generate(out: dict[str, Any]) -> str:
         f"{out['conversations']} conversations answered by the target ({out['generated_tokens']} new tokens in "
         f"{out['seconds']:.0f} s, {out['backend']}, {out['world_size']} rank(s); {out['parts_reused']} part(s) reused) "
         f"-> {out['output']}"
+        + (f"\n{out['bad_rows_skipped']} bad row(s) of the {out['rows_read']} read from {out['prompts']} skipped "
+           f"(data.on_bad_row=skip; the log names them)" if out.get("bad_rows_skipped") else "")
         + (f"\n{out['tool_call_turns_kept']} assistant turn(s) that call tools kept as the data has them"
            if out.get("tool_call_turns_kept") else "")
-        + (f"\n{out['long_prompt_turns_kept']} assistant turn(s) whose prompt passed the engine's context kept as the "
-           f"data has them (the log names the rows)" if out.get("long_prompt_turns_kept") else "")
+        + (f"\n{out['long_prompt_turns_kept']} assistant turn(s) whose prompt passed {out['prompt_limit']} tokens "
+           f"({out['prompt_limit_why']}) kept as the data has them (the log names the rows)"
+           if out.get("long_prompt_turns_kept") else "")
         + (f"\n{out['leading_turns_dropped']} turn(s) before a row's first user turn dropped (they answer nothing)"
            if out.get("leading_turns_dropped") else "")
         + cut_warning(out)
@@ -90,6 +93,12 @@ def show_plan(out: dict[str, Any]) -> str:
         f"{out['samples']:,} samples, {out['tokens']:,} tokens x {out['bytes_per_token']:,} B/token = "
         f"{size(out['total_bytes'])} in {out['storage']} ({out['compression_note']}); free {size(out.get('free_bytes'))}{fits}",
     ]
+    lines.append(
+        f"{out['bad_rows_skipped']} bad row(s) skipped; {out['samples_truncated']:,} sample(s) truncated and "
+        f"{out['samples_skipped']:,} skipped at data.max_length" + (" (estimated)" if out.get("answers_estimated") else "")
+    )
+    if rows_line(out.get("rows")):
+        lines.append(rows_line(out["rows"]).strip("\n"))
     if out.get("answers_estimated"):
         lines.append(f"answers not generated yet, {out['answers_estimated']}; at most {size(out['total_bytes_at_most'])}")
     if out.get("generated_data"):
@@ -123,11 +132,33 @@ def show_extract(out: dict[str, Any]) -> str:
         return head
     return head + (
         f"\nmanifest: {out['num_samples']} samples, {out['num_tokens']:,} tokens, {size(out['num_bytes'])}; "
-        f"{out['num_truncated']} truncated, {out['num_skipped']} skipped"
-        + (f"; {out['leading_turns_dropped']} turn(s) before a row's first user turn dropped"
-           if out.get("leading_turns_dropped") else "")
+        f"{out['num_truncated']} truncated, {out['num_skipped']} skipped, {out['bad_rows_skipped']} bad row(s) skipped"
+        + (f"; {out['num_duplicates']} duplicate(s) (kept on one side of the held-out split by their {out['split_key']})"
+           if out.get("num_duplicates") else "")
+        + rows_line(out.get("rows"))
         + cut_answers(out)
     )
+
+
+def rows_line(rows: dict[str, Any] | None) -> str:
+    """The user's rows on their way to the store, counted at each stage (merge.row_accounting), as one
+    line (row numbers in the log and the store count from 0)."""
+    if not rows:
+        return ""
+    known = "?" if rows["rows"] is None else f"{rows['rows']:,}"
+    line = f"\nrows: {known} read from {rows['data']}"
+    if "dropped_by_generate" in rows:
+        dropped = rows["dropped_by_generate"]
+        line += f" -> {'?' if dropped is None else dropped} dropped by generate (bad rows)"
+    line += (
+        f" -> {rows['dropped_by_extract']} dropped by extract ({rows['bad_rows_skipped_by_extract']} bad, "
+        f"{rows['skipped_too_long']} too long with data.on_long=skip) -> {rows['stored']:,} stored"
+    )
+    if rows["leading_turns_dropped"]:
+        line += f"; {rows['leading_turns_dropped']} turn(s) before a row's first user turn dropped"
+    if rows.get("dropped_by_generate", 0) is None:
+        line += f" (generate's counts unknown: {rows['generated']} predates them; rerun generate to record them)"
+    return line
 
 
 def cut_answers(out: dict[str, Any]) -> str:
@@ -149,6 +180,8 @@ def show_status(out: dict[str, Any]) -> str:
         lines.append(f"manifest: {out['manifest_damaged']}")
     if out.get("generated_data") not in (None, "current"):
         lines.append(f"generated data: {out['generated_data']}")
+    if rows_line(out.get("rows")):
+        lines.append(rows_line(out["rows"]).strip("\n"))
     if cut_answers(out):
         lines.append(cut_answers(out).strip("\n"))
     for row in out["shards"]:

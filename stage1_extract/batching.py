@@ -28,6 +28,8 @@ class TokenizedRow:
     skipped: bool = False
     content_hash: str = ""  # of the tokens and loss mask: identical samples share it (duplicates)
     empty_turns: int = 0  # assistant turns whose text is empty (only their end-of-turn tokens are supervised)
+    prompt_hash: str = ""  # a regenerated row's prompt (generated.parquet's `prompt_hash`): its split key; "" = none
+    source_row: int = -1  # a regenerated row's 0-based row in the user's data (`source_row`); -1 = none
 
 
 def content_hash(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:

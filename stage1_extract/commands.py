@@ -37,7 +37,7 @@ from stage1_extract.distributed import (
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.header import load_or_pin_plan, other_data_problem, plan_problem
-from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records
+from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records, row_accounting
 from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.prepare import Prepared, discard_token_cache, shard_size, token_bytes
@@ -304,13 +304,17 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             "source_sha256": prepared.source_sha256,
             "format": prepared.data_format,  # how the export doctor reads the rows again
             "num_rows": len(prepared.rows),
+            "rows_read": prepared.stats.rows,  # rows of `source` read, bad ones included
             "row_settings": prepared.selection,  # what chose the rows, for checks without a token cache
-            "bad_rows_skipped": prepared.stats.bad_rows,
+            "bad_rows_skipped": prepared.stats.bad_rows,  # by extract, reading `source`
             "leading_turns_dropped": prepared.stats.leading_turns_dropped,  # turns before a row's first user turn
             # Regenerated answers generate.max_new_tokens cut (their end-of-turn marker unsupervised), and
             # those whose file predates the record (read as ended).
             "answers_cut": prepared.stats.answers_cut,
             "answers_cut_unknown": prepared.stats.answers_cut_unknown,
+            # data.regenerate: what generate counted on the way from the user's file to `source`
+            # (data.generate_record; None when generated.parquet predates those counts).
+            **({"generate": prepared.generate} if prepared.regenerated else {}),
         },
         "target_source": {**prepared.target.source, "folder": str(prepared.target.target_dir)},  # provenance, not identity
         "samples_per_shard": samples_per_shard,
@@ -320,9 +324,12 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
         extra["fp4_outlier_channels"] = channels.tolist()
     started = time.perf_counter()
     manifest = merge_manifest(prepared.files, prepared.header, shards, extra)
-    out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": prepared.stats.leading_turns_dropped,
-           "answers_cut": prepared.stats.answers_cut, "answers_cut_unknown": prepared.stats.answers_cut_unknown}
-    out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns")})
+    rows = row_accounting(manifest["data"], manifest["num_samples"], manifest["num_skipped"])
+    out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": rows["leading_turns_dropped"],
+           "bad_rows_skipped": prepared.stats.bad_rows, "answers_cut": prepared.stats.answers_cut,
+           "answers_cut_unknown": prepared.stats.answers_cut_unknown, "rows": rows}
+    out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns",
+                                          "num_duplicates", "split_key")})
     if manifest["num_empty_turns"]:
         log.warning(
             "%d assistant turns are empty: only their end-of-turn tokens are supervised (counted in the manifest as "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from shared.config import Section
 from shared.conversations import Conversation
@@ -59,7 +59,7 @@ class DataConfig(Section):
 PART_COUNTS_KEY = b"dflash.part_counts"
 
 
-def part_counts(path: Path) -> dict[str, int]:
+def part_counts(path: Path) -> dict[str, Any]:
     """The counts `write_conversations_parquet` stored in a file's metadata ({} when none)."""
     import pyarrow.parquet as pq
 
@@ -67,8 +67,21 @@ def part_counts(path: Path) -> dict[str, int]:
     return json.loads(raw) if raw else {}
 
 
-def write_conversations_parquet(conversations: list[Conversation], path: Path, counts: dict[str, int] | None = None) -> None:
-    """Atomic Parquet write of `messages` rows (plus `source_row` so edits can be traced). Tool calls,
+def generate_record(path: Path) -> dict[str, Any] | None:
+    """What `generate` counted on the way from the user's file to generated.parquet (`path`): the
+    user's file (`prompts`), its rows read, bad rows skipped, leading turns dropped, turns kept past
+    the context, answers cut and the turns dropped after them. None for a file that is not one
+    `generate` merged, or one merged before it recorded them."""
+    if path.suffix != ".parquet" or not path.is_file():
+        return None
+    counts = part_counts(path)
+    return counts if "rows_read" in counts else None
+
+
+def write_conversations_parquet(conversations: list[Conversation], path: Path, counts: dict[str, Any] | None = None) -> None:
+    """Atomic Parquet write of `messages` rows, plus `source_row` (the 0-based row of the user's data
+    the conversation was made from, so every row can be traced back) and, when the conversations carry
+    one, `prompt_hash` (the split key of a regenerated row: `generate.prompt_hash`). Tool calls,
     tool results' ids, reasoning, `weight`, `answer_cut` (per regenerated answer: did
     generate.max_new_tokens cut it; null on the turns kept as the data has them) and `tools` get their
     columns only when some row has them, so a file of plain chats has the bytes it always had. `counts`
@@ -90,11 +103,15 @@ def write_conversations_parquet(conversations: list[Conversation], path: Path, c
     with_tools = any(c.tools is not None for c in conversations)
     if with_tools:
         columns.append(("tools", pa.string()))
+    with_prompts = any(c.prompt_hash is not None for c in conversations)
+    if with_prompts:
+        columns.append(("prompt_hash", pa.string()))
     rows = [
         {
             "messages": [{name: m.get(name) for name, _ in fields} for m in c.messages],
             "source_row": c.row,
             **({"tools": c.tools} if with_tools else {}),
+            **({"prompt_hash": c.prompt_hash} if with_prompts else {}),
         }
         for c in conversations
     ]

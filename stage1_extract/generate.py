@@ -21,6 +21,19 @@ dropped (counted, `turns_dropped_after_cut`), because the data's next user turn 
 own, whole answer, and the target's next answer would be conditioned on a cut answer closed as if
 finished, a context it never meets when serving. The summary counts cut answers (`answers_cut`);
 parts written before answers recorded it count theirs as ended (`answers_cut_unknown`).
+
+A prompt is sent only while it fits a sample (`context`: the tokens a sample may hold, min of
+data.max_length and the target's max_position_embeddings, less one for the answer) and the engine's
+own context (vLLM's max_model_len): a longer one would be cut away by extraction anyway, and on the
+transformers backend it pads its whole batch to its length. That turn and the row's later ones stay
+as the data has them, counted (`long_prompt_turns_kept`); a part keeps the limit it was made under,
+and one that kept turns under a smaller limit than the config's now is generated again.
+
+Each row of generated.parquet keeps the 0-based row of the user's data it was made from
+(`source_row`) and the hash of that row's prompt (`prompt_hash`: the row with the turns generate
+rewrites left out), so every copy of a prompt shares its split key whatever answers were sampled for
+each. Its metadata (`generate_record`) counts the rows read and dropped on the way from the user's
+file, which extraction carries into the manifest.
 """
 
 from __future__ import annotations
@@ -104,6 +117,15 @@ def resolve_backend(backend: str, device: str) -> str:
     return "transformers"
 
 
+def prompt_hash(conversation: Conversation) -> str:
+    """A row's prompt, as the data gives it: its turns with the ones `generate` rewrites left out, and
+    its tools. Copies of a row share it whatever answers the target samples for each, so the held-out
+    split keeps them on one side (`shared/shard_records.split_hashes`)."""
+    rewritten = set(assistant_slots(conversation.messages))
+    kept = [m for i, m in enumerate(conversation.messages) if i not in rewritten]
+    return Conversation(row=conversation.row, messages=kept, tools=conversation.tools).row_hash()
+
+
 def assistant_slots(messages: list[dict[str, Any]]) -> list[int]:
     """Indices of the turns to (re)write: every assistant turn that calls no tool and is supervised
     (not `weight: 0`), plus one after a trailing user (or tool) turn."""
@@ -131,9 +153,9 @@ class PartRewrite:
         self.past_context: dict[int, int] = {}  # conversation -> its turns kept as the data has them
         self.cut_at: dict[int, int] = {}  # conversation -> its turns dropped after its cut answer
 
-    def next_round(self, max_prompt: int | None = None) -> list[tuple[Hashable, Request]]:
+    def next_round(self, max_prompt: tuple[int, str] | None = None) -> list[tuple[Hashable, Request]]:
         """The next round's requests, keyed (part, conversation); none when the part is done. A prompt
-        longer than `max_prompt` (the engine's context, less room for an answer) is not sent: that turn
+        longer than `max_prompt` (tokens, and what sets them: `prompt_limit`) is not sent: that turn
         and the conversation's later ones (longer still) stay as the data has them."""
         self.round += 1
         requests: list[tuple[Hashable, Request]] = []
@@ -141,12 +163,13 @@ class PartRewrite:
             if self.round >= len(slots) or i in self.past_context or i in self.cut_at:
                 continue
             ids = prompt_ids(self.tokenizer, self.current[i][: slots[self.round]], self.source[i].tools)
-            if max_prompt is not None and len(ids) > max_prompt:
+            if max_prompt is not None and len(ids) > max_prompt[0]:
                 self.past_context[i] = len(slots) - self.round
                 log.warning(
-                    "row %d of %s: the prompt of its assistant turn %d is %d tokens, past the engine's %d: that turn and "
-                    "the %d after it are kept as the data has them (counted as long_prompt_turns_kept)",
-                    self.source[i].row, self.source[i].source, self.round, len(ids), max_prompt, len(slots) - self.round - 1,
+                    "row %d of %s: the prompt of its assistant turn %d is %d tokens, past the %d sent (%s): that turn "
+                    "and the %d after it are kept as the data has them (counted as long_prompt_turns_kept)",
+                    self.source[i].row, self.source[i].source, self.round, len(ids), max_prompt[0], max_prompt[1],
+                    len(slots) - self.round - 1,
                 )
                 continue
             requests.append(((self.number, i), Request(ids, request_seed(self.seed, self.source[i].row, self.round))))
@@ -189,6 +212,21 @@ class GenerateResult:
     answers_cut: int = 0  # of those, cut at generate.max_new_tokens
     answers_cut_unknown: int = 0  # of those, from parts written before cuts were recorded (read as ended)
     turns_dropped_after_cut: int = 0  # turns of the data after a cut answer, dropped with it
+    prompt_limit: int | None = None  # the longest prompt sent (tokens), None: no limit known
+    prompt_limit_why: str = ""  # what sets it
+
+
+def prompt_limit(engine_max: int | None, context: tuple[int, str] | None) -> tuple[int, str] | None:
+    """The longest prompt sent and what sets it: one token under `context` (the tokens a sample may
+    hold: extraction cuts an answer past it away, so generating it is wasted, and a transformers batch
+    pads to its longest prompt), or the engine's own limit (vLLM's max_model_len, less one) where
+    that is tighter."""
+    limits = []
+    if context is not None:
+        limits.append((context[0] - 1, f"{context[1]}, less one token for the answer"))
+    if engine_max is not None:
+        limits.append((engine_max, f"the engine's context, max_model_len={engine_max + 1}, less one token for the answer"))
+    return min(limits) if limits else None
 
 
 def part_name(number: int, chunk: list[Conversation]) -> str:
@@ -207,6 +245,8 @@ def generate_all(
     progress: bool = True,
     rank: int = 0,
     world: int = 1,
+    context: tuple[int, str] | None = None,
+    read_counts: dict[str, Any] | None = None,
 ) -> GenerateResult:
     """Every part of the conversations written once (resumable); with several ranks (torchrun, one
     engine per GPU) rank r writes parts r, r + W, ..., and rank 0 waits until every part exists (or
@@ -214,7 +254,9 @@ def generate_all(
     while it decodes: a part enters while fewer requests than the engine decodes at once (vLLM's
     max_num_seqs, at least `rows_per_part`) are in flight, so its batch stays full, and is written
     the moment its last answer lands, so parts may be finished out of order; a finished part is never
-    generated again."""
+    generated again, unless it kept turns past a smaller `context` than this one (module docstring).
+    `context`: the tokens a sample may hold and what sets them; `read_counts`: what reading the
+    user's file counted, written with the merged file's own counts into its metadata."""
     from tqdm import tqdm
 
     parts_dir = out_path.with_name(out_path.stem + ".parts")
@@ -263,7 +305,7 @@ def generate_all(
             (parts_dir / stale).unlink()  # rows edited or removed since: their answers no longer apply
     todo = []
     for number in mine:
-        if (parts_dir / wanted[number]).exists():
+        if (parts_dir / wanted[number]).exists() and not kept_under_smaller_context(parts_dir / wanted[number], context):
             reused += 1
             bar.update(len(chunks[number]))
         else:
@@ -277,7 +319,7 @@ def generate_all(
         """The part's next round into the engine, or the part written when it has none left."""
         nonlocal part
         rewrite = running[number]
-        requests = rewrite.next_round(engine.max_prompt_tokens())
+        requests = rewrite.next_round(prompt_limit(engine.max_prompt_tokens(), context))
         if requests:
             try:
                 engine.submit(requests)
@@ -293,6 +335,7 @@ def generate_all(
         write_conversations_parquet(running.pop(number).conversations(), part, {
             "long_prompt_turns_kept": sum(rewrite.past_context.values()),
             "turns_dropped_after_cut": sum(rewrite.cut_at.values()),
+            **({"context": context[0]} if context is not None else {}),  # what it was made under (kept_under_smaller_context)
         })
         bar.update(len(chunks[number]))
         bar.set_postfix(tok_s=f"{generated_tokens / max(time.perf_counter() - started, 1e-9):.0f}")
@@ -335,21 +378,47 @@ def generate_all(
     # Summed over every part, each rank's and each earlier run's: the count belongs to the data made.
     counts = [part_counts(parts_dir / name) for name in wanted]
     read = ReadStats()  # the cut answers, counted as the parts hold them
+    parts = list(read_conversations(parts_dir, stats=read))
+    if [p.source_row for p in parts] != [c.row for c in conversations]:
+        raise RuntimeError(f"{parts_dir}: its parts hold other rows than the {len(conversations)} of the data, in another order")
+    # Each row keeps its row in the user's data (source_row) and its prompt's hash (module docstring).
     merged = [
-        Conversation(row=i, messages=c.messages, source=str(out_path), tools=c.tools)
-        for i, c in enumerate(read_conversations(parts_dir, stats=read))
+        Conversation(row=c.row, messages=p.messages, source=str(out_path), tools=p.tools, prompt_hash=prompt_hash(c))
+        for c, p in zip(conversations, parts)
     ]
-    try:
-        write_conversations_parquet(merged, out_path)
-    except OSError as exc:
-        raise named(exc, out_path) from None
-    return GenerateResult(
+    limit_now = prompt_limit(engine.max_prompt_tokens() if engine is not None else None, context)
+    result = GenerateResult(
         out_path, len(merged), generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s,
         sum(c.get("long_prompt_turns_kept", 0) for c in counts), limit,
         answers=sum(m.get("token_ids") is not None for c in merged for m in c.messages),
         answers_cut=read.answers_cut, answers_cut_unknown=read.answers_cut_unknown,
         turns_dropped_after_cut=sum(c.get("turns_dropped_after_cut", 0) for c in counts),
+        prompt_limit=limit_now[0] if limit_now else None, prompt_limit_why=limit_now[1] if limit_now else "",
     )
+    record = {
+        **(read_counts or {}),
+        "conversations": result.num_conversations,
+        "tool_call_turns_kept": result.tool_call_turns_kept,
+        "long_prompt_turns_kept": result.long_prompt_turns_kept,
+        "answers": result.answers,
+        "answers_cut": result.answers_cut,
+        "answers_cut_unknown": result.answers_cut_unknown,
+        "turns_dropped_after_cut": result.turns_dropped_after_cut,
+    }
+    try:
+        write_conversations_parquet(merged, out_path, record)
+    except OSError as exc:
+        raise named(exc, out_path) from None
+    return result
+
+
+def kept_under_smaller_context(part: Path, context: tuple[int, str] | None) -> bool:
+    """Whether a finished part kept turns as the data has them under a smaller context than
+    `context` (data.max_length was raised since): those turns now fit, and extraction would store
+    the data's answers where the target's belong, so the part is generated again. A part that kept
+    none, or that does not record its context (made before it did), is reused."""
+    counts = part_counts(part)
+    return context is not None and bool(counts.get("long_prompt_turns_kept")) and counts.get("context", context[0]) < context[0]
 
 
 def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:

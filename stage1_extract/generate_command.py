@@ -24,7 +24,7 @@ from shared.files import write_atomic
 from shared.identity import generate_settings, generation_inputs, prompts_path
 from shared.lock import exclusive
 from shared.paths import RunPaths
-from shared.target import load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
+from shared.target import TargetArch, load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
 from shared.target_model import load_target_model, resolve_device, resolve_dtype
 from shared.token_cache import source_fingerprint
 from stage1_extract.backends import BatchEngine, transformers_backend, vllm_engine
@@ -73,6 +73,12 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     model_dir = resolve_target_dir(cfg.target)
     weights_sha256 = weights_fingerprint(model_dir)
     settings = generate_settings(cfg, weights_sha256)
+    # The tokens a sample may hold: a prompt past them is not sent, on every backend (generate.py).
+    positions = TargetArch.from_dir(model_dir).max_position_embeddings
+    context = min((cfg.data.max_length, f"data.max_length={cfg.data.max_length}"),
+                  (positions, f"the target's max_position_embeddings={positions}"))
+    read_counts = {"prompts": str(source), "rows_read": stats.rows, "bad_rows_skipped": stats.bad_rows,
+                   "leading_turns_dropped": stats.leading_turns_dropped}
 
     def make_engine():
         if backend_name == "vllm":
@@ -90,7 +96,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
             paths.generated_provenance.unlink(missing_ok=True)
         result = generate_all(
             conversations, tokenizer, make_engine, out, cfg.generate, settings, cfg.generate.seed,
-            progress=progress and rank == 0, rank=rank, world=world,
+            progress=progress and rank == 0, rank=rank, world=world, context=context, read_counts=read_counts,
         )
         if rank == 0:
             inputs = generation_inputs(cfg, weights_sha256, source_fingerprint(source))
@@ -98,6 +104,8 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
             write_atomic(paths.generated_provenance, json.dumps(provenance, indent=1))
     return {
         "output": str(result.path),
+        "prompts": str(source),
+        "rows_read": stats.rows,  # rows of the user's file read, bad ones included
         "conversations": result.num_conversations,
         "bad_rows_skipped": stats.bad_rows,
         "leading_turns_dropped": stats.leading_turns_dropped,  # not regenerated: they answer no user turn
@@ -107,8 +115,10 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         "generate_call_seconds": round(result.generate_seconds, 3),
         "parts_reused": result.parts_reused,
         "tool_call_turns_kept": result.tool_call_turns_kept,
-        # Turns whose prompt passed the engine's context (vLLM's max_model_len): kept as the data has them.
+        # Turns whose prompt passed `prompt_limit` (a sample's context, or vLLM's max_model_len): kept as the data has them.
         "long_prompt_turns_kept": result.long_prompt_turns_kept,
+        "prompt_limit": result.prompt_limit,
+        "prompt_limit_why": result.prompt_limit_why,
         "in_flight_limit": result.in_flight_limit,  # requests kept in the engine: its max_num_seqs, at least a part
         # Answers generate.max_new_tokens cut before the target ended them (their end-of-turn marker is
         # not supervised, their rows' later turns dropped), and answers of parts too old to say.

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.errors import StoreError
+from shared.shard_records import split_hashes
 from shared.store import StoreFiles
 from stage1_extract.batching import ShardPlan
 
@@ -71,6 +72,7 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
             "num_skipped": sum(r["num_skipped"] for r in records),
             "num_empty_turns": sum(r.get("num_empty_turns", 0) for r in records),
             "num_duplicates": count_duplicates(records),
+            "split_key": split_key(records),
             "shards": records,
         }
     )
@@ -81,12 +83,46 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
 
 
 def count_duplicates(records: list[dict[str, Any]]) -> int | None:
-    """Samples whose tokens equal an earlier sample's (the held-out split keeps copies together);
-    None for part records written before content hashes were recorded."""
-    if not all("content_hashes" in r for r in records):
+    """Samples whose split key equals an earlier sample's (`split_hashes`: a regenerated row's prompt,
+    else its tokens), the copies the held-out split keeps together; None for part records written
+    before content hashes were recorded."""
+    chosen = split_hashes(records)
+    if chosen is None:
         return None
-    hashes = [h for r in records for h in r["content_hashes"]]
-    return len(hashes) - len(set(hashes))
+    return len(chosen[1]) - len(set(chosen[1]))
+
+
+def split_key(records: list[dict[str, Any]]) -> str:
+    """What keys the held-out split of a store of these records: "prompt", "tokens" or "sample_id"."""
+    chosen = split_hashes(records)
+    return {"prompt_hashes": "prompt", "content_hashes": "tokens"}[chosen[0]] if chosen else "sample_id"
+
+
+def row_accounting(data: dict[str, Any], num_samples: int, num_skipped: int) -> dict[str, Any] | None:
+    """The rows of the user's file on their way to the store, counted at each stage from the
+    manifest's `data` block (`data` is that block): read from the user's file, dropped by `generate`
+    (bad rows), dropped by `extract` (bad rows, and rows too long with data.on_long=skip), stored; and
+    the turns before a row's first user turn dropped (by whichever stage read the user's file). None
+    for a manifest merged before extract counted the rows it read; `dropped_by_generate` is None
+    where the generated file predates generate's counts, and absent where nothing was regenerated."""
+    if "rows_read" not in data:
+        return None
+    generated = data.get("generate")
+    regenerated = "generate" in data
+    out: dict[str, Any] = {
+        "data": generated["prompts"] if generated else data["source"],
+        "rows": generated["rows_read"] if generated else (None if regenerated else data["rows_read"]),
+        "dropped_by_extract": data["bad_rows_skipped"] + num_skipped,
+        "bad_rows_skipped_by_extract": data["bad_rows_skipped"],
+        "skipped_too_long": num_skipped,
+        "stored": num_samples,
+        "leading_turns_dropped": data.get("leading_turns_dropped", 0) + (generated or {}).get("leading_turns_dropped", 0),
+    }
+    if regenerated:
+        out["generated"] = data["source"]
+        out["generated_rows"] = data["rows_read"]
+        out["dropped_by_generate"] = generated["bad_rows_skipped"] if generated else None
+    return out
 
 
 def orphans(files: StoreFiles, records: list[dict[str, Any]]) -> list[str]:

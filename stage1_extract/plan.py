@@ -31,6 +31,7 @@ from shared.paths import RunPaths
 from shared.target import TargetArch, cached_tokenizer
 from stage1_extract.generate import assistant_slots
 from stage1_extract.generate_command import prompts_format
+from stage1_extract.merge import row_accounting
 from stage1_extract.prepare import row_limits, token_bytes
 from stage1_extract.resolve import prepare_run, resolve_store
 from stage1_extract.tensor_parallel import (
@@ -133,6 +134,10 @@ def cmd_plan(cfg: RunConfig, *, gpu: str | None = None, gpus: int = 8) -> dict[s
         plan = store_size(len(kept), sum(kept), sum(r.truncated for r in rows), sum(r.skipped for r in rows), header, cfg)
         plan.update({"answers": "generated" if data.regenerate else "given (data.regenerate=false)",
                      "bad_rows_skipped": prepared.stats.bad_rows})
+        made = {"source": str(prepared.source), "rows_read": prepared.stats.rows, "bad_rows_skipped": prepared.stats.bad_rows,
+                "leading_turns_dropped": prepared.stats.leading_turns_dropped,
+                **({"generate": prepared.generate} if prepared.regenerated else {})}
+        plan["rows"] = row_accounting(made, plan["samples"], plan["samples_skipped"])  # as extract will count them
         if prepared.generated_problem:
             plan["generated_data"] = prepared.generated_problem
         generate_tokens = None

@@ -10,14 +10,14 @@ section, the target's record, the store's header and files, the conversations to
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from shared.conversation_files import read_conversations
 from shared.conversations import ReadStats, RowLimits
 from shared.errors import ConfigError, DataError
-from shared.identity import header_key
+from shared.identity import PROMPT_KEYS_VERSION, header_key
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetInfo, cached_tokenizer
 from shared.token_cache import ROW_SETTINGS, SELECTION_SETTINGS, DamagedCache, TokenCache, token_cache_key
@@ -28,7 +28,7 @@ from stage1_extract.batching import (
     content_hash,
     plan_shards,
 )
-from stage1_extract.data import DataConfig
+from stage1_extract.data import DataConfig, generate_record
 from stage1_extract.tokens import resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class Prepared:
     source_sha256: str
     data_format: str = "auto"  # how `source` was read: the manifest records it for the export doctor
     generated_problem: str | None = None  # the generated conversations belong to other inputs
+    regenerated: bool = False  # data.regenerate: `source` is generated.parquet
+    generate: dict[str, Any] | None = None  # what `generate` counted from the user's file (data.generate_record)
     selection: dict[str, Any] = field(default_factory=dict)  # the row settings beyond the header (SELECTION_SETTINGS)
 
     @property
@@ -73,12 +75,45 @@ def prepare(
     are loaded."""
     tokenizer, tokenizer_hashes = cached_tokenizer(str(target.target_dir))
     cache_root = cache_root if data.token_cache else None
-    rows, stats, source_sha256 = tokenized_rows(data, tokenizer, tokenizer_hashes, source, data_format, cache_root)
-    rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, data.on_bad_row)
+    generated = generate_record(source) if data.regenerate else None
+    origin = generated.get("prompts") if generated else None
+    rows, stats, source_sha256 = tokenized_rows(data, tokenizer, tokenizer_hashes, source, data_format, cache_root, origin)
+    rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, data.on_bad_row, origin)
     if not rows:
         raise DataError(f"{source}: no usable rows")
+    rows = prompt_keys(rows, header, source, data.regenerate, files.url)
     selection = {k: getattr(data, k) for k in SELECTION_SETTINGS}
-    return Prepared(header, rows, files, target, stats, source, source_sha256, data_format, selection=selection)
+    return Prepared(header, rows, files, target, stats, source, source_sha256, data_format, selection=selection,
+                    regenerated=data.regenerate, generate=generated)
+
+
+def prompt_keys(
+    rows: list[TokenizedRow], header: dict[str, Any], source: Path, regenerate: bool, store: str
+) -> list[TokenizedRow]:
+    """The rows with a prompt hash each (their split key) or none at all, so a store is keyed one
+    way. A store made before identity version 5 keys its split on tokens: its rows keep none, so
+    resuming or re-extracting it never moves a sample across its split (a warning says so for regenerated
+    rows: their copies may straddle it). From version 5 regenerated rows must carry one; a
+    generated.parquet merged before generate wrote them is refused, naming the cheap fix."""
+    carried = all(r.prompt_hash for r in rows)
+    if header["identity_version"] < PROMPT_KEYS_VERSION:
+        if regenerate:
+            log.warning(
+                "%s was made at identity version %d: its held-out split keys each sample on its tokens, so copies of a "
+                "prompt given different answers by generate may fall on both sides (and num_duplicates does not count "
+                "them); it keeps that split. Extract into a new store (store.path) to key regenerated rows on their prompt",
+                store, header["identity_version"],
+            )
+        return [replace(r, prompt_hash="") for r in rows] if any(r.prompt_hash for r in rows) else rows
+    if carried:
+        return rows
+    if regenerate:
+        raise DataError(
+            f"{source} was merged before generate recorded each row's prompt (its prompt_hash column), which keeps "
+            f"copies of a prompt on one side of the held-out split: rerun `python -m stage1_extract generate` (it "
+            f"reuses every finished part and only rewrites {source.name}), then extract"
+        )
+    return [replace(r, prompt_hash="") for r in rows] if any(r.prompt_hash for r in rows) else rows
 
 
 def token_cache_settings(data: DataConfig) -> dict[str, Any]:
@@ -87,11 +122,11 @@ def token_cache_settings(data: DataConfig) -> dict[str, Any]:
 
 def tokenized_rows(
     data: DataConfig, tokenizer: Any, tokenizer_hashes: dict[str, str], source: Path, data_format: str,
-    cache_root: Path | None,
+    cache_root: Path | None, origin: str | None = None,
 ) -> tuple[list[TokenizedRow], ReadStats, str]:
     """Every row of `source`, templated and tokenized, and the source's sha256: from the token cache
     when it matches, else by `data.tokenize_workers` processes (then cached). Bad rows raise naming
-    the file and row."""
+    the file and row (and, in generated.parquet, the row of the user's file `origin` it came from)."""
     key, inputs = token_cache_key(source, tokenizer_hashes, token_cache_settings(data))
     cache = None
     if cache_root is not None:
@@ -123,7 +158,7 @@ def tokenized_rows(
         skipped = not isinstance(sample, str) and sample.truncated and data.on_long == "skip"
         problem = unusable(sample, data.max_length) if not skipped else None
         if problem is not None:
-            message = f"{source}: row {row}: {problem}"
+            message = f"{row_name(source, row, conv.source_row, origin)}: {problem}"
             if data.on_bad_row == "raise":
                 raise DataError(message + " (set data.on_bad_row=skip to skip and count bad rows)")
             stats.bad_rows += 1
@@ -141,6 +176,8 @@ def tokenized_rows(
                 skipped=skipped,
                 content_hash=content_hash(sample.input_ids, sample.loss_mask),
                 empty_turns=sample.empty_turns,
+                prompt_hash=conv.prompt_hash or "",
+                source_row=-1 if conv.source_row is None else conv.source_row,
             )
         )
     if cache is not None and rows:
@@ -149,6 +186,15 @@ def tokenized_rows(
         except OSError as exc:  # a read-only or full run_dir costs the next command a re-tokenize, not this one
             log.warning("could not write the token cache under %s (%s): later commands tokenize again", cache.root, exc)
     return rows, stats, inputs["source_sha256"]
+
+
+def row_name(source: Path, row: int, source_row: int | None, origin: str | None) -> str:
+    """'<file>: row 12', and for a row of generated.parquet the row of the user's file it was made
+    from: '<generated.parquet>: row 12 (row 15 of <data.path>)'. Rows count from 0."""
+    name = f"{source}: row {row}"
+    if origin is not None and source_row is not None and source_row >= 0:
+        name += f" (row {source_row} of {origin})"
+    return name
 
 
 def row_limits(tokenizer: Any, max_length: int) -> RowLimits:
@@ -162,7 +208,8 @@ def row_limits(tokenizer: Any, max_length: int) -> RowLimits:
 
 
 def in_vocabulary(
-    rows: list[TokenizedRow], stats: ReadStats, vocab_size: int, tokenizer: Any, source: Path, on_bad_row: str
+    rows: list[TokenizedRow], stats: ReadStats, vocab_size: int, tokenizer: Any, source: Path, on_bad_row: str,
+    origin: str | None = None,
 ) -> list[TokenizedRow]:
     """The rows whose every token id has a row in the target's embedding (an id beyond it would
     crash extraction: on a GPU a device-side assert that kills the rank). Checked on every command,
@@ -180,7 +227,7 @@ def in_vocabulary(
             continue
         first = int(np.flatnonzero(np.asarray(ids) >= vocab_size)[0])
         token = int(ids[first])
-        where = f"{source}: row {row.sample_id}: token id {token} at token {first}"
+        where = f"{row_name(source, row.sample_id, row.source_row, origin)}: token id {token} at token {first}"
         if token < len(tokenizer):
             raise ConfigError(
                 f"{where} ({tokenizer.convert_ids_to_tokens(token)!r}) is beyond the target's embedding of {vocab_size} "

@@ -13,7 +13,7 @@ from shared.errors import StoreError
 from shared.identity import header_differences
 from shared.store import StoreConfig, load_manifest
 from stage1_extract.batching import ShardPlan
-from stage1_extract.merge import done_shards
+from stage1_extract.merge import done_shards, row_accounting
 from stage1_extract.prepare import Prepared, planned_shards
 from stage1_extract.resolve import prepare_run
 
@@ -68,6 +68,8 @@ def _shard_states(
         # As the manifest counted them (None: no manifest, or one merged before they were counted).
         "answers_cut": made.get("answers_cut"),
         "answers_cut_unknown": made.get("answers_cut_unknown"),
+        # The user's rows at each stage on their way to the store, as the manifest counted them.
+        "rows": row_accounting(made, manifest["num_samples"], manifest["num_skipped"]) if manifest else None,
         "complete": manifest is not None and counts["current"] == len(shards) and not orphaned
         and prepared.generated_problem is None,
     }

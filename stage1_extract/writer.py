@@ -221,6 +221,8 @@ class ShardWriter:
                 "lengths": [len(r.input_ids) for r in shard.kept],
                 "supervised_pairs": [supervised_pairs(r.loss_mask) for r in shard.kept],
                 "content_hashes": [r.content_hash for r in shard.kept],
+                # a regenerated row's prompt, its split key (`prepare.prompt_keys` gives every row one, or none)
+                **({"prompt_hashes": [r.prompt_hash for r in shard.kept]} if all(r.prompt_hash for r in shard.rows) else {}),
                 "num_truncated": sum(r.truncated for r in shard.rows),
                 "num_skipped": sum(r.skipped for r in shard.rows),
                 "num_empty_turns": sum(r.empty_turns for r in shard.rows),

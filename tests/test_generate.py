@@ -7,6 +7,7 @@ stored by extraction as they are.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -25,7 +26,7 @@ from shared.conversations import Conversation
 from shared.errors import DataError
 from shared.reader import StoreReader
 from shared.target import load_tokenizer
-from stage1_extract import commands, generate
+from stage1_extract import commands, generate, generate_command
 from stage1_extract.backends import engine_seed
 from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import tokenize_conversation
@@ -606,3 +607,102 @@ def test_every_8b_sequence_generates_on_every_gpu():
                 shown.append((path.name, number, line))
     assert {name for name, _, _ in shown} >= {"README.md", "gpu.md", "qwen3-8b.yaml", "llama-3.1-8b.yaml"}
     assert [s for s in shown if "torchrun --nproc_per_node 8 -m stage1_extract generate" not in s[2]] == []
+
+
+# ---- the user's rows on their way to the store: numbered as the user's file numbers them, counted ----
+def traced_rows(tmp_path):
+    """Seven rows of a user's file: 1 (not JSON) and 6 (no user turn) are bad, 3 opens with an
+    assistant turn, 4's prompt is longer than data.max_length (extraction has nothing left to supervise)."""
+    rows = [{"messages": [{"role": "user", "content": f"question number {i}: how does one sort a list?"}]} for i in range(7)]
+    rows[1] = '{"messages": [not json'
+    rows[3]["messages"] = [{"role": "assistant", "content": "an answer to nothing"}, *rows[3]["messages"]]
+    rows[4]["messages"] = [{"role": "user", "content": "please read this long question carefully " * 30}]
+    rows[6] = {"messages": [{"role": "system", "content": "be brief"}]}
+    return write_jsonl(tmp_path / "prompts.jsonl", rows)
+
+
+def test_generated_rows_keep_the_users_row_and_extract_names_it(tiny_target_dir, tmp_path, fake_vllm, caplog):
+    """generated.parquet's source_row is the row of the user's file (0-based), not its own position,
+    and extraction's warning about a generated row names the user's file and row too."""
+    data = traced_rows(tmp_path)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "run", **{
+        "data.on_bad_row": "skip", "data.max_length": 96, "target.num_feature_layers": 3, "extract.top_k": 8,
+    })
+    out = commands.cmd_generate(cfg, progress=False)
+    assert pq.read_table(out["output"]).column("source_row").to_pylist() == [0, 2, 3, 4, 5]
+    commands.cmd_extract(cfg, progress=False)
+    assert re.search(rf"skipping {re.escape(out['output'])}: row 3 \(row 4 of {re.escape(str(data))}\): no assistant tokens",
+                     caplog.text)
+
+
+def test_rows_dropped_on_the_way_to_the_store_are_counted_at_each_stage(tiny_target_dir, tmp_path, fake_vllm):
+    """generate's counts (bad rows, leading turns) reach the manifest's data block; extract, status
+    and plan say in one line how many of the user's rows each stage dropped; generate's and plan's
+    summaries print the bad rows their --json counts."""
+    from stage1_extract.__main__ import show_extract, show_generate, show_plan, show_status
+    from stage1_extract.data import generate_record
+
+    data = traced_rows(tmp_path)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "run", **{
+        "data.on_bad_row": "skip", "data.max_length": 96, "target.num_feature_layers": 3, "extract.top_k": 8,
+    })
+    generated = commands.cmd_generate(cfg, progress=False)
+    assert (generated["rows_read"], generated["bad_rows_skipped"], generated["leading_turns_dropped"]) == (7, 2, 1)
+    assert f"\n2 bad row(s) of the 7 read from {data} skipped (data.on_bad_row=skip; the log names them)" in show_generate(generated)
+    record = generate_record(Path(generated["output"]))
+    assert {k: record[k] for k in ("prompts", "rows_read", "bad_rows_skipped", "leading_turns_dropped", "conversations")} == {
+        "prompts": str(data), "rows_read": 7, "bad_rows_skipped": 2, "leading_turns_dropped": 1, "conversations": 5}
+    out = commands.cmd_extract(cfg, progress=False)
+    rows = {"data": str(data), "rows": 7, "dropped_by_generate": 2, "dropped_by_extract": 1, "bad_rows_skipped_by_extract": 1,
+            "skipped_too_long": 0, "stored": 4, "leading_turns_dropped": 1, "generated": generated["output"], "generated_rows": 5}
+    assert out["rows"] == rows and out["bad_rows_skipped"] == 1 and out["num_samples"] == 4
+    line = (f"\nrows: 7 read from {data} -> 2 dropped by generate (bad rows) -> 1 dropped by extract (1 bad, 0 too long with "
+            f"data.on_long=skip) -> 4 stored; 1 turn(s) before a row's first user turn dropped")
+    assert line in show_extract(out) and ", 1 bad row(s) skipped" in show_extract(out)
+    manifest = json.loads((tmp_path / "run" / "store" / "manifest.json").read_text())
+    assert manifest["data"]["generate"] == record and manifest["data"]["bad_rows_skipped"] == 1
+    status = commands.cmd_status(cfg)
+    assert status["rows"] == rows and line in "\n" + show_status(status)
+    plan = commands.cmd_plan(cfg)
+    assert plan["rows"] == rows and line in "\n" + show_plan(plan)
+    assert "\n1 bad row(s) skipped; 0 sample(s) truncated and 0 skipped at data.max_length" in "\n" + show_plan(plan)
+
+
+# ---- a prompt past what a sample can hold is never sent, on every backend ------------------------------
+def test_a_prompt_past_the_samples_context_is_not_sent_on_the_cpu_backend(tiny_target_dir, tmp_path, monkeypatch):
+    """transformers pads a batch to its longest prompt: a prompt past min(data.max_length, the target's
+    max_position_embeddings) is kept as the data has it and counted, as vLLM's max_model_len guard does.
+    When data.max_length is raised past it, the part that kept it is generated again."""
+    from stage1_extract import backends
+
+    sent = []
+    real = backends.transformers_backend
+
+    def recording(model, tokenizer, cfg, seed):
+        run = real(model, tokenizer, cfg, seed)
+
+        def answer(requests):
+            sent.extend(len(r.prompt_ids) for r in requests)
+            return run(requests)
+        return answer
+
+    monkeypatch.setattr(generate_command, "transformers_backend", recording)
+    rows = [{"messages": [{"role": "user", "content": f"question number {i}: how?"}]} for i in range(3)]
+    rows[1]["messages"] = [{"role": "user", "content": "please read this long question carefully " * 30}]  # ~250 tokens
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "run", **{"generate.backend": "transformers", "data.max_length": 96})
+    out = commands.cmd_generate(cfg, progress=False)
+    assert (out["long_prompt_turns_kept"], out["prompt_limit"]) == (1, 95) and "data.max_length=96" in out["prompt_limit_why"]
+    assert len(sent) == 2 and max(sent) <= 95
+    assert list(read_conversations(out["output"]))[1].messages == rows[1]["messages"]
+    raised = generate_config(tiny_target_dir, data, tmp_path / "run", **{"generate.backend": "transformers", "data.max_length": 512})
+    again = commands.cmd_generate(raised, progress=False)
+    assert again["parts_reused"] == 0 and again["long_prompt_turns_kept"] == 0  # its part now answers it
+    assert list(read_conversations(again["output"]))[1].messages[-1].get("token_ids")
+    sent.clear()
+    huge = generate_config(tiny_target_dir, data, tmp_path / "huge", **{"generate.backend": "transformers", "data.max_length": 4096})
+    rows[1]["messages"] = [{"role": "user", "content": "please read this long question carefully " * 400}]  # ~2,400 tokens
+    write_jsonl(data, rows)
+    wide = commands.cmd_generate(huge, progress=False)
+    assert wide["long_prompt_turns_kept"] == 1 and wide["prompt_limit"] == 2047 and max(sent) <= 2047
+    assert "the target's max_position_embeddings=2048" in wide["prompt_limit_why"]

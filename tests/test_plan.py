@@ -82,9 +82,10 @@ def test_plan_speaks_to_people_and_refuses_an_unknown_gpu(tiny_target_dir, tmp_p
     overrides = stage1_overrides(tiny_target_dir, data, tmp_path / "run", **{"data.regenerate": True})
     assert cli.main(["plan", "--gpu", "l40s", "--gpus", "2", *overrides]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("answers not generated yet, estimated from 1 of 1 prompts tokenized")
-    assert lines[2].startswith("GPU memory while extracting: ") and "of 45 GiB per l40s at extract.tensor_parallel_size=1" in lines[2]
-    assert [line.split(":")[0] for line in lines[3:]] == ["generate", "extract", "train"]
-    assert all(" on 2 x l40s (" in line for line in lines[3:])
+    assert lines[1] == "0 bad row(s) skipped; 0 sample(s) truncated and 0 skipped at data.max_length (estimated)"  # --json's counts
+    assert lines[2].startswith("answers not generated yet, estimated from 1 of 1 prompts tokenized")
+    assert lines[3].startswith("GPU memory while extracting: ") and "of 45 GiB per l40s at extract.tensor_parallel_size=1" in lines[3]
+    assert [line.split(":")[0] for line in lines[4:]] == ["generate", "extract", "train"]
+    assert all(" on 2 x l40s (" in line for line in lines[4:])
     with pytest.raises(ConfigError, match=r"plan --gpu 'v100': known GPU kinds are h100, h200, a100, l40s"):
         commands.cmd_plan(load_run_config("configs/default.yaml", overrides), gpu="v100")

@@ -1,9 +1,10 @@
 """The held-out split: by a content key per sample, fixed by a seed, independent of shard layout
 and rank count.
 
-A sample is held out when a hash of (seed, key) falls under the fraction. The key is a hash of the
-sample's tokens (the store records one per sample), so identical samples always fall on the same
-side, and adding or re-extracting other samples never moves a sample between train and eval.
+A sample is held out when a hash of (seed, key) falls under the fraction. The key is the hash the
+store records per sample (`shared/shard_records.split_hashes`): a regenerated row's prompt, whose
+copies differ in their sampled answers, else the sample's tokens; so copies of a row always fall on
+the same side, and adding or re-extracting other samples never moves a sample between train and eval.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ layer count and vocab, the tokenizer and the feature layer ids (from target.laye
 rule over the target's layers); a mismatch is a StoreError naming the field. A KL term needs stored
 top-k: how many is the manifest's `top_k`, never stage 1's config.
 
-The held-out split is `heldout_mask(sample_ids, holdout_fraction, split_seed)`: it depends on sample
-ids only, so it is the same for any rank count, shard layout or training seed, and no held-out
-sample ever reaches the training sampler (`TrainData.train_indices`).
+The held-out split is `heldout_mask(reader.split_keys, holdout_fraction, split_seed)`: it depends on
+the store's per-sample keys only (a regenerated row's prompt, else its tokens: copies share one), so
+it is the same for any rank count, shard layout or training seed, and no held-out sample ever reaches
+the training sampler (`TrainData.train_indices`).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def check_store(reader: StoreReader, target: TargetInfo, need_topk: bool) -> Non
 
 
 def split_indices(reader: StoreReader, holdout_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, held-out indices) into the reader, both ascending. Identical samples (same
-    content hash in the manifest) always fall on the same side."""
+    """(train indices, held-out indices) into the reader, both ascending. Copies of a row (same split
+    key in the manifest: prompt or content hash) always fall on the same side."""
     held = heldout_mask(reader.split_keys, holdout_fraction, split_seed)
     train, heldout = np.flatnonzero(~held), np.flatnonzero(held)
     if len(train) == 0:
