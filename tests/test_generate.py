@@ -606,3 +606,24 @@ def test_every_8b_sequence_generates_on_every_gpu():
                 shown.append((path.name, number, line))
     assert {name for name, _, _ in shown} >= {"README.md", "gpu.md", "qwen3-8b.yaml", "llama-3.1-8b.yaml"}
     assert [s for s in shown if "torchrun --nproc_per_node 8 -m stage1_extract generate" not in s[2]] == []
+
+
+def test_generate_with_vllm_not_installed_is_one_line_before_any_data_is_read(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """The 8B presets set generate.backend: vllm; on a node without it `generate` read the data, then
+    died with a 28-line ModuleNotFoundError (exit 1)."""
+    from stage1_extract import __main__ as stage1_cli
+
+    monkeypatch.setattr(generate, "vllm_installed", lambda: False)
+    missing = tmp_path / "not-read-yet.jsonl"  # read first, it would be the error
+    args = [f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", f"data.path={missing}", "generate.backend=vllm"]
+    assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: generate.backend=vllm, but vllm is not installed here: install it with `pip install -e '.[gpu]'` (on a "
+        "GPU node), or set generate.backend=transformers (runs anywhere, CPU included, but slowly: fine for a small "
+        "test, weeks for an 8B target)\n"
+    )
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(generate, "vllm_installed", lambda: True)  # installed: on to the data
+    assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
+    assert "data file not found" in capsys.readouterr().err

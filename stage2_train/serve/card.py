@@ -41,7 +41,7 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
             f"Held-out speculative decoding ({online['prompts']} prompts x {online['max_new_tokens']} new tokens, greedy, "
             f"{equal}): tau **{online['tau']:.3f}** [{online['lo']:.3f}, {online['hi']:.3f}] "
             f"(95% bootstrap interval over prompts); untrained drafter {online.get('untrained', float('nan')):.3f}, "
-            f"n-gram drafter {online.get('ngram', float('nan')):.3f}. Harness: dflash-pipeline's `stage2_train eval`, "
+            f"n-gram drafter {online.get('ngram', float('nan')):.3f}. Harness: dflash-pipeline's `python -m stage2_train eval`, "
             f"so compare with figures of the same harness only."
         )
     data = facts.get("data") or {}
