@@ -4,7 +4,10 @@
 
 Each verb has its own `--help` (a description of what it does and its options), speaks to people by
 default (`show`: a short readable summary) and to scripts with `--json` (the same result, as JSON,
-the same keys every time). `--version` names the package version.
+the same keys every time). `--version` names the package version. Every command a verb suggests (in
+its result, its notes and warnings, its log lines and its errors) is spelled for the run it was called
+with (`for_this_run`): its `--config` and `key=value` overrides. Ctrl-C ends a verb with one line
+(exit 130) saying whether the same command resumes.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
@@ -31,7 +35,8 @@ from shared.errors import UserError
 class Verb:
     """One command: what it does (`summary` in the list, `description` in its --help), how it runs
     (`run(args)` returns the result, or None when it printed its own), how people read the result
-    (`show`; None when the result is already text) and its exit status (`exit_code`)."""
+    (`show`; None when the result is already text), its exit status (`exit_code`) and what Ctrl-C
+    leaves (`interrupted`: the line printed, e.g. that the same command resumes)."""
 
     name: str
     summary: str
@@ -41,6 +46,7 @@ class Verb:
     description: str = ""
     exit_code: Callable[[Any], int] | None = None
     as_json: Callable[[Any], str] | None = None  # the result as JSON text, when not `to_json(result)`
+    interrupted: str = "interrupted"
 
 
 def version() -> str:
@@ -63,8 +69,9 @@ def usage(prog: str, doc: str, verbs: Sequence[Verb]) -> str:
 
 def run_cli(prog: str, doc: str, verbs: Sequence[Verb], argv: list[str] | None = None) -> int:
     """Parse `COMMAND [options] [key=value ...]` (overrides may come before or after options), run
-    the verb, print its result for people or, with --json, as JSON; a UserError is one line on
-    stderr (exit 2; DFLASH_TRACEBACK=1 shows its traceback). Anything else keeps its traceback."""
+    the verb, print its result for people or, with --json, as JSON, every command it suggests spelled
+    for this run; a UserError is one line on stderr (exit 2; DFLASH_TRACEBACK=1 shows its traceback),
+    Ctrl-C the verb's `interrupted` line (exit 130). Anything else keeps its traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     by_name = {v.name: v for v in verbs}
     if not argv or argv[0] in ("-h", "--help"):
@@ -85,17 +92,71 @@ def run_cli(prog: str, doc: str, verbs: Sequence[Verb], argv: list[str] | None =
     args = parser.parse_intermixed_args(argv[1:])
     args.command = verb.name
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    def spell(text: str) -> str:
+        return for_this_run(text, args.config, args.overrides)
+
     try:
-        out = verb.run(args)
+        with spelled_output(spell):
+            out = verb.run(args)
     except UserError as exc:
         return report_error(exc, args.config, args.overrides)
+    except KeyboardInterrupt:
+        if os.environ.get("DFLASH_TRACEBACK"):
+            raise
+        print(verb.interrupted, file=sys.stderr)
+        return 130
     if out is None:
         return 0
-    if args.json or verb.show is None:
-        print(verb.as_json(out) if verb.as_json is not None else out if isinstance(out, str) else to_json(out))
+    if verb.as_json is not None and (args.json or verb.show is None):
+        print(verb.as_json(out))  # the verb's own JSON text (the doctor's): it suggests no command
+    elif args.json or verb.show is None:
+        print(spell(out) if isinstance(out, str) else to_json(spelled_result(out, spell)))
     else:
-        print(verb.show(out))
+        print(spell(verb.show(out)))
     return verb.exit_code(out) if verb.exit_code is not None else 0
+
+
+class _SpelledStream:
+    """A text stream that writes each piece with the commands it suggests spelled (`spell`)."""
+
+    def __init__(self, stream: TextIO, spell: Callable[[str], str]):
+        self._stream, self._spell = stream, spell
+
+    def write(self, text: str) -> int:
+        self._stream.write(self._spell(text) if "`" in text else text)
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def spelled_output(spell: Callable[[str], str]) -> Iterator[None]:
+    """While a verb runs, what it prints (`check`'s warnings and notes, `note:` lines, a dry run) and
+    logs goes out with each command it suggests spelled for this run: a suggestion without the run's
+    --config would act on runs/default."""
+    saved = sys.stdout, sys.stderr
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and h.stream in saved]
+    sys.stdout, sys.stderr = _SpelledStream(saved[0], spell), _SpelledStream(saved[1], spell)
+    streams = [h.setStream(_SpelledStream(h.stream, spell)) for h in handlers]
+    try:
+        yield
+    finally:
+        for handler, stream in zip(handlers, streams):
+            handler.setStream(stream)
+        sys.stdout, sys.stderr = saved
+
+
+def spelled_result(value: Any, spell: Callable[[str], str]) -> Any:
+    """A JSON-able result with every string's suggested commands spelled (before it is encoded)."""
+    if isinstance(value, str):
+        return spell(value) if "`" in value else value
+    if isinstance(value, dict):
+        return {k: spelled_result(v, spell) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [spelled_result(v, spell) for v in value]
+    return value
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +218,7 @@ def report_error(exc: UserError, config: str | None = None, overrides: Sequence[
     return exc.exit_code
 
 
-# A command an error suggests, in backticks: `python -m stage1_extract verify --repair` (or torchrun's
+# A command a message suggests, in backticks: `python -m stage1_extract verify --repair` (or torchrun's
 # `-m`), `make extract`; group 1 is the command up to its verb or target, group 2 what follows.
 SUGGESTED = re.compile(r"`((?:[^`]*?-m (?:stage1_extract|stage2_train)|make) [a-z][a-z_-]*)([^`]*)`")
 

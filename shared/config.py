@@ -40,7 +40,7 @@ import yaml
 
 from shared.errors import ConfigError, InputFileError
 from shared.files import write_atomic
-from shared.section import Section, plain_value  # noqa: F401 - Section is re-exported: the stages import it from here
+from shared.section import Section, explained_by, plain_value  # noqa: F401 - Section is re-exported: the stages import it from here
 
 # Every section a config file may hold and the stage whose entry point validates it: names only,
 # so shared code knows the file format without importing either stage.
@@ -287,7 +287,7 @@ def build_run_config(data: dict[str, Any], source: str | None = None) -> RunConf
         if key in RENAMED_SECTIONS:
             new = RENAMED_SECTIONS[key]
             raise ConfigError(
-                f"{key}: section renamed to {new} (`check --explain` says what it holds); write {new}: "
+                f"{key}: section renamed to {new} ({explained_by(new)} says what it holds); write {new}: "
                 f"(or {new}.KEY=VALUE on the command line)"
             )
         if key not in SECTION_OWNERS and key not in TOP_LEVEL_SCALARS:

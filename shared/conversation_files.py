@@ -50,6 +50,7 @@ from shared.conversations import (
     parse_row,
 )
 from shared.errors import DataError, InputFileError
+from shared.paths import relative_note
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def read_conversations(
 ) -> Iterator[Conversation]:
     path = Path(path)
     if not input_exists(path):
-        raise InputFileError(f"data file not found: {path}" if glob_files(path) is None else f"data.path={path} matches no file")
+        missing = f"data file not found: {path}" if glob_files(path) is None else f"data.path={path} matches no file"
+        raise InputFileError(missing + relative_note("data.path", path))
     stats = stats if stats is not None else ReadStats()
     kept = offset = 0
     warned = False
@@ -309,10 +311,16 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 record: Any = json.loads(text)
             except json.JSONDecodeError as exc:
-                record = ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})")
+                record = ValueError(f"not valid JSON ({json_problem(exc)} at column {exc.colno})")
             del text
             yield i, record
             del record
+
+
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """The decoder's message without the " at" it ends some with ("Invalid control character at",
+    "Unterminated string starting at"): its position follows in its str(), our column in ours."""
+    return exc.msg.removesuffix(" at")
 
 
 class _ArrayText:
@@ -370,7 +378,7 @@ def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 except json.JSONDecodeError as exc:
                     if not text.more(row, at_least=len(text.buf) - text.pos):  # an element longer than the text read
                         raise DataError(
-                            f"{path}: row {row}: not valid JSON ({exc.msg}); a JSON array cannot be read past a broken "
+                            f"{path}: row {row}: not valid JSON ({json_problem(exc)}); a JSON array cannot be read past a broken "
                             f"element: fix the file or write it as JSONL, one row a line"
                         ) from None
             text.pos = end

@@ -101,8 +101,8 @@ def download(text: str, setting: str = "download") -> HubSnapshot:
         raise InputFileError(f"{setting}={text}: {problem}") from None
     if not any(folder.glob("*.safetensors")):
         raise InputFileError(
-            f"{setting}={text}: {repo} has no *.safetensors weights in its top folder ({_page(repo)}), and `download` "
-            f"fetches no others (pickled .bin weights run code when loaded): use a repo with safetensors, or fetch it "
+            f"{setting}={text}: {repo} has no *.safetensors weights in its top folder ({_page(repo)}), and "
+            f"`{DOWNLOAD}` fetches no others (pickled .bin weights run code when loaded): use a repo with safetensors, or fetch it "
             f"yourself (`hf download {repo} --local-dir DIR`), convert it and set {setting} to that folder"
         )
     return resolve_hub(text, "download")

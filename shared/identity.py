@@ -30,7 +30,7 @@ from typing import Any
 from shared.config import RunConfig, dotted_differences
 from shared.conversation_files import input_exists
 from shared.errors import ConfigError, InputFileError
-from shared.paths import RunPaths
+from shared.paths import RunPaths, relative_note
 from shared.store import SCHEMA_VERSION
 from shared.target import TargetInfo
 from shared.target_model import pick_attn_implementation, resolve_device, resolve_dtype
@@ -199,7 +199,7 @@ def extraction_source(cfg: RunConfig) -> Path:
             f"(or set data.regenerate=false to extract data.path as it is)"
         )
     raise InputFileError(
-        f"data.path={path} does not exist (data.regenerate=false reads it as it is): "
+        f"data.path={path} does not exist{relative_note('data.path', path)} (data.regenerate=false reads it as it is): "
         f"check the path, or build it first (`make generate CONFIG=...` writes a preset's answers to run_dir/data)"
     )
 
@@ -245,14 +245,17 @@ def generated_problem(cfg: RunConfig, weights_sha256: str) -> str | None:
     paths = RunPaths.of(cfg)
     if not paths.generated.exists():
         return None  # extraction_source names it
-    fix = "run `python -m stage1_extract generate` (it regenerates only what differs), then `reprocess`"
+    fix = "run `python -m stage1_extract generate` (it regenerates only what differs), then `python -m stage1_extract reprocess`"
     try:
         made = json.loads(paths.generated_provenance.read_text())
     except (OSError, ValueError):
         return f"{paths.generated} does not say what it was made from ({paths.generated_provenance.name} missing or damaged); {fix}"
     prompts = prompts_path(cfg)
     if not input_exists(prompts):
-        return f"{paths.generated} answers {made.get('prompts')}, but the config's prompts {prompts} do not exist"
+        return (
+            f"{paths.generated} answers {made.get('prompts')}, but the config's prompts {prompts} do not exist"
+            + (relative_note("data.path", prompts) if stage1_value(cfg, "data.path") is not None else "")
+        )
     now = generation_inputs(cfg, weights_sha256, source_fingerprint(prompts))
     changed = dotted_differences(made.get("inputs", {}), now)
     if not changed:

@@ -96,3 +96,11 @@ class RunPaths:
     @property
     def export(self) -> Path:
         return self.run_dir / "export"
+
+
+def relative_note(setting: str, path: str | os.PathLike) -> str:
+    """What a "not found" adds for a relative path setting: it was looked for under the working
+    directory, not beside the config file (docs/config.md, "Paths"); "" for an absolute path or a URL."""
+    if Path(path).is_absolute() or "://" in str(path):
+        return ""
+    return f" ({setting}={path} is relative: resolved against the working directory {os.getcwd()}, not the config file's folder)"

@@ -133,7 +133,7 @@ class StoreReader:
             return None
         return StoreError(
             f"{self.url}: shard {shard} {what}, and manifest.json changed since this run opened the store: it was "
-            f"rewritten (`stage1_extract reprocess`, `extract` or `verify --repair`) while being read. The store is "
+            f"rewritten (stage 1's reprocess, extract or verify --repair) while being read. The store is "
             f"not damaged; rerun once the writer has finished (keep writers off a store while training reads it)"
         )
 
@@ -144,7 +144,7 @@ class StoreReader:
         if missing:
             raise self._damaged(
                 missing[0], f"is missing ({len(missing)} shard(s) listed in manifest.json are)",
-                "run `python -m stage1_extract verify --repair` or `reprocess`",
+                "run `python -m stage1_extract verify --repair` or `python -m stage1_extract reprocess`",
             )
 
     def _shard(self, shard: int) -> tuple[dict[str, Any], np.ndarray, np.ndarray | None]:

@@ -108,6 +108,14 @@ _TYPE_WORDS = {
 }
 
 
+def explained_by(section: str) -> str:
+    """The command that documents `section`'s keys: its stage's `check --explain` (stage 1's for a shared one)."""
+    from shared.config import SECTION_OWNERS  # shared.config imports this module
+
+    owner = SECTION_OWNERS.get(section, "shared")
+    return f"`python -m {'stage1_extract' if owner == 'shared' else owner} check --explain`"
+
+
 def _describe(cls: type[Section], exc: ValidationError) -> str:
     """One line for the first error: the dotted key, what is wrong, and the value given."""
     error = exc.errors(include_url=False)[0]
@@ -121,7 +129,7 @@ def _describe(cls: type[Section], exc: ValidationError) -> str:
             new = cls.renamed[old]
             if "." in new:  # moved to another section
                 return f"{key}: moved to {new}; write {new}"
-            return f"{key}: renamed to {cls.section}.{new} (`check --explain` says what it holds); write {cls.section}.{new}"
+            return f"{key}: renamed to {cls.section}.{new} ({explained_by(cls.section)} says what it holds); write {cls.section}.{new}"
         return f"{key}: unknown key (known keys: {', '.join(cls.model_fields)})"
     if error["type"] == "literal_error":
         top = cls.model_fields[str(error["loc"][0])].annotation

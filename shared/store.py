@@ -318,9 +318,15 @@ def read_manifest(url: str) -> dict[str, Any]:
     files = StoreFiles(url)
     if not files.exists("manifest.json"):
         if files.exists("plan.json"):
-            hint = "extraction has not finished: `python -m stage1_extract status` says what is left, `extract` resumes it"
+            hint = (
+                "extraction has not finished: `python -m stage1_extract status` says what is left, "
+                "`python -m stage1_extract extract` resumes it"
+            )
         else:
-            hint = "no store was extracted here: `python -m stage1_extract extract --config ...` builds it (`make extract`)"
+            hint = (
+                "no store was extracted here: build it with `python -m stage1_extract generate`, then "
+                "`python -m stage1_extract extract` (`make extract` runs both; with data.regenerate=false, extract alone)"
+            )
         raise StoreError(f"{url}: no manifest.json; {hint}")
     manifest = load_manifest(files)
     version = manifest.get("schema_version")

@@ -26,6 +26,7 @@ from shared.errors import ConfigError, InputFileError
 from shared.files import file_sha256, write_atomic
 from shared.hub import DOWNLOAD, is_hub_id, resolve_hub
 from shared.lock import waiting_flock
+from shared.paths import relative_note
 from shared.section import Section
 
 
@@ -58,6 +59,15 @@ class TargetConfig(Section):
                 "layer_ids",
                 "must be distinct, ascending and >= 0",
             )
+
+    def recipe_warnings(self) -> list[str]:
+        if self.layer_ids is not None and len(self.layer_ids) != 5:
+            return [f"target.layer_ids={list(self.layer_ids)}: {len(self.layer_ids)} target layers feed the drafter; the "
+                    f"DFlash recipe feeds 5 (configs/recipe.yaml)"]
+        if self.layer_ids is None and self.num_feature_layers != 5:
+            return [f"target.num_feature_layers={self.num_feature_layers} departs from the recipe (5 target layers feed "
+                    f"the drafter)"]
+        return []
 
 
 @dataclass(frozen=True)
@@ -170,7 +180,8 @@ def resolve_target_dir(cfg: TargetConfig) -> Path:
         path = Path(cfg.path).expanduser()
     if not (path / "config.json").is_file():
         raise InputFileError(
-            f"target.path={cfg.path!r}: no config.json in {path}. Give a local HF model folder, a Hub id "
+            f"target.path={cfg.path!r}: no config.json in {path}"
+            f"{'' if is_hub_id(cfg.path) else relative_note('target.path', cfg.path)}. Give a local HF model folder, a Hub id "
             f"(org/name[@revision]) in the Hugging Face cache (`{DOWNLOAD} --config ...` fetches it), or {EMBEDDED_DEFAULT!r}"
         )
     return path

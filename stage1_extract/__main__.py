@@ -19,8 +19,10 @@ from typing import Any
 
 from shared.cli import Verb, check_options, load_config, print_check, run_cli
 from stage1_extract import commands
+from stage1_extract.generate import backend_problem
 
 PROG = "python -m stage1_extract"
+RESUMES = "interrupted: the same command resumes"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check(args: argparse.Namespace) -> None:
-    print_check(load_config(args), with_docs=args.explain, quiet=args.quiet)
+    cfg = load_config(args)
+    print_check(cfg, with_docs=args.explain, quiet=args.quiet)
+    problem = backend_problem(cfg.generate.backend)
+    if problem is not None and not args.quiet:  # `generate` refuses it: said here before a job is queued
+        print(f"WARNING: {problem}", file=sys.stderr)
 
 
 def progress(args: argparse.Namespace) -> bool:
@@ -238,14 +244,16 @@ VERBS = [
     Verb("download", "fetch the Hub ids the config names (target.path, model.init_from) into the HF cache",
          lambda a: commands.cmd_download(load_config(a)), show=show_download,
          description="The one command that fetches from the Hub: every other command reads the local Hugging Face cache "
-                     "(only `stage2_train export --push-to-hub` uploads)."),
+                     "(only `python -m stage2_train export --push-to-hub` uploads).",
+         interrupted=f"{RESUMES} (files already downloaded are kept)"),
     Verb("plan", "the store's size and free space, and time estimates, before anything runs",
          lambda a: commands.cmd_plan(load_config(a), gpu=a.gpu, gpus=a.gpus), show=show_plan, options=plan_options),
     Verb("generate", "the target rewrites every assistant turn (vllm on GPU, transformers on CPU); resumable",
-         lambda a: commands.cmd_generate(load_config(a), progress=progress(a)), show=show_generate),
+         lambda a: commands.cmd_generate(load_config(a), progress=progress(a)), show=show_generate,
+         interrupted=f"{RESUMES} (finished parts are kept)"),
     Verb("extract", "run the target once over the data and store its features (resumable, every rank)",
          lambda a: commands.cmd_extract(load_config(a), force=a.force, progress=progress(a)), show=show_extract,
-         options=force_option),
+         options=force_option, interrupted=f"{RESUMES} (finished shards are kept)"),
     Verb("status", "each shard current, stale (and why), missing or orphaned, against the config and data",
          lambda a: commands.cmd_status(load_config(a), deep=a.deep), show=show_status, options=status_options),
     Verb("verify", "every shard against the manifest (and, --deep, against the data); --repair re-extracts",
@@ -253,7 +261,7 @@ VERBS = [
          show=show_verify, options=verify_options, exit_code=lambda out: 0 if out["ok"] else 1),
     Verb("reprocess", "re-extract only the stale and missing shards, drop orphans, rewrite the manifest",
          lambda a: commands.cmd_reprocess(load_config(a), force=a.force, progress=progress(a)), show=show_reprocess,
-         options=force_option),
+         options=force_option, interrupted=f"{RESUMES} (shards already re-extracted are kept)"),
 ]
 
 

@@ -274,8 +274,8 @@ def _run_windows(
             f"{prepared.files.url} was extracted with {settings['attn_implementation']} attention, "
             f"{settings['compute_dtype']} compute, packed={settings['packed']} ({', '.join(chosen)} left auto read them "
             f"back from the store); {problem}. Run on a machine that can, or ask for other settings explicitly "
-            f"(e.g. target.attn_implementation=sdpa extract.packed=off), which makes every shard stale: `reprocess` "
-            f"re-extracts them all"
+            f"(e.g. target.attn_implementation=sdpa extract.packed=off), which makes every shard stale: "
+            f"`python -m stage1_extract reprocess` re-extracts them all"
         )
     lay, mesh = tensor_parallel or (Layout(0, 1, 1), None)
     if model is None:  # else rank 0's, loaded with these settings to fit fp4's outlier channels

@@ -55,6 +55,12 @@ class DataConfig(Section):
         self.require(0.0 <= self.default_question_share <= 1.0, "default_question_share", "must be in [0, 1]")
         self.require(self.tokenize_workers >= 0, "tokenize_workers", "must be >= 0 (0 = one per CPU, at most 16)")
 
+    def recipe_warnings(self) -> list[str]:
+        if self.max_length != 3072:
+            return [f"data.max_length={self.max_length} departs from the recipe (3072): longer samples are "
+                    f"{'truncated' if self.on_long == 'truncate' else 'skipped'} (data.on_long)"]
+        return []
+
 
 PART_COUNTS_KEY = b"dflash.part_counts"
 

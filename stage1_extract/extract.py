@@ -88,6 +88,14 @@ class ExtractConfig(Section):
         self.require(self.lm_head_chunk_tokens >= 1, "lm_head_chunk_tokens", "must be >= 1")
         self.require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
 
+    def recipe_warnings(self) -> list[str]:
+        """Departures in what is stored; batch_tokens, lm_head_chunk_tokens and window_shards set only
+        the speed and the memory of extraction."""
+        if self.top_k != 64:
+            return [f"extract.top_k={self.top_k} departs from the recipe (64): the target's top-k the KL term and "
+                    f"candidate slots read"]
+        return []
+
 
 def host_token_bytes(num_layers: int, hidden_size: int, dtype_bytes: int, top_k: int) -> int:
     """Host bytes of one token's copies: its layers' states in the compute dtype, top_k fp32

@@ -99,22 +99,47 @@ class GenerateConfig(Section):
         self.require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
 
     def recipe_warnings(self) -> list[str]:
+        """Departures in what the answers are (sampling and length); rows_per_part and batch_size set
+        only the speed and the resumable unit."""
+        out = []
         if (self.temperature, self.top_p) != (0.7, 0.8):
-            return [
+            out.append(
                 f"generate: temperature={self.temperature}, top_p={self.top_p} differ from the DFlash recipe "
                 f"(0.7, 0.8, SpecForge PR #578)"
-            ]
-        return []
+            )
+        if self.max_new_tokens != 2048:
+            out.append(
+                f"generate.max_new_tokens={self.max_new_tokens} departs from the recipe (2048): a longer answer is cut "
+                f"there (kept with its end-of-turn marker unsupervised, its row's later turns dropped)"
+            )
+        return out
+
+
+def vllm_installed() -> bool:
+    """Whether vllm can be imported here, found without importing it (its import takes seconds and
+    initialises CUDA machinery)."""
+    import importlib.util
+    import sys
+
+    return "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None  # imported already: installed
+
+
+def backend_problem(backend: str) -> str | None:
+    """Why generate.backend cannot run here (vllm chosen and not installed), or None: `generate`
+    refuses it before reading any data, `check` warns."""
+    if backend != "vllm" or vllm_installed():
+        return None
+    return (
+        "generate.backend=vllm, but vllm is not installed here: install it with `pip install -e '.[gpu]'` (on a GPU "
+        "node), or set generate.backend=transformers (runs anywhere, CPU included, but slowly: fine for a small test, "
+        "weeks for an 8B target)"
+    )
 
 
 def resolve_backend(backend: str, device: str) -> str:
     if backend != "auto":
         return backend
-    import importlib.util
-
-    if device.startswith("cuda") and importlib.util.find_spec("vllm") is not None:
-        return "vllm"
-    return "transformers"
+    return "vllm" if device.startswith("cuda") and vllm_installed() else "transformers"
 
 
 def prompt_hash(conversation: Conversation) -> str:

@@ -29,7 +29,7 @@ from shared.target_model import load_target_model, resolve_device, resolve_dtype
 from shared.token_cache import source_fingerprint
 from stage1_extract.backends import BatchEngine, transformers_backend, vllm_engine
 from stage1_extract.distributed import distributed_context, rank_device
-from stage1_extract.generate import generate_all, resolve_backend
+from stage1_extract.generate import backend_problem, generate_all, resolve_backend
 
 
 def prompts_format(cfg: RunConfig) -> str:
@@ -51,6 +51,9 @@ def default_prompts(cfg: RunConfig) -> Path:
 def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     if not cfg.data.regenerate:  # `make extract` always asks; with answers given there is nothing to do
         return {"skipped": "data.regenerate=false: extraction reads data.path as it is", "input": cfg.data.path}
+    problem = backend_problem(cfg.generate.backend)
+    if problem is not None:  # before any data is read: reading 800K rows first would hide it for minutes
+        raise ConfigError(problem)
     source = default_prompts(cfg)
     stats = ReadStats()
     conversations = list(

@@ -92,6 +92,6 @@ def other_data_problem(files: StoreFiles, shards: list[ShardPlan], records: dict
     return (
         f"{files.url}: shard(s) {shown} were extracted from other input rows than {source} gives"
         + (f" (the store was made from {made_from})" if made_from and str(made_from) != str(source) else "")
-        + "; `extract` does not replace them. If you edited the data, run `python -m stage1_extract reprocess` "
+        + "; extraction does not replace them. If you edited the data, run `python -m stage1_extract reprocess` "
         "(it re-extracts only those shards); for another dataset, set store.path (or run_dir) to a new folder"
     )

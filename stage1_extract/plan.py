@@ -117,7 +117,7 @@ def cmd_plan(cfg: RunConfig, *, gpu: str | None = None, gpus: int = 8) -> dict[s
             + (" (spread over the data, totals scaled)" if sizes.num_tokenized < sizes.num_rows else "")
             + f": {sizes.given} answer(s) at the data's own length (at most generate.max_new_tokens="
             f"{cfg.generate.max_new_tokens}), {sizes.guessed} at {ANSWER_SHARE:g} x max_new_tokens (a guess); "
-            f"run `generate` and plan again to measure them"
+            f"run `python -m stage1_extract generate` and plan again to measure them"
         )
         scale = sizes.scale
         plan = store_size(len(sizes.lengths) * scale, sizes.lengths.sum() * scale, sizes.truncated * scale,

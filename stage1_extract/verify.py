@@ -174,7 +174,7 @@ def deep_problems(url: str, rows_by_id: dict[int, Any]) -> dict[str, str]:
         for s, sample_id in enumerate(arrays["sample_ids"].tolist()):
             row = rows_by_id.get(sample_id)
             if row is None:
-                out[record["name"]] = f"sample of input row {sample_id}: the data has no such row now (run `status`)"
+                out[record["name"]] = f"sample of input row {sample_id}: the data has no such row now (run `python -m stage1_extract status`)"
                 break
             a, b = int(offsets[s]), int(offsets[s + 1])
             for name, stored, fresh in (

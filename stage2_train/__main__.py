@@ -186,7 +186,9 @@ VERBS = [
          show=show_plan, options=plan_options),
     Verb("train", "train the drafter from the store (refuses a stale store; resumes from the newest checkpoint)", train,
          show=show_train, description="Train the drafter from the feature store on every rank (torchrun / "
-         "accelerate launch), logging to run_dir/train_log.jsonl and wandb, checkpointing asynchronously."),
+         "accelerate launch), logging to run_dir/train_log.jsonl and wandb, checkpointing asynchronously.",
+         interrupted="interrupted: the same command resumes from the newest checkpoint (train.resume=auto; the steps "
+                     "after it are trained again)"),
     Verb("eval", "held-out evaluation: offline metrics and speculative decoding vs untrained and n-gram",
          lambda a: commands.cmd_eval(load_config(a), a.checkpoint), show=show_eval, options=checkpoint_option),
     Verb("export", "write a servable drafter folder (z-lab or speculators layout) with its model card",

@@ -202,3 +202,48 @@ def test_settings_nothing_reads_are_said_at_check_and_train():
         assert not [w for w in load_run_config(preset, []).recipe_warnings() if "does nothing" in w], preset
     dspark = load_run_config("configs/default.yaml", ["model.variant=dspark", "model.markov_rank=8", "eval.confidence_stop=0.5"])
     assert not [w for w in dspark.recipe_warnings() if "does nothing" in w]
+
+
+def test_stage1_check_names_its_departures_from_the_recipe(capsys):
+    """Stage 1's only recipe check was temperature/top_p: a config generating 16-token answers into
+    1,024-token samples from 3 target layers printed "no departures from the published DFlash recipe"."""
+    from stage1_extract import __main__ as stage1_cli
+
+    given = ["generate.max_new_tokens=16", "data.max_length=1024", "target.num_feature_layers=3", "extract.top_k=8"]
+    assert load_run_config(ROOT / "configs" / "recipe.yaml", []).recipe_warnings() == []
+    assert load_run_config(ROOT / "configs" / "recipe.yaml", given).recipe_warnings() == [
+        "target.num_feature_layers=3 departs from the recipe (5 target layers feed the drafter)",
+        "data.max_length=1024 departs from the recipe (3072): longer samples are truncated (data.on_long)",
+        "generate.max_new_tokens=16 departs from the recipe (2048): a longer answer is cut there (kept with its "
+        "end-of-turn marker unsupervised, its row's later turns dropped)",
+        "extract.top_k=8 departs from the recipe (64): the target's top-k the KL term and candidate slots read",
+    ]
+    layers = load_run_config(ROOT / "configs" / "recipe.yaml", ["target.layer_ids=[1,9,17]"]).recipe_warnings()
+    assert layers == ["target.layer_ids=[1, 9, 17]: 3 target layers feed the drafter; the DFlash recipe feeds 5 (configs/recipe.yaml)"]
+    # The CPU presets depart on purpose (each value's reason is in its file): these, and no others of stage 1.
+    for preset in ("default.yaml", "cpu-long.yaml"):
+        stage1_keys = [w.split("=")[0] for w in load_run_config(ROOT / "configs" / preset, []).recipe_warnings()
+                       if w.split(".")[0] in ("target", "data", "generate", "extract", "store")]
+        assert stage1_keys == ["target.num_feature_layers", "data.max_length", "generate.max_new_tokens"], preset
+    assert stage1_cli.main(["check", *given]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: generate.max_new_tokens=16 departs from the recipe (2048)" in err
+    assert "no departures from the published DFlash recipe" not in err
+
+
+def test_stage1_check_warns_when_the_backend_is_vllm_and_vllm_is_not_installed(monkeypatch, capsys):
+    """`check` passed a config inheriting qwen3-8b (generate.backend: vllm) on a node without vllm;
+    `generate` then failed. Found without importing vllm (importlib's find_spec)."""
+    from stage1_extract import __main__ as stage1_cli
+    from stage1_extract import generate
+
+    monkeypatch.setattr(generate, "vllm_installed", lambda: False)
+    assert stage1_cli.main(["check", "generate.backend=vllm"]) == 0
+    assert "WARNING: generate.backend=vllm, but vllm is not installed here: install it with `pip install -e '.[gpu]'`" in capsys.readouterr().err
+    assert stage1_cli.main(["check", "--quiet", "generate.backend=vllm"]) == 0
+    assert capsys.readouterr().err == ""
+    assert stage1_cli.main(["check", "generate.backend=auto"]) == 0  # auto falls back to transformers
+    assert "vllm" not in capsys.readouterr().err
+    monkeypatch.setattr(generate, "vllm_installed", lambda: True)
+    assert stage1_cli.main(["check", "generate.backend=vllm"]) == 0
+    assert "not installed" not in capsys.readouterr().err

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from shared.conversation_files import read_conversations
 from shared.conversations import ReadStats
 from shared.embedded import default_target_dir
+from shared.errors import DataError
 from stage1_extract.corpus import default_conversations
 from stage1_extract.data import write_conversations_parquet
 from stage1_extract.resolve import prepare_run
@@ -93,6 +94,38 @@ def test_bad_rows_name_file_and_row(tmp_path, good, row, message):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         list(read_conversations(tmp_path / "nope.jsonl"))
+
+
+def test_a_broken_json_row_says_its_problem_and_column_once(tmp_path):
+    """json's messages end in " at" for some problems ("Invalid control character at"): it was
+    printed "Invalid control character at at column 12"."""
+    path = tmp_path / "ctrl.jsonl"
+    path.write_text(CHAT + "\n" + '{"prompt": "a\tb"}' + "\n" + '{"prompt": "open')  # the last line unterminated
+    stats = ReadStats()
+    list(read_conversations(path, on_bad_row="skip", stats=stats))
+    assert [e.split(": ", 1)[1] for e in stats.bad_examples] == [
+        "row 1: not valid JSON (Invalid control character at column 14)",
+        "row 2: not valid JSON (Unterminated string starting at column 12)",
+    ]
+    array = tmp_path / "ctrl.json"
+    array.write_text('[{"prompt": "a\tb"}]')
+    with pytest.raises(DataError, match=r"row 0: not valid JSON \(Invalid control character\); a JSON array"):
+        list(read_conversations(array))
+
+
+def test_a_relative_data_path_not_found_names_the_working_directory(tmp_path, monkeypatch):
+    """data.path resolves against the working directory, not the config file: a run from another
+    folder said only `data file not found: data/sharegpt.jsonl`."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        list(read_conversations("data/sharegpt.jsonl"))
+    assert str(info.value) == (
+        f"data file not found: data/sharegpt.jsonl (data.path=data/sharegpt.jsonl is relative: resolved against the "
+        f"working directory {tmp_path}, not the config file's folder)"
+    )
+    with pytest.raises(FileNotFoundError) as info:
+        list(read_conversations(tmp_path / "nope.jsonl"))
+    assert str(info.value) == f"data file not found: {tmp_path / 'nope.jsonl'}"  # an absolute path is where it says
 
 
 def test_a_jsonl_file_with_a_byte_order_mark_reads_its_first_row(tmp_path):

@@ -814,6 +814,7 @@ def test_train_before_extract_names_the_command_and_creates_nothing(tmp_path, ti
 
     run_dir = tmp_path / "never-extracted"
     cfg = load_run_config("configs/default.yaml", [f"run_dir={run_dir}", f"target.path={tiny_target_dir}", "target.num_feature_layers=3"])
-    with pytest.raises(StoreError, match=r"no store was extracted here: `python -m stage1_extract extract --config \.\.\.` builds it"):
+    with pytest.raises(StoreError, match=r"no store was extracted here: build it with `python -m stage1_extract generate`, "
+                                         r"then `python -m stage1_extract extract` \(`make extract` runs both"):
         cmd_train(cfg, progress=False)
     assert not run_dir.exists()  # no log, no lock file, no wandb run, no folder

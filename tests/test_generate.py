@@ -706,3 +706,24 @@ def test_a_prompt_past_the_samples_context_is_not_sent_on_the_cpu_backend(tiny_t
     wide = commands.cmd_generate(huge, progress=False)
     assert wide["long_prompt_turns_kept"] == 1 and wide["prompt_limit"] == 2047 and max(sent) <= 2047
     assert "the target's max_position_embeddings=2048" in wide["prompt_limit_why"]
+
+
+def test_generate_with_vllm_not_installed_is_one_line_before_any_data_is_read(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    """The 8B presets set generate.backend: vllm; on a node without it `generate` read the data, then
+    died with a 28-line ModuleNotFoundError (exit 1)."""
+    from stage1_extract import __main__ as stage1_cli
+
+    monkeypatch.setattr(generate, "vllm_installed", lambda: False)
+    missing = tmp_path / "not-read-yet.jsonl"  # read first, it would be the error
+    args = [f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", f"data.path={missing}", "generate.backend=vllm"]
+    assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: generate.backend=vllm, but vllm is not installed here: install it with `pip install -e '.[gpu]'` (on a "
+        "GPU node), or set generate.backend=transformers (runs anywhere, CPU included, but slowly: fine for a small "
+        "test, weeks for an 8B target)\n"
+    )
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(generate, "vllm_installed", lambda: True)  # installed: on to the data
+    assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
+    assert "data file not found" in capsys.readouterr().err

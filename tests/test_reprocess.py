@@ -116,7 +116,7 @@ def test_extract_refuses_a_store_made_from_other_data_and_reprocess_replaces_it(
     second = config(Path(cfg.target.path), other, Path(cfg.run_dir))
     with pytest.raises(StoreError, match=(
         rf"shard\(s\) 0, 1 were extracted from other input rows than {other} gives \(the store was made from {data}\); "
-        r"`extract` does not replace them.*`python -m stage1_extract reprocess`.*set store.path \(or run_dir\) to a new folder"
+        r"extraction does not replace them.*`python -m stage1_extract reprocess`.*set store.path \(or run_dir\) to a new folder"
     )):
         commands.cmd_extract(second, progress=False)
     assert contents(cfg) == before and commands.cmd_status(cfg)["complete"]

@@ -243,6 +243,56 @@ def test_a_resume_with_another_mask_token_is_refused_unless_forced(tiny_target_d
     assert json.loads((run_copy / "checkpoints" / "step_000003" / "drafter.json").read_text())["mask_token_id"] == other
 
 
+def test_a_resume_the_batch_plan_cannot_continue_names_the_ways_to_start_anew(tiny_target_dir, stores, run_copy, capfd):
+    """Retraining after `reprocess` (other samples): `train` said "set train.resume_force=true", which
+    then failed in the sampler ("num_samples was 242 when saved, is 247 now ... resuming exactly is
+    impossible") with no fix. resume_force is named only where it works; the ways that do are named."""
+    step = run_copy / "checkpoints" / "step_000002"
+    more = overrides(tiny_target_dir, stores[1], run_copy, **{"train.max_steps": 3})  # the store, rebuilt with other samples
+    anew = (f"To start anew: train.resume=never starts over in this run_dir, run_dir=<another folder> starts a new run, "
+            f"and model.init_from={step} with either starts from that checkpoint's weights")
+    for force in ("false", "true"):
+        with pytest.raises(CheckpointError) as refused:
+            cmd_train(load_run_config("configs/default.yaml", [*more, f"train.resume_force={force}"]), progress=False)
+        message = str(refused.value)
+        assert message.startswith("cannot resume: resolved.store_digest: saved ")
+        assert ("and train.resume_force cannot resume this checkpoint: the batch plan cannot be continued (num_samples was "
+                in message)
+        assert message.endswith(anew) and "set train.resume_force=true" not in message
+    summary = cmd_train(load_run_config("configs/default.yaml", [*more, "train.resume=never"]), progress=False)
+    assert summary["steps"] == 3  # the first fix named works
+    capfd.readouterr()
+
+
+def test_a_sampler_that_cannot_continue_a_plan_names_the_ways_to_start_anew():
+    from stage2_train.data.config import SamplerConfig
+    from stage2_train.data.sampler import LengthMixedSampler
+
+    lengths = [64] * 40
+    state = LengthMixedSampler(SamplerConfig(micro_batch_tokens=256), lengths, seed=0).state_dict()
+    with pytest.raises(CheckpointError, match=r"sampler state: num_samples was 40 when saved, is 39 now .*resuming exactly "
+                                              r"is impossible, train\.resume_force included\. To start anew: "
+                                              r"train\.resume=never starts over in this run_dir, run_dir=<another folder>"):
+        LengthMixedSampler(SamplerConfig(micro_batch_tokens=256), lengths[:-1], seed=0).load_state_dict(state)
+
+
+def test_a_resume_whose_weights_do_not_fit_names_no_resume_force_and_no_init_from():
+    from stage2_train.train.resume import check_compatible
+
+    saved, now = {"model": {"num_layers": 1}}, {"model": {"num_layers": 2}}
+    for force in (False, True):
+        with pytest.raises(CheckpointError) as refused:
+            check_compatible(saved, now, force, checkpoint="ckpt/step_000002")
+        assert str(refused.value) == (
+            "cannot resume: model.num_layers: saved 1, now 2 (the drafter's architecture (its weights would not fit)) "
+            "(these change what training computes, and train.resume_force cannot resume this checkpoint: its weights do "
+            "not fit this drafter (model.num_layers)). To start anew: train.resume=never starts over in this run_dir, "
+            "run_dir=<another folder> starts a new run"
+        )
+    gamma = check_compatible({"loss": {"gamma": 4.0}}, {"loss": {"gamma": 5.0}}, True)  # one force can carry
+    assert gamma == ["loss.gamma: saved 4.0, now 5.0 (the position weights of the loss)"]
+
+
 def test_every_field_of_the_drafters_description_is_compared_on_resume():
     """Fields no setting compares (the target's shape: rope_theta, heads) are named as drafter.<field>;
     one a setting already names (block_size) is reported once, under the setting."""

@@ -133,6 +133,15 @@ _CAUSES = {
 }
 
 
+def start_anew(checkpoint: str = "<its step folder>", weights_fit: bool = True) -> str:
+    """The ways to train on when a checkpoint cannot be resumed: the fix of every refused resume
+    (here, the lowest place that refuses one; train/resume.py names the checkpoint). Its weights are
+    a start only when they fit this run's drafter (`weights_fit`)."""
+    fresh = "To start anew: train.resume=never starts over in this run_dir, run_dir=<another folder> starts a new run"
+    if not weights_fit:
+        return fresh
+    return f"{fresh}, and model.init_from={checkpoint} with either starts from that checkpoint's weights"
+
 
 def refuse_over_budget(counts: np.ndarray, budget: int, what: str, fix: str) -> None:
     """A sample larger than a micro-batch's budget can never be placed: name the first and how many."""
@@ -365,17 +374,25 @@ class LengthMixedSampler:
             "blocks_digest": self._blocks_digest,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def plan_difference(self, state: dict[str, Any]) -> str | None:
+        """What of a saved sampler `state` differs from this sampler's plan (its settings, or the
+        samples it plans: then no resume, forced or not, can continue it), or None."""
         mine = self.state_dict()
         # `replan`: a forced resume of a checkpoint saved before the block budget, moved to its epoch's
         # start (train/resume.py); that epoch is planned under today's budget.
         exempt = ("micro_batch_blocks", "blocks_digest") if state.get("replan") else ()
         for key in (*_PLAN_KEYS, "num_samples", "lengths_digest", "blocks_digest"):
             if key not in exempt and state.get(key) != mine[key]:
-                raise CheckpointError(
-                    f"sampler state: {key} was {state.get(key)!r} when saved, is {mine[key]!r} now ({_CAUSES.get(key, key)} "
-                    f"changed); the batch plan would differ, so resuming exactly is impossible"
-                )
+                return f"{key} was {state.get(key)!r} when saved, is {mine[key]!r} now ({_CAUSES.get(key, key)} changed)"
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        difference = self.plan_difference(state)
+        if difference is not None:  # train/resume.py refuses it first, naming the checkpoint
+            raise CheckpointError(
+                f"sampler state: {difference}; the batch plan would differ, so resuming exactly is impossible, "
+                f"train.resume_force included. {start_anew()}"
+            )
         epoch, step, micro = int(state["epoch"]), int(state["step_in_epoch"]), int(state["micro_step"])
         if not (0 <= step < len(self.plan_epoch(epoch)) and 0 <= micro < self.grad_accum):
             raise CheckpointError(

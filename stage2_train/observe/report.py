@@ -72,7 +72,7 @@ def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("`report` draws with matplotlib, which is not installed: pip install -e '.[report]'") from None
+        raise ConfigError("`python -m stage2_train report` draws with matplotlib, which is not installed: pip install -e '.[report]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -45,7 +45,7 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
             f"tau **{interval_text(online)}**"
             + (" (95% bootstrap interval over prompts)" if online.get("lo") is not None else "")
             + f"; untrained drafter {online.get('untrained', float('nan')):.3f}, "
-            f"n-gram drafter {online.get('ngram', float('nan')):.3f}. Harness: dflash-pipeline's `stage2_train eval`, "
+            f"n-gram drafter {online.get('ngram', float('nan')):.3f}. Harness: dflash-pipeline's `python -m stage2_train eval`, "
             f"so compare with figures of the same harness only."
         )
     data = facts.get("data") or {}

@@ -6,18 +6,23 @@ whose drafter (its drafter.json) differs from this run's in any field, is refuse
 `train.resume_force`; every changed setting goes into the `resume` event either way
 (`config_changes`, and `forced_differences` when forced). A checkpoint saved before micro-batches had
 a block budget cannot rebuild its batch plan: refused, or under `train.resume_force` its epoch is
-re-planned from the start (`replanned` in the event).
+re-planned from the start (`replanned` in the event). What `train.resume_force` cannot carry is
+refused with or without it, naming the ways to start anew (`start_anew`): weights of another shape
+(WEIGHT_SHAPE_FIELDS), or a batch plan the sampler cannot continue (other samples after `reprocess`,
+another split or budget: its `plan_difference`).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shared.config import dotted_differences, flatten
 from shared.errors import CheckpointError, ConfigError
+from stage2_train.data.sampler import start_anew
 from stage2_train.model.description import VARIANT_FIELDS
 from stage2_train.observe.config import DetectorConfig
 
@@ -68,6 +73,16 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "optim.name": "the optimizer, whose state the checkpoint holds",
     "resolved.world_size": "ranks: the global batch and the per-rank RNG and sampler states",
 }
+
+# Settings (and fields of the drafter's description) whose change gives the checkpoint's weights
+# another shape, or other modules, than this run's drafter: neither train.resume_force nor
+# model.init_from can use them. A change in the number of target layers is one too (`_reshaped`).
+WEIGHT_SHAPE_FIELDS = (
+    "model.num_layers", "model.intermediate_size", "model.feature_projection", "model.projection_dim", "model.variant",
+    "model.markov_rank", "model.conv_kernel_size", "model.conv_group_size", "model.selector_rank",
+    "target.num_feature_layers",
+)
+DESCRIPTION_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 # Compared only when both configs carry it (checkpoints written before the field was recorded).
 OPTIONAL_FIELDS = {
@@ -131,12 +146,15 @@ _ABSENT = _Absent()
 def check_compatible(
     saved_config: dict[str, Any], current_config: dict[str, Any], force: bool = False,
     saved_drafter: dict[str, Any] | None = None, drafter: dict[str, Any] | None = None,
+    *, plan: str | None = None, checkpoint: str = "<its step folder>",
 ) -> list[str]:
     """Differences in COMPATIBILITY_FIELDS, as 'field: saved X, now Y', then those of the drafter's
     description (`saved_drafter`, `drafter`: drafter.json's fields) that no setting above reported.
-    Raises unless `force`."""
+    Raises unless `force`, and even then when force cannot resume: weights of another shape, or
+    `plan` (the sampler's `plan_difference`: the batch plan cannot be continued). The message names
+    resume_force only where it would work, and the ways to start anew (`checkpoint`'s weights)."""
     saved, current = upgrade_saved(saved_config), flatten(current_config)
-    differences, changed = [], set()
+    differences, changed, reshaped = [], set(), []
     for key in COMPATIBILITY_FIELDS:
         if key not in saved and key not in current:
             continue
@@ -155,13 +173,34 @@ def check_compatible(
                 continue
             set_by = DESCRIPTION_SET_BY.get(key, "the target's shape (target.path)")
             differences.append(f"drafter.{key}: saved {before!r}, now {now!r} (the drafter's description, set by {set_by})")
-    if differences and not force:
+            reshaped += [f"drafter.{key}"] if key in DESCRIPTION_SHAPE_FIELDS else []
+    if not differences:
+        return differences
+    reshaped = [key for key in WEIGHT_SHAPE_FIELDS if key in changed] + _other_layer_count(saved, current) + reshaped
+    unforceable = ([f"its weights do not fit this drafter ({', '.join(reshaped)})"] if reshaped else []) + (
+        [f"the batch plan cannot be continued ({plan})"] if plan else []
+    )
+    anew = start_anew(checkpoint, weights_fit=not reshaped)
+    if unforceable:
         raise CheckpointError(
-            "cannot resume: "
-            + "; ".join(differences)
-            + " (these change what training computes; set train.resume_force=true to accept it)"
+            f"cannot resume: {'; '.join(differences)} (these change what training computes, and train.resume_force "
+            f"cannot resume this checkpoint: {'; '.join(unforceable)}). {anew}"
+        )
+    if not force:
+        raise CheckpointError(
+            f"cannot resume: {'; '.join(differences)} (these change what training computes; set train.resume_force=true "
+            f"to accept it and resume with them). {anew}"
         )
     return differences
+
+
+def _other_layer_count(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """["resolved.layer_ids"] when the drafter reads another number of target layers (its input
+    projection another shape), whatever setting chose them."""
+    before, now = saved.get("resolved.layer_ids"), current.get("resolved.layer_ids")
+    if isinstance(before, (list, tuple)) and isinstance(now, (list, tuple)) and len(before) != len(now):
+        return ["resolved.layer_ids"]
+    return []
 
 
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
@@ -180,11 +219,15 @@ class ResumePoint:
     event: dict[str, Any] | None
 
 
-def find_resume_point(choice: str, force: bool, checkpointer: Any, info: dict[str, Any], rank: int) -> ResumePoint:
+def find_resume_point(
+    choice: str, force: bool, checkpointer: Any, info: dict[str, Any], rank: int,
+    plan_difference: Callable[[dict[str, Any]], str | None] | None = None,
+) -> ResumePoint:
     """`train.resume` applied: auto, never, or a path. Checkpoints passed over (damaged, incomplete)
     are named on stderr (rank 0) and in the event; the chosen one is verified once across ranks
-    (`Checkpointer.select`) and its settings and drafter compared with this run's (`info`: its
-    `run_info`, the resolved config and the drafter's description) before anything is loaded."""
+    (`Checkpointer.select`) and its settings, drafter and batch plan (`plan_difference`: the
+    sampler's, given the saved sampler state) compared with this run's (`info`: its `run_info`, the
+    resolved config and the drafter's description) before anything is loaded."""
     current_config = info["config"]
     if choice == "never":
         return ResumePoint(None, None, None)
@@ -209,7 +252,15 @@ def find_resume_point(choice: str, force: bool, checkpointer: Any, info: dict[st
     if path is None:
         return ResumePoint(None, None, {"path": None, "skipped": passed_over} if skipped else None)
     state = checkpointer.load(path, verified=verified)
-    forced = check_compatible(state["config"], current_config, force, state.get("drafter"), info.get("drafter"))
+    plan = saved_plan_difference(state, plan_difference)
+    forced = check_compatible(
+        state["config"], current_config, force, state.get("drafter"), info.get("drafter"), plan=plan, checkpoint=str(path)
+    )
+    if plan:  # nothing the config records changed, yet the plan did (a checkpoint that predates a field)
+        raise CheckpointError(
+            f"cannot resume {path}: sampler state: {plan}; the batch plan would differ, so resuming exactly is "
+            f"impossible, train.resume_force included. {start_anew(str(path))}"
+        )
     replanned = replan_before_block_budget(state, path, force)
     if rank == 0 and (forced or replanned):
         what = forced + ([f"epoch {replanned['epoch']} re-planned from its start"] if replanned else [])
@@ -223,6 +274,19 @@ def find_resume_point(choice: str, force: bool, checkpointer: Any, info: dict[st
         **({"replanned": replanned} if replanned else {}),
     }
     return ResumePoint(path, state, event)
+
+
+def saved_plan_difference(
+    state: dict[str, Any], plan_difference: Callable[[dict[str, Any]], str | None] | None
+) -> str | None:
+    """What of the checkpoint's batch plan the sampler cannot continue, even under train.resume_force
+    (which re-plans a checkpoint from before the block budget: its missing budget keys are not compared)."""
+    sampler = state.get("loader" if "loader" in state else "sampler")
+    if plan_difference is None or not isinstance(sampler, dict):
+        return None
+    if any(key not in sampler for key in BLOCK_BUDGET_KEYS):
+        sampler = {**sampler, "replan": True}
+    return plan_difference(sampler)
 
 
 def replan_before_block_budget(state: dict[str, Any], path: Path, force: bool) -> dict[str, Any] | None:

@@ -450,7 +450,8 @@ class Trainer:
     def resume(self) -> str | None:
         """Continue from the checkpoint `train.resume` chooses (`train/resume.py`: the one policy)."""
         point = find_resume_point(
-            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info, self.rank
+            self.cfg.train.resume, self.cfg.train.resume_force, self.checkpointer, self.info, self.rank,
+            plan_difference=self.data.loader.sampler.plan_difference,
         )
         if point.state is not None:
             self.checkpointer.load_state_dict(point.state)
