@@ -418,14 +418,18 @@ def test_another_variant_is_reported_once_as_the_variant():
     current = {"model": {"variant": "dspark", "markov_rank": 256, "block_size": 16}}
     before = {"variant": "dflash", "block_size": 16}
     now = {"variant": "dspark", "block_size": 16, "markov_rank": 256, "markov_head": "vanilla", "confidence_head": True}
-    assert check_compatible(saved, current, force=True, saved_drafter=before, drafter=now) == [
-        "model.variant: saved 'dflash', now 'dspark' (the drafter's architecture and its labels (dspark predicts one token further))"
-    ]
+    # refused even when forced (its weights do not fit), naming the variant once and what starts anew
+    with pytest.raises(CheckpointError) as refused:
+        check_compatible(saved, current, force=True, saved_drafter=before, drafter=now)
+    message = str(refused.value)
+    assert message.startswith("cannot resume: model.variant: saved 'dflash', now 'dspark' (the drafter's architecture and its "
+                              "labels (dspark predicts one token further))")
+    assert "markov_rank" not in message and "train.resume=never" in message
     # the same variant with other head sizes: once, as its setting
     resized = {"model": {**current["model"], "markov_rank": 64}}
-    assert check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64}) == [
-        "model.markov_rank: saved 256, now 64 (the DSpark heads (their weights would not fit))"
-    ]
+    with pytest.raises(CheckpointError, match=r"cannot resume: model\.markov_rank: saved 256, now 64 \(the DSpark heads \(their weights "
+                                              r"would not fit\)\) \("):
+        check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64})
 
 
 def test_a_checkpoint_saved_before_a_rename_resumes_under_the_new_name():

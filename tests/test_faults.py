@@ -141,7 +141,8 @@ def test_each_stage_validates_its_sections_and_make_checks_both(entry, own, othe
     )
     done = subprocess.run([sys.executable, "-m", entry, "check", other], cwd=REPO, capture_output=True, text=True)
     owner = "stage2_train" if entry == "stage1_extract" else "stage1_extract"
-    assert done.returncode == 0 and f"are {owner}'s: `python -m {owner} check` validates them" in done.stderr
+    # the command it names is spelled for this run (its --config and overrides)
+    assert done.returncode == 0 and f"are {owner}'s: `python -m {owner} check --config default {other}` validates them" in done.stderr
     done = subprocess.run(["make", "-s", "preflight", f"ARGS={other}"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode != 0 and "error: " in done.stderr
 
