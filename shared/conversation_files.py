@@ -144,7 +144,8 @@ def generated_origin(record: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(record.get("source_row"), int) and not isinstance(record.get("source_row"), bool):
         out["source_row"] = record["source_row"]
-    if isinstance(record.get("prompt_hash"), str):
+    # Only generate's own form (32 hex): a column of that name in a user's file must not become a split key.
+    if isinstance(record.get("prompt_hash"), str) and re.fullmatch(r"[0-9a-f]{32}", record["prompt_hash"]):
         out["prompt_hash"] = record["prompt_hash"]
     return out
 

@@ -139,13 +139,31 @@ def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], so
         report.warnings.append(f"rows checked by the data's sha256 only: this store's manifest predates its record of "
                                f"{', '.join('data.' + k for k in SELECTION_SETTINGS)}; `python -m stage1_extract status` checks them")
     for name, value in (recorded or {}).items():
-        if settings.get(name) != value:
+        if not _same_rows(name, value, settings.get(name), made):
             report.problems.append(f"data.{name} changed since extraction ({value!r} -> {settings.get(name)!r}): the store holds other rows")
     if made.get("num_rows") is not None and not report.problems:
         planned = -(-int(made["num_rows"]) // int(manifest["samples_per_shard"]))
         present = {r["index"] for r in manifest["shards"]}
         report.stale += [(index, "missing from the manifest") for index in range(planned) if index not in present]
         report.stale += [(index, "orphaned: past the rows the manifest records") for index in sorted(present - set(range(planned)))]
+
+
+def _same_rows(name: str, then: Any, now: Any, made: dict[str, Any]) -> bool:
+    """Whether a row setting changed from `then` to `now` still selects the rows the manifest's data
+    block (`made`) says were read: a limit the file ended before, a bad-row rule with no bad row, a
+    format `auto` read. Only a change that can select other rows refuses (`status` reads them all)."""
+    if then == now:
+        return True
+    if name == "max_samples" and made.get("rows_read") is not None:
+        kept = int(made["rows_read"]) - int(made.get("bad_rows_skipped") or 0)
+        if then is None or kept < then:  # the whole file was read: any limit at or past its rows keeps them
+            return now is None or now >= kept
+        return False
+    if name == "on_bad_row":
+        return not made.get("bad_rows_skipped")
+    if name == "format":
+        return "auto" in (then, now)  # auto reads a file in the one format it finds
+    return False
 
 
 def _compare_rows(manifest: dict[str, Any], row_hashes: list[str], report: Staleness) -> None:

@@ -7,6 +7,7 @@ stage 2's loader and evaluation, and for verify.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -189,7 +190,7 @@ class StoreReader:
     def _own_checksum(self, name: str) -> str | None:
         """The checksum a shard group records of itself (None for shards written before it did)."""
         try:
-            return StoreFiles(self.url).read_json(f"shards/{name}/zarr.json").get("attributes", {}).get("checksum")
+            return json.loads(self._source.text(f"shards/{name}/zarr.json")).get("attributes", {}).get("checksum")
         except (OSError, ValueError):
             return None  # its arrays' own checks name what is wrong
 

@@ -399,7 +399,7 @@ def generate_all(
     kept = sum(bool(m.get("tool_calls")) for c in conversations for m in c.messages if m["role"] == "assistant")
     if rank != 0:
         return GenerateResult(out_path, 0, generated_tokens, time.perf_counter() - started, reused, kept, start_s, generate_s, 0, limit)
-    wait_for_parts(parts_dir, wanted, world)
+    wait_for_parts(parts_dir, wanted, world, context)
     # Summed over every part, each rank's and each earlier run's: the count belongs to the data made.
     counts = [part_counts(parts_dir / name) for name in wanted]
     read = ReadStats()  # the cut answers, counted as the parts hold them
@@ -446,15 +446,20 @@ def kept_under_smaller_context(part: Path, context: tuple[int, str] | None) -> b
     return context is not None and bool(counts.get("long_prompt_turns_kept")) and counts.get("context", context[0]) < context[0]
 
 
-def wait_for_parts(parts_dir: Path, wanted: list[str], world: int, poll_s: float = 2.0) -> None:
-    """Rank 0: until every part exists. The ranks share no process group (vLLM builds its own and
-    would adopt ours), so they meet on the files: each part is written atomically, and a failing
-    rank leaves `.failed-rank-R` (torchrun stops every rank when one dies)."""
+def wait_for_parts(
+    parts_dir: Path, wanted: list[str], world: int, context: tuple[int, str] | None = None, poll_s: float = 2.0
+) -> None:
+    """Rank 0: until every part exists and is current. The ranks share no process group (vLLM builds
+    its own and would adopt ours), so they meet on the files: each part is written atomically, and a
+    failing rank leaves `.failed-rank-R` (torchrun stops every rank when one dies). A part another
+    rank is making again (`kept_under_smaller_context`) still exists in its old form until then:
+    it counts as missing, or a rank with less work would merge the data's answers."""
     while True:
         failed = sorted(parts_dir.glob(".failed-rank-*"))
         if failed:
             raise DataError(f"generate failed on {failed[0].name[len('.failed-'):]}: {failed[0].read_text()} ({parts_dir})")
-        missing = [name for name in wanted if not (parts_dir / name).exists()]
+        missing = [name for name in wanted
+                   if not (parts_dir / name).exists() or kept_under_smaller_context(parts_dir / name, context)]
         if not missing or world == 1:
             if missing:
                 raise RuntimeError(f"{len(missing)} parts missing after generation, first {missing[0]}")

@@ -52,7 +52,9 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     if not cfg.data.regenerate:  # `make extract` always asks; with answers given there is nothing to do
         return {"skipped": "data.regenerate=false: extraction reads data.path as it is", "input": cfg.data.path}
     problem = backend_problem(cfg.generate.backend)
-    if problem is not None:  # before any data is read: reading 800K rows first would hide it for minutes
+    # Before any data is read when nothing was made yet (reading 800K rows first would hide it for
+    # minutes); a run whose parts are all done needs no engine (`make extract` always asks generate).
+    if problem is not None and not any(RunPaths.of(cfg).generated_parts.glob("part-*.parquet")):
         raise ConfigError(problem)
     source = default_prompts(cfg)
     stats = ReadStats()
@@ -84,6 +86,8 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
                    "leading_turns_dropped": stats.leading_turns_dropped}
 
     def make_engine():
+        if problem is not None:
+            raise ConfigError(problem)
         if backend_name == "vllm":
             dtype = resolve_dtype(cfg.target.dtype, device)
             stop_ids = stop_token_ids(tokenizer, model_dir=model_dir)

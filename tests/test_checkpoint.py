@@ -432,6 +432,17 @@ def test_another_variant_is_reported_once_as_the_variant():
         check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64})
 
 
+def test_a_setting_neither_drafter_reads_is_no_change_to_resume():
+    """model.markov_rank on a DFlash run, projection_dim with no projection, a window with no sliding
+    layer: `check` says they do nothing, so resuming across them is no change (it was refused as
+    weights that do not fit, even when forced)."""
+    base = {"model": {"variant": "dflash", "markov_rank": 256, "projection_dim": None, "feature_projection": "none",
+                      "sliding_window": None, "layer_types": None}, "loss": {"selector_weight": 1.0}}
+    for change in ({"markov_rank": 64}, {"projection_dim": 32}, {"sliding_window": 8}):
+        assert check_compatible(base, {**base, "model": {**base["model"], **change}}) == []
+    assert check_compatible(base, {**base, "loss": {"selector_weight": 2.0}}) == []
+
+
 def test_a_checkpoint_saved_before_a_rename_resumes_under_the_new_name():
     """A config saved by a checkpoint before sampler.token_budget became sampler.micro_batch_tokens
     (eval.offline_token_budget -> offline_batch_tokens): the same value is no change, another is

@@ -727,3 +727,26 @@ def test_generate_with_vllm_not_installed_is_one_line_before_any_data_is_read(ti
     monkeypatch.setattr(generate, "vllm_installed", lambda: True)  # installed: on to the data
     assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
     assert "data file not found" in capsys.readouterr().err
+
+
+def test_rank_0_waits_for_a_part_another_rank_is_making_again(tmp_path):
+    """data.max_length raised: a part that kept turns under the smaller context is generated again by
+    its rank, its old file on disk until then. Rank 0, done with its own parts, must not merge that
+    old file (the data's answers where the target's belong): it waits until the part is current."""
+    import threading
+    import time
+
+    from stage1_extract.data import write_conversations_parquet
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    chat = [Conversation(row=0, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])]
+    write_conversations_parquet(chat, parts / "part-0.parquet", counts={"long_prompt_turns_kept": 1, "context": 60})
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (generate.wait_for_parts(parts, ["part-0.parquet"], 2, (4096, "x"), poll_s=0.02), done.set()))
+    waiter.start()
+    time.sleep(0.3)
+    assert not done.is_set()  # the old part is there, and is not taken
+    write_conversations_parquet(chat, parts / "part-0.parquet", counts={"long_prompt_turns_kept": 0, "context": 4096})
+    waiter.join(timeout=10)
+    assert done.is_set()

@@ -143,6 +143,19 @@ def test_a_quick_runs_max_samples_is_refused_once_dropped_with_no_token_cache_fo
     assert stale_in_status(cfg)  # status tokenizes the whole file and agrees
 
 
+
+def test_row_settings_that_select_the_same_rows_are_not_a_change(root, tiny_target_dir):
+    """A limit the file ended before, a bad-row rule with no bad row, a format `auto` read: the
+    store holds the rows the config selects, as `status` says; training is not refused over them."""
+    generous = config(tiny_target_dir, root, **{"data.max_samples": 1000, "data.on_bad_row": "skip", "data.format": "openai"})
+    stage1.cmd_reprocess(generous, progress=False)
+    made = json.loads((root / "run" / "store" / "manifest.json").read_text())["data"]["row_settings"]
+    assert made == {"on_bad_row": "skip", "max_samples": 1000, "format": "openai"}
+    cfg = config(tiny_target_dir, root, **{"data.token_cache": False})  # max_samples null, on_bad_row raise, format auto
+    assert stage1.cmd_status(config(tiny_target_dir, root))["complete"]
+    assert stage2.cmd_train(cfg, progress=False)["steps"] == 1
+
+
 def test_a_shard_record_removed_by_hand_is_refused_without_a_token_cache(root, tiny_target_dir):
     store = root / "run" / "store"
     manifest = json.loads((store / "manifest.json").read_text())

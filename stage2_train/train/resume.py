@@ -143,6 +143,22 @@ class _Absent:
 _ABSENT = _Absent()
 
 
+def _unread(key: str, saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """A setting neither run's drafter reads (another variant's head or loss term, a projection size
+    with no projection, a window with no sliding layer): changing it changes nothing to resume."""
+    from stage2_train.model.config import VARIANT_FIELDS, VARIANT_LOSS_FIELDS
+
+    variants = {saved.get("model.variant", "dflash"), current.get("model.variant", "dflash")}
+    for owner, names in VARIANT_FIELDS.items():
+        if key in {f"model.{n}" for n in names} | {f"loss.{n}" for n in VARIANT_LOSS_FIELDS.get(owner, ())}:
+            return owner not in variants
+    if key == "model.projection_dim":
+        return "pca" not in {saved.get("model.feature_projection"), current.get("model.feature_projection")}
+    if key == "model.sliding_window":
+        return not any(t and "sliding_attention" in t for t in (saved.get("model.layer_types"), current.get("model.layer_types")))
+    return False
+
+
 def check_compatible(
     saved_config: dict[str, Any], current_config: dict[str, Any], force: bool = False,
     saved_drafter: dict[str, Any] | None = None, drafter: dict[str, Any] | None = None,
@@ -159,6 +175,8 @@ def check_compatible(
         if key not in saved and key not in current:
             continue
         if key in OPTIONAL_FIELDS and (key not in saved or key not in current):
+            continue
+        if _unread(key, saved, current):
             continue
         before, now = saved.get(key, _ABSENT), current.get(key, _ABSENT)
         if before != now:
