@@ -171,9 +171,10 @@ class DrafterConfig(Section):
         out = []
         if self.variant == "dflash":
             out.append(
-                "model.variant=dflash2: tau +0.062 [+0.029, +0.096] over DFlash at equal steps on the CPU default, with 6.6x "
-                "the trained parameters and 1.86x the step time there; dspark +0.025 [-0.004, +0.057] (noise) "
-                "(BENCHMARKS.md \"variants\"; docs/variants.md)"
+                "model.variant=dflash2: tau +0.062 [+0.029, +0.096] over DFlash at equal steps on the CPU default and "
+                "+0.138 [+0.092, +0.193] on cpu-long, with 6.6x the trained parameters and ~1.9x the step time there; "
+                "dspark +0.025 [-0.004, +0.057] (noise) and +0.086 [+0.047, +0.128] "
+                "(BENCHMARKS.md \"variants\", \"variants_long\"; docs/variants.md)"
             )
         if self.layer_types is None or "sliding_attention" not in self.layer_types:
             out.append(
