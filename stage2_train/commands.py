@@ -134,10 +134,6 @@ def _saved_drafter_path(cfg: RunConfig, checkpoint_arg: str | None) -> Path:
     return saved_drafter_path(resolve_checkpoint(checkpoint_arg, RunPaths.of(cfg).checkpoints))
 
 
-def _plain_list(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
 def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, path: Path, device: Any = "cpu") -> Any:
     """The drafter saved at `path` (`_saved_drafter_path`), as its saved description says. A `model.*`
     value given on the command line that contradicts it is refused naming both; the config file's
@@ -157,8 +153,9 @@ def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, path: Path, device: A
     for key, ours, theirs in (("target.layer_ids", list(described.target_layer_ids), cfg.target.layer_ids),
                               ("target.mask_token_id", described.mask_token_id, cfg.target.mask_token_id),
                               ("target.num_feature_layers", len(described.target_layer_ids), cfg.target.num_feature_layers)):
-        if key in cfg.overridden and theirs is not None and _plain_list(theirs) != ours:
-            contradictions.append(f"{key}: the drafter has {ours}, the command line gives {_plain_list(theirs)}")
+        theirs = list(theirs) if isinstance(theirs, tuple) else theirs  # a YAML list is read as a tuple
+        if key in cfg.overridden and theirs is not None and theirs != ours:
+            contradictions.append(f"{key}: the drafter has {ours}, the command line gives {theirs}")
     if contradictions:
         raise ConfigError(
             f"{loaded.weights_file.parent} holds another drafter than the command line describes: "
