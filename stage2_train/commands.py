@@ -330,8 +330,9 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
 
 def cmd_doctor(log_path: Path, as_json: bool, cfg: RunConfig | None = None) -> tuple[str, int]:
     from stage2_train.observe.doctor import doctor
+    from stage2_train.train.curves import expected_at
 
-    return doctor(log_path, as_json, cfg.detectors if cfg is not None else None)
+    return doctor(log_path, as_json, cfg.detectors if cfg is not None else None, schedule=expected_at)
 
 
 def cmd_doctor_export(
@@ -359,8 +360,9 @@ def cmd_doctor_export(
 
 def cmd_report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     from stage2_train.observe.report import report
+    from stage2_train.train.curves import expected_at
 
-    return report(log_path, out_dir)
+    return report(log_path, out_dir, schedule=expected_at)
 
 
 def write_json(path: Path, data: Any) -> Path:

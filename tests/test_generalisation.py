@@ -202,7 +202,7 @@ def test_small_noisy_eval_set_jitter_does_not_fire():
     assert found(detect(records(curves, se=TIGHT_SE))) == [("generalisation", 200)]
 
 
-def test_old_format_without_se_uses_the_eval_size():
+def test_old_format_without_se_uses_the_eval_size(tmp_path):
     """No *_se fields, 6 samples, 30 blocks: accuracy's binomial SE sqrt(p (1 - p) / 30) is ~0.08,
     and walk_tau and ce get |value| / sqrt(6), so jitter stays quiet and only a large fall fires."""
     jitter = [0.0, 1.0, -1.0, 0.5, -0.8, 0.9, -1.0, -0.6, 0.4, -1.0, -0.9, 0.7]
@@ -244,6 +244,9 @@ def test_old_format_without_se_uses_the_eval_size():
     ]
     last_line = format_text(diagnosis, "train_log.jsonl").splitlines()[-1]
     assert last_line.startswith("no events, but cannot tell overfitting (see above) (final loss ")
+    log = tmp_path / "train_log.jsonl"  # exit 3, not healthy's 0: a script gating on the doctor stops
+    log.write_text("".join(json.dumps(r) + "\n" for r in no_blocks(fall)))
+    assert cmd_doctor(log, as_json=False)[1] == 3
     # One more eval of the fall and the trend rule names it (its test passed at two evals in a row).
     longer = {name: [*values, values[-1]] for name, values in fall.items()}
     longer["walk_tau"][-1], longer["accuracy"][-1], longer["ce"][-1] = 0.9, 0.03, 3.6

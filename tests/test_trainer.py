@@ -376,6 +376,23 @@ def assert_fp32_master_state(trainer) -> None:
     assert {b.dtype for n, b in trainer.model.named_buffers() if n in ("embed_VH", "lm_head_VH")} == {torch.bfloat16}
 
 
+def test_a_resume_under_more_steps_follows_the_new_schedule_from_its_first_step(tiny_target_dir, store, tmp_path):
+    """A finished run resumed with a larger train.max_steps: its first resumed step took the lr the
+    old schedule gave that step (restored with the optimizer: 0 at the end of a cosine), not this run's
+    (found by the doctor's schedule check, which now reads the run as healthy)."""
+    run_dir = tmp_path / "run"
+    every = {"checkpoint.every_steps": 2, "noise.warmup_steps": 0, "eval.every_steps": 0}
+    commands.cmd_train(config(tiny_target_dir, store, run_dir, **{**every, "train.max_steps": 2}), progress=False)
+    more = config(tiny_target_dir, store, run_dir, **{**every, "train.max_steps": 5, "train.resume": "auto"})
+    assert commands.cmd_train(more, progress=False)["steps"] == 5
+    lrs = {r["step"]: r["lr"] for r in read_log(run_dir / "train_log.jsonl", "train")}
+    cfg = OptimConfig(lr=3e-3, warmup_ratio=0.25)
+    assert [lrs[s] for s in (3, 4, 5)] == pytest.approx([3e-3 * lr_factor(s - 1, 5, cfg) for s in (3, 4, 5)], rel=1e-9)
+    assert lrs[3] > 0  # the old schedule (2 steps) had ended at 0
+    text, code = commands.cmd_doctor(run_dir, as_json=False)
+    assert "off its schedule" not in text and code == 0
+
+
 def test_bf16_trains_fp32_master_weights_from_a_bf16_drafter_and_after_resume(
     tiny_target_dir, store, tmp_path, fresh_accelerator_state
 ):

@@ -2,7 +2,7 @@
 run, and every level that is wrong however smooth the curve (a slow loss divergence or accuracy
 decline, lr at 0, an input-bound loader), with its likely cause, from any trainer's log.
 
-    python -m stage2_train doctor runs/default                 # text; exit 1 with events, else 0
+    python -m stage2_train doctor runs/default                 # text; exit 1 with events, 3 cannot tell, else 0
     python -m stage2_train doctor runs/default --json          # {"events": [...], "summary": {...}}
     python -m stage2_train doctor wandb/offline-run-...        # a wandb run; a TensorBoard folder; a CSV
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,10 @@ from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.detectors import LiveDetectors
 from stage2_train.observe.explain import context_points, describe, explain
 from stage2_train.observe.records import finite, normalize, number, record_kind
+from stage2_train.observe.schedule_check import Expected, off_schedule
 from stage2_train.observe.sources import load_log
+
+CANNOT_TELL_EXIT = 3  # 2 is argparse's usage error
 
 
 # ---- the whole log -------------------------------------------------------------------------------
@@ -105,10 +109,12 @@ def cannot_tell(
 
 
 def diagnose(
-    records: list[dict[str, Any]], cfg: DetectorConfig | None = None, source: str | Path | None = None
+    records: list[dict[str, Any]], cfg: DetectorConfig | None = None, source: str | Path | None = None,
+    schedule: Callable[[dict[str, Any]], Expected | None] | None = None,
 ) -> dict[str, Any]:
     """{"events": [...], "summary": {...}} for the records of one log, in file order; `source` (the
-    log's path) names the log in errors."""
+    log's path) names the log in errors; `schedule` (run_start's hyperparameters -> the lr and noise
+    each step should log: `train/curves.expected_at`) holds the log against its own config."""
     cfg = cfg or DetectorConfig()
     records, ranks = one_rank(records)
     rows = [(normalize(r), r) for r in records]
@@ -138,6 +144,10 @@ def diagnose(
     events = [dict(ev) for record in records for ev in live.update(record)]
     undecided = live.generalisation.undecided()
     info["cannot_tell"] += [f"overfitting: {why}" for why in undecided]
+    if schedule is not None:
+        off, note = off_schedule(rows, schedule)
+        events = sorted(events + off, key=lambda ev: ev["step"])
+        info["cannot_tell"] += [note] if note else []
     for ev in events:
         if ev["kind"] == "throughput_drop":
             info["data_wait"][ev["step"]] = data_wait_note(train, ev)
@@ -325,19 +335,23 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     return "\n".join(lines)
 
 
-def doctor(log_path: Path, as_json: bool, cfg: DetectorConfig | None = None) -> tuple[str, int]:
-    """(text to print, exit code): 0 when the log shows no event (healthy, or overfitting it cannot
-    tell), 1 when it shows any. The thresholds are the `detectors` section's, the same the trainer's
+def doctor(
+    log_path: Path, as_json: bool, cfg: DetectorConfig | None = None,
+    schedule: Callable[[dict[str, Any]], Expected | None] | None = None,
+) -> tuple[str, int]:
+    """(text to print, exit code): 0 healthy, 1 when the log shows any event, 3 when it shows none but
+    cannot tell (a held-out metric fell far from its best where no rule could judge it): a script that
+    gates on the doctor does not read that as healthy. The thresholds are the `detectors` section's, the same the trainer's
     live detectors use.
 
     `log_path` is anything `sources.load_log` reads: a run directory, a JSONL or CSV file, a wandb
     run, a TensorBoard folder."""
     log = load_log(log_path)
-    diagnosis = diagnose(log.records, cfg, source=log.path)
+    diagnosis = diagnose(log.records, cfg, source=log.path, schedule=schedule)
     summary = diagnosis["summary"]
     summary.update(log=str(log.path), format=log.kind, unreadable_lines=log.unreadable, read_as=log.names)
     summary["reader_notes"] = log.notes
-    code = 1 if summary["num_events"] else 0
+    code = 1 if summary["num_events"] else (CANNOT_TELL_EXIT if summary["verdict"] == "cannot tell" else 0)
     if as_json:
         return json.dumps(diagnosis, indent=1, allow_nan=False, default=str), code
     return format_text(diagnosis, log.path), code

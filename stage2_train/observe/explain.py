@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from stage2_train.observe.records import finite
+from stage2_train.observe.schedule_check import describe_off_schedule, schedule_cause
 
 # Strongest explanation first, by kind of event; `stall` covers stall and step_gap found by the detectors.
 CAUSES_OF_PAUSE = ("checkpoint", "eval", "resume", "epoch")
@@ -126,6 +127,9 @@ def explain(
     """(likely cause, everything found near the event): the strongest explanation by the event's
     kind (a pause, a change of the loss or accuracy, a slowdown), else what the log cannot tell."""
     interval = info["interval"]
+    if ev["kind"].endswith("_off_schedule"):
+        near = nearby(ev, points, events, info, ev["step"] - interval, ev["details"]["to_step"], pause=False)
+        return schedule_cause(ev), near
     if ev["kind"] == "generalisation":
         lo, hi = ev["step"] - (ev["details"]["confirmed_step"] - ev["step"]), ev["details"]["confirmed_step"]
         near = nearby(ev, points, events, info, lo, hi, pause=False)
@@ -308,6 +312,8 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
             f"{what} from step {ev['step']}: median of {d['window_rows']} rows {d['best']:.3g} at best (step "
             f"{d['best_step']}) -> {d['now']:.3g}{ratio} at step {d['confirmed_step']}{last}, {rec}"
         )
+    if kind.endswith("_off_schedule"):
+        return describe_off_schedule(ev)
     if kind == "lr_zero":
         return f"lr 0 at steps {ev['step']}-{d['to_step']}: no update applied"
     if kind == "input_bound":

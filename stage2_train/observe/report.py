@@ -67,8 +67,9 @@ HELDOUT_ON = {
 CONTEXT_STYLE = {"checkpoint": ":", "resume": "-.", "epoch": "--"}
 
 
-def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
-    """Write the PNGs and report.md; returns where they are and what the doctor found."""
+def report(log_path: Path, out_dir: Path | None, schedule: Any = None) -> dict[str, Any]:
+    """Write the PNGs and report.md; returns where they are and what the doctor found (`schedule`:
+    the doctor's, see `doctor.diagnose`)."""
     try:
         import matplotlib
     except ImportError:
@@ -81,7 +82,7 @@ def report(log_path: Path, out_dir: Path | None) -> dict[str, Any]:
     path, records, unreadable = log.path, log.records, log.unreadable
     out_dir = Path(out_dir) if out_dir is not None else log.home / "doctor"
     out_dir.mkdir(parents=True, exist_ok=True)
-    diagnosis = diagnose(records, source=path)
+    diagnosis = diagnose(records, source=path, schedule=schedule)
     rows = [(normalize(r), r) for r in one_rank(records)[0]]
     train = [r for r, _ in rows if r["kind"] == "train" and r["step"] is not None]
     evals = [r for r, _ in rows if r["kind"] == "eval" and r["step"] is not None]

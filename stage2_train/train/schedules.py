@@ -5,7 +5,7 @@ Optimizers (`Optimizers`): AdamW over every trainable parameter (the recipe), or
 MLP projections, fc) and AdamW over the rest (norms), as speculators splits them (PR #746). One LR
 schedule drives both; their states are checkpointed together.
 
-Learning rate (`lr_factor`): linear warmup over ceil(warmup_ratio * total_steps) optimizer steps,
+Learning rate (`lr_factor`, in the torch-free `curves.py` the doctor also reads): linear warmup over ceil(warmup_ratio * total_steps) optimizer steps,
 then cosine (or linear) decay to lr * min_lr_ratio; `warmup_steps(total, cfg)` is the one place
 that warmup length is computed. AdamW defaults follow the recipe: betas (0.9, 0.999), weight
 decay 0, clip 1.0 ((0.9, 0.98) has been reported to give NaN losses, z-lab/dflash issue #115).
@@ -31,23 +31,7 @@ import torch
 from shared.errors import CheckpointError
 from stage2_train.train.checkpoint.format import load_optimizer_state, optimizer_state
 from stage2_train.train.config import NoiseConfig, OptimConfig
-
-
-def warmup_steps(total_steps: int, cfg: OptimConfig) -> int:
-    return math.ceil(cfg.warmup_ratio * total_steps)
-
-
-def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Multiplier of optim.lr for 0-based optimizer step `step`: linear warmup to 1 over
-    ceil(warmup_ratio * total) steps (step 0 already gets 1/warmup), then decay to min_lr_ratio."""
-    warmup = warmup_steps(total_steps, cfg)
-    if step < warmup:
-        return (step + 1) / warmup
-    if cfg.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+from stage2_train.train.curves import lr_factor, noise_std_at, warmup_steps  # noqa: F401 - the trainer's and tests' names
 
 
 class NoiseSchedule:
@@ -55,10 +39,7 @@ class NoiseSchedule:
         self.cfg = cfg
 
     def std_at(self, step: int) -> float:
-        cfg = self.cfg
-        if step >= cfg.warmup_steps:
-            return cfg.std
-        return cfg.std * max(step, 0) / cfg.warmup_steps
+        return noise_std_at(step, self.cfg.std, self.cfg.warmup_steps)
 
     def apply_(self, context_TF: torch.Tensor, step: int, generator: torch.Generator, rows: int = 4096) -> torch.Tensor:
         """Add noise of std std_at(step), drawn from `generator` (on context's device), to the context
@@ -185,8 +166,13 @@ class Schedule:
         return {name: s.state_dict() for name, s in self.schedulers.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if list(self.schedulers) == ["adamw"]:
-            self.schedulers["adamw"].load_state_dict(state)
-            return
+        """The schedulers' step, and this run's lr at it: the checkpoint holds the lr its own schedule
+        gave, and a resume under another total_steps (train.max_steps, train.epochs) follows the run's
+        schedule from its first step (the optimizer, restored before this component, held the old lr)."""
+        parts = {"adamw": state} if list(self.schedulers) == ["adamw"] else state
         for name, scheduler in self.schedulers.items():
-            scheduler.load_state_dict(state[name])
+            scheduler.load_state_dict(parts[name])
+            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs  # what get_last_lr() (the logged lr) reads
