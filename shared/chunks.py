@@ -1,7 +1,8 @@
 """Fast reads of the store's arrays: whole inner chunks, read with one call each, decoded, cached.
 
 Every array of a shard group is one Zarr v3 array stored as ONE shard file (sharding codec, inner
-chunks of up to `chunk_tokens` tokens, `bytes` (+ `zstd`) codecs, the index at the end with a crc32c):
+chunks of up to `chunk_tokens` tokens, `bytes` (+ `zstd`) + `crc32c` codecs, the index at the end with
+a crc32c):
 
     shards/shard-000003-<tag>/hidden/zarr.json        the array's metadata
     shards/shard-000003-<tag>/hidden/c/0/0/0          the shard: inner chunks, then the index
@@ -10,7 +11,9 @@ zarr-python spends 1.5-7 ms of per-call machinery on every `array[lo:hi]` whatev
 sample needs five arrays. This module reads what zarr would read (the index once per array, then
 the byte range of each inner chunk) with one plain read per chunk, decodes it with the same codec
 (numcodecs' zstd), and keeps decoded chunks in a byte-bounded LRU, so the samples that share a
-chunk decode it once. Arrays written with any other codec pipeline are not recognised here
+chunk decode it once. Each chunk's crc32c and the index's are checked when read (shards written before
+chunks carried one have only the index's): a flipped bit on disk, or bytes altered in place, is an
+error naming the shard, array and chunk, never features trained on. Arrays written with any other codec pipeline are not recognised here
 (`open_shard_array` returns None) and `shared.reader.StoreReader` reads them through zarr instead.
 Remote stores (fsspec URLs) read the same byte ranges with `cat_file`; `LocalChunkCache` keeps
 their chunk bytes on local disk within a size bound.
@@ -48,6 +51,7 @@ class ShardArray:
     compressed: bool
     fill_value: Any
     index: list[tuple[int, int]]  # per inner chunk: byte offset, byte count
+    checked: bool = False  # each chunk ends in a crc32c of its (compressed) bytes
 
     @property
     def chunk_tokens(self) -> int:
@@ -58,8 +62,13 @@ class ShardArray:
         return self.dtype.itemsize * math.prod(self.chunk_shape[1:])
 
 
-def parse_metadata(meta: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...], bool, Any] | None:
-    """(shape, dtype, inner chunk shape, zstd?, fill value) of an array this module can read, else None."""
+INNER_CODECS = {("bytes",): (False, False), ("bytes", "zstd"): (True, False), ("bytes", "crc32c"): (False, True),
+                ("bytes", "zstd", "crc32c"): (True, True)}  # -> (zstd?, crc32c?)
+
+
+def parse_metadata(meta: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...], tuple[bool, bool], Any] | None:
+    """(shape, dtype, inner chunk shape, (zstd?, crc32c?), fill value) of an array this module can
+    read, else None."""
     try:
         shape = tuple(meta["shape"])
         grid = meta["chunk_grid"]["configuration"]["chunk_shape"]
@@ -70,7 +79,7 @@ def parse_metadata(meta: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype, tup
         inner = [c["name"] for c in conf["codecs"]]
         index = [c["name"] for c in conf["index_codecs"]]
         endian = conf["codecs"][0].get("configuration", {}).get("endian", "little")
-        if inner not in (["bytes"], ["bytes", "zstd"]) or endian != "little":
+        if tuple(inner) not in INNER_CODECS or endian != "little":
             return None
         if index != ["bytes", "crc32c"] or conf.get("index_location", "end") != "end":
             return None
@@ -79,7 +88,7 @@ def parse_metadata(meta: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype, tup
         chunk = tuple(conf["chunk_shape"])
         if list(chunk[1:]) != list(shape[1:]) or meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/") != "/":
             return None
-        return shape, np.dtype(meta["data_type"]), chunk, inner == ["bytes", "zstd"], meta.get("fill_value", 0)
+        return shape, np.dtype(meta["data_type"]), chunk, INNER_CODECS[tuple(inner)], meta.get("fill_value", 0)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -141,7 +150,7 @@ def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
     parsed = parse_metadata(meta)
     if parsed is None:
         return None
-    shape, dtype, chunk, compressed, fill = parsed
+    shape, dtype, chunk, (compressed, checked), fill = parsed
     key = shard_file_key(array_dir, len(shape))
     num_chunks = max(1, math.ceil(shape[0] / chunk[0]))
     index_bytes = num_chunks * 16 + 4  # (offset, nbytes) uint64 per chunk, then a crc32c
@@ -152,10 +161,25 @@ def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
             raise  # this writer writes every chunk: a missing file is a lost file
         # Zarr writes no file for an array whose every chunk equals the fill value (stores written
         # before ALL_CHUNKS_WRITTEN: a one-sample shard's sample_ids [0]); zarr reads it as fill.
-        return ShardArray(key, shape, dtype, chunk, compressed, fill, [(_EMPTY, _EMPTY)] * num_chunks)
+        return ShardArray(key, shape, dtype, chunk, compressed, fill, [(_EMPTY, _EMPTY)] * num_chunks, checked)
     raw = source.read(key, size - index_bytes, index_bytes)
+    check_crc32c(raw, f"{source.root}/{key}", "its chunk index")
     index = [tuple(pair) for pair in np.frombuffer(raw[:-4], dtype="<u8").reshape(num_chunks, 2).tolist()]
-    return ShardArray(key, shape, dtype, chunk, compressed, fill, index)
+    return ShardArray(key, shape, dtype, chunk, compressed, fill, index, checked)
+
+
+def check_crc32c(data: bytes, key: str, what: str) -> None:
+    """`data` ends in the little-endian crc32c of the bytes before it (zarr's crc32c codec), or a
+    StoreError names the file and the fix."""
+    import google_crc32c
+
+    if len(data) < 4 or google_crc32c.value(data[:-4]).to_bytes(4, "little") != bytes(data[-4:]):
+        from shared.errors import StoreError
+
+        raise StoreError(
+            f"{key}: {what} does not match its crc32c: the file was damaged on disk or in a copy, or altered in "
+            f"place; run `python -m stage1_extract verify --repair` to re-extract the shards it names"
+        )
 
 
 def decode_chunk(source: ChunkSource, array: ShardArray, k: int) -> np.ndarray:
@@ -164,6 +188,9 @@ def decode_chunk(source: ChunkSource, array: ShardArray, k: int) -> np.ndarray:
     if offset == _EMPTY and nbytes == _EMPTY:
         return np.full(array.chunk_shape, array.fill_value, dtype=array.dtype)
     data = source.read(array.key, offset, nbytes)
+    if array.checked:
+        check_crc32c(data, f"{source.root}/{array.key}", f"inner chunk {k} (tokens {k * array.chunk_tokens}-{(k + 1) * array.chunk_tokens - 1})")
+        data = data[:-4]
     if array.compressed:
         from numcodecs import Zstd
 

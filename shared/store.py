@@ -232,7 +232,7 @@ def write_shard(
     """Write one whole shard group and return its record (tokens, bytes, checksum). fp4 samples not
     yet encoded need the store's `outlier_channels`."""
     import zarr
-    from zarr.codecs import ZstdCodec
+    from zarr.codecs import Crc32cCodec, ZstdCodec
 
     if not samples:
         raise ValueError(f"shard {name}: no samples to write")
@@ -256,7 +256,9 @@ def write_shard(
             raise ValueError(f"shard {name}: samples encoded with different outlier channels")
         arrays["hidden_outlier_channels"] = channels
     num_tokens = int(arrays["offsets"][-1])
-    compressors = ZstdCodec(level=cfg.zstd_level) if cfg.compression == "zstd" else None
+    # crc32c last: every chunk's stored bytes checked when read (shared/chunks.py), so a flipped bit
+    # is an error, not features trained on; 4 bytes a chunk.
+    compressors = [*([ZstdCodec(level=cfg.zstd_level)] if cfg.compression == "zstd" else []), Crc32cCodec()]
     group = zarr.open_group(store=_zarr_store(url, read_only=False), path=f"shards/{name}", mode="w", zarr_format=3)
     checksum = content_checksum(arrays)
     # The shard's own checksum travels with it: a shard group copied in from another store (same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -165,6 +166,32 @@ def test_verify_catches_damage_and_repair_fixes_it(built, damage):
     repaired = commands.cmd_verify(cfg, repair=True, progress=False)
     assert repaired["ok"] and repaired["repaired"] == [name]
     assert contents(cfg) == good
+
+
+@pytest.mark.parametrize("where", ["chunk", "index"])
+def test_a_bit_flipped_on_disk_is_an_error_when_read_never_features_trained_on(built, where):
+    """Each inner chunk ends in a crc32c of its stored bytes and the chunk index in its own: a bit
+    flipped in place (the shard's attributes and manifest untouched) stops the reader the training
+    loop uses, naming the file and the fix; before, only `verify` saw it and `train` read the bytes."""
+    from shared.reader import StoreReader
+
+    cfg, _ = built
+    url = cfg.store.url(cfg.run_dir)
+    reader = StoreReader(url)
+    position = reader.sample_ids.tolist().index(read_manifest(url)["shards"][1]["sample_ids"][0])
+    good = reader[position]
+    path = chunk_file(cfg, "hidden")
+    raw = bytearray(path.read_bytes())
+    raw[3 if where == "chunk" else len(raw) - 6] ^= 0x04
+    path.write_bytes(bytes(raw))
+    what = "inner chunk 0 (tokens 0-" if where == "chunk" else "its chunk index"
+    with pytest.raises(StoreError, match=rf"{re.escape(str(path))}: {re.escape(what)}.* does not match its crc32c: .* run "
+                                         r"`python -m stage1_extract verify --repair`"):
+        StoreReader(url)[position]
+    assert not commands.cmd_verify(cfg)["ok"]
+    assert commands.cmd_verify(cfg, repair=True, progress=False)["ok"]
+    again = StoreReader(url)[position]
+    assert again.keys() == good.keys() and all(torch.equal(torch.as_tensor(again[k]), torch.as_tensor(good[k])) for k in good)
 
 
 def test_one_process_refuses_to_repair_a_tensor_parallel_store_before_deleting_anything(built, tiny_target_dir, tmp_path):
