@@ -10,7 +10,8 @@ The formats (`data.format`; `auto` reads each file's format from its columns or 
 - **ShareGPT**: `{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}], "system"?, "tools"?}`.
   `from` is human/user, gpt/assistant, system, tool/observation/function_response (a tool's result) or
   function_call (the assistant calls a tool: `value` is JSON `{"name", "arguments"}` or a list of them);
-  each turn's text is `value` or `content`, and `role` may stand for `from`.
+  each turn's text is `value` or `content` (a turn holding both with different text is refused: one
+  would be dropped), and `role` may stand for `from`.
 - **OpenAI chat**: `{"messages": [{"role", "content"}, ...], "system"?, "tools"?}` with roles system (or
   developer), user, assistant and tool (or the older function); an assistant turn may carry `tool_calls`
   (`[{"id", "type": "function", "function": {"name", "arguments"}}]`, content then may be null) and a
@@ -266,7 +267,12 @@ def _sharegpt(turns: Any, cutter: _Cutter) -> list[dict[str, Any]]:
         if not isinstance(turn, dict) or turn.get("from", turn.get("role")) is None or not ("value" in turn or "content" in turn):
             raise ValueError(f"{where} must have 'from' and 'value'")
         speaker = turn.get("from", turn.get("role"))
-        key = "value" if "value" in turn else "content"
+        # Null is absent: a Parquet table with both spellings has both columns, one null per turn.
+        texts = {k: turn[k] for k in ("value", "content") if turn.get(k) is not None}
+        if len(texts) == 2 and texts["value"] != texts["content"]:
+            raise ValueError(f"{where} holds both 'value' and 'content', with different text: only one would be read "
+                             f"and the other dropped; keep the one that is the turn's text")
+        key = next(iter(texts), "value" if "value" in turn else "content")
         text = turn[key]
         if speaker == TOOL_CALL:
             try:

@@ -169,6 +169,24 @@ def test_a_row_with_both_messages_and_conversations_is_refused_unless_data_forma
     assert next(read_conversations(path, data_format="sharegpt", on_bad_row="skip")).messages == [
         {"role": "user", "content": "B?"}, {"role": "assistant", "content": "b"}]
 
+def test_a_sharegpt_turn_whose_value_and_content_differ_is_refused_by_row_and_turn(tmp_path):
+    """`value` was read and a different `content` dropped unread. The same text twice, or one of them
+    null (a Parquet table holding both spellings has both columns), reads as one turn."""
+    rows = [
+        {"conversations": [{"from": "human", "value": "2+2?", "content": "2+2?"}, {"from": "gpt", "value": "4"}]},
+        {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4", "content": "Four."}]},
+        {"conversations": [{"from": "human", "value": None, "content": "2+2?"}, {"from": "gpt", "value": "4", "content": None}]},
+    ]
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    with pytest.raises(DataError, match=r"s\.jsonl: row 1: conversations\[1\] holds both 'value' and 'content', with different "
+                                        r"text: only one would be read and the other dropped; keep the one that is the "
+                                        r"turn's text \(set data\.on_bad_row=skip to skip and count bad rows\)$"):
+        list(read_conversations(path))
+    stats = ReadStats()
+    kept = list(read_conversations(path, on_bad_row="skip", stats=stats, log_skips=False))
+    assert [(c.row, c.messages) for c in kept] == [(0, CHAT), (2, CHAT)]
+    assert stats.bad_rows == 1 and "row 1: conversations[1] holds both 'value' and 'content'" in stats.bad_examples[0]
+
 
 # ---- files --------------------------------------------------------------------------------------------
 def test_a_json_array_reads_element_by_element(tmp_path, monkeypatch):
