@@ -10,25 +10,27 @@ The formats (`data.format`; `auto` reads each file's format from its columns or 
 - **ShareGPT**: `{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}], "system"?, "tools"?}`.
   `from` is human/user, gpt/assistant, system, tool/observation/function_response (a tool's result) or
   function_call (the assistant calls a tool: `value` is JSON `{"name", "arguments"}` or a list of them);
-  each turn's text is `value` or `content`, and `role` may stand for `from`.
+  each turn's text is `value` or `content` (a turn holding both with different text is refused: one
+  would be dropped), and `role` may stand for `from`.
 - **OpenAI chat**: `{"messages": [{"role", "content"}, ...], "system"?, "tools"?}` with roles system (or
   developer), user, assistant and tool (or the older function); an assistant turn may carry `tool_calls`
   (`[{"id", "type": "function", "function": {"name", "arguments"}}]`, content then may be null) and a
   tool turn `tool_call_id`; content may be a list of text parts (joined with newlines, as vLLM does).
 - **prompt/completion**: `{"prompt": "...", "completion"?: "...", "system"?}`, one user turn and its answer.
 
-In every format a row's `system` text opens the conversation as a system turn, and an assistant turn
-may carry `reasoning_content` (its thinking, as Qwen3 and vLLM's reasoning parsers write it) and
-axolotl's `weight` (0: the turn is context, not supervised and not regenerated; 1: the default). A row
-holding both `messages` and `conversations` is refused under data.format=auto: they may be different
-chats, and reading one would drop the other.
+In every format a row's `system` text opens the conversation as a system turn, any turn may carry
+`name` (OpenAI's participant name, a string), and an assistant turn may carry `reasoning_content`
+(its thinking, as Qwen3 and vLLM's reasoning parsers write it) and axolotl's `weight` (0: the turn
+is context, not supervised and not regenerated; 1: the default). A row holding both `messages` and
+`conversations` is refused under data.format=auto: they may be different chats, and reading one
+would drop the other.
 
 One form: `{"role", "content"}` per message, plus `token_ids` on an answer the target regenerated
 and beside them `answer_cut` (true: `generate.max_new_tokens` cut the answer, the target had not
 ended it; false: the target ended it; absent in files written before it was recorded: read as
 ended, and counted as `answers_cut_unknown`), `tool_calls` (`[{"name", "arguments" (JSON text),
 "id"?}]`) on an assistant turn that calls tools, `reasoning_content` and `weight: 0` on an assistant
-turn, `tool_call_id` / `name` on a tool's result. Keys appear only when they hold something
+turn, `tool_call_id` on a tool's result, `name` on any turn. Keys appear only when they hold something
 (`weight: 1` is left out), so a row's hash (`Conversation.row_hash`) is the same for the same
 conversation in any format.
 
@@ -45,6 +47,8 @@ so they are written into the assistant's text in the Hermes form Qwen uses
 offers) go to a template that takes `tools`, and are not rendered by one that does not. Reasoning
 likewise: a template that reads `reasoning_content` (Qwen3) gets the field, one that does not gets it
 written before the answer as `<think>\\n...\\n</think>\\n\\n`, the form Qwen3 and DeepSeek-R1 emit.
+A turn's `name` goes to the template as a field, as vLLM and apply_chat_template pass it when serving;
+a template that reads no message's name (SmolLM2, Qwen3, Llama 3.1) does not render it, warned once.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,7 +240,7 @@ def _openai(messages: Any, cutter: _Cutter) -> list[dict[str, Any]]:
         content = msg.get("content")
         if content is None and role == "assistant" and calls:
             content = ""  # a turn that only calls tools
-        message = {"role": role, "content": cutter.text(_text(content, f"{where}.content"))}
+        message = {"role": role, "content": cutter.text(_text(content, f"{where}.content")), **_name(msg, where)}
         ids = msg.get("token_ids")
         if ids is not None:  # the target's own tokens of a regenerated answer (`generate` writes them)
             ids = cutter.ids(ids) if isinstance(ids, list) else ids
@@ -252,7 +257,7 @@ def _openai(messages: Any, cutter: _Cutter) -> list[dict[str, Any]]:
                 raise ValueError(f"{where} has tool_calls but role {msg['role']!r}: only an assistant turn calls tools")
             message["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]", cutter) for k, c in enumerate(calls)]
         if role == "tool":
-            message.update(_tool_result_ids(msg, where))
+            message.update(_tool_result_id(msg, where))
         out.append(_assistant_fields(message, msg, where, cutter))
     return out
 
@@ -266,7 +271,12 @@ def _sharegpt(turns: Any, cutter: _Cutter) -> list[dict[str, Any]]:
         if not isinstance(turn, dict) or turn.get("from", turn.get("role")) is None or not ("value" in turn or "content" in turn):
             raise ValueError(f"{where} must have 'from' and 'value'")
         speaker = turn.get("from", turn.get("role"))
-        key = "value" if "value" in turn else "content"
+        # Null is absent: a Parquet table with both spellings has both columns, one null per turn.
+        texts = {k: turn[k] for k in ("value", "content") if turn.get(k) is not None}
+        if len(texts) == 2 and texts["value"] != texts["content"]:
+            raise ValueError(f"{where} holds both 'value' and 'content', with different text: only one would be read "
+                             f"and the other dropped; keep the one that is the turn's text")
+        key = next(iter(texts), "value" if "value" in turn else "content")
         text = turn[key]
         if speaker == TOOL_CALL:
             try:
@@ -275,16 +285,17 @@ def _sharegpt(turns: Any, cutter: _Cutter) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}: a function_call turn's value must be JSON {{name, arguments}}") from None
             calls = calls if isinstance(calls, list) else [calls]
             message = {"role": "assistant", "content": "",
-                       "tool_calls": [_tool_call(c, f"{where}.value[{k}]", cutter) for k, c in enumerate(calls)]}
+                       "tool_calls": [_tool_call(c, f"{where}.value[{k}]", cutter) for k, c in enumerate(calls)],
+                       **_name(turn, where)}
             out.append(_assistant_fields(message, turn, where, cutter))
             continue
         role = SHAREGPT_ROLES.get(speaker) if isinstance(speaker, str) else None
         if role is None:
             known = ", ".join([*SHAREGPT_ROLES, TOOL_CALL])
             raise ValueError(f"{where} has unknown speaker 'from': {speaker!r} (known: {known})")
-        message = {"role": role, "content": cutter.text(_text(text, f"{where}.{key}"))}
+        message = {"role": role, "content": cutter.text(_text(text, f"{where}.{key}")), **_name(turn, where)}
         if role == "tool":
-            message.update(_tool_result_ids(turn, where))
+            message.update(_tool_result_id(turn, where))
         out.append(_assistant_fields(message, turn, where, cutter))
     return out
 
@@ -340,14 +351,23 @@ def _tool_call(call: Any, where: str, cutter: _Cutter) -> dict[str, Any]:
     return out
 
 
-def _tool_result_ids(msg: dict[str, Any], where: str) -> dict[str, str]:
-    out = {}
-    for key in ("tool_call_id", "name"):
-        if msg.get(key) is not None:
-            if not isinstance(msg[key], str):
-                raise ValueError(f"{where}.{key} must be a string")
-            out[key] = msg[key]
-    return out
+def _tool_result_id(msg: dict[str, Any], where: str) -> dict[str, str]:
+    if msg.get("tool_call_id") is None:
+        return {}
+    if not isinstance(msg["tool_call_id"], str):
+        raise ValueError(f"{where}.tool_call_id must be a string")
+    return {"tool_call_id": msg["tool_call_id"]}
+
+
+def _name(msg: dict[str, Any], where: str) -> dict[str, str]:
+    """The turn's `name` (OpenAI's participant name; a tool result's function), on any role: a server
+    passes it to the chat template, so it is kept for the template to render or not."""
+    name = msg.get("name")
+    if name is None or name == "":
+        return {}
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.name must be a string (the participant's name), got a {type(name).__name__}")
+    return {"name": name}
 
 
 def _tools(tools: Any) -> str | None:
@@ -375,11 +395,14 @@ def template_text(tokenizer: Any) -> str:
 def template_messages(
     messages: list[dict[str, Any]], structured_tools: bool, structured_reasoning: bool
 ) -> list[dict[str, Any]]:
-    """What apply_chat_template receives: role and content, and tool calls and reasoning as structured
-    fields (a template that knows them) or as text in the assistant's content (one that does not)."""
+    """What apply_chat_template receives: role, content and `name`, and tool calls and reasoning as
+    structured fields (a template that knows them) or as text in the assistant's content (one that does
+    not)."""
     out = []
     for m in messages:
         message: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        if "name" in m:  # on every template, as a server passes it: the template decides whether it shows
+            message["name"] = m["name"]
         reasoning = m.get("reasoning_content")
         if reasoning is not None and structured_reasoning:
             message["reasoning_content"] = reasoning
@@ -396,8 +419,8 @@ def template_messages(
             text = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["name"], ensure_ascii=False)}, "arguments": '
                              f'{c["arguments"]}}}\n</tool_call>' for c in calls)
             message["content"] = f"{message['content']}\n{text}" if message["content"] else text
-        if m["role"] == "tool" and structured_tools:
-            message.update({k: m[k] for k in ("tool_call_id", "name") if k in m})
+        if m["role"] == "tool" and structured_tools and "tool_call_id" in m:
+            message["tool_call_id"] = m["tool_call_id"]
         out.append(message)
     return out
 
@@ -412,7 +435,18 @@ def _arguments_value(arguments: str) -> Any:
     return value if isinstance(value, dict) else arguments
 
 
-_WARNED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()  # (what, template): each warning once per template
+# A message's name as a template reads it: `message.name`, `message['name']`, `message.get('name')`, for the
+# variable its loop binds (or `messages[i]`). Not any "name": templates print tool names and "named SmolLM".
+_MESSAGE_LOOP = re.compile(r"\bfor\s+(\w+)\s+in\s+\w*messages\b")
+
+
+def reads_message_name(template: str) -> bool:
+    """Whether the chat template reads a message's `name` (which it may then render)."""
+    bound = sorted({"message", *_MESSAGE_LOOP.findall(template)})
+    owner = rf"(?:\b(?:{'|'.join(bound)})|\bmessages\s*\[[^\]]*\])"
+    field = r"(?:\.name\b|\[\s*['\"]name['\"]\s*\]|\.get\(\s*['\"]name['\"])"
+    return re.search(owner + r"\s*" + field, template) is not None
 
 
 def render(
@@ -423,9 +457,13 @@ def render(
     if tools is not None:
         if "tools" in template:
             kwargs["tools"] = json.loads(tools)
-        elif template not in _WARNED:
-            _WARNED.add(template)
+        elif ("tools", template) not in _WARNED:
+            _WARNED.add(("tools", template))
             log.warning("the target's chat template takes no tool list: the rows' `tools` are not rendered")
+    if ("name", template) not in _WARNED and any("name" in m for m in messages) and not reads_message_name(template):
+        _WARNED.add(("name", template))
+        log.warning("the target's chat template reads no message's `name`: the rows' turn names are passed to it, as a "
+                    "server passes them, and not rendered")
     return tokenizer.apply_chat_template(
         template_messages(messages, "tool_calls" in template, "reasoning_content" in template), tokenize=False,
         add_generation_prompt=add_generation_prompt, **kwargs,

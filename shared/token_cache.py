@@ -30,9 +30,10 @@ import numpy as np
 from shared.conversation_files import glob_files
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 8  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+TOKENS_VERSION = 9  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
 # 5: turns before the first user turn dropped; 6: a cut answer's end-of-turn marker unsupervised, answers_cut counted;
-# 7: a row's `system` in every format, reasoning_content, weight 0; 8: a regenerated row's prompt_hash and source_row
+# 7: a row's `system` in every format, reasoning_content, weight 0; 8: a regenerated row's prompt_hash and source_row;
+# 9: a turn's `name` kept on every role and passed to the template, a ShareGPT turn with differing value/content refused
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2

@@ -204,6 +204,8 @@ class PartRewrite:
     def answer(self, i: int, answer: Answer) -> bool:
         """Put conversation i's answer of this round in place (a cut one ends the conversation); True
         when the round is complete."""
+        # The whole turn is the target's, the data's `name` of it included: the generation prompt that
+        # produced it named no one, and a template that shows names would otherwise render another prompt.
         reply = {
             "role": "assistant", "content": self.tokenizer.decode(answer.ids, skip_special_tokens=True),
             "token_ids": list(answer.ids), "answer_cut": answer.cut,

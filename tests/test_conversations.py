@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import shlex
 
@@ -168,6 +169,25 @@ def test_a_row_with_both_messages_and_conversations_is_refused_unless_data_forma
     assert [c.messages for c in read_conversations(path, data_format="openai")] == [CHAT, CHAT]
     assert next(read_conversations(path, data_format="sharegpt", on_bad_row="skip")).messages == [
         {"role": "user", "content": "B?"}, {"role": "assistant", "content": "b"}]
+
+
+def test_a_sharegpt_turn_whose_value_and_content_differ_is_refused_by_row_and_turn(tmp_path):
+    """`value` was read and a different `content` dropped unread. The same text twice, or one of them
+    null (a Parquet table holding both spellings has both columns), reads as one turn."""
+    rows = [
+        {"conversations": [{"from": "human", "value": "2+2?", "content": "2+2?"}, {"from": "gpt", "value": "4"}]},
+        {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4", "content": "Four."}]},
+        {"conversations": [{"from": "human", "value": None, "content": "2+2?"}, {"from": "gpt", "value": "4", "content": None}]},
+    ]
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    with pytest.raises(DataError, match=r"s\.jsonl: row 1: conversations\[1\] holds both 'value' and 'content', with different "
+                                        r"text: only one would be read and the other dropped; keep the one that is the "
+                                        r"turn's text \(set data\.on_bad_row=skip to skip and count bad rows\)$"):
+        list(read_conversations(path))
+    stats = ReadStats()
+    kept = list(read_conversations(path, on_bad_row="skip", stats=stats, log_skips=False))
+    assert [(c.row, c.messages) for c in kept] == [(0, CHAT), (2, CHAT)]
+    assert stats.bad_rows == 1 and "row 1: conversations[1] holds both 'value' and 'content'" in stats.bad_examples[0]
 
 
 # ---- files --------------------------------------------------------------------------------------------
@@ -534,3 +554,67 @@ def test_reasoning_reaches_the_template_as_a_field_or_as_think_text(tmp_path, to
     assert tokenizer.decode(sample.input_ids) == (
         "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<reasoning>Add them.</reasoning>4<|im_end|>\n")
     assert supervised(tokenizer, sample) == "<reasoning>Add them.</reasoning>4<|im_end|>\n"
+
+
+NAMED = (  # a template that shows a turn's name, as some multi-participant templates do
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role }}{%- if m.name %}{{ ' (' + m.name + ')' }}{%- endif %}"
+    "{{ '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+NAMED_ROW = {"messages": [{"role": "system", "content": "Be brief.", "name": "rules"},
+                          {"role": "user", "content": "2+2?", "name": "ada"}, {"role": "assistant", "content": "4"}]}
+
+
+def test_a_turns_name_reaches_a_template_that_reads_it_in_every_format(tmp_path):
+    """`name` was kept on tool turns only: a user's or a system turn's was dropped unread, so the
+    rendered prompt differed from what a server renders from the same messages."""
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [NAMED_ROW]))
+    sharegpt = read_one(write_jsonl(tmp_path / "s.jsonl", [{"conversations": [
+        {"from": "system", "value": "Be brief.", "name": "rules"}, {"from": "human", "value": "2+2?", "name": "ada"},
+        {"from": "gpt", "value": "4"}]}]))
+    assert conv.messages == sharegpt.messages == NAMED_ROW["messages"]
+    assert conv.row_hash() != Conversation(row=0, messages=[{"role": "system", "content": "Be brief."}, *CHAT]).row_hash()
+    write_conversations_parquet([conv, Conversation(row=1, messages=CHAT)], tmp_path / "named.parquet")  # what generate writes
+    assert [c.messages for c in read_conversations(tmp_path / "named.parquet")] == [conv.messages, CHAT]
+    named = AutoTokenizer.from_pretrained(default_target_dir())
+    named.chat_template = NAMED
+    sample = tokenize_conversation(named, conv.messages, 512)
+    assert named.decode(sample.input_ids) == ("<|im_start|>system (rules)\nBe brief.<|im_end|>\n"
+                                              "<|im_start|>user (ada)\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n")
+    assert supervised(named, sample) == "4<|im_end|>\n"
+
+
+def test_a_template_that_reads_no_name_is_warned_about_once(tmp_path, tokenizer, monkeypatch, caplog):
+    """SmolLM2's template ("...named SmolLM") never reads a message's name: the name is passed, as a
+    server passes it, renders nothing, and one warning says so."""
+    from shared import conversations
+    from shared.conversations import reads_message_name, render
+
+    monkeypatch.setattr(conversations, "_WARNED", set())
+    conv = read_one(write_jsonl(tmp_path / "o.jsonl", [NAMED_ROW]))
+    unnamed = [{k: v for k, v in m.items() if k != "name"} for m in conv.messages]
+    with caplog.at_level(logging.WARNING, logger="shared.conversations"):
+        render(tokenizer, unnamed, add_generation_prompt=False)
+        assert not caplog.records  # no name, nothing to say
+        texts = [render(tokenizer, conv.messages, add_generation_prompt=False) for _ in range(2)]
+        named = AutoTokenizer.from_pretrained(default_target_dir())
+        named.chat_template = NAMED
+        render(named, conv.messages, add_generation_prompt=False)
+    assert texts == [render(tokenizer, unnamed, add_generation_prompt=False)] * 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "the target's chat template reads no message's `name`: the rows' turn names are passed to it, as a server "
+        "passes them, and not rendered"]
+    assert not reads_message_name(tokenizer.chat_template) and reads_message_name(NAMED)
+    assert reads_message_name("{% for msg in loop_messages %}{{ msg['name'] }}{% endfor %}")
+    assert not reads_message_name("{% for message in messages %}{% for c in message.tool_calls %}{{ c.function.name }}"
+                                  "{% endfor %}{% endfor %}")  # a tool's name is not the turn's
+
+
+@pytest.mark.parametrize("row, where", [
+    ({"messages": [{"role": "user", "content": "q", "name": 7}]}, r"messages\[0\]"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "name": ["bot"]}]}, r"conversations\[1\]"),
+], ids=["openai-user", "sharegpt-assistant"])
+def test_a_name_that_is_not_a_string_is_refused_naming_the_turn(tmp_path, row, where):
+    path = write_jsonl(tmp_path / "n.jsonl", [row])
+    with pytest.raises(DataError, match=r"n\.jsonl: row 0: " + where + r"\.name must be a string \(the participant's name\), got a"):
+        list(read_conversations(path))

@@ -750,3 +750,31 @@ def test_rank_0_waits_for_a_part_another_rank_is_making_again(tmp_path):
     write_conversations_parquet(chat, parts / "part-0.parquet", counts={"long_prompt_turns_kept": 0, "context": 4096})
     waiter.join(timeout=10)
     assert done.is_set()
+
+
+def test_generate_asks_for_vllm_only_when_a_part_is_left_to_make(tiny_target_dir, tmp_path, fake_vllm, monkeypatch, capsys):
+    """`make extract` always runs `generate`: with every part made it reuses them on a node without
+    vllm (a CPU box extracting a GPU node's answers); a missing part needs the engine, and is one line."""
+    from stage1_extract import __main__ as stage1_cli
+
+    data = prompts_file(tmp_path, n=6)
+    args = [f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", "target.dtype=fp32", f"data.path={data}",
+            "generate.backend=vllm", "generate.max_new_tokens=12", "generate.rows_per_part=3", "extract.device=cpu"]
+    assert stage1_cli.main(["generate", "--no-progress", *args]) == 0  # made with (the stand-in) vllm
+    parts = sorted((tmp_path / "run" / "data" / "generated.parts").glob("part-*.parquet"))
+    made = {p.name: p.read_bytes() for p in parts}
+    assert len(made) == 2 and len(fake_vllm.made) == 1
+    monkeypatch.delitem(sys.modules, "vllm")
+    monkeypatch.setattr(generate, "vllm_installed", lambda: False)
+    capsys.readouterr()
+    assert stage1_cli.main(["generate", "--no-progress", "--json", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parts_reused"] == 2 and out["conversations"] == 6 and len(fake_vllm.made) == 1
+    parts[1].unlink()
+    assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
+    assert capsys.readouterr().err == (
+        "error: generate.backend=vllm, but vllm is not installed here: install it with `pip install -e '.[gpu]'` (on a "
+        "GPU node), or set generate.backend=transformers (runs anywhere, CPU included, but slowly: fine for a small "
+        "test, weeks for an 8B target)\n"
+    )
+    assert parts[0].read_bytes() == made[parts[0].name] and not parts[1].exists() and len(fake_vllm.made) == 1
