@@ -268,10 +268,14 @@ def _sharegpt(turns: Any, cutter: _Cutter) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for j, turn in enumerate(turns):
         where = f"conversations[{j}]"
-        if not isinstance(turn, dict) or turn.get("from", turn.get("role")) is None or not ("value" in turn or "content" in turn):
-            raise ValueError(f"{where} must have 'from' and 'value'")
-        speaker = turn.get("from", turn.get("role"))
         # Null is absent: a Parquet table with both spellings has both columns, one null per turn.
+        speakers = {k: turn[k] for k in ("from", "role") if turn.get(k) is not None} if isinstance(turn, dict) else {}
+        if not speakers or not ("value" in turn or "content" in turn):
+            raise ValueError(f"{where} must have 'from' and 'value'")
+        if len(speakers) == 2 and speakers["from"] != speakers["role"]:
+            raise ValueError(f"{where} holds both 'from' ({speakers['from']!r}) and 'role' ({speakers['role']!r}): only one "
+                             f"would be read; keep the one that names the speaker")
+        speaker = next(iter(speakers.values()))
         texts = {k: turn[k] for k in ("value", "content") if turn.get(k) is not None}
         if len(texts) == 2 and texts["value"] != texts["content"]:
             raise ValueError(f"{where} holds both 'value' and 'content', with different text: only one would be read "

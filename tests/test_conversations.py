@@ -188,6 +188,16 @@ def test_a_sharegpt_turn_whose_value_and_content_differ_is_refused_by_row_and_tu
     kept = list(read_conversations(path, on_bad_row="skip", stats=stats, log_skips=False))
     assert [(c.row, c.messages) for c in kept] == [(0, CHAT), (2, CHAT)]
     assert stats.bad_rows == 1 and "row 1: conversations[1] holds both 'value' and 'content'" in stats.bad_examples[0]
+    # The speaker alike: `from` and `role` that disagree are refused, one null is the other.
+    speakers = [
+        {"conversations": [{"from": None, "role": "user", "value": "2+2?"}, {"from": "gpt", "role": None, "value": "4"}]},
+        {"conversations": [{"from": "human", "role": "assistant", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+    ]
+    path = write_jsonl(tmp_path / "speakers.jsonl", speakers)
+    with pytest.raises(DataError, match=r"speakers\.jsonl: row 1: conversations\[0\] holds both 'from' \('human'\) and 'role' "
+                                        r"\('assistant'\): only one would be read; keep the one that names the speaker"):
+        list(read_conversations(path))
+    assert [c.messages for c in read_conversations(path, on_bad_row="skip", log_skips=False)] == [CHAT]
 
 
 # ---- files --------------------------------------------------------------------------------------------
