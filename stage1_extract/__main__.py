@@ -207,7 +207,9 @@ def show_verify(out: dict[str, Any]) -> str:
         lines.append(f"repaired: {', '.join(out['repaired'])}")
     if cut_answers(out):
         lines.append(cut_answers(out).strip("\n"))
-    lines.append("ok" if out["ok"] else f"{len(out['bad_shards'])} bad shard(s): `{PROG} verify --repair` extracts them again")
+    # A shard only the data proves bad is found again, and repaired, by a deep check alone.
+    repair = "verify --deep --repair" if any(b.get("deep") for b in out["bad_shards"]) else "verify --repair"
+    lines.append("ok" if out["ok"] else f"{len(out['bad_shards'])} bad shard(s): `{PROG} {repair}` repairs them")
     return "\n".join(lines)
 
 

@@ -6,8 +6,8 @@ The loop (`run_shards`) walks this rank's windows of shards (`batching.py`), run
 each forward batch (`forward.py`), and hands the host copies to the background shard writer
 (`writer.py`), which encodes and writes each shard as soon as all its samples are back, through a
 queue bounded in bytes: the forward never waits on disk unless the disk is slower than the target.
-Each finished shard leaves a part record; a rerun skips those shards, so a killed run resumes and
-ends with the same store. With several processes (torchrun / accelerate launch) rank r takes
+Each finished shard leaves a part record; a rerun skips those shards (those whose group is still in
+the store), so a killed run resumes and ends with the same store. With several processes (torchrun / accelerate launch) rank r takes
 windows r, r + W, ...; rank 0 merges the part records into manifest.json, written last
 (`merge.py`).
 """

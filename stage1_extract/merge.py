@@ -38,10 +38,26 @@ def part_records(files: StoreFiles, shards: list[ShardPlan], beyond_plan: bool =
     return dict(zip(wanted, records))
 
 
-def done_shards(files: StoreFiles, shards: list[ShardPlan], records: dict[int, dict[str, Any]] | None = None) -> set[int]:
-    """Indices of the shards whose part record matches their rows and settings."""
+def shard_groups(files: StoreFiles) -> set[str]:
+    """The names of the shard groups in the store: one listing of shards/, not a request per shard."""
+    return set(files.list("shards"))
+
+
+def group_gone(record: dict[str, Any], groups: set[str]) -> bool:
+    """Whether the shard group a record names is absent from `groups` (`shard_groups`); a record
+    without a group (every sample skipped) has none to lose."""
+    return bool(record.get("name")) and record["name"] not in groups
+
+
+def done_shards(
+    files: StoreFiles, shards: list[ShardPlan], records: dict[int, dict[str, Any]] | None = None,
+    groups: set[str] | None = None,
+) -> set[int]:
+    """Indices of the shards whose part record matches their rows and settings and whose group is in
+    the store: a group deleted by hand leaves its record behind, and that shard is extracted again."""
     records = part_records(files, shards) if records is None else records
-    return {s.index for s in shards if record_matches(records.get(s.index), s)}
+    groups = shard_groups(files) if groups is None else groups
+    return {s.index for s in shards if record_matches(records.get(s.index), s) and not group_gone(records[s.index], groups)}
 
 
 def foreign_shards(shards: list[ShardPlan], records: dict[int, dict[str, Any]]) -> list[int]:

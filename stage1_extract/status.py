@@ -13,7 +13,14 @@ from shared.errors import StoreError
 from shared.identity import header_differences
 from shared.store import StoreConfig, load_manifest
 from stage1_extract.batching import ShardPlan
-from stage1_extract.merge import done_shards, row_accounting
+from stage1_extract.merge import (
+    done_shards,
+    group_gone,
+    part_records,
+    record_matches,
+    row_accounting,
+    shard_groups,
+)
 from stage1_extract.prepare import Prepared, planned_shards
 from stage1_extract.resolve import prepare_run
 
@@ -39,11 +46,21 @@ def _shard_states(
     listed = {r["index"]: r for r in manifest["shards"]} if manifest else {}
     header_changes = header_differences({k: manifest.get(k) for k in prepared.header}, prepared.header) if manifest else []
     rows: list[dict[str, Any]] = []
-    done = done_shards(files, shards if every_record else [s for s in shards if s.index not in listed])
+    read = shards if every_record else [s for s in shards if s.index not in listed]
+    records, groups = part_records(files, read), shard_groups(files)
+    done = done_shards(files, read, records, groups)
     for shard in shards:
         record = listed.get(shard.index)
         if record is None:
-            state, why = "missing", ("extracted, manifest not yet merged" if shard.index in done else "not extracted")
+            part = records.get(shard.index)
+            if shard.index in done:
+                state, why = "missing", "extracted, manifest not yet merged"
+            elif record_matches(part, shard) and group_gone(part, groups):
+                state, why = "missing", _gone(part["name"])
+            else:
+                state, why = "missing", "not extracted"
+        elif group_gone(record, groups):  # checked first: whatever else changed, there is nothing to read
+            state, why = "missing", _gone(record["name"])
         elif record.get("header_key") != shard.key:
             state, why = "stale", "settings changed: " + ", ".join(header_changes or ["schema"])
         elif record["rows_sha256"] != shard.rows_sha256:
@@ -74,6 +91,11 @@ def _shard_states(
         and prepared.generated_problem is None,
     }
     return report, shards, done
+
+
+def _gone(name: str) -> str:
+    return (f"its group shards/{name} is not in the store (deleted?): `python -m stage1_extract extract` "
+            f"or `reprocess` extracts it again")
 
 
 def cmd_status(cfg: RunConfig, deep: bool = False) -> dict[str, Any]:

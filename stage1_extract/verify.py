@@ -2,8 +2,9 @@
 is there and its name carries the record's index; samples, tokens, per-sample lengths and ids,
 content hashes and supervised pairs (recounted from the loss mask), bytes on disk and the content checksum agree with the arrays; shapes, dtypes and
 offsets hold; values are finite); `--deep` also tokenizes the input data again (no cache) and
-compares every stored sample's input_ids and loss_mask with it, which proves a store matches its
-data whatever happened to any cache. A bad shard says how it is fixed: when only the manifest's
+compares every stored sample's input_ids and loss_mask with it, and every recorded prompt hash (the
+held-out split key of a regenerated row) with the one the data gives its row, which proves a store
+matches its data whatever happened to any cache. A bad shard says how it is fixed: when only the manifest's
 record is wrong and the shard's part record agrees with the shard, `--repair` rebuilds the record
 (nothing re-extracted); otherwise `--repair` extracts the shard again.
 """
@@ -38,15 +39,53 @@ def check_store(url: str, tokenized_afresh: Callable[[], Any] | None) -> dict[st
     if tokenized_afresh is None:
         return report
     fresh = tokenized_afresh()
-    manifest_index = {r["name"]: r["index"] for r in load_manifest(StoreFiles(url))["shards"] if r["name"]}
+    rows = {r.sample_id: r for r in fresh.rows}
+    files = StoreFiles(url)
+    manifest = load_manifest(files)
+    manifest_index = {r["name"]: r["index"] for r in manifest["shards"] if r["name"]}
     known = {b["shard"] for b in report["bad_shards"]}
-    for shard, why in deep_problems(url, {r.sample_id: r for r in fresh.rows}).items():
+    tokens = deep_problems(url, rows)
+    for shard, why in tokens.items():
         if shard not in known:
             report["bad_shards"].append(
                 {"shard": shard, "index": manifest_index[shard], "fields": ["input_ids"], "error": why, "fix": EXTRACT, "deep": True}
             )
+    present = set(files.list("shards"))
+    for record in manifest["shards"]:
+        if not record["name"] or record["name"] in known or record["name"] in tokens:
+            continue
+        problem = prompt_hash_problem(record, rows, fresh.source.name)
+        if problem is not None:
+            index = record["index"]
+            report["bad_shards"].append(
+                {"shard": record["name"], "index": index, "fields": ["prompt_hashes"], "error": problem,
+                 "fix": REBUILD if part_record_holds(url, files, present, manifest, index, rows) else EXTRACT, "deep": True}
+            )
     report["ok"] = not report["bad_shards"]
     return report
+
+
+def prompt_hash_problem(record: dict[str, Any], rows_by_id: dict[int, Any], data: str) -> str | None:
+    """'prompt_hashes: ...' when a shard record's prompt hashes are not the ones the data (`data`,
+    read afresh into `rows_by_id`) gives its samples' rows, or None. They are the held-out split keys
+    of regenerated rows, and nothing in the shard can recount them: a record whose keys differ puts
+    copies of a prompt on both sides of the split, and one that lacks them moves the whole store's
+    split onto tokens (`split_hashes`). Every sample's row must be in `rows_by_id` (`deep_problems`
+    names a shard whose rows are not)."""
+    fresh = [rows_by_id[sample_id].prompt_hash[:16] for sample_id in record["sample_ids"]]
+    want = fresh if fresh and all(fresh) else None  # `prepare.prompt_keys` gives every row one, or none
+    have = record.get("prompt_hashes")
+    if have == want:
+        return None
+    if want is None:
+        return f"prompt_hashes: the record keys its samples on prompt hashes, {data} gives their rows none"
+    if have is None:
+        return (f"prompt_hashes: none in the record, {data} gives each of its {len(want)} rows one (without them the "
+                f"held-out split of the whole store keys on tokens)")
+    differ = [s for s, (a, b) in enumerate(zip(have, want)) if a != b]
+    first = differ[0]
+    return (f"prompt_hashes: {len(differ)} of {len(want)} samples' split keys are not their row's prompt hash in {data}, "
+            f"first sample {first} (input row {record['sample_ids'][first]}): {have[first]} in the record, {want[first]} in {data}")
 
 
 def verify_store(url: str) -> dict[str, Any]:
@@ -73,14 +112,24 @@ def verify_store(url: str) -> dict[str, Any]:
             "answers_cut": made.get("answers_cut"), "answers_cut_unknown": made.get("answers_cut_unknown")}
 
 
-def part_record_holds(url: str, files: StoreFiles, present: set[str], manifest: dict[str, Any], index: int) -> bool:
+def part_record_holds(
+    url: str, files: StoreFiles, present: set[str], manifest: dict[str, Any], index: int,
+    rows_by_id: dict[int, Any] | None = None,
+) -> bool:
     """True when the shard's part record (what `reprocess` and `--repair` rebuild the manifest from)
-    is sound and agrees with its shard group in every field."""
+    is sound and agrees with its shard group in every field; given the data's rows (`--deep`), also
+    holds the prompt hashes the data gives them."""
     try:
         part = files.read_json(part_path(index))
     except (OSError, ValueError):
         return False
-    return record_problem(part, index) is None and bool(part["name"]) and not record_disagreements(url, files, present, manifest, part)
+    if record_problem(part, index) is not None or not part["name"]:
+        return False
+    if rows_by_id is not None and (
+        any(i not in rows_by_id for i in part["sample_ids"]) or prompt_hash_problem(part, rows_by_id, "") is not None
+    ):
+        return False
+    return not record_disagreements(url, files, present, manifest, part)
 
 
 def record_disagreements(url: str, files: StoreFiles, present: set[str], manifest: dict[str, Any], record: dict[str, Any]) -> list[str]:

@@ -456,3 +456,92 @@ def test_answers_merged_before_prompt_hashes_are_refused_for_a_new_store_naming_
         commands.cmd_extract(cfg, progress=False)
     assert commands.cmd_generate(cfg, progress=False)["parts_reused"] == 3
     assert commands.cmd_extract(cfg, progress=False)["split_key"] == "prompt"
+
+
+def copied_copies(regenerated_copies, tiny_target_dir, tmp_path):
+    """A copy of the regenerated store's root, and its config."""
+    import shutil
+
+    from shared.config import load_run_config
+
+    from .conftest import stage1_overrides
+
+    root, _, _ = regenerated_copies
+    copy = Path(shutil.copytree(root, tmp_path / "copy"))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, copy / "chat.jsonl", copy / "run", **{
+        "data.regenerate": True, "generate.max_new_tokens": 6, "generate.rows_per_part": 8, "extract.device": "cpu",
+    }))
+    return copy / "run" / "store", cfg
+
+
+def test_verify_deep_finds_split_keys_the_data_does_not_give_and_repair_extracts_them_again(
+    regenerated_copies, tiny_target_dir, tmp_path, monkeypatch
+):
+    """A store whose rows reached it with another prompt hash than generated.parquet gives them (what
+    a damaged token cache would write): row 17, a copy of row 5, keyed apart from it, so the held-out
+    split may separate them. Nothing in the shard can recount a prompt hash, so the shallow verify
+    passes; --deep names the shard, the sample and both hashes, and --deep --repair extracts it again."""
+    import shutil
+
+    from shared.reader import StoreReader
+    from stage1_extract import commands, prepare
+    from stage1_extract.__main__ import show_verify
+
+    store, cfg = copied_copies(regenerated_copies, tiny_target_dir, tmp_path)
+    clean = json.loads((store / "manifest.json").read_text())["shards"]
+    shutil.rmtree(store)
+    real = prepare.tokenized_rows
+
+    def row_17_keyed_apart(*args, **kwargs):
+        rows, stats, sha = real(*args, **kwargs)
+        at = next(i for i, r in enumerate(rows) if r.sample_id == 17)
+        rows[at] = replace(rows[at], prompt_hash="0123456789abcdef" * 2)
+        return rows, stats, sha
+
+    monkeypatch.setattr(prepare, "tokenized_rows", row_17_keyed_apart)
+    commands.cmd_extract(cfg, progress=False)
+    monkeypatch.setattr(prepare, "tokenized_rows", real)
+    assert commands.cmd_verify(cfg)["ok"]  # the shard agrees with its record
+    (record,) = [r for r in clean if 17 in r["sample_ids"]]
+    s = record["sample_ids"].index(17)
+    deep = commands.cmd_verify(cfg, deep=True)
+    assert [(b["shard"], b["fields"], b["fix"]) for b in deep["bad_shards"]] == [(record["name"], ["prompt_hashes"], "extract again")]
+    assert deep["bad_shards"][0]["error"] == (
+        f"prompt_hashes: 1 of {record['num_samples']} samples' split keys are not their row's prompt hash in generated.parquet, "
+        f"first sample {s} (input row 17): 0123456789abcdef in the record, {record['prompt_hashes'][s]} in generated.parquet"
+    )
+    # A check without --deep would find nothing to repair: the advice says --deep.
+    assert show_verify(deep).endswith("\n1 bad shard(s): `python -m stage1_extract verify --deep --repair` repairs them")
+    repaired = commands.cmd_verify(cfg, repair=True, deep=True, progress=False)
+    assert repaired["ok"] and repaired["reextracted"] == [record["name"]]
+    assert [r["prompt_hashes"] for r in json.loads((store / "manifest.json").read_text())["shards"]] == [r["prompt_hashes"] for r in clean]
+    reader = StoreReader(str(store))
+    at = {int(i): n for n, i in enumerate(reader.sample_ids)}
+    assert reader.split_keys[at[17]] == reader.split_keys[at[5]]
+
+
+def test_verify_deep_finds_a_record_without_prompt_hashes_and_repair_rebuilds_it(regenerated_copies, tiny_target_dir, tmp_path):
+    """One manifest record without prompt hashes moves the whole store's split onto tokens, and its
+    copies apart, and the shallow verify cannot see it; --deep names it and, the part record being
+    sound, --deep --repair rebuilds the record without extracting anything."""
+    from shared.reader import StoreReader
+    from stage1_extract import commands
+
+    store, cfg = copied_copies(regenerated_copies, tiny_target_dir, tmp_path)
+    manifest = json.loads((store / "manifest.json").read_text())
+    clean = manifest["shards"]
+    damaged = json.loads(json.dumps(manifest))
+    del damaged["shards"][0]["prompt_hashes"]
+    (store / "manifest.json").write_text(json.dumps(damaged))
+    assert StoreReader(str(store)).split_keys.tolist() == [int(h[:15], 16) for r in clean for h in r["content_hashes"]]
+    assert commands.cmd_verify(cfg)["ok"]
+    deep = commands.cmd_verify(cfg, deep=True)
+    name = clean[0]["name"]
+    assert [(b["shard"], b["fields"], b["fix"], b["error"]) for b in deep["bad_shards"]] == [(
+        name, ["prompt_hashes"], "rebuild the record",
+        f"prompt_hashes: none in the record, generated.parquet gives each of its {clean[0]['num_samples']} rows one "
+        f"(without them the held-out split of the whole store keys on tokens)",
+    )]
+    repaired = commands.cmd_verify(cfg, repair=True, deep=True, progress=False)
+    assert repaired["ok"] and (repaired["records_rebuilt"], repaired["reextracted"]) == ([name], [])
+    assert json.loads((store / "manifest.json").read_text())["shards"] == clean

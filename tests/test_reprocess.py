@@ -130,6 +130,65 @@ def test_extract_refuses_a_store_made_from_other_data_and_reprocess_replaces_it(
     assert commands.cmd_status(cfg)["complete"]
 
 
+def gone(name: str) -> str:
+    return f"its group shards/{name} is not in the store (deleted?): `python -m stage1_extract extract` or `reprocess` extracts it again"
+
+
+@pytest.mark.parametrize("where, merged", [("local", True), ("local", False), ("memory", True)],
+                         ids=["local", "local-interrupted", "fsspec"])
+def test_a_shard_group_deleted_by_hand_is_missing_and_extract_makes_it_again(tiny_target_dir, tmp_path, where, merged):
+    """Its part record (and manifest record) survive the group: status counts the shard missing,
+    naming the group and the command, and extract writes it again instead of skipping it. `merged`
+    False: the extraction was interrupted before the manifest was written. The store is read through
+    fsspec (memory://), as an object store is."""
+    import fsspec
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    store = {"store.path": f"memory://gone-{tmp_path.name}"} if where == "memory" else {}
+    cfg = config(tiny_target_dir, data, tmp_path / "run", **store)
+    commands.cmd_extract(cfg, progress=False)
+    url = cfg.store.url(cfg.run_dir)
+    before = contents(cfg)
+    name = read_manifest(url)["shards"][1]["name"]
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.rm(f"{root}/shards/{name}", recursive=True)
+    if not merged:
+        fs.rm(f"{root}/manifest.json")
+    report = commands.cmd_status(cfg)
+    assert [(r["index"], r["state"], r["why"]) for r in report["shards"]] == [
+        (0, "current" if merged else "missing", "" if merged else "extracted, manifest not yet merged"), (1, "missing", gone(name))
+    ]
+    assert (report["shards_done"], report["shards_total"], report["complete"]) == (1, 2, False)
+    out = commands.cmd_extract(cfg, progress=False)
+    assert (out["shards_already_done"], out["shards_extracted_here"]) == (1, 1)
+    assert fs.exists(f"{root}/shards/{name}/zarr.json") and contents(cfg) == before
+    assert commands.cmd_status(cfg)["complete"] and commands.cmd_verify(cfg)["ok"]
+
+
+def test_train_refuses_a_store_missing_a_shard_group_and_reprocess_makes_it_again(built, tiny_target_dir, tmp_path):
+    """Training refuses at open, naming the shard and two commands; reprocess, which used to find
+    nothing to do (status called the shard current), re-extracts exactly that shard."""
+    from shared.reader import StoreReader
+    from stage2_train.commands import cmd_train
+
+    from .conftest import train_overrides_for
+
+    cfg, _ = built
+    url = cfg.store.url(cfg.run_dir)
+    before = contents(cfg)
+    name = read_manifest(url)["shards"][1]["name"]
+    shutil.rmtree(Path(url) / "shards" / name)
+    train = load_run_config(ROOT / "configs/default.yaml", train_overrides_for(tiny_target_dir, Path(url), tmp_path / "train", {
+        "train.max_steps": 1, "log.wandb": "disabled",
+    }))
+    with pytest.raises(StoreError, match=rf"^{url}: shard {name} is missing \(1 shard\(s\) listed in manifest.json are\); run "
+                                         r"`python -m stage1_extract verify --repair` or `python -m stage1_extract reprocess`$"):
+        cmd_train(train, progress=False)
+    out = commands.cmd_reprocess(cfg, progress=False)
+    assert (out["reextracted"], out["shards_extracted_here"], out["before"]["missing"]) == ([1], 1, 1)
+    assert contents(cfg) == before and len(StoreReader(url)) == sum(len(ids) for _, _, ids in before)
+
+
 @pytest.mark.parametrize("preset", ["qwen3-8b", "llama-3.1-8b"])
 def test_the_8b_presets_give_each_run_its_own_store(preset):
     """A user config inherits a preset and sets run_dir: its store is run_dir/store, never one path
