@@ -173,7 +173,8 @@ def check_crc32c(data: bytes, key: str, what: str) -> None:
     StoreError names the file and the fix."""
     import google_crc32c
 
-    if len(data) < 4 or google_crc32c.value(data[:-4]).to_bytes(4, "little") != bytes(data[-4:]):
+    body = np.frombuffer(data, dtype=np.uint8)[:-4]  # a view: no copy of the chunk
+    if len(data) < 4 or google_crc32c.value(body).to_bytes(4, "little") != bytes(data[-4:]):
         from shared.errors import StoreError
 
         raise StoreError(
@@ -190,7 +191,7 @@ def decode_chunk(source: ChunkSource, array: ShardArray, k: int) -> np.ndarray:
     data = source.read(array.key, offset, nbytes)
     if array.checked:
         check_crc32c(data, f"{source.root}/{array.key}", f"inner chunk {k} (tokens {k * array.chunk_tokens}-{(k + 1) * array.chunk_tokens - 1})")
-        data = data[:-4]
+        data = memoryview(data)[:-4]
     if array.compressed:
         from numcodecs import Zstd
 
