@@ -49,8 +49,11 @@ def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
             "heldout_accuracy": round(offline["accuracy"], 4),
             "heldout_acc_slot1": round(offline["acc_per_pos"][0], 4),
         })
+    proposers = online["proposers"]  # intervals over prompts; diffs paired against the last point
     return {
         "points": points,
+        "intervals": {"last": proposers[f"step_{steps[-1]}"]["interval"], "untrained_minus_last": proposers["step_0"]["interval"],
+                      "ngram_minus_last": proposers["ngram"]["interval"]},
         "ngram_tau": round(online["proposers"]["ngram"]["tau"], 4),
         "ngram_exact": online["proposers"]["ngram"]["exact"],
         "prompts": len(chosen),
@@ -89,7 +92,7 @@ def main() -> int:
     parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--n", type=int, default=25, help="points at 0, N, 4N, 16N optimizer steps")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=12, help="held-out prompts (the default store holds out 12)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--run-dir", default=None, help="default: a fresh runs/learning-<preset>")
     parser.add_argument("--png", default=None, help="default: bench/results/learning-<preset>.png")
@@ -126,10 +129,19 @@ def rows(r: dict) -> list[Row]:
     cpu = " / ".join(f"{p['cpu_min']:.1f}" for p in points)
     out.append((f"online tau after {steps} steps ({r['prompts']} held-out prompts x {r['max_new_tokens']} tokens)", curve, "",
                 f"n-gram drafter {fmt(r['ngram_tau'])} on the same prompts; CPU minutes {cpu}", ""))
-    out.append(("trained - untrained online tau (last point)", fmt(last["online_tau"] - first["online_tau"]), ">= 0.3",
-                f"untrained {fmt(first['online_tau'])}", yes(last["online_tau"] - first["online_tau"] >= 0.3)))
-    out.append(("trained - n-gram online tau (last point)", fmt(last["online_tau"] - r["ngram_tau"]), "> 0",
-                f"n-gram {fmt(r['ngram_tau'])}", yes(last["online_tau"] > r["ngram_tau"])))
+    iv = r.get("intervals")  # results from before intervals: the point estimates alone
+
+    def gain(key: str) -> tuple[str, float | None]:  # trained - other, [95% paired interval over prompts]
+        d = iv[key]
+        low = -d["diff_hi"] if d.get("diff_hi") is not None else None
+        return (f"{-d['diff']:+.3f} [{low:+.3f}, {-d['diff_lo']:+.3f}]" if low is not None else f"{-d['diff']:+.3f} (no interval)"), low
+
+    untrained, low_u = gain("untrained_minus_last") if iv else (fmt(last["online_tau"] - first["online_tau"]), None)
+    out.append(("trained - untrained online tau (last point)", untrained, ">= 0.3, interval above 0",
+                f"untrained {fmt(first['online_tau'])}", yes(last["online_tau"] - first["online_tau"] >= 0.3 and (low_u is None or low_u > 0))))
+    ngram, low_n = gain("ngram_minus_last") if iv else (fmt(last["online_tau"] - r["ngram_tau"]), None)
+    out.append(("trained - n-gram online tau (last point)", ngram, "> 0, interval above 0", f"n-gram {fmt(r['ngram_tau'])}",
+                yes(low_n > 0) if low_n is not None else yes(last["online_tau"] > r["ngram_tau"]) + (" (no interval)" if not iv else "")))
     worst = max(abs(p["walk_over_online"] - 1) for p in points)
     out.append(("offline walk_tau vs online tau, worst relative gap over the points", fmt(worst), "<= 0.15",
                 " / ".join(f"{p['walk_tau']:.3f}" for p in points), yes(worst <= 0.15)))

@@ -54,6 +54,7 @@ a template that reads no message's name (SmolLM2, Qwen3, Llama 3.1) does not ren
 from __future__ import annotations
 
 import hashlib
+import functools
 import json
 import logging
 import re
@@ -272,12 +273,12 @@ def _sharegpt(turns: Any, cutter: _Cutter) -> list[dict[str, Any]]:
         speakers = {k: turn[k] for k in ("from", "role") if turn.get(k) is not None} if isinstance(turn, dict) else {}
         if not speakers or not ("value" in turn or "content" in turn):
             raise ValueError(f"{where} must have 'from' and 'value'")
-        if len(speakers) == 2 and speakers["from"] != speakers["role"]:
+        if len(speakers) == 2 and _speaker(speakers["from"]) != _speaker(speakers["role"]):
             raise ValueError(f"{where} holds both 'from' ({speakers['from']!r}) and 'role' ({speakers['role']!r}): only one "
                              f"would be read; keep the one that names the speaker")
         speaker = next(iter(speakers.values()))
-        texts = {k: turn[k] for k in ("value", "content") if turn.get(k) is not None}
-        if len(texts) == 2 and texts["value"] != texts["content"]:
+        texts = {k: turn[k] for k in ("value", "content") if turn.get(k) not in (None, "")}
+        if len(texts) == 2 and not _same_text(texts["value"], texts["content"]):
             raise ValueError(f"{where} holds both 'value' and 'content', with different text: only one would be read "
                              f"and the other dropped; keep the one that is the turn's text")
         key = next(iter(texts), "value" if "value" in turn else "content")
@@ -302,6 +303,21 @@ def _sharegpt(turns: Any, cutter: _Cutter) -> list[dict[str, Any]]:
             message.update(_tool_result_id(turn, where))
         out.append(_assistant_fields(message, turn, where, cutter))
     return out
+
+
+def _speaker(name: Any) -> Any:
+    """A ShareGPT speaker as the role it stands for (`human` and `user` are one speaker)."""
+    return SHAREGPT_ROLES.get(name, OPENAI_ROLES.get(name, name)) if isinstance(name, str) else name
+
+
+def _same_text(a: Any, b: Any) -> bool:
+    """Whether `value` and `content` hold one text (a string, or the same text as a list of text parts)."""
+    if a == b:
+        return True
+    try:
+        return _text(a, "") == _text(b, "")
+    except ValueError:
+        return False
 
 
 def _assistant_fields(message: dict[str, Any], turn: dict[str, Any], where: str, cutter: _Cutter) -> dict[str, Any]:
@@ -445,6 +461,7 @@ _WARNED: set[tuple[str, str]] = set()  # (what, template): each warning once per
 _MESSAGE_LOOP = re.compile(r"\bfor\s+(\w+)\s+in\s+\w*messages\b")
 
 
+@functools.lru_cache(maxsize=16)  # asked per named row: once per template
 def reads_message_name(template: str) -> bool:
     """Whether the chat template reads a message's `name` (which it may then render)."""
     bound = sorted({"message", *_MESSAGE_LOOP.findall(template)})

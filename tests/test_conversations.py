@@ -188,9 +188,13 @@ def test_a_sharegpt_turn_whose_value_and_content_differ_is_refused_by_row_and_tu
     kept = list(read_conversations(path, on_bad_row="skip", stats=stats, log_skips=False))
     assert [(c.row, c.messages) for c in kept] == [(0, CHAT), (2, CHAT)]
     assert stats.bad_rows == 1 and "row 1: conversations[1] holds both 'value' and 'content'" in stats.bad_examples[0]
-    # The speaker alike: `from` and `role` that disagree are refused, one null is the other.
+    # One text written twice: as a string and as text parts, or beside an empty string.
+    same = [{"conversations": [{"from": "human", "value": "2+2?", "content": [{"type": "text", "text": "2+2?"}]},
+                               {"from": "gpt", "value": "", "content": "4"}]}]
+    assert [c.messages for c in read_conversations(write_jsonl(tmp_path / "same.jsonl", same))] == [CHAT]
+    # The speaker alike: `from` and `role` that disagree are refused, one null is the other, synonyms agree.
     speakers = [
-        {"conversations": [{"from": None, "role": "user", "value": "2+2?"}, {"from": "gpt", "role": None, "value": "4"}]},
+        {"conversations": [{"from": None, "role": "user", "value": "2+2?"}, {"from": "gpt", "role": "assistant", "value": "4"}]},
         {"conversations": [{"from": "human", "role": "assistant", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
     ]
     path = write_jsonl(tmp_path / "speakers.jsonl", speakers)

@@ -751,7 +751,7 @@ def test_a_preempted_run_saves_its_step_and_resumes_with_none_lost_or_repeated(t
     from stage2_train.train.preemption import EXIT_PREEMPTED
 
     _, path = store
-    extra = {"train.max_steps": 12, "checkpoint.every_steps": 5, "train.resume": "auto"}
+    extra = {"train.max_steps": 12, "checkpoint.every_steps": 5, "train.resume": "auto", "eval.every_steps": 1}
     reference = tmp_path / "reference"
     stage2.cmd_train(train_config(tiny_target_dir, path, reference, **extra), progress=False)
     run = tmp_path / "run"
@@ -777,6 +777,15 @@ def test_a_preempted_run_saves_its_step_and_resumes_with_none_lost_or_repeated(t
     want = {r["step"]: r for r in read_log(reference / "train_log.jsonl", "train")}
     for row in read_log(run / "train_log.jsonl", "train"):
         assert row["loss"] == want[row["step"]]["loss"] and row["lr"] == want[row["step"]]["lr"], row["step"]
+    # The eval due at the stopped step ran first on resume, and every epoch_end counts its whole epoch.
+    def evals_and_epochs(log):
+        rows = read_log(log)
+        return ([r["step"] for r in rows if r["kind"] == "eval"],
+                [(r["step"], r["blocks"]) for r in rows if r.get("event") == "epoch_end"])
+
+    assert evals_and_epochs(run / "train_log.jsonl") == evals_and_epochs(reference / "train_log.jsonl")
+    skipped = [e for e in read_log(run / "train_log.jsonl", "event") if e["event"] == "eval_skipped"]
+    assert [(e["step"], e["reason"]) for e in skipped] == [(stopped, "preempted: the resumed run evaluates this step first")]
 
 
 @pytest.mark.slow

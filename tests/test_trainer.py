@@ -377,20 +377,57 @@ def assert_fp32_master_state(trainer) -> None:
 
 
 def test_a_resume_under_more_steps_follows_the_new_schedule_from_its_first_step(tiny_target_dir, store, tmp_path):
-    """A finished run resumed with a larger train.max_steps: its first resumed step took the lr the
-    old schedule gave that step (restored with the optimizer: 0 at the end of a cosine), not this run's
-    (found by the doctor's schedule check, which now reads the run as healthy)."""
+    """A finished run resumed with a larger train.max_steps and a lower optim.lr: its first resumed step
+    took the lr the old schedule gave that step (restored with the optimizer: 0 at the end of a cosine)
+    and every later one the old peak (the scheduler's restored base), not this run's (found by the
+    doctor's schedule check, which now reads the run as healthy). The log shows the optimizer's lr."""
     run_dir = tmp_path / "run"
     every = {"checkpoint.every_steps": 2, "noise.warmup_steps": 0, "eval.every_steps": 0}
     commands.cmd_train(config(tiny_target_dir, store, run_dir, **{**every, "train.max_steps": 2}), progress=False)
-    more = config(tiny_target_dir, store, run_dir, **{**every, "train.max_steps": 5, "train.resume": "auto"})
+    more = config(tiny_target_dir, store, run_dir, **{**every, "train.max_steps": 5, "train.resume": "auto", "optim.lr": 1e-3})
     assert commands.cmd_train(more, progress=False)["steps"] == 5
     lrs = {r["step"]: r["lr"] for r in read_log(run_dir / "train_log.jsonl", "train")}
-    cfg = OptimConfig(lr=3e-3, warmup_ratio=0.25)
-    assert [lrs[s] for s in (3, 4, 5)] == pytest.approx([3e-3 * lr_factor(s - 1, 5, cfg) for s in (3, 4, 5)], rel=1e-9)
+    cfg = OptimConfig(lr=1e-3, warmup_ratio=0.25)
+    assert [lrs[s] for s in (3, 4, 5)] == pytest.approx([1e-3 * lr_factor(s - 1, 5, cfg) for s in (3, 4, 5)], rel=1e-9)
     assert lrs[3] > 0  # the old schedule (2 steps) had ended at 0
     text, code = commands.cmd_doctor(run_dir, as_json=False)
     assert "off its schedule" not in text and code == 0
+
+
+def test_optimizers_restored_under_another_schedule_apply_its_lr_to_adamw_and_muon():
+    """What the optimizers apply after a load under other settings: this run's peak lr (and Muon's)
+    and its schedule at the restored step, in the optimizers' param groups (what updates read)."""
+    from stage2_train.train.schedules import Optimizers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    old = Optimizers(model, OptimConfig(name="muon", lr=1e-3, muon_lr=2e-2, warmup_ratio=0.25), total_steps=4)
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        old.step(), old.schedule_step(), old.zero_grad()
+    cfg = OptimConfig(name="muon", lr=5e-4, muon_lr=1e-2, warmup_ratio=0.25)
+    new = Optimizers(model, cfg, total_steps=8)
+    new.load_state_dict(old.state_dict())  # the checkpointer's order: the optimizer, then its schedule
+    new.schedule.load_state_dict(old.schedule.state_dict())
+    factor = lr_factor(4, 8, cfg)
+    assert new.named["adamw"].param_groups[0]["lr"] == pytest.approx(5e-4 * factor)
+    assert new.named["muon"].param_groups[0]["lr"] == pytest.approx(1e-2 * factor)
+    assert new.last_lr() == pytest.approx(5e-4 * factor)
+    # The other settings a resume may change on the record are the ones applied, the moments kept.
+    old_cfg_state = old.state_dict()
+    cfg = OptimConfig(lr=5e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    adamw_only = Optimizers(model, OptimConfig(lr=1e-3), total_steps=4)
+    model(torch.randn(2, 4)).sum().backward()
+    adamw_only.step()  # moments to carry
+    changed = Optimizers(model, cfg, total_steps=4)
+    changed.load_state_dict(adamw_only.state_dict())
+    group = changed.named["adamw"].param_groups[0]
+    assert (tuple(group["betas"]), group["eps"], group["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.1)
+    carried, kept = changed.named["adamw"].state_dict()["state"], adamw_only.named["adamw"].state_dict()["state"]
+    assert kept and all(torch.equal(carried[i]["exp_avg"], kept[i]["exp_avg"]) for i in kept)
+    muon = Optimizers(model, OptimConfig(name="muon", lr=5e-4, muon_momentum=0.9, muon_weight_decay=0.0), total_steps=8)
+    muon.load_state_dict(old_cfg_state)
+    assert (muon.named["muon"].param_groups[0]["momentum"], muon.named["muon"].param_groups[0]["weight_decay"]) == (0.9, 0.0)
 
 
 def test_bf16_trains_fp32_master_weights_from_a_bf16_drafter_and_after_resume(
@@ -461,31 +498,37 @@ def test_the_step_runs_as_the_memory_plan_traces_it(tiny_target_dir, store, tmp_
 # ---- resume ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
-    """Crash after step 5 of 6 (checkpoint at 3): the resumed run logs steps 4-6 exactly as before,
-    with AdamW and with Muon (its momentum buffers and the AdamW group's moments in the checkpoint)."""
-    extra = {"train.max_steps": 6, "checkpoint.every_steps": 3, "train.resume": "auto", "sampler.max_anchors_per_seq": 2,
-             "optim.name": optimizer}
+    """Crash after step 7 of 8 (checkpoint at 3): the resumed run logs steps 4-8 exactly as before,
+    with AdamW and with Muon (its momentum buffers and the AdamW group's moments in the checkpoint),
+    and the epoch ending at step 7 (7 steps an epoch) counts its blocks from its start."""
+    extra = {"train.max_steps": 8, "checkpoint.every_steps": 3, "checkpoint.keep_latest_k": 3, "train.resume": "auto",
+             "sampler.max_anchors_per_seq": 2, "optim.name": optimizer}
     cfg = config(tiny_target_dir, store, tmp_path, **extra)
     commands.cmd_train(cfg, progress=False)
     first = {r["step"]: r for r in read_log(tmp_path / "train_log.jsonl", "train")}
+    epoch_ends = [(e["step"], e["blocks"]) for e in read_log(tmp_path / "train_log.jsonl", "event") if e["event"] == "epoch_end"]
     ckpt = tmp_path / "checkpoints"
     shutil.rmtree(ckpt / "step_000006")
+    shutil.rmtree(ckpt / "step_000008")
     (ckpt / "latest").write_text("step_000003")
     summary = commands.cmd_train(cfg, progress=False)
     log = read_log(tmp_path / "train_log.jsonl")
     resume = [r for r in log if r.get("event") == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == 3 and resume[0]["path"].endswith("step_000003")
     assert resume[0]["config_changes"] == {}
-    again = [r for r in log if r["kind"] == "train"][6:]
-    assert [r["step"] for r in again] == [4, 5, 6] and summary["steps"] == 6
+    again = [r for r in log if r["kind"] == "train"][8:]
+    assert [r["step"] for r in again] == [4, 5, 6, 7, 8] and summary["steps"] == 8
     for row in again:
         before = first[row["step"]]
         for key in ("loss", "accuracy", "grad_norm", "lr", "noise_std", "epoch", "step_in_epoch", "tokens"):
             assert row[key] == before[key], (row["step"], key)
+    # An epoch ending after the resume counts its blocks from the epoch's start, not the resume's.
+    resumed_ends = [(e["step"], e["blocks"]) for e in log[log.index(resume[0]):] if e.get("event") == "epoch_end"]
+    assert resumed_ends and resumed_ends == [(s, b) for s, b in epoch_ends if s > 3]
     if optimizer == "muon":
         from stage2_train.train.checkpoint.format import load_checkpoint
 
-        state = load_checkpoint(ckpt / "step_000006")["optimizer"]
+        state = load_checkpoint(ckpt / "step_000008")["optimizer"]
         assert set(state) == {"muon", "adamw"} and any("momentum_buffer" in v for v in state["muon"]["state"].values())
 
 

@@ -44,6 +44,7 @@ def off_schedule(
             if row["event"] == "run_start" and isinstance(raw.get("hyperparameters"), dict):
                 hyper = raw["hyperparameters"]
                 expected = expected_at(hyper)
+                open_ = dict.fromkeys(open_)  # a stretch off the old run's schedule ends with it
             continue
         if row["kind"] != "train" or row["step"] is None:
             continue
@@ -89,6 +90,10 @@ def hypotheses(field: str, hyper: dict[str, Any], expected_at: Callable[[dict[st
         if isinstance(accum, int) and accum > 1:
             tests[f"the scheduler stepped once per micro-batch (x{accum}: train.grad_accum), not once per optimizer step"] = (
                 lambda s: base((s - 1) * accum + 1)["lr"])
+        ranks = hyper.get("world_size")
+        if isinstance(ranks, int) and ranks > 1:
+            tests[f"the scheduler stepped once per rank (x{ranks}: a scheduler handed to Accelerate's prepare steps on "
+                  "every process)"] = lambda s: base((s - 1) * ranks + 1)["lr"]
         if restart > 0:
             tests[f"the schedule restarted from its warmup at the resume from step {restart} (the scheduler's state "
                   "was not restored)"] = lambda s: base(s - restart)["lr"]

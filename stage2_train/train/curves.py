@@ -46,6 +46,8 @@ def expected_at(hyperparameters: dict[str, Any]) -> Callable[[int], dict[str, fl
     `hyperparameters`; None when the record lacks the schedule (an older or another trainer's log)."""
     optim = {k.removeprefix("optim."): v for k, v in hyperparameters.items() if k.startswith("optim.")}
     total, std, noise_warmup = (hyperparameters.get(k) for k in ("total_steps", "noise.std", "noise.warmup_steps"))
+    if not {"lr", "warmup_ratio", "schedule", "min_lr_ratio"} <= optim.keys():
+        return None  # a partial record: defaults would stand in for what the run used
     try:
         cfg = OptimConfig(**optim)
     except (TypeError, ValueError):  # keys of another version: no schedule to hold the log against

@@ -131,9 +131,10 @@ class Optimizers:
             scheduler.step()
 
     def last_lr(self) -> float:
-        """The schedule's lr of AdamW (optim.lr x the factor; Muon's follows the same factor)."""
+        """The lr AdamW's next update applies (optim.lr x the factor; Muon's follows the same factor):
+        read from the optimizer, not the scheduler's record of it, so the log shows what was applied."""
         scheduler = self.schedulers.get("adamw") or next(iter(self.schedulers.values()))
-        return scheduler.get_last_lr()[0]
+        return scheduler.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict[str, Any]:
         """AdamW alone: its state as before (older checkpoints load); with Muon: one entry each."""
@@ -142,13 +143,18 @@ class Optimizers:
         return {name: optimizer_state(opt) for name, opt in self.named.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if list(self.named) == ["adamw"]:
-            load_optimizer_state(self.named["adamw"], state)
-            return
+        """The moments (and Muon's momentum buffers) from the checkpoint; the hyper-parameters this
+        run's config gives (betas, eps, weight decay, Muon's momentum...): torch's load would put the
+        checkpoint's back, so a resume that changed them on the record trained with the old ones. The
+        lr is the schedule's (`Schedule.load_state_dict`, loaded after this)."""
+        parts = {"adamw": state} if list(self.named) == ["adamw"] else state
         for name, opt in self.named.items():
-            if name not in state:
+            if name not in parts:
                 raise CheckpointError(f"optimizer state has no {name!r} part: the checkpoint was trained with another optim.name")
-            load_optimizer_state(opt, state[name])
+            own = [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")} for group in opt.param_groups]
+            load_optimizer_state(opt, parts[name])
+            for group, settings in zip(opt.param_groups, own):
+                group.update(settings)
 
     @property
     def schedule(self) -> Schedule:
@@ -167,12 +173,15 @@ class Schedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The schedulers' step, and this run's lr at it: the checkpoint holds the lr its own schedule
-        gave, and a resume under another total_steps (train.max_steps, train.epochs) follows the run's
-        schedule from its first step (the optimizer, restored before this component, held the old lr)."""
+        gave and its peak, and a resume under another total_steps (train.max_steps, train.epochs) or
+        optim.lr follows the run's schedule from its first step (the optimizer, restored before this
+        component by the checkpointer's registry order, held the old lr)."""
         parts = {"adamw": state} if list(self.schedulers) == ["adamw"] else state
         for name, scheduler in self.schedulers.items():
+            bases = list(scheduler.base_lrs)  # this run's optim.lr (muon_lr): the checkpoint holds the old one
             scheduler.load_state_dict(parts[name])
-            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            scheduler._last_lr = lrs  # what get_last_lr() (the logged lr) reads
+            scheduler.base_lrs = bases
+            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(bases, scheduler.lr_lambdas)]
+            for group, base, lr in zip(scheduler.optimizer.param_groups, bases, lrs):
+                group["initial_lr"], group["lr"] = base, lr
+            scheduler._last_lr = lrs

@@ -34,6 +34,11 @@ class Progress:
         self.step_in_epoch = 0
         self.last_row: dict[str, Any] = {}
         self.last_eval: dict[str, Any] | None = None
+        # This rank's scored blocks of the epoch so far (a device tensor while training: read only at
+        # the epoch's end and at a save) and whether a preemption stopped the run at a step whose eval
+        # was due: both carried over a resume, so epoch_end counts the whole epoch and no eval is lost.
+        self.epoch_blocks: Any = 0
+        self.eval_owed = False
         self.restart_clock()
 
     def restart_clock(self) -> None:
@@ -57,6 +62,8 @@ class Progress:
             "world_size": self.world_size,
             "last_row": self.last_row,
             "last_eval": self.last_eval,
+            "epoch_blocks": int(self.epoch_blocks),
+            "eval_owed": self.eval_owed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -66,6 +73,8 @@ class Progress:
         self.cpu_before = float(state.get("cpu_s", 0.0))
         self.last_row = state.get("last_row") or {}
         self.last_eval = state.get("last_eval")
+        self.epoch_blocks = int(state.get("epoch_blocks", 0))  # checkpoints before it: counted from the resume
+        self.eval_owed = bool(state.get("eval_owed", False))
         self.restart_clock()
 
 

@@ -149,7 +149,6 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         # Scored blocks of this epoch on this rank, kept on the device: reading it every step would
         # be a host sync before the optimizer's kernels are even launched.
-        self.epoch_blocks = torch.zeros((), dtype=torch.long, device=self.device)
         self._last_log = (0, 0, time.perf_counter())  # (step, tokens_seen, time) at the previous train row
         self._batches: Iterator[list[LoadedBatch]] | None = None
         self._bar = None
@@ -214,13 +213,17 @@ class Trainer:
             self._last_log = (self.step, self.progress.tokens_seen, time.perf_counter())
             self._batches = self._step_batches()
             self._bar = self._progress_bar()
+            if self.progress.eval_owed:  # the eval a preemption left at this step
+                self.evaluate()
+                self.progress.eval_owed = False
             with self.preemption:
                 while not self.finished():
                     self.mark_epoch_start()
                     stats = self.train_step()
                     if self.step % self.cfg.log.every_steps == 0 or self.finished() or stats.stop:
                         self.log_step(stats)
-                    if stats.stop:
+                    if stats.stop:  # its epoch_end (a collective: every rank is here) before the save
+                        self.mark_epoch_end(stats)
                         self.stop_preempted(stats.stop)
                     if self._eval_due():
                         self.evaluate()
@@ -266,7 +269,7 @@ class Trainer:
             parts.append(counts)
             forward_s, backward_s = forward_s + f_s, backward_s + b_s
         counts = sum_counts(parts)
-        self.epoch_blocks = self.epoch_blocks + counts["num_blocks"].long()
+        self.progress.epoch_blocks = counts["num_blocks"].long() + self.progress.epoch_blocks
         lr, grad_norm, skipped, optim_s = self.optimizer_step(counts)
         first = loaded[0].ref
         stats = StepStats(
@@ -362,7 +365,11 @@ class Trainer:
         return row
 
     def stop_preempted(self, why: str) -> None:
-        """Every rank agreed to stop after this step: save it synchronously, say so, and leave."""
+        """Every rank agreed to stop after this step: save it synchronously, say so, and leave. An eval
+        due at this step is owed (the grace period is for the save): the resumed run runs it first."""
+        self.progress.eval_owed = self._eval_due()
+        if self.progress.eval_owed:
+            self.sink.event("eval_skipped", self.step, reason="preempted: the resumed run evaluates this step first")
         self.checkpointer.save(self.step, blocking=True)
         path = self.paths.step(self.step)
         self.sink.event("preempted", self.step, signal=why, checkpoint=str(path), exit_code=EXIT_PREEMPTED)
@@ -382,8 +389,8 @@ class Trainer:
         """The epoch_end event; and a run whose epoch scored no block at all stops here (nothing to learn)."""
         if stats.step_in_epoch != stats.steps_in_epoch - 1:
             return
-        blocks = int(self.accelerator.reduce(self.epoch_blocks.to(self.device), reduction="sum"))
-        self.epoch_blocks = torch.zeros((), dtype=torch.long, device=self.device)
+        blocks = int(self.accelerator.reduce(torch.as_tensor(self.progress.epoch_blocks, device=self.device), reduction="sum"))
+        self.progress.epoch_blocks = 0
         self.sink.event("epoch_end", self.step, epoch=stats.epoch, blocks=blocks, elapsed_s=round(self.progress.elapsed_s(), 3))
         if blocks == 0:
             raise DataError(
