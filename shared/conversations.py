@@ -53,8 +53,8 @@ a template that reads no message's name (SmolLM2, Qwen3, Llama 3.1) does not ren
 
 from __future__ import annotations
 
-import hashlib
 import functools
+import hashlib
 import json
 import logging
 import re
