@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from shared.errors import StoreError
+
 _EMPTY = 2**64 - 1  # an index entry for a chunk that was never written (all fill value)
 ALL_CHUNKS_WRITTEN = "dflash_all_chunks_written"  # array attribute: every chunk has its bytes on disk
 _DTYPES = {"uint8", "uint16", "int32", "int64", "float16", "float32", "bool"}
@@ -112,7 +114,10 @@ class ChunkSource:
         if got != len(out):
             raise OSError(f"{self.root}/{key}: read {got} bytes at {start}, expected {len(out)} (truncated file)")
 
-    def read(self, key: str, start: int, length: int) -> bytes:
+    def read(self, key: str, start: int, length: int, fresh: bool = False) -> bytes:
+        """`length` bytes at `start`; `fresh`: past the local chunk cache (its copy is dropped)."""
+        if fresh and self.cache is not None:
+            self.cache.drop(key, start, length)
         if self.is_local:
             fd = os.open(f"{self.root}/{key}", os.O_RDONLY)
             try:
@@ -162,10 +167,24 @@ def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
         # Zarr writes no file for an array whose every chunk equals the fill value (stores written
         # before ALL_CHUNKS_WRITTEN: a one-sample shard's sample_ids [0]); zarr reads it as fill.
         return ShardArray(key, shape, dtype, chunk, compressed, fill, [(_EMPTY, _EMPTY)] * num_chunks, checked)
-    raw = source.read(key, size - index_bytes, index_bytes)
-    check_crc32c(raw, f"{source.root}/{key}", "its chunk index")
+    raw = checked_read(source, key, size - index_bytes, index_bytes, "its chunk index")
     index = [tuple(pair) for pair in np.frombuffer(raw[:-4], dtype="<u8").reshape(num_chunks, 2).tolist()]
     return ShardArray(key, shape, dtype, chunk, compressed, fill, index, checked)
+
+
+def checked_read(source: ChunkSource, key: str, start: int, length: int, what: str) -> bytes:
+    """The bytes at `start`, which end in their crc32c, checked. A remote store's local copy may be
+    what is damaged (bit rot, a crash mid-write of the right length): it is dropped and the store's
+    own bytes decide."""
+    data = source.read(key, start, length)
+    try:
+        check_crc32c(data, f"{source.root}/{key}", what)
+    except StoreError:
+        if source.cache is None:
+            raise
+        data = source.read(key, start, length, fresh=True)
+        check_crc32c(data, f"{source.root}/{key}", what)
+    return data
 
 
 def check_crc32c(data: bytes, key: str, what: str) -> None:
@@ -175,8 +194,6 @@ def check_crc32c(data: bytes, key: str, what: str) -> None:
 
     body = np.frombuffer(data, dtype=np.uint8)[:-4]  # a view: no copy of the chunk
     if len(data) < 4 or google_crc32c.value(body).to_bytes(4, "little") != bytes(data[-4:]):
-        from shared.errors import StoreError
-
         raise StoreError(
             f"{key}: {what} does not match its crc32c: the file was damaged on disk or in a copy, or altered in "
             f"place; run `python -m stage1_extract verify --repair` to re-extract the shards it names"
@@ -188,10 +205,11 @@ def decode_chunk(source: ChunkSource, array: ShardArray, k: int) -> np.ndarray:
     offset, nbytes = array.index[k]
     if offset == _EMPTY and nbytes == _EMPTY:
         return np.full(array.chunk_shape, array.fill_value, dtype=array.dtype)
-    data = source.read(array.key, offset, nbytes)
     if array.checked:
-        check_crc32c(data, f"{source.root}/{array.key}", f"inner chunk {k} (tokens {k * array.chunk_tokens}-{(k + 1) * array.chunk_tokens - 1})")
-        data = memoryview(data)[:-4]
+        what = f"inner chunk {k} (tokens {k * array.chunk_tokens}-{(k + 1) * array.chunk_tokens - 1})"
+        data = memoryview(checked_read(source, array.key, offset, nbytes, what))[:-4]
+    else:
+        data = source.read(array.key, offset, nbytes)
     if array.compressed:
         from numcodecs import Zstd
 
@@ -237,7 +255,8 @@ def read_range(
 ) -> np.ndarray:
     """Rows [lo, hi) of the array, into `out` when given (C-contiguous, [hi - lo, ...] of the array's
     dtype: the loader's packed micro-batch, so the rows are copied once, not read and then packed).
-    Uncompressed: exactly those rows' bytes, one read per chunk touched (no chunk is read whole).
+    Uncompressed, written before chunks carried a crc32c: exactly those rows' bytes, one read per
+    chunk touched (no chunk is read whole). Otherwise (a checksum covers the whole chunk):
     Compressed: each chunk touched read and decoded once (cached)."""
     C = array.chunk_tokens
     if out is None:
@@ -246,7 +265,7 @@ def read_range(
         raise ValueError(f"{array.key}: rows {lo}..{hi} do not fit an output of shape {list(out.shape)} {out.dtype}")
     if hi <= lo:
         return out
-    if not array.compressed:
+    if not array.compressed and not array.checked:  # rows alone: nothing to check them against
         return _read_rows(source, array, lo, hi, out)
     for k in range(lo // C, (hi - 1) // C + 1):
         chunk = cache.get((*tag, k))
@@ -288,8 +307,20 @@ class LocalChunkCache:
         self._sizes: OrderedDict[str, int] = OrderedDict((p.name, p.stat().st_size) for p in found)
         self._bytes = sum(self._sizes.values())
 
+    @staticmethod
+    def _name(key: str, start: int, length: int) -> str:
+        return hashlib.sha1(f"{key}@{start}+{length}".encode()).hexdigest() + ".bin"
+
+    def drop(self, key: str, start: int, length: int) -> None:
+        name = self._name(key, start, length)
+        with self._lock:
+            size = self._sizes.pop(name, None)
+            if size is not None:
+                self._bytes -= size
+        (self.folder / name).unlink(missing_ok=True)
+
     def get_or_fetch(self, key: str, start: int, length: int, fetch) -> bytes:
-        name = hashlib.sha1(f"{key}@{start}+{length}".encode()).hexdigest() + ".bin"
+        name = self._name(key, start, length)
         path = self.folder / name
         with self._lock:
             known = name in self._sizes

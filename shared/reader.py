@@ -163,7 +163,7 @@ class StoreReader:
             if self.hidden_dtype == "fp4":
                 num_layers = arrays["hidden"].shape[1]
                 channels = self._read(arrays["hidden_outlier_channels"], 0, num_layers, (shard, "hidden_outlier_channels"))
-        except StoreError:
+        except (StoreError, ImportError):  # a missing package is not a damaged shard: never send to --repair
             raise
         except Exception as exc:  # noqa: BLE001 - any failure here means a damaged (or replaced) shard
             raise self._damaged(
@@ -256,6 +256,8 @@ class StoreReader:
         arrays, offsets, _ = self._shard(shard)
         try:
             mask = np.asarray(self._read(arrays["loss_mask"], 0, info["num_tokens"], (shard, "loss_mask")), dtype=bool)
+        except ImportError:
+            raise
         except Exception as exc:  # noqa: BLE001 - name the shard and the fix
             raise self._damaged(
                 info["name"], f"cannot be read: loss_mask ({type(exc).__name__}: {exc})",
@@ -317,6 +319,8 @@ class StoreReader:
         def get(name: str, out: np.ndarray | None = None) -> np.ndarray:
             try:
                 return self._read(arrays[name], lo, hi, (shard, name), out)
+            except (StoreError, ImportError):  # a checksum's own message names the file and the fix
+                raise
             except Exception as exc:  # noqa: BLE001 - name the shard and the fix
                 raise self._damaged(
                     self._shards[shard]["name"],

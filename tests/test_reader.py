@@ -101,6 +101,34 @@ def test_a_remote_store_keeps_its_chunks_on_local_disk_within_the_bound(tmp_path
         assert torch.equal(again[i]["hidden_TLH"], expected[i]["hidden_TLH"])
 
 
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_a_flipped_bit_is_caught_when_read_and_a_damaged_local_copy_is_fetched_again(tmp_path, compression):
+    """Each chunk's crc32c is checked when read, uncompressed chunks too (read whole for it); a damaged
+    copy in the local cache of a remote store is dropped and read from the store, which decides."""
+    from shared.errors import StoreError
+
+    make_store(str(tmp_path / "local"), [samples(3, seed=4)], StoreConfig(compression=compression))
+    path = tmp_path / "local" / "shards" / "shard-000000-x" / "hidden" / "c" / "0" / "0" / "0"
+    good = StoreReader(str(tmp_path / "local"))[0]["hidden_TLH"]
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match=r"hidden/c/0/0/0: inner chunk 0 .* does not match its crc32c"):
+        StoreReader(str(tmp_path / "local"))[0]
+
+    url = f"memory://crc-{compression}-{tmp_path.name}"
+    make_store(url, [samples(3, seed=4)], StoreConfig(compression=compression))
+    cached = {"local_cache_dir": tmp_path / "cache", "local_cache_gb": 0.01}
+    assert torch.equal(StoreReader(url, **cached)[0]["hidden_TLH"], good)
+    copies = list((tmp_path / "cache").glob("*.bin"))
+    assert copies
+    for copy in copies:  # every cached read damaged (chunks and indexes), each keeping its length
+        data = bytearray(copy.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        copy.write_bytes(bytes(data))
+    assert torch.equal(StoreReader(url, **cached)[0]["hidden_TLH"], good)
+
+
 def test_the_local_chunk_cache_evicts_least_recently_used(tmp_path):
     cache = LocalChunkCache(tmp_path, max_bytes=250)
     fetched = []
