@@ -226,6 +226,7 @@ class DecodedChunks:
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self.checked: set[tuple] = set()  # uncompressed chunks whose crc32c this reader checked (read whole once)
 
     def get(self, key: tuple) -> np.ndarray | None:
         with self._lock:
@@ -255,8 +256,9 @@ def read_range(
 ) -> np.ndarray:
     """Rows [lo, hi) of the array, into `out` when given (C-contiguous, [hi - lo, ...] of the array's
     dtype: the loader's packed micro-batch, so the rows are copied once, not read and then packed).
-    Uncompressed, written before chunks carried a crc32c: exactly those rows' bytes, one read per
-    chunk touched (no chunk is read whole). Otherwise (a checksum covers the whole chunk):
+    Uncompressed, local: exactly those rows' bytes, one read per chunk touched; a chunk that carries
+    a crc32c is read whole once per reader first, to check it (`DecodedChunks.checked`), so a flipped
+    bit is found on the first read of its chunk and later reads stay row reads. Remote: as compressed.
     Compressed: each chunk touched read and decoded once (cached)."""
     C = array.chunk_tokens
     if out is None:
@@ -265,7 +267,14 @@ def read_range(
         raise ValueError(f"{array.key}: rows {lo}..{hi} do not fit an output of shape {list(out.shape)} {out.dtype}")
     if hi <= lo:
         return out
-    if not array.compressed and not array.checked:  # rows alone: nothing to check them against
+    # A remote store's uncompressed chunks are read whole (one GET each, checked, cached): row reads
+    # would each be a local copy of its own that no checksum covers.
+    if not array.compressed and (source.is_local or not array.checked):
+        if array.checked:
+            for k in range(lo // C, (hi - 1) // C + 1):
+                if (*tag, k) not in cache.checked:
+                    decode_chunk(source, array, k)
+                    cache.checked.add((*tag, k))
         return _read_rows(source, array, lo, hi, out)
     for k in range(lo // C, (hi - 1) // C + 1):
         chunk = cache.get((*tag, k))
