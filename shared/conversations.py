@@ -118,6 +118,10 @@ class ReadStats:
     leading_turns_dropped: int = 0  # assistant / tool turns before a row's first user turn (module docstring)
     answers_cut: int = 0  # regenerated answers cut at generate.max_new_tokens (`answer_cut`)
     answers_cut_unknown: int = 0  # regenerated answers from files that do not record `answer_cut` (read as ended)
+    # Set when tokenizing (stage1_extract/template.py): assistant turns kept as unsupervised context
+    # (the template renders them otherwise once a user turn follows), answers whose ids could not be placed.
+    context_turns: int = 0
+    ids_fallbacks: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

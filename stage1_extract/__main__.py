@@ -173,7 +173,10 @@ def cut_answers(out: dict[str, Any]) -> str:
         f"\n{out['answers_cut']} answer(s) cut at generate.max_new_tokens: their end-of-turn marker is not supervised"
         if out.get("answers_cut") else ""
     ) + (f"\n{out['answers_cut_unknown']} regenerated answer(s) from a file that does not record cuts: read as ended"
-         if out.get("answers_cut_unknown") else "")
+         if out.get("answers_cut_unknown") else "") + (
+        f"\n{out['context_turns']} assistant turn(s) kept as context, not supervised: the chat template renders them "
+        f"otherwise once a later user turn follows (Qwen3 drops their reasoning), as the target sees them when serving"
+        if out.get("context_turns") else "")
 
 
 def show_status(out: dict[str, Any]) -> str:

@@ -285,6 +285,9 @@ def _run_windows(
         )
         if split is not None:
             check_split(model, lay)
+        from stage1_extract.forward import check_output_head
+
+        check_output_head(model)
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
@@ -312,6 +315,11 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             # those whose file predates the record (read as ended).
             "answers_cut": prepared.stats.answers_cut,
             "answers_cut_unknown": prepared.stats.answers_cut_unknown,
+            # Assistant turns kept as unsupervised context (the template renders them otherwise once a user
+            # turn follows: Qwen3's reasoning before the last user query), regenerated answers whose ids the
+            # template gave no place (their text tokenized instead).
+            "context_turns": prepared.stats.context_turns,
+            "ids_fallbacks": prepared.stats.ids_fallbacks,
             # data.regenerate: what generate counted on the way from the user's file to `source`
             # (data.generate_record; None when generated.parquet predates those counts).
             **({"generate": prepared.generate} if prepared.regenerated else {}),
@@ -327,9 +335,16 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
     rows = row_accounting(manifest["data"], manifest["num_samples"], manifest["num_skipped"])
     out = {"merge_seconds": round(time.perf_counter() - started, 2), "leading_turns_dropped": rows["leading_turns_dropped"],
            "bad_rows_skipped": prepared.stats.bad_rows, "answers_cut": prepared.stats.answers_cut,
-           "answers_cut_unknown": prepared.stats.answers_cut_unknown, "rows": rows}
+           "answers_cut_unknown": prepared.stats.answers_cut_unknown, "context_turns": prepared.stats.context_turns,
+           "ids_fallbacks": prepared.stats.ids_fallbacks, "rows": rows}
     out.update({k: manifest[k] for k in ("num_samples", "num_tokens", "num_bytes", "num_truncated", "num_skipped", "num_empty_turns",
                                           "num_duplicates", "split_key")})
+    if prepared.stats.ids_fallbacks:
+        log.warning(
+            "%d regenerated answer(s) could not be placed as the target's own token ids (the chat template drops or "
+            "closes them otherwise): their text was tokenized instead, which can merge or split tokens the target "
+            "never produced (ids_fallbacks in the manifest)", prepared.stats.ids_fallbacks
+        )
     if manifest["num_empty_turns"]:
         log.warning(
             "%d assistant turns are empty: only their end-of-turn tokens are supervised (counted in the manifest as "

@@ -57,6 +57,52 @@ def _modeling_module(model_type: str) -> Any:
     return importlib.import_module(cls.__module__) if cls is not None else None
 
 
+# What transformers' forward does to lm_head's output before the logits it returns, by config field:
+# Gemma 2/3 cap them (tanh), Granite divides, Cohere multiplies. The stored log-probs must be the
+# model's own distribution: `check_output_head` compares with a real forward once per extraction.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+
+
+def output_head(model: Any) -> Any:
+    """h -> the logits transformers' forward returns: lm_head, then the config's transform (if any)."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    lm_head = model.lm_head
+    cap, scaling, scale = (getattr(config, name, None) for name in LOGIT_TRANSFORMS)
+    if not (cap or scaling or scale):
+        return lm_head
+
+    def head(h: Any) -> Any:
+        logits = lm_head(h).float()
+        if scaling:
+            logits = logits / scaling
+        if scale:
+            logits = logits * scale
+        if cap:
+            logits = (logits / cap).tanh_() * cap
+        return logits
+
+    return head
+
+
+def check_output_head(model: Any, num_tokens: int = 8) -> None:
+    """Refuse a target whose forward turns lm_head's output into its logits some way `output_head`
+    does not know (its stored log-probs would not be the model's distribution): one forward of a few
+    tokens, on every rank (a tensor-parallel forward is collective)."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids_1N = torch.arange(1, num_tokens + 1, device=device)[None] % model.config.get_text_config().vocab_size
+    with torch.inference_mode():
+        want = model(input_ids=ids_1N, use_cache=False).logits[0].float()
+        got = output_head(model)(model.get_decoder()(input_ids=ids_1N, use_cache=False).last_hidden_state[0]).float()
+    if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()) + 1e-3):
+        raise ValueError(
+            f"the target's forward ({type(model).__name__}) returns other logits than its LM head gives (max difference "
+            f"{float((got - want).abs().max()):.3g}): a transform of the logits extraction does not apply (it knows "
+            f"{', '.join(LOGIT_TRANSFORMS)}), so the stored log-probs would not be the model's distribution"
+        )
+
+
 def topk_logprobs(final_hidden_NH: Any, lm_head: Any, k: int, chunk: int) -> tuple[Any, Any]:
     """Top-k of log_softmax(lm_head(h)) in fp32, chunked over tokens.
 
@@ -106,7 +152,7 @@ def forward_batch(model: Any, capture: LayerCapture, rows: list[TokenizedRow], t
             varlen = packed_lengths(model, lengths, device)
             final_1NH = decoder(input_ids=ids_1N, position_ids=pos_1N, use_cache=False, **varlen).last_hidden_state
             hidden_1NLH = capture.stacked()
-            values_NK, ids_NK = topk_logprobs(final_1NH[0], model.lm_head, top_k, chunk)
+            values_NK, ids_NK = topk_logprobs(final_1NH[0], output_head(model), top_k, chunk)
             bounds = np.concatenate([[0], np.cumsum(lengths)])
             return [
                 (hidden_1NLH[0, a:b], values_NK[a:b], ids_NK[a:b]) for a, b in zip(bounds[:-1], bounds[1:])
@@ -121,7 +167,7 @@ def forward_batch(model: Any, capture: LayerCapture, rows: list[TokenizedRow], t
         hidden_BTLH = capture.stacked()
         # Only real tokens go through the LM head: padding is never computed twice nor stored.
         keep_BT = attn_BT.bool().to(device)
-        values_NK, ids_NK = topk_logprobs(final_BTH[keep_BT], model.lm_head, top_k, chunk)
+        values_NK, ids_NK = topk_logprobs(final_BTH[keep_BT], output_head(model), top_k, chunk)
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         return [
             (hidden_BTLH[b, : lengths[b]], values_NK[bounds[b] : bounds[b + 1]], ids_NK[bounds[b] : bounds[b + 1]])

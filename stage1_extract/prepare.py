@@ -166,6 +166,8 @@ def tokenized_rows(
                 stats.bad_examples.append(message)
             log.warning("skipping %s", message)
             continue
+        stats.context_turns += sample.context_turns
+        stats.ids_fallbacks += sample.ids_fallbacks
         rows.append(
             TokenizedRow(
                 sample_id=conv.row,

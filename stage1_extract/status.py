@@ -85,6 +85,7 @@ def _shard_states(
         # As the manifest counted them (None: no manifest, or one merged before they were counted).
         "answers_cut": made.get("answers_cut"),
         "answers_cut_unknown": made.get("answers_cut_unknown"),
+        "context_turns": made.get("context_turns"),
         # The user's rows at each stage on their way to the store, as the manifest counted them.
         "rows": row_accounting(made, manifest["num_samples"], manifest["num_skipped"]) if manifest else None,
         "complete": manifest is not None and counts["current"] == len(shards) and not orphaned
@@ -95,7 +96,7 @@ def _shard_states(
 
 def _gone(name: str) -> str:
     return (f"its group shards/{name} is not in the store (deleted?): `python -m stage1_extract extract` "
-            f"or `reprocess` extracts it again")
+            f"or `python -m stage1_extract reprocess` extracts it again")
 
 
 def cmd_status(cfg: RunConfig, deep: bool = False) -> dict[str, Any]:

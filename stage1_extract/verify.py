@@ -109,7 +109,8 @@ def verify_store(url: str) -> dict[str, Any]:
             )
     made = manifest.get("data") or {}  # what the shards were made from, as the manifest counted it
     return {"store": url, "shards_checked": len(manifest["shards"]), "bad_shards": bad, "ok": not bad,
-            "answers_cut": made.get("answers_cut"), "answers_cut_unknown": made.get("answers_cut_unknown")}
+            "answers_cut": made.get("answers_cut"), "answers_cut_unknown": made.get("answers_cut_unknown"),
+            "context_turns": made.get("context_turns")}
 
 
 def part_record_holds(

@@ -29,7 +29,7 @@ from shared.target import load_tokenizer
 from stage1_extract import commands, generate, generate_command
 from stage1_extract.backends import engine_seed
 from stage1_extract.data import write_conversations_parquet
-from stage1_extract.template import tokenize_conversation
+from stage1_extract.template import prompt_ids, tokenize_conversation
 from testkit.data import write_jsonl
 
 EOS = 2  # SmolLM2's <|im_end|>
@@ -571,19 +571,80 @@ def test_a_cut_answers_end_of_turn_marker_is_not_supervised_and_its_content_is(t
     assert commands.cmd_verify(cfg)["answers_cut"] == 1
 
 
-def test_a_cut_answer_whose_text_the_template_rewrites_still_leaves_its_end_marker_unsupervised(tiny_target_dir):
-    """A template that trims the answer's text cannot place its ids (the text is tokenized instead,
-    counted): the marker it writes after the text is still told apart and left out of the loss."""
+def test_ids_follow_their_generation_prompt_whatever_the_template_writes_around_the_answer(tiny_target_dir):
+    """The target's ids go right after the prompt it answered and the end marker after them: a
+    template that trims the answer's text, or drops it, changes nothing of what the target produced
+    (a template that drops the text cannot be located: its text is tokenized, counted)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    tokenizer.chat_template = tokenizer.chat_template.replace("message['content']", "(message['content'] | trim)")
+    original = tokenizer.chat_template
+    tokenizer.chat_template = original.replace("message['content']", "(message['content'] | trim)")
     text = "hello there  "
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    for cut, supervised in ((True, "hello there"), (False, "hello there<|im_end|>\n")):
+    for cut, supervised in ((True, text), (False, text + "<|im_end|>\n")):
         messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text, "token_ids": ids, "answer_cut": cut}]
         sample = tokenize_conversation(tokenizer, messages, 256)
-        assert sample.ids_fallbacks == 1 and tokenizer.decode(sample.input_ids[sample.loss_mask]) == supervised
+        assert sample.ids_fallbacks == 0 and tokenizer.decode(sample.input_ids[sample.loss_mask]) == supervised
+    tokenizer.chat_template = original.replace("message['content']", "''")  # the answer is not rendered at all
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text, "token_ids": ids, "answer_cut": True}]
+    sample = tokenize_conversation(tokenizer, messages, 256)
+    assert sample.ids_fallbacks == 1 and not sample.loss_mask.any()  # cut, and no end marker to tell apart
+
+
+# Qwen3's chat template in what matters here: an assistant turn after the last user query renders its
+# reasoning (an empty think block when the content has no </think>, as a cut answer's has not), one
+# before it renders without: a turn is rendered otherwise once a user turn follows it.
+QWEN3_LIKE = """{%- set ns = namespace(last_query=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{%- set c = m.content -%}{%- set r = '' -%}
+{%- if '</think>' in c -%}{%- set r = c.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+{%- if loop.index0 > ns.last_query -%}{{ '<|im_start|>assistant\\n<think>\\n' + r + '\\n</think>\\n\\n' + c + '<|im_end|>\\n' }}
+{%- else -%}{{ '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' }}{%- endif -%}
+{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"""
+
+
+def test_a_thinking_answer_is_stored_as_the_target_wrote_it_after_its_prompt(tiny_target_dir):
+    """Qwen3's template writes `<think>\n\n</think>\n\n` ahead of an answer without `</think>` (a cut
+    thinking answer): that text was stored before the target's ids, supervised, a context the target
+    never saw; a finished thinking answer was re-tokenized from its re-rendered text (a fallback)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tokenizer.chat_template = QWEN3_LIKE
+    user = {"role": "user", "content": "2+2?"}
+    prompt = prompt_ids(tokenizer, [user])
+    for content, cut in (("<think>\nThe user asks for 2+2. Let me", True), ("<think>\nAdd them.\n</think>\n\nIt is 4.", False)):
+        ids = tokenizer(content, add_special_tokens=False)["input_ids"]
+        sample = tokenize_conversation(tokenizer, [user, {"role": "assistant", "content": content, "token_ids": ids, "answer_cut": cut}], 512)
+        end = tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]
+        assert sample.input_ids.tolist() == prompt + ids + end and sample.ids_fallbacks == 0
+        assert sample.loss_mask.tolist() == [False] * len(prompt) + [True] * len(ids) + [not cut] * len(end)
+
+
+def test_turns_a_template_renders_otherwise_once_a_user_turn_follows_are_context(tiny_target_dir):
+    """Qwen3 drops the reasoning of every turn before the last user query: every multi-turn row was
+    refused as "not prefix-stable". The whole conversation is stored as the template renders it (as
+    the target sees it when serving the last turn), the earlier turns as context, counted."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tokenizer.chat_template = QWEN3_LIKE
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\n4."},
+                {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>\nAlso easy.\n</think>\n\n6."}]
+    sample = tokenize_conversation(tokenizer, messages, 512)
+    assert sample.context_turns == 1
+    assert tokenizer.decode(sample.input_ids) == (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n<|im_start|>user\n3+3?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nAlso easy.\n</think>\n\n6.<|im_end|>\n")
+    assert tokenizer.decode(sample.input_ids[sample.loss_mask]) == "<think>\nAlso easy.\n</think>\n\n6.<|im_end|>\n"
+    with pytest.raises(ValueError, match="not prefix-stable at assistant turn 1"):  # no later user turn: refused as before
+        tokenizer.chat_template = QWEN3_LIKE.replace("loop.index0 > ns.last_query", "loop.last")
+        tokenize_conversation(tokenizer, messages[:2] + [{"role": "tool", "content": "x"}], 512)
 
 
 def test_an_answer_is_cut_when_no_stop_token_ends_it():

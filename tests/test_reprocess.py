@@ -131,7 +131,7 @@ def test_extract_refuses_a_store_made_from_other_data_and_reprocess_replaces_it(
 
 
 def gone(name: str) -> str:
-    return f"its group shards/{name} is not in the store (deleted?): `python -m stage1_extract extract` or `reprocess` extracts it again"
+    return f"its group shards/{name} is not in the store (deleted?): `python -m stage1_extract extract` or `python -m stage1_extract reprocess` extracts it again"
 
 
 @pytest.mark.parametrize("where, merged", [("local", True), ("local", False), ("memory", True)],
