@@ -41,7 +41,14 @@ from shared.identity import (
 )
 from shared.paths import RunPaths
 from shared.target import TargetInfo
-from shared.token_cache import ROW_SETTINGS, SELECTION_SETTINGS, DamagedCache, TokenCache, token_cache_key
+from shared.token_cache import (
+    ROW_SETTINGS,
+    SELECTION_SETTINGS,
+    TOKENS_VERSION,
+    DamagedCache,
+    TokenCache,
+    token_cache_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +124,12 @@ def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], so
     cache = TokenCache(RunPaths.of(cfg).token_cache, key, inputs)
     if stage1_value(cfg, "data.token_cache") and cache.exists():
         try:
-            row_hashes = cache.row_hashes()
+            rows = cache.row_identity()
         except DamagedCache:
-            row_hashes = None  # the data's own hash still answers
-        if row_hashes is not None:
+            rows = None  # the data's own hash still answers
+        if rows is not None:
             report.rows_checked_by = "token cache"
-            _compare_rows(manifest, row_hashes, report)
+            _compare_rows(manifest, rows, report)
             return
     made = manifest.get("data") or {}
     report.rows_checked_by = "data sha256"
@@ -132,6 +139,12 @@ def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], so
             f"`python -m stage1_extract status` names the shards whose rows changed"
         )
         return
+    if made.get("tokens_version") != TOKENS_VERSION:  # same rows, maybe other tokens: only a tokenization tells
+        report.warnings.append(
+            f"the store's rows were tokenized by stage 1's tokenization version {made.get('tokens_version', 'before 10')}, "
+            f"this code's is {TOKENS_VERSION}, and no token cache of this version is here to compare their tokens: "
+            f"`python -m stage1_extract status` tokenizes them and names any shard whose tokens changed"
+        )
     # Unchanged bytes make unchanged rows only under the same row settings, and only a complete shard
     # list holds them all: a quick run's data.max_samples, or a record removed by hand, would pass.
     recorded = made.get("row_settings")
@@ -146,6 +159,9 @@ def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], so
         present = {r["index"] for r in manifest["shards"]}
         report.stale += [(index, "missing from the manifest") for index in range(planned) if index not in present]
         report.stale += [(index, "orphaned: past the rows the manifest records") for index in sorted(present - set(range(planned)))]
+
+
+TOKENS_CHANGED = "tokens changed: the same rows tokenize otherwise now (how stage 1 renders the chat template changed)"
 
 
 def _same_rows(name: str, then: Any, now: Any, made: dict[str, Any]) -> bool:
@@ -166,17 +182,22 @@ def _same_rows(name: str, then: Any, now: Any, made: dict[str, Any]) -> bool:
     return False
 
 
-def _compare_rows(manifest: dict[str, Any], row_hashes: list[str], report: Staleness) -> None:
+def _compare_rows(manifest: dict[str, Any], rows: list[tuple[str, str | None]], report: Staleness) -> None:
+    """Each shard's rows against the token cache's: their hashes, and the hashes of their tokens (the
+    same rows can tokenize otherwise under another version of stage 1's chat-template handling)."""
     per = int(manifest["samples_per_shard"])
     records = {r["index"]: r for r in manifest["shards"]}
-    planned = [row_hashes[i : i + per] for i in range(0, len(row_hashes), per)]
+    planned = [rows[i : i + per] for i in range(0, len(rows), per)]
     already = {i for i, _ in report.stale}
     for index, chunk in enumerate(planned):
         record = records.get(index)
+        tokens = [content for _, content in chunk if content is not None]
         if record is None:
             report.stale.append((index, "missing: rows added to the data"))
-        elif index not in already and record.get("rows_sha256") != rows_sha256(chunk):
+        elif index not in already and record.get("rows_sha256") != rows_sha256(h for h, _ in chunk):
             report.stale.append((index, "input rows changed"))
+        elif index not in already and record.get("content_hashes") not in (None, tokens):
+            report.stale.append((index, TOKENS_CHANGED))
     for index in sorted(set(records) - set(range(len(planned)))):
         report.stale.append((index, "orphaned: its rows left the data"))
 

@@ -210,6 +210,7 @@ class TargetInfo:
     source: dict[str, Any] = field(default_factory=dict)  # target_source(): provenance, not identity
     config_sha256: str = ""  # config.json without its provenance keys (`config_fingerprint`)
     tokenizer_probe_sha256: str = ""  # what the tokenizer makes of a fixed text (`tokenizer_fingerprints`)
+    logit_transform: dict[str, Any] = field(default_factory=dict)  # LOGIT_TRANSFORMS set in its config
 
     def identity(self, with_config: bool = True) -> dict[str, Any]:
         """What a store records about the target it was made from: content, never the folder
@@ -221,6 +222,8 @@ class TargetInfo:
             "hidden_size": self.arch.hidden_size,
             "vocab_size": self.arch.vocab_size,
         }
+        if self.logit_transform:  # only a target that has one: the others keep their stores' identity
+            out["logit_transform"] = dict(self.logit_transform)
         return {**out, "config_sha256": self.config_sha256} if with_config else out
 
     def tokenizer_hashes(self) -> dict[str, str]:
@@ -246,6 +249,7 @@ def resolve_target(cfg: TargetConfig, *, deep: bool = False) -> TargetInfo:
         source=target_source(cfg),
         config_sha256=config_fingerprint(target_dir),
         tokenizer_probe_sha256=hashes["tokenizer_probe_sha256"],
+        logit_transform=logit_transform(target_dir),
     )
 
 
@@ -322,6 +326,22 @@ TOKENIZER_PROBE = (
     "  two  spaces\tand a tab\r\n\n\ndef f(x):\n    return x ** 2  # squared\n{\"key\": [1, 2.5e-3, null]}\n"
     "naïve café Straße Ελληνικά русский 中文 日本語 한국어 العربية हिन्दी 🙂👍 ~`@#$%^&*()_+=<>?/|\\"
 )
+
+
+# Config fields by which transformers' forward transforms the LM head's output into the logits it
+# returns (Gemma 2/3 cap them with tanh, Granite divides, Cohere multiplies): stage 1 applies them
+# before the top-k, and a target that has one records it in its identity, so a store extracted
+# before they were applied is stale (a target without one keeps the identity it had).
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+
+
+def logit_transform(target_dir: Path) -> dict[str, Any]:
+    """The target's LOGIT_TRANSFORMS fields that are set (its text config's, for a multimodal one)."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    out = {}
+    for section in (config, config.get("text_config") or {}):
+        out.update({k: section[k] for k in LOGIT_TRANSFORMS if section.get(k) is not None})
+    return out
 
 
 def config_fingerprint(target_dir: Path) -> str:

@@ -149,10 +149,16 @@ class TokenCache:
 
     def row_hashes(self) -> list[str]:
         """Every cached row's hash, in order, after the files were checked (DamagedCache otherwise)."""
+        return [h for h, _ in self.row_identity()]
+
+    def row_identity(self) -> list[tuple[str, str | None]]:
+        """Every cached row's (hash, hash of its tokens and loss mask; None for a row skipped as too
+        long), in order, after the files were checked (DamagedCache otherwise)."""
         self.verify()
         try:
             with np.load(self.path / "rows.npz") as rows:
-                return [h.decode() for h in rows["row_hashes"]]
+                return [(h.decode(), None if skipped else c.decode())
+                        for h, c, skipped in zip(rows["row_hashes"], rows["content_hashes"], rows["skipped"])]
         except (OSError, ValueError, KeyError) as exc:
             raise DamagedCache(f"token cache {self.path} cannot be read ({exc})") from None
 

@@ -22,6 +22,7 @@ from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetConfig
 from shared.target_model import load_target_model, resolve_device, runnable_problem
+from shared.token_cache import TOKENS_VERSION
 from stage1_extract.batching import ShardPlan, plan_shards, windows_for_rank
 from stage1_extract.distributed import (
     agreed_done,
@@ -285,9 +286,9 @@ def _run_windows(
         )
         if split is not None:
             check_split(model, lay)
-        from stage1_extract.forward import check_output_head
+    from stage1_extract.forward import check_output_head
 
-        check_output_head(model)
+    check_output_head(model)  # every rank (a tensor-parallel forward is collective), fp4's rank 0 too
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "
@@ -319,6 +320,7 @@ def _merge(prepared: Prepared, shards: list[ShardPlan], samples_per_shard: int, 
             # turn follows: Qwen3's reasoning before the last user query), regenerated answers whose ids the
             # template gave no place (their text tokenized instead).
             "context_turns": prepared.stats.context_turns,
+            "tokens_version": TOKENS_VERSION,  # how stage 1 tokenized (stage 2 warns when it cannot compare tokens)
             "ids_fallbacks": prepared.stats.ids_fallbacks,
             # data.regenerate: what generate counted on the way from the user's file to `source`
             # (data.generate_record; None when generated.parquet predates those counts).

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
+from shared.target import LOGIT_TRANSFORMS
 from shared.target_model import LayerCapture
 from stage1_extract.batching import TokenizedRow
 
@@ -57,10 +58,10 @@ def _modeling_module(model_type: str) -> Any:
     return importlib.import_module(cls.__module__) if cls is not None else None
 
 
-# What transformers' forward does to lm_head's output before the logits it returns, by config field:
-# Gemma 2/3 cap them (tanh), Granite divides, Cohere multiplies. The stored log-probs must be the
-# model's own distribution: `check_output_head` compares with a real forward once per extraction.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+# What transformers' forward does to lm_head's output before the logits it returns (shared/target.py
+# LOGIT_TRANSFORMS: Gemma 2/3 cap them, Granite divides, Cohere multiplies; part of a store's identity).
+# The stored log-probs must be the model's own distribution: `check_output_head` compares with a real
+# forward once per extraction.
 
 
 def output_head(model: Any) -> Any:
@@ -71,14 +72,14 @@ def output_head(model: Any) -> Any:
     if not (cap or scaling or scale):
         return lm_head
 
-    def head(h: Any) -> Any:
+    def head(h: Any) -> Any:  # in place: no second [chunk, vocab] fp32 tensor (the memory plan counts one)
         logits = lm_head(h).float()
         if scaling:
-            logits = logits / scaling
+            logits.div_(scaling)
         if scale:
-            logits = logits * scale
+            logits.mul_(scale)
         if cap:
-            logits = (logits / cap).tanh_() * cap
+            logits.div_(cap).tanh_().mul_(cap)
         return logits
 
     return head

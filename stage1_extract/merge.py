@@ -18,8 +18,17 @@ def part_path(index: int) -> str:
 
 
 def record_matches(record: dict[str, Any] | None, shard: ShardPlan) -> bool:
-    """A shard is done when its part record matches both its input rows and the settings."""
-    return record is not None and record.get("rows_sha256") == shard.rows_sha256 and record.get("header_key") == shard.key
+    """A shard is done when its part record matches its input rows, the settings and its tokens."""
+    return (record is not None and record.get("rows_sha256") == shard.rows_sha256 and record.get("header_key") == shard.key
+            and not tokens_changed(record, shard))
+
+
+def tokens_changed(record: dict[str, Any], shard: ShardPlan) -> bool:
+    """Whether the shard's rows tokenize otherwise now than when it was extracted (a chat template
+    handled otherwise by stage 1's code: the row hashes and settings alike, the tokens not). A record
+    without content hashes cannot tell: not changed."""
+    stored = record.get("content_hashes")
+    return stored is not None and stored != [r.content_hash for r in shard.kept]
 
 
 PART_READ_THREADS = 32

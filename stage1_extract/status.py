@@ -10,6 +10,7 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.errors import StoreError
+from shared.freshness import TOKENS_CHANGED
 from shared.identity import header_differences
 from shared.store import StoreConfig, load_manifest
 from stage1_extract.batching import ShardPlan
@@ -20,6 +21,7 @@ from stage1_extract.merge import (
     record_matches,
     row_accounting,
     shard_groups,
+    tokens_changed,
 )
 from stage1_extract.prepare import Prepared, planned_shards
 from stage1_extract.resolve import prepare_run
@@ -65,6 +67,8 @@ def _shard_states(
             state, why = "stale", "settings changed: " + ", ".join(header_changes or ["schema"])
         elif record["rows_sha256"] != shard.rows_sha256:
             state, why = "stale", "input rows changed"
+        elif tokens_changed(record, shard):
+            state, why = "stale", TOKENS_CHANGED
         else:
             state, why = "current", ""
         rows.append({"index": shard.index, "state": state, "why": why, "samples": len(shard.rows)})

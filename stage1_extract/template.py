@@ -31,6 +31,7 @@ assistant turn the data marks `weight: 0` (axolotl's "context only") is rendered
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +67,7 @@ def assistant_char_spans(
         upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if upto.startswith(prefix) and full.startswith(upto):
             spans[i] = (len(prefix), len(upto))
-        elif any(m["role"] == "user" for m in messages[i + 1 :]) and full.startswith(prefix):
+        elif any(m["role"] == "user" for m in messages[i + 1 :]) and _rewritten_in_history(tokenizer, messages, i, full, upto, tools):
             context += 1  # rendered otherwise once a user turn follows: the whole render has it as context
         else:
             raise ValueError(
@@ -75,6 +76,20 @@ def assistant_char_spans(
                 f"with {{% generation %}} markers)"
             )
     return full, spans, context
+
+
+def _rewritten_in_history(
+    tokenizer: Any, messages: list[dict[str, Any]], i: int, full: str, upto: str, tools: str | None
+) -> bool:
+    """Whether the whole render departs from turn i's own render inside the turn's text (Qwen3 drops
+    the reasoning of a turn before the last user query), after a history both render alike. A render
+    that departs elsewhere (Phi-3 appends its end-of-text token to a conversation's end only) is a
+    template this module cannot read: refused, not made context."""
+    history = render(tokenizer, messages[:i], add_generation_prompt=False, tools=tools)
+    marked = render(tokenizer, [*messages[:i], {**messages[i], "content": SENTINEL}], add_generation_prompt=False, tools=tools)
+    closing = marked.partition(SENTINEL)[2]  # what the template writes after a last turn's text
+    departs = len(os.path.commonprefix([full, upto]))
+    return full.startswith(history) and departs < len(upto) - len(closing)
 
 
 def tokenize_conversation(
@@ -133,11 +148,19 @@ def _tokenize_with_ids(
             marked = [*messages[:turn], {**message, "content": SENTINEL}]
             prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
             span_marked = render(tokenizer, marked, add_generation_prompt=False, tools=tools)[len(prefix) :]
-            _, found, after = span_marked.partition(SENTINEL)
+            before, found, after = span_marked.partition(SENTINEL)
             cut = bool(message.get("answer_cut"))
-            if found and full[start:end].endswith(after):
-                # The text the template writes ahead of an answer (Qwen3's empty think block) is not
-                # stored: the target wrote its ids right after the generation prompt.
+            # A turn another supervised turn follows is also history: the later turns were generated (and
+            # are served) after the template's rendering of it, so its ids stand only where that
+            # rendering is the answer's text verbatim (a template that trims or strips it: the text).
+            later = any(t > turn for t in spans)
+            placed = found and (full[start:end] == before + message["content"] + after if later else full[start:end].endswith(after))
+            if placed:
+                # The text the template writes ahead of a last answer (Qwen3's empty think block) is not
+                # stored: the target wrote its ids right after the generation prompt. Ahead of an answer
+                # in the history it is, as the later turns saw it.
+                if later:
+                    text(before, supervised)
                 pieces.append((list(ids), supervised))
                 text(after, supervised and not cut)
             else:  # the template dropped the answer or closes it otherwise: the ids cannot be placed, use the text

@@ -647,6 +647,31 @@ def test_turns_a_template_renders_otherwise_once_a_user_turn_follows_are_context
         tokenize_conversation(tokenizer, messages[:2] + [{"role": "tool", "content": "x"}], 512)
 
 
+def test_history_the_later_turns_saw_and_templates_that_cannot_be_read(tiny_target_dir):
+    """An earlier answer whose text the template rewrites in the history (trims it) is stored as the
+    later turns saw it, its text (counted); a generation prompt that opens a think block (Qwen3
+    Thinking-2507) still keeps earlier turns as context; a template that departs elsewhere (Phi-3
+    appends end-of-text to a conversation's end only) is refused, not made context."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tokenizer.chat_template = tokenizer.chat_template.replace("message['content']", "(message['content'] | trim)")
+    text = "hello there  "
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    reply = {"role": "assistant", "content": text, "token_ids": ids}
+    sample = tokenize_conversation(tokenizer, [{"role": "user", "content": "hi"}, reply, {"role": "user", "content": "again"}, reply], 256)
+    assert sample.ids_fallbacks == 1 and tokenizer.decode(sample.input_ids).count("hello there<|im_end|>") == 1
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\n4."},
+                {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>\nAlso easy.\n</think>\n\n6."}]
+    tokenizer.chat_template = QWEN3_LIKE.rsplit("{%- if add_generation_prompt", 1)[0] + (
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}")
+    assert tokenize_conversation(tokenizer, messages, 512).context_turns == 1
+    tokenizer.chat_template = ("{%- for m in messages -%}{{ '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{%- endfor -%}"
+                               "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- else -%}{{ '<|endoftext|>' }}{%- endif -%}")
+    with pytest.raises(ValueError, match="not prefix-stable at assistant turn 1"):
+        tokenize_conversation(tokenizer, messages, 512)
+
+
 def test_an_answer_is_cut_when_no_stop_token_ends_it():
     """The transformers backend's reading of a generated row: a stop token ends the answer (the
     padding after it dropped); none within max_new_tokens means the limit cut it."""

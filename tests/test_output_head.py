@@ -46,3 +46,29 @@ def test_a_transform_extraction_does_not_know_is_refused():
     with pytest.raises(ValueError, match=r"returns other logits than its LM head gives .* the stored log-probs would not be "
                                          r"the model's distribution"):
         check_output_head(model)
+
+
+def test_a_target_with_a_logit_transform_records_it_in_its_stores_identity(tmp_path):
+    """A store a Gemma 2 target made before the transform was applied must read as stale: the
+    transform is part of the target's identity, and only for targets that have one (a Llama or Qwen
+    store keeps the identity it had)."""
+    import json
+
+    from shared.target import logit_transform
+
+    (tmp_path / "gemma").mkdir()
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps({"model_type": "gemma2", "final_logit_softcapping": 30.0}))
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {"final_logit_softcapping": 30.0}}))
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "final_logit_softcapping": None}))
+    assert logit_transform(tmp_path / "gemma") == logit_transform(tmp_path / "vlm") == {"final_logit_softcapping": 30.0}
+    assert logit_transform(tmp_path / "llama") == {}
+
+
+def test_the_embedded_targets_identity_is_what_it_was(tiny_target_dir):
+    from shared.config import load_run_config
+    from shared.target import resolve_target
+
+    cfg = load_run_config("configs/default.yaml", [f"target.path={tiny_target_dir}"])
+    assert "logit_transform" not in resolve_target(cfg.target).identity()

@@ -189,6 +189,36 @@ def test_train_refuses_a_store_missing_a_shard_group_and_reprocess_makes_it_agai
     assert contents(cfg) == before and len(StoreReader(url)) == sum(len(ids) for _, _, ids in before)
 
 
+def test_a_shard_whose_rows_tokenize_otherwise_now_is_stale_and_reprocess_makes_it_again(built, tiny_target_dir, tmp_path):
+    """Rows and settings alike, tokens not (stage 1 renders a chat template otherwise than when the
+    shard was made: today's Qwen3 fixes): status, extract and train compared row hashes and settings
+    only and called the shard current. Its tokens' hashes decide now."""
+    import json
+
+    from stage2_train.commands import cmd_train
+
+    from .conftest import train_overrides_for
+
+    cfg, _ = built
+    url = Path(cfg.store.url(cfg.run_dir))
+    before = contents(cfg)
+    manifest = json.loads((url / "manifest.json").read_text())
+    record = manifest["shards"][1]
+    record["content_hashes"] = ["0" * 16, *record["content_hashes"][1:]]  # as an older tokenization stored it
+    (url / "manifest.json").write_text(json.dumps(manifest))
+    part = json.loads((url / part_path(1)).read_text())
+    part["content_hashes"] = record["content_hashes"]
+    (url / part_path(1)).write_text(json.dumps(part))
+    assert [(r["index"], r["state"], r["why"]) for r in commands.cmd_status(cfg)["shards"]][1] == (
+        1, "stale", "tokens changed: the same rows tokenize otherwise now (how stage 1 renders the chat template changed)")
+    train = load_run_config(ROOT / "configs/default.yaml", train_overrides_for(tiny_target_dir, url, cfg.run_dir, {
+        "train.max_steps": 1, "log.wandb": "disabled"}))  # the run_dir whose token cache status just wrote
+    with pytest.raises(StoreError, match=r"shard\(s\) 1 stale \(tokens changed: the same rows tokenize otherwise now"):
+        cmd_train(train, progress=False)
+    assert commands.cmd_reprocess(cfg, progress=False)["reextracted"] == [1]
+    assert contents(cfg) == before and commands.cmd_status(cfg)["complete"]
+
+
 @pytest.mark.parametrize("preset", ["qwen3-8b", "llama-3.1-8b"])
 def test_the_8b_presets_give_each_run_its_own_store(preset):
     """A user config inherits a preset and sets run_dir: its store is run_dir/store, never one path

@@ -34,8 +34,8 @@ class Progress:
         self.step_in_epoch = 0
         self.last_row: dict[str, Any] = {}
         self.last_eval: dict[str, Any] | None = None
-        # This rank's scored blocks of the epoch so far (a device tensor while training: read only at
-        # the epoch's end and at a save) and whether a preemption stopped the run at a step whose eval
+        # This rank's scored blocks of the epoch so far (a device tensor while training: reading it
+        # every step would be a host sync before the optimizer's kernels; read at the epoch's end and at a save) and whether a preemption stopped the run at a step whose eval
         # was due: both carried over a resume, so epoch_end counts the whole epoch and no eval is lost.
         self.epoch_blocks: Any = 0
         self.eval_owed = False

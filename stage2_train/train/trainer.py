@@ -147,8 +147,6 @@ class Trainer:
             "drafter": Description(self.description),
         })
         self.nonfinite_in_a_row = 0
-        # Scored blocks of this epoch on this rank, kept on the device: reading it every step would
-        # be a host sync before the optimizer's kernels are even launched.
         self._last_log = (0, 0, time.perf_counter())  # (step, tokens_seen, time) at the previous train row
         self._batches: Iterator[list[LoadedBatch]] | None = None
         self._bar = None
@@ -214,17 +212,18 @@ class Trainer:
             self._batches = self._step_batches()
             self._bar = self._progress_bar()
             if self.progress.eval_owed:  # the eval a preemption left at this step
-                self.evaluate()
                 self.progress.eval_owed = False
+                self.evaluate()
             with self.preemption:
                 while not self.finished():
                     self.mark_epoch_start()
                     stats = self.train_step()
                     if self.step % self.cfg.log.every_steps == 0 or self.finished() or stats.stop:
                         self.log_step(stats)
-                    if stats.stop:  # its epoch_end (a collective: every rank is here) before the save
+                    if stats.stop and not self.finished():  # its epoch_end (a collective: every rank is here) first
                         self.mark_epoch_end(stats)
                         self.stop_preempted(stats.stop)
+                    # A stop at the last step ends as a finished run does: its final eval and save below.
                     if self._eval_due():
                         self.evaluate()
                     self.mark_epoch_end(stats)
@@ -462,6 +461,9 @@ class Trainer:
         )
         if point.state is not None:
             self.checkpointer.load_state_dict(point.state)
+            # On disk already: an eval at this step that is a new best points `best` at it, never
+            # rewrites the checkpoint it was resumed from.
+            self.checkpointer.mark_saved(self.step)
         if point.event is not None:
             self.sink.event("resume", self.step, **point.event)
         return None if point.path is None else str(point.path)
