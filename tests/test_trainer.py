@@ -357,6 +357,53 @@ def bf16_trainer(cfg, init_from=None):
     return Trainer(cfg, make_accelerator(cfg.train), init_weights=weights, progress=False)
 
 
+def test_a_stop_signal_at_the_last_step_ends_as_a_finished_run(tiny_target_dir, store, tmp_path, fresh_accelerator_state):
+    """Preempted at the run's last step, the run saved and exited 75 before its final eval; the rerun
+    found the run finished and never evaluated it. It now ends as a finished run does."""
+    extra = {"train.max_steps": 3, "checkpoint.every_steps": 0, "eval.every_steps": 0}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra))
+    step = trainer.train_step
+
+    def signalled_at_the_last_step():
+        if trainer.progress.step == 2:
+            trainer.preemption.requested = "SIGTERM"
+        return step()
+
+    trainer.train_step = signalled_at_the_last_step
+    summary = trainer.fit()
+    log = read_log(tmp_path / "train_log.jsonl")
+    assert summary["steps"] == 3 and not any(r.get("event") == "preempted" for r in log)
+    assert [r["step"] for r in log if r["kind"] == "eval"] == [3] and (tmp_path / "checkpoints" / "step_000003").is_dir()
+
+
+def test_the_eval_a_preemption_left_runs_first_and_points_best_at_the_checkpoint(tiny_target_dir, store, tmp_path,
+                                                                                  fresh_accelerator_state):
+    """Stopped at step 2 with its eval due: the resumed run evaluates step 2 before training on, and a
+    new best there points `best` at the checkpoint it resumed from (no second save of step 2)."""
+    from stage2_train.train.preemption import Preempted
+
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 0, "eval.every_steps": 2, "checkpoint.keep_best": True,
+             "train.resume": "auto"}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra))
+    step = trainer.train_step
+
+    def signalled_at_step_2():
+        if trainer.progress.step == 1:
+            trainer.preemption.requested = "SIGTERM"
+        return step()
+
+    trainer.train_step = signalled_at_step_2
+    with pytest.raises(Preempted):
+        trainer.fit()
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    assert bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra)).fit()["steps"] == 4
+    log = read_log(tmp_path / "train_log.jsonl")
+    again = log[first:]
+    assert [r["step"] for r in log if r["kind"] == "eval"] == [2, 4]
+    assert [(r["event"], r["step"]) for r in again if r.get("event") in ("checkpoint_start", "best_checkpoint")][:1] == [
+        ("best_checkpoint", 2)]
+
+
 def on_training_forward(module, record, pre: bool = False) -> None:
     """Call `record(args or output)` on the forwards of training (the held-out eval runs in eval mode)."""
 
