@@ -357,19 +357,24 @@ def bf16_trainer(cfg, init_from=None):
     return Trainer(cfg, make_accelerator(cfg.train), init_weights=weights, progress=False)
 
 
+def signalled_during_step(trainer, step: int):
+    """The trainer, with SIGTERM's flag raised while its step `step` (1-based) runs, as the handler would."""
+    train_step = trainer.train_step
+
+    def signalled():
+        if trainer.progress.step == step - 1:
+            trainer.preemption.requested = "SIGTERM"
+        return train_step()
+
+    trainer.train_step = signalled
+    return trainer
+
+
 def test_a_stop_signal_at_the_last_step_ends_as_a_finished_run(tiny_target_dir, store, tmp_path, fresh_accelerator_state):
     """Preempted at the run's last step, the run saved and exited 75 before its final eval; the rerun
     found the run finished and never evaluated it. It now ends as a finished run does."""
     extra = {"train.max_steps": 3, "checkpoint.every_steps": 0, "eval.every_steps": 0}
-    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra))
-    step = trainer.train_step
-
-    def signalled_at_the_last_step():
-        if trainer.progress.step == 2:
-            trainer.preemption.requested = "SIGTERM"
-        return step()
-
-    trainer.train_step = signalled_at_the_last_step
+    trainer = signalled_during_step(bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra)), 3)
     summary = trainer.fit()
     log = read_log(tmp_path / "train_log.jsonl")
     assert summary["steps"] == 3 and not any(r.get("event") == "preempted" for r in log)
@@ -384,17 +389,8 @@ def test_the_eval_a_preemption_left_runs_first_and_points_best_at_the_checkpoint
 
     extra = {"train.max_steps": 4, "checkpoint.every_steps": 0, "eval.every_steps": 2, "checkpoint.keep_best": True,
              "train.resume": "auto"}
-    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra))
-    step = trainer.train_step
-
-    def signalled_at_step_2():
-        if trainer.progress.step == 1:
-            trainer.preemption.requested = "SIGTERM"
-        return step()
-
-    trainer.train_step = signalled_at_step_2
     with pytest.raises(Preempted):
-        trainer.fit()
+        signalled_during_step(bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra)), 2).fit()
     first = len(read_log(tmp_path / "train_log.jsonl"))
     assert bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra)).fit()["steps"] == 4
     log = read_log(tmp_path / "train_log.jsonl")
