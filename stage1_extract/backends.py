@@ -144,6 +144,7 @@ class BatchEngine:
 def transformers_backend(model: Any, tokenizer: Any, cfg: Any, seed: int) -> Backend:
     """Batched, left-padded `generate` on the model's device (`cfg`: the generate section)."""
     import torch
+    from transformers import GenerationConfig
 
     device = next(model.parameters()).device
     stop_ids = stop_token_ids(tokenizer, model)
@@ -151,6 +152,11 @@ def transformers_backend(model: Any, tokenizer: Any, cfg: Any, seed: int) -> Bac
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     if not stop_ids:
         log.warning("the tokenizer and generation config name no EOS token: answers stop at generate.max_new_tokens")
+
+    # Exactly the settings given, as vLLM's SamplingParams: generate fills whatever it is not told from
+    # the target's generation_config.json (a repetition_penalty, min_p, top_k, min_new_tokens...), even
+    # from a generation_config passed to it, and the CPU answers would be other samples than vLLM's.
+    model.generation_config = GenerationConfig(eos_token_id=stop_ids or None, pad_token_id=pad_id)
 
     def run(requests: list[Request]) -> list[Answer]:
         answers: dict[int, Answer] = {}

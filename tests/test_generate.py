@@ -672,6 +672,29 @@ def test_history_the_later_turns_saw_and_templates_that_cannot_be_read(tiny_targ
         tokenize_conversation(tokenizer, messages, 512)
 
 
+def test_the_cpu_backend_samples_with_the_settings_given_only(tiny_target_dir):
+    """transformers' generate filled what it was not told from the target's generation_config.json
+    (Qwen2.5-Instruct ships a repetition_penalty): the CPU answers were other samples than vLLM's,
+    which takes only the settings given. A generation config full of sampling settings changes nothing."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stage1_extract.backends import Request, transformers_backend
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    ids = tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    answers = []
+    for extra in ({}, {"repetition_penalty": 5.0, "top_k": 1, "min_new_tokens": 6, "no_repeat_ngram_size": 1}):
+        model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+        for key, value in extra.items():
+            setattr(model.generation_config, key, value)
+        for temperature in (0.7, 0.0):
+            cfg = SimpleNamespace(batch_size=4, temperature=temperature, top_p=0.8, max_new_tokens=6)
+            answers.append(transformers_backend(model, tokenizer, cfg, seed=0)([Request(ids, 1), Request(ids[:1], 2)]))
+    assert answers[:2] == answers[2:]
+
+
 def test_an_answer_is_cut_when_no_stop_token_ends_it():
     """The transformers backend's reading of a generated row: a stop token ends the answer (the
     padding after it dropped); none within max_new_tokens means the limit cut it."""
