@@ -377,15 +377,35 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
     return tokenizer
 
 
+def turn_end_token_id(tokenizer: Any) -> int | None:
+    """The special token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
+    `<end_of_turn>`), or None: the token a chat model stops its answer on, which a checkpoint's EOS
+    and generation config need not name (a base model under a chat template)."""
+    from shared.conversations import render
+
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "\x00dflash-turn-end\x00"
+    try:
+        text = render(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
+                      add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this turn names no end
+        return None
+    closing = text.partition(marker)[2]
+    ids = tokenizer(closing, add_special_tokens=False)["input_ids"] if closing else []
+    return ids[0] if ids and ids[0] in set(tokenizer.all_special_ids) else None
+
+
 def stop_token_ids(tokenizer: Any, model: Any = None, model_dir: str | os.PathLike | None = None) -> list[int]:
-    """Every EOS id the tokenizer or the generation config names (Llama 3.1 lists three); may be
-    empty. The generation config is the loaded model's, or read from `model_dir` (vLLM's case)."""
+    """Every EOS id the tokenizer or the generation config names (Llama 3.1 lists three) and the
+    token the chat template ends a turn with; may be empty. The generation config is the loaded
+    model's, or read from `model_dir` (vLLM's case)."""
     generation = getattr(model, "generation_config", None)
     if generation is None and model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
         generation = json.loads((Path(model_dir) / "generation_config.json").read_text())
     eos = generation.get("eos_token_id") if isinstance(generation, dict) else getattr(generation, "eos_token_id", None)
     ids: set[int] = set()
-    for value in (tokenizer.eos_token_id, eos):
+    for value in (tokenizer.eos_token_id, eos, turn_end_token_id(tokenizer)):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):

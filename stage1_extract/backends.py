@@ -205,7 +205,9 @@ class VllmEngine:
         self.engine = llm.llm_engine
         self.stop_ids = stop_ids
         self.per_request_seeds = per_request_seeds
-        self.options = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_new_tokens}
+        # The stop ids given (the template's turn end among them), not only the ones vLLM finds itself.
+        self.options = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_new_tokens,
+                        "stop_token_ids": list(stop_ids)}
         try:  # only the finished answer, token ids only: no partial outputs built every step
             from vllm.sampling_params import RequestOutputKind
 

@@ -667,6 +667,23 @@ def test_stop_tokens_come_from_tokenizer_and_generation_config_and_may_be_none()
     assert stop_token_ids(SimpleNamespace(eos_token_id=None), bare) == []
 
 
+def test_the_token_a_chat_template_ends_a_turn_with_stops_generation(tiny_target_dir):
+    """A checkpoint whose EOS and generation config name another token than its chat template's turn
+    end (a base model under a ChatML template) generated past the turn's end to max_new_tokens: the
+    made-up next turn stored inside the answer, counted only as cut."""
+    from transformers import AutoTokenizer
+
+    from shared.target import stop_token_ids, turn_end_token_id
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokenizer.eos_token = "<|endoftext|>"
+    assert turn_end_token_id(tokenizer) == im_end
+    assert stop_token_ids(tokenizer) == sorted({tokenizer.eos_token_id, im_end})
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"  # no special end
+    assert turn_end_token_id(tokenizer) is None
+
+
 def test_training_can_start_from_an_exported_drafter(store, tiny_target_dir, tmp_path):
     """model.init_from: the export of one run is where the next run starts (a published drafter
     adapted to new data works the same way)."""
