@@ -53,7 +53,7 @@ def phase_env(entry: dict[str, Any], ctx: Context) -> None:
     if missing:  # the store cannot be written, the config cannot load: every later phase would fail
         raise RuntimeError(f"{' and '.join(missing)} not importable: carry .whl/ from bench/gpu_wheels.sh")
     from shared.target_model import pick_attn_implementation
-    from stage1_extract.generate import resolve_backend as generate_backend
+    from stage1_extract.backends import resolve_backend as generate_backend
     from stage2_train.model.attention import resolve_backend as drafter_backend
 
     entry["choices"] = {

@@ -19,7 +19,7 @@ from typing import Any
 
 from shared.cli import Verb, check_options, load_config, print_check, run_cli
 from stage1_extract import commands
-from stage1_extract.generate import backend_problem
+from stage1_extract.backends import backend_problem
 
 PROG = "python -m stage1_extract"
 RESUMES = "interrupted: the same command resumes"

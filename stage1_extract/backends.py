@@ -5,6 +5,8 @@
     engine.submit([(key, Request(prompt_ids, seed)), ...])
     for key, answer in engine.collect(): ...                              # blocks until one or more finish
 
+    resolve_backend("auto", device), backend_problem("vllm")            # which one runs here, and why not
+
 `generate.generate_all` keeps the engine fed across parts: it submits the next part's requests while
 the current part's longest answers are still decoding, and writes each part as its last answer lands.
 
@@ -34,6 +36,33 @@ from typing import Any, Protocol
 from shared.target import stop_token_ids
 
 log = logging.getLogger(__name__)
+
+
+def vllm_installed() -> bool:
+    """Whether vllm can be imported here, found without importing it (its import takes seconds and
+    initialises CUDA machinery)."""
+    import importlib.util
+    import sys
+
+    return "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None  # imported already: installed
+
+
+def backend_problem(backend: str) -> str | None:
+    """Why generate.backend cannot run here (vllm chosen and not installed), or None: `generate`
+    refuses it before reading any data, `check` warns."""
+    if backend != "vllm" or vllm_installed():
+        return None
+    return (
+        "generate.backend=vllm, but vllm is not installed here: install it with `pip install -e '.[gpu]'` (on a GPU "
+        "node), or set generate.backend=transformers (runs anywhere, CPU included, but slowly: fine for a small test, "
+        "weeks for an 8B target)"
+    )
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    if backend != "auto":
+        return backend
+    return "vllm" if device.startswith("cuda") and vllm_installed() else "transformers"
 
 
 @dataclass(frozen=True)

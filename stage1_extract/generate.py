@@ -115,33 +115,6 @@ class GenerateConfig(Section):
         return out
 
 
-def vllm_installed() -> bool:
-    """Whether vllm can be imported here, found without importing it (its import takes seconds and
-    initialises CUDA machinery)."""
-    import importlib.util
-    import sys
-
-    return "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None  # imported already: installed
-
-
-def backend_problem(backend: str) -> str | None:
-    """Why generate.backend cannot run here (vllm chosen and not installed), or None: `generate`
-    refuses it before reading any data, `check` warns."""
-    if backend != "vllm" or vllm_installed():
-        return None
-    return (
-        "generate.backend=vllm, but vllm is not installed here: install it with `pip install -e '.[gpu]'` (on a GPU "
-        "node), or set generate.backend=transformers (runs anywhere, CPU included, but slowly: fine for a small test, "
-        "weeks for an 8B target)"
-    )
-
-
-def resolve_backend(backend: str, device: str) -> str:
-    if backend != "auto":
-        return backend
-    return "vllm" if device.startswith("cuda") and vllm_installed() else "transformers"
-
-
 def prompt_hash(conversation: Conversation) -> str:
     """A row's prompt, as the data gives it: its turns with the ones `generate` rewrites left out, and
     its tools. Copies of a row share it whatever answers the target samples for each, so the held-out

@@ -27,9 +27,15 @@ from shared.paths import RunPaths
 from shared.target import TargetArch, load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
 from shared.target_model import load_target_model, resolve_device, resolve_dtype
 from shared.token_cache import source_fingerprint
-from stage1_extract.backends import BatchEngine, transformers_backend, vllm_engine
+from stage1_extract.backends import (
+    BatchEngine,
+    backend_problem,
+    resolve_backend,
+    transformers_backend,
+    vllm_engine,
+)
 from stage1_extract.distributed import distributed_context, rank_device
-from stage1_extract.generate import backend_problem, generate_all, resolve_backend
+from stage1_extract.generate import generate_all
 
 
 def prompts_format(cfg: RunConfig) -> str:

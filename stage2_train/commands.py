@@ -27,7 +27,7 @@ from stage2_train.model.config import DrafterConfig
 def cmd_batches(cfg: RunConfig, num_steps: int, world_size: int = 1) -> list[dict[str, Any]]:
     """The next `num_steps` optimizer steps the training run would take (all ranks), nothing trained."""
     from stage2_train.data.run_data import open_run_data
-    from stage2_train.data.sampler import describe_steps
+    from stage2_train.data.steps import describe_steps
 
     return describe_steps(open_run_data(cfg, world_size=world_size).sampler, num_steps)
 

@@ -235,7 +235,7 @@ def test_stage1_check_warns_when_the_backend_is_vllm_and_vllm_is_not_installed(m
     """`check` passed a config inheriting qwen3-8b (generate.backend: vllm) on a node without vllm;
     `generate` then failed. Found without importing vllm (importlib's find_spec)."""
     from stage1_extract import __main__ as stage1_cli
-    from stage1_extract import generate
+    from stage1_extract import backends as generate  # where vllm_installed lives
 
     monkeypatch.setattr(generate, "vllm_installed", lambda: False)
     assert stage1_cli.main(["check", "generate.backend=vllm"]) == 0

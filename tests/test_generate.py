@@ -26,7 +26,7 @@ from shared.conversations import Conversation
 from shared.errors import DataError
 from shared.reader import StoreReader
 from shared.target import load_tokenizer
-from stage1_extract import commands, generate, generate_command
+from stage1_extract import backends, commands, generate, generate_command
 from stage1_extract.backends import engine_seed
 from stage1_extract.data import write_conversations_parquet
 from stage1_extract.template import prompt_ids, tokenize_conversation
@@ -822,7 +822,7 @@ def test_generate_with_vllm_not_installed_is_one_line_before_any_data_is_read(ti
     died with a 28-line ModuleNotFoundError (exit 1)."""
     from stage1_extract import __main__ as stage1_cli
 
-    monkeypatch.setattr(generate, "vllm_installed", lambda: False)
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
     missing = tmp_path / "not-read-yet.jsonl"  # read first, it would be the error
     args = [f"run_dir={tmp_path / 'run'}", f"target.path={tiny_target_dir}", f"data.path={missing}", "generate.backend=vllm"]
     assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
@@ -833,7 +833,7 @@ def test_generate_with_vllm_not_installed_is_one_line_before_any_data_is_read(ti
         "test, weeks for an 8B target)\n"
     )
     assert not (tmp_path / "run").exists()
-    monkeypatch.setattr(generate, "vllm_installed", lambda: True)  # installed: on to the data
+    monkeypatch.setattr(backends, "vllm_installed", lambda: True)  # installed: on to the data
     assert stage1_cli.main(["generate", "--no-progress", *args]) == 2
     assert "data file not found" in capsys.readouterr().err
 
@@ -874,7 +874,7 @@ def test_generate_asks_for_vllm_only_when_a_part_is_left_to_make(tiny_target_dir
     made = {p.name: p.read_bytes() for p in parts}
     assert len(made) == 2 and len(fake_vllm.made) == 1
     monkeypatch.delitem(sys.modules, "vllm")
-    monkeypatch.setattr(generate, "vllm_installed", lambda: False)
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
     capsys.readouterr()
     assert stage1_cli.main(["generate", "--no-progress", "--json", *args]) == 0
     out = json.loads(capsys.readouterr().out)

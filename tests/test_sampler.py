@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from stage2_train.data.config import SamplerConfig
-from stage2_train.data.sampler import LengthMixedSampler, describe_steps
+from stage2_train.data.sampler import LengthMixedSampler
+from stage2_train.data.steps import describe_steps
 
 
 def lognormal_lengths(n: int, seed: int = 0) -> np.ndarray:

@@ -6,18 +6,38 @@ the checkpointer's registry expects (`saver.Checkpointer.register`):
     RunRecord     the resolved run config, saved for the resume check (compared before anything loads)
     Description   the drafter's description (drafter.json): what the weights are
 
-and `run_info`, everything about a run decided at start-up (the run_start event, the saved config).
+and `run_info`, everything about a run decided at start-up (the run_start event, the saved config),
+and `StepStats`, one optimizer step's record before its train row is written.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from stage2_train.model.description import DrafterDescription
 from stage2_train.train.checkpoint.format import rng_state, set_rng_state
 from stage2_train.train.schedules import warmup_steps
+
+
+@dataclass
+class StepStats:
+    """One optimizer step on this rank; tensors stay on the device until a log step reads them."""
+
+    epoch: int
+    step_in_epoch: int
+    steps_in_epoch: int
+    counts: dict[str, Any]  # torch tensors
+    num_tokens: int  # context tokens of the whole step, all ranks
+    num_samples: int  # all ranks
+    grad_norm: Any  # a torch tensor
+    lr: float
+    noise_std: float
+    skipped: bool = False  # non-finite loss or gradients: no weight changed
+    times: dict[str, float] = field(default_factory=dict)
+    stop: str | None = None  # a rank was signalled (SIGTERM/SIGUSR1): every rank stops after this step
 
 
 class Progress:

@@ -38,7 +38,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,25 +68,7 @@ from stage2_train.train.evaluate import HeldoutEvaluator
 from stage2_train.train.preemption import EXIT_PREEMPTED, Preempted, Preemption
 from stage2_train.train.resume import find_resume_point
 from stage2_train.train.schedules import NoiseSchedule, Optimizers, noise_generator
-from stage2_train.train.state import Description, Progress, RngState, RunRecord, run_info
-
-
-@dataclass
-class StepStats:
-    """One optimizer step on this rank; tensors stay on the device until a log step reads them."""
-
-    epoch: int
-    step_in_epoch: int
-    steps_in_epoch: int
-    counts: dict[str, torch.Tensor]
-    num_tokens: int  # context tokens of the whole step, all ranks
-    num_samples: int  # all ranks
-    grad_norm: torch.Tensor
-    lr: float
-    noise_std: float
-    skipped: bool = False  # non-finite loss or gradients: no weight changed
-    times: dict[str, float] = field(default_factory=dict)
-    stop: str | None = None  # a rank was signalled (SIGTERM/SIGUSR1): every rank stops after this step
+from stage2_train.train.state import Description, Progress, RngState, RunRecord, StepStats, run_info
 
 
 class Trainer:
