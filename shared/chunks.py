@@ -29,7 +29,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,9 @@ class ShardArray:
     fill_value: Any
     index: list[tuple[int, int]]  # per inner chunk: byte offset, byte count
     checked: bool = False  # each chunk ends in a crc32c of its (compressed) bytes
+    # Uncompressed chunks whose crc32c was checked (read whole once), one flag per chunk: it lives
+    # and goes with the open shard, so a reader over a whole store holds no per-chunk set of its own.
+    verified: bytearray = field(default_factory=bytearray)
 
     @property
     def chunk_tokens(self) -> int:
@@ -226,7 +229,6 @@ class DecodedChunks:
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        self.checked: set[tuple] = set()  # uncompressed chunks whose crc32c this reader checked (read whole once)
 
     def get(self, key: tuple) -> np.ndarray | None:
         with self._lock:
@@ -257,7 +259,7 @@ def read_range(
     """Rows [lo, hi) of the array, into `out` when given (C-contiguous, [hi - lo, ...] of the array's
     dtype: the loader's packed micro-batch, so the rows are copied once, not read and then packed).
     Uncompressed, local: exactly those rows' bytes, one read per chunk touched; a chunk that carries
-    a crc32c is read whole once per reader first, to check it (`DecodedChunks.checked`), so a flipped
+    a crc32c is read whole once per open shard first, to check it (`ShardArray.verified`), so a flipped
     bit is found on the first read of its chunk and later reads stay row reads. Remote: as compressed.
     Compressed: each chunk touched read and decoded once (cached)."""
     C = array.chunk_tokens
@@ -271,10 +273,12 @@ def read_range(
     # would each be a local copy of its own that no checksum covers.
     if not array.compressed and (source.is_local or not array.checked):
         if array.checked:
+            if not array.verified:
+                array.verified = bytearray(len(array.index))
             for k in range(lo // C, (hi - 1) // C + 1):
-                if (*tag, k) not in cache.checked:
+                if not array.verified[k]:
                     decode_chunk(source, array, k)
-                    cache.checked.add((*tag, k))
+                    array.verified[k] = 1
         return _read_rows(source, array, lo, hi, out)
     for k in range(lo // C, (hi - 1) // C + 1):
         chunk = cache.get((*tag, k))

@@ -63,7 +63,7 @@ def off_schedule(
             if open_[field] is None:
                 ev = make_event(f"{field.split('_')[0]}_off_schedule", step, None, field=field, logged=logged,
                                 expected=want[field], to_step=step, rows=0, fits=[], schedule=schedule_text(hyper, field))
-                ev["details"]["_tests"] = hypotheses(field, hyper, expected_at, restart)
+                ev["details"]["_tests"] = hypotheses(field, hyper, expected, restart)
                 events.append(ev)
                 open_[field] = ev
             d = open_[field]["details"]
@@ -79,12 +79,10 @@ def off_schedule(
     return events, note
 
 
-def hypotheses(field: str, hyper: dict[str, Any], expected_at: Callable[[dict[str, Any]], Expected | None],
-               restart: int) -> dict[str, Callable[[int], float]]:
-    """Mistakes whose curve the logged values may follow, each as step -> the value it would log."""
+def hypotheses(field: str, hyper: dict[str, Any], base: Expected, restart: int) -> dict[str, Callable[[int], float]]:
+    """Mistakes whose curve the logged values may follow (`base`: the run's schedule), each as step ->
+    the value it would log."""
     tests: dict[str, Callable[[int], float]] = {}
-    base = expected_at(hyper)
-    assert base is not None  # hyper already gave a schedule
     if field == "lr":
         accum = hyper.get("grad_accum")
         if isinstance(accum, int) and accum > 1:
