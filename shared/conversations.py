@@ -493,3 +493,17 @@ def render(
         template_messages(messages, "tool_calls" in template, "reasoning_content" in template), tokenize=False,
         add_generation_prompt=add_generation_prompt, **kwargs,
     )
+
+
+ANSWER_MARK = "\x00\x01dflash-answer\x01\x00"  # stands for an answer's text while locating it in a render
+
+
+def mark_answer(
+    tokenizer: Any, history: list[dict[str, Any]], message: dict[str, Any], tools: str | None = None
+) -> tuple[str, bool, str]:
+    """`history` + `message` as the last turn, rendered with a mark for the message's text and split
+    there: (the render before its text, whether the template wrote the text at all, what the template
+    writes after it: the turn's closing, an end-of-turn marker)."""
+    text = render(tokenizer, [*history, {**message, "content": ANSWER_MARK}], add_generation_prompt=False, tools=tools)
+    before, found, after = text.partition(ANSWER_MARK)
+    return before, bool(found), after

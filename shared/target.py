@@ -381,17 +381,14 @@ def turn_end_token_id(tokenizer: Any) -> int | None:
     """The special token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
     `<end_of_turn>`), or None: the token a chat model stops its answer on, which a checkpoint's EOS
     and generation config need not name (a base model under a chat template)."""
-    from shared.conversations import render
+    from shared.conversations import mark_answer
 
     if not getattr(tokenizer, "chat_template", None):
         return None
-    marker = "\x00dflash-turn-end\x00"
     try:
-        text = render(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
-                      add_generation_prompt=False)
+        closing = mark_answer(tokenizer, [{"role": "user", "content": "x"}], {"role": "assistant"})[2]
     except Exception:  # noqa: BLE001 - a template that cannot render this turn names no end
         return None
-    closing = text.partition(marker)[2]
     ids = tokenizer(closing, add_special_tokens=False)["input_ids"] if closing else []
     return ids[0] if ids and ids[0] in set(tokenizer.all_special_ids) else None
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.conversations import render
+from shared.conversations import mark_answer, render
 
 
 @dataclass
@@ -49,9 +49,6 @@ class TokenizedSample:
     empty_turns: int = 0  # assistant turns with empty text: only their end-of-turn marker is supervised
     ids_fallbacks: int = 0  # answers whose token ids could not be placed (their text was tokenized)
     context_turns: int = 0  # assistant turns the template renders otherwise once a user turn follows: unsupervised
-
-
-SENTINEL = "\x00\x01dflash-answer\x01\x00"  # stands for an answer's text while locating it in a render
 
 
 def assistant_char_spans(
@@ -87,8 +84,7 @@ def _rewritten_in_history(
     that departs elsewhere (Phi-3 appends its end-of-text token to a conversation's end only) is a
     template this module cannot read: refused, not made context."""
     history = render(tokenizer, messages[:i], add_generation_prompt=False, tools=tools)
-    marked = render(tokenizer, [*messages[:i], {**messages[i], "content": SENTINEL}], add_generation_prompt=False, tools=tools)
-    closing = marked.partition(SENTINEL)[2]  # what the template writes after a last turn's text
+    closing = mark_answer(tokenizer, messages[:i], messages[i], tools)[2]  # what the template writes after a last turn's text
     departs = len(os.path.commonprefix([full, upto]))
     return full.startswith(history) and departs < len(upto) - len(closing)
 
@@ -145,10 +141,9 @@ def _tokenize_with_ids(
         if ids is None:
             text(full[start:end], supervised)
         else:
-            marked = [*messages[:turn], {**message, "content": SENTINEL}]
             prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
-            span_marked = render(tokenizer, marked, add_generation_prompt=False, tools=tools)[len(prefix) :]
-            before, found, after = span_marked.partition(SENTINEL)
+            head, found, after = mark_answer(tokenizer, messages[:turn], message, tools)
+            before = head[len(prefix) :]
             cut = bool(message.get("answer_cut"))
             # A turn another supervised turn follows is also history: the later turns were generated (and
             # are served) after the template's rendering of it, so its ids stand only where that
