@@ -98,6 +98,17 @@ class Conversation:
         text = json.dumps(value, sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
+    def opening_hash(self) -> str:
+        """The row's opening: its turns up to and including its first user turn, and its tools, which is
+        what online evaluation decodes from for most rows. The held-out split keys a row on it
+        (`shared/shard_records.split_hashes`): rows that open alike (copies of a prompt, conversations
+        that share a first question and part later) fall on one side, so a held-out prompt's answer was
+        never trained on from another row. "" for a row without a user turn (its tokens key it)."""
+        first_user = next((i for i, m in enumerate(self.messages) if m.get("role") == "user"), None)
+        if first_user is None:
+            return ""
+        return Conversation(row=self.row, messages=self.messages[: first_user + 1], tools=self.tools).row_hash()
+
 
 @dataclass(frozen=True)
 class RowLimits:

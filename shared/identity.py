@@ -39,11 +39,15 @@ from shared.target_model import pick_attn_implementation, resolve_device, resolv
 # of the identity (`BATCH_SETTINGS`, recorded per shard instead); 4: the target's config.json and the
 # tokenizer's behaviour in (`target.config_sha256`, `tokenizer_probe_sha256`); 5: a regenerated
 # row's held-out split key is its prompt (`prompt_hashes` in the part records), not its tokens, which
-# differ between copies given different answers. A store keeps the version it was made at, and its
+# differ between copies given different answers; 6: every row's split key is its opening (its turns
+# through the first user turn, `opening_hashes`), so rows that share a first question never straddle the
+# split (online eval decodes from it). A store keeps the version it was made at, and its
 # keys: a version-2 header carries the batch shape it pinned, a store made before 4 is not judged by
-# fields it never recorded, and one made before 5 keeps its split on tokens when resumed or re-extracted.
-IDENTITY_VERSION = 5
+# fields it never recorded, and one made before 5 (6) keeps its split on tokens (prompts) when resumed
+# or re-extracted.
+IDENTITY_VERSION = 6
 PROMPT_KEYS_VERSION = 5
+OPENING_KEYS_VERSION = 6
 BATCH_SETTINGS = ("batch_tokens", "max_samples_per_batch", "window_shards", "lm_head_chunk_tokens")
 
 # Stage 1's defaults for every setting a store's identity reads (tests/test_identity.py: equal to the

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.ndarray:
-    """int64 per sample: the hash `split_hashes` chooses (a regenerated row's prompt, else the sample's
-    tokens and loss mask), so copies share a key and the held-out split keeps them on one side; else
-    the sample ids (stores written before content hashes were recorded)."""
+    """int64 per sample: the hash `split_hashes` chooses (a row's opening; in older stores a regenerated
+    row's prompt, else the sample's tokens and loss mask), so rows that open alike share a key and the
+    held-out split keeps them on one side; else the sample ids (stores written before any hash)."""
     chosen = split_hashes(shards)
     if chosen is not None:
         return np.asarray([int(h[:15], 16) for h in chosen[1]], dtype=np.int64)

@@ -29,22 +29,34 @@ REQUIRED = {
 
 # Per-sample fields a store written before they existed lacks: content_hashes (duplicates, the split)
 # and supervised_pairs (the trainer's block budget; the reader counts them from the loss masks then);
-# prompt_hashes only a store of regenerated rows made at identity version 5 or later has.
-OPTIONAL = ("content_hashes", "supervised_pairs", "prompt_hashes")
-HASHES = ("content_hashes", "prompt_hashes")
+# prompt_hashes only a store of regenerated rows made at identity version 5 or later has, opening_hashes
+# only a store made at version 6 or later.
+OPTIONAL = ("content_hashes", "supervised_pairs", "prompt_hashes", "opening_hashes")
+HASHES = ("content_hashes", "prompt_hashes", "opening_hashes")
 
 
-def split_hashes(records: list[dict[str, Any]]) -> tuple[str, list[str]] | None:
-    """(the field, every sample's hash in store order) that keys the held-out split and counts
-    duplicates: `prompt_hashes` when every record lists them (regenerated rows: copies of a prompt share
-    it whatever answers were sampled for each), else `content_hashes` (tokens and loss mask: identical
-    samples share it), else None (a store written before either: the split keys on sample ids). A store
-    keeps the field it was made with: prompt hashes are recorded only by stores made at identity
-    version 5 or later (`shared/identity.py`), so an older store resumed or re-extracted keeps its split."""
-    for field in ("prompt_hashes", "content_hashes"):
+def _first_recorded(records: list[dict[str, Any]], fields: tuple[str, ...]) -> tuple[str, list[str]] | None:
+    for field in fields:
         if records and all(field in r for r in records):
             return field, [h for r in records for h in r[field]]
     return None
+
+
+def split_hashes(records: list[dict[str, Any]]) -> tuple[str, list[str]] | None:
+    """(the field, every sample's hash in store order) that keys the held-out split: `opening_hashes`
+    when every record lists them (a row's turns through its first user turn: rows that open alike,
+    copies or not, fall on one side, since online eval decodes from the opening), else `prompt_hashes`
+    (regenerated rows: copies of a prompt share it whatever answers were sampled for each), else
+    `content_hashes` (identical samples share it), else None (a store written before any: the split
+    keys on sample ids). A store keeps the field it was made with (`shared/identity.py`: prompt hashes
+    from identity version 5, openings from 6), so an older store resumed or re-extracted keeps its split."""
+    return _first_recorded(records, ("opening_hashes", "prompt_hashes", "content_hashes"))
+
+
+def duplicate_hashes(records: list[dict[str, Any]]) -> tuple[str, list[str]] | None:
+    """(the field, every sample's hash in store order) that counts duplicates: a regenerated row's
+    prompt, else the sample's tokens and loss mask (rows that only open alike are not copies)."""
+    return _first_recorded(records, ("prompt_hashes", "content_hashes"))
 
 
 def record_problem(record: Any, position: int) -> str | None:

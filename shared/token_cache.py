@@ -6,7 +6,8 @@ without tokenizing anything (`shared/freshness.py`).
         ids.npy    int32 [total tokens]   every row's input ids, concatenated
         mask.npy   bool  [total tokens]   the loss mask
         rows.npz   offsets [R+1], sample_ids [R], row_hashes [R] (S32), truncated [R], skipped [R],
-                   content_hashes [R] (S16), empty_turns [R], prompt_hashes [R] (S32), source_rows [R]
+                   content_hashes [R] (S16), empty_turns [R], prompt_hashes [R] (S32), source_rows [R],
+                   opening_hashes [R] (S32)
         meta.json  the key's inputs, the read statistics, and every file's size and sha256
 
 The key hashes the input's bytes, the tokenizer (vocabulary and chat template), the data settings
@@ -30,12 +31,13 @@ import numpy as np
 from shared.conversation_files import glob_files
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 10  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+TOKENS_VERSION = 11  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
 # 5: turns before the first user turn dropped; 6: a cut answer's end-of-turn marker unsupervised, answers_cut counted;
 # 7: a row's `system` in every format, reasoning_content, weight 0; 8: a regenerated row's prompt_hash and source_row;
 # 9: a turn's `name` kept on every role and passed to the template, a ShareGPT turn with differing value/content refused;
 # 10: a regenerated answer's ids right after its prompt (no template text before them), turns a template renders
-# otherwise once a user turn follows kept as context (context_turns, ids_fallbacks counted)
+# otherwise once a user turn follows kept as context (context_turns, ids_fallbacks counted); 11: each row's opening
+# hash (its turns through the first user turn), the held-out split key
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2
@@ -142,6 +144,7 @@ class TokenCache:
                 "empty_turns": int(empty[i]),
                 "prompt_hash": columns["prompt_hashes"][i].decode(),
                 "source_row": int(columns["source_rows"][i]),
+                "opening_hash": columns["opening_hashes"][i].decode(),
             }
             for i in range(len(sample_ids))
         ]
@@ -183,6 +186,7 @@ class TokenCache:
                 empty_turns=np.array([r.empty_turns for r in rows], dtype=np.int32),
                 prompt_hashes=np.array([r.prompt_hash.encode() for r in rows], dtype="S32"),
                 source_rows=np.array([r.source_row for r in rows], dtype=np.int64),
+                opening_hashes=np.array([r.opening_hash.encode() for r in rows], dtype="S32"),
             )
             files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": file_sha256(tmp / n)} for n in CACHE_FILES}
             meta = {"inputs": self.inputs, "stats": vars(stats), "files": files}

@@ -30,6 +30,7 @@ class TokenizedRow:
     empty_turns: int = 0  # assistant turns whose text is empty (only their end-of-turn tokens are supervised)
     prompt_hash: str = ""  # a regenerated row's prompt (generated.parquet's `prompt_hash`): its split key; "" = none
     source_row: int = -1  # a regenerated row's 0-based row in the user's data (`source_row`); -1 = none
+    opening_hash: str = ""  # the row's turns through its first user turn (`Conversation.opening_hash`): its split key
 
 
 def content_hash(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.errors import StoreError
-from shared.shard_records import split_hashes
+from shared.shard_records import duplicate_hashes, split_hashes
 from shared.store import StoreFiles
 from stage1_extract.batching import ShardPlan
 
@@ -108,19 +108,18 @@ def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[Shard
 
 
 def count_duplicates(records: list[dict[str, Any]]) -> int | None:
-    """Samples whose split key equals an earlier sample's (`split_hashes`: a regenerated row's prompt,
-    else its tokens), the copies the held-out split keeps together; None for part records written
-    before content hashes were recorded."""
-    chosen = split_hashes(records)
+    """Samples whose duplicate key equals an earlier sample's (`duplicate_hashes`: a regenerated row's
+    prompt, else its tokens); None for part records written before content hashes were recorded."""
+    chosen = duplicate_hashes(records)
     if chosen is None:
         return None
     return len(chosen[1]) - len(set(chosen[1]))
 
 
 def split_key(records: list[dict[str, Any]]) -> str:
-    """What keys the held-out split of a store of these records: "prompt", "tokens" or "sample_id"."""
+    """What keys the held-out split of a store of these records: "opening", "prompt", "tokens" or "sample_id"."""
     chosen = split_hashes(records)
-    return {"prompt_hashes": "prompt", "content_hashes": "tokens"}[chosen[0]] if chosen else "sample_id"
+    return {"opening_hashes": "opening", "prompt_hashes": "prompt", "content_hashes": "tokens"}[chosen[0]] if chosen else "sample_id"
 
 
 def row_accounting(data: dict[str, Any], num_samples: int, num_skipped: int) -> dict[str, Any] | None:

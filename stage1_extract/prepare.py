@@ -17,7 +17,7 @@ from typing import Any
 from shared.conversation_files import read_conversations
 from shared.conversations import ReadStats, RowLimits
 from shared.errors import ConfigError, DataError
-from shared.identity import PROMPT_KEYS_VERSION, header_key
+from shared.identity import OPENING_KEYS_VERSION, PROMPT_KEYS_VERSION, header_key
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetInfo, cached_tokenizer
 from shared.token_cache import ROW_SETTINGS, SELECTION_SETTINGS, DamagedCache, TokenCache, token_cache_key
@@ -81,31 +81,42 @@ def prepare(
     rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, data.on_bad_row, origin)
     if not rows:
         raise DataError(f"{source}: no usable rows")
-    rows = prompt_keys(rows, header, source, data.regenerate, files.url)
+    rows = split_keys(rows, header, source, data.regenerate, files.url)
     selection = {k: getattr(data, k) for k in SELECTION_SETTINGS}
     return Prepared(header, rows, files, target, stats, source, source_sha256, data_format, selection=selection,
                     regenerated=data.regenerate, generate=generated)
 
 
-def prompt_keys(
+def split_keys(
     rows: list[TokenizedRow], header: dict[str, Any], source: Path, regenerate: bool, store: str
 ) -> list[TokenizedRow]:
-    """The rows with a prompt hash each (their split key) or none at all, so a store is keyed one
-    way. A store made before identity version 5 keys its split on tokens: its rows keep none, so
-    resuming or re-extracting it never moves a sample across its split (a warning says so for regenerated
-    rows: their copies may straddle it). From version 5 regenerated rows must carry one; a
-    generated.parquet merged before generate wrote them is refused, naming the cheap fix."""
-    carried = all(r.prompt_hash for r in rows)
-    if header["identity_version"] < PROMPT_KEYS_VERSION:
+    """The rows with the split keys the store's identity version records, so a store is keyed one way
+    and resuming or re-extracting it never moves a sample across its split. From version 6 every row
+    keys on its opening (`Conversation.opening_hash`); a regenerated row also carries its prompt
+    (which groups its copies, and counts them as duplicates). A store made before 6 keeps its keys
+    (opening hashes dropped: rows that share a first question may straddle its split, a warning says),
+    one made before 5 keys on tokens (prompt hashes dropped too: copies of a prompt may straddle it).
+    From version 5 regenerated rows must carry a prompt hash; a generated.parquet merged before
+    generate wrote them is refused, naming the cheap fix."""
+    version = header["identity_version"]
+    if version < OPENING_KEYS_VERSION and any(r.opening_hash for r in rows):
+        log.warning(
+            "%s was made at identity version %d: its held-out split keeps rows that open with the same turns "
+            "(a first question asked again with other later turns) together only when they are copies, so some "
+            "held-out prompts may have been trained on from another row; it keeps that split. Extract into a new "
+            "store (store.path) to key every row on its opening", store, version,
+        )
+        rows = [replace(r, opening_hash="") for r in rows]
+    if version < PROMPT_KEYS_VERSION:
         if regenerate:
             log.warning(
                 "%s was made at identity version %d: its held-out split keys each sample on its tokens, so copies of a "
                 "prompt given different answers by generate may fall on both sides (and num_duplicates does not count "
                 "them); it keeps that split. Extract into a new store (store.path) to key regenerated rows on their prompt",
-                store, header["identity_version"],
+                store, version,
             )
         return [replace(r, prompt_hash="") for r in rows] if any(r.prompt_hash for r in rows) else rows
-    if carried:
+    if all(r.prompt_hash for r in rows):
         return rows
     if regenerate:
         raise DataError(
@@ -180,6 +191,7 @@ def tokenized_rows(
                 empty_turns=sample.empty_turns,
                 prompt_hash=conv.prompt_hash or "",
                 source_row=-1 if conv.source_row is None else conv.source_row,
+                opening_hash=conv.opening_hash() or content_hash(sample.input_ids, sample.loss_mask),
             )
         )
     if cache is not None and rows:

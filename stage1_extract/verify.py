@@ -54,38 +54,44 @@ def check_store(url: str, tokenized_afresh: Callable[[], Any] | None) -> dict[st
     for record in manifest["shards"]:
         if not record["name"] or record["name"] in known or record["name"] in tokens:
             continue
-        problem = prompt_hash_problem(record, rows, fresh.source.name)
+        problem = split_key_problem(record, rows, fresh.source.name)
         if problem is not None:
             index = record["index"]
             report["bad_shards"].append(
-                {"shard": record["name"], "index": index, "fields": ["prompt_hashes"], "error": problem,
+                {"shard": record["name"], "index": index, "fields": [problem.split(":", 1)[0]], "error": problem,
                  "fix": REBUILD if part_record_holds(url, files, present, manifest, index, rows) else EXTRACT, "deep": True}
             )
     report["ok"] = not report["bad_shards"]
     return report
 
 
-def prompt_hash_problem(record: dict[str, Any], rows_by_id: dict[int, Any], data: str) -> str | None:
-    """'prompt_hashes: ...' when a shard record's prompt hashes are not the ones the data (`data`,
-    read afresh into `rows_by_id`) gives its samples' rows, or None. They are the held-out split keys
-    of regenerated rows, and nothing in the shard can recount them: a record whose keys differ puts
-    copies of a prompt on both sides of the split, and one that lacks them moves the whole store's
-    split onto tokens (`split_hashes`). Every sample's row must be in `rows_by_id` (`deep_problems`
-    names a shard whose rows are not)."""
-    fresh = [rows_by_id[sample_id].prompt_hash[:16] for sample_id in record["sample_ids"]]
-    want = fresh if fresh and all(fresh) else None  # `prepare.prompt_keys` gives every row one, or none
-    have = record.get("prompt_hashes")
-    if have == want:
-        return None
-    if want is None:
-        return f"prompt_hashes: the record keys its samples on prompt hashes, {data} gives their rows none"
-    if have is None:
-        return (f"prompt_hashes: none in the record, {data} gives each of its {len(want)} rows one (without them the "
-                f"held-out split of the whole store keys on tokens)")
-    differ = [s for s, (a, b) in enumerate(zip(have, want)) if a != b]
-    first = differ[0]
-    return (f"prompt_hashes: {len(differ)} of {len(want)} samples' split keys are not their row's prompt hash in {data}, "
-            f"first sample {first} (input row {record['sample_ids'][first]}): {have[first]} in the record, {want[first]} in {data}")
+# The split keys a record holds per sample, and the row attribute each is read from afresh.
+SPLIT_KEY_FIELDS = {"prompt_hashes": "prompt_hash", "opening_hashes": "opening_hash"}
+
+
+def split_key_problem(record: dict[str, Any], rows_by_id: dict[int, Any], data: str) -> str | None:
+    """'<field>: ...' when a shard record's split keys (prompt hashes, opening hashes) are not the ones
+    the data (`data`, read afresh into `rows_by_id`) gives its samples' rows, or None. Nothing in the
+    shard can recount them: a record whose keys differ puts rows that belong together on both sides
+    of the held-out split, and one that lacks them moves the whole store's split onto another key
+    (`split_hashes`). Every sample's row must be in `rows_by_id` (`deep_problems` names a shard whose
+    rows are not)."""
+    for field, attribute in SPLIT_KEY_FIELDS.items():
+        fresh = [getattr(rows_by_id[sample_id], attribute)[:16] for sample_id in record["sample_ids"]]
+        want = fresh if fresh and all(fresh) else None  # `prepare.split_keys` gives every row one, or none
+        have = record.get(field)
+        if have == want:
+            continue
+        if want is None:
+            return f"{field}: the record keys its samples on them, {data} gives their rows none"
+        if have is None:
+            return (f"{field}: none in the record, {data} gives each of its {len(want)} rows one (without them the "
+                    f"held-out split of the whole store keys on another hash)")
+        differ = [s for s, (a, b) in enumerate(zip(have, want)) if a != b]
+        first = differ[0]
+        return (f"{field}: {len(differ)} of {len(want)} samples' split keys are not their row's in {data}, first sample "
+                f"{first} (input row {record['sample_ids'][first]}): {have[first]} in the record, {want[first]} in {data}")
+    return None
 
 
 def verify_store(url: str) -> dict[str, Any]:
@@ -119,7 +125,7 @@ def part_record_holds(
 ) -> bool:
     """True when the shard's part record (what `reprocess` and `--repair` rebuild the manifest from)
     is sound and agrees with its shard group in every field; given the data's rows (`--deep`), also
-    holds the prompt hashes the data gives them."""
+    holds the split keys the data gives them."""
     try:
         part = files.read_json(part_path(index))
     except (OSError, ValueError):
@@ -127,7 +133,7 @@ def part_record_holds(
     if record_problem(part, index) is not None or not part["name"]:
         return False
     if rows_by_id is not None and (
-        any(i not in rows_by_id for i in part["sample_ids"]) or prompt_hash_problem(part, rows_by_id, "") is not None
+        any(i not in rows_by_id for i in part["sample_ids"]) or split_key_problem(part, rows_by_id, "") is not None
     ):
         return False
     return not record_disagreements(url, files, present, manifest, part)

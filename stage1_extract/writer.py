@@ -221,9 +221,11 @@ class ShardWriter:
                 "lengths": [len(r.input_ids) for r in shard.kept],
                 "supervised_pairs": [supervised_pairs(r.loss_mask) for r in shard.kept],
                 "content_hashes": [r.content_hash for r in shard.kept],
-                # a regenerated row's prompt, its split key (`prepare.prompt_keys` gives every row one, or none)
+                # a regenerated row's prompt, its split key (`prepare.split_keys` gives every row one, or none)
                 # 16 hex digits, as content_hashes: the split reads 15; the manifest holds one per sample
                 **({"prompt_hashes": [r.prompt_hash[:16] for r in shard.kept]} if all(r.prompt_hash for r in shard.rows) else {}),
+                # every row's opening, the split key from identity version 6 (`prepare.split_keys`: all rows or none)
+                **({"opening_hashes": [r.opening_hash[:16] for r in shard.kept]} if all(r.opening_hash for r in shard.rows) else {}),
                 "num_truncated": sum(r.truncated for r in shard.rows),
                 "num_skipped": sum(r.skipped for r in shard.rows),
                 "num_empty_turns": sum(r.empty_turns for r in shard.rows),

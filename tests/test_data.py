@@ -381,13 +381,14 @@ def regenerated_copies(tiny_target_dir, tmp_path_factory):
 
 def test_regenerated_copies_of_a_prompt_stay_on_one_side_of_the_split_and_are_counted(regenerated_copies):
     """Each copy gets its own sampled answer, so its tokens differ from the original's: the split
-    keys them on their prompt (the row as the data gives it), as docs/faults.md promises."""
+    keys them on their opening (the turns through the first user turn, as the data gives them) and
+    counts them as duplicates by their prompt, as docs/faults.md promises."""
     from shared.reader import StoreReader
     from stage2_train.data.split import heldout_mask
 
     root, copies, cfg = regenerated_copies
     reader = StoreReader(cfg.store.url(cfg.run_dir))
-    assert reader.manifest["num_duplicates"] == 4 and reader.manifest["split_key"] == "prompt"
+    assert reader.manifest["num_duplicates"] == 4 and reader.manifest["split_key"] == "opening"
     at = {int(s): i for i, s in enumerate(reader.sample_ids)}
     for copy, original in copies.items():
         assert not np.array_equal(reader[at[copy]]["input_ids_T"], reader[at[original]]["input_ids_T"])  # other answers
@@ -430,6 +431,69 @@ def test_a_store_made_at_identity_version_4_keeps_its_split_on_tokens(regenerate
     assert "made at identity version 4: its held-out split keys each sample on its tokens" in caplog.text
 
 
+def test_rows_that_share_a_first_question_stay_on_one_side_of_the_split(tiny_target_dir, tmp_path):
+    """Online eval decodes a held-out row from its opening (the turns through its first user turn): a
+    row that asks the same first question and goes on otherwise, or answers it otherwise, must not be
+    trained on while that row is held out. They are not copies (other tokens, not counted as
+    duplicates), yet share one split key whatever the seed."""
+    from shared.config import load_run_config
+    from shared.reader import StoreReader
+    from stage1_extract import commands
+    from stage2_train.data.split import heldout_mask
+
+    from .conftest import chat_rows, stage1_overrides
+
+    rows = chat_rows(16)
+    follow_up = {"messages": [*rows[3]["messages"], {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "a lazy dog"}]}
+    other_answer = {"messages": [rows[7]["messages"][0], {"role": "assistant", "content": "python lists grow"}]}
+    other_system = {"messages": [{"role": "system", "content": "be brief"}, *rows[9]["messages"]]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [*rows, follow_up, other_answer, other_system])
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    out = commands.cmd_extract(cfg, progress=False)
+    assert (out["split_key"], out["num_duplicates"]) == ("opening", 0)
+    reader = StoreReader(cfg.store.url(cfg.run_dir))
+    at = {int(s): i for i, s in enumerate(reader.sample_ids)}
+    together = [(3, 16), (7, 17)]  # the same opening; row 18 opens with a system turn row 9 lacks
+    assert all(reader.split_keys[at[a]] == reader.split_keys[at[b]] for a, b in together)
+    assert reader.split_keys[at[9]] != reader.split_keys[at[18]]
+    for seed in range(40):
+        held = heldout_mask(reader.split_keys, 0.3, seed)
+        assert all(held[at[a]] == held[at[b]] for a, b in together)
+    assert len(np.unique(reader.split_keys)) == len(reader) - 2
+
+
+def test_a_store_made_at_identity_version_5_keeps_its_split_on_prompts(regenerated_copies, tiny_target_dir, tmp_path, caplog):
+    """A store pinned before opening keys (identity version 5) keeps the split it was trained with
+    when every shard is extracted again: no opening hashes in its records, its regenerated rows keyed
+    on their prompt, and the log says why and how to key on openings."""
+    import shutil
+
+    from shared.config import load_run_config
+    from shared.reader import StoreReader
+    from stage1_extract import commands
+
+    from .conftest import stage1_overrides
+
+    root, _, made = regenerated_copies
+    prompt_keys = StoreReader(made.store.url(made.run_dir)).manifest["shards"]
+    prompt_keys = [int(h[:15], 16) for r in prompt_keys for h in r["prompt_hashes"]]
+    copy = Path(shutil.copytree(root, tmp_path / "copy"))
+    store = copy / "run" / "store"
+    plan = json.loads((store / "plan.json").read_text())
+    (store / "plan.json").write_text(json.dumps({**plan, "header": {**plan["header"], "identity_version": 5}}))
+    for path in (store / "manifest.json", *(store / "parts").glob("*.json"), *(store / "shards").iterdir()):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, copy / "chat.jsonl", copy / "run", **{
+        "data.regenerate": True, "generate.max_new_tokens": 6, "generate.rows_per_part": 8, "extract.device": "cpu",
+    }))
+    commands.cmd_extract(cfg, progress=False)
+    reader = StoreReader(str(store))
+    assert reader.manifest["identity_version"] == 5 and reader.manifest["split_key"] == "prompt"
+    assert not any("opening_hashes" in r for r in reader.manifest["shards"])
+    assert reader.split_keys.tolist() == prompt_keys and reader.manifest["num_duplicates"] == 4
+    assert "made at identity version 5: its held-out split keeps rows that open with the same turns" in caplog.text
+
+
 def test_answers_merged_before_prompt_hashes_are_refused_for_a_new_store_naming_the_fix(regenerated_copies, tiny_target_dir, tmp_path):
     """A new store keys regenerated rows on their prompt: a generated.parquet merged before it held
     them is refused by name, and rerunning generate (every part reused) writes them."""
@@ -455,7 +519,7 @@ def test_answers_merged_before_prompt_hashes_are_refused_for_a_new_store_naming_
                                         r"`python -m stage1_extract generate` \(it reuses every finished part"):
         commands.cmd_extract(cfg, progress=False)
     assert commands.cmd_generate(cfg, progress=False)["parts_reused"] == 3
-    assert commands.cmd_extract(cfg, progress=False)["split_key"] == "prompt"
+    assert commands.cmd_extract(cfg, progress=False)["split_key"] == "opening"
 
 
 def copied_copies(regenerated_copies, tiny_target_dir, tmp_path):
@@ -507,7 +571,7 @@ def test_verify_deep_finds_split_keys_the_data_does_not_give_and_repair_extracts
     deep = commands.cmd_verify(cfg, deep=True)
     assert [(b["shard"], b["fields"], b["fix"]) for b in deep["bad_shards"]] == [(record["name"], ["prompt_hashes"], "extract again")]
     assert deep["bad_shards"][0]["error"] == (
-        f"prompt_hashes: 1 of {record['num_samples']} samples' split keys are not their row's prompt hash in generated.parquet, "
+        f"prompt_hashes: 1 of {record['num_samples']} samples' split keys are not their row's in generated.parquet, "
         f"first sample {s} (input row 17): 0123456789abcdef in the record, {record['prompt_hashes'][s]} in generated.parquet"
     )
     # A check without --deep would find nothing to repair: the advice says --deep.
@@ -520,10 +584,10 @@ def test_verify_deep_finds_split_keys_the_data_does_not_give_and_repair_extracts
     assert reader.split_keys[at[17]] == reader.split_keys[at[5]]
 
 
-def test_verify_deep_finds_a_record_without_prompt_hashes_and_repair_rebuilds_it(regenerated_copies, tiny_target_dir, tmp_path):
-    """One manifest record without prompt hashes moves the whole store's split onto tokens, and its
-    copies apart, and the shallow verify cannot see it; --deep names it and, the part record being
-    sound, --deep --repair rebuilds the record without extracting anything."""
+def test_verify_deep_finds_a_record_without_opening_hashes_and_repair_rebuilds_it(regenerated_copies, tiny_target_dir, tmp_path):
+    """One manifest record without opening hashes moves the whole store's split onto prompts (rows
+    that share a first question apart), and the shallow verify cannot see it; --deep names it and,
+    the part record being sound, --deep --repair rebuilds the record without extracting anything."""
     from shared.reader import StoreReader
     from stage1_extract import commands
 
@@ -531,16 +595,16 @@ def test_verify_deep_finds_a_record_without_prompt_hashes_and_repair_rebuilds_it
     manifest = json.loads((store / "manifest.json").read_text())
     clean = manifest["shards"]
     damaged = json.loads(json.dumps(manifest))
-    del damaged["shards"][0]["prompt_hashes"]
+    del damaged["shards"][0]["opening_hashes"]
     (store / "manifest.json").write_text(json.dumps(damaged))
-    assert StoreReader(str(store)).split_keys.tolist() == [int(h[:15], 16) for r in clean for h in r["content_hashes"]]
+    assert StoreReader(str(store)).split_keys.tolist() == [int(h[:15], 16) for r in clean for h in r["prompt_hashes"]]
     assert commands.cmd_verify(cfg)["ok"]
     deep = commands.cmd_verify(cfg, deep=True)
     name = clean[0]["name"]
     assert [(b["shard"], b["fields"], b["fix"], b["error"]) for b in deep["bad_shards"]] == [(
-        name, ["prompt_hashes"], "rebuild the record",
-        f"prompt_hashes: none in the record, generated.parquet gives each of its {clean[0]['num_samples']} rows one "
-        f"(without them the held-out split of the whole store keys on tokens)",
+        name, ["opening_hashes"], "rebuild the record",
+        f"opening_hashes: none in the record, generated.parquet gives each of its {clean[0]['num_samples']} rows one "
+        f"(without them the held-out split of the whole store keys on another hash)",
     )]
     repaired = commands.cmd_verify(cfg, repair=True, deep=True, progress=False)
     assert repaired["ok"] and (repaired["records_rebuilt"], repaired["reextracted"]) == ([name], [])

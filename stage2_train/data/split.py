@@ -2,9 +2,10 @@
 and rank count.
 
 A sample is held out when a hash of (seed, key) falls under the fraction. The key is the hash the
-store records per sample (`shared/shard_records.split_hashes`): a regenerated row's prompt, whose
-copies differ in their sampled answers, else the sample's tokens; so copies of a row always fall on
-the same side, and adding or re-extracting other samples never moves a sample between train and eval.
+store records per sample (`shared/shard_records.split_hashes`): the row's opening (its turns through
+the first user turn, what online eval decodes from; older stores: a regenerated row's prompt, else the
+sample's tokens); so copies of a row, and rows that share a first question, always fall on the same
+side, and adding or re-extracting other samples never moves a sample between train and eval.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ rule over the target's layers); a mismatch is a StoreError naming the field. A K
 top-k: how many is the manifest's `top_k`, never stage 1's config.
 
 The held-out split is `heldout_mask(reader.split_keys, holdout_fraction, split_seed)`: it depends on
-the store's per-sample keys only (a regenerated row's prompt, else its tokens: copies share one), so
+the store's per-sample keys only (each row's opening: copies and rows sharing a first question share one), so
 it is the same for any rank count, shard layout or training seed, and no held-out sample ever reaches
 the training sampler (`TrainData.train_indices`).
 """
