@@ -1,7 +1,8 @@
 """Detectors that turn a training log into events: stalls, step gaps, loss spikes, accuracy cliffs,
 non-finite values, throughput drops, and held-out quality that turns while training improves
 (overfitting, `generalisation.py`); and levels that are wrong however smooth the curve: a loss that
-slowly diverges or an accuracy that slowly declines from its best level, an lr stuck at 0, a loader
+slowly diverges, a gradient norm that grows far above its lowest level, or an accuracy that slowly
+declines from its best level, an lr stuck at 0, a loader
 the steps wait for (input-bound). One code path serves the offline doctor and the live trainer.
 
     .venv/bin/python -m pytest tests/test_doctor.py -q
@@ -16,7 +17,8 @@ An event is `{"kind", "step", "size", "details"}`; `size` by kind: stall -> gap 
 steps skipped, loss_spike -> loss / level before, accuracy_cliff -> accuracy drop (absolute),
 throughput_drop -> fraction of tokens/s (or samples/s) lost, nan -> None, generalisation ->
 relative worsening of its first turned metric, loss_divergence -> trailing median loss / its best,
-accuracy_decline -> best trailing median accuracy minus the current one, lr_zero -> None,
+grad_norm_growth -> trailing median grad_norm / its lowest, accuracy_decline -> best trailing median
+accuracy minus the current one, lr_zero -> None,
 input_bound -> mean data_wait_frac over the window. Every judgement is robust: a value is
 compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of accepted values, and
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
@@ -62,6 +64,7 @@ EVENT_KINDS = (
     "throughput_drop",
     "generalisation",
     "loss_divergence",
+    "grad_norm_growth",
     "accuracy_decline",
     "lr_zero",
     "input_bound",
@@ -193,6 +196,7 @@ class LiveDetectors:
         self.throughput_warmup = self.cfg.warmup_rows
         self.generalisation = Generalisation(self.cfg)
         self.divergence = Level(self.cfg, "loss_divergence", bad_is_up=True)
+        self.grad_growth = Level(self.cfg, "grad_norm_growth", bad_is_up=True, ratio=self.cfg.grad_norm_ratio)
         self.decline = Level(self.cfg, "accuracy_decline", bad_is_up=False)
         self.lr_zero = LrZero(self.cfg)
         self.input_bound = InputBound(self.cfg)
@@ -230,6 +234,10 @@ class LiveDetectors:
         if finite(row["accuracy"]) and (ev := self.accuracy.update(step, row["accuracy"])):
             events.append(ev)
         if finite(row["loss"]) and (ev := self.divergence.update(step, row["loss"], bool(self.loss.recovering))):
+            events.append(ev)
+        if finite(row["grad_norm"]) and (
+            ev := self.grad_growth.update(step, row["grad_norm"], bool(self.loss.recovering))
+        ):
             events.append(ev)
         if finite(row["accuracy"]) and (
             ev := self.decline.update(step, row["accuracy"], bool(self.accuracy.recovering))
@@ -269,6 +277,7 @@ class LiveDetectors:
                 self.throughput,
                 self.generalisation,
                 self.divergence,
+                self.grad_growth,
                 self.decline,
                 self.lr_zero,
             ):
@@ -289,6 +298,7 @@ class LiveDetectors:
                 "throughput": self.throughput.state_dict(),
                 "generalisation": self.generalisation.state_dict(),
                 "divergence": self.divergence.state_dict(),
+                "grad_growth": self.grad_growth.state_dict(),
                 "decline": self.decline.state_dict(),
                 "lr_zero": self.lr_zero.state_dict(),
                 "input_bound": self.input_bound.state_dict(),
@@ -303,7 +313,7 @@ class LiveDetectors:
         """Restore the history; `resumed` (the default) also warms the pace up again, as a resume does.
         A version-1 state (checkpoints from before the generalisation detector) has no eval history;
         a version-2 one has no noise sources (see `Generalisation.load_state_dict`). A state from before
-        the level detectors (divergence, decline, lr_zero, input_bound) starts them afresh."""
+        the level detectors (divergence, grad_growth, decline, lr_zero, input_bound) starts them afresh."""
         if state.get("version") not in (1, 2, 3):
             raise CheckpointError(
                 f"detector state: unknown version {state.get('version')!r} (expected 1, 2 or 3)"
@@ -315,7 +325,7 @@ class LiveDetectors:
         self.throughput.load_state_dict(state["throughput"])
         self.generalisation.load_state_dict(state.get("generalisation", {"evals": [], "train": []}))
         fresh = LiveDetectors(self.cfg)  # for a checkpoint from before the level detectors
-        for name in ("divergence", "decline", "lr_zero", "input_bound"):
+        for name in ("divergence", "grad_growth", "decline", "lr_zero", "input_bound"):
             setattr(self, name, getattr(fresh, name))
             if name in state:
                 getattr(self, name).load_state_dict(state[name])

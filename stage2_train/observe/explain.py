@@ -24,7 +24,7 @@ from stage2_train.observe.schedule_check import describe_off_schedule, schedule_
 CAUSES_OF_PAUSE = ("checkpoint", "eval", "resume", "epoch")
 CAUSES_OF_CHANGE = ("nan", "checkpoint", "resume", "stall", "epoch", "lr", "noise", "data")
 CAUSES_OF_SLOWDOWN = ("data", "checkpoint", "resume", "stall", "epoch", "eval")
-LEVELS = ("loss_divergence", "accuracy_decline", "lr_zero", "input_bound")
+LEVELS = ("loss_divergence", "grad_norm_growth", "accuracy_decline", "lr_zero", "input_bound")
 
 
 # ---- what the log says happened ------------------------------------------------------------------
@@ -244,6 +244,14 @@ def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, 
         else:
             why = "an lr of 0 in the config, a warmup longer than the run, or a scheduler never stepped"
         return f"the optimizer applies no update at lr 0, the weights do not change: {why}"
+    if kind == "grad_norm_growth":
+        cause = (
+            f"the gradient norm left its lowest level (steps up to {d['best_step']}) x{ev['size']:.0f} and stayed there: "
+            "exploding gradients, which end in a NaN or a diverging loss; lower optim.lr, a longer optim.warmup_ratio, "
+            "optim.grad_clip on, AdamW betas (0.9, 0.999) (0.98 has been reported to NaN)"
+        )
+        seen = [p["text"] for p in near if p["what"] in ("lr", "noise", "epoch", "resume", "nan", "loss_spike")]
+        return cause + (f"; between the lowest level and the rise: {'; '.join(seen[:4])}" if seen else "")
     what = "loss" if kind == "loss_divergence" else "accuracy"
     cause = (
         f"the training {what} left its best level (steps up to {d['best_step']}) and stayed there: usually an lr "
@@ -303,10 +311,10 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
             f"held-out quality turned at step {ev['step']} (confirmed at step {d['confirmed_step']}): {turned}, "
             f"while training improved" + (f"; {', '.join(gaps)}" if gaps else "")
         )
-    if kind in ("loss_divergence", "accuracy_decline"):
-        what = "loss diverging" if kind == "loss_divergence" else "accuracy declining"
+    if kind in ("loss_divergence", "grad_norm_growth", "accuracy_decline"):
+        what = {"loss_divergence": "loss diverging", "grad_norm_growth": "grad_norm growing"}.get(kind, "accuracy declining")
         rec = f"back in {d['recovery_steps']} steps" if d["recovery_steps"] is not None else "never back"
-        ratio = f" (x{size:.2f})" if kind == "loss_divergence" else ""
+        ratio = f" (x{size:.2f})" if kind != "accuracy_decline" else ""
         last = f", {d['last']:.3g} at step {d['last_step']}" if d["last_step"] != d["confirmed_step"] else ""
         return (
             f"{what} from step {ev['step']}: median of {d['window_rows']} rows {d['best']:.3g} at best (step "

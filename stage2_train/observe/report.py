@@ -41,6 +41,7 @@ COLORS = {
     "throughput_drop": "tab:blue",
     "generalisation": "tab:pink",
     "loss_divergence": "tab:red",
+    "grad_norm_growth": "tab:olive",
     "accuracy_decline": "tab:purple",
     "lr_zero": "tab:gray",
     "input_bound": "tab:cyan",
@@ -54,6 +55,7 @@ MARKED_ON = {
     "step_gap": "pace",
     "generalisation": "accuracy",  # the held-out accuracy
     "loss_divergence": "loss",
+    "grad_norm_growth": "grad_norm",  # in the event zooms only
     "accuracy_decline": "accuracy",
     "lr_zero": "lr",
     "input_bound": "data_wait_frac",  # in the event zooms only
