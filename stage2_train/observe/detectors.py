@@ -19,7 +19,7 @@ throughput_drop -> fraction of tokens/s (or samples/s) lost, nan -> None, genera
 relative worsening of its first turned metric, loss_divergence -> trailing median loss / its best,
 grad_norm_growth -> trailing median grad_norm / its lowest, accuracy_decline -> best trailing median
 accuracy minus the current one, lr_zero -> None,
-input_bound -> mean data_wait_frac over the window. Every judgement is robust: a value is
+input_bound -> mean data_wait_frac over the window, resume_jump -> the loss's level after a resume / before it. Every judgement is robust: a value is
 compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of accepted values, and
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
 a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
@@ -50,6 +50,7 @@ from stage2_train.observe.records import (
     Window,
     finite,
     make_event,
+    median,
     normalize,
     r6,
     robust,
@@ -65,6 +66,7 @@ EVENT_KINDS = (
     "generalisation",
     "loss_divergence",
     "grad_norm_growth",
+    "resume_jump",
     "accuracy_decline",
     "lr_zero",
     "input_bound",
@@ -203,6 +205,7 @@ class LiveDetectors:
         self.in_nan = False
         self.last_step: int | None = None
         self.rows = 0
+        self.after_resume: dict[str, Any] | None = None  # the loss level a resume must continue (`_arm_resume_check`)
 
     def update(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         row = normalize(record)
@@ -230,6 +233,9 @@ class LiveDetectors:
         events = self._nan(step, row)
         events += self.pace.update(step, row["t"] if finite(row["t"]) else None)
         if finite(row["loss"]) and (ev := self.loss.update(step, row["loss"])):
+            events.append(ev)
+            self.after_resume = None  # the spike's cause names the resume
+        if finite(row["loss"]) and (ev := self._resume_jump(step, row["loss"])):
             events.append(ev)
         if finite(row["accuracy"]) and (ev := self.accuracy.update(step, row["accuracy"])):
             events.append(ev)
@@ -265,6 +271,38 @@ class LiveDetectors:
         self.in_nan = bool(bad)
         return [make_event("nan", step, None, fields=bad)] if fired else []
 
+    def _arm_resume_check(self, step: int | None) -> None:
+        """A resume continues the run exactly: the median loss of its first sustain_rows rows must be
+        back within the spike detector's recovered level (median * (1 + recovery_tol), median + 3 sigma)
+        of the rows before it. A jump under spike_min_ratio (2.5x) that fades in tens of steps, the mark
+        of optimizer moments or a schedule not restored, was otherwise called healthy."""
+        window = self.loss.window
+        if self.loss.recovering or len(window) < self.cfg.min_history_rows:
+            self.after_resume = None
+            return
+        med, sigma = robust(window.values())
+        self.after_resume = {
+            "resumed_at": step, "before": med, "values": [],
+            "threshold": max(med * (1 + self.cfg.recovery_tol), med + 3 * sigma),
+        }
+
+    def _resume_jump(self, step: int, loss: float) -> dict[str, Any] | None:
+        check = self.after_resume
+        if check is None:
+            return None
+        check["values"].append([step, loss])
+        if len(check["values"]) < self.cfg.sustain_rows:
+            return None
+        self.after_resume = None
+        after = median(sorted(v for _, v in check["values"]))
+        if after <= check["threshold"] or check["before"] <= 0:
+            return None
+        return make_event(
+            "resume_jump", int(check["values"][0][0]), after / check["before"], resumed_at=check["resumed_at"],
+            before=r6(check["before"]), after=r6(after), threshold=r6(check["threshold"]),
+            rows=len(check["values"]), confirmed_step=int(step),
+        )
+
     def _resumed(self, step: int | None) -> None:
         """A resume at `step` (or a restart): forget what came later, warm the pace up again."""
         self.pace.restart(step)
@@ -285,6 +323,7 @@ class LiveDetectors:
             self.throughput.window.pairs.clear()  # throughput after a restart is another machine's
             self.last_step = step
         self.in_nan = False
+        self._arm_resume_check(step)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able history (bounded by window_rows, plus one small record per held-out eval), for
@@ -306,6 +345,7 @@ class LiveDetectors:
                 "in_nan": self.in_nan,
                 "last_step": self.last_step,
                 "rows": self.rows,
+                "after_resume": self.after_resume,
             }
         )
 
@@ -331,7 +371,9 @@ class LiveDetectors:
                 getattr(self, name).load_state_dict(state[name])
         self.throughput_warmup, self.in_nan = state["throughput_warmup"], state["in_nan"]
         self.last_step, self.rows = state["last_step"], state["rows"]
+        self.after_resume = state.get("after_resume")
         if resumed:
+            self._arm_resume_check(self.last_step)
             self.pace.restart(None)
             self.input_bound.restart(None)
             self.throughput_warmup = self.cfg.warmup_rows

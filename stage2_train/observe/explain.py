@@ -134,6 +134,10 @@ def explain(
         lo, hi = ev["step"] - (ev["details"]["confirmed_step"] - ev["step"]), ev["details"]["confirmed_step"]
         near = nearby(ev, points, events, info, lo, hi, pause=False)
         return memorising_cause(ev, near, points), near
+    if ev["kind"] == "resume_jump":
+        d = ev["details"]
+        near = nearby(ev, points, events, info, d["resumed_at"] or ev["step"], d["confirmed_step"], pause=False)
+        return resume_cause(ev, near), near
     if ev["kind"] in LEVELS:
         d = ev["details"]
         lo = d.get("best_step", ev["step"] - max(10 * interval, 10))
@@ -217,6 +221,17 @@ def memorising_cause(ev: dict[str, Any], near: list[dict[str, Any]], points: lis
             "many epochs over little data is the usual cause)"
         )
     return cause
+
+
+def resume_cause(ev: dict[str, Any], near: list[dict[str, Any]]) -> str:
+    """A resume must continue the run where it stopped: what usually is not restored."""
+    seen = [p["text"] for p in near if p["what"] in ("lr", "noise", "epoch")]
+    return (
+        f"the run does not continue where it stopped at step {ev['details']['resumed_at']}: a resume must restore "
+        "the optimizer's moments, the lr and noise schedules' positions and the sampler's position exactly; compare "
+        "the resumed state with the saved one"
+        + (f"; near the resume: {'; '.join(seen[:3])}" if seen else "")
+    )
 
 
 def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, Any]) -> str:
@@ -322,6 +337,11 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         )
     if kind.endswith("_off_schedule"):
         return describe_off_schedule(ev)
+    if kind == "resume_jump":
+        return (
+            f"loss jump after the resume at step {d['resumed_at']}: {d['before']:.3g} before -> {d['after']:.3g} "
+            f"(x{size:.2f}) over its first {d['rows']} rows (steps {ev['step']}-{d['confirmed_step']})"
+        )
     if kind == "lr_zero":
         return f"lr 0 at steps {ev['step']}-{d['to_step']}: no update applied"
     if kind == "input_bound":

@@ -42,6 +42,7 @@ COLORS = {
     "generalisation": "tab:pink",
     "loss_divergence": "tab:red",
     "grad_norm_growth": "tab:olive",
+    "resume_jump": "tab:orange",
     "accuracy_decline": "tab:purple",
     "lr_zero": "tab:gray",
     "input_bound": "tab:cyan",
@@ -56,6 +57,7 @@ MARKED_ON = {
     "generalisation": "accuracy",  # the held-out accuracy
     "loss_divergence": "loss",
     "grad_norm_growth": "grad_norm",  # in the event zooms only
+    "resume_jump": "loss",
     "accuracy_decline": "accuracy",
     "lr_zero": "lr",
     "input_bound": "data_wait_frac",  # in the event zooms only
