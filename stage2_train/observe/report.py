@@ -46,6 +46,8 @@ COLORS = {
     "accuracy_decline": "tab:purple",
     "lr_zero": "tab:gray",
     "input_bound": "tab:cyan",
+    "lr_off_schedule": "tab:gray",
+    "noise_off_schedule": "tab:green",
 }
 MARKED_ON = {
     "loss_spike": "loss",
@@ -61,6 +63,8 @@ MARKED_ON = {
     "accuracy_decline": "accuracy",
     "lr_zero": "lr",
     "input_bound": "data_wait_frac",  # in the event zooms only
+    "lr_off_schedule": "lr",
+    "noise_off_schedule": "noise_std",
 }
 # Panel field -> the held-out eval fields drawn on it (same units), with their labels and colours.
 HELDOUT_ON = {
