@@ -424,6 +424,63 @@ def test_a_slow_divergence_and_decline_are_named():
         DetectorConfig(decline_rel=0.0)
 
 
+def test_growing_gradients_are_named_before_the_nan():
+    """The gradient norm grows 30x from step 600 while the loss has barely moved (clipping bounds the
+    update): no spike, cliff or NaN yet, and the doctor called it healthy. Its trailing median against
+    its lowest names it; the noisy healthy log (grad_norm x lognormal(0, 0.5)) stays healthy."""
+
+    def change(step, row):
+        if step > 600:
+            row["grad_norm"] *= 30
+            row["loss"] *= 1.1
+
+    diagnosis = diagnose(trainer_records(1200, change=change))
+    assert found(diagnosis) == [("grad_norm_growth", 625)]
+    ev = diagnosis["events"][0]
+    d = ev["details"]
+    assert ev["size"] > 10 and d["best"] == pytest.approx(0.9, abs=0.1) and d["recovery_steps"] is None
+    assert d["best_step"] < 625 < d["confirmed_step"] and d["last_step"] == 1200
+    assert ev["likely_cause"].startswith("the gradient norm left its lowest level")
+    assert describe(ev).startswith("grad_norm growing from step 625: median of 50 rows")
+    assert found(diagnose(trainer_records(1200, change=change), DetectorConfig(grad_norm_ratio=40.0))) == []
+    assert found(diagnose(noisy_healthy_records())) == []
+
+
+def resumed_records(jump: float) -> list[dict]:
+    """A resume at step 800 (no steps redone) whose loss comes back x(1 + jump), fading over ~20 steps:
+    under the spike detector's 2.5x, too short for a divergence. An exact resume shows nothing."""
+    out = []
+    for r in trainer_records(1200):
+        if r.get("kind") == "train" and r["step"] == 801:
+            out.append({"kind": "event", "event": "resume", "step": 800, "path": "ckpt/step_000800"})
+        if r.get("kind") == "train" and r["step"] > 800:
+            r = {**r, "loss": r["loss"] * (1 + jump * math.exp(-(r["step"] - 800) / 20))}
+        out.append(r)
+    return out
+
+
+def test_a_loss_that_jumps_after_a_resume_is_named():
+    diagnosis = diagnose(resumed_records(1.0))
+    assert found(diagnosis) == [("resume_jump", 801)]
+    ev = diagnosis["events"][0]
+    d = ev["details"]
+    assert (d["resumed_at"], d["rows"], d["confirmed_step"]) == (800, 5, 805)
+    assert d["before"] == pytest.approx(1.02, abs=0.05) and ev["size"] == pytest.approx(1.9, abs=0.1)
+    assert ev["likely_cause"].startswith("the run does not continue where it stopped at step 800")
+    assert describe(ev).startswith("loss jump after the resume at step 800: 1.0")
+    assert diagnose(resumed_records(1.0))["summary"]["verdict"] == "events"
+    assert found(diagnose(resumed_records(0.0))) == []
+    # Live: a trainer restores the detectors' state at a resume, and the first rows are held against it.
+    records = resumed_records(1.0)
+    cut = next(i for i, r in enumerate(records) if r.get("event") == "resume")
+    live = LiveDetectors()
+    for r in records[:cut]:
+        live.update(r)
+    restored = LiveDetectors()
+    restored.load_state_dict(json.loads(json.dumps(live.state_dict())))
+    assert found([ev for r in records[cut + 1 :] for ev in restored.update(r)]) == [("resume_jump", 801)]
+
+
 def test_an_input_bound_loader_is_named_with_the_fix():
     diagnosis = diagnose(input_bound_records())
     assert found(diagnosis) == [("input_bound", 11)]  # the first row after warmup_rows
@@ -507,7 +564,7 @@ def test_a_detector_state_from_before_the_level_detectors_resumes():
     for r in records[:100]:
         live.update(r)
     state = live.state_dict()
-    for key in ("divergence", "decline", "lr_zero", "input_bound"):
+    for key in ("divergence", "grad_growth", "decline", "lr_zero", "input_bound"):
         del state[key]
     restored = LiveDetectors()
     restored.load_state_dict(json.loads(json.dumps(state)))

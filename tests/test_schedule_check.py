@@ -87,3 +87,14 @@ def test_an_lr_off_schedule_with_no_known_mistake_exits_1_with_its_line(tmp_path
     assert ("      likely cause: the optimizer updates are not the ones the run's config asks for (run_start: optim.lr "
             "0.001, cosine, warmup 10 of 100 steps, min_lr_ratio 0.0): a scheduler stepped elsewhere, or total steps "
             "that changed since run_start") in text.splitlines()
+
+
+def test_the_report_draws_a_log_off_its_schedule(tmp_path):
+    """`report` (which runs the same schedule check) stopped with a KeyError on any off-schedule event:
+    the failed run's no-op noise warmup had its doctor line but no report."""
+    (tmp_path / "train_log.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in [start(), *rows(range(1, 101), noise_of=lambda s: 0.05)])
+    )
+    out = commands.cmd_report(tmp_path, tmp_path / "report")
+    assert out["num_events"] == 1 and not out["healthy"]
+    assert "noise_std off its schedule at steps 1-20" in (tmp_path / "report" / "report.md").read_text()

@@ -70,6 +70,10 @@ class DetectorConfig(Section):
     decline_rel: float = 0.3
     """Slow decline: accuracy's trailing median below its highest earlier one by this fraction of it
     (and by at least cliff_min_drop), for divergence_rows rows in a row. Real CPU runs stay within 6%."""
+    grad_norm_ratio: float = 10.0
+    """Growing gradients: the grad_norm's trailing median (window_rows rows) above grad_norm_ratio times
+    the lowest trailing median earlier in the run, for divergence_rows rows in a row (a NaN is its usual
+    end; clipping bounds the update, not the norm logged). Single clipped outliers do not move a median."""
     divergence_rows: int = 50
     """Rows in a row a divergence or decline must last to be named (a spike still recovering, or a
     cliff not yet back, is that event's, and pauses the count)."""
@@ -120,7 +124,7 @@ class DetectorConfig(Section):
             "generalisation_k",
         ):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
-        for key in ("spike_min_ratio", "stall_min_ratio", "step_gap_ratio", "divergence_ratio"):
+        for key in ("spike_min_ratio", "stall_min_ratio", "step_gap_ratio", "divergence_ratio", "grad_norm_ratio"):
             self.require(getattr(self, key) > 1, key, "must be > 1")
         for key in (
             "cliff_min_rel",

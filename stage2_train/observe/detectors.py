@@ -1,7 +1,8 @@
 """Detectors that turn a training log into events: stalls, step gaps, loss spikes, accuracy cliffs,
 non-finite values, throughput drops, and held-out quality that turns while training improves
 (overfitting, `generalisation.py`); and levels that are wrong however smooth the curve: a loss that
-slowly diverges or an accuracy that slowly declines from its best level, an lr stuck at 0, a loader
+slowly diverges, a gradient norm that grows far above its lowest level, or an accuracy that slowly
+declines from its best level, an lr stuck at 0, a loader
 the steps wait for (input-bound). One code path serves the offline doctor and the live trainer.
 
     .venv/bin/python -m pytest tests/test_doctor.py -q
@@ -16,8 +17,9 @@ An event is `{"kind", "step", "size", "details"}`; `size` by kind: stall -> gap 
 steps skipped, loss_spike -> loss / level before, accuracy_cliff -> accuracy drop (absolute),
 throughput_drop -> fraction of tokens/s (or samples/s) lost, nan -> None, generalisation ->
 relative worsening of its first turned metric, loss_divergence -> trailing median loss / its best,
-accuracy_decline -> best trailing median accuracy minus the current one, lr_zero -> None,
-input_bound -> mean data_wait_frac over the window. Every judgement is robust: a value is
+grad_norm_growth -> trailing median grad_norm / its lowest, accuracy_decline -> best trailing median
+accuracy minus the current one, lr_zero -> None,
+input_bound -> mean data_wait_frac over the window, resume_jump -> the loss's level after a resume / before it. Every judgement is robust: a value is
 compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of accepted values, and
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
 a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
@@ -48,6 +50,7 @@ from stage2_train.observe.records import (
     Window,
     finite,
     make_event,
+    median,
     normalize,
     r6,
     robust,
@@ -62,6 +65,8 @@ EVENT_KINDS = (
     "throughput_drop",
     "generalisation",
     "loss_divergence",
+    "grad_norm_growth",
+    "resume_jump",
     "accuracy_decline",
     "lr_zero",
     "input_bound",
@@ -193,12 +198,14 @@ class LiveDetectors:
         self.throughput_warmup = self.cfg.warmup_rows
         self.generalisation = Generalisation(self.cfg)
         self.divergence = Level(self.cfg, "loss_divergence", bad_is_up=True)
+        self.grad_growth = Level(self.cfg, "grad_norm_growth", bad_is_up=True, ratio=self.cfg.grad_norm_ratio)
         self.decline = Level(self.cfg, "accuracy_decline", bad_is_up=False)
         self.lr_zero = LrZero(self.cfg)
         self.input_bound = InputBound(self.cfg)
         self.in_nan = False
         self.last_step: int | None = None
         self.rows = 0
+        self.after_resume: dict[str, Any] | None = None  # the loss level a resume must continue (`_arm_resume_check`)
 
     def update(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         row = normalize(record)
@@ -227,9 +234,16 @@ class LiveDetectors:
         events += self.pace.update(step, row["t"] if finite(row["t"]) else None)
         if finite(row["loss"]) and (ev := self.loss.update(step, row["loss"])):
             events.append(ev)
+            self.after_resume = None  # the spike's cause names the resume
+        if finite(row["loss"]) and (ev := self._resume_jump(step, row["loss"])):
+            events.append(ev)
         if finite(row["accuracy"]) and (ev := self.accuracy.update(step, row["accuracy"])):
             events.append(ev)
         if finite(row["loss"]) and (ev := self.divergence.update(step, row["loss"], bool(self.loss.recovering))):
+            events.append(ev)
+        if finite(row["grad_norm"]) and (
+            ev := self.grad_growth.update(step, row["grad_norm"], bool(self.loss.recovering))
+        ):
             events.append(ev)
         if finite(row["accuracy"]) and (
             ev := self.decline.update(step, row["accuracy"], bool(self.accuracy.recovering))
@@ -257,6 +271,38 @@ class LiveDetectors:
         self.in_nan = bool(bad)
         return [make_event("nan", step, None, fields=bad)] if fired else []
 
+    def _arm_resume_check(self, step: int | None) -> None:
+        """A resume continues the run exactly: the median loss of its first sustain_rows rows must be
+        back within the spike detector's recovered level (median * (1 + recovery_tol), median + 3 sigma)
+        of the rows before it. A jump under spike_min_ratio (2.5x) that fades in tens of steps, the mark
+        of optimizer moments or a schedule not restored, was otherwise called healthy."""
+        window = self.loss.window
+        if self.loss.recovering or len(window) < self.cfg.min_history_rows:
+            self.after_resume = None
+            return
+        med, sigma = robust(window.values())
+        self.after_resume = {
+            "resumed_at": step, "before": med, "values": [],
+            "threshold": max(med * (1 + self.cfg.recovery_tol), med + 3 * sigma),
+        }
+
+    def _resume_jump(self, step: int, loss: float) -> dict[str, Any] | None:
+        check = self.after_resume
+        if check is None:
+            return None
+        check["values"].append([step, loss])
+        if len(check["values"]) < self.cfg.sustain_rows:
+            return None
+        self.after_resume = None
+        after = median(sorted(v for _, v in check["values"]))
+        if after <= check["threshold"] or check["before"] <= 0:
+            return None
+        return make_event(
+            "resume_jump", int(check["values"][0][0]), after / check["before"], resumed_at=check["resumed_at"],
+            before=r6(check["before"]), after=r6(after), threshold=r6(check["threshold"]),
+            rows=len(check["values"]), confirmed_step=int(step),
+        )
+
     def _resumed(self, step: int | None) -> None:
         """A resume at `step` (or a restart): forget what came later, warm the pace up again."""
         self.pace.restart(step)
@@ -269,6 +315,7 @@ class LiveDetectors:
                 self.throughput,
                 self.generalisation,
                 self.divergence,
+                self.grad_growth,
                 self.decline,
                 self.lr_zero,
             ):
@@ -276,6 +323,7 @@ class LiveDetectors:
             self.throughput.window.pairs.clear()  # throughput after a restart is another machine's
             self.last_step = step
         self.in_nan = False
+        self._arm_resume_check(step)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able history (bounded by window_rows, plus one small record per held-out eval), for
@@ -289,6 +337,7 @@ class LiveDetectors:
                 "throughput": self.throughput.state_dict(),
                 "generalisation": self.generalisation.state_dict(),
                 "divergence": self.divergence.state_dict(),
+                "grad_growth": self.grad_growth.state_dict(),
                 "decline": self.decline.state_dict(),
                 "lr_zero": self.lr_zero.state_dict(),
                 "input_bound": self.input_bound.state_dict(),
@@ -296,6 +345,7 @@ class LiveDetectors:
                 "in_nan": self.in_nan,
                 "last_step": self.last_step,
                 "rows": self.rows,
+                "after_resume": self.after_resume,
             }
         )
 
@@ -303,7 +353,7 @@ class LiveDetectors:
         """Restore the history; `resumed` (the default) also warms the pace up again, as a resume does.
         A version-1 state (checkpoints from before the generalisation detector) has no eval history;
         a version-2 one has no noise sources (see `Generalisation.load_state_dict`). A state from before
-        the level detectors (divergence, decline, lr_zero, input_bound) starts them afresh."""
+        the level detectors (divergence, grad_growth, decline, lr_zero, input_bound) starts them afresh."""
         if state.get("version") not in (1, 2, 3):
             raise CheckpointError(
                 f"detector state: unknown version {state.get('version')!r} (expected 1, 2 or 3)"
@@ -315,13 +365,15 @@ class LiveDetectors:
         self.throughput.load_state_dict(state["throughput"])
         self.generalisation.load_state_dict(state.get("generalisation", {"evals": [], "train": []}))
         fresh = LiveDetectors(self.cfg)  # for a checkpoint from before the level detectors
-        for name in ("divergence", "decline", "lr_zero", "input_bound"):
+        for name in ("divergence", "grad_growth", "decline", "lr_zero", "input_bound"):
             setattr(self, name, getattr(fresh, name))
             if name in state:
                 getattr(self, name).load_state_dict(state[name])
         self.throughput_warmup, self.in_nan = state["throughput_warmup"], state["in_nan"]
         self.last_step, self.rows = state["last_step"], state["rows"]
+        self.after_resume = state.get("after_resume")
         if resumed:
+            self._arm_resume_check(self.last_step)
             self.pace.restart(None)
             self.input_bound.restart(None)
             self.throughput_warmup = self.cfg.warmup_rows

@@ -24,7 +24,7 @@ from stage2_train.observe.schedule_check import describe_off_schedule, schedule_
 CAUSES_OF_PAUSE = ("checkpoint", "eval", "resume", "epoch")
 CAUSES_OF_CHANGE = ("nan", "checkpoint", "resume", "stall", "epoch", "lr", "noise", "data")
 CAUSES_OF_SLOWDOWN = ("data", "checkpoint", "resume", "stall", "epoch", "eval")
-LEVELS = ("loss_divergence", "accuracy_decline", "lr_zero", "input_bound")
+LEVELS = ("loss_divergence", "grad_norm_growth", "accuracy_decline", "lr_zero", "input_bound")
 
 
 # ---- what the log says happened ------------------------------------------------------------------
@@ -134,6 +134,10 @@ def explain(
         lo, hi = ev["step"] - (ev["details"]["confirmed_step"] - ev["step"]), ev["details"]["confirmed_step"]
         near = nearby(ev, points, events, info, lo, hi, pause=False)
         return memorising_cause(ev, near, points), near
+    if ev["kind"] == "resume_jump":
+        d = ev["details"]
+        near = nearby(ev, points, events, info, d["resumed_at"] or ev["step"], d["confirmed_step"], pause=False)
+        return resume_cause(ev, near), near
     if ev["kind"] in LEVELS:
         d = ev["details"]
         lo = d.get("best_step", ev["step"] - max(10 * interval, 10))
@@ -219,6 +223,17 @@ def memorising_cause(ev: dict[str, Any], near: list[dict[str, Any]], points: lis
     return cause
 
 
+def resume_cause(ev: dict[str, Any], near: list[dict[str, Any]]) -> str:
+    """A resume must continue the run where it stopped: what usually is not restored."""
+    seen = [p["text"] for p in near if p["what"] in ("lr", "noise", "epoch")]
+    return (
+        f"the run does not continue where it stopped at step {ev['details']['resumed_at']}: a resume must restore "
+        "the optimizer's moments, the lr and noise schedules' positions and the sampler's position exactly; compare "
+        "the resumed state with the saved one"
+        + (f"; near the resume: {'; '.join(seen[:3])}" if seen else "")
+    )
+
+
 def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, Any]) -> str:
     """What usually puts a run at such a level and what to change; for a divergence or decline, what the
     log says happened between the best level and the rise."""
@@ -244,6 +259,14 @@ def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, 
         else:
             why = "an lr of 0 in the config, a warmup longer than the run, or a scheduler never stepped"
         return f"the optimizer applies no update at lr 0, the weights do not change: {why}"
+    if kind == "grad_norm_growth":
+        cause = (
+            f"the gradient norm left its lowest level (steps up to {d['best_step']}) x{ev['size']:.0f} and stayed there: "
+            "exploding gradients, which end in a NaN or a diverging loss; lower optim.lr, a longer optim.warmup_ratio, "
+            "optim.grad_clip on, AdamW betas (0.9, 0.999) (0.98 has been reported to NaN)"
+        )
+        seen = [p["text"] for p in near if p["what"] in ("lr", "noise", "epoch", "resume", "nan", "loss_spike")]
+        return cause + (f"; between the lowest level and the rise: {'; '.join(seen[:4])}" if seen else "")
     what = "loss" if kind == "loss_divergence" else "accuracy"
     cause = (
         f"the training {what} left its best level (steps up to {d['best_step']}) and stayed there: usually an lr "
@@ -303,10 +326,10 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
             f"held-out quality turned at step {ev['step']} (confirmed at step {d['confirmed_step']}): {turned}, "
             f"while training improved" + (f"; {', '.join(gaps)}" if gaps else "")
         )
-    if kind in ("loss_divergence", "accuracy_decline"):
-        what = "loss diverging" if kind == "loss_divergence" else "accuracy declining"
+    if kind in ("loss_divergence", "grad_norm_growth", "accuracy_decline"):
+        what = {"loss_divergence": "loss diverging", "grad_norm_growth": "grad_norm growing"}.get(kind, "accuracy declining")
         rec = f"back in {d['recovery_steps']} steps" if d["recovery_steps"] is not None else "never back"
-        ratio = f" (x{size:.2f})" if kind == "loss_divergence" else ""
+        ratio = f" (x{size:.2f})" if kind != "accuracy_decline" else ""
         last = f", {d['last']:.3g} at step {d['last_step']}" if d["last_step"] != d["confirmed_step"] else ""
         return (
             f"{what} from step {ev['step']}: median of {d['window_rows']} rows {d['best']:.3g} at best (step "
@@ -314,6 +337,11 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         )
     if kind.endswith("_off_schedule"):
         return describe_off_schedule(ev)
+    if kind == "resume_jump":
+        return (
+            f"loss jump after the resume at step {d['resumed_at']}: {d['before']:.3g} before -> {d['after']:.3g} "
+            f"(x{size:.2f}) over its first {d['rows']} rows (steps {ev['step']}-{d['confirmed_step']})"
+        )
     if kind == "lr_zero":
         return f"lr 0 at steps {ev['step']}-{d['to_step']}: no update applied"
     if kind == "input_bound":

@@ -23,14 +23,16 @@ DECAY_TAIL = 0.5  # an lr that reaches 0 from below this fraction of its peak is
 class Level:
     """A trailing median (window_rows values) far worse than the best trailing median earlier in the
     run, for divergence_rows rows in a row: the loss diverging slowly (bad = up: above divergence_ratio
-    times its best) or accuracy declining (bad = down: below its best by decline_rel of it). The event
+    times its best), the gradient norm growing (above grad_norm_ratio times its lowest) or accuracy
+    declining (bad = down: below its best by decline_rel of it). The event
     stays open, its `last` value updated in place, until the median is back within the threshold.
 
     Only the best (its step, its median) outlives the window: a resume to before the best forgets it,
     and the best is found again from the rows that follow."""
 
-    def __init__(self, cfg: DetectorConfig, kind: str, bad_is_up: bool):
+    def __init__(self, cfg: DetectorConfig, kind: str, bad_is_up: bool, ratio: float | None = None):
         self.cfg, self.kind, self.bad_is_up = cfg, kind, bad_is_up
+        self.ratio = ratio if ratio is not None else cfg.divergence_ratio  # bad = up: how far above the best
         self.window = Window(cfg.window_rows)
         self.best: list[float] | None = None  # [step at the window's end, median]
         self.run: list[float] | None = None  # [first step, rows]: worse medians in a row
@@ -38,7 +40,7 @@ class Level:
 
     def _threshold(self, best: float) -> float | None:
         if self.bad_is_up:
-            return best * self.cfg.divergence_ratio if best > 0 else None
+            return best * self.ratio if best > 0 else None
         return best - max(self.cfg.decline_rel * best, self.cfg.cliff_min_drop)
 
     def update(self, step: int, value: float, explained: bool) -> dict[str, Any] | None:

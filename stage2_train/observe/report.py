@@ -41,9 +41,13 @@ COLORS = {
     "throughput_drop": "tab:blue",
     "generalisation": "tab:pink",
     "loss_divergence": "tab:red",
+    "grad_norm_growth": "tab:olive",
+    "resume_jump": "tab:orange",
     "accuracy_decline": "tab:purple",
     "lr_zero": "tab:gray",
     "input_bound": "tab:cyan",
+    "lr_off_schedule": "tab:gray",
+    "noise_off_schedule": "tab:green",
 }
 MARKED_ON = {
     "loss_spike": "loss",
@@ -54,9 +58,13 @@ MARKED_ON = {
     "step_gap": "pace",
     "generalisation": "accuracy",  # the held-out accuracy
     "loss_divergence": "loss",
+    "grad_norm_growth": "grad_norm",  # in the event zooms only
+    "resume_jump": "loss",
     "accuracy_decline": "accuracy",
     "lr_zero": "lr",
     "input_bound": "data_wait_frac",  # in the event zooms only
+    "lr_off_schedule": "lr",
+    "noise_off_schedule": "noise_std",
 }
 # Panel field -> the held-out eval fields drawn on it (same units), with their labels and colours.
 HELDOUT_ON = {
