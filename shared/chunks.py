@@ -16,7 +16,9 @@ chunks carried one have only the index's): a flipped bit on disk, or bytes alter
 error naming the shard, array and chunk, never features trained on. Arrays written with any other codec pipeline are not recognised here
 (`open_shard_array` returns None) and `shared.reader.StoreReader` reads them through zarr instead.
 Remote stores (fsspec URLs) read the same byte ranges with `cat_file`; `LocalChunkCache` keeps
-their chunk bytes on local disk within a size bound.
+their chunk bytes on local disk within a size bound, keyed by the shard's content checksum too: a
+shard rewritten under its own name (`reprocess` of rows whose tokens changed, `verify --repair`) has
+chunks at the same offsets and lengths, whose old copies must never be served for it.
 
 Shape legend: T tokens of the array, C tokens per inner chunk.
 """
@@ -54,6 +56,7 @@ class ShardArray:
     fill_value: Any
     index: list[tuple[int, int]]  # per inner chunk: byte offset, byte count
     checked: bool = False  # each chunk ends in a crc32c of its (compressed) bytes
+    version: str = ""  # the shard's content checksum: part of its chunks' names in a LocalChunkCache
     # Uncompressed chunks whose crc32c was checked (read whole once), one flag per chunk: it lives
     # and goes with the open shard, so a reader over a whole store holds no per-chunk set of its own.
     verified: bytearray = field(default_factory=bytearray)
@@ -104,10 +107,10 @@ class ChunkSource:
     def __init__(self, fs: Any, root: str, is_local: bool, cache: LocalChunkCache | None = None):
         self.fs, self.root, self.is_local, self.cache = fs, root.rstrip("/"), is_local, cache
 
-    def read_into(self, key: str, start: int, out: memoryview) -> None:
+    def read_into(self, key: str, start: int, out: memoryview, version: str = "") -> None:
         """Fill `out` with the bytes at `start` (local files: straight into it, no second copy)."""
         if not self.is_local:
-            out[:] = self.read(key, start, len(out))
+            out[:] = self.read(key, start, len(out), version=version)
             return
         fd = os.open(f"{self.root}/{key}", os.O_RDONLY)
         try:
@@ -117,10 +120,11 @@ class ChunkSource:
         if got != len(out):
             raise OSError(f"{self.root}/{key}: read {got} bytes at {start}, expected {len(out)} (truncated file)")
 
-    def read(self, key: str, start: int, length: int, fresh: bool = False) -> bytes:
-        """`length` bytes at `start`; `fresh`: past the local chunk cache (its copy is dropped)."""
+    def read(self, key: str, start: int, length: int, fresh: bool = False, version: str = "") -> bytes:
+        """`length` bytes at `start`; `fresh`: past the local chunk cache (its copy is dropped);
+        `version`: the content checksum of the shard the file belongs to (`ShardArray.version`)."""
         if fresh and self.cache is not None:
-            self.cache.drop(key, start, length)
+            self.cache.drop(key, start, length, version)
         if self.is_local:
             fd = os.open(f"{self.root}/{key}", os.O_RDONLY)
             try:
@@ -128,7 +132,9 @@ class ChunkSource:
             finally:
                 os.close(fd)
         elif self.cache is not None:
-            data = self.cache.get_or_fetch(key, start, length, lambda: self.fs.cat_file(f"{self.root}/{key}", start, start + length))
+            data = self.cache.get_or_fetch(
+                key, start, length, lambda: self.fs.cat_file(f"{self.root}/{key}", start, start + length), version
+            )
         else:
             data = self.fs.cat_file(f"{self.root}/{key}", start, start + length)
         if len(data) != length:
@@ -151,9 +157,9 @@ def shard_file_key(array_dir: str, ndim: int) -> str:
     return f"{array_dir}/c/" + "/".join("0" * ndim)
 
 
-def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
+def open_shard_array(source: ChunkSource, array_dir: str, version: str = "") -> ShardArray | None:
     """The array under `array_dir` (relative to the root) with its chunk index read, or None when its
-    layout is not the one this module reads."""
+    layout is not the one this module reads. `version`: its shard's content checksum ("" if none)."""
     meta = json.loads(source.text(f"{array_dir}/zarr.json"))
     parsed = parse_metadata(meta)
     if parsed is None:
@@ -169,23 +175,23 @@ def open_shard_array(source: ChunkSource, array_dir: str) -> ShardArray | None:
             raise  # this writer writes every chunk: a missing file is a lost file
         # Zarr writes no file for an array whose every chunk equals the fill value (stores written
         # before ALL_CHUNKS_WRITTEN: a one-sample shard's sample_ids [0]); zarr reads it as fill.
-        return ShardArray(key, shape, dtype, chunk, compressed, fill, [(_EMPTY, _EMPTY)] * num_chunks, checked)
-    raw = checked_read(source, key, size - index_bytes, index_bytes, "its chunk index")
+        return ShardArray(key, shape, dtype, chunk, compressed, fill, [(_EMPTY, _EMPTY)] * num_chunks, checked, version)
+    raw = checked_read(source, key, size - index_bytes, index_bytes, "its chunk index", version)
     index = [tuple(pair) for pair in np.frombuffer(raw[:-4], dtype="<u8").reshape(num_chunks, 2).tolist()]
-    return ShardArray(key, shape, dtype, chunk, compressed, fill, index, checked)
+    return ShardArray(key, shape, dtype, chunk, compressed, fill, index, checked, version)
 
 
-def checked_read(source: ChunkSource, key: str, start: int, length: int, what: str) -> bytes:
+def checked_read(source: ChunkSource, key: str, start: int, length: int, what: str, version: str = "") -> bytes:
     """The bytes at `start`, which end in their crc32c, checked. A remote store's local copy may be
     what is damaged (bit rot, a crash mid-write of the right length): it is dropped and the store's
     own bytes decide."""
-    data = source.read(key, start, length)
+    data = source.read(key, start, length, version=version)
     try:
         check_crc32c(data, f"{source.root}/{key}", what)
     except StoreError:
         if source.cache is None:
             raise
-        data = source.read(key, start, length, fresh=True)
+        data = source.read(key, start, length, fresh=True, version=version)
         check_crc32c(data, f"{source.root}/{key}", what)
     return data
 
@@ -210,9 +216,9 @@ def decode_chunk(source: ChunkSource, array: ShardArray, k: int) -> np.ndarray:
         return np.full(array.chunk_shape, array.fill_value, dtype=array.dtype)
     if array.checked:
         what = f"inner chunk {k} (tokens {k * array.chunk_tokens}-{(k + 1) * array.chunk_tokens - 1})"
-        data = memoryview(checked_read(source, array.key, offset, nbytes, what))[:-4]
+        data = memoryview(checked_read(source, array.key, offset, nbytes, what, array.version))[:-4]
     else:
-        data = source.read(array.key, offset, nbytes)
+        data = source.read(array.key, offset, nbytes, version=array.version)
     if array.compressed:
         from numcodecs import Zstd
 
@@ -303,7 +309,7 @@ def _read_rows(source: ChunkSource, array: ShardArray, lo: int, hi: int, out: np
             dest[...] = array.fill_value
             continue
         start = (k * C + a - lo) * row_bytes
-        source.read_into(array.key, offset + a * row_bytes, flat[start : start + (b - a) * row_bytes])
+        source.read_into(array.key, offset + a * row_bytes, flat[start : start + (b - a) * row_bytes], array.version)
     return out
 
 
@@ -321,19 +327,21 @@ class LocalChunkCache:
         self._bytes = sum(self._sizes.values())
 
     @staticmethod
-    def _name(key: str, start: int, length: int) -> str:
-        return hashlib.sha1(f"{key}@{start}+{length}".encode()).hexdigest() + ".bin"
+    def _name(key: str, start: int, length: int, version: str = "") -> str:
+        # The shard's content checksum is part of the name: a shard rewritten under its own name holds
+        # other bytes at the same offsets and lengths, and a copy of the old ones would pass its crc32c.
+        return hashlib.sha1(f"{key}@{start}+{length}#{version}".encode()).hexdigest() + ".bin"
 
-    def drop(self, key: str, start: int, length: int) -> None:
-        name = self._name(key, start, length)
+    def drop(self, key: str, start: int, length: int, version: str = "") -> None:
+        name = self._name(key, start, length, version)
         with self._lock:
             size = self._sizes.pop(name, None)
             if size is not None:
                 self._bytes -= size
         (self.folder / name).unlink(missing_ok=True)
 
-    def get_or_fetch(self, key: str, start: int, length: int, fetch) -> bytes:
-        name = self._name(key, start, length)
+    def get_or_fetch(self, key: str, start: int, length: int, fetch, version: str = "") -> bytes:
+        name = self._name(key, start, length, version)
         path = self.folder / name
         with self._lock:
             known = name in self._sizes

@@ -335,8 +335,14 @@ class LeaseLock:
         self._renewer.start()
 
     def _renew(self, command: str) -> None:
-        while not self._stop.wait(self.lease_s / 3):
-            self._write(command)
+        wait = self.lease_s / 3
+        while not self._stop.wait(wait):
+            try:
+                self._write(command)
+                wait = self.lease_s / 3
+            except Exception as exc:  # noqa: BLE001 - an ended renewer lets the lease expire under a live writer
+                log.warning("%s: renewing the lease failed (%s); trying again in %.0f s", self.path, exc, self.lease_s / 30)
+                wait = self.lease_s / 30
 
     def release(self) -> None:
         self._stop.set()

@@ -157,7 +157,7 @@ class StoreReader:
                 return self._open[shard]
         name = self._shards[shard]["name"]
         try:
-            arrays = self._open_arrays(name)
+            arrays = self._open_arrays(name, self._shards[shard].get("checksum") or "")
             offsets = self._read(arrays["offsets"], 0, self._shards[shard]["num_samples"] + 1, (shard, "offsets"))
             channels = None
             if self.hidden_dtype == "fp4":
@@ -194,7 +194,8 @@ class StoreReader:
         except (OSError, ValueError):
             return None  # its arrays' own checks name what is wrong
 
-    def _open_arrays(self, name: str) -> dict[str, Any]:
+    def _open_arrays(self, name: str, version: str) -> dict[str, Any]:
+        """The shard's arrays; `version`, its content checksum, keys their chunks in the local cache."""
         from shared.chunks import open_shard_array
 
         present = set(StoreFiles(self.url).list(f"shards/{name}")) if not self._source.is_local else {
@@ -208,7 +209,7 @@ class StoreReader:
             )
         arrays: dict[str, Any] = {}
         for array in wanted:
-            fast = open_shard_array(self._source, f"shards/{name}/{array}")
+            fast = open_shard_array(self._source, f"shards/{name}/{array}", version)
             arrays[array] = fast if fast is not None else self._zarr_array(name, array)
         # A shard of another codec (an fp4 shard listed as fp8) has another width: refuse it by name.
         hidden_size = self.manifest["target"].get("hidden_size")

@@ -19,7 +19,7 @@ import numpy as np
 
 from shared.errors import ConfigError, StoreError
 from shared.fp4 import check_hidden_size, fit_outlier_channels
-from shared.identity import header_differences
+from shared.identity import header_differences, header_key
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetConfig
 from shared.target_model import LayerCapture, load_target_model
@@ -71,7 +71,13 @@ def ensure_outlier_channels(
     changed = header_before is not None and header_differences(
         {k: header_before.get(k) for k in prepared.header}, prepared.header
     )
-    if plan.get(PLAN_KEY) is not None and not changed:
+    # The set records the header it was fitted under: a reprocess that repinned the header and was
+    # stopped before the fit (the target failed to load) leaves the old set beside the new header,
+    # and the rerun, seeing no change of header, would encode every shard with channels fitted on other
+    # layers or another target.
+    key = header_key(prepared.header)
+    fitted_for = (plan.get(PLAN_KEY) or {}).get("header_key")
+    if plan.get(PLAN_KEY) is not None and not changed and fitted_for in (None, key):
         return None
     hidden_size, count = prepared.header["target"]["hidden_size"], store.fp4_outlier_channels
     problem = check_hidden_size(hidden_size, count)
@@ -97,7 +103,8 @@ def ensure_outlier_channels(
     finally:
         capture.close()
     channels = fit_outlier_channels(abs_sum_LH, count)
-    plan[PLAN_KEY] = {"channels": channels.tolist(), "fitted_on": {"shard": shard.index, "samples": len(rows), "tokens": tokens}}
+    plan[PLAN_KEY] = {"channels": channels.tolist(), "fitted_on": {"shard": shard.index, "samples": len(rows), "tokens": tokens},
+                      "header_key": key}
     files.write_json("plan.json", plan)
     log.info("fp4: outlier channels fitted on %d tokens of shard %d: %s", tokens, shard.index, channels.tolist())
     return model

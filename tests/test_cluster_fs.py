@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
@@ -261,3 +262,29 @@ def test_a_node_that_never_joins_stops_the_others_soon_and_only_work_barriers_wa
     # did rank 1's, its partner gone)
     assert [out for out, _ in outs[:2]] == ["waited\nvote timed out\n"] * 2
     assert outs[2][0] in ("not joined after 4 s: DistStoreError\n", "not joined after 5 s: DistStoreError\n")
+
+
+def test_a_lease_whose_renewal_fails_once_is_still_renewed(tmp_path):
+    """One failed renewal (an object store's PUT timing out) ended the renewing thread: the lease
+    expired LEASE_S later while its command went on writing, and a second writer could take the store."""
+    store = tmp_path / "store"
+    store.mkdir()
+    lease = LeaseLock(str(store), lease_s=0.3)
+    write = lease._write
+    failures = []
+
+    def flaky(command):
+        if not failures:
+            failures.append(command)
+            raise OSError(errno.ETIMEDOUT, "PUT timed out")
+        write(command)
+
+    lease.acquire("stage1_extract extract")
+    lease._write = flaky
+    try:
+        time.sleep(1.2)  # four renewal periods: the first fails, the later ones must renew
+        assert failures
+        with pytest.raises(BusyError, match="is in use by `stage1_extract extract`"):
+            LeaseLock(str(store), lease_s=0.3).acquire("stage1_extract reprocess")
+    finally:
+        lease.release()

@@ -231,6 +231,34 @@ def test_a_reprocess_with_another_outlier_count_refits_and_rewrites_every_shard(
     assert commands.cmd_verify(changed)["ok"]
 
 
+@pytest.mark.slow
+def test_a_reprocess_stopped_before_its_fit_refits_when_run_again(fp4_store, tmp_path, copy_tree, monkeypatch):
+    """reprocess repins plan.json's header, then fits the channels with the target: stopped between the
+    two (the target failed to load), the rerun saw no change of header and kept the old layers' set."""
+    cfg, _, data, _ = fp4_store
+    old = read_manifest(cfg.store.url(cfg.run_dir))["fp4_outlier_channels"]
+    other_layers = {"target.layer_ids": [0, 1, 4]}  # as many layers as before: the old set has the right shape
+    copy_tree(Path(cfg.store.url(cfg.run_dir)), tmp_path / "clean" / "store")
+    commands.cmd_reprocess(config(cfg.target.path, data, tmp_path / "clean", **other_layers), progress=False)
+    fitted = read_manifest(str(tmp_path / "clean" / "store"))["fp4_outlier_channels"]
+    assert fitted != old  # the layers' own set differs, so the test tells them apart
+
+    copy_tree(Path(cfg.store.url(cfg.run_dir)), tmp_path / "stopped" / "store")
+    changed = config(cfg.target.path, data, tmp_path / "stopped", **other_layers)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr("stage1_extract.outliers.load_target_model", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        commands.cmd_reprocess(changed, progress=False)
+    monkeypatch.undo()
+    commands.cmd_reprocess(changed, progress=False)
+    manifest = read_manifest(str(tmp_path / "stopped" / "store"))
+    assert manifest["fp4_outlier_channels"] == fitted
+    assert commands.cmd_verify(changed)["ok"]
+
+
 def corrupt(url: str, shard: str, array: str, edit) -> None:
     import zarr
 

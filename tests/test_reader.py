@@ -101,6 +101,27 @@ def test_a_remote_store_keeps_its_chunks_on_local_disk_within_the_bound(tmp_path
         assert torch.equal(again[i]["hidden_TLH"], expected[i]["hidden_TLH"])
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_shard_rewritten_under_its_own_name_is_never_read_from_old_local_copies(tmp_path, compression):
+    """`reprocess` of rows whose tokens changed (same rows, same settings: same shard name) or `verify
+    --repair` rewrites a shard under its name; uncompressed, its chunks sit at the same offsets and
+    lengths, and the local copies of the old ones (each passing its crc32c) were served for them."""
+    url = f"memory://rewrite-{compression}-{tmp_path.name}"
+    cached = {"local_cache_dir": tmp_path / "cache", "local_cache_gb": 0.01}
+    make_store(url, [samples(3, seed=5)], StoreConfig(compression=compression))
+    assert [StoreReader(url, **cached)[i]["sample_id"] for i in range(3)] == [0, 1, 2]  # the old chunks cached
+    rewritten = samples(3, seed=5)
+    for sample in rewritten:  # the same lengths, other tokens and loss mask (a tokenization fix)
+        sample.input_ids_T = (sample.input_ids_T + 1).astype(np.int32)
+        sample.loss_mask_T = ~sample.loss_mask_T
+    make_store(url, [rewritten], StoreConfig(compression=compression))
+    reader = StoreReader(url, **cached)
+    for i, sample in enumerate(rewritten):
+        got = reader[i]
+        assert np.array_equal(got["input_ids_T"].numpy(), sample.input_ids_T)
+        assert np.array_equal(got["loss_mask_T"].numpy(), sample.loss_mask_T)
+
+
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_a_flipped_bit_is_caught_when_read_and_a_damaged_local_copy_is_fetched_again(tmp_path, compression):
     """Each chunk's crc32c is checked when read, uncompressed chunks too (read whole for it); a damaged
