@@ -89,7 +89,7 @@ class StoreConfig(Section):
         self.require(self.chunk_tokens >= 16, "chunk_tokens", "must be >= 16")
         self.require(self.read_cache_mb >= 0, "read_cache_mb", "must be >= 0")
         self.require(self.local_cache_gb >= 0, "local_cache_gb", "must be >= 0")
-        self.require(0 <= self.fp4_outlier_channels <= 256, "fp4_outlier_channels", "must be in 0..256")
+        self.require(1 <= self.fp4_outlier_channels <= 256, "fp4_outlier_channels", "must be in 1..256 (the fp4 codec keeps at least one exact channel per layer)")
 
     def alternatives(self) -> list[str]:
         if self.dtype == "fp4":

@@ -316,3 +316,13 @@ def test_two_processes_pin_one_channel_set_and_equal_one_process(fp4_store, tmp_
     one, two = read_manifest(cfg.store.url(cfg.run_dir)), read_manifest(str(tmp_path / "store"))
     assert two["fp4_outlier_channels"] == one["fp4_outlier_channels"]
     assert [(r["name"], r["checksum"]) for r in two["shards"]] == [(r["name"], r["checksum"]) for r in one["shards"]]
+
+
+def test_no_outlier_channels_is_refused_before_the_target_runs():
+    """fp4 with 0 exact channels cannot be written (zarr refuses a [L, 0] array): refused by the
+    config, naming the field, not after the whole target forward."""
+    from shared.store import StoreConfig
+
+    with pytest.raises(ValueError, match=r"fp4_outlier_channels.*must be in 1\.\.256"):
+        StoreConfig(dtype="fp4", fp4_outlier_channels=0)
+    assert StoreConfig(dtype="fp4", fp4_outlier_channels=1).fp4_outlier_channels == 1
