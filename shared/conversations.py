@@ -486,9 +486,13 @@ def reads_message_name(template: str) -> bool:
 
 
 def render(
-    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: str | None = None, **kwargs: Any
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: str | None = None,
+    template_kwargs: dict[str, Any] | None = None, **kwargs: Any,
 ) -> str:
-    """The conversation as the target's chat template renders it (text, not tokens)."""
+    """The conversation as the target's chat template renders it (text, not tokens), with the
+    template's own variables `template_kwargs` (`data.chat_template_kwargs`: Qwen3's enable_thinking),
+    as a server's `chat_template_kwargs` passes them; `kwargs` given here win over them."""
+    kwargs = {**(template_kwargs or {}), **kwargs}
     template = template_text(tokenizer)
     if tools is not None:
         if "tools" in template:
@@ -510,11 +514,13 @@ ANSWER_MARK = "\x00\x01dflash-answer\x01\x00"  # stands for an answer's text whi
 
 
 def mark_answer(
-    tokenizer: Any, history: list[dict[str, Any]], message: dict[str, Any], tools: str | None = None
+    tokenizer: Any, history: list[dict[str, Any]], message: dict[str, Any], tools: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, bool, str]:
     """`history` + `message` as the last turn, rendered with a mark for the message's text and split
     there: (the render before its text, whether the template wrote the text at all, what the template
     writes after it: the turn's closing, an end-of-turn marker)."""
-    text = render(tokenizer, [*history, {**message, "content": ANSWER_MARK}], add_generation_prompt=False, tools=tools)
+    text = render(tokenizer, [*history, {**message, "content": ANSWER_MARK}], add_generation_prompt=False, tools=tools,
+                  template_kwargs=template_kwargs)
     before, found, after = text.partition(ANSWER_MARK)
     return before, bool(found), after

@@ -60,6 +60,7 @@ STAGE1_DEFAULTS: dict[str, Any] = {
     "data.on_bad_row": "raise",
     "data.max_length": 3072,
     "data.on_long": "truncate",
+    "data.chat_template_kwargs": {},
     "data.num_default_prompts": 384,
     "data.default_question_share": 0.25,
     "data.token_cache": True,
@@ -150,8 +151,14 @@ def store_header(cfg: RunConfig, target: TargetInfo, pinned: dict[str, Any] | No
         "storage": storage_settings(cfg.store),
         "max_length": stage1_value(cfg, "data.max_length"),
         "on_long": stage1_value(cfg, "data.on_long"),
+        # only when set, so every store made without keeps its key
+        **({"chat_template_kwargs": dict(kwargs)} if (kwargs := stage1_value(cfg, "data.chat_template_kwargs")) else {}),
         "extraction": extraction,
     }
+
+
+# Header fields present only when set (`store_header`): a store made with one and a config without it differ.
+OPTIONAL_HEADER_FIELDS = ("chat_template_kwargs",)
 
 
 def header_key(header: dict[str, Any]) -> str:
@@ -160,7 +167,8 @@ def header_key(header: dict[str, Any]) -> str:
 
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Dotted names of the identity fields that differ ('target.weights_sha256', 'top_k', ...)."""
-    return list(dotted_differences({k: old.get(k) for k in new}, new))
+    keys = [*new, *(k for k in OPTIONAL_HEADER_FIELDS if k in old and k not in new)]
+    return list(dotted_differences({k: old.get(k) for k in keys}, {k: new.get(k) for k in keys}))
 
 
 def rows_sha256(row_hashes: Iterable[str]) -> str:
@@ -215,6 +223,8 @@ def generate_settings(cfg: RunConfig, weights_sha256: str) -> dict[str, Any]:
     return {
         "generate": {k: stage1_value(cfg, f"generate.{k}") for k in ("backend", "temperature", "top_p", "max_new_tokens")},
         "rows_per_part": stage1_value(cfg, "generate.rows_per_part"),
+        # the prompts render with them (only when set: answers generated before keep their key)
+        **({"chat_template_kwargs": dict(kw)} if (kw := stage1_value(cfg, "data.chat_template_kwargs")) else {}),
         "target": weights_sha256,
         "seed": stage1_value(cfg, "generate.seed"),  # "seed": the key answers generated before it existed carry
     }

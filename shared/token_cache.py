@@ -42,7 +42,7 @@ TOKENS_VERSION = 11  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2
 # (shared/freshness.py) finds that cache with the same values.
-ROW_SETTINGS = ("max_length", "on_long", "on_bad_row", "max_samples", "format")
+ROW_SETTINGS = ("max_length", "on_long", "on_bad_row", "max_samples", "format", "chat_template_kwargs")
 # Those the store's header key does not already hold: the manifest records them beside the data's
 # sha256, so a store checked without a token cache is still checked against every row setting.
 SELECTION_SETTINGS = ("on_bad_row", "max_samples", "format")

@@ -18,6 +18,10 @@ from shared.config import Section
 from shared.conversations import Conversation
 from shared.files import atomic_path
 
+# What stage 1 gives apply_chat_template itself: not a template variable a config may set.
+TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                      "tokenize", "chat_template", "return_dict", "return_assistant_tokens_mask"}
+
 
 class DataConfig(Section):
     section: ClassVar[str] = "data"
@@ -35,6 +39,8 @@ class DataConfig(Section):
     """Tokens per sample, after the chat template; longer samples are truncated or skipped (counted)."""
     on_long: Literal["truncate", "skip"] = "truncate"
     """A row longer than max_length: cut it, or leave it out (both counted in the manifest)."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = {}
+    """Variables the target's chat template reads, passed to every render as a server's `chat_template_kwargs` passes them: `{enable_thinking: false}` trains a drafter for Qwen3's no-think mode (answers generated and stored as the template renders them then). Serve the drafter with the same ones: a thinking-mode mismatch has cut acceptance from 60% to 25% (z-lab #133)."""
     num_default_prompts: int = 384
     """Size of the embedded default prompt set."""
     default_question_share: float = 0.25
@@ -54,6 +60,8 @@ class DataConfig(Section):
         self.require(self.num_default_prompts > 0, "num_default_prompts", "must be > 0")
         self.require(0.0 <= self.default_question_share <= 1.0, "default_question_share", "must be in [0, 1]")
         self.require(self.tokenize_workers >= 0, "tokenize_workers", "must be >= 0 (0 = one per CPU, at most 16)")
+        reserved = sorted(set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS)
+        self.require(not reserved, "chat_template_kwargs", f"sets {', '.join(reserved)}, which stage 1 passes itself")
 
     def recipe_warnings(self) -> list[str]:
         if self.max_length != 3072:

@@ -142,8 +142,12 @@ class PartRewrite:
     people and for other tools) and whether generate.max_new_tokens cut it (`answer_cut`); a cut answer
     ends its conversation (module docstring)."""
 
-    def __init__(self, number: int, conversations: list[Conversation], tokenizer: Any, seed: int):
+    def __init__(
+        self, number: int, conversations: list[Conversation], tokenizer: Any, seed: int,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         self.number, self.source, self.tokenizer, self.seed = number, conversations, tokenizer, seed
+        self.template_kwargs = template_kwargs  # data.chat_template_kwargs: the prompts render as extraction renders them
         self.current = [list(c.messages) for c in conversations]
         self.slots = [assistant_slots(c.messages) for c in conversations]
         self.round = -1
@@ -160,7 +164,7 @@ class PartRewrite:
         for i, slots in enumerate(self.slots):
             if self.round >= len(slots) or i in self.past_context or i in self.cut_at:
                 continue
-            ids = prompt_ids(self.tokenizer, self.current[i][: slots[self.round]], self.source[i].tools)
+            ids = prompt_ids(self.tokenizer, self.current[i][: slots[self.round]], self.source[i].tools, self.template_kwargs)
             if max_prompt is not None and len(ids) > max_prompt[0]:
                 self.past_context[i] = len(slots) - self.round
                 log.warning(
@@ -247,6 +251,7 @@ def generate_all(
     world: int = 1,
     context: tuple[int, str] | None = None,
     read_counts: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> GenerateResult:
     """Every part of the conversations written once (resumable); with several ranks (torchrun, one
     engine per GPU) rank r writes parts r, r + W, ..., and rank 0 waits until every part exists (or
@@ -256,7 +261,8 @@ def generate_all(
     the moment its last answer lands, so parts may be finished out of order; a finished part is never
     generated again, unless it kept turns past a smaller `context` than this one (module docstring).
     `context`: the tokens a sample may hold and what sets them; `read_counts`: what reading the
-    user's file counted, written with the merged file's own counts into its metadata."""
+    user's file counted, written with the merged file's own counts into its metadata; `template_kwargs`:
+    the chat template's variables (`data.chat_template_kwargs`, part of `settings` when set)."""
     from tqdm import tqdm
 
     parts_dir = out_path.with_name(out_path.stem + ".parts")
@@ -352,7 +358,7 @@ def generate_all(
             # one's longest answers decode, and a part enters as soon as answers leave room for it.
             while todo and engine.pending() < limit:
                 number = todo.pop(0)
-                running[number] = PartRewrite(number, chunks[number], tokenizer, seed)
+                running[number] = PartRewrite(number, chunks[number], tokenizer, seed, template_kwargs)
                 advance(number)
             for (number, i), answer in engine.collect() if running else []:
                 generated_tokens += len(answer.ids)

@@ -110,6 +110,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
         result = generate_all(
             conversations, tokenizer, make_engine, out, cfg.generate, settings, cfg.generate.seed,
             progress=progress and rank == 0, rank=rank, world=world, context=context, read_counts=read_counts,
+            template_kwargs=cfg.data.chat_template_kwargs,
         )
         if rank == 0:
             inputs = generation_inputs(cfg, weights_sha256, source_fingerprint(source))

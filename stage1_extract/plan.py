@@ -279,7 +279,7 @@ def estimate_answers(cfg: RunConfig, target_dir: Any) -> AnswerEstimate:
     kept, bound, answer_tokens, truncated, skipped, bad = [], [], 0.0, 0, 0, 0
     big = 1 << 30  # the full length: truncation is decided below, with the answers added
     workers = resolve_workers(data.tokenize_workers)
-    for per_row, (row, sample_out) in zip(answer_lengths, tokenize_all(tokenizer, emptied, big, workers)):
+    for per_row, (row, sample_out) in zip(answer_lengths, tokenize_all(tokenizer, emptied, big, workers, data.chat_template_kwargs)):
         if isinstance(sample_out, str):
             if data.on_bad_row == "raise":
                 raise DataError(f"{prompts_path(cfg)}: row {row}: {sample_out} (set data.on_bad_row=skip to skip and count bad rows)")

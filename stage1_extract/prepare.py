@@ -159,7 +159,7 @@ def tokenized_rows(
     )
     workers = resolve_workers(data.tokenize_workers)
     rows = []
-    for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers)):
+    for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers, data.chat_template_kwargs)):
         if conv.cut and not isinstance(sample, str) and not sample.truncated:
             sample = (
                 f"a message longer than {limits.max_chars} characters was cut there before tokenizing, yet gave fewer "

@@ -46,7 +46,7 @@ def _shard_states(
         except StoreError as exc:  # reprocess rebuilds it from the part records
             damaged = str(exc)
     listed = {r["index"]: r for r in manifest["shards"]} if manifest else {}
-    header_changes = header_differences({k: manifest.get(k) for k in prepared.header}, prepared.header) if manifest else []
+    header_changes = header_differences(manifest, prepared.header) if manifest else []
     rows: list[dict[str, Any]] = []
     read = shards if every_record else [s for s in shards if s.index not in listed]
     records, groups = part_records(files, read), shard_groups(files)

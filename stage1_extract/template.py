@@ -25,6 +25,9 @@ turn, but that end-of-turn marker (the text the template writes after the answer
 target's, so it is not supervised, and the drafter is never taught that the target stops there. Its
 content is the target's own and stays supervised.
 
+The template's own variables (`data.chat_template_kwargs`: Qwen3's `enable_thinking`) go to every
+render, the generation prompt's included, as a server's `chat_template_kwargs` passes them.
+
 Tool calls are part of the assistant's turn (its own tokens: supervised), tool results are turns of
 their own (not supervised); how a template receives them is `shared.conversations.render`. An
 assistant turn the data marks `weight: 0` (axolotl's "context only") is rendered but not supervised.
@@ -52,20 +55,21 @@ class TokenizedSample:
 
 
 def assistant_char_spans(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None
+    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None, template_kwargs: dict[str, Any] | None = None
 ) -> tuple[str, dict[int, tuple[int, int]], int]:
     """The rendered text, the [start, end) character span of every assistant turn located in it (by
     message index), and how many turns are context only (module docstring)."""
-    full = render(tokenizer, messages, add_generation_prompt=False, tools=tools)
+    kw = {"tools": tools, "template_kwargs": template_kwargs}
+    full = render(tokenizer, messages, add_generation_prompt=False, **kw)
     spans, context = {}, 0
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prefix = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
-        upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
+        prefix = render(tokenizer, messages[:i], add_generation_prompt=True, **kw)
+        upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False, **kw)
         if upto.startswith(prefix) and full.startswith(upto):
             spans[i] = (len(prefix), len(upto))
-        elif any(m["role"] == "user" for m in messages[i + 1 :]) and _rewritten_in_history(tokenizer, messages, i, full, upto, tools):
+        elif any(m["role"] == "user" for m in messages[i + 1 :]) and _rewritten_in_history(tokenizer, messages, i, full, upto, kw):
             context += 1  # rendered otherwise once a user turn follows: the whole render has it as context
         else:
             raise ValueError(
@@ -77,25 +81,27 @@ def assistant_char_spans(
 
 
 def _rewritten_in_history(
-    tokenizer: Any, messages: list[dict[str, Any]], i: int, full: str, upto: str, tools: str | None
+    tokenizer: Any, messages: list[dict[str, Any]], i: int, full: str, upto: str, kw: dict[str, Any]
 ) -> bool:
     """Whether the whole render departs from turn i's own render inside the turn's text (Qwen3 drops
     the reasoning of a turn before the last user query), after a history both render alike. A render
     that departs elsewhere (Phi-3 appends its end-of-text token to a conversation's end only) is a
     template this module cannot read: refused, not made context."""
-    history = render(tokenizer, messages[:i], add_generation_prompt=False, tools=tools)
-    closing = mark_answer(tokenizer, messages[:i], messages[i], tools)[2]  # what the template writes after a last turn's text
+    history = render(tokenizer, messages[:i], add_generation_prompt=False, **kw)
+    closing = mark_answer(tokenizer, messages[:i], messages[i], **kw)[2]  # what the template writes after a last turn's text
     departs = len(os.path.commonprefix([full, upto]))
     return full.startswith(history) and departs < len(upto) - len(closing)
 
 
 def tokenize_conversation(
-    tokenizer: Any, messages: list[dict[str, Any]], max_length: int, tools: str | None = None
+    tokenizer: Any, messages: list[dict[str, Any]], max_length: int, tools: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> TokenizedSample:
-    full, spans, context = assistant_char_spans(tokenizer, messages, tools)
+    kw = {"tools": tools, "template_kwargs": template_kwargs}
+    full, spans, context = assistant_char_spans(tokenizer, messages, **kw)
     empty = sum(1 for m in (messages[i] for i in spans) if not m["content"].strip() and not m.get("tool_calls") and m.get("weight") != 0)
     if any(messages[i].get("token_ids") is not None for i in spans):
-        ids, mask, fallbacks = _tokenize_with_ids(tokenizer, messages, tools, full, spans)
+        ids, mask, fallbacks = _tokenize_with_ids(tokenizer, messages, kw, full, spans)
     else:
         ids, mask = _tokenize_text(tokenizer, messages, full, spans)
         fallbacks = 0
@@ -120,7 +126,7 @@ def _tokenize_text(
 
 
 def _tokenize_with_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None, full: str, spans: dict[int, tuple[int, int]]
+    tokenizer: Any, messages: list[dict[str, Any]], kw: dict[str, Any], full: str, spans: dict[int, tuple[int, int]]
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Pieces in order: template text (tokenized; supervised inside an assistant span) and, where
     an answer carries ids, those ids (supervised) right after its turn's generation prompt, then the
@@ -141,8 +147,8 @@ def _tokenize_with_ids(
         if ids is None:
             text(full[start:end], supervised)
         else:
-            prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
-            head, found, after = mark_answer(tokenizer, messages[:turn], message, tools)
+            prefix = render(tokenizer, messages[:turn], add_generation_prompt=True, **kw)
+            head, found, after = mark_answer(tokenizer, messages[:turn], message, **kw)
             before = head[len(prefix) :]
             cut = bool(message.get("answer_cut"))
             # A turn another supervised turn follows is also history: the later turns were generated (and
@@ -169,7 +175,9 @@ def _tokenize_with_ids(
     return ids, mask, fallbacks
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None, template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     """Token ids of a conversation rendered up to a new assistant turn (for generation)."""
-    text = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
+    text = render(tokenizer, messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -27,7 +27,7 @@ _WORKER: dict[str, Any] = {}  # the forked workers' tokenizer and settings
 def _tokenize_one(item: tuple[int, list[dict[str, Any]], str | None]) -> tuple[int, Any]:
     row, messages, tools = item
     try:
-        return row, tokenize_conversation(_WORKER["tokenizer"], messages, _WORKER["max_length"], tools)
+        return row, tokenize_conversation(_WORKER["tokenizer"], messages, _WORKER["max_length"], tools, _WORKER["template_kwargs"])
     except ValueError as exc:
         return row, str(exc)
 
@@ -37,11 +37,13 @@ def _worker_init() -> None:
 
 
 def tokenize_all(
-    tokenizer: Any, conversations: list[Conversation], max_length: int, workers: int
+    tokenizer: Any, conversations: list[Conversation], max_length: int, workers: int,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> Iterable[tuple[int, Any]]:
-    """(row, TokenizedSample or an error message) per conversation, in order."""
+    """(row, TokenizedSample or an error message) per conversation, in order; `template_kwargs`: the
+    chat template's variables (`data.chat_template_kwargs`)."""
     items = [(c.row, c.messages, c.tools) for c in conversations]
-    _WORKER.update(tokenizer=tokenizer, max_length=max_length)
+    _WORKER.update(tokenizer=tokenizer, max_length=max_length, template_kwargs=template_kwargs)
     if workers <= 1 or len(items) < _PARALLEL_MIN_ROWS or "fork" not in multiprocessing.get_all_start_methods():
         yield from map(_tokenize_one, items)
         return

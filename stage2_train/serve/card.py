@@ -12,6 +12,7 @@ drafter's own split of the store it was trained on), or says none was run.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,9 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         "",
         *serving_lines(d, target_name),
         "Serve it with the same chat template (and thinking mode) the training data was rendered with: a different "
-        "template is the most common cause of low acceptance in serving.",
+        "template is the most common cause of low acceptance in serving."
+        + (f" The data was rendered with `chat_template_kwargs={json.dumps(template_kwargs)}` (`data.chat_template_kwargs`): "
+           "pass the same in each request (vLLM / SGLang)." if (template_kwargs := data.get("chat_template_kwargs")) else ""),
         "",
     ]
     return write_atomic(out_dir / CARD_NAME, "\n".join(lines))

@@ -1,0 +1,134 @@
+"""data.chat_template_kwargs: the chat template's own variables (Qwen3's enable_thinking) reach every
+render stage 1 makes (tokenizing, generation prompts), and are part of what a store, its token cache
+and its generated answers were made from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.config import load_run_config
+from stage1_extract.template import prompt_ids, tokenize_conversation
+
+from .conftest import chat_rows, stage1_overrides, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Qwen3's switch in what matters here: the last assistant turn renders a think block (empty when its
+# content has none), and the generation prompt closes an empty one when enable_thinking is false, so
+# a no-think answer's block belongs to the prompt there and to the answer under the default.
+THINKING_SWITCH = """{%- for m in messages -%}
+{%- if m.role == 'assistant' and loop.last -%}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}
+{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}{%- endif -%}"""
+
+
+def test_the_template_variables_decide_what_is_prompt_and_what_is_answer(tiny_target_dir):
+    """Under the default (thinking) the empty think block is the answer's, supervised; with
+    enable_thinking=false the generation prompt holds it, as the target sees it when serving so."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tokenizer.chat_template = THINKING_SWITCH
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]
+    thinking = tokenize_conversation(tokenizer, messages, 256)
+    off = tokenize_conversation(tokenizer, messages, 256, template_kwargs={"enable_thinking": False})
+    assert thinking.input_ids.tolist() == off.input_ids.tolist()  # the same text either way
+    assert tokenizer.decode(thinking.input_ids[thinking.loss_mask]) == "<think>\n\n</think>\n\n4.<|im_end|>\n"
+    assert tokenizer.decode(off.input_ids[off.loss_mask]) == "4.<|im_end|>\n"
+    prompt = prompt_ids(tokenizer, messages[:1], template_kwargs={"enable_thinking": False})
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    first = int(np.flatnonzero(off.loss_mask)[0])
+    assert tokenizer.decode(off.input_ids[:first]) == tokenizer.decode(prompt)  # all of it unsupervised
+
+
+def test_reserved_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"data\.chat_template_kwargs sets add_generation_prompt, tools, which stage 1 passes itself"):
+        load_run_config(ROOT / "configs/default.yaml", ['data.chat_template_kwargs={tools: x, add_generation_prompt: true}'])
+
+
+@pytest.fixture(scope="module")
+def no_think_store(tiny_target_dir, tmp_path_factory):
+    """Rows extracted as given through a template with the switch, enable_thinking=false: (root, cfg)."""
+    from stage1_extract import commands
+
+    root = tmp_path_factory.mktemp("no_think")
+    target = Path(shutil.copytree(tiny_target_dir, root / "target"))
+    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    data = write_jsonl(root / "chat.jsonl", chat_rows(12))
+    cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        target, data, root / "run", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
+    commands.cmd_extract(cfg, progress=False)
+    return root, cfg
+
+
+def test_a_store_records_its_template_variables_and_another_setting_makes_it_stale(no_think_store):
+    """The manifest says what the prompts were rendered with; the same store under a config without
+    them (the default: thinking) is stale naming the setting, on `status` and for `train`, and
+    `reprocess` makes it the thinking one, whose stored answers begin with the think block."""
+    from shared.freshness import store_staleness
+    from shared.reader import StoreReader
+    from shared.target import resolve_target
+    from stage1_extract import commands
+
+    root, cfg = no_think_store
+    reader = StoreReader(cfg.store.url(cfg.run_dir))
+    assert reader.manifest["chat_template_kwargs"] == {"enable_thinking": False}
+    tokenizer_dir = cfg.target.path
+    first = reader[0]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    answer = tokenizer.decode(first["input_ids_T"][first["loss_mask_T"].bool()])
+    assert not answer.startswith("<think>")
+    assert commands.cmd_status(cfg)["complete"]
+
+    default = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        Path(cfg.target.path), Path(cfg.data.path), Path(cfg.run_dir)))
+    status = commands.cmd_status(default)
+    assert not status["complete"] and len(status["shards"]) > 0
+    assert {(s["state"], s["why"]) for s in status["shards"]} == {("stale", "settings changed: chat_template_kwargs.enable_thinking")}
+    stale = store_staleness(default, resolve_target(default.target), reader.manifest).stale
+    assert stale and all(why == "settings changed: chat_template_kwargs.enable_thinking" for _, why in stale)
+    commands.cmd_reprocess(default, progress=False)
+    again = StoreReader(default.store.url(default.run_dir))
+    assert "chat_template_kwargs" not in again.manifest
+    sample = again[int(np.flatnonzero(again.sample_ids == int(reader.sample_ids[0]))[0])]
+    assert tokenizer.decode(sample["input_ids_T"][sample["loss_mask_T"].bool()]).startswith("<think>\n\n</think>\n\n")
+
+
+def test_generated_answers_carry_the_variables_their_prompts_were_rendered_with(tiny_target_dir, tmp_path):
+    """generate renders each prompt with data.chat_template_kwargs (the no-think prompt ends with the
+    closed think block, the target answers after it); answers made under other variables are refused
+    by extract naming the setting, and generate makes them again."""
+    from shared.errors import DataError, StoreError
+    from shared.reader import StoreReader
+    from stage1_extract import commands
+
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": r["messages"][:1]} for r in chat_rows(6)])
+    settings = {"data.regenerate": True, "generate.max_new_tokens": 4, "generate.rows_per_part": 8, "extract.device": "cpu"}
+    off = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        target, data, tmp_path / "run", **settings, **{"data.chat_template_kwargs": {"enable_thinking": False}}))
+    commands.cmd_generate(off, progress=False)
+    made = json.loads((tmp_path / "run" / "data" / "generated.parts" / "settings.json").read_text())
+    assert made["settings"]["chat_template_kwargs"] == {"enable_thinking": False}
+    commands.cmd_extract(off, progress=False)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    reader = StoreReader(off.store.url(off.run_dir))
+    for i in range(len(reader)):
+        sample = reader[i]
+        first = int(np.flatnonzero(sample["loss_mask_T"].numpy())[0])
+        assert tokenizer.decode(sample["input_ids_T"][:first]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    thinking = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(target, data, tmp_path / "run", **settings))
+    with pytest.raises((DataError, StoreError), match="chat_template_kwargs"):
+        commands.cmd_extract(thinking, progress=False)
