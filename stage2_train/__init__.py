@@ -70,6 +70,12 @@ def _inert_settings(cfg: RunConfig) -> list[str]:
         out += [f"{s} does nothing: optim.name={cfg.optim.name}" for s in changed("optim", muon)]
     if model.variant != "dspark":
         out += [f"{s} does nothing: only a dspark drafter stops early" for s in changed("eval", ["confidence_stop"])]
+    elif not model.confidence_head:
+        # Both read the confidence head: without one DSpark drafts whole blocks and trains no BCE term.
+        out += [f"{s} does nothing: model.confidence_head=false" for s in
+                [*changed("eval", ["confidence_stop"]), *changed("loss", ["confidence_weight"])]]
+    if cfg.loss.weighting != "dpace":
+        out += [f"{s} does nothing: loss.weighting={cfg.loss.weighting}" for s in changed("loss", ["dpace_alpha"])]
     return out
 
 

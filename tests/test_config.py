@@ -202,6 +202,17 @@ def test_settings_nothing_reads_are_said_at_check_and_train():
         assert not [w for w in load_run_config(preset, []).recipe_warnings() if "does nothing" in w], preset
     dspark = load_run_config("configs/default.yaml", ["model.variant=dspark", "model.markov_rank=8", "eval.confidence_stop=0.5"])
     assert not [w for w in dspark.recipe_warnings() if "does nothing" in w]
+    # DSpark without its confidence head drafts whole blocks and trains no confidence term: a stop
+    # threshold or a confidence weight there changed nothing, silently.
+    headless = load_run_config("configs/default.yaml", [
+        "model.variant=dspark", "model.confidence_head=false", "eval.confidence_stop=0.5", "loss.confidence_weight=2",
+        "loss.weighting=decay", "loss.dpace_alpha=0.3",
+    ])
+    assert [w for w in headless.recipe_warnings() if "does nothing" in w] == [
+        "eval.confidence_stop=0.5 does nothing: model.confidence_head=false",
+        "loss.confidence_weight=2.0 does nothing: model.confidence_head=false",
+        "loss.dpace_alpha=0.3 does nothing: loss.weighting=decay",
+    ]
 
 
 def test_stage1_check_names_its_departures_from_the_recipe(capsys):
