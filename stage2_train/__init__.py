@@ -74,6 +74,9 @@ def _inert_settings(cfg: RunConfig) -> list[str]:
         # Both read the confidence head: without one DSpark drafts whole blocks and trains no BCE term.
         out += [f"{s} does nothing: model.confidence_head=false" for s in
                 [*changed("eval", ["confidence_stop"]), *changed("loss", ["confidence_weight"])]]
+    if model.init_from:
+        # The trainer starts from model.init_from's weights and never reads model.init then.
+        out += [f"{s} does nothing: model.init_from gives the starting weights" for s in changed("model", ["init"])]
     if cfg.loss.weighting != "dpace":
         out += [f"{s} does nothing: loss.weighting={cfg.loss.weighting}" for s in changed("loss", ["dpace_alpha"])]
     return out

@@ -213,6 +213,11 @@ def test_settings_nothing_reads_are_said_at_check_and_train():
         "loss.confidence_weight=2.0 does nothing: model.confidence_head=false",
         "loss.dpace_alpha=0.3 does nothing: loss.weighting=decay",
     ]
+    # A warm start from the target's layers is not applied over weights model.init_from gives.
+    started = load_run_config("configs/default.yaml", ["model.init=target_layers", "model.init_from=/some/drafter"])
+    assert [w for w in started.recipe_warnings() if "does nothing" in w] == [
+        "model.init=target_layers does nothing: model.init_from gives the starting weights",
+    ]
 
 
 def test_stage1_check_names_its_departures_from_the_recipe(capsys):
