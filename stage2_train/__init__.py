@@ -60,7 +60,15 @@ def _inert_settings(cfg: RunConfig) -> list[str]:
     if not sliding:
         out += [f"{s} does nothing: no layer of model.layer_types is sliding_attention" for s in changed("model", ["sliding_window"])]
     if model.feature_projection == "none":
-        out += [f"{s} does nothing: model.feature_projection=none" for s in changed("model", ["projection_dim"])]
+        out += [f"{s} does nothing: model.feature_projection=none"
+                for s in changed("model", ["projection_dim", "projection_scale", "projection_fit_tokens"])]
+    if cfg.noise.std == 0:
+        # std 0 adds no noise at any step: a warmup of it is the failed run's no-op warmup.
+        out += [f"{s} does nothing: noise.std=0" for s in changed("noise", ["warmup_steps", "kind"])]
+    if cfg.eval.every_steps == 0 and not cfg.checkpoint.keep_best:
+        # Only evals during training (and keep_best's final comparison) sample anchors; the final eval scores every one.
+        out += [f"{s} does nothing: eval.every_steps=0 (the final eval scores every anchor)"
+                for s in changed("eval", ["offline_max_anchors_per_seq"])]
     for variant in ("dspark", "dflash2"):
         if model.variant != variant:
             out += [f"{s} does nothing: it is a {variant} setting and model.variant={model.variant}"
