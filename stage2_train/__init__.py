@@ -60,7 +60,15 @@ def _inert_settings(cfg: RunConfig) -> list[str]:
     if not sliding:
         out += [f"{s} does nothing: no layer of model.layer_types is sliding_attention" for s in changed("model", ["sliding_window"])]
     if model.feature_projection == "none":
-        out += [f"{s} does nothing: model.feature_projection=none" for s in changed("model", ["projection_dim"])]
+        out += [f"{s} does nothing: model.feature_projection=none"
+                for s in changed("model", ["projection_dim", "projection_scale", "projection_fit_tokens"])]
+    if cfg.noise.std == 0:
+        # std 0 adds no noise at any step: a warmup of it is the failed run's no-op warmup.
+        out += [f"{s} does nothing: noise.std=0" for s in changed("noise", ["warmup_steps", "kind"])]
+    if cfg.eval.every_steps == 0 and not cfg.checkpoint.keep_best:
+        # Only evals during training (and keep_best's final comparison) sample anchors; the final eval scores every one.
+        out += [f"{s} does nothing: eval.every_steps=0 (the final eval scores every anchor)"
+                for s in changed("eval", ["offline_max_anchors_per_seq"])]
     for variant in ("dspark", "dflash2"):
         if model.variant != variant:
             out += [f"{s} does nothing: it is a {variant} setting and model.variant={model.variant}"
@@ -70,6 +78,15 @@ def _inert_settings(cfg: RunConfig) -> list[str]:
         out += [f"{s} does nothing: optim.name={cfg.optim.name}" for s in changed("optim", muon)]
     if model.variant != "dspark":
         out += [f"{s} does nothing: only a dspark drafter stops early" for s in changed("eval", ["confidence_stop"])]
+    elif not model.confidence_head:
+        # Both read the confidence head: without one DSpark drafts whole blocks and trains no BCE term.
+        out += [f"{s} does nothing: model.confidence_head=false" for s in
+                [*changed("eval", ["confidence_stop"]), *changed("loss", ["confidence_weight"])]]
+    if model.init_from:
+        # The trainer starts from model.init_from's weights and never reads model.init then.
+        out += [f"{s} does nothing: model.init_from gives the starting weights" for s in changed("model", ["init"])]
+    if cfg.loss.weighting != "dpace":
+        out += [f"{s} does nothing: loss.weighting={cfg.loss.weighting}" for s in changed("loss", ["dpace_alpha"])]
     return out
 
 

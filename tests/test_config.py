@@ -202,6 +202,34 @@ def test_settings_nothing_reads_are_said_at_check_and_train():
         assert not [w for w in load_run_config(preset, []).recipe_warnings() if "does nothing" in w], preset
     dspark = load_run_config("configs/default.yaml", ["model.variant=dspark", "model.markov_rank=8", "eval.confidence_stop=0.5"])
     assert not [w for w in dspark.recipe_warnings() if "does nothing" in w]
+    # DSpark without its confidence head drafts whole blocks and trains no confidence term: a stop
+    # threshold or a confidence weight there changed nothing, silently.
+    headless = load_run_config("configs/default.yaml", [
+        "model.variant=dspark", "model.confidence_head=false", "eval.confidence_stop=0.5", "loss.confidence_weight=2",
+        "loss.weighting=decay", "loss.dpace_alpha=0.3",
+    ])
+    assert [w for w in headless.recipe_warnings() if "does nothing" in w] == [
+        "eval.confidence_stop=0.5 does nothing: model.confidence_head=false",
+        "loss.confidence_weight=2.0 does nothing: model.confidence_head=false",
+        "loss.dpace_alpha=0.3 does nothing: loss.weighting=decay",
+    ]
+    others = load_run_config("configs/default.yaml", [
+        "model.projection_scale=none", "model.projection_fit_tokens=1000", "noise.std=0", "noise.warmup_steps=50",
+        "eval.every_steps=0", "eval.offline_max_anchors_per_seq=4",
+    ])
+    assert [w for w in others.recipe_warnings() if "does nothing" in w] == [
+        "model.projection_scale=none does nothing: model.feature_projection=none",
+        "model.projection_fit_tokens=1000 does nothing: model.feature_projection=none",
+        "noise.warmup_steps=50 does nothing: noise.std=0",
+        "eval.offline_max_anchors_per_seq=4 does nothing: eval.every_steps=0 (the final eval scores every anchor)",
+    ]
+    kept = load_run_config("configs/default.yaml", ["eval.every_steps=0", "checkpoint.keep_best=true"])
+    assert not [w for w in kept.recipe_warnings() if "offline_max_anchors_per_seq" in w]  # keep_best compares on them
+    # A warm start from the target's layers is not applied over weights model.init_from gives.
+    started = load_run_config("configs/default.yaml", ["model.init=target_layers", "model.init_from=/some/drafter"])
+    assert [w for w in started.recipe_warnings() if "does nothing" in w] == [
+        "model.init=target_layers does nothing: model.init_from gives the starting weights",
+    ]
 
 
 def test_stage1_check_names_its_departures_from_the_recipe(capsys):
