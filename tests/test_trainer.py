@@ -723,9 +723,10 @@ def test_each_training_rank_makes_its_own_gpu_current_before_accelerate_starts(m
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: events.append(("set_device", index)))
 
     class FakeAccelerator:
-        def __init__(self, cpu, mixed_precision, kwargs_handlers):
+        def __init__(self, cpu, mixed_precision, kwargs_handlers, gradient_accumulation_plugin):
             events.append(("accelerator", cpu, mixed_precision))
             assert [h.broadcast_buffers for h in kwargs_handlers] == [False]  # the frozen buffers are equal everywhere
+            assert gradient_accumulation_plugin.num_steps == 1  # the trainer accumulates; accelerate divides nothing
             self.distributed_type = accelerate.utils.DistributedType.MULTI_GPU
 
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
@@ -736,6 +737,19 @@ def test_each_training_rank_makes_its_own_gpu_current_before_accelerate_starts(m
     events.clear()
     launch.make_accelerator(load_run_config("configs/default.yaml", ["train.device=cpu"]).train)
     assert events == [("accelerator", True, "no")]
+
+
+def test_an_accumulation_count_from_accelerate_launch_is_refused_naming_the_setting(monkeypatch):
+    """Accelerate divides each backward's loss by the count it reads from its launcher's environment:
+    with the trainer's own accumulation that shrank every update N times, silently."""
+    from shared.errors import ConfigError
+    from stage2_train.train import launch
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=4 .*set train\.grad_accum=4 and gradient_accumulation_steps to 1"):
+        launch.make_accelerator(load_run_config("configs/default.yaml", ["train.device=cpu"]).train)
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    assert launch.make_accelerator(load_run_config("configs/default.yaml", ["train.device=cpu"]).train).gradient_accumulation_steps == 1
 
 
 class FrozenBuffers(torch.nn.Module):

@@ -58,7 +58,7 @@ def make_accelerator(cfg: TrainConfig) -> Any:
     DeepSpeed and Megatron launches are refused by name: checkpoints here hold DDP-replicated state
     written once by rank 0, which sharded state would silently break."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
 
     for var, name in SHARDED_LAUNCHES.items():
         if os.environ.get(var, "false").strip().lower() in ("1", "true", "yes", "y", "on"):
@@ -68,6 +68,15 @@ def make_accelerator(cfg: TrainConfig) -> Any:
                 f"(`python -m stage2_train plan`): use distributed_type MULTI_GPU (`accelerate launch --multi_gpu`) "
                 f"or torchrun"
             )
+    # Accelerate divides every backward's loss by its own accumulation count, read from the environment
+    # when not given: a count the launcher set would shrink each update that many times, silently.
+    launcher_accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1").strip() or "1"
+    if launcher_accum != "1":
+        raise ConfigError(
+            f"accelerate launch is configured with gradient_accumulation_steps={launcher_accum} "
+            f"(ACCELERATE_GRADIENT_ACCUMULATION_STEPS); this trainer accumulates train.grad_accum micro-batches "
+            f"itself: set train.grad_accum={launcher_accum} and gradient_accumulation_steps to 1 in `accelerate config`"
+        )
     use_cuda = train_device(cfg) == "cuda"
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -76,7 +85,8 @@ def make_accelerator(cfg: TrainConfig) -> Any:
     # drafter's buffers (the target's embedding and LM head, the fitted projection) are equal on every
     # rank by construction: DDP's default would re-send them from rank 0 before every step (2.5 GB at 8B).
     ddp = DistributedDataParallelKwargs(broadcast_buffers=False)
-    accelerator = Accelerator(cpu=not use_cuda, mixed_precision=mixed, kwargs_handlers=[ddp])
+    accelerator = Accelerator(cpu=not use_cuda, mixed_precision=mixed, kwargs_handlers=[ddp],
+                              gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
     if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
         raise ConfigError(f"accelerate chose distributed_type {accelerator.distributed_type.value}; use MULTI_GPU or torchrun")
     if not use_cuda and cfg.cpu_threads:
