@@ -28,6 +28,7 @@ from stage1_extract.distributed import (
     agreed_done,
     all_ok,
     distributed_context,
+    from_rank_0,
     join_ranks,
     leave_ranks,
     on_rank_0,
@@ -163,7 +164,9 @@ def _pin_plan(
         if error is not None:
             raise error
         raise StoreError(f"{files.url}: rank 0 refused to extract into it (its error says why)")
-    samples_per_shard = load_or_pin_plan(files, prepared.header, 0, len(prepared.rows))
+    # Rank 0 read the plan and checked the header against it; a rank that cannot see plan.json yet
+    # would pin another one (0 samples per shard) over it.
+    samples_per_shard = from_rank_0(load_or_pin_plan(files, prepared.header, 0, len(prepared.rows)) if rank == 0 else None, world)
     return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard, model, records
 
 
@@ -204,7 +207,8 @@ def extract_store(
     rank, world, local_rank = ranks
     lay = layout(rank, world, extract.tensor_parallel_size)
     files = prepared.files
-    channels = pinned_outlier_channels(files, store, len(prepared.layer_ids))
+    # Rank 0's channel set on every rank: a rank reading a stale plan.json would encode with another.
+    channels = from_rank_0(pinned_outlier_channels(files, store, len(prepared.layer_ids)) if rank == 0 or world == 1 else None, world)
     done = agreed_done(done_shards(files, shards, records) if rank == 0 or world == 1 else set(), len(shards), world)
     # Rank 0 decides (ranks on other nodes see other disks' free space), and every rank learns it.
     on_rank_0(rank, world, lambda: check_space(prepared, store, shards, done, force),

@@ -91,6 +91,18 @@ def agreed_done(done: set[int], num_shards: int, world: int) -> set[int]:
     return {int(i) for i in flags.nonzero().flatten()}
 
 
+def from_rank_0(value: Any, world: int) -> Any:
+    """Rank 0's `value` on every rank (the others pass None): what rank 0 read from the store's files,
+    which a rank on another node may not see yet (NFS attribute caching) or see as another copy."""
+    if world == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_work_group)
+    return box[0]
+
+
 @contextmanager
 def store_lock(url: str, rank: int, world: int, command: str) -> Iterator[str | None]:
     """Rank 0 holds the store's lock for the whole job; every rank learns at once if it could not.

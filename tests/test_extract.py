@@ -504,3 +504,51 @@ def test_packed_extraction_is_refused_where_the_attention_cannot_keep_samples_ap
     monkeypatch.delattr(transformers.masking_utils, "find_packed_sequence_indices")  # an older transformers
     with pytest.raises(ConfigError, match=r"cannot detect packed sequences"):
         commands.cmd_extract(cfg, progress=False)
+
+
+def pin_plan_on_rank(rank: int, port: int, target_dir: str, data: str, run_dir: str, out: str) -> None:
+    """Rank 1 cannot see plan.json (NFS attribute caching on another node) when it asks for the plan."""
+    import torch.distributed as dist
+
+    from shared.store import StoreFiles
+    from stage1_extract import distributed
+    from stage1_extract.resolve import prepare_run
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    distributed._work_group = dist.new_group(backend="gloo")
+    try:
+        cfg = config(Path(target_dir), Path(data), Path(run_dir))
+        prepared = None
+        for turn in (0, 1):  # rank 0 tokenizes (and caches) first, as _prepare_all_ranks does
+            if turn == rank:
+                prepared = prepare_run(cfg)
+            dist.barrier()
+        if rank == 1:
+            real = StoreFiles.exists
+            StoreFiles.exists = lambda self, name: False if name == "plan.json" else real(self, name)
+        shards, per, _, _ = commands._pin_plan(cfg, prepared, rank, 2, False, rank)
+        dist.barrier()
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"per": per, "shards": len(shards)}))
+    finally:
+        distributed._work_group = None
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~10 s: two gloo ranks tokenize the data
+def test_a_rank_that_cannot_see_the_plan_yet_gets_rank_0s_and_writes_none(tiny_target_dir, data_file, tmp_path):
+    """Every rank asked plan.json for samples_per_shard itself: one that could not see it yet wrote a
+    plan with 0 samples per shard over rank 0's (every later run then failed). Rank 0's reading reaches
+    every rank; plan.json stays rank 0's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    mp.spawn(pin_plan_on_rank, args=(port, str(tiny_target_dir), str(data_file), str(run_dir), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    plan = json.loads((run_dir / "store" / "plan.json").read_text())
+    assert plan["samples_per_shard"] > 0 and ranks[0] == ranks[1] == {"per": plan["samples_per_shard"], "shards": ranks[0]["shards"]}
