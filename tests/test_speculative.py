@@ -469,6 +469,22 @@ def test_heldout_prompts_are_the_tokens_before_the_first_supervised_one():
     )
     assert heldout_prompts(reader, [0, 1, 2, 3], 8) == [(5, [10, 11, 12]), (8, [10])]
     assert heldout_prompts(reader, [0, 1, 2, 3], 1) == [(5, [10, 11, 12])]
+    # a copy's prompt (other answer, same opening) is decoded once: two would count one prompt twice
+    copies = MemoryReader([sample(5, [0, 0, 1, 1]), sample(9, [0, 0, 1, 0]), sample(8, [0, 1])])
+    assert heldout_prompts(copies, [0, 1, 2], 8) == [(5, [10, 11]), (8, [10])]
+
+
+def test_evaluations_take_one_sample_per_split_key_before_any_second():
+    """The offline and online evals take the first N held-out samples: copies of a prompt that sit
+    together in the store filled them, and an interval over them counted one prompt as several."""
+    import numpy as np
+
+    from stage2_train.data.split import spread_over_keys
+
+    keys = np.array([7, 7, 7, 3, 9, 3, 7, 1])
+    assert spread_over_keys(keys, np.arange(8)).tolist() == [0, 3, 4, 7, 1, 5, 2, 6]
+    assert spread_over_keys(keys, np.array([1, 2, 5, 6])).tolist() == [1, 5, 2, 6]
+    assert spread_over_keys(keys, np.array([], dtype=np.int64)).tolist() == []
 
 
 def test_cmd_eval_end_to_end(tmp_path, tiny_target_dir, chat_file, drafter):

@@ -33,3 +33,20 @@ def heldout_mask(keys: np.ndarray, fraction: float, seed: int) -> np.ndarray:
         return np.zeros(len(keys), dtype=bool)
     mixed = _splitmix64(keys ^ _splitmix64(np.full(len(keys), seed, dtype=np.int64).astype(np.uint64)))
     return (mixed >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
+
+
+def spread_over_keys(keys: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """`indices` reordered so that every key's first sample comes before any key's second one (store
+    order within each round). Evaluations take the first N held-out samples: in store order, copies of
+    a prompt that sit together could fill them, and their figures' intervals would count one prompt as
+    several."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if len(idx) == 0:
+        return idx
+    k = np.asarray(keys)[idx]
+    by_key = np.argsort(k, kind="stable")
+    first = np.r_[True, k[by_key][1:] != k[by_key][:-1]]
+    start = np.maximum.accumulate(np.where(first, np.arange(len(idx)), 0))
+    occurrence = np.empty(len(idx), dtype=np.int64)
+    occurrence[by_key] = np.arange(len(idx)) - start
+    return idx[np.lexsort((np.arange(len(idx)), occurrence))]

@@ -29,7 +29,7 @@ from shared.target import TargetInfo
 from stage2_train.data.anchors import AnchorSampler
 from stage2_train.data.loader import PrefetchLoader
 from stage2_train.data.sampler import LengthMixedSampler, SamplerConfig
-from stage2_train.data.split import heldout_mask
+from stage2_train.data.split import heldout_mask, spread_over_keys
 
 
 class SubsetReader:
@@ -105,10 +105,11 @@ def check_store(reader: StoreReader, target: TargetInfo, need_topk: bool) -> Non
 
 
 def split_indices(reader: StoreReader, holdout_fraction: float, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, held-out indices) into the reader, both ascending. Copies of a row (same split
-    key in the manifest: prompt or content hash) always fall on the same side."""
+    """(train indices ascending, held-out indices one per split key first: `spread_over_keys`) into the
+    reader. Rows that share a split key (their opening; in older stores a prompt or content hash)
+    always fall on the same side."""
     held = heldout_mask(reader.split_keys, holdout_fraction, split_seed)
-    train, heldout = np.flatnonzero(~held), np.flatnonzero(held)
+    train, heldout = np.flatnonzero(~held), spread_over_keys(reader.split_keys, np.flatnonzero(held))
     if len(train) == 0:
         raise StoreError(f"eval.holdout_fraction={holdout_fraction} leaves no training samples in {reader.url}")
     return train, heldout

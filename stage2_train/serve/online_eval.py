@@ -36,8 +36,10 @@ def load_online_target(target_cfg: Any, online_dtype: str, device: str = "cpu") 
 
 def heldout_prompts(reader: Any, indices: Sequence[int], max_prompts: int) -> list[tuple[int, list[int]]]:
     """(sample_id, prompt ids) of up to `max_prompts` samples: the tokens before the first
-    supervised token (samples with no supervised token, or nothing before it, are skipped)."""
-    prompts = []
+    supervised token (samples with no supervised token, or nothing before it, are skipped, and so is
+    a prompt already taken: copies decode alike, and tau's interval over prompts would count one as
+    several)."""
+    prompts, seen = [], set()
     for index in indices:
         if len(prompts) >= max_prompts:
             break
@@ -45,7 +47,11 @@ def heldout_prompts(reader: Any, indices: Sequence[int], max_prompts: int) -> li
         supervised = torch.nonzero(sample["loss_mask_T"].bool())
         if len(supervised) == 0 or int(supervised[0]) == 0:
             continue
-        prompts.append((int(sample["sample_id"]), sample["input_ids_T"][: int(supervised[0])].tolist()))
+        ids = sample["input_ids_T"][: int(supervised[0])].tolist()
+        if tuple(ids) in seen:
+            continue
+        seen.add(tuple(ids))
+        prompts.append((int(sample["sample_id"]), ids))
     return prompts
 
 
