@@ -336,7 +336,7 @@ def verdict(diagnosis: dict[str, Any]) -> str:
     if s["verdict"] == "healthy":
         return "healthy, no events"
     if s["verdict"] == "cannot tell":
-        return "no events, cannot tell overfitting"
+        return f"no events, cannot tell {' or '.join(s['undecided'])}"
     return ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
 
 
