@@ -1,5 +1,5 @@
-"""The doctor on logs with no single bad row that still are not healthy: a log that holds two runs.
-It was called healthy, exit 0, before its check.
+"""The doctor on logs with no single bad row that still are not healthy: a run that never learns,
+and a log that holds two runs. Each was called healthy, exit 0, before its check.
 
     .venv/bin/python -m pytest tests/test_doctor_shapes.py -q
 
@@ -9,10 +9,27 @@ asserts the exact (kind, step) of every event found.
 
 from __future__ import annotations
 
+import json
+import random
+
+import pytest
+
+from stage2_train.observe.config import DetectorConfig
+from stage2_train.observe.detectors import LiveDetectors, detect
 from stage2_train.observe.doctor import diagnose
 from stage2_train.observe.doctor import doctor as cmd_doctor
+from stage2_train.observe.explain import describe
 from stage2_train.observe.report import report as cmd_report
 from tests.test_doctor import found, trainer_records, write_log
+
+
+def flat_records(num_steps: int = 1000) -> list[dict]:
+    """Loss 6.0 and accuracy 0.01 for the whole run, at the usual lr (warmup to 6e-4), 5% noise."""
+    rng = random.Random(5)
+    return trainer_records(
+        num_steps,
+        change=lambda step, row: row.update(loss=6.0 * rng.lognormvariate(0, 0.05), accuracy=0.01 + rng.gauss(0, 0.003)),
+    )
 
 
 def two_runs_records() -> list[dict]:
@@ -26,6 +43,47 @@ def two_runs_records() -> list[dict]:
 def write_to(tmp_path, records):
     write_log(tmp_path / "train_log.jsonl", records)
     return tmp_path / "train_log.jsonl"
+
+
+# ---- a run that never learns ---------------------------------------------------------------------
+def test_a_run_that_never_learns_is_named_with_its_causes(tmp_path):
+    start = {"kind": "event", "event": "run_start", "step": 0, "hyperparameters": {"optim.lr": 6e-4}}
+    diagnosis = diagnose([start, *flat_records()])
+    assert found(diagnosis) == [("not_learning", 1)]
+    ev = diagnosis["events"][0]
+    d = ev["details"]
+    assert (d["first_step"], d["rows"], d["confirmed_step"], d["recovery_steps"]) == (50, 300, 300, None)
+    assert d["first_loss"] == pytest.approx(6.0, rel=0.02) and d["best_loss"] > 0.95 * d["first_loss"]
+    assert d["best_accuracy"] < 0.02 and d["peak_lr"] == 6e-4
+    assert ev["likely_cause"].startswith("in 300 rows at lr up to 0.0006 the loss never fell 10% below its first level")
+    assert "optim.lr 0.0006 in run_start" in ev["likely_cause"] and "frozen" in ev["likely_cause"]
+    assert "wrong loss mask" in ev["likely_cause"]
+    assert describe(ev).startswith("not learning from step 1: the loss's median of 50 rows 5.98 at first, 5.83 at its lowest, after 300 rows")
+    text, code = cmd_doctor(write_to(tmp_path, flat_records()), as_json=False)
+    assert code == 1 and text.splitlines()[-1].startswith("1 event(s): 1 not_learning")
+
+
+def test_learning_runs_short_logs_and_late_slices_are_not_called_not_learning():
+    assert found(diagnose(flat_records(250))) == []  # under learn_rows: too early to say
+    # A loss that falls 15% by row 300 has learned (slowly); one that falls 1% has not.
+    def slow(drop):
+        rng = random.Random(5)
+        return trainer_records(1000, change=lambda step, row: row.update(
+            loss=6.0 * (1 - drop * step / 1000) * rng.lognormvariate(0, 0.05), accuracy=0.01))
+
+    assert found(diagnose(slow(0.5))) == []
+    assert found(diagnose(slow(0.02))) == [("not_learning", 1)]
+    # Accuracy that rises while the loss does not fall (a loss dominated by an unlearnable term) is learning.
+    rising = [{**r, "accuracy": 0.01 + 0.3 * r["step"] / 1000} if r["kind"] == "train" else r for r in flat_records()]
+    assert found(diagnose(rising)) == []
+    # A slice of a long run's flat stretch (its first row at step 5,001) is not judged.
+    late = [{**r, "step": r["step"] + 5000} for r in flat_records() if r["kind"] == "train"]
+    assert found(diagnose(late)) == []
+    # lr 0 is lr_zero's: its rows are not counted here.
+    assert found(diagnose([{**r, "lr": 0.0} if r["kind"] == "train" else r for r in flat_records()])) == [("lr_zero", 1)]
+    assert found(diagnose(flat_records(), DetectorConfig(learn_rows=2000))) == []
+    with pytest.raises(ValueError, match="detectors.learn_min_drop must be in"):
+        DetectorConfig(learn_min_drop=1.0)
 
 
 # ---- two runs in one log -------------------------------------------------------------------------
@@ -46,3 +104,35 @@ def test_steps_going_back_with_no_resume_event_cannot_be_called_healthy(tmp_path
     out = cmd_report(write_to(tmp_path, two_runs_records()), tmp_path / "report")
     assert "**no events, cannot tell one run from two**" in (tmp_path / "report" / "report.md").read_text()
     assert out["num_events"] == 0
+
+
+# ---- the live path and the report ----------------------------------------------------------------
+def test_live_detectors_agree_with_the_offline_pass_through_checkpoints():
+    records = flat_records()
+    live, fired = LiveDetectors(), []
+    for i, record in enumerate(records):
+        fired += live.update(record)
+        if i % 97 == 0:
+            live_state = json.loads(json.dumps(live.state_dict(), allow_nan=False))
+            live = LiveDetectors()
+            live.load_state_dict(live_state, resumed=False)
+    assert [(e["kind"], e["step"], e["size"]) for e in fired] == [(e["kind"], e["step"], e["size"]) for e in detect(records)]
+    assert fired
+
+
+def test_a_detector_state_from_before_these_detectors_resumes():
+    live = LiveDetectors()
+    records = flat_records()
+    for r in records[:100]:
+        live.update(r)
+    state = live.state_dict()
+    del state["not_learning"]
+    restored = LiveDetectors()
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert found([ev for r in records[100:] for ev in restored.update(r)]) == [("not_learning", 99)]
+
+
+def test_the_report_draws_the_event(tmp_path):
+    flat = [r for r in flat_records() if r["kind"] == "train"]
+    out = cmd_report(write_to(tmp_path, flat), tmp_path / "b")
+    assert out["num_events"] == 1 and "| 1 | not_learning |" in (tmp_path / "b" / "report.md").read_text()

@@ -7,7 +7,8 @@ and one line describing each event. Used by the doctor and the report.
     describe(ev)                                # "loss spike at step 2004: 0.78 -> 13 (x17), back in 190 steps"
 
 A generalisation event (held-out quality turning while training improves) gets the advice against
-memorising, and the epoch boundaries near the turn. A level (a slow loss divergence or accuracy
+memorising, and the epoch boundaries near the turn. A run not learning gets what keeps
+weights from learning. A level (a slow loss divergence or accuracy
 decline, lr at 0, an input-bound loader) gets what usually causes it and the setting to change, with
 what the log says happened between the best level and the rise. A log without event rows has its
 stalls taken for probable checkpoint saves.
@@ -138,6 +139,9 @@ def explain(
         d = ev["details"]
         near = nearby(ev, points, events, info, d["resumed_at"] or ev["step"], d["confirmed_step"], pause=False)
         return resume_cause(ev, near), near
+    if ev["kind"] == "not_learning":
+        near = nearby(ev, points, events, info, ev["step"], ev["details"]["confirmed_step"], pause=False)
+        return not_learning_cause(ev, info), near
     if ev["kind"] in LEVELS:
         d = ev["details"]
         lo = d.get("best_step", ev["step"] - max(10 * interval, 10))
@@ -279,6 +283,24 @@ def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, 
     return cause
 
 
+def not_learning_cause(ev: dict[str, Any], info: dict[str, Any]) -> str:
+    """A loss that never fell: what keeps the weights from learning."""
+    d = ev["details"]
+    lr = (info.get("schedule") or {}).get("optim.lr")
+    acc = (
+        f", accuracy {d['first_accuracy']:.3g} at best {d['best_accuracy']:.3g}"
+        if d.get("first_accuracy") is not None and d.get("best_accuracy") is not None else ""
+    )
+    at_lr = f" at lr up to {d['peak_lr']:.3g}" if d.get("peak_lr") else ""
+    return (
+        f"in {d['rows']} rows{at_lr} the loss never fell {100 * d['min_drop']:.0f}% below its first level "
+        f"({d['first_loss']:.3g}, lowest {d['best_loss']:.3g}{acc}): the weights are not learning. An lr far too low "
+        f"(optim.lr{f' {lr:.3g} in run_start' if lr is not None else ''}; a warmup longer than the run), parameters "
+        "frozen or left out of the optimizer (requires_grad, param groups; a grad_norm near 0 says so), or targets "
+        "that cannot be learned (labels shifted by a position, a wrong loss mask, another target's features)"
+    )
+
+
 def no_logged_cause(ev: dict[str, Any], info: dict[str, Any], lo: int, hi: int, start: int, pause: bool) -> str:
     if pause and not info["has_events"]:
         gap_s = ev["size"] if ev["kind"] == "stall" else ev["details"].get("gap_s")
@@ -337,6 +359,12 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         )
     if kind.endswith("_off_schedule"):
         return describe_off_schedule(ev)
+    if kind == "not_learning":
+        rec = f", learning from {d['recovery_steps']} steps on" if d["recovery_steps"] is not None else ""
+        return (
+            f"not learning from step {ev['step']}: the loss's median of {d['window_rows']} rows {d['first_loss']:.3g} at first, "
+            f"{d['best_loss']:.3g} at its lowest, after {d['rows']} rows (to step {d['confirmed_step']}){rec}"
+        )
     if kind == "resume_jump":
         return (
             f"loss jump after the resume at step {d['resumed_at']}: {d['before']:.3g} before -> {d['after']:.3g} "
