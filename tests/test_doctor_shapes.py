@@ -1,5 +1,6 @@
-"""The doctor on logs with no single bad row that still are not healthy: a run that never learns,
-and a log that holds two runs. Each was called healthy, exit 0, before its check.
+"""The doctor on curves with no single bad row: a loss that whips between levels from row to row
+(homogeneous batches), a run that never learns, and a log that holds two runs. Each was called
+healthy, exit 0, before its check.
 
     .venv/bin/python -m pytest tests/test_doctor_shapes.py -q
 
@@ -10,6 +11,7 @@ asserts the exact (kind, step) of every event found.
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -20,7 +22,23 @@ from stage2_train.observe.doctor import diagnose
 from stage2_train.observe.doctor import doctor as cmd_doctor
 from stage2_train.observe.explain import describe
 from stage2_train.observe.report import report as cmd_report
-from tests.test_doctor import found, trainer_records, write_log
+from tests.test_doctor import found, noisy_healthy_records, trainer_records, write_log
+
+BUCKETS = ((0.6, 120.0), (1.0, 600.0), (2.0, 3000.0))  # (loss factor, mean sample length) per length bucket
+
+
+def whiplash_records(start: int = 400, buckets=BUCKETS) -> list[dict]:
+    """From step `start` (400), every step's batch is one length bucket, drawn at random: the loss is
+    0.6x, 1x or 2x its level (BRIEF section 1's trimodal step loss), the step's mean sample length
+    120, 600 or 3,000 tokens. No row is a spike (2x < spike_min_ratio), the median does not move."""
+    rng = random.Random(11)
+
+    def change(step, row):
+        factor, length = rng.choice(buckets) if step > start else (1.0, 600.0)
+        row["loss"] *= factor
+        row["samples"] = max(1, round(row["tokens"] / (length * rng.uniform(0.9, 1.1))))
+
+    return trainer_records(1200, change=change)
 
 
 def flat_records(num_steps: int = 1000) -> list[dict]:
@@ -38,6 +56,44 @@ def two_runs_records() -> list[dict]:
     first = [r for r in trainer_records(300) if r["kind"] == "train"]
     second = [r for r in trainer_records(300, seed=2) if r["kind"] == "train" and r["step"] > 150]
     return first + second
+
+
+# ---- loss whiplash -------------------------------------------------------------------------------
+def test_a_loss_that_whips_between_levels_is_named_with_the_batches_lengths(tmp_path):
+    diagnosis = diagnose(whiplash_records())
+    assert found(diagnosis) == [("loss_whiplash", 420)]
+    ev = diagnosis["events"][0]
+    d = ev["details"]
+    assert 0.5 < d["swing"] < 1.2 and ev["size"] == pytest.approx(math.exp(d["swing"]), abs=1e-3)
+    assert (d["bound"], d["confirmed_step"], d["last_step"], d["recovery_steps"]) == (0.35, 444, 1200, None)
+    assert d["mean_len_p10"] < 150 and d["mean_len_p90"] > 2500 and d["len_loss_rho"] > 0.8
+    assert ev["likely_cause"].startswith("the loss jumps between levels from one row to the next")
+    assert "homogeneous batches" in ev["likely_cause"] and "loss follows it (rank correlation +0." in ev["likely_cause"]
+    assert describe(ev).startswith("loss whiplash from step 420: the loss swings x2.16 row to row")
+    text, code = cmd_doctor(write_to(tmp_path, whiplash_records()), as_json=False)
+    assert code == 1 and text.splitlines()[-1].startswith("1 event(s): 1 loss_whiplash")
+    # Without length fields (the failed run's log) the cause still names the batches.
+    bare = [{k: v for k, v in r.items() if k != "samples"} for r in whiplash_records()]
+    (ev,) = diagnose(bare)["events"]
+    assert ev["details"]["len_loss_rho"] is None and "mean sample length" not in ev["likely_cause"]
+    # Two buckets close together (0.9x / 1.1x) swing less than the bound; the bound is detectors.whiplash_bound.
+    mild = whiplash_records(buckets=((0.9, 500.0), (1.1, 700.0)))
+    assert found(diagnose(mild)) == []
+    assert found(diagnose(whiplash_records(), DetectorConfig(whiplash_bound=1.5))) == []
+    with pytest.raises(ValueError, match="detectors.whiplash_bound must be > 0"):
+        DetectorConfig(whiplash_bound=0.0)
+
+
+def test_healthy_logs_are_far_from_the_whiplash_bound():
+    """The noisy healthy log (8% lognormal noise per row, 2% of rows x1.5, a resume) swings 0.229 at
+    most, 0.14 typically; the bound is 0.35."""
+    live = LiveDetectors()
+    swings = []
+    for r in noisy_healthy_records():
+        assert live.update(r) == []
+        if len(live.whiplash.swings) == live.cfg.window_rows:
+            swings.append(live.whiplash.swing())
+    assert max(swings) < 0.7 * live.cfg.whiplash_bound
 
 
 def write_to(tmp_path, records):
@@ -107,8 +163,9 @@ def test_steps_going_back_with_no_resume_event_cannot_be_called_healthy(tmp_path
 
 
 # ---- the live path and the report ----------------------------------------------------------------
-def test_live_detectors_agree_with_the_offline_pass_through_checkpoints():
-    records = flat_records()
+@pytest.mark.parametrize("build", [whiplash_records, flat_records])
+def test_live_detectors_agree_with_the_offline_pass_through_checkpoints(build):
+    records = build()
     live, fired = LiveDetectors(), []
     for i, record in enumerate(records):
         fired += live.update(record)
@@ -126,13 +183,16 @@ def test_a_detector_state_from_before_these_detectors_resumes():
     for r in records[:100]:
         live.update(r)
     state = live.state_dict()
-    del state["not_learning"]
+    del state["whiplash"], state["not_learning"]
     restored = LiveDetectors()
     restored.load_state_dict(json.loads(json.dumps(state)))
     assert found([ev for r in records[100:] for ev in restored.update(r)]) == [("not_learning", 99)]
 
 
-def test_the_report_draws_the_event(tmp_path):
+def test_the_report_draws_both_events(tmp_path):
+    records = whiplash_records()
     flat = [r for r in flat_records() if r["kind"] == "train"]
+    out = cmd_report(write_to(tmp_path, records), tmp_path / "a")
+    assert out["num_events"] == 1 and "| 420 | loss_whiplash |" in (tmp_path / "a" / "report.md").read_text()
     out = cmd_report(write_to(tmp_path, flat), tmp_path / "b")
     assert out["num_events"] == 1 and "| 1 | not_learning |" in (tmp_path / "b" / "report.md").read_text()

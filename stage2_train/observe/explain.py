@@ -7,8 +7,8 @@ and one line describing each event. Used by the doctor and the report.
     describe(ev)                                # "loss spike at step 2004: 0.78 -> 13 (x17), back in 190 steps"
 
 A generalisation event (held-out quality turning while training improves) gets the advice against
-memorising, and the epoch boundaries near the turn. A run not learning gets what keeps
-weights from learning. A level (a slow loss divergence or accuracy
+memorising, and the epoch boundaries near the turn. A loss whiplash gets homogeneous batches, with the
+logged batch lengths; a run not learning, what keeps weights from learning. A level (a slow loss divergence or accuracy
 decline, lr at 0, an input-bound loader) gets what usually causes it and the setting to change, with
 what the log says happened between the best level and the rise. A log without event rows has its
 stalls taken for probable checkpoint saves.
@@ -139,9 +139,11 @@ def explain(
         d = ev["details"]
         near = nearby(ev, points, events, info, d["resumed_at"] or ev["step"], d["confirmed_step"], pause=False)
         return resume_cause(ev, near), near
-    if ev["kind"] == "not_learning":
-        near = nearby(ev, points, events, info, ev["step"], ev["details"]["confirmed_step"], pause=False)
-        return not_learning_cause(ev, info), near
+    if ev["kind"] in ("loss_whiplash", "not_learning"):
+        d = ev["details"]
+        near = nearby(ev, points, events, info, ev["step"], d["confirmed_step"], pause=False)
+        cause = whiplash_cause(ev) if ev["kind"] == "loss_whiplash" else not_learning_cause(ev, info)
+        return cause, near
     if ev["kind"] in LEVELS:
         d = ev["details"]
         lo = d.get("best_step", ev["step"] - max(10 * interval, 10))
@@ -283,6 +285,28 @@ def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, 
     return cause
 
 
+def whiplash_cause(ev: dict[str, Any]) -> str:
+    """Homogeneous batches, with what the logged batch lengths say about them."""
+    d = ev["details"]
+    cause = (
+        f"the loss jumps between levels from one row to the next (a quarter of the swings x{ev['size']:.2f} or more; "
+        f"10th-90th percentile {d['loss_p10']:.3g}-{d['loss_p90']:.3g} around {d['loss_median']:.3g}): the mark of "
+        "homogeneous batches, each step drawn from one length range (length-bucketed or length-grouped sampling), "
+        "so every step's gradient pulls another way"
+    )
+    rho, lo, hi = d.get("len_loss_rho"), d.get("mean_len_p10"), d.get("mean_len_p90")
+    if lo is not None and hi is not None:
+        cause += f"; the steps' mean sample length (tokens / samples) spans {lo:.0f}-{hi:.0f}"
+        if rho is not None:
+            cause += f" and the loss follows it (rank correlation {rho:+.2f})"
+    return cause + (
+        ": every optimizer step must mix lengths as the data set does (this trainer's sampler does: check "
+        "sampler.max_samples_per_batch and sampler.window_slack; another trainer: turn off group_by_length or "
+        "length bucketing, or draw each step across buckets); else too few samples per step, or an lr so high "
+        "the loss bounces (optim.lr)"
+    )
+
+
 def not_learning_cause(ev: dict[str, Any], info: dict[str, Any]) -> str:
     """A loss that never fell: what keeps the weights from learning."""
     d = ev["details"]
@@ -359,6 +383,13 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         )
     if kind.endswith("_off_schedule"):
         return describe_off_schedule(ev)
+    if kind == "loss_whiplash":
+        rec = f"back in {d['recovery_steps']} steps" if d["recovery_steps"] is not None else "never back"
+        last = f", {d['last']:.2f} at step {d['last_step']}" if d["last_step"] != d["confirmed_step"] else ""
+        return (
+            f"loss whiplash from step {ev['step']}: the loss swings x{size:.2f} row to row (upper quartile of |log-ratio - "
+            f"its median| {d['swing']:.2f} over {d['window_rows']} rows, bound {d['bound']:.2g}) at step {d['confirmed_step']}{last}, {rec}"
+        )
     if kind == "not_learning":
         rec = f", learning from {d['recovery_steps']} steps on" if d["recovery_steps"] is not None else ""
         return (
