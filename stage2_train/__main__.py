@@ -126,7 +126,7 @@ def show_export(out: dict[str, Any]) -> str:
 
 
 def show_report(out: dict[str, Any]) -> str:
-    state = "healthy" if out["healthy"] else f"{out['num_events']} event(s)"
+    state = "healthy" if out["healthy"] else (f"{out['num_events']} event(s)" if out["num_events"] else "cannot tell")
     return f"{state}: {out['report']} and {len(out['plots'])} plots in {out['out_dir']}"
 
 

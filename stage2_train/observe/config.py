@@ -82,6 +82,24 @@ class DetectorConfig(Section):
     input_bound_frac: float = 0.5
     """Input-bound: the mean data_wait_frac over window_rows rows (after warmup_rows) at or above this,
     the steps wait for their data that much of the time. Real CPU runs stay below 0.17."""
+    whiplash_bound: float = 0.35
+    """Loss whiplash: the upper quartile of |d - median(d)| over window_rows rows, d the step-to-step
+    log-ratio of the loss (ln(loss_i / loss_i-1)), above this for whiplash_rows rows in a row: the loss
+    jumps between levels from one row to the next (homogeneous, length-bucketed batches). 0.35 is a
+    swing of x1.42 between consecutive rows; batches of 0.6x / 1x / 2x loss give 0.54-1.16, the noisy
+    healthy test log (8% noise per row) 0.23 at most, real CPU runs 0.08 (docs/doctor.md)."""
+    whiplash_rows: int = 25
+    """Rows in a row the swing must stay above whiplash_bound to be named, and back under it to close
+    (the quartile already spans window_rows rows: a few bad rows do not move it)."""
+    learn_rows: int = 300
+    """Not learning: after this many rows with lr > 0, the loss's lowest trailing median (window_rows
+    rows) has never fallen learn_min_drop below its first one, nor accuracy's highest risen
+    cliff_min_drop above its first. Judged only on logs that begin within learn_rows steps of the
+    run's start (a slice of a late, flat stretch has nothing to say about it)."""
+    learn_min_drop: float = 0.1
+    """Not learning: the fraction of its first trailing median the loss must fall by at some point. By
+    row 300 the healthy test logs' loss is at 0.30-0.40 of it and a real CPU run's at 0.44; a flat
+    loss with 5% noise reaches 0.97 (docs/doctor.md)."""
     generalisation_k: float = 2.0
     """A held-out metric has turned when worse than its best by more than generalisation_k * the
     combined standard error sqrt(se_best^2 + se_now^2) (the rules are in generalisation.py)."""
@@ -109,10 +127,13 @@ class DetectorConfig(Section):
             "generalisation_sustain",
             "divergence_rows",
             "lr_zero_rows",
+            "whiplash_rows",
+            "learn_rows",
         ):
             self.require(getattr(self, key) >= 1, key, "must be >= 1")
         self.require(self.min_history_rows <= self.window_rows, "min_history_rows", "must be <= window_rows")
         self.require(self.warmup_rows >= 0, "warmup_rows", "must be >= 0")
+        self.require(self.whiplash_bound > 0, "whiplash_bound", "must be > 0")
         for key in (
             "spike_k",
             "stall_k",
@@ -134,5 +155,6 @@ class DetectorConfig(Section):
             "generalisation_far_rel",
             "decline_rel",
             "input_bound_frac",
+            "learn_min_drop",
         ):
             self.require(0 < getattr(self, key) < 1, key, "must be in (0, 1)")

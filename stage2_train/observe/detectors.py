@@ -3,7 +3,8 @@ non-finite values, throughput drops, and held-out quality that turns while train
 (overfitting, `generalisation.py`); and levels that are wrong however smooth the curve: a loss that
 slowly diverges, a gradient norm that grows far above its lowest level, or an accuracy that slowly
 declines from its best level, an lr stuck at 0, a loader
-the steps wait for (input-bound). One code path serves the offline doctor and the live trainer.
+the steps wait for (input-bound), a run that never learns; and a loss that whips between levels from
+row to row (homogeneous batches, `oscillation.py`). One code path serves the offline doctor and the live trainer.
 
     .venv/bin/python -m pytest tests/test_doctor.py -q
 
@@ -19,7 +20,9 @@ throughput_drop -> fraction of tokens/s (or samples/s) lost, nan -> None, genera
 relative worsening of its first turned metric, loss_divergence -> trailing median loss / its best,
 grad_norm_growth -> trailing median grad_norm / its lowest, accuracy_decline -> best trailing median
 accuracy minus the current one, lr_zero -> None,
-input_bound -> mean data_wait_frac over the window, resume_jump -> the loss's level after a resume / before it. Every judgement is robust: a value is
+input_bound -> mean data_wait_frac over the window, resume_jump -> the loss's level after a resume / before it,
+loss_whiplash -> the typical row-to-row factor of the loss (exp of its swing), not_learning -> the loss's
+lowest trailing median / its first. Every judgement is robust: a value is
 compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of accepted values, and
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
 a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
@@ -44,7 +47,8 @@ from shared.errors import CheckpointError
 from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.episodes import Drop, Spike
 from stage2_train.observe.generalisation import Generalisation
-from stage2_train.observe.levels import InputBound, Level, LrZero
+from stage2_train.observe.levels import InputBound, Level, LrZero, NotLearning
+from stage2_train.observe.oscillation import Whiplash
 from stage2_train.observe.records import (
     RESET_EVENTS,
     Window,
@@ -70,6 +74,8 @@ EVENT_KINDS = (
     "accuracy_decline",
     "lr_zero",
     "input_bound",
+    "loss_whiplash",
+    "not_learning",
 )
 
 
@@ -202,6 +208,8 @@ class LiveDetectors:
         self.decline = Level(self.cfg, "accuracy_decline", bad_is_up=False)
         self.lr_zero = LrZero(self.cfg)
         self.input_bound = InputBound(self.cfg)
+        self.whiplash = Whiplash(self.cfg)
+        self.not_learning = NotLearning(self.cfg)
         self.in_nan = False
         self.last_step: int | None = None
         self.rows = 0
@@ -251,6 +259,14 @@ class LiveDetectors:
             events.append(ev)
         if finite(row["lr"]) and (ev := self.lr_zero.update(step, row["lr"])):
             events.append(ev)
+        if finite(row["loss"]):
+            tokens, samples = row["batch_tokens"], row["batch_samples"]
+            mean_len = tokens / samples if finite(tokens) and finite(samples) and samples > 0 else None
+            if ev := self.whiplash.update(step, row["loss"], mean_len, bool(self.loss.recovering)):
+                events.append(ev)
+            accuracy, lr = (row[k] if finite(row[k]) else None for k in ("accuracy", "lr"))
+            if ev := self.not_learning.update(step, row["loss"], accuracy, lr):
+                events.append(ev)
         rate, unit = (row["tok_per_s"], "tok/s") if finite(row["tok_per_s"]) else (row["samples_per_s"], "samples/s")
         if finite(rate):
             if self.throughput_warmup > 0:
@@ -307,6 +323,7 @@ class LiveDetectors:
         """A resume at `step` (or a restart): forget what came later, warm the pace up again."""
         self.pace.restart(step)
         self.input_bound.restart(step)
+        self.whiplash.restart(None if step is None else step + 1)
         self.throughput_warmup = self.cfg.warmup_rows
         if step is not None:
             for detector in (
@@ -318,6 +335,7 @@ class LiveDetectors:
                 self.grad_growth,
                 self.decline,
                 self.lr_zero,
+                self.not_learning,
             ):
                 detector.truncate(step + 1)
             self.throughput.window.pairs.clear()  # throughput after a restart is another machine's
@@ -341,6 +359,8 @@ class LiveDetectors:
                 "decline": self.decline.state_dict(),
                 "lr_zero": self.lr_zero.state_dict(),
                 "input_bound": self.input_bound.state_dict(),
+                "whiplash": self.whiplash.state_dict(),
+                "not_learning": self.not_learning.state_dict(),
                 "throughput_warmup": self.throughput_warmup,
                 "in_nan": self.in_nan,
                 "last_step": self.last_step,
@@ -353,7 +373,8 @@ class LiveDetectors:
         """Restore the history; `resumed` (the default) also warms the pace up again, as a resume does.
         A version-1 state (checkpoints from before the generalisation detector) has no eval history;
         a version-2 one has no noise sources (see `Generalisation.load_state_dict`). A state from before
-        the level detectors (divergence, grad_growth, decline, lr_zero, input_bound) starts them afresh."""
+        the level detectors (divergence, grad_growth, decline, lr_zero, input_bound) or the whiplash and
+        not-learning ones starts them afresh."""
         if state.get("version") not in (1, 2, 3):
             raise CheckpointError(
                 f"detector state: unknown version {state.get('version')!r} (expected 1, 2 or 3)"
@@ -365,7 +386,7 @@ class LiveDetectors:
         self.throughput.load_state_dict(state["throughput"])
         self.generalisation.load_state_dict(state.get("generalisation", {"evals": [], "train": []}))
         fresh = LiveDetectors(self.cfg)  # for a checkpoint from before the level detectors
-        for name in ("divergence", "grad_growth", "decline", "lr_zero", "input_bound"):
+        for name in ("divergence", "grad_growth", "decline", "lr_zero", "input_bound", "whiplash", "not_learning"):
             setattr(self, name, getattr(fresh, name))
             if name in state:
                 getattr(self, name).load_state_dict(state[name])
@@ -376,6 +397,7 @@ class LiveDetectors:
             self._arm_resume_check(self.last_step)
             self.pace.restart(None)
             self.input_bound.restart(None)
+            self.whiplash.restart(None)
             self.throughput_warmup = self.cfg.warmup_rows
 
 

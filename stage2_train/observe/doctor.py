@@ -13,7 +13,8 @@ from what the log says happened near it (`explain.py`). Each event gets `likely_
 and `near` (everything found in its window). What the log cannot tell is listed in
 `summary.cannot_tell`: each detector whose input the log lacks, and each held-out metric that fell
 far from its best where no rule could judge it, or every undecided one when no metric could be
-judged (then `summary.verdict` is "cannot tell", not "healthy").
+judged, and steps that go back with no resume event (two runs in one log?); either makes
+`summary.verdict` "cannot tell", not "healthy" (`summary.undecided` says which).
 `summary.read_as` names the log's own metric behind each detector input; `summary.heldout` gives
 the best and last held-out values. `diagnose(records, source=path)` names the log in its errors.
 A log that every rank of a run appended to (rows with several `rank` values, or each step's train
@@ -154,14 +155,25 @@ def diagnose(
     points = context_points(rows, train)
     for ev in events:
         ev["likely_cause"], ev["near"] = explain(ev, points, events, info)
+    back = restarts(rows)
+    # Steps that go back with no resume or run_start before them: two runs appending to one log, or a
+    # resume nobody logged. Every curve after it may be another run's, so no verdict can vouch for it.
+    unlogged = [b for b in back if not b["with_resume_event"]]
+    info["cannot_tell"] += [
+        f"one run or two: steps went back from {b['from_step']} to {b['to_step']} with no resume or run_start "
+        "event (two runs writing one log, or a resume not logged); the curves after it may be another run's"
+        for b in unlogged
+    ]
+    undecided_about = (["overfitting"] if undecided else []) + (["one run from two"] if unlogged else [])
     counts: dict[str, int] = {}
     for ev in events:
         counts[ev["kind"]] = counts.get(ev["kind"], 0) + 1
     last = train[-1]
     epochs = [r["epoch"] for r in train if r["epoch"] is not None]
     summary = {
-        "verdict": "events" if events else ("cannot tell" if undecided else "healthy"),
-        "healthy": not events and not undecided,
+        "verdict": "events" if events else ("cannot tell" if undecided_about else "healthy"),
+        "healthy": not events and not undecided_about,
+        "undecided": undecided_about,
         "num_events": len(events),
         "events_by_kind": counts,
         "rows": len(records),
@@ -173,7 +185,7 @@ def diagnose(
         "log_every_steps": interval,
         "sec_per_step": round(statistics.median(pace), 4) if pace else None,
         "epochs": [min(epochs), max(epochs)] if epochs else None,
-        "restarts": restarts(rows),
+        "restarts": back,
         "ranks": ranks,
         "final": {
             k: last[k] if math.isfinite(last[k]) else str(last[k])
@@ -328,7 +340,7 @@ def format_text(diagnosis: dict[str, Any], log_path: Path) -> str:
     if s["verdict"] == "events":
         verdict = f"{s['num_events']} event(s): " + ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
     elif s["verdict"] == "cannot tell":
-        verdict = "no events, but cannot tell overfitting (see above)"
+        verdict = f"no events, but cannot tell {' or '.join(s['undecided'])} (see above)"
     else:
         verdict = "healthy: no events"
     lines.append(f"{verdict}" + (f" (final {final})" if final else ""))
@@ -340,7 +352,8 @@ def doctor(
     schedule: Callable[[dict[str, Any]], Expected | None] | None = None,
 ) -> tuple[str, int]:
     """(text to print, exit code): 0 healthy, 1 when the log shows any event, 3 when it shows none but
-    cannot tell (a held-out metric fell far from its best where no rule could judge it): a script that
+    cannot tell (a held-out metric fell far from its best where no rule could judge it, or the steps go
+    back with no resume event: two runs in one log): a script that
     gates on the doctor does not read that as healthy. The thresholds are the `detectors` section's, the same the trainer's
     live detectors use.
 

@@ -7,7 +7,8 @@ and one line describing each event. Used by the doctor and the report.
     describe(ev)                                # "loss spike at step 2004: 0.78 -> 13 (x17), back in 190 steps"
 
 A generalisation event (held-out quality turning while training improves) gets the advice against
-memorising, and the epoch boundaries near the turn. A level (a slow loss divergence or accuracy
+memorising, and the epoch boundaries near the turn. A loss whiplash gets homogeneous batches, with the
+logged batch lengths; a run not learning, what keeps weights from learning. A level (a slow loss divergence or accuracy
 decline, lr at 0, an input-bound loader) gets what usually causes it and the setting to change, with
 what the log says happened between the best level and the rise. A log without event rows has its
 stalls taken for probable checkpoint saves.
@@ -138,6 +139,11 @@ def explain(
         d = ev["details"]
         near = nearby(ev, points, events, info, d["resumed_at"] or ev["step"], d["confirmed_step"], pause=False)
         return resume_cause(ev, near), near
+    if ev["kind"] in ("loss_whiplash", "not_learning"):
+        d = ev["details"]
+        near = nearby(ev, points, events, info, ev["step"], d["confirmed_step"], pause=False)
+        cause = whiplash_cause(ev) if ev["kind"] == "loss_whiplash" else not_learning_cause(ev, info)
+        return cause, near
     if ev["kind"] in LEVELS:
         d = ev["details"]
         lo = d.get("best_step", ev["step"] - max(10 * interval, 10))
@@ -279,6 +285,46 @@ def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, 
     return cause
 
 
+def whiplash_cause(ev: dict[str, Any]) -> str:
+    """Homogeneous batches, with what the logged batch lengths say about them."""
+    d = ev["details"]
+    cause = (
+        f"the loss jumps between levels from one row to the next (a quarter of the swings x{ev['size']:.2f} or more; "
+        f"10th-90th percentile {d['loss_p10']:.3g}-{d['loss_p90']:.3g} around {d['loss_median']:.3g}): the mark of "
+        "homogeneous batches, each step drawn from one length range (length-bucketed or length-grouped sampling), "
+        "so every step's gradient pulls another way"
+    )
+    rho, lo, hi = d.get("len_loss_rho"), d.get("mean_len_p10"), d.get("mean_len_p90")
+    if lo is not None and hi is not None:
+        cause += f"; the steps' mean sample length (tokens / samples) spans {lo:.0f}-{hi:.0f}"
+        if rho is not None:
+            cause += f" and the loss follows it (rank correlation {rho:+.2f})"
+    return cause + (
+        ": every optimizer step must mix lengths as the data set does (this trainer's sampler does: check "
+        "sampler.max_samples_per_batch and sampler.window_slack; another trainer: turn off group_by_length or "
+        "length bucketing, or draw each step across buckets); else too few samples per step, or an lr so high "
+        "the loss bounces (optim.lr)"
+    )
+
+
+def not_learning_cause(ev: dict[str, Any], info: dict[str, Any]) -> str:
+    """A loss that never fell: what keeps the weights from learning."""
+    d = ev["details"]
+    lr = (info.get("schedule") or {}).get("optim.lr")
+    acc = (
+        f", accuracy {d['first_accuracy']:.3g} at best {d['best_accuracy']:.3g}"
+        if d.get("first_accuracy") is not None and d.get("best_accuracy") is not None else ""
+    )
+    at_lr = f" at lr up to {d['peak_lr']:.3g}" if d.get("peak_lr") else ""
+    return (
+        f"in {d['rows']} rows{at_lr} the loss never fell {100 * d['min_drop']:.0f}% below its first level "
+        f"({d['first_loss']:.3g}, lowest {d['best_loss']:.3g}{acc}): the weights are not learning. An lr far too low "
+        f"(optim.lr{f' {lr:.3g} in run_start' if lr is not None else ''}; a warmup longer than the run), parameters "
+        "frozen or left out of the optimizer (requires_grad, param groups; a grad_norm near 0 says so), or targets "
+        "that cannot be learned (labels shifted by a position, a wrong loss mask, another target's features)"
+    )
+
+
 def no_logged_cause(ev: dict[str, Any], info: dict[str, Any], lo: int, hi: int, start: int, pause: bool) -> str:
     if pause and not info["has_events"]:
         gap_s = ev["size"] if ev["kind"] == "stall" else ev["details"].get("gap_s")
@@ -337,6 +383,19 @@ def describe(ev: dict[str, Any], info: dict[str, Any] | None = None) -> str:
         )
     if kind.endswith("_off_schedule"):
         return describe_off_schedule(ev)
+    if kind == "loss_whiplash":
+        rec = f"back in {d['recovery_steps']} steps" if d["recovery_steps"] is not None else "never back"
+        last = f", {d['last']:.2f} at step {d['last_step']}" if d["last_step"] != d["confirmed_step"] else ""
+        return (
+            f"loss whiplash from step {ev['step']}: the loss swings x{size:.2f} row to row (upper quartile of |log-ratio - "
+            f"its median| {d['swing']:.2f} over {d['window_rows']} rows, bound {d['bound']:.2g}) at step {d['confirmed_step']}{last}, {rec}"
+        )
+    if kind == "not_learning":
+        rec = f", learning from {d['recovery_steps']} steps on" if d["recovery_steps"] is not None else ""
+        return (
+            f"not learning from step {ev['step']}: the loss's median of {d['window_rows']} rows {d['first_loss']:.3g} at first, "
+            f"{d['best_loss']:.3g} at its lowest, after {d['rows']} rows (to step {d['confirmed_step']}){rec}"
+        )
     if kind == "resume_jump":
         return (
             f"loss jump after the resume at step {d['resumed_at']}: {d['before']:.3g} before -> {d['after']:.3g} "

@@ -208,3 +208,109 @@ class InputBound:
         self.window.pairs.clear()
         self.window.pairs.extend(state["window"])
         self.warmup_left, self.open = state["warmup_left"], state["open"]
+
+
+class NotLearning:
+    """A run that never learns: after learn_rows rows with lr > 0, the loss's lowest trailing median
+    (window_rows rows) is still within learn_min_drop of its first one, and accuracy's highest trailing
+    median (where logged) is not cliff_min_drop above its first. Rows at lr 0 are lr_zero's and are
+    not counted. Fires once; closed (`recovery_steps`) if the loss falls after all.
+
+    Judged only on a log that begins within learn_rows steps of the run's start: a slice of a late,
+    flat stretch (a history export from step 10,000) says nothing of whether the run learned."""
+
+    def __init__(self, cfg: DetectorConfig):
+        self.cfg = cfg
+        self.loss = Window(cfg.window_rows)
+        self.accuracy = Window(cfg.window_rows)
+        self.first: dict[str, Any] | None = None  # first trailing medians: {"step", "loss", "accuracy"}
+        self.best: dict[str, Any] = {}  # lowest loss and highest accuracy trailing medians since
+        self.rows = 0
+        self.start_step: int | None = None  # the first row counted: where a run that never learns began
+        self.peak_lr = 0.0
+        self.judged = False  # fired, or the log began too late to judge
+        self.open: dict[str, Any] | None = None
+
+    def update(self, step: int, loss: float, accuracy: float | None, lr: float | None) -> dict[str, Any] | None:
+        if lr is not None and lr <= 0:
+            return None
+        if self.rows == 0:
+            self.start_step = int(step)
+            self.judged = self.judged or step > self.cfg.learn_rows
+        self.rows += 1
+        self.peak_lr = max(self.peak_lr, lr or 0.0)
+        self.loss.append(step, loss)
+        if accuracy is not None:
+            self.accuracy.append(step, accuracy)
+        if len(self.loss) < self.cfg.window_rows:
+            return None
+        loss_med = median(sorted(self.loss.values()))
+        acc_med = median(sorted(self.accuracy.values())) if len(self.accuracy) >= self.cfg.window_rows else None
+        if self.first is None:
+            self.first = {"step": int(step), "loss": loss_med, "accuracy": acc_med}
+        if self.first["accuracy"] is None and acc_med is not None:
+            self.first["accuracy"] = acc_med
+        self.best["loss"] = min(self.best.get("loss", loss_med), loss_med)
+        if acc_med is not None:
+            self.best["accuracy"] = max(self.best.get("accuracy", acc_med), acc_med)
+        learned = self.learned()
+        if self.open is not None:
+            if learned:
+                self.open["details"]["recovery_steps"] = step - self.open["step"]
+                self.open = None
+            return None
+        if self.judged or self.rows < self.cfg.learn_rows or learned:
+            return None
+        self.judged = True
+        first = self.first
+        self.open = make_event(
+            "not_learning",
+            self.start_step,
+            self.best["loss"] / first["loss"] if first["loss"] > 0 else None,
+            first_loss=r6(first["loss"]),
+            first_step=first["step"],
+            best_loss=r6(self.best["loss"]),
+            first_accuracy=None if first["accuracy"] is None else r6(first["accuracy"]),
+            best_accuracy=r6(self.best["accuracy"]) if "accuracy" in self.best else None,
+            min_drop=self.cfg.learn_min_drop,
+            rows=self.rows,
+            lr=lr,
+            peak_lr=r6(self.peak_lr) if self.peak_lr > 0 else None,
+            window_rows=self.cfg.window_rows,
+            confirmed_step=int(step),
+            recovery_steps=None,
+        )
+        return self.open
+
+    def learned(self) -> bool:
+        first, best = self.first, self.best
+        if first is None:
+            return False
+        fell = best["loss"] < (1 - self.cfg.learn_min_drop) * first["loss"]
+        rose = first["accuracy"] is not None and best["accuracy"] > first["accuracy"] + self.cfg.cliff_min_drop
+        return fell or rose
+
+    def truncate(self, step: int) -> None:
+        """A resume to before the first trailing median starts afresh; a later one keeps it (the best
+        may then be a forgotten row's: a loss that fell once has learned, whatever came after)."""
+        self.loss.truncate(step)
+        self.accuracy.truncate(step)
+        if self.first is not None and self.first["step"] >= step:
+            self.first, self.best, self.rows = None, {}, len(self.loss)
+            self.start_step = int(self.loss.pairs[0][0]) if self.loss.pairs else None
+        if self.open is not None and self.open["step"] >= step:
+            self.open, self.judged = None, False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": list(self.loss.pairs), "accuracy": list(self.accuracy.pairs), "first": self.first,
+                "best": self.best, "rows": self.rows, "start_step": self.start_step, "peak_lr": self.peak_lr, "judged": self.judged,
+                "open": self.open}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("loss", "accuracy"):
+            window = getattr(self, name)
+            window.pairs.clear()
+            window.pairs.extend(state[name])
+        self.first, self.best, self.rows = state["first"], state["best"], state["rows"]
+        self.start_step = state["start_step"]
+        self.peak_lr, self.judged, self.open = state["peak_lr"], state["judged"], state["open"]

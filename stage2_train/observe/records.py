@@ -31,6 +31,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "tok_per_s": ("tok_per_s", "tok_per_sec", "tokens_per_s", "tokens_per_sec", "throughput"),
     "samples_per_s": ("samples_per_s", "samples_per_sec"),  # the throughput detector's input without tok_per_s
     "epoch": ("epoch",),
+    # The step's batch, all ranks: tokens / samples is its mean sample length (the whiplash detector's cause).
+    "batch_tokens": ("tokens",),
+    "batch_samples": ("samples",),
     "data_wait_frac": ("data_wait_frac",),
     # Set on train rows whose drafts past the first N are scored among the target's top-k candidates.
     "full_vocab_slots": ("full_vocab_slots",),

@@ -48,6 +48,8 @@ COLORS = {
     "input_bound": "tab:cyan",
     "lr_off_schedule": "tab:gray",
     "noise_off_schedule": "tab:green",
+    "loss_whiplash": "tab:brown",
+    "not_learning": "black",
 }
 MARKED_ON = {
     "loss_spike": "loss",
@@ -65,6 +67,8 @@ MARKED_ON = {
     "input_bound": "data_wait_frac",  # in the event zooms only
     "lr_off_schedule": "lr",
     "noise_off_schedule": "noise_std",
+    "loss_whiplash": "loss",
+    "not_learning": "loss",
 }
 # Panel field -> the held-out eval fields drawn on it (same units), with their labels and colours.
 HELDOUT_ON = {
@@ -336,7 +340,7 @@ def verdict(diagnosis: dict[str, Any]) -> str:
     if s["verdict"] == "healthy":
         return "healthy, no events"
     if s["verdict"] == "cannot tell":
-        return "no events, cannot tell overfitting"
+        return f"no events, cannot tell {' or '.join(s['undecided'])}"
     return ", ".join(f"{n} {k}" for k, n in s["events_by_kind"].items())
 
 
@@ -363,7 +367,8 @@ def markdown(
     else:
         lines.append(
             "None: no stall, step gap, loss spike, accuracy cliff, non-finite value, throughput drop, "
-            "held-out turn (overfitting), loss divergence, accuracy decline, lr at 0 or input-bound loader."
+            "held-out turn (overfitting), loss divergence, accuracy decline, lr at 0, input-bound loader, "
+            "loss whiplash or run not learning."
         )
     if s["cannot_tell"]:
         lines += ["", "## What this log cannot tell", ""] + [f"- {c}" for c in s["cannot_tell"]]
