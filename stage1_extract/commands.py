@@ -16,7 +16,6 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.errors import ConfigError, DataError, StoreError
-from shared.files import human_bytes
 from shared.identity import AUTO_SETTINGS, header_key
 from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles
@@ -42,7 +41,7 @@ from stage1_extract.header import load_or_pin_plan, other_data_problem, plan_pro
 from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records, row_accounting
 from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
-from stage1_extract.prepare import Prepared, discard_token_cache, shard_size, token_bytes
+from stage1_extract.prepare import Prepared, check_space, discard_token_cache, shard_size
 from stage1_extract.resolve import prepare_run, resolve_store
 from stage1_extract.status import cmd_status, shard_report  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.tensor_parallel import (
@@ -168,22 +167,6 @@ def _pin_plan(
     # would pin another one (0 samples per shard) over it.
     samples_per_shard = from_rank_0(load_or_pin_plan(files, prepared.header, 0, len(prepared.rows)) if rank == 0 else None, world)
     return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard, model, records
-
-
-def check_space(prepared: Prepared, store: StoreConfig, shards: list[ShardPlan], done: set[int], force: bool) -> None:
-    """Refuse to start when the shards still to write will not fit (`--force` overrides). Only the
-    shards left count: after a full disk and some space freed, the rest of the job may well fit."""
-    files = prepared.files
-    free = files.free_bytes()
-    if free is None or force:
-        return
-    left = sum(len(r.input_ids) for s in shards if s.index not in done for r in s.kept) * token_bytes(prepared.header, store)
-    if left > free:
-        raise StoreError(
-            f"extraction still needs about {human_bytes(left)} ({len(shards) - len(done)} of {len(shards)} shards "
-            f"left) but {files.url} has {human_bytes(free)} free; free space, change store.dtype/compression, "
-            f"or pass --force"
-        )
 
 
 def extract_store(

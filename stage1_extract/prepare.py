@@ -16,7 +16,8 @@ from typing import Any
 
 from shared.conversation_files import read_conversations
 from shared.conversations import ReadStats, RowLimits
-from shared.errors import ConfigError, DataError
+from shared.errors import ConfigError, DataError, StoreError
+from shared.files import human_bytes
 from shared.identity import OPENING_KEYS_VERSION, PROMPT_KEYS_VERSION, header_key
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetInfo, cached_tokenizer
@@ -300,3 +301,19 @@ def discard_token_cache(cache_root: Path) -> None:
 
     for folder in cache_root.glob("tokens-*"):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_space(prepared: Prepared, store: StoreConfig, shards: list[ShardPlan], done: set[int], force: bool) -> None:
+    """Refuse to start when the shards still to write will not fit (`--force` overrides). Only the
+    shards left count: after a full disk and some space freed, the rest of the job may well fit."""
+    files = prepared.files
+    free = files.free_bytes()
+    if free is None or force:
+        return
+    left = sum(len(r.input_ids) for s in shards if s.index not in done for r in s.kept) * token_bytes(prepared.header, store)
+    if left > free:
+        raise StoreError(
+            f"extraction still needs about {human_bytes(left)} ({len(shards) - len(done)} of {len(shards)} shards "
+            f"left) but {files.url} has {human_bytes(free)} free; free space, change store.dtype/compression, "
+            f"or pass --force"
+        )
