@@ -193,6 +193,22 @@ def test_reload_gives_identical_logits(exported, tmp_path):
         assert torch.equal(reloaded.logits(reloaded(batch)), cast.eval().logits(cast(batch)))
 
 
+def test_an_export_over_another_tools_sharded_weights_is_refused(exported, tmp_path):
+    """vLLM and SGLang load the shards a model.safetensors.index.json lists when there is one: a new
+    model.safetensors written beside an older sharded drafter would never be served."""
+    out, drafter, _, _, arch, cfg = exported
+    description = describe_parts(cfg, arch, LAYER_IDS, MASK_ID)
+    # Exporting again over our own export is fine (the same file names).
+    assert export_drafter(drafter, description, TARGET_INFO, out) == out
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (old / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"other weights \(model-00001-of-00002.safetensors, model.safetensors.index.json\)"):
+        export_drafter(drafter, description, TARGET_INFO, old)
+    assert sorted(p.name for p in old.iterdir()) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+
+
 def test_export_refuses_a_config_that_does_not_describe_the_drafter(exported, tmp_path):
     _, drafter, _, _, arch, cfg = exported
     with pytest.raises(ValueError, match="is not this drafter's"):
