@@ -373,6 +373,20 @@ def test_the_speculators_format_round_trips_into_init_from(exported, tmp_path):
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
+def test_a_drafter_trained_with_is_causal_false_reads_back_from_its_speculators_export(tmp_path):
+    """model.is_causal=false on full layers is speculators' own rule (bidirectional in the block), so
+    the export has nothing to write for it; reading it back is the same drafter, not an "edited" file."""
+    arch = arch_8_layers()
+    cfg = DrafterConfig(num_layers=2, block_size=8, is_causal=False)
+    drafter, embed, head = make_drafter(arch, cfg)
+    out = export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, MASK_ID), TARGET_INFO, tmp_path / "s", format="speculators")
+    assert "is_causal" not in json.dumps(json.loads((out / "config.json").read_text())["transformer_layer_config"])
+    assert folder_description(out).is_causal is False
+    batch = one_sample_batch(arch, cfg.block_size)
+    with torch.no_grad():
+        torch.testing.assert_close(load_exported(out, embed, head)(batch), drafter.to(torch.bfloat16)(batch))
+
+
 def test_a_sliding_drafter_is_refused_in_the_speculators_format(tmp_path):
     from testkit.drafter import tiny_arch, tiny_drafter
 

@@ -269,7 +269,8 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     if own is None:
         return described
     recorded = DrafterDescription.from_dict(own, f"{where}: dflash_pipeline.drafter")
-    differ = [k for k, v in described.to_dict().items() if k in _READ_BY_LOADERS and recorded.to_dict()[k] != v]
+    differ = [k for k, v in described.to_dict().items() if k in _READ_BY_LOADERS and recorded.to_dict()[k] != v
+              and not (k == "is_causal" and _attention(described) == _attention(recorded))]
     if differ:
         k = differ[0]
         raise CheckpointError(
@@ -278,6 +279,14 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
             f"export; export again, or make them agree"
         )
     return recorded
+
+
+def _attention(d: DrafterDescription) -> list[Any]:
+    """Each layer's attention rule: is_causal unset and false are one rule for full layers (bidirectional
+    in the block), and speculators' config, which runs full layers so, has no is_causal to write."""
+    from stage2_train.model.attention import layer_kinds
+
+    return layer_kinds(d.layer_types, d.num_layers, d.sliding_window, d.is_causal)
 
 
 # What the engines read from config.json, which must agree with our own description of the drafter.
