@@ -209,6 +209,15 @@ def test_an_export_over_another_tools_sharded_weights_is_refused(exported, tmp_p
     assert sorted(p.name for p in old.iterdir()) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
 
 
+def test_an_export_of_a_newer_format_version_is_refused(exported):
+    """The export is versioned (dflash_pipeline.format_version) and the reader refuses a version it
+    does not know, rather than read a newer export's fields as this version means them."""
+    out, *_ = exported
+    rewrite_config(out, lambda config: config["dflash_pipeline"].update(format_version=2))
+    with pytest.raises(CheckpointError, match="format_version 2, this code reads up to 1"):
+        folder_description(out)
+
+
 def test_export_refuses_a_config_that_does_not_describe_the_drafter(exported, tmp_path):
     _, drafter, _, _, arch, cfg = exported
     with pytest.raises(ValueError, match="is not this drafter's"):

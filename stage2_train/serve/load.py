@@ -29,7 +29,7 @@ from shared.target_parts import load_embed_and_head
 from stage2_train.model.config import DrafterConfig
 from stage2_train.model.description import VARIANT_FIELDS, DrafterDescription, describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
-from stage2_train.serve.export import CONFIG_NAME, WEIGHTS_NAME
+from stage2_train.serve.export import CONFIG_NAME, EXPORT_FORMAT_VERSION, WEIGHTS_NAME
 from stage2_train.serve.trained_on import TrainedOn, read_trained_on
 from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, read_weights, saved_run_config
 from stage2_train.train.checkpoint.select import select_checkpoint
@@ -194,6 +194,12 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     a hand-edited config.json cannot silently describe another drafter."""
     config = read_export_config(folder)
     where = Path(folder) / CONFIG_NAME
+    version = (config.get("dflash_pipeline") or {}).get("format_version", EXPORT_FORMAT_VERSION)
+    if not isinstance(version, int) or version > EXPORT_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: dflash_pipeline.format_version {version!r}, this code reads up to {EXPORT_FORMAT_VERSION} (an export "
+            f"of a newer dflash-pipeline, whose fields may mean other things): update dflash-pipeline"
+        )
     kind = config.get("speculators_model_type")
     if kind is not None:
         if kind not in SPECULATORS_TYPES:
