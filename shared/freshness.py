@@ -34,6 +34,7 @@ from shared.identity import (
     generated_problem,
     header_differences,
     header_key,
+    prompt_template,
     rows_sha256,
     source_path,
     stage1_value,
@@ -97,7 +98,7 @@ def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]
     for record in manifest["shards"]:
         if record.get("header_key") != key:
             report.stale.append((record["index"], "settings changed: " + ", ".join(changed or ["schema"])))
-    problem = generated_problem(cfg, target.weights_sha256)
+    problem = generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()))
     if problem is not None:
         report.problems.append(problem)
     try:

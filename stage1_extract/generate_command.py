@@ -21,10 +21,17 @@ from shared.conversation_files import read_conversations
 from shared.conversations import ReadStats
 from shared.errors import ConfigError
 from shared.files import write_atomic
-from shared.identity import generate_settings, generation_inputs, prompts_path
+from shared.identity import generate_settings, generation_inputs, prompt_template, prompts_path
 from shared.lock import exclusive
 from shared.paths import RunPaths
-from shared.target import TargetArch, load_tokenizer, resolve_target_dir, stop_token_ids, weights_fingerprint
+from shared.target import (
+    TargetArch,
+    load_tokenizer,
+    resolve_target_dir,
+    stop_token_ids,
+    tokenizer_fingerprints,
+    weights_fingerprint,
+)
 from shared.target_model import load_target_model, resolve_device, resolve_dtype
 from shared.token_cache import source_fingerprint
 from stage1_extract.backends import (
@@ -81,9 +88,10 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     device = resolve_device(cfg.extract.device)
     backend_name = resolve_backend(cfg.generate.backend, device)
     tokenizer = load_tokenizer(cfg.target)
+    template = prompt_template(tokenizer_fingerprints(tokenizer))  # what renders the prompts answered
     model_dir = resolve_target_dir(cfg.target)
     weights_sha256 = weights_fingerprint(model_dir)
-    settings = generate_settings(cfg, weights_sha256)
+    settings = generate_settings(cfg, weights_sha256, template)
     # The tokens a sample may hold: a prompt past them is not sent, on every backend (generate.py).
     positions = TargetArch.from_dir(model_dir).max_position_embeddings
     context = min((cfg.data.max_length, f"data.max_length={cfg.data.max_length}"),
@@ -113,7 +121,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
             template_kwargs=cfg.data.chat_template_kwargs,
         )
         if rank == 0:
-            inputs = generation_inputs(cfg, weights_sha256, source_fingerprint(source))
+            inputs = generation_inputs(cfg, weights_sha256, source_fingerprint(source), template)
             provenance = {"prompts": str(source), "inputs": inputs, "num_conversations": result.num_conversations}
             write_atomic(paths.generated_provenance, json.dumps(provenance, indent=1))
     return {

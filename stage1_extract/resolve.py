@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.errors import ConfigError
-from shared.identity import extraction_source, generated_problem, store_header
+from shared.identity import extraction_source, generated_problem, prompt_template, store_header
 from shared.paths import RunPaths
 from shared.store import StoreFiles
 from shared.target import TargetInfo, resolve_target
@@ -60,4 +60,4 @@ def prepare_run(cfg: RunConfig, *, use_token_cache: bool = True, deep: bool = Fa
     source: Path = extraction_source(cfg)
     cache_root = RunPaths.of(cfg).token_cache if use_token_cache else None
     prepared = prepare(cfg.data, target, header, files, source, source_format(cfg.data), cache_root)
-    return replace(prepared, generated_problem=generated_problem(cfg, target.weights_sha256))
+    return replace(prepared, generated_problem=generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes())))

@@ -311,6 +311,9 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
                              "verified": bool(loaded.trained_on and loaded.trained_on.store_digest)}
     evaluated = paths.eval_dir / f"{step_dir.name}.json"
     recorded = json.loads(evaluated.read_text()) if evaluated.is_file() else {}
+    # Named by step only: an eval of another run's checkpoint of the same step (`eval --checkpoint`) writes there too.
+    if Path(str(recorded.get("checkpoint", ""))).resolve() != loaded.weights_file.resolve():
+        recorded = {}
     online = recorded.get("online")
     if online is not None:
         trained = online["proposers"]["trained"]["interval"]

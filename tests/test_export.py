@@ -193,6 +193,31 @@ def test_reload_gives_identical_logits(exported, tmp_path):
         assert torch.equal(reloaded.logits(reloaded(batch)), cast.eval().logits(cast(batch)))
 
 
+def test_an_export_over_another_tools_sharded_weights_is_refused(exported, tmp_path):
+    """vLLM and SGLang load the shards a model.safetensors.index.json lists when there is one: a new
+    model.safetensors written beside an older sharded drafter would never be served."""
+    out, drafter, _, _, arch, cfg = exported
+    description = describe_parts(cfg, arch, LAYER_IDS, MASK_ID)
+    # Exporting again over our own export is fine (the same file names).
+    assert export_drafter(drafter, description, TARGET_INFO, out) == out
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (old / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"other weights \(model-00001-of-00002.safetensors, model.safetensors.index.json\)"):
+        export_drafter(drafter, description, TARGET_INFO, old)
+    assert sorted(p.name for p in old.iterdir()) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+
+
+def test_an_export_of_a_newer_format_version_is_refused(exported):
+    """The export is versioned (dflash_pipeline.format_version) and the reader refuses a version it
+    does not know, rather than read a newer export's fields as this version means them."""
+    out, *_ = exported
+    rewrite_config(out, lambda config: config["dflash_pipeline"].update(format_version=2))
+    with pytest.raises(CheckpointError, match="format_version 2, this code reads up to 1"):
+        folder_description(out)
+
+
 def test_export_refuses_a_config_that_does_not_describe_the_drafter(exported, tmp_path):
     _, drafter, _, _, arch, cfg = exported
     with pytest.raises(ValueError, match="is not this drafter's"):
@@ -355,6 +380,20 @@ def test_the_speculators_format_round_trips_into_init_from(exported, tmp_path):
     zlab, spec = spec_of(out), spec_of(again)
     assert spec == zlab
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_a_drafter_trained_with_is_causal_false_reads_back_from_its_speculators_export(tmp_path):
+    """model.is_causal=false on full layers is speculators' own rule (bidirectional in the block), so
+    the export has nothing to write for it; reading it back is the same drafter, not an "edited" file."""
+    arch = arch_8_layers()
+    cfg = DrafterConfig(num_layers=2, block_size=8, is_causal=False)
+    drafter, embed, head = make_drafter(arch, cfg)
+    out = export_drafter(drafter, describe_parts(cfg, arch, LAYER_IDS, MASK_ID), TARGET_INFO, tmp_path / "s", format="speculators")
+    assert "is_causal" not in json.dumps(json.loads((out / "config.json").read_text())["transformer_layer_config"])
+    assert folder_description(out).is_causal is False
+    batch = one_sample_batch(arch, cfg.block_size)
+    with torch.no_grad():
+        torch.testing.assert_close(load_exported(out, embed, head)(batch), drafter.to(torch.bfloat16)(batch))
 
 
 def test_a_sliding_drafter_is_refused_in_the_speculators_format(tmp_path):

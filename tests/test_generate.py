@@ -887,3 +887,42 @@ def test_generate_asks_for_vllm_only_when_a_part_is_left_to_make(tiny_target_dir
         "test, weeks for an 8B target)\n"
     )
     assert parts[0].read_bytes() == made[parts[0].name] and not parts[1].exists() and len(fake_vllm.made) == 1
+
+
+def test_answers_generated_under_another_chat_template_are_not_reused(tiny_target_dir, tmp_path, fake_vllm, caplog):
+    """Each answer was sampled after its prompt as the chat template rendered it. Under another
+    template with the same weights (an edited one, or a Hub revision that changed only the template),
+    extraction would store the old answers after prompts the target never answered: generate refuses
+    the parts and extraction calls the generated data stale, naming the template. Answers generated
+    before the template was recorded are used with a warning."""
+    import shutil
+
+    from shared.identity import generated_problem, prompt_template
+    from shared.target import resolve_target
+
+    data = prompts_file(tmp_path, n=6)
+    target_dir = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    cfg = generate_config(target_dir, data, tmp_path / "run")
+    commands.cmd_generate(cfg, progress=False)
+
+    def problem():
+        target = resolve_target(cfg.target)
+        return generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()))
+
+    assert problem() is None
+    parts = tmp_path / "run" / "data" / "generated.parts"
+    old = json.loads((parts / "settings.json").read_text())
+    provenance = tmp_path / "run" / "data" / "generated.provenance.json"
+    written = json.loads(provenance.read_text())
+    template = target_dir / "chat_template.jinja"
+    template.write_text(template.read_text().replace("You are a helpful AI assistant", "You are an AI assistant"))
+    assert "the chat template" in (problem() or "")
+    with pytest.raises(DataError, match="template.chat_template_sha256"):
+        commands.cmd_generate(cfg, progress=False)
+    # Answers from before the template was recorded: used as they are, said so.
+    old["settings"].pop("template")
+    (parts / "settings.json").write_text(json.dumps(old))
+    written["inputs"]["settings"].pop("template")
+    provenance.write_text(json.dumps(written))
+    assert problem() is None and "before generate recorded the chat template" in caplog.text
+    assert commands.cmd_generate(cfg, progress=False)["parts_reused"] == 2

@@ -177,6 +177,23 @@ def test_the_card_calls_an_eval_held_out_only_on_the_drafters_own_split_of_its_s
             "eval.split_seed 0) of the store it was trained on, chat.jsonl. 1 prompt x 4 new tokens") in card
 
 
+def test_the_card_states_no_eval_of_another_checkpoint_of_the_same_step(tiny_target_dir, stores, run_copy, tmp_path):
+    """run_dir/eval/<step>.json is named by the step alone: `eval --checkpoint` of another run's
+    checkpoint of that step writes there too, and the card must not state its tau as this drafter's."""
+    import shutil
+
+    cfg = load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], run_copy))
+    step = sorted((run_copy / "checkpoints").glob("step_*"))[-1]
+    other = shutil.copytree(step, tmp_path / "other-run" / "checkpoints" / step.name)
+    assert cmd_eval(cfg, checkpoint=str(other))["checkpoint"] == str(other / "model.safetensors")
+    cmd_export(cfg, out=str(tmp_path / "export"))
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "No held-out evaluation was recorded for this checkpoint" in card and "tau **" not in card
+    cmd_eval(cfg)
+    cmd_export(cfg, out=str(tmp_path / "export"))
+    assert "Held-out speculative decoding" in (tmp_path / "export" / "README.md").read_text()
+
+
 def test_export_and_init_from_refuse_a_same_shape_target_with_other_weights(tiny_target_dir, stores, trained, tmp_path):
     other_target = build_tiny_target(tmp_path / "other_target", seed=1)  # the same shape, other weights
     step = trained / "checkpoints" / "step_000002"

@@ -156,6 +156,14 @@ def export_drafter(
             f"{drafter.block_size}, {len(drafter.layers)} layers, mask {drafter.mask_token_id})"
         )
     out = Path(out_dir)
+    stale = stale_weights(out)
+    if stale:
+        # vLLM and SGLang read model.safetensors.index.json when there is one and load the shards it lists,
+        # so the drafter written here would not be the one served.
+        raise CheckpointError(
+            f"export --out {out}: the folder holds other weights ({', '.join(stale[:4])}{', ...' * (len(stale) > 4)}), which "
+            f"loaders would read instead of or beside the {WEIGHTS_NAME} written here; remove them or export to another folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
         name: t.detach().to("cpu", DTYPES[dtype]).contiguous() for name, t in drafter.folded_state_dict().items()
@@ -173,6 +181,15 @@ def export_drafter(
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     write_atomic(out / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
     return out
+
+
+def stale_weights(out: Path) -> list[str]:
+    """Weight files in `out` an export does not write (another tool's shards, their index, pickled
+    weights): the names, sorted; [] for a new folder or one holding an earlier export."""
+    if not out.is_dir():
+        return []
+    patterns = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth")
+    return sorted({p.name for pattern in patterns for p in out.glob(pattern) if p.name != WEIGHTS_NAME})
 
 
 SPECULATORS_VERSION = "0.9.0"  # the release whose DFlash format this writes (its converter: PR #617)

@@ -29,7 +29,7 @@ from shared.target_parts import load_embed_and_head
 from stage2_train.model.config import DrafterConfig
 from stage2_train.model.description import VARIANT_FIELDS, DrafterDescription, describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
-from stage2_train.serve.export import CONFIG_NAME, WEIGHTS_NAME
+from stage2_train.serve.export import CONFIG_NAME, EXPORT_FORMAT_VERSION, WEIGHTS_NAME
 from stage2_train.serve.trained_on import TrainedOn, read_trained_on
 from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, read_weights, saved_run_config
 from stage2_train.train.checkpoint.select import select_checkpoint
@@ -194,6 +194,12 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     a hand-edited config.json cannot silently describe another drafter."""
     config = read_export_config(folder)
     where = Path(folder) / CONFIG_NAME
+    version = (config.get("dflash_pipeline") or {}).get("format_version", EXPORT_FORMAT_VERSION)
+    if not isinstance(version, int) or version > EXPORT_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: dflash_pipeline.format_version {version!r}, this code reads up to {EXPORT_FORMAT_VERSION} (an export "
+            f"of a newer dflash-pipeline, whose fields may mean other things): update dflash-pipeline"
+        )
     kind = config.get("speculators_model_type")
     if kind is not None:
         if kind not in SPECULATORS_TYPES:
@@ -269,7 +275,8 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     if own is None:
         return described
     recorded = DrafterDescription.from_dict(own, f"{where}: dflash_pipeline.drafter")
-    differ = [k for k, v in described.to_dict().items() if k in _READ_BY_LOADERS and recorded.to_dict()[k] != v]
+    differ = [k for k, v in described.to_dict().items() if k in _READ_BY_LOADERS and recorded.to_dict()[k] != v
+              and not (k == "is_causal" and _attention(described) == _attention(recorded))]
     if differ:
         k = differ[0]
         raise CheckpointError(
@@ -278,6 +285,14 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
             f"export; export again, or make them agree"
         )
     return recorded
+
+
+def _attention(d: DrafterDescription) -> list[Any]:
+    """Each layer's attention rule: is_causal unset and false are one rule for full layers (bidirectional
+    in the block), and speculators' config, which runs full layers so, has no is_causal to write."""
+    from stage2_train.model.attention import layer_kinds
+
+    return layer_kinds(d.layer_types, d.num_layers, d.sliding_window, d.is_causal)
 
 
 # What the engines read from config.json, which must agree with our own description of the drafter.
