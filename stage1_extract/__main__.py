@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shared.files import human_bytes
 from shared.cli import Verb, check_options, load_config, print_check, run_cli
 from stage1_extract import commands
 from stage1_extract.backends import backend_problem
@@ -43,7 +44,7 @@ def progress(args: argparse.Namespace) -> bool:
 
 # ---- what people read ------------------------------------------------------------------------------
 def size(n: float | None) -> str:
-    return "?" if n is None else commands.human_bytes(n)
+    return "?" if n is None else human_bytes(n)
 
 
 def show_download(out: dict[str, Any]) -> str:
