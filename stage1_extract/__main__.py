@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shared.files import human_bytes
 from shared.cli import Verb, check_options, load_config, print_check, run_cli
+from shared.files import human_bytes
 from stage1_extract import commands
 from stage1_extract.backends import backend_problem
 
