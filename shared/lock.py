@@ -32,6 +32,7 @@ live, and a rewrite that still happens under it is named by the manifest check
 
 from __future__ import annotations
 
+import _thread
 import errno
 import json
 import logging
@@ -123,6 +124,15 @@ def exclusive(url: str, command: str) -> Iterator[str]:
     lock = acquire_lock(url, command)
     try:
         yield lock.kind
+    except KeyboardInterrupt:
+        lost = getattr(lock, "lost", None)  # the lease's renewer stopped this command (`LeaseLock._renew`)
+        if lost is None:
+            raise
+        raise BusyError(
+            f"{url}: this command's lease was taken by {_describe(lost)} while it ran (not renewed for over "
+            f"{LEASE_S:.0f} s: a stalled or suspended process); it stopped so that two writers never share the "
+            f"folder. What it finished is kept: rerun it when the other is done"
+        ) from None
     finally:
         lock.release()
 
@@ -298,6 +308,7 @@ class LeaseLock:
         self.token = secrets.token_hex(8)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self.lost: dict[str, Any] | None = None  # the lease that replaced this one (`_renew`)
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -335,9 +346,18 @@ class LeaseLock:
         self._renewer.start()
 
     def _renew(self, command: str) -> None:
+        """Renew every third of the lease's life; a lease another holder took (this process stalled past
+        the lease's end, and a second writer acquired it) is never written over: the command is stopped
+        (`exclusive` names the holder), rather than both writing."""
         wait = self.lease_s / 3
         while not self._stop.wait(wait):
             try:
+                current = self._read()
+                if current and current.get("token") not in (None, self.token):
+                    self.lost = current
+                    log.error("%s: the lease was taken by %s; stopping this command", self.path, _describe(current))
+                    _thread.interrupt_main()
+                    return
                 self._write(command)
                 wait = self.lease_s / 3
             except Exception as exc:  # noqa: BLE001 - an ended renewer lets the lease expire under a live writer

@@ -288,3 +288,25 @@ def test_a_lease_whose_renewal_fails_once_is_still_renewed(tmp_path):
             LeaseLock(str(store), lease_s=0.3).acquire("stage1_extract reprocess")
     finally:
         lease.release()
+
+
+def test_a_lease_another_writer_took_is_never_written_over_and_its_command_stops(tmp_path, monkeypatch):
+    """A holder stalled past its lease's end (SIGSTOP, a suspended VM) found, on waking, another writer
+    holding the store, and its renewer wrote its own lease back over it: both wrote. It now stops its
+    command instead (`exclusive` says who took it), and the other's lease stays."""
+    from shared import lock as lock_mod
+
+    store = tmp_path / "store"
+    store.mkdir()
+    monkeypatch.setattr(lock_mod, "acquire_lock", lambda url, command: _acquired(LeaseLock(url, lease_s=0.3), command))
+    taken = {"token": "0123456789abcdef", "expires": time.time() + 100, "host": "node-7", "pid": 42, "command": "stage1_extract extract"}
+    with pytest.raises(BusyError, match=r"store: this command's lease was taken by .*node-7.* while it ran .*rerun it when the other is done"):
+        with lock_mod.exclusive(str(store), "stage1_extract reprocess"):
+            (store / lock_mod.LEASE_NAME).write_text(json.dumps(taken))  # the other writer's lease
+            time.sleep(2)  # the renewer sees it within a third of the lease
+    assert json.loads((store / lock_mod.LEASE_NAME).read_text())["token"] == taken["token"]
+
+
+def _acquired(lease, command):
+    lease.acquire(command)
+    return lease
