@@ -461,7 +461,8 @@ def test_an_export_is_publishable(tmp_path, tiny_target_dir, monkeypatch):
             calls.append(("create_repo", repo_id, kw))
 
         def upload_folder(self, **kw):
-            calls.append(("upload_folder", kw["repo_id"], sorted(p.name for p in Path(kw["folder_path"]).iterdir()), kw["ignore_patterns"]))
+            calls.append(("upload_folder", kw["repo_id"], sorted(p.name for p in Path(kw["folder_path"]).iterdir()), kw["ignore_patterns"],
+                          kw.get("delete_patterns")))
             return "https://huggingface.co/me/drafter/commit/abc"
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
@@ -482,6 +483,8 @@ def test_an_export_is_publishable(tmp_path, tiny_target_dir, monkeypatch):
     assert result["pushed_to"] == "me/drafter" and calls[0][:2] == ("create_repo", "me/drafter")
     assert calls[1][:2] == ("upload_folder", "me/drafter") and calls[1][3] == ["dflash_pipeline_config.yaml"]
     assert "README.md" in calls[1][2]
+    # an earlier push's weights (another drafter's shards and index) go in the same commit: vLLM would load them
+    assert {"*.safetensors", "*.safetensors.index.json"} <= set(calls[1][4])
 
 
 def test_a_speculators_export_names_a_verifier_speculators_can_load(capsys):

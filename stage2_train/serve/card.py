@@ -22,6 +22,7 @@ from stage2_train.model.description import DrafterDescription
 from stage2_train.serve.online_eval import interval_text
 
 CARD_NAME = "README.md"
+STALE_WEIGHTS = ["*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt"]
 LOCAL_ONLY = "dflash_pipeline_config.yaml"  # the resolved run config, written beside the export, never pushed
 
 
@@ -150,8 +151,10 @@ def push_to_hub(out_dir: Path, repo_id: str) -> str:
     api = HfApi()
     api.create_repo(repo_id, repo_type="model", exist_ok=True)
     # The resolved run config stays local: it names this machine's paths (data, store, run folder).
+    # Weights a repo holds from an earlier push (another drafter's shards and their index) go in the
+    # same commit: vLLM and SGLang load the shards an index lists, and would serve the old drafter.
     info = api.upload_folder(
         folder_path=str(out_dir), repo_id=repo_id, repo_type="model", commit_message="dflash-pipeline export",
-        ignore_patterns=[LOCAL_ONLY],
+        ignore_patterns=[LOCAL_ONLY], delete_patterns=STALE_WEIGHTS,
     )
     return str(getattr(info, "commit_url", info))
