@@ -200,6 +200,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     source = loaded.weights_file
     result = {
         "checkpoint": str(source),
+        "weights_sha256": _weights_sha256(source),
         "num_heldout": int(len(heldout.heldout)),
         "split": heldout.split,
         "offline": report["offline"]["trained"],
@@ -210,6 +211,15 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     name = source.parent.name if source.name == "model.safetensors" else source.stem
     result["written_to"] = str(write_json(RunPaths.of(cfg).eval_dir / f"{name}.json", result))
     return result
+
+
+def _weights_sha256(weights_file: Path) -> str | None:
+    """The sha256 its checkpoint's meta.json records for the weights file (no re-hash); None for a
+    drafter folder (an export), which holds no such record."""
+    from stage2_train.train.checkpoint.format import read_meta
+
+    meta = read_meta(weights_file.parent) if weights_file.name == "model.safetensors" else None
+    return ((meta or {}).get("files") or {}).get(weights_file.name, {}).get("sha256")
 
 
 def verifier_name(hub_id: str | None, target_config: dict[str, Any], folder_name: str, format: str) -> str:
@@ -311,8 +321,12 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
                              "verified": bool(loaded.trained_on and loaded.trained_on.store_digest)}
     evaluated = paths.eval_dir / f"{step_dir.name}.json"
     recorded = json.loads(evaluated.read_text()) if evaluated.is_file() else {}
-    # Named by step only: an eval of another run's checkpoint of the same step (`eval --checkpoint`) writes there too.
-    if Path(str(recorded.get("checkpoint", ""))).resolve() != loaded.weights_file.resolve():
+    # Named by step only: an eval of another run's checkpoint of the same step (`eval --checkpoint`) writes
+    # there too, and a run trained again from scratch in this run_dir saves its own step_N where one was.
+    weights = _weights_sha256(loaded.weights_file)
+    if Path(str(recorded.get("checkpoint", ""))).resolve() != loaded.weights_file.resolve() or (
+        weights is not None and recorded.get("weights_sha256") != weights
+    ):
         recorded = {}
     online = recorded.get("online")
     if online is not None:

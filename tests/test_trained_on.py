@@ -189,9 +189,16 @@ def test_the_card_states_no_eval_of_another_checkpoint_of_the_same_step(tiny_tar
     cmd_export(cfg, out=str(tmp_path / "export"))
     card = (tmp_path / "export" / "README.md").read_text()
     assert "No held-out evaluation was recorded for this checkpoint" in card and "tau **" not in card
-    cmd_eval(cfg)
+    evaluated = cmd_eval(cfg)
     cmd_export(cfg, out=str(tmp_path / "export"))
     assert "Held-out speculative decoding" in (tmp_path / "export" / "README.md").read_text()
+    # A run trained again from scratch in this run_dir saves its own step_N at the same path: the eval
+    # recorded the weights it scored (their sha256 in the checkpoint's meta.json), which are not these.
+    written = Path(evaluated["written_to"])
+    assert len(evaluated["weights_sha256"]) == 64
+    written.write_text(json.dumps({**json.loads(written.read_text()), "weights_sha256": "0" * 64}))
+    cmd_export(cfg, out=str(tmp_path / "export"))
+    assert "No held-out evaluation was recorded for this checkpoint" in (tmp_path / "export" / "README.md").read_text()
 
 
 def test_export_and_init_from_refuse_a_same_shape_target_with_other_weights(tiny_target_dir, stores, trained, tmp_path):
