@@ -113,7 +113,10 @@ def test_a_run_that_never_learns_is_named_with_its_causes(tmp_path):
     assert d["best_accuracy"] < 0.02 and d["peak_lr"] == 6e-4
     assert ev["likely_cause"].startswith("in 300 rows at lr up to 0.0006 the loss never fell 10% below its first level")
     assert "optim.lr 0.0006 in run_start" in ev["likely_cause"] and "frozen" in ev["likely_cause"]
-    assert "wrong loss mask" in ev["likely_cause"]
+    assert "wrong loss mask" in ev["likely_cause"] and "init_from" not in ev["likely_cause"]
+    # a run started from a trained drafter may have nothing left to learn: the cause says so
+    warm = {**start, "hyperparameters": {"optim.lr": 6e-4, "init_from": "runs/a/checkpoints/best"}}
+    assert "starts from a trained drafter (model.init_from runs/a/checkpoints/best)" in diagnose([warm, *flat_records()])["events"][0]["likely_cause"]
     assert describe(ev).startswith("not learning from step 1: the loss's median of 50 rows 5.98 at first, 5.83 at its lowest, after 300 rows")
     text, code = cmd_doctor(write_to(tmp_path, flat_records()), as_json=False)
     assert code == 1 and text.splitlines()[-1].startswith("1 event(s): 1 not_learning")

@@ -322,6 +322,9 @@ def not_learning_cause(ev: dict[str, Any], info: dict[str, Any]) -> str:
         f"(optim.lr{f' {lr:.3g} in run_start' if lr is not None else ''}; a warmup longer than the run), parameters "
         "frozen or left out of the optimizer (requires_grad, param groups; a grad_norm near 0 says so), or targets "
         "that cannot be learned (labels shifted by a position, a wrong loss mask, another target's features)"
+        + (f". This run starts from a trained drafter (model.init_from {start}): one already at its level on this data "
+           "has little left to learn, so compare with its own final loss first"
+           if (start := (info.get("schedule") or {}).get("init_from")) else "")
     )
 
 
