@@ -168,10 +168,16 @@ def header_key(header: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()
 
 
+def header_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Dotted name -> [old value, new value] of each identity field that differs; `old` may hold more
+    (a manifest), and an optional field it alone holds differs (None in `new`)."""
+    keys = [*new, *(k for k in OPTIONAL_HEADER_FIELDS if k in old and k not in new)]
+    return dotted_differences({k: old.get(k) for k in keys}, {k: new.get(k) for k in keys})
+
+
 def header_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Dotted names of the identity fields that differ ('target.weights_sha256', 'top_k', ...)."""
-    keys = [*new, *(k for k in OPTIONAL_HEADER_FIELDS if k in old and k not in new)]
-    return list(dotted_differences({k: old.get(k) for k in keys}, {k: new.get(k) for k in keys}))
+    return list(header_changes(old, new))
 
 
 def rows_sha256(row_hashes: Iterable[str]) -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.config import dotted_differences
 from shared.errors import StoreError
+from shared.identity import header_changes
 from shared.store import StoreFiles
 from stage1_extract.batching import ShardPlan
 from stage1_extract.merge import foreign_shards
@@ -26,7 +26,7 @@ def load_or_pin_plan(
         if repin and plan["header"] != header:
             plan.update({"header": header, "num_rows": num_rows})
             files.write_json("plan.json", plan)
-        changed = dotted_differences({k: plan["header"].get(k) for k in header}, header)
+        changed = header_changes(plan["header"], header)
         if changed:
             raise StoreError(changed_plan_message(files.url, changed))
         return int(plan["samples_per_shard"])
@@ -40,7 +40,7 @@ def plan_problem(files: StoreFiles, header: dict[str, Any]) -> str | None:
     if not files.exists("plan.json"):
         return None
     pinned = files.read_json("plan.json")["header"]
-    changed = dotted_differences({k: pinned.get(k) for k in header}, header)
+    changed = header_changes(pinned, header)
     return changed_plan_message(files.url, changed) if changed else None
 
 
@@ -65,7 +65,7 @@ def changed_plan_message(url: str, changed: dict[str, list[Any]]) -> str:
     field_name, (before, now) = next(iter(changed.items()))
     before, now = (ABSENT_MEANS.get(field_name, v) if v is None else v for v in (before, now))
     also = f" (and {', '.join(list(changed)[1:])})" if len(changed) > 1 else ""
-    setting = SETTING_OF.get(field_name)
+    setting = SETTING_OF.get(field_name) or (f"data.{field_name}" if field_name.startswith("chat_template_kwargs.") else None)
     if setting is None:  # the target, tokenizer, template or layers: nothing to set back
         return (
             f"{url}/plan.json: this store was started with {field_name}={before!r}, the config now gives {now!r}{also}. "

@@ -103,6 +103,28 @@ def test_a_store_records_its_template_variables_and_another_setting_makes_it_sta
     assert tokenizer.decode(sample["input_ids_T"][sample["loss_mask_T"].bool()]).startswith("<think>\n\n</think>\n\n")
 
 
+def test_extract_without_the_variables_a_store_was_started_with_is_refused(tiny_target_dir, tmp_path):
+    """plan.json compared only the fields today's header has: a config that dropped
+    data.chat_template_kwargs passed it, and `extract` silently re-extracted every shard in the other
+    mode (plan.json still naming the old one). It is refused as any other changed setting is."""
+    from shared.errors import StoreError
+    from stage1_extract import commands
+
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    off = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        target, data, tmp_path / "run", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
+    commands.cmd_extract(off, progress=False)
+    manifest = Path(off.store.url(off.run_dir)) / "manifest.json"
+    before = manifest.read_text()
+    default = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(target, data, tmp_path / "run"))
+    with pytest.raises(StoreError, match=r"started with data\.chat_template_kwargs\.enable_thinking=False .*set "
+                                         r"data\.chat_template_kwargs\.enable_thinking=False to continue"):
+        commands.cmd_extract(default, progress=False)
+    assert manifest.read_text() == before
+
+
 def test_generated_answers_carry_the_variables_their_prompts_were_rendered_with(tiny_target_dir, tmp_path):
     """generate renders each prompt with data.chat_template_kwargs (the no-think prompt ends with the
     closed think block, the target answers after it); answers made under other variables are refused
@@ -132,3 +154,4 @@ def test_generated_answers_carry_the_variables_their_prompts_were_rendered_with(
     thinking = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(target, data, tmp_path / "run", **settings))
     with pytest.raises((DataError, StoreError), match="chat_template_kwargs"):
         commands.cmd_extract(thinking, progress=False)
+
