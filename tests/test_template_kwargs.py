@@ -155,3 +155,28 @@ def test_generated_answers_carry_the_variables_their_prompts_were_rendered_with(
     with pytest.raises((DataError, StoreError), match="chat_template_kwargs"):
         commands.cmd_extract(thinking, progress=False)
 
+
+def test_the_export_doctor_renders_a_store_with_the_variables_it_was_made_with(tiny_target_dir, tmp_path):
+    """The export doctor rendered today's prompts without the store's data.chat_template_kwargs: a store
+    made with enable_thinking=false under an unchanged template was an error ("trained in the other
+    thinking mode"), and the acceptance check was skipped. Rendered as stage 1 rendered it, the prompts
+    agree, and the mode they were made in is still named."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from shared.reader import StoreReader
+    from stage1_extract import commands
+    from stage2_train.serve.template_drift import compare_renders
+
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        target, data, tmp_path / "run", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
+    commands.cmd_extract(cfg, progress=False)
+    reader = StoreReader(cfg.store.url(cfg.run_dir))
+    rendered = compare_renders(reader, SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(target)), None, 4)
+    assert rendered["status"] == "compared" and rendered["num_samples"] == 4
+    assert rendered["differ"] == []
+    assert rendered["mode"].startswith("thinking mode: the stored prompts render as enable_thinking=False")

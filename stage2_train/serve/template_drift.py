@@ -110,6 +110,8 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
             f"readable here, so only the template hashes were compared (--data PATH gives it)",
         }
     tokenizer = target.tokenizer
+    # the template's variables stage 1 rendered with (`data.chat_template_kwargs`), as serving passes them
+    variables = reader.manifest.get("chat_template_kwargs")
     indices = list(range(min(len(reader), max_samples)))
     data_format = "auto" if data else recorded.get("format", "auto")
     rows = read_rows(Path(source), {int(reader.sample_ids[i]) for i in indices}, data_format)
@@ -128,10 +130,11 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
         stored = tokenizer.decode(sample["input_ids_T"][:first].tolist(), skip_special_tokens=False)
         turn = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         answer = messages[turn]["content"]
-        today = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
+        today = render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools, template_kwargs=variables)
         compared += 1
         thinking = (
-            {v: render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools, **{THINKING_SWITCH: v})
+            {v: render(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools,
+                    template_kwargs=variables, **{THINKING_SWITCH: v})
              for v in (False, True)}
             if has_switch(tokenizer)
             else {}
