@@ -142,7 +142,7 @@ def _pin_plan(
     channels (a bounded forward the others wait for); every rank learns rank 0's verdict at once,
     then checks the pinned header and plans the shards: (the shards, samples_per_shard, the target
     when rank 0 loaded it to fit the channels, the part records rank 0 read)."""
-    files, model, records, error = prepared.files, None, None, None
+    files, model, records, error, per = prepared.files, None, None, None, None
     if rank == 0:
         try:
             before = files.read_json("plan.json")["header"] if files.exists("plan.json") else None
@@ -164,8 +164,9 @@ def _pin_plan(
             raise error
         raise StoreError(f"{files.url}: rank 0 refused to extract into it (its error says why)")
     # Rank 0 read the plan and checked the header against it; a rank that cannot see plan.json yet
-    # would pin another one (0 samples per shard) over it.
-    samples_per_shard = from_rank_0(load_or_pin_plan(files, prepared.header, 0, len(prepared.rows)) if rank == 0 else None, world)
+    # would pin another one (0 samples per shard) over it. Rank 0 reads nothing again here: an error
+    # after the agreement would leave the others waiting in the broadcast.
+    samples_per_shard = from_rank_0(per, world)
     return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard, model, records
 
 
@@ -191,7 +192,9 @@ def extract_store(
     lay = layout(rank, world, extract.tensor_parallel_size)
     files = prepared.files
     # Rank 0's channel set on every rank: a rank reading a stale plan.json would encode with another.
-    channels = from_rank_0(pinned_outlier_channels(files, store, len(prepared.layer_ids)) if rank == 0 or world == 1 else None, world)
+    # Its reading is agreed first, so a refusal (no channels, another count) reaches every rank.
+    channels = from_rank_0(on_rank_0(rank, world, lambda: pinned_outlier_channels(files, store, len(prepared.layer_ids)),
+                                     f"{files.url}: rank 0 could not read the fp4 outlier channels (its error says why)"), world)
     done = agreed_done(done_shards(files, shards, records) if rank == 0 or world == 1 else set(), len(shards), world)
     # Rank 0 decides (ranks on other nodes see other disks' free space), and every rank learns it.
     on_rank_0(rank, world, lambda: check_space(prepared, store, shards, done, force),

@@ -552,3 +552,60 @@ def test_a_rank_that_cannot_see_the_plan_yet_gets_rank_0s_and_writes_none(tiny_t
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     plan = json.loads((run_dir / "store" / "plan.json").read_text())
     assert plan["samples_per_shard"] > 0 and ranks[0] == ranks[1] == {"per": plan["samples_per_shard"], "shards": ranks[0]["shards"]}
+
+
+def channels_refused_on_rank(rank: int, port: int, target_dir: str, data: str, run_dir: str, out: str) -> None:
+    """Rank 0 refuses the store's fp4 outlier channels (plan.json holds none, or another count) as the
+    extraction starts; each rank writes what it raised."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from stage1_extract import distributed
+    from stage1_extract.resolve import prepare_run
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    distributed._work_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))  # a hang fails the test
+    try:
+        cfg = config(Path(target_dir), Path(data), Path(run_dir))
+        prepared = None
+        for turn in (0, 1):
+            if turn == rank:
+                prepared = prepare_run(cfg)
+            dist.barrier()
+        shards, per, _, _ = commands._pin_plan(cfg, prepared, rank, 2, False, rank)
+        if rank == 0:
+            def refuse(*_):
+                raise StoreError("plan.json holds no fp4 outlier channels")
+
+            commands.pinned_outlier_channels = refuse
+        try:
+            commands.extract_store(prepared, shards, per, cfg.store, cfg.extract, cfg.target, (rank, 2, rank),
+                                   force=False, progress=False, prepare_seconds=0.0)
+            outcome = "extracted"
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the test's answer
+            outcome = f"{type(exc).__name__}: {exc}"
+        Path(out, f"rank{rank}.txt").write_text(outcome)
+    finally:
+        distributed._work_group = None
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~10 s: two gloo ranks tokenize the data
+def test_rank_0_refusing_the_outlier_channels_stops_every_rank_at_once(tiny_target_dir, data_file, tmp_path):
+    """Rank 0 alone read the fp4 outlier channels and broadcast them: when its reading raised, it left
+    before the broadcast and the other ranks waited in it for WORK_TIMEOUT (6 hours). Its refusal is
+    agreed first: rank 0 raises its own error, the others say rank 0 refused."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(channels_refused_on_rank, args=(port, str(tiny_target_dir), str(data_file), str(tmp_path / "run"), str(tmp_path)),
+             nprocs=2, join=True)
+    assert (tmp_path / "rank0.txt").read_text() == "StoreError: plan.json holds no fp4 outlier channels"
+    assert (tmp_path / "rank1.txt").read_text().startswith("StoreError: ") and "rank 0 could not read the fp4 outlier channels" in (
+        tmp_path / "rank1.txt").read_text()
