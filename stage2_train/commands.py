@@ -323,9 +323,11 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
     recorded = json.loads(evaluated.read_text()) if evaluated.is_file() else {}
     # Named by step only: an eval of another run's checkpoint of the same step (`eval --checkpoint`) writes
     # there too, and a run trained again from scratch in this run_dir saves its own step_N where one was.
-    weights = _weights_sha256(loaded.weights_file)
+    weights, scored = _weights_sha256(loaded.weights_file), recorded.get("weights_sha256")
+    if scored is None and recorded and evaluated.stat().st_mtime >= loaded.weights_file.stat().st_mtime:
+        scored = weights  # an eval written before it recorded the weights: of these when written after them
     if Path(str(recorded.get("checkpoint", ""))).resolve() != loaded.weights_file.resolve() or (
-        weights is not None and recorded.get("weights_sha256") != weights
+        weights is not None and scored != weights
     ):
         recorded = {}
     online = recorded.get("online")

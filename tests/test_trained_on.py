@@ -11,6 +11,7 @@ same-shape target it was not trained on, and old checkpoints that could not be r
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -197,6 +198,23 @@ def test_the_card_states_no_eval_of_another_checkpoint_of_the_same_step(tiny_tar
     written = Path(evaluated["written_to"])
     assert len(evaluated["weights_sha256"]) == 64
     written.write_text(json.dumps({**json.loads(written.read_text()), "weights_sha256": "0" * 64}))
+    cmd_export(cfg, out=str(tmp_path / "export"))
+    assert "No held-out evaluation was recorded for this checkpoint" in (tmp_path / "export" / "README.md").read_text()
+
+
+def test_the_card_still_states_an_eval_written_before_evals_recorded_their_weights(tiny_target_dir, stores, run_copy, tmp_path):
+    """Evals written before `eval` recorded the weights' sha256 have none: the card dropped every such
+    eval, so each existing run had to rerun its (online, target-sized) eval to state tau again. One
+    written after the weights is theirs; one older than them (a run trained again since) is not."""
+    cfg = load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], run_copy))
+    written = Path(cmd_eval(cfg)["written_to"])
+    record = json.loads(written.read_text())
+    del record["weights_sha256"]
+    written.write_text(json.dumps(record))
+    cmd_export(cfg, out=str(tmp_path / "export"))
+    assert "Held-out speculative decoding" in (tmp_path / "export" / "README.md").read_text()
+    weights = sorted((run_copy / "checkpoints").glob("step_*"))[-1] / "model.safetensors"
+    os.utime(written, (weights.stat().st_mtime - 60,) * 2)
     cmd_export(cfg, out=str(tmp_path / "export"))
     assert "No held-out evaluation was recorded for this checkpoint" in (tmp_path / "export" / "README.md").read_text()
 
