@@ -44,6 +44,7 @@ from shared.paths import RunPaths
 from shared.target import TargetInfo
 from shared.token_cache import (
     ROW_SETTINGS,
+    SAME_TOKENS_SINCE,
     SELECTION_SETTINGS,
     TOKENS_VERSION,
     DamagedCache,
@@ -140,7 +141,7 @@ def _check_rows(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any], so
             f"`python -m stage1_extract status` names the shards whose rows changed"
         )
         return
-    if made.get("tokens_version") != TOKENS_VERSION:  # same rows, maybe other tokens: only a tokenization tells
+    if not SAME_TOKENS_SINCE <= (made.get("tokens_version") or 0) <= TOKENS_VERSION:  # maybe other tokens: only a tokenization tells
         report.warnings.append(
             f"the store's rows were tokenized by stage 1's tokenization version {made.get('tokens_version', 'before 10')}, "
             f"this code's is {TOKENS_VERSION}, and no token cache of this version is here to compare their tokens: "

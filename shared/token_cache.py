@@ -38,6 +38,9 @@ TOKENS_VERSION = 11  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT
 # 10: a regenerated answer's ids right after its prompt (no template text before them), turns a template renders
 # otherwise once a user turn follows kept as context (context_turns, ids_fallbacks counted); 11: each row's opening
 # hash (its turns through the first user turn), the held-out split key
+# The first version whose rows tokenize as this one's do: later ones changed only what the cache holds
+# beside the tokens (11: opening hashes), so a store's manifest at it still holds today's tokens.
+SAME_TOKENS_SINCE = 10
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2
