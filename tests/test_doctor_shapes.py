@@ -41,6 +41,20 @@ def whiplash_records(start: int = 400, buckets=BUCKETS) -> list[dict]:
     return trainer_records(1200, change=change)
 
 
+def test_a_whiplash_that_closes_must_last_its_rows_again_before_it_is_named_again():
+    """The run of rows that opened a whiplash outlived it: once closed, the next row above the bound
+    named a second event at once, with the first one's start step (two events at step 9 here, the
+    second confirmed on its first bad row). A new event now needs whiplash_rows rows of its own."""
+    from stage2_train.observe.oscillation import Whiplash
+
+    cfg = DetectorConfig(window_rows=8, min_history_rows=4, whiplash_rows=3)
+    whiplash = Whiplash(cfg)
+    swinging = [1.0 if i % 2 else 2.0 for i in range(12)]
+    levels = swinging + [1.0] * 6 + swinging  # the calm rows close it; the row after them swings again
+    events = [ev for step, loss in enumerate(levels, 1) if (ev := whiplash.update(step, loss, None, False))]
+    assert [(ev["step"], ev["details"]["confirmed_step"]) for ev in events] == [(9, 11), (21, 23)]
+
+
 def flat_records(num_steps: int = 1000) -> list[dict]:
     """Loss 6.0 and accuracy 0.01 for the whole run, at the usual lr (warmup to 6e-4), 5% noise."""
     rng = random.Random(5)

@@ -81,11 +81,12 @@ class Whiplash:
         self.run = [step, 1] if self.run is None else [self.run[0], self.run[1] + 1]
         if self.run[1] < self.cfg.whiplash_rows:
             return None
-        self.calm = 0
+        # The run is this event's: after it closes, another must last whiplash_rows rows of its own.
+        start, self.run, self.calm = int(self.run[0]), None, 0
         losses = sorted(v[0] for v in self.batches.values())
         self.open = make_event(
             "loss_whiplash",
-            int(self.run[0]),  # where the window's swing first crossed the bound
+            start,  # where the window's swing first crossed the bound
             math.exp(swing),
             swing=r6(swing),
             bound=self.cfg.whiplash_bound,
