@@ -424,6 +424,20 @@ def test_a_slow_divergence_and_decline_are_named():
         DetectorConfig(decline_rel=0.0)
 
 
+def test_a_level_that_closes_must_last_its_rows_again_before_it_is_named_again():
+    """A level event (loss_divergence, accuracy_decline, grad_norm_growth) kept the run of rows that
+    opened it after it closed: a median hovering at its threshold (one row back under it, the next over)
+    named a new event on that one row, with the first event's start step. A new event now needs
+    divergence_rows rows of its own."""
+    from stage2_train.observe.levels import Level
+
+    cfg = DetectorConfig(window_rows=1, min_history_rows=1, divergence_rows=3, divergence_ratio=10.0)
+    growth = Level(cfg, "grad_norm_growth", bad_is_up=True, ratio=cfg.divergence_ratio)
+    norms = [1.0] * 3 + [20.0] * 4 + [5.0] + [20.0] * 4  # over 10x the lowest, once back under it, over again
+    events = [ev for step, norm in enumerate(norms, 1) if (ev := growth.update(step, norm, False))]
+    assert [(ev["step"], ev["details"]["confirmed_step"]) for ev in events] == [(4, 6), (9, 11)]
+
+
 def test_growing_gradients_are_named_before_the_nan():
     """The gradient norm grows 30x from step 600 while the loss has barely moved (clipping bounds the
     update): no spike, cliff or NaN yet, and the doctor called it healthy. Its trailing median against

@@ -66,10 +66,11 @@ class Level:
         self.run = [step, 1] if self.run is None else [self.run[0], self.run[1] + 1]
         if self.run[1] < self.cfg.divergence_rows:
             return None
-        best_step, best = self.best
+        # The run is this event's: after it closes, another must last divergence_rows rows of its own.
+        (best_step, best), start, self.run = self.best, self.run[0], None
         self.open = make_event(
             self.kind,
-            self.run[0],
+            start,
             med / best if self.bad_is_up else best - med,
             best=r6(best),
             best_step=int(best_step),
