@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -356,7 +357,7 @@ class LeaseLock:
                 if current and current.get("token") not in (None, self.token):
                     self.lost = current
                     log.error("%s: the lease was taken by %s; stopping this command", self.path, _describe(current))
-                    _thread.interrupt_main()
+                    _stop_main()
                     return
                 self._write(command)
                 wait = self.lease_s / 3
@@ -371,6 +372,16 @@ class LeaseLock:
         current = self._read()
         if current and current.get("token") == self.token:
             self.fs.rm_file(self.path)
+
+
+def _stop_main() -> None:
+    """A KeyboardInterrupt in the main thread (`exclusive` names the lease's new holder). Where SIGINT is
+    ignored (a background job of a shell script: `extract ... &`), interrupt_main does nothing and the
+    command would go on writing beside the new holder: the process is ended with SIGTERM instead."""
+    if callable(signal.getsignal(signal.SIGINT)):
+        _thread.interrupt_main()
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _read_json(data: bytes) -> dict[str, Any]:

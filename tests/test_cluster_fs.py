@@ -310,3 +310,39 @@ def test_a_lease_another_writer_took_is_never_written_over_and_its_command_stops
 def _acquired(lease, command):
     lease.acquire(command)
     return lease
+
+
+LOST_LEASE_IN_BACKGROUND = """
+import json, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell script's background job (`extract ... &`) starts
+from shared import lock
+store = sys.argv[1]
+lock.acquire_lock = lambda url, command: _hold(lock.LeaseLock(url, lease_s=0.3), command)
+def _hold(lease, command):
+    lease.acquire(command)
+    return lease
+taken = {"token": "0123456789abcdef", "expires": time.time() + 100, "host": "node-7", "pid": 42, "command": "x"}
+with lock.exclusive(store, "stage1_extract extract"):
+    open(store + "/" + lock.LEASE_NAME, "w").write(json.dumps(taken))
+    for _ in range(30):
+        time.sleep(0.1)
+    print("still writing after the lease was taken")
+"""
+
+
+def test_a_command_that_ignores_sigint_still_stops_when_its_lease_is_taken(tmp_path):
+    """The renewer stopped its command with _thread.interrupt_main, which does nothing where SIGINT is
+    ignored (a background job of a shell script): the command went on writing beside the lease's new
+    holder, no longer even renewing. It is ended (SIGTERM) instead."""
+    import signal
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    store.mkdir()
+    done = subprocess.run([sys.executable, "-c", LOST_LEASE_IN_BACKGROUND, str(store)], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert "still writing" not in done.stdout
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert json.loads((store / LEASE_NAME).read_text())["token"] == "0123456789abcdef"
