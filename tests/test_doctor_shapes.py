@@ -90,6 +90,13 @@ def test_a_loss_that_whips_between_levels_is_named_with_the_batches_lengths(tmp_
     bare = [{k: v for k, v in r.items() if k != "samples"} for r in whiplash_records()]
     (ev,) = diagnose(bare)["events"]
     assert ev["details"]["len_loss_rho"] is None and "mean sample length" not in ev["likely_cause"]
+    # Swings the batch lengths do not explain (mixed batches, a loss that is mostly noise step to step):
+    # the cause names small steps, not homogeneous batches.
+    rng = random.Random(3)
+    noise = whiplash_records(buckets=((1.0, 600.0),))
+    noise = [{**r, "loss": r["loss"] * rng.choice((0.6, 1.0, 2.0))} if r["kind"] == "train" and r["step"] > 400 else r for r in noise]
+    (ev,) = diagnose(noise)["events"]
+    assert abs(ev["details"]["len_loss_rho"]) < 0.3 and "more likely steps so small" in ev["likely_cause"]
     # Two buckets close together (0.9x / 1.1x) swing less than the bound; the bound is detectors.whiplash_bound.
     mild = whiplash_records(buckets=((0.9, 500.0), (1.1, 700.0)))
     assert found(diagnose(mild)) == []

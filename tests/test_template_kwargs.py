@@ -180,3 +180,24 @@ def test_the_export_doctor_renders_a_store_with_the_variables_it_was_made_with(t
     assert rendered["status"] == "compared" and rendered["num_samples"] == 4
     assert rendered["differ"] == []
     assert rendered["mode"].startswith("thinking mode: the stored prompts render as enable_thinking=False")
+
+
+def test_a_drafter_carries_its_template_variables_to_the_export_doctors_prompts(tiny_target_dir, tmp_path):
+    """An export records the variables its data was rendered with (dflash_pipeline.training), and the
+    export doctor's built-in prompts are rendered with them: a no-think drafter decoded after thinking
+    prompts scored another text than it was trained for."""
+    from transformers import AutoTokenizer
+
+    from stage2_train.serve.diagnose import builtin_prompts
+    from stage2_train.serve.trained_on import TrainedOn, read_trained_on
+
+    record = TrainedOn("run", 0.05, 0, "abc", {"enable_thinking": False})
+    assert record.to_dict()["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in TrainedOn("run", 0.05, 0, "abc").to_dict()  # older exports' records unchanged
+    (tmp_path / "config.json").write_text(json.dumps({"dflash_pipeline": {"training": record.to_dict()}}))
+    assert read_trained_on(tmp_path).chat_template_kwargs == {"enable_thinking": False}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tokenizer.chat_template = THINKING_SWITCH
+    no_think, default = builtin_prompts(tokenizer, 1, {"enable_thinking": False}), builtin_prompts(tokenizer, 1)
+    assert tokenizer.decode(no_think[0]).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert tokenizer.decode(default[0]).endswith("<|im_start|>assistant\n")

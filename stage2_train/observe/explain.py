@@ -297,7 +297,10 @@ def whiplash_cause(ev: dict[str, Any]) -> str:
     rho, lo, hi = d.get("len_loss_rho"), d.get("mean_len_p10"), d.get("mean_len_p90")
     if lo is not None and hi is not None:
         cause += f"; the steps' mean sample length (tokens / samples) spans {lo:.0f}-{hi:.0f}"
-        if rho is not None:
+        if rho is not None and abs(rho) < 0.3:  # swings the lengths do not explain: noise of small steps
+            cause += (f" but the loss does not follow it (rank correlation {rho:+.2f}): more likely steps so small that "
+                      "each one's loss is mostly noise (raise sampler.micro_batch_tokens or train.grad_accum)")
+        elif rho is not None:
             cause += f" and the loss follows it (rank correlation {rho:+.2f})"
     return cause + (
         ": every optimizer step must mix lengths as the data set does (this trainer's sampler does: check "

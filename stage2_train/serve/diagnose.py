@@ -156,7 +156,8 @@ def decode(
         prompts = [p for _, p in heldout_prompts(reader, heldout, settings.num_prompts)]
         source = f"{len(prompts)} held-out store prompts"
     else:
-        prompts = builtin_prompts(target.tokenizer, settings.num_prompts)
+        # rendered as the drafter's data was (a no-think drafter decoded in thinking mode would score low)
+        prompts = builtin_prompts(target.tokenizer, settings.num_prompts, (loaded.trained_on and loaded.trained_on.chat_template_kwargs))
         source = f"{len(prompts)} built-in prompts"
     if not prompts:
         raise UserError("no prompt to decode (the store's held-out split has no sample with a prompt)")
@@ -185,12 +186,12 @@ def decode(
     return out
 
 
-def builtin_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+def builtin_prompts(tokenizer: Any, count: int, template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+    from shared.conversations import render
+
     out = []
     for question in BUILTIN_QUESTIONS[:count]:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
+        text = render(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True, template_kwargs=template_kwargs)
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 

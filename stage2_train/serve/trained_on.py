@@ -36,10 +36,14 @@ class TrainedOn:
     holdout_fraction: float | None = None
     split_seed: int | None = None
     store_digest: str | None = None
+    # The chat template's variables its data was rendered with (`data.chat_template_kwargs`: Qwen3's
+    # enable_thinking), which its prompts must be rendered with wherever it is decoded; None = none set.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """What an export records (`dflash_pipeline.training`)."""
-        return {"holdout_fraction": self.holdout_fraction, "split_seed": self.split_seed, "store_digest": self.store_digest}
+        return {"holdout_fraction": self.holdout_fraction, "split_seed": self.split_seed, "store_digest": self.store_digest,
+                **({"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else {})}
 
 
 def read_trained_on(path: str | Path) -> TrainedOn | None:
@@ -52,7 +56,8 @@ def read_trained_on(path: str | Path) -> TrainedOn | None:
         if saved is None:
             return None
         split, resolved = saved.get("eval") or {}, saved.get("resolved") or {}
-        return TrainedOn(str(folder), *(split.get(k) for k in SPLIT_KEYS), resolved.get("store_digest"))
+        return TrainedOn(str(folder), *(split.get(k) for k in SPLIT_KEYS), resolved.get("store_digest"),
+                         (saved.get("data") or {}).get("chat_template_kwargs") or None)
     config_path = folder / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -61,7 +66,8 @@ def read_trained_on(path: str | Path) -> TrainedOn | None:
     training = (config.get("dflash_pipeline") or {}).get(TRAINING_KEY) if isinstance(config, dict) else None
     if not isinstance(training, dict):
         return None
-    return TrainedOn(f"{config_path} (dflash_pipeline.{TRAINING_KEY})", *(training.get(k) for k in SPLIT_KEYS), training.get("store_digest"))
+    return TrainedOn(f"{config_path} (dflash_pipeline.{TRAINING_KEY})", *(training.get(k) for k in SPLIT_KEYS), training.get("store_digest"),
+                     training.get("chat_template_kwargs") or None)
 
 
 def heldout_split(cfg: RunConfig, record: TrainedOn | None) -> tuple[float, int, list[str]]:
