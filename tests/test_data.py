@@ -399,10 +399,8 @@ def test_regenerated_copies_of_a_prompt_stay_on_one_side_of_the_split_and_are_co
     assert len(np.unique(reader.split_keys)) == len(reader) - 4
 
 
-def test_a_store_made_at_identity_version_4_keeps_its_split_on_tokens(regenerated_copies, tiny_target_dir, tmp_path, caplog):
-    """A store pinned before prompt keys (identity version 4) keeps the split it was trained with,
-    even when every shard is extracted again: its part records get no prompt hashes (its split stays
-    on tokens, the copies' own), and the log says why and how to get prompt keys."""
+def reextracted_at_version(root, tiny_target_dir, tmp_path, version: int):
+    """A copy of the regenerated store pinned at identity `version`, every shard extracted again: its reader."""
     import shutil
 
     from shared.config import load_run_config
@@ -411,20 +409,31 @@ def test_a_store_made_at_identity_version_4_keeps_its_split_on_tokens(regenerate
 
     from .conftest import stage1_overrides
 
-    root, _, made = regenerated_copies
-    tokens_keys = StoreReader(made.store.url(made.run_dir)).manifest["shards"]
-    tokens_keys = [int(h[:15], 16) for r in tokens_keys for h in r["content_hashes"]]
     copy = Path(shutil.copytree(root, tmp_path / "copy"))
     store = copy / "run" / "store"
     plan = json.loads((store / "plan.json").read_text())
-    (store / "plan.json").write_text(json.dumps({**plan, "header": {**plan["header"], "identity_version": 4}}))
+    (store / "plan.json").write_text(json.dumps({**plan, "header": {**plan["header"], "identity_version": version}}))
     for path in (store / "manifest.json", *(store / "parts").glob("*.json"), *(store / "shards").iterdir()):
-        shutil.rmtree(path) if path.is_dir() else path.unlink()  # every shard extracted again at version 4
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
     cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, copy / "chat.jsonl", copy / "run", **{
         "data.regenerate": True, "generate.max_new_tokens": 6, "generate.rows_per_part": 8, "extract.device": "cpu",
     }))
     commands.cmd_extract(cfg, progress=False)
-    reader = StoreReader(str(store))
+    return StoreReader(str(store))
+
+
+def test_a_store_made_at_identity_version_4_keeps_its_split_on_tokens(regenerated_copies, tiny_target_dir, tmp_path, caplog):
+    """A store pinned before prompt keys (identity version 4) keeps the split it was trained with,
+    even when every shard is extracted again: its part records get no prompt hashes (its split stays
+    on tokens, the copies' own), and the log says why and how to get prompt keys."""
+
+    from shared.reader import StoreReader
+
+
+    root, _, made = regenerated_copies
+    tokens_keys = StoreReader(made.store.url(made.run_dir)).manifest["shards"]
+    tokens_keys = [int(h[:15], 16) for r in tokens_keys for h in r["content_hashes"]]
+    reader = reextracted_at_version(root, tiny_target_dir, tmp_path, 4)
     assert reader.manifest["identity_version"] == 4 and reader.manifest["split_key"] == "tokens"
     assert not any("prompt_hashes" in r for r in reader.manifest["shards"])
     assert reader.split_keys.tolist() == tokens_keys and reader.manifest["num_duplicates"] == 0
@@ -466,28 +475,14 @@ def test_a_store_made_at_identity_version_5_keeps_its_split_on_prompts(regenerat
     """A store pinned before opening keys (identity version 5) keeps the split it was trained with
     when every shard is extracted again: no opening hashes in its records, its regenerated rows keyed
     on their prompt, and the log says why and how to key on openings."""
-    import shutil
 
-    from shared.config import load_run_config
     from shared.reader import StoreReader
-    from stage1_extract import commands
 
-    from .conftest import stage1_overrides
 
     root, _, made = regenerated_copies
     prompt_keys = StoreReader(made.store.url(made.run_dir)).manifest["shards"]
     prompt_keys = [int(h[:15], 16) for r in prompt_keys for h in r["prompt_hashes"]]
-    copy = Path(shutil.copytree(root, tmp_path / "copy"))
-    store = copy / "run" / "store"
-    plan = json.loads((store / "plan.json").read_text())
-    (store / "plan.json").write_text(json.dumps({**plan, "header": {**plan["header"], "identity_version": 5}}))
-    for path in (store / "manifest.json", *(store / "parts").glob("*.json"), *(store / "shards").iterdir()):
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, copy / "chat.jsonl", copy / "run", **{
-        "data.regenerate": True, "generate.max_new_tokens": 6, "generate.rows_per_part": 8, "extract.device": "cpu",
-    }))
-    commands.cmd_extract(cfg, progress=False)
-    reader = StoreReader(str(store))
+    reader = reextracted_at_version(root, tiny_target_dir, tmp_path, 5)
     assert reader.manifest["identity_version"] == 5 and reader.manifest["split_key"] == "prompt"
     assert not any("opening_hashes" in r for r in reader.manifest["shards"])
     assert reader.split_keys.tolist() == prompt_keys and reader.manifest["num_duplicates"] == 4

@@ -29,6 +29,13 @@ THINKING_SWITCH = """{%- for m in messages -%}
 {%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}{%- endif -%}"""
 
 
+def switch_target(tiny_target_dir: Path, root: Path) -> Path:
+    """A copy of the tiny target whose chat template has the thinking switch."""
+    target = Path(shutil.copytree(tiny_target_dir, root / "target"))
+    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    return target
+
+
 def test_the_template_variables_decide_what_is_prompt_and_what_is_answer(tiny_target_dir):
     """Under the default (thinking) the empty think block is the answer's, supervised; with
     enable_thinking=false the generation prompt holds it, as the target sees it when serving so."""
@@ -59,8 +66,7 @@ def no_think_store(tiny_target_dir, tmp_path_factory):
     from stage1_extract import commands
 
     root = tmp_path_factory.mktemp("no_think")
-    target = Path(shutil.copytree(tiny_target_dir, root / "target"))
-    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    target = switch_target(tiny_target_dir, root)
     data = write_jsonl(root / "chat.jsonl", chat_rows(12))
     cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
         target, data, root / "run", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
@@ -110,8 +116,7 @@ def test_extract_without_the_variables_a_store_was_started_with_is_refused(tiny_
     from shared.errors import StoreError
     from stage1_extract import commands
 
-    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
-    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    target = switch_target(tiny_target_dir, tmp_path)
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
     off = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
         target, data, tmp_path / "run", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
@@ -133,8 +138,7 @@ def test_generated_answers_carry_the_variables_their_prompts_were_rendered_with(
     from shared.reader import StoreReader
     from stage1_extract import commands
 
-    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
-    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    target = switch_target(tiny_target_dir, tmp_path)
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": r["messages"][:1]} for r in chat_rows(6)])
     settings = {"data.regenerate": True, "generate.max_new_tokens": 4, "generate.rows_per_part": 8, "extract.device": "cpu"}
     off = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
@@ -169,8 +173,7 @@ def test_the_export_doctor_renders_a_store_with_the_variables_it_was_made_with(t
     from stage1_extract import commands
     from stage2_train.serve.template_drift import compare_renders
 
-    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
-    (target / "chat_template.jinja").write_text(THINKING_SWITCH)
+    target = switch_target(tiny_target_dir, tmp_path)
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
     cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
         target, data, tmp_path / "run", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
