@@ -55,9 +55,22 @@ def pick_attn_implementation(requested: str, device: str, dtype: str | None = No
         )
     if requested != "auto":
         return requested
-    if device.startswith("cuda") and dtype != "fp32" and importlib.util.find_spec("flash_attn") is not None:
+    if device.startswith("cuda") and dtype != "fp32" and flash_attn_importable():
         return "flash_attention_2"
     return "sdpa"
+
+
+def flash_attn_importable() -> bool:
+    """flash-attn installed and importable. A build for another torch or CUDA is found on the path but
+    fails at import (an undefined symbol), which transformers meets only when it loads the target,
+    after `auto` had pinned flash-attn (and packed batches) into a new store's header."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        importlib.import_module("flash_attn")
+    except Exception:  # noqa: BLE001 - any import failure: SDPA runs instead
+        return False
+    return True
 
 
 def load_target_model(
@@ -103,8 +116,8 @@ def runnable_problem(settings: dict[str, Any], device: str) -> str | None:
     if settings.get("attn_implementation") == "flash_attention_2":
         if not device.startswith("cuda"):
             return f"attention flash_attention_2 needs a GPU, this command runs on {device}"
-        if importlib.util.find_spec("flash_attn") is None:
-            return "attention flash_attention_2 needs the flash-attn package (`pip install -e '.[gpu]'`)"
+        if not flash_attn_importable():
+            return "attention flash_attention_2 needs the flash-attn package, importable (`pip install -e '.[gpu]'`)"
     return None
 
 

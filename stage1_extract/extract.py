@@ -164,8 +164,9 @@ def to_host(outputs: list[tuple[Any, Any, Any]], device: Any, value_sum: Any = N
 
 
 class ForwardTimer:
-    """Forward time without a host sync per batch: CUDA events read once at the end (the writer has
-    waited on every batch by then); wall time on CPU."""
+    """Forward time without a host sync per batch: CUDA events read once at the end, after waiting
+    for the last (a tensor-parallel rank that does not write has no writer that waited on its
+    batches, and an event still pending makes `elapsed_time` raise); wall time on CPU."""
 
     def __init__(self, device: Any):
         self.cuda = device.type == "cuda"
@@ -194,7 +195,9 @@ class ForwardTimer:
 
     def seconds(self) -> float:
         if self.cuda:
-            return sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0  # milliseconds; both events done
+            for _, end in self.pairs[-1:]:
+                end.synchronize()  # one stream: every earlier event is done once the last one is
+            return sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0  # milliseconds
         return self.cpu_seconds
 
 

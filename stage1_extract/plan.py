@@ -162,10 +162,14 @@ def extraction_memory(cfg: RunConfig, target: Any, kind: str) -> dict[str, Any]:
     rates, extract, arch = GPUS[kind], cfg.extract, target.arch
     dtype = cfg.target.dtype if cfg.target.dtype != "auto" else "bf16"  # what a GPU runs
     dtype_bytes = 4 if dtype == "fp32" else 2
+    attn = cfg.target.attn_implementation  # packed with sdpa or eager: a [tokens, tokens] mask per batch
+    packed_mask = attn if extract.packed == "on" and attn in ("sdpa", "eager") else None
 
     def need(tp: int) -> tuple[float, float, str]:
         weights, source = weight_gib_per_gpu(target.target_dir, arch, dtype_bytes, tp)
-        working = working_set_gib(arch, len(target.layer_ids), extract.batch_tokens, extract.lm_head_chunk_tokens, dtype_bytes, tp)
+        working = working_set_gib(
+            arch, len(target.layer_ids), extract.batch_tokens, extract.lm_head_chunk_tokens, dtype_bytes, tp, packed_mask
+        )
         return weights, working, source
 
     tp = extract.tensor_parallel_size
@@ -184,7 +188,9 @@ def extraction_memory(cfg: RunConfig, target: Any, kind: str) -> dict[str, Any]:
         "smallest_tensor_parallel_size": smallest,
         "basis": f"{dtype} weights from {source}, split {tp} way(s) but the embedding and norms; working set: one "
         f"{extract.batch_tokens:,}-token batch's layer activations, captured layers and one "
-        f"{extract.lm_head_chunk_tokens:,}-token LM-head chunk (an upper bound); reserve for the CUDA context and NCCL",
+        f"{extract.lm_head_chunk_tokens:,}-token LM-head chunk (an upper bound)"
+        + (f", and the packed batch's [tokens, tokens] {attn} mask" if packed_mask else "")
+        + "; reserve for the CUDA context and NCCL",
     }
     if not out["fits"]:
         fix = (f"set extract.tensor_parallel_size={smallest} (and launch a multiple of it per node)" if smallest

@@ -216,16 +216,23 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def working_set_gib(arch: TargetArch, num_layers: int, batch_tokens: int, lm_head_chunk_tokens: int, dtype_bytes: int, tp: int) -> float:
+def working_set_gib(
+    arch: TargetArch, num_layers: int, batch_tokens: int, lm_head_chunk_tokens: int, dtype_bytes: int, tp: int,
+    packed_mask: str | None = None,
+) -> float:
     """GiB the forward of one batch needs beside the weights, an upper bound: the residual stream,
     its norm and the attention output (4 x hidden), this rank's q/k/v and MLP columns, the captured
-    layers, and one LM-head chunk's gathered logits with their fp32 copy."""
+    layers, and one LM-head chunk's gathered logits with their fp32 copy. `packed_mask`: the attention
+    ("sdpa", "eager") a packed batch runs with, which keeps its samples apart with a [tokens, tokens]
+    mask: the boolean mask and, for sdpa, its additive copy in the compute dtype; eager also holds
+    this rank's heads' scores and their fp32 softmax (flash-attn's varlen path makes none of these)."""
     n, h = batch_tokens, arch.hidden_size
     qkv = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.head_dim // tp
     layer = n * (4 * h + qkv + 3 * arch.intermediate_size // tp) * dtype_bytes
     captured = n * num_layers * h * dtype_bytes
     head = lm_head_chunk_tokens * arch.vocab_size * (dtype_bytes + 4)
-    return (layer + captured + head) / 2**30
+    per_pair = {None: 0, "sdpa": 1 + dtype_bytes, "eager": 1 + arch.num_attention_heads // tp * (dtype_bytes + 4)}[packed_mask]
+    return (layer + captured + head + n * n * per_pair) / 2**30
 
 
 def fitting_size(fits: Any, arch: TargetArch, most: int = 64) -> int | None:

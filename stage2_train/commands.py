@@ -98,10 +98,12 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
     """What the memory plan reads of a run config (PlanInputs) and where the target's shape came from:
     its folder's config.json, or the published shape of a known target named by target.path
     (planning needs no weights)."""
+    import os
     from pathlib import PurePath
 
     from shared.errors import ConfigError
     from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
+    from stage2_train.train.launch import resolve_mixed_precision
     from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs
 
     folder = Path(cfg.target.path).expanduser()
@@ -118,7 +120,9 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
             )
         arch, source = KNOWN_TARGETS[name], f"the published {name} shape"
     layers = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_feature_layers
-    return PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers), source
+    # The compute dtype the trainer takes on a GPU (train.mixed_precision, or accelerate launch's choice under auto).
+    bf16 = resolve_mixed_precision(cfg.train, True, os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16"
+    return PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers, bf16), source
 
 
 # ---------------------------------------------------------------------------------------------

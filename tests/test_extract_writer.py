@@ -280,3 +280,46 @@ def test_host_copies_read_after_their_event_equal_the_device_tensors(device):
     assert all(torch.equal(h, o.cpu()) for copies, made in zip(read, outputs) for h, o in zip(copies, made))
     expected = sum(float(t.double().sum()) for hidden, values, _ in outputs for t in (hidden, values))
     assert math.isclose(landed, expected, rel_tol=1e-4, abs_tol=1.0)
+
+
+class StreamEvents:
+    """CUDA timing events on one stream, as torch has them: done in record order, done only once the
+    host waited for them (or for a later one), and `elapsed_time` raises for one still pending."""
+
+    def __init__(self):
+        self.recorded, self.done = 0, 0
+        streams = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.seq = None
+
+            def record(self, stream=None):
+                streams.recorded += 1
+                self.seq = streams.recorded
+
+            def synchronize(self):
+                streams.done = max(streams.done, self.seq)
+
+            def query(self):
+                return self.seq <= streams.done
+
+            def elapsed_time(self, other):
+                if not (self.query() and other.query()):
+                    raise RuntimeError("Both events must be completed before calculating elapsed time.")
+                return 1.0
+
+        self.Event = Event
+
+
+def test_a_tensor_parallel_rank_that_does_not_write_reads_its_forward_time_after_its_last_batch(monkeypatch):
+    """On a TP group's ranks that do not write, no writer waits on the batches: the timer read its
+    events while the last forward still ran, and `elapsed_time` raised on every such rank at the end
+    of an extraction (torchrun then stopped the job before rank 0 merged the manifest)."""
+    events = StreamEvents()
+    monkeypatch.setattr(torch.cuda, "Event", events.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    timer = extract_mod.ForwardTimer(torch.device("cuda", 1))
+    for _ in range(3):  # three forward batches, queued on the GPU, none waited for
+        timer.stop(timer.start())
+    assert timer.seconds() == pytest.approx(0.003)

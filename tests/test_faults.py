@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -632,6 +633,7 @@ def test_an_fp32_target_on_a_gpu_with_flash_attn_installed_runs_sdpa(tiny_target
 
     real_find_spec, loaded = importlib.util.find_spec, []
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "flash_attn", ModuleType("flash_attn"))
 
     class Model(SimpleNamespace):
         def to(self, device):
@@ -654,6 +656,21 @@ def test_an_fp32_target_on_a_gpu_with_flash_attn_installed_runs_sdpa(tiny_target
     with pytest.raises(ConfigError, match="flash_attention_2 cannot run an fp32 target.*target.attn_implementation=sdpa"):
         load_online_target(TargetConfig(path=str(tiny_target_dir), attn_implementation="flash_attention_2"), "fp32", "cuda")
     assert pick_attn_implementation("auto", "cpu", "bf16") == "sdpa"
+
+
+def test_a_flash_attn_that_is_found_but_does_not_import_is_not_chosen(monkeypatch):
+    """A flash-attn built for another torch is found on the path and fails at import (undefined
+    symbol). auto picked it from find_spec alone and pinned flash-attn and packed batches into a new
+    store's header; the target's load then failed, and a rerun with sdpa was refused as a changed setting."""
+    import importlib.util
+
+    from shared.target_model import pick_attn_implementation, runnable_problem
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError, as a broken build does
+    assert pick_attn_implementation("auto", "cuda:0", "bf16") == "sdpa"
+    assert "flash-attn package, importable" in runnable_problem({"attn_implementation": "flash_attention_2"}, "cuda:0")
 
 
 def test_stop_tokens_come_from_tokenizer_and_generation_config_and_may_be_none():

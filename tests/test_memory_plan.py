@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -197,3 +198,19 @@ def test_the_8b_presets_worst_step_fits_an_80_gb_gpu_with_its_reserve(preset):
     assert removed["fp32_output_cast"] == pytest.approx(output, abs=0.03)
     with_ckpt, without = out["traced_peak_gib"]["with_checkpointing"], out["traced_peak_gib"]["without_checkpointing"]
     assert with_ckpt["Total"] < without["Total"]
+
+
+def test_the_plan_traces_the_compute_dtype_the_trainer_takes(monkeypatch):
+    """train.mixed_precision=fp32 (or auto under an `accelerate launch` configured with no mixed
+    precision) trains in fp32 on a GPU: the plan traced bf16 regardless and called fitting a step
+    that needs about twice its activations."""
+    from stage2_train.commands import plan_inputs
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert plan_inputs(load_run_config("qwen3-8b"))[0].bf16
+    assert not plan_inputs(load_run_config("qwen3-8b", ["train.mixed_precision=fp32"]))[0].bf16
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert not plan_inputs(load_run_config("qwen3-8b"))[0].bf16
+    shape = StepShape(2048, 512, 8, 16)
+    bf16, fp32 = small_inputs().trace(shape), replace(small_inputs(), bf16=False).trace(shape)
+    assert fp32["Activation"] > 1.3 * bf16["Activation"] and fp32["Total"] > bf16["Total"]

@@ -106,6 +106,25 @@ def test_the_plan_gives_the_weights_per_gpu_and_refuses_a_size_that_does_not_fit
     assert extraction_memory(two, target, "h200")["fits"]
 
 
+def test_the_plan_counts_the_mask_a_packed_batch_gets_from_sdpa_or_eager():
+    """extract.packed=on with sdpa (or eager) keeps the samples of a 65K-token batch apart with a
+    [tokens, tokens] mask: 4 GiB of booleans and 8 GiB of sdpa's bf16 additive copy, and eager's scores
+    per head besides. The plan counted none of it and called fitting what the first batch ran out of."""
+    target = SimpleNamespace(target_dir=None, arch=LLAMA_70B, layer_ids=[1, 20, 39, 58, 77])
+
+    def memory(*overrides: str):
+        return extraction_memory(load_run_config("configs/llama-3.1-8b.yaml", ["extract.tensor_parallel_size=8", *overrides]),
+                                 target, "h200")
+
+    flash = memory("extract.packed=on", "target.attn_implementation=flash_attention_2")
+    sdpa = memory("extract.packed=on", "target.attn_implementation=sdpa")
+    assert memory("extract.packed=off", "target.attn_implementation=sdpa")["working_set_gib"] == flash["working_set_gib"]
+    assert sdpa["working_set_gib"] - flash["working_set_gib"] == pytest.approx(65536**2 * 3 / 2**30, abs=0.01)
+    assert "[tokens, tokens] sdpa mask" in sdpa["basis"]
+    with pytest.raises(ConfigError, match=r"GiB working set"):  # 8 heads per GPU x 65536^2 scores in bf16 and fp32
+        memory("extract.packed=on", "target.attn_implementation=eager")
+
+
 def test_the_plan_counts_the_weights_in_the_safetensors_headers(tiny_target_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

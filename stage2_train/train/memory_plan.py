@@ -256,11 +256,12 @@ class PlanInputs:
     grad_accum: int
     arch: TargetArch
     num_feature_layers: int
+    bf16: bool = True  # the trainer's compute dtype on a GPU (train.mixed_precision; fp32 doubles every activation)
 
     def trace(self, shape: StepShape, model: DrafterConfig | None = None, legacy: frozenset[str] = frozenset()) -> dict[str, float]:
         return traced_step(
             model or self.model, self.loss, self.arch, self.num_feature_layers, shape,
-            grad_accum=self.grad_accum, noise_cfg=self.noise, optim_cfg=self.optim, legacy=legacy,
+            grad_accum=self.grad_accum, noise_cfg=self.noise, optim_cfg=self.optim, bf16=self.bf16, legacy=legacy,
         )
 
     def shape(self, tokens: int, blocks: int) -> StepShape:
@@ -286,6 +287,7 @@ def plan(inputs: PlanInputs, world_size: int = 8, search: bool = False, removed_
         "micro_batch": {"tokens": shape.tokens, "blocks": shape.blocks, "samples": shape.samples, "block_rows": shape.block_rows},
         "assumption": "the densest micro-batch both budgets allow (every slot scored); its split into samples does not change the memory",
         "step": "one micro-batch on the device at a time, noise added in place, the forward's output in the compute dtype",
+        "compute_dtype": "bf16 autocast" if inputs.bf16 else "fp32 (train.mixed_precision=fp32)",
         "formula_gib": fixed,
         "untraced_gib": {"ddp_buckets": fixed["ddp_buckets_fp32"], "cuda_context_nccl_fragmentation": RESERVE_GB},
         "gpus_gib": GPUS,
