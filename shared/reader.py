@@ -19,20 +19,35 @@ import numpy as np
 
 from shared.codecs import FP4_ARRAYS, decode_hidden, hidden_array_names
 from shared.errors import StoreError
-from shared.shard_records import split_hashes
+from shared.shard_records import duplicate_hashes, split_hashes
 from shared.store import ARRAY_NAMES, StoreFiles, _zarr_store, read_manifest
 
 log = logging.getLogger(__name__)
 
 
+# An opening shared by more than this share of the store (and GENERIC_OPENING_MIN rows) is generic (one
+# fixed instruction before every row): kept together it would put the whole group on one side of the
+# split (no held-out sample, or no training one), so its rows are keyed on their prompt or tokens.
+GENERIC_OPENING_SHARE = 0.05
+GENERIC_OPENING_MIN = 16
+
+
 def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.ndarray:
     """int64 per sample: the hash `split_hashes` chooses (a row's opening; in older stores a regenerated
     row's prompt, else the sample's tokens and loss mask), so rows that open alike share a key and the
-    held-out split keeps them on one side; else the sample ids (stores written before any hash)."""
+    held-out split keeps them on one side; else the sample ids (stores written before any hash). Rows
+    of a generic opening (GENERIC_OPENING_SHARE) are keyed on their prompt or tokens instead."""
     chosen = split_hashes(shards)
-    if chosen is not None:
-        return np.asarray([int(h[:15], 16) for h in chosen[1]], dtype=np.int64)
-    return sample_ids
+    if chosen is None:
+        return sample_ids
+    keys = np.asarray([int(h[:15], 16) for h in chosen[1]], dtype=np.int64)
+    finer = duplicate_hashes(shards)
+    if chosen[0] == "opening_hashes" and finer is not None and len(keys):
+        _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        generic = counts[inverse] > max(GENERIC_OPENING_MIN, GENERIC_OPENING_SHARE * len(keys))
+        if generic.any():
+            keys[generic] = np.asarray([int(h[:15], 16) for h in finer[1]], dtype=np.int64)[generic]
+    return keys
 
 
 class StoreReader:

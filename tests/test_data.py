@@ -471,6 +471,24 @@ def test_rows_that_share_a_first_question_stay_on_one_side_of_the_split(tiny_tar
     assert len(np.unique(reader.split_keys)) == len(reader) - 2
 
 
+def test_a_generic_opening_does_not_put_the_whole_store_on_one_side_of_the_split():
+    """Rows that all open alike (one fixed instruction: "Go on.") formed one split group: every sample
+    held out or none (no eval at all, or no training sample). A group past GENERIC_OPENING_SHARE of the
+    store is keyed on its rows' prompt or tokens; small groups (a question asked twice) stay together."""
+    from shared.reader import content_keys
+    from stage2_train.data.split import heldout_mask
+
+    def record(openings, contents):
+        return {"opening_hashes": openings, "content_hashes": contents}
+
+    contents = [f"{i:016x}" for i in range(1, 41)]
+    generic = [record(["a" * 16] * 20, contents[:20]), record(["a" * 16] * 18 + ["b" * 16] * 2, contents[20:])]
+    keys = content_keys(generic, np.arange(40))
+    assert keys[:38].tolist() == [int(h[:15], 16) for h in contents[:38]]  # the generic group: its tokens
+    assert keys[38] == keys[39] == int("b" * 15, 16)  # a pair that opens alike stays one key
+    assert 0 < heldout_mask(keys, 0.25, 0).sum() < 40
+
+
 def test_a_store_made_at_identity_version_5_keeps_its_split_on_prompts(regenerated_copies, tiny_target_dir, tmp_path, caplog):
     """A store pinned before opening keys (identity version 5) keeps the split it was trained with
     when every shard is extracted again: no opening hashes in its records, its regenerated rows keyed

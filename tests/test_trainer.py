@@ -638,7 +638,7 @@ def test_two_processes_give_the_losses_of_one(tiny_target_dir, store, tmp_path):
     """Same global batch: 1 rank x 2 micro-batches vs 2 ranks (torchrun, gloo) x 1 micro-batch; the
     held-out eval mid-training (every 2 steps) is spread over the 2 ranks and gives the same row."""
     extra = {"train.max_steps": 4, "sampler.micro_batch_tokens": 256, "sampler.max_anchors_per_seq": 2,
-             "eval.every_steps": 2, "eval.offline_max_samples": 5}
+             "eval.every_steps": 2, "eval.offline_max_samples": 5, "eval.holdout_fraction": 0.25}
     one = tmp_path / "one"
     commands.cmd_train(config(tiny_target_dir, store, one, **{**extra, "train.grad_accum": 2}), progress=False)
     two = tmp_path / "two"
