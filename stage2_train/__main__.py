@@ -95,6 +95,10 @@ def show_plan(out: dict[str, Any]) -> str:
         f"micro-batch {mb.get('tokens')} tokens / {mb.get('block_rows')} block rows; {fits}",
         f"target shape from {out.get('shape_from')}",
     ]
+    if ev := out.get("eval_pack"):
+        steps = (out.get("traced_peak_gib") or {}).get("with_checkpointing", {}).get("step_total")
+        lines.append(f"the final held-out eval's densest pack ({ev['tokens']} tokens, {ev['block_rows']} block rows, no gradients) "
+                     f"is traced after the steps (the steps alone: {steps} GiB traced with checkpointing)")
     for cost, removed in (out.get("removed_costs_gib") or {}).items():
         lines.append(f"not paid: {cost} (would add {removed['would_add']:.2f} GiB)")
     for gpu, best in (out.get("largest_budgets") or {}).items():

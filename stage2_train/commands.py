@@ -102,6 +102,7 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
     from pathlib import PurePath
 
     from shared.errors import ConfigError
+    from shared.identity import stage1_value
     from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
     from stage2_train.train.launch import resolve_mixed_precision
     from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs
@@ -119,10 +120,19 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
                 f"copy the target's config.json into that folder to plan for it"
             )
         arch, source = KNOWN_TARGETS[name], f"the published {name} shape"
+    if cfg.model.attention not in ("auto", "flex"):
+        raise ConfigError(
+            f"model.attention={cfg.model.attention!r}: the memory plan traces compiled flex (what `auto` runs on CUDA); "
+            f"{cfg.model.attention} keeps each chunk group's mask and scores (bench/attention.py), which it does not trace. "
+            f"Plan and train with model.attention=auto"
+        )
     layers = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_feature_layers
     # The compute dtype the trainer takes on a GPU (train.mixed_precision, or accelerate launch's choice under auto).
     bf16 = resolve_mixed_precision(cfg.train, True, os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16"
-    return PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers, bf16), source
+    # The final eval packs held-out samples up to eval.offline_batch_tokens, a longer one alone.
+    eval_tokens = max(cfg.eval.offline_batch_tokens, stage1_value(cfg, "data.max_length")) if cfg.eval.holdout_fraction > 0 else None
+    inputs = PlanInputs(cfg.model, cfg.loss, cfg.sampler, cfg.noise, cfg.optim, cfg.train.grad_accum, arch, layers, bf16, eval_tokens)
+    return inputs, source
 
 
 # ---------------------------------------------------------------------------------------------

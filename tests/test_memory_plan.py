@@ -197,7 +197,8 @@ def test_the_8b_presets_worst_step_fits_an_80_gb_gpu_with_its_reserve(preset):
     assert removed["noisy_copy"] == pytest.approx(context, abs=0.03)
     assert removed["fp32_output_cast"] == pytest.approx(output, abs=0.03)
     with_ckpt, without = out["traced_peak_gib"]["with_checkpointing"], out["traced_peak_gib"]["without_checkpointing"]
-    assert with_ckpt["Total"] < without["Total"]
+    assert with_ckpt["step_total"] < without["step_total"] and with_ckpt["Total"] >= with_ckpt["step_total"]
+    assert out["eval_pack"]["tokens"] == max(cfg.eval.offline_batch_tokens, 3072)
 
 
 def test_the_plan_traces_the_compute_dtype_the_trainer_takes(monkeypatch):
@@ -214,3 +215,28 @@ def test_the_plan_traces_the_compute_dtype_the_trainer_takes(monkeypatch):
     shape = StepShape(2048, 512, 8, 16)
     bf16, fp32 = small_inputs().trace(shape), replace(small_inputs(), bf16=False).trace(shape)
     assert fp32["Activation"] > 1.3 * bf16["Activation"] and fp32["Total"] > bf16["Total"]
+
+
+def test_the_plan_traces_the_final_evals_densest_pack():
+    """The final held-out eval scores every anchor of a pack of `eval.offline_batch_tokens` tokens: on
+    the default preset 131K block rows against a training micro-batch's 16K, without gradients but
+    beside the optimizer state. The plan traced the steps alone and so missed a peak that was the
+    eval's (1.8 against 1.0 GiB there)."""
+    inputs = small_inputs()
+    shape = StepShape(2048, 512, 8, 16)
+    alone, with_eval = inputs.trace(shape), replace(inputs, eval_tokens=8192).trace(shape)
+    assert alone["Total"] == alone["step_total"] == with_eval["step_total"]
+    assert with_eval["Total"] > alone["Total"] + 8191 * 16 * 256 * 2 / GIB  # at least its [N, B, H] bf16 output
+    assert replace(inputs, eval_tokens=8192).eval_shape() == StepShape(8192, 8191, 1, 16)
+
+
+def test_the_plan_reads_the_eval_pack_and_refuses_an_attention_it_does_not_trace():
+    from shared.errors import ConfigError
+    from stage2_train.commands import plan_inputs
+
+    assert plan_inputs(load_run_config("qwen3-8b"))[0].eval_tokens == 8192
+    assert plan_inputs(load_run_config("qwen3-8b", ["eval.offline_batch_tokens=1024"]))[0].eval_tokens == 3072  # data.max_length
+    assert plan_inputs(load_run_config("qwen3-8b", ["eval.holdout_fraction=0"]))[0].eval_tokens is None
+    # sdpa keeps each chunk group's mask and scores for backward: a plan of flex would call it fitting.
+    with pytest.raises(ConfigError, match="model.attention='sdpa'.*model.attention=auto"):
+        plan_inputs(load_run_config("qwen3-8b", ["model.attention=sdpa"]))

@@ -144,9 +144,12 @@ def traced_step(
     optim_cfg: OptimConfig | None = None,
     bf16: bool = True,
     legacy: frozenset[str] = frozenset(),
+    eval_shape: StepShape | None = None,
 ) -> dict[str, float]:
     """GiB by kind (Parameter, Buffer, Gradient, Activation, Temp, Optstate, Other) at the peak of
-    the traced steps, and its Total. `legacy`: LEGACY_COSTS put back, to measure what each cost."""
+    the traced steps, and its Total. `legacy`: LEGACY_COSTS put back, to measure what each cost.
+    `eval_shape`: then the held-out eval's densest pack scored as `train/evaluate.py` scores it (no
+    gradients, the optimizer state still resident); "step_total" is the peak before it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -158,6 +161,7 @@ def traced_step(
     # The resident micro-batches only show with every one of them; otherwise two show the pattern.
     micro_batches = grad_accum if "all_micro_batches_on_device" in legacy else min(grad_accum, 2)
     indices = _micro_batch(shape, arch.vocab_size, model_cfg.label_shift)
+    eval_indices = None if eval_shape is None else _micro_batch(eval_shape, arch.vocab_size, model_cfg.label_shift)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = drafter_class(model_cfg.variant)(model_cfg, arch, num_feature_layers, min(arch.vocab_size - 1, 151669))
         model.attention_backend = "memory"
@@ -196,9 +200,34 @@ def traced_step(
                 del resident
                 optimizers.step()
                 optimizers.zero_grad()
+            (_, step_kinds), *_ = tracker.get_tracker_snapshot("peak").items()
+            if eval_indices is not None:
+                _trace_eval(model, eval_indices, num_feature_layers * arch.hidden_size, model_cfg, loss_cfg, dtype, bf16)
         peak = tracker.get_tracker_snapshot("peak")
+    def gib(by_kind: dict[Any, int]) -> dict[str, float]:
+        return {str(getattr(k, "value", k)): round(v / 2**30, 3) for k, v in by_kind.items()}
+
     (_, by_kind), *_ = peak.items()
-    return {str(getattr(k, "value", k)): round(v / 2**30, 3) for k, v in by_kind.items()}
+    return {**gib(by_kind), "step_total": gib(step_kinds)["Total"]}
+
+
+def _trace_eval(model: Any, indices: DrafterBatch, features: int, model_cfg: DrafterConfig, loss_cfg: LossConfig,
+                dtype: torch.dtype, bf16: bool) -> None:
+    """The held-out eval's densest pack (`indices`, built outside fake mode: every anchor of
+    `eval.offline_batch_tokens` tokens scored, the final eval's case, more block rows than a training
+    micro-batch holds) through `score_blocks`, as `HeldoutEvaluator` runs it between steps: no
+    gradients, under the step's autocast."""
+    from stage2_train.train.evaluate import score_blocks
+
+    (N, B), T = indices.labels_NB.shape, indices.num_tokens
+    host = replace(indices, context_TF=torch.empty(T, features, dtype=dtype))
+    if model_cfg.reads_topk:
+        host = replace(host, topk_logprobs_NBK=torch.empty(N, B, TOP_K), topk_ids_NBK=torch.zeros(N, B, TOP_K, dtype=torch.long))
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        scored = score_blocks(model, _to_device(host), loss_cfg.gamma)
+    del scored
+    model.train()
 
 
 def _noisy_copy(context_TF: torch.Tensor, std: float) -> torch.Tensor:
@@ -257,12 +286,20 @@ class PlanInputs:
     arch: TargetArch
     num_feature_layers: int
     bf16: bool = True  # the trainer's compute dtype on a GPU (train.mixed_precision; fp32 doubles every activation)
+    eval_tokens: int | None = None  # the held-out eval's largest pack (None: the run holds nothing out, no eval)
 
     def trace(self, shape: StepShape, model: DrafterConfig | None = None, legacy: frozenset[str] = frozenset()) -> dict[str, float]:
         return traced_step(
             model or self.model, self.loss, self.arch, self.num_feature_layers, shape,
             grad_accum=self.grad_accum, noise_cfg=self.noise, optim_cfg=self.optim, bf16=self.bf16, legacy=legacy,
+            eval_shape=self.eval_shape(),
         )
+
+    def eval_shape(self) -> StepShape | None:
+        """The final eval's densest pack: one sample of `eval_tokens`, every token but the last an anchor."""
+        if self.eval_tokens is None:
+            return None
+        return densest_micro_batch(self.eval_tokens, self.eval_tokens, self.eval_tokens, self.model.block_size)
 
     def shape(self, tokens: int, blocks: int) -> StepShape:
         return densest_micro_batch(tokens, blocks, self.sampler.max_anchors_per_seq, self.model.block_size)
@@ -285,6 +322,11 @@ def plan(inputs: PlanInputs, world_size: int = 8, search: bool = False, removed_
             "max_anchors_per_seq": sampler.max_anchors_per_seq, "grad_accum": inputs.grad_accum,
         },
         "micro_batch": {"tokens": shape.tokens, "blocks": shape.blocks, "samples": shape.samples, "block_rows": shape.block_rows},
+        "eval_pack": None if (ev := inputs.eval_shape()) is None else {
+            "tokens": ev.tokens, "blocks": ev.blocks, "block_rows": ev.block_rows,
+            "what": "the final held-out eval's densest pack (eval.offline_batch_tokens, or the longest sample, every anchor "
+                    "scored), traced after the steps without gradients; the peak is the larger of the two"},
+        "attention": "compiled flex (model.attention auto or flex, on CUDA): what it allocates and keeps for backward",
         "assumption": "the densest micro-batch both budgets allow (every slot scored); its split into samples does not change the memory",
         "step": "one micro-batch on the device at a time, noise added in place, the forward's output in the compute dtype",
         "compute_dtype": "bf16 autocast" if inputs.bf16 else "fp32 (train.mixed_precision=fp32)",
@@ -303,7 +345,8 @@ def plan(inputs: PlanInputs, world_size: int = 8, search: bool = False, removed_
     out["fits"] = {name: out["peak_gib"] <= gib for name, gib in GPUS.items()}
     if removed_costs:
         out["removed_costs_gib"] = {
-            name: {"would_add": round(inputs.trace(shape, legacy=frozenset({name}))["Total"] - configured["Total"], 2), "what": what}
+            # The steps alone: where the eval's pack sets the peak, a step's cost would not show in it.
+            name: {"would_add": round(inputs.trace(shape, legacy=frozenset({name}))["step_total"] - configured["step_total"], 2), "what": what}
             for name, what in LEGACY_COSTS.items()
         }
     if search:
