@@ -53,7 +53,7 @@ def fmt(value: Any, digits: int = 3) -> str:
         return "n/a"
     if isinstance(value, float):
         return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
 def yes(ok: bool) -> str:

@@ -85,6 +85,32 @@ def writer_at_8b(batches: int = 4, scale: int = 8, threads: int = 2) -> dict:
     return out
 
 
+def codec_rates(features: list) -> dict:
+    """Per stored array (as stored: bf16 bits, fp16 log-probs, int32 ids): ratio and decode MB/s of
+    each candidate codec, one thread, beside a memcpy of the same bytes."""
+    import numpy as np
+    import torch
+    from numcodecs import LZ4, Blosc, Zstd, blosc
+
+    from bench.common import calls_per_s
+
+    blosc.set_nthreads(1)  # one decoding thread, as one loader thread decodes
+
+    arrays = {"hidden (bf16)": torch.cat([f.hidden_TLH.to(torch.bfloat16) for f in features]).view(torch.int16).numpy(),
+              "topk_logprobs (fp16)": torch.cat([f.topk_logprobs_TK for f in features]).to(torch.float16).numpy(),
+              "topk_ids (int32)": torch.cat([torch.as_tensor(f.topk_ids_TK) for f in features]).to(torch.int32).numpy()}
+    codecs = {"zstd-3 (the store's)": Zstd(3), "lz4": LZ4(), "blosc lz4 + bit shuffle": Blosc("lz4", 5, Blosc.BITSHUFFLE)}
+    out = {}
+    for name, data in arrays.items():
+        raw = np.ascontiguousarray(data)
+        encoded = {c: codec.encode(raw) for c, codec in codecs.items()}
+        per_s = calls_per_s({"memcpy": raw.copy, **{c: (lambda c=codecs[c], e=e: c.decode(e)) for c, e in encoded.items()}}, min_s=0.3)
+        out[name] = {"memcpy_mb_per_s": round(per_s["memcpy"] * raw.nbytes / 1e6),
+                     **{c: {"ratio": round(raw.nbytes / len(e), 3), "decode_mb_per_s": round(per_s[c] * raw.nbytes / 1e6)}
+                        for c, e in encoded.items()}}
+    return out
+
+
 def main() -> int:
     parser = arguments(__doc__)
     parser.add_argument("--samples", type=int, default=48)
@@ -150,7 +176,11 @@ def main() -> int:
     rel = torch.cat([relative_error(decode_hidden(*encode_hidden(f.hidden_TLH, "fp8"), "fp8"), f.hidden_TLH).flatten() for f in features])
     bf16_rel = torch.cat([relative_error(f.hidden_TLH.to(torch.bfloat16), f.hidden_TLH).flatten() for f in features])
 
-    # 4. Random window reads (what the trainer does).
+    # 4. Each stored array's compression and one-thread decode rate under candidate codecs, on these
+    # real activations: why the reader's zstd figures are what they are, what a faster codec would buy.
+    codecs = codec_rates(features)
+
+    # 5. Random window reads (what the trainer does).
     store = RunPaths.of(cfg).store
     reader = StoreReader(store)
     rng = random.Random(0)
@@ -200,6 +230,7 @@ def main() -> int:
         "read_window_tokens": window,
         "store_shards": len(manifest["shards"]),
         "writer_at_8b": writer_at_8b(),
+        "codecs": codecs,
     }
     return emit(results, args.json)
 
@@ -207,35 +238,35 @@ def main() -> int:
 def rows(r: dict) -> list[Row]:
     out: list[Row] = []
     out.append(("extraction wall time / pure target forward", fmt(r["extract_over_forward"]), "<= 1.15",
-                f"forward {r['forward_s']} s on {r['tokens']} tokens"
-                + (f" ({r['padded_tokens']} padded)" if "padded_tokens" in r else ""), yes(r["extract_over_forward"] <= 1.15)))
+                f"forward {r['forward_s']} s on {r['tokens']} tokens ({r['padded_tokens']} padded)", yes(r["extract_over_forward"] <= 1.15)))
     bpt = r["bytes_per_token"]
     peer = bpt["torch.save per sample (SpecForge-style, no top-k)"]
     for key in ("bf16+none", "bf16+zstd", "fp8+none", "fp8+zstd"):
         out.append((f"bytes/token {key} (incl. top-64)", fmt(bpt[key]), "", f"torch.save per sample: {fmt(peer)} (no top-k)", ""))
     out.append(("fp8 / bf16 bytes (whole store)", fmt(r["fp8_over_bf16"]), "<= 0.55", "bf16 in the same run", yes(r["fp8_over_bf16"] <= 0.55)))
-    if "bytes_per_token_by_array" in r:
-        arrays = r["bytes_per_token_by_array"]
-        names = [k for k in dict.fromkeys([*arrays["bf16"], *arrays["fp8"]]) if max(arrays["bf16"].get(k, 0), arrays["fp8"].get(k, 0)) >= 1]
-        split = ", ".join(f"{k} {fmt(arrays['bf16'].get(k, 0))} -> {fmt(arrays['fp8'].get(k, 0))}" for k in names)
-        out.append(("where the bytes go (bytes/token per array, bf16 -> fp8, uncompressed)", split, "", "", ""))
-    out.append(("fp8 / bf16 bytes (hidden states only)", fmt(r.get("fp8_hidden_over_bf16")), "<= 0.55", "top-k costs the same in both",
-                yes(r.get("fp8_hidden_over_bf16", 1) <= 0.55)))
-    out.append(("fp8 / bf16 bytes at Qwen3-8B size (formula)", fmt(r.get("fp8_over_bf16_at_qwen3_8b")), "<= 0.55", "", yes(r.get("fp8_over_bf16_at_qwen3_8b", 1) <= 0.55)))
+    arrays = r["bytes_per_token_by_array"]
+    names = [k for k in dict.fromkeys([*arrays["bf16"], *arrays["fp8"]]) if max(arrays["bf16"].get(k, 0), arrays["fp8"].get(k, 0)) >= 1]
+    split = ", ".join(f"{k} {fmt(arrays['bf16'].get(k, 0))} -> {fmt(arrays['fp8'].get(k, 0))}" for k in names)
+    out.append(("where the bytes go (bytes/token per array, bf16 -> fp8, uncompressed)", split, "", "", ""))
+    out.append(("fp8 / bf16 bytes (hidden states only)", fmt(r["fp8_hidden_over_bf16"]), "<= 0.55", "top-k costs the same in both",
+                yes(r["fp8_hidden_over_bf16"] <= 0.55)))
+    out.append(("fp8 / bf16 bytes at Qwen3-8B size (formula)", fmt(r["fp8_over_bf16_at_qwen3_8b"]), "<= 0.55", "", yes(r["fp8_over_bf16_at_qwen3_8b"] <= 0.55)))
     out.append(("fp8 reconstruction error (relative L2, mean / p99)", f"{r['fp8_rel_error_mean']} / {r['fp8_rel_error_p99']}", "",
                 f"bf16 rounding alone: {r['bf16_rel_error_mean']}", ""))
-    if "writer_seconds" in r:
-        out.append((f"who limits extraction: writer threads busy ({r['writer_threads']} threads, summed) / target forward",
-                    f"{r['writer_seconds']} s / {r['extract_forward_s']} s", "writer < forward",
-                    f"forward blocked on a full queue {r['writer_queue_wait_s']} s; peak queue {r['writer_peak_queue_mb']} MB", yes(r["writer_seconds"] / r["writer_threads"] < r["extract_forward_s"])))
-    if "writer_at_8b" in r:
-        w = r["writer_at_8b"]
-        out.append((f"8B-shaped writer, per 65K-token batch: absorbing (encode) / host scan it replaced / target forward (H100 model), CPU, scaled {w['scale']}x",
-                    f"{w['encode_s_per_65k_batch_alone']} s / {w['host_scan_s_per_65k_batch_alone']} s / {w['forward_s_per_65k_batch_h100']} s",
-                    "absorb < forward", f"under the writer's {w['writer_threads']} zstd threads: absorb {w['device_sum']['absorb_s_per_65k_batch']} s "
-                    f"(host scan {w['host_scan']['absorb_s_per_65k_batch']} s), each writer thread {w['device_sum']['writer_s_per_65k_batch']} s",
-                    yes(w["encode_s_per_65k_batch_alone"] < w["forward_s_per_65k_batch_h100"])))
+    out.append((f"who limits extraction: writer threads busy ({r['writer_threads']} threads, summed) / target forward",
+                f"{r['writer_seconds']} s / {r['extract_forward_s']} s", "writer < forward",
+                f"forward blocked on a full queue {r['writer_queue_wait_s']} s; peak queue {r['writer_peak_queue_mb']} MB", yes(r["writer_seconds"] / r["writer_threads"] < r["extract_forward_s"])))
+    w = r["writer_at_8b"]
+    out.append((f"8B-shaped writer, per 65K-token batch: absorbing (encode) / host scan it replaced / target forward (H100 model), CPU, scaled {w['scale']}x",
+                f"{w['encode_s_per_65k_batch_alone']} s / {w['host_scan_s_per_65k_batch_alone']} s / {w['forward_s_per_65k_batch_h100']} s",
+                "absorb < forward", f"under the writer's {w['writer_threads']} zstd threads: absorb {w['device_sum']['absorb_s_per_65k_batch']} s "
+                f"(host scan {w['host_scan']['absorb_s_per_65k_batch']} s), each writer thread {w['device_sum']['writer_s_per_65k_batch']} s",
+                yes(w["encode_s_per_65k_batch_alone"] < w["forward_s_per_65k_batch_h100"])))
     out.append((f"random {r['read_window_tokens']}-token window reads", f"{r['read_windows_per_s']}/s ({r['read_mb_per_s']} MB/s)", "", "", ""))
+    for array, c in r.get("codecs", {}).items():  # since bench/codecs.py moved here
+        codecs = [k for k in c if k != "memcpy_mb_per_s"]
+        out.append((f"{array}: compression ratio / one-thread decode MB/s, " + " / ".join(codecs),
+                    " / ".join(f"{c[k]['ratio']}x {fmt(c[k]['decode_mb_per_s'])}" for k in codecs), "", f"memcpy {fmt(c['memcpy_mb_per_s'])} MB/s", ""))
     return out
 
 

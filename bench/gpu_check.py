@@ -29,8 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.common import CommandFailed, Row, arguments, yes  # noqa: E402
-from bench.common import fmt as common_fmt  # noqa: E402
+from bench.common import CommandFailed, Row, arguments, fmt, yes  # noqa: E402
 from bench.gpu_check_kit import (  # noqa: E402
     GPU_SIZES,
     SMOKE_SIZES,
@@ -93,10 +92,6 @@ PHASES = {
 
 # ---------------------------------------------------------------------------------------------
 # Report
-
-
-def fmt(value: Any) -> str:
-    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else common_fmt(value)
 
 
 def rows(result: dict[str, Any]) -> list[Row]:
