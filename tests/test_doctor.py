@@ -495,6 +495,56 @@ def test_a_loss_that_jumps_after_a_resume_is_named():
     assert found([ev for r in records[cut + 1 :] for ev in restored.update(r)]) == [("resume_jump", 801)]
 
 
+def noise_warmup_resume_records(jump: float = 0.0) -> list[dict]:
+    """noise.warmup_steps=30 and a resume at step 25 (no steps redone) that continues exactly. The loss
+    grows with the noise's square (x1.5 at full noise): flat at first, steep at the ramp's end, so the
+    25 rows before the resume sit at less noise than the 5 after. `jump` plants a real one at step 801."""
+    records = trainer_records(1200, noise_warmup=30)
+    out = []
+    for r in records:
+        if r.get("kind") == "train":
+            r = {**r, "loss": r["loss"] * (1 + 0.5 * (r["noise_std"] / 0.05) ** 2)}
+            if r["step"] > 800:
+                r["loss"] *= 1 + jump * math.exp(-(r["step"] - 800) / 20)
+            if r["step"] in (26, 801):
+                out.append({"kind": "event", "event": "resume", "step": r["step"] - 1})
+        out.append(r)
+    return out
+
+
+def test_a_resume_inside_the_noise_warmup_is_not_a_jump():
+    """The loss after the resume is x1.21 the level before it, all of it the schedule's: the resume
+    check named it resume_jump. It compares only rows at one noise level; past the warmup it still does."""
+    assert found(diagnose(noise_warmup_resume_records())) == []
+    assert found(diagnose(noise_warmup_resume_records(jump=1.0))) == [("resume_jump", 801)]
+    # Live, through the checkpoint saved at the resume; one from before the noise window was kept
+    # (no level before) still sees the noise move over the rows after.
+    records = noise_warmup_resume_records()
+    cut = next(i for i, r in enumerate(records) if r.get("event") == "resume")
+    live = LiveDetectors()
+    for r in records[:cut]:
+        live.update(r)
+    for drop in (False, True):
+        state = json.loads(json.dumps(live.state_dict()))
+        assert len(state["noise_std"]) == 25
+        if drop:
+            del state["noise_std"]
+        restored = LiveDetectors()
+        restored.load_state_dict(state)
+        assert found([ev for r in records[cut + 1 :] for ev in restored.update(r)]) == []
+    # An old state still names a real jump where the noise is constant.
+    records = resumed_records(1.0)
+    cut = next(i for i, r in enumerate(records) if r.get("event") == "resume")
+    live = LiveDetectors()
+    for r in records[:cut]:
+        live.update(r)
+    state = json.loads(json.dumps(live.state_dict()))
+    del state["noise_std"]
+    restored = LiveDetectors()
+    restored.load_state_dict(state)
+    assert found([ev for r in records[cut + 1 :] for ev in restored.update(r)]) == [("resume_jump", 801)]
+
+
 def test_an_input_bound_loader_is_named_with_the_fix():
     diagnosis = diagnose(input_bound_records())
     assert found(diagnosis) == [("input_bound", 11)]  # the first row after warmup_rows

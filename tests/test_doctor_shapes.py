@@ -135,9 +135,9 @@ def test_a_run_that_never_learns_is_named_with_its_causes(tmp_path):
     assert ev["likely_cause"].startswith("in 300 rows at lr up to 0.0006 the loss never fell 10% below its first level")
     assert "optim.lr 0.0006 in run_start" in ev["likely_cause"] and "frozen" in ev["likely_cause"]
     assert "wrong loss mask" in ev["likely_cause"] and "init_from" not in ev["likely_cause"]
-    # a run started from a trained drafter may have nothing left to learn: the cause says so
+    # init_from weights that start at accuracy 0.01 were no trained drafter for this data: still named, and the cause says so
     warm = {**start, "hyperparameters": {"optim.lr": 6e-4, "init_from": "runs/a/checkpoints/best"}}
-    assert "starts from a trained drafter (model.init_from runs/a/checkpoints/best)" in diagnose([warm, *flat_records()])["events"][0]["likely_cause"]
+    assert "starts from model.init_from runs/a/checkpoints/best, yet" in diagnose([warm, *flat_records()])["events"][0]["likely_cause"]
     assert describe(ev).startswith("not learning from step 1: the loss's median of 50 rows 5.98 at first, 5.83 at its lowest, after 300 rows")
     text, code = cmd_doctor(write_to(tmp_path, flat_records()), as_json=False)
     assert code == 1 and text.splitlines()[-1].startswith("1 event(s): 1 not_learning")
@@ -220,3 +220,59 @@ def test_the_report_draws_both_events(tmp_path):
     assert out["num_events"] == 1 and "| 420 | loss_whiplash |" in (tmp_path / "a" / "report.md").read_text()
     out = cmd_report(write_to(tmp_path, flat), tmp_path / "b")
     assert out["num_events"] == 1 and "| 1 | not_learning |" in (tmp_path / "b" / "report.md").read_text()
+
+
+# ---- a fine-tune from trained weights ------------------------------------------------------------
+def warm_start_records(accuracy: float | None = 0.45, init_from: str | None = "runs/a/checkpoints/best") -> list[dict]:
+    """A drafter started from trained weights (model.init_from) on the data it was trained on: loss 1.0
+    and accuracy 0.45 (its trained level) from the first row, flat with 5% noise, for 1,000 steps."""
+    rng = random.Random(5)
+
+    def change(step, row):
+        row.update(loss=1.0 * rng.lognormvariate(0, 0.05), accuracy=accuracy and accuracy + rng.gauss(0, 0.01))
+        if accuracy is None:
+            del row["accuracy"]
+
+    records = trainer_records(1000, change=change)
+    start = {"kind": "event", "event": "run_start", "step": 0, "hyperparameters": {"optim.lr": 6e-4, "init_from": init_from}}
+    return [start, *records[1:]]
+
+
+def test_a_fine_tune_from_trained_weights_is_not_called_not_learning(tmp_path):
+    """Started at its trained level, its loss has nothing to fall from: the from-scratch rule named it
+    not_learning and the doctor exited 1 on a healthy fine-tune."""
+    diagnosis = diagnose(warm_start_records())
+    assert found(diagnosis) == [] and diagnosis["summary"]["verdict"] == "healthy"
+    text, code = cmd_doctor(write_to(tmp_path, warm_start_records()), as_json=False)
+    assert code == 0, text
+    assert found(diagnose(warm_start_records(accuracy=None))) == []  # no accuracy: nothing says it started untrained
+    # The same curve from scratch (no init_from) never learned: still named.
+    assert found(diagnose(warm_start_records(init_from=None))) == [("not_learning", 1)]
+    # init_from weights whose accuracy starts untrained (another target's drafter) must learn as from scratch.
+    (ev,) = diagnose(warm_start_records(accuracy=0.01))["events"]
+    assert (ev["kind"], ev["details"]["init_from"]) == ("not_learning", "runs/a/checkpoints/best")
+    assert "yet its accuracy began untrained (under 5%)" in ev["likely_cause"]
+
+
+def test_a_warm_start_is_kept_through_checkpoints_and_old_states_load():
+    """Live, the trainer calls run_started after its run_start event, after a resume has loaded the
+    state; a state saved before init_from was kept loads, and the run_start that follows sets it."""
+    records = [r for r in warm_start_records() if r["kind"] == "train"]
+    live = LiveDetectors()
+    live.run_started({"init_from": "runs/a/checkpoints/best"})
+    fired = []
+    for i, r in enumerate(records):
+        fired += live.update(r)
+        if i % 97 == 0:
+            state = json.loads(json.dumps(live.state_dict(), allow_nan=False))
+            assert state["not_learning"]["init_from"] == "runs/a/checkpoints/best"
+            if i == 194:
+                del state["not_learning"]["init_from"]  # a checkpoint from before the key
+            live = LiveDetectors()
+            live.load_state_dict(state)
+            if i == 194:
+                assert live.not_learning.init_from is None
+                live.run_started({"init_from": "runs/a/checkpoints/best", "optim.lr": 6e-4})
+    assert found(fired) == []
+    live.run_started(None)  # a run_start without hyperparameters (another trainer) changes nothing
+    assert live.not_learning.init_from == "runs/a/checkpoints/best"

@@ -500,6 +500,7 @@ def test_bf16_trains_fp32_master_weights_from_a_bf16_drafter_and_after_resume(
     assert seen == {"layer": {torch.bfloat16}, "output": {torch.bfloat16}}  # no fp32 copy of the output
     assert evaluated == {torch.bfloat16}
     assert_fp32_master_state(trainer)
+    assert trainer.detectors.not_learning.init_from == str(exported)  # the doctor's warm start, live
 
     extra["train.max_steps"] = 5
     resumed = bf16_trainer(config(tiny_target_dir, store, tmp_path / "b", **extra), init_from=exported)
@@ -507,6 +508,7 @@ def test_bf16_trains_fp32_master_weights_from_a_bf16_drafter_and_after_resume(
     assert summary["steps"] == 5 and resumed.progress.step == 5
     assert [r["step"] for r in read_log(tmp_path / "b" / "train_log.jsonl") if r.get("event") == "resume"] == [3]
     assert_fp32_master_state(resumed)
+    assert resumed.detectors.not_learning.init_from == str(exported)
 
 
 def test_the_step_runs_as_the_memory_plan_traces_it(tiny_target_dir, store, tmp_path, fresh_accelerator_state, monkeypatch):

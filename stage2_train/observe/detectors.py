@@ -214,12 +214,15 @@ class LiveDetectors:
         self.last_step: int | None = None
         self.rows = 0
         self.after_resume: dict[str, Any] | None = None  # the loss level a resume must continue (`_arm_resume_check`)
+        self.noise_std = Window(self.cfg.window_rows)  # (step, noise_std) of train rows: the resume check's schedule
 
     def update(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         row = normalize(record)
         if row["kind"] == "event":
             if row["event"] in RESET_EVENTS and (self.rows > 0 or (row["step"] or 0) > 0):
                 self._resumed(row["step"])
+            if row["event"] == "run_start":
+                self.run_started(record.get("hyperparameters"))
             return []
         if row["kind"] == "eval":
             if finite(row["eval_s"]):
@@ -243,7 +246,9 @@ class LiveDetectors:
         if finite(row["loss"]) and (ev := self.loss.update(step, row["loss"])):
             events.append(ev)
             self.after_resume = None  # the spike's cause names the resume
-        if finite(row["loss"]) and (ev := self._resume_jump(step, row["loss"])):
+        if finite(row["noise_std"]):
+            self.noise_std.append(step, row["noise_std"])
+        if finite(row["loss"]) and (ev := self._resume_jump(step, row["loss"], row["noise_std"])):
             events.append(ev)
         if finite(row["accuracy"]) and (ev := self.accuracy.update(step, row["accuracy"])):
             events.append(ev)
@@ -279,6 +284,12 @@ class LiveDetectors:
             events.append(ev)
         return events
 
+    def run_started(self, hyperparameters: Any) -> None:
+        """A run_start's `hyperparameters` (the trainer calls this after its own run_start event): a run
+        from trained weights (init_from) is not held to the from-scratch rule of `NotLearning`."""
+        if isinstance(hyperparameters, dict):
+            self.not_learning.init_from = hyperparameters.get("init_from") or None
+
     def _nan(self, step: int, row: dict[str, Any]) -> list[dict[str, Any]]:
         bad = {
             k: str(row[k]) for k in ("loss", "grad_norm") if row[k] is not None and not math.isfinite(row[k])
@@ -291,21 +302,37 @@ class LiveDetectors:
         """A resume continues the run exactly: the median loss of its first sustain_rows rows must be
         back within the spike detector's recovered level (median * (1 + recovery_tol), median + 3 sigma)
         of the rows before it. A jump under spike_min_ratio (2.5x) that fades in tens of steps, the mark
-        of optimizer moments or a schedule not restored, was otherwise called healthy."""
+        of optimizer moments or a schedule not restored, was otherwise called healthy.
+
+        Compared only while the logged noise_std holds one level over both windows: inside the noise
+        warmup the level before is a median of rows at less noise than the rows after, and a loss that
+        grows with the noise's square (flat at first, steep at the ramp's end) is then past the threshold
+        though the run continued exactly."""
         window = self.loss.window
         if self.loss.recovering or len(window) < self.cfg.min_history_rows:
             self.after_resume = None
             return
+        levels = [v for s, v in self.noise_std.pairs if s >= window.pairs[0][0]]
+        if levels and not all(math.isclose(v, levels[0], rel_tol=1e-6, abs_tol=1e-12) for v in levels):
+            self.after_resume = None
+            return
         med, sigma = robust(window.values())
         self.after_resume = {
-            "resumed_at": step, "before": med, "values": [],
+            "resumed_at": step, "before": med, "values": [], "noise_std": levels[0] if levels else None,
             "threshold": max(med * (1 + self.cfg.recovery_tol), med + 3 * sigma),
         }
 
-    def _resume_jump(self, step: int, loss: float) -> dict[str, Any] | None:
+    def _resume_jump(self, step: int, loss: float, noise_std: float | None) -> dict[str, Any] | None:
         check = self.after_resume
         if check is None:
             return None
+        if finite(noise_std):
+            # No level before (an older checkpoint's state, rows without it): the rows after must still agree.
+            level = check.setdefault("noise_std", None)
+            if level is not None and not math.isclose(noise_std, level, rel_tol=1e-6, abs_tol=1e-12):
+                self.after_resume = None
+                return None
+            check["noise_std"] = noise_std
         check["values"].append([step, loss])
         if len(check["values"]) < self.cfg.sustain_rows:
             return None
@@ -336,6 +363,7 @@ class LiveDetectors:
                 self.decline,
                 self.lr_zero,
                 self.not_learning,
+                self.noise_std,
             ):
                 detector.truncate(step + 1)
             self.throughput.window.pairs.clear()  # throughput after a restart is another machine's
@@ -366,6 +394,7 @@ class LiveDetectors:
                 "last_step": self.last_step,
                 "rows": self.rows,
                 "after_resume": self.after_resume,
+                "noise_std": list(self.noise_std.pairs),
             }
         )
 
@@ -374,7 +403,7 @@ class LiveDetectors:
         A version-1 state (checkpoints from before the generalisation detector) has no eval history;
         a version-2 one has no noise sources (see `Generalisation.load_state_dict`). A state from before
         the level detectors (divergence, grad_growth, decline, lr_zero, input_bound) or the whiplash and
-        not-learning ones starts them afresh."""
+        not-learning ones starts them afresh; one without noise_std knows no noise level before the resume."""
         if state.get("version") not in (1, 2, 3):
             raise CheckpointError(
                 f"detector state: unknown version {state.get('version')!r} (expected 1, 2 or 3)"
@@ -393,6 +422,8 @@ class LiveDetectors:
         self.throughput_warmup, self.in_nan = state["throughput_warmup"], state["in_nan"]
         self.last_step, self.rows = state["last_step"], state["rows"]
         self.after_resume = state.get("after_resume")
+        self.noise_std.pairs.clear()
+        self.noise_std.pairs.extend(state.get("noise_std", []))  # absent before the resume check read it: no level known
         if resumed:
             self._arm_resume_check(self.last_step)
             self.pace.restart(None)

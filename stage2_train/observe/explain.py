@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stage2_train.observe.levels import UNTRAINED_ACCURACY
 from stage2_train.observe.records import finite
 from stage2_train.observe.schedule_check import describe_off_schedule, schedule_cause
 
@@ -325,9 +326,10 @@ def not_learning_cause(ev: dict[str, Any], info: dict[str, Any]) -> str:
         f"(optim.lr{f' {lr:.3g} in run_start' if lr is not None else ''}; a warmup longer than the run), parameters "
         "frozen or left out of the optimizer (requires_grad, param groups; a grad_norm near 0 says so), or targets "
         "that cannot be learned (labels shifted by a position, a wrong loss mask, another target's features)"
-        + (f". This run starts from a trained drafter (model.init_from {start}): one already at its level on this data "
-           "has little left to learn, so compare with its own final loss first"
-           if (start := (info.get("schedule") or {}).get("init_from")) else "")
+        + (f". This run starts from model.init_from {start}, yet its accuracy began untrained (under "
+           f"{UNTRAINED_ACCURACY:.0%}): those weights are no trained drafter for this data (another target's or "
+           "data's), so it had to learn as from scratch"
+           if (start := d["init_from"] if "init_from" in d else (info.get("schedule") or {}).get("init_from")) else "")
     )
 
 

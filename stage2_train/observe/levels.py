@@ -18,6 +18,8 @@ from stage2_train.observe.config import DetectorConfig
 from stage2_train.observe.records import Window, make_event, median, r6
 
 DECAY_TAIL = 0.5  # an lr that reaches 0 from below this fraction of its peak is a schedule's end, not a fault
+# A drafter right on fewer than 5% of its slots drafts nothing (tau ~1.05): whatever init_from says, it starts untrained.
+UNTRAINED_ACCURACY = 0.05
 
 
 class Level:
@@ -218,7 +220,10 @@ class NotLearning:
     not counted. Fires once; closed (`recovery_steps`) if the loss falls after all.
 
     Judged only on a log that begins within learn_rows steps of the run's start: a slice of a late,
-    flat stretch (a history export from step 10,000) says nothing of whether the run learned."""
+    flat stretch (a history export from step 10,000) says nothing of whether the run learned. A run
+    started from trained weights (`init_from`, from run_start) is at its level from its first row, so a
+    flat loss is what a healthy one shows: judged only when its first accuracy median says the start
+    was untrained after all (under UNTRAINED_ACCURACY), never when accuracy is not logged."""
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
@@ -231,6 +236,7 @@ class NotLearning:
         self.peak_lr = 0.0
         self.judged = False  # fired, or the log began too late to judge
         self.open: dict[str, Any] | None = None
+        self.init_from: str | None = None  # the trained weights the run started from (run_start)
 
     def update(self, step: int, loss: float, accuracy: float | None, lr: float | None) -> dict[str, Any] | None:
         if lr is not None and lr <= 0:
@@ -264,6 +270,8 @@ class NotLearning:
             return None
         self.judged = True
         first = self.first
+        if self.init_from and (first["accuracy"] is None or first["accuracy"] >= UNTRAINED_ACCURACY):
+            return None
         self.open = make_event(
             "not_learning",
             self.start_step,
@@ -278,6 +286,7 @@ class NotLearning:
             lr=lr,
             peak_lr=r6(self.peak_lr) if self.peak_lr > 0 else None,
             window_rows=self.cfg.window_rows,
+            init_from=self.init_from,
             confirmed_step=int(step),
             recovery_steps=None,
         )
@@ -305,7 +314,7 @@ class NotLearning:
     def state_dict(self) -> dict[str, Any]:
         return {"loss": list(self.loss.pairs), "accuracy": list(self.accuracy.pairs), "first": self.first,
                 "best": self.best, "rows": self.rows, "start_step": self.start_step, "peak_lr": self.peak_lr, "judged": self.judged,
-                "open": self.open}
+                "open": self.open, "init_from": self.init_from}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("loss", "accuracy"):
@@ -315,3 +324,4 @@ class NotLearning:
         self.first, self.best, self.rows = state["first"], state["best"], state["rows"]
         self.start_step = state["start_step"]
         self.peak_lr, self.judged, self.open = state["peak_lr"], state["judged"], state["open"]
+        self.init_from = state.get("init_from")  # absent from checkpoints before it: the run_start that follows sets it

@@ -183,6 +183,7 @@ class Trainer:
             if self.finished() and resumed_from is not None:
                 return self._already_done(resumed_from)
             self.sink.event("run_start", self.step, **self.info, resumed_from=resumed_from)
+            self.detectors.run_started(self.info["hyperparameters"])  # as the doctor reads that event
             if not self.staleness.current:  # train.allow_stale_store: trained on it, on the record
                 self.sink.event("stale_store", self.step, store=self.data.reader.url, **self.staleness.to_dict())
             if self.rank == 0:
