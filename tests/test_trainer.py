@@ -575,6 +575,27 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
         assert set(state) == {"muon", "adamw"} and any("momentum_buffer" in v for v in state["muon"]["state"].values())
 
 
+def test_a_best_saved_at_an_epochs_last_step_resumes_with_the_next_epochs_count_from_zero(tiny_target_dir, store, tmp_path):
+    """checkpoint.keep_best saves a new best when its eval runs, before the epoch_end that closes the
+    epoch: resumed from that save (8 steps an epoch, evals every 8), the next epoch's epoch_end counts
+    its own blocks, not the finished epoch's added to them."""
+    extra = {"train.max_steps": 17, "checkpoint.every_steps": 0, "eval.every_steps": 8, "checkpoint.keep_best": True,
+             "checkpoint.keep_latest_k": 5, "train.resume": "auto", "sampler.max_anchors_per_seq": 2}
+    cfg = config(tiny_target_dir, store, tmp_path, **extra)
+    commands.cmd_train(cfg, progress=False)
+    ends = [(e["epoch"], e["step"], e["blocks"]) for e in read_log(tmp_path / "train_log.jsonl", "event") if e["event"] == "epoch_end"]
+    assert ends[0][:2] == (0, 8) and len(ends) == 2
+    ckpt = tmp_path / "checkpoints"
+    for later in (p for p in ckpt.glob("step_*") if p.name != "step_000008"):
+        shutil.rmtree(later)
+    (ckpt / "latest").write_text("step_000008")
+    (ckpt / "best").write_text(json.dumps({"step": 8, "metric": "accept_len", "value": 0.0}))
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    assert commands.cmd_train(cfg, progress=False)["steps"] == 17
+    again = [(e["epoch"], e["step"], e["blocks"]) for e in read_log(tmp_path / "train_log.jsonl")[first:] if e.get("event") == "epoch_end"]
+    assert again == ends[1:]
+
+
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     from stage2_train.train.config import OptimConfig
     from stage2_train.train.schedules import Optimizers, muon_params

@@ -249,7 +249,7 @@ class Trainer:
             parts.append(counts)
             forward_s, backward_s = forward_s + f_s, backward_s + b_s
         counts = sum_counts(parts)
-        self.progress.epoch_blocks = counts["num_blocks"].long() + self.progress.epoch_blocks
+        self.progress.add_blocks(counts["num_blocks"].long(), loaded[0].ref.epoch)
         lr, grad_norm, skipped, optim_s = self.optimizer_step(counts)
         first = loaded[0].ref
         stats = StepStats(
