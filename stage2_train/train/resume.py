@@ -8,8 +8,8 @@ whose drafter (its drafter.json) differs from this run's in any field, is refuse
 a block budget cannot rebuild its batch plan: refused, or under `train.resume_force` its epoch is
 re-planned from the start (`replanned` in the event). What `train.resume_force` cannot carry is
 refused with or without it, naming the ways to start anew (`start_anew`): weights of another shape
-(WEIGHT_SHAPE_FIELDS), or a batch plan the sampler cannot continue (other samples after `reprocess`,
-another split or budget: its `plan_difference`).
+(WEIGHT_SHAPE_FIELDS), another optimizer's state (optim.name), or a batch plan the sampler cannot
+continue (other samples after `reprocess`, another split or budget: its `plan_difference`).
 """
 
 from __future__ import annotations
@@ -195,8 +195,10 @@ def check_compatible(
     if not differences:
         return differences
     reshaped = [key for key in WEIGHT_SHAPE_FIELDS if key in changed] + _other_layer_count(saved, current) + reshaped
-    unforceable = ([f"its weights do not fit this drafter ({', '.join(reshaped)})"] if reshaped else []) + (
-        [f"the batch plan cannot be continued ({plan})"] if plan else []
+    unforceable = (
+        ([f"its weights do not fit this drafter ({', '.join(reshaped)})"] if reshaped else [])
+        + (["its optimizer state is another optimizer's, over other parameters (optim.name)"] if "optim.name" in changed else [])
+        + ([f"the batch plan cannot be continued ({plan})"] if plan else [])
     )
     anew = start_anew(checkpoint, weights_fit=not reshaped)
     if unforceable:
