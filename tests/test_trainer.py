@@ -575,6 +575,56 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
         assert set(state) == {"muon", "adamw"} and any("momentum_buffer" in v for v in state["muon"]["state"].values())
 
 
+def test_a_resume_that_finds_no_checkpoint_in_a_moved_checkpoint_dir_is_refused_not_started_over(
+    tiny_target_dir, store, tmp_path, capfd
+):
+    """A full disk's error says to set checkpoint.dir to a larger disk: the same command with it then
+    finds no checkpoint there, and train.resume=auto would train this run_dir again from step 0. It
+    is refused, naming the folder the last training saved in and the ways on."""
+    from shared.errors import CheckpointError
+
+    run_dir = tmp_path / "run"
+    extra = {"train.max_steps": 2, "checkpoint.every_steps": 1, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, run_dir, **extra), progress=False)
+    rows = len(read_log(run_dir / "train_log.jsonl"))
+    moved = {**extra, "train.max_steps": 4, "checkpoint.dir": str(tmp_path / "bigger")}
+    with pytest.raises(CheckpointError) as refused:
+        commands.cmd_train(config(tiny_target_dir, store, run_dir, **moved), progress=False)
+    message = str(refused.value)
+    assert str(run_dir / "checkpoints") in message and "checkpoint.dir" in message and "train.resume=never" in message
+    assert len(read_log(run_dir / "train_log.jsonl")) == rows  # nothing trained, nothing logged
+    # Moved there, the checkpoints resume; a fresh start stays one setting away.
+    shutil.move(run_dir / "checkpoints", tmp_path / "bigger")
+    assert commands.cmd_train(config(tiny_target_dir, store, run_dir, **moved), progress=False)["steps"] == 4
+    fresh = {**moved, "checkpoint.dir": str(tmp_path / "empty"), "train.resume": "never"}
+    assert commands.cmd_train(config(tiny_target_dir, store, run_dir, **fresh), progress=False)["steps"] == 4
+
+
+def test_a_resume_that_can_verify_no_checkpoint_is_refused_not_started_over(tiny_target_dir, store, tmp_path):
+    """Every checkpoint fails its checks (damaged, or unreadable as this node's file system shows
+    them): train.resume=auto would train the run again from step 0, and its saves would later
+    replace them. It is refused, naming each and the ways on; train.resume=never starts over."""
+    from shared.errors import CheckpointError
+
+    extra = {"train.max_steps": 2, "checkpoint.every_steps": 1, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    for step_dir in saved:
+        weights = step_dir / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-100:-36] = bytes(64)  # same size, other bytes
+        weights.write_bytes(bytes(data))
+    rows = len(read_log(tmp_path / "train_log.jsonl"))
+    more = {**extra, "train.max_steps": 4}
+    with pytest.raises(CheckpointError) as refused:
+        commands.cmd_train(config(tiny_target_dir, store, tmp_path, **more), progress=False)
+    message = str(refused.value)
+    assert len(saved) == 2 and all(str(p) in message for p in saved) and "train.resume=never" in message
+    assert len(read_log(tmp_path / "train_log.jsonl")) == rows
+    fresh = {**more, "train.resume": "never"}
+    assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **fresh), progress=False)["steps"] == 4
+
+
 def test_a_best_saved_at_an_epochs_last_step_resumes_with_the_next_epochs_count_from_zero(tiny_target_dir, store, tmp_path):
     """checkpoint.keep_best saves a new best when its eval runs, before the epoch_end that closes the
     epoch: resumed from that save (8 steps an epoch, evals every 8), the next epoch's epoch_end counts

@@ -358,6 +358,10 @@ class Checkpointer:
         for old in prunable(self.dir, job.step, self.cfg.keep_latest_k):
             shutil.rmtree(old)
 
+    def agree(self, ok: bool) -> bool:
+        """True when `ok` on every rank (a collective: every rank calls it)."""
+        return self._all_ranks_ok(ok)
+
     def _all_ranks_ok(self, ok: bool) -> bool:
         if self._group is None:
             return ok
