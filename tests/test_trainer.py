@@ -575,6 +575,53 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
         assert set(state) == {"muon", "adamw"} and any("momentum_buffer" in v for v in state["muon"]["state"].values())
 
 
+def test_a_resume_from_an_older_step_forgets_the_best_of_the_run_it_abandons(tiny_target_dir, store, tmp_path):
+    """Rolled back to step 2 (train.resume=<its folder>, a lower lr) of a run whose `best` named its step
+    4: that best is an eval of the abandoned run, and this run's save of step 4 replaces its folder.
+    `best` must end naming a checkpoint of this run with this run's eval of it, not the old value on
+    this run's weights (nor keep this run's better checkpoints from becoming the best)."""
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "eval.every_steps": 1,
+             "checkpoint.keep_best": True, "eval.offline_max_anchors_per_seq": None}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    ckpt = tmp_path / "checkpoints"
+    # The abandoned run's best at its step 4, a value no eval of the rolled-back run reaches.
+    (ckpt / "best").write_text(json.dumps({"step": 4, "metric": "walk_tau", "value": 1e9}))
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    back = {**extra, "train.resume": str(ckpt / "step_000002"), "optim.lr": 1e-4}
+    assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **back), progress=False)["steps"] == 4
+    again = read_log(tmp_path / "train_log.jsonl")[first:]
+    evals = {r["step"]: r["walk_tau"] for r in again if r["kind"] == "eval"}
+    best = json.loads((ckpt / "best").read_text())
+    assert sorted(evals) == [3, 4] and best["step"] in evals and best["value"] == evals[best["step"]]
+    assert best["value"] == max(evals.values())
+
+
+def test_a_rolled_back_run_lost_before_its_first_save_resumes_from_where_it_rolled_back_to(
+    tiny_target_dir, store, tmp_path, fresh_accelerator_state
+):
+    """Rolled back to step 2 (train.resume=<its folder>, a lower lr) of a run saved up to step 4, and
+    lost at step 3, before its first save: the job's train.resume=auto must continue the rolled-back
+    run from step 2, not take the abandoned run's step 4 (here its last step: the rolled-back training
+    would be reported complete, on the weights it was rolled back from)."""
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    ckpt = tmp_path / "checkpoints"
+    back = {**extra, "checkpoint.every_steps": 2, "optim.lr": 1e-4}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **{**back, "train.resume": str(ckpt / "step_000002")}))
+
+    def node_lost():
+        raise RuntimeError("node lost")
+
+    trainer.train_step = node_lost
+    with pytest.raises(RuntimeError, match="node lost"):
+        trainer.fit()
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    summary = commands.cmd_train(config(tiny_target_dir, store, tmp_path, **back), progress=False)
+    resumed = [r for r in read_log(tmp_path / "train_log.jsonl")[first:] if r.get("event") == "resume"]
+    assert [r["path"] for r in resumed] == [str(ckpt / "step_000002")]
+    assert summary["steps"] == 4 and not summary.get("already_complete")
+
+
 def test_a_resume_that_finds_no_checkpoint_in_a_moved_checkpoint_dir_is_refused_not_started_over(
     tiny_target_dir, store, tmp_path, capfd
 ):

@@ -444,7 +444,7 @@ class Trainer:
             self.checkpointer.load_state_dict(point.state)
             # On disk already: an eval at this step that is a new best points `best` at it, never
             # rewrites the checkpoint it was resumed from.
-            self.checkpointer.mark_saved(self.step)
+            self.checkpointer.resumed_at(self.step, point.path)
         if point.event is not None:
             self.sink.event("resume", self.step, **point.event)
         return None if point.path is None else str(point.path)

@@ -45,6 +45,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -115,6 +116,7 @@ class Checkpointer:
         # The pointer names its metric: walk_tau when the evals score every anchor, else accept_len.
         self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
         self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
+        self.best_step: int | None = None if best is None else best["step"]
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
         self._pointed_step: int | None = None  # the step `best` was last pointed at by this process
         if rank == 0:
@@ -216,7 +218,7 @@ class Checkpointer:
             self.best_metric, self.best_value = metric, None
         if self.best_value is not None and value <= self.best_value:
             return False
-        self.best_value, self._best_step = value, step
+        self.best_value, self._best_step, self.best_step = value, step, step
         if not self.save(step, state_fn) and step == self._last_step and not self.busy:
             self._point_best(step)  # this step was committed before the eval named it the best
         # else: a save of this step is being written (begun now or before the eval); `_poll` points
@@ -238,6 +240,28 @@ class Checkpointer:
     def mark_saved(self, step: int) -> None:
         """`step` is already on disk (a resumed run that has nothing left to train): no final save."""
         self._last_step = step
+
+    def resumed_at(self, step: int, path: str | os.PathLike | None = None) -> None:
+        """A run resumed from `step` (on disk at `path`: no second save of it). Resumed from an older
+        checkpoint of this folder, what is newer belongs to the run this resume abandons: `latest` is
+        moved back to `path` now, not at this run's first save (lost before it, `train.resume=auto`
+        would continue the abandoned run), and a `best` newer than `step` is forgotten, pointer and
+        value (kept, this run's save of that step would replace its folder under the old value, and
+        the value would keep this run's better checkpoints from being named)."""
+        self.mark_saved(step)
+        ours = self.rank == 0 and path is not None and Path(path).parent.resolve() == self.dir.resolve()
+        newest = self.latest() if ours else None
+        if newest is not None and (read_meta(newest) or {}).get("step", step) > step:
+            write_atomic(self.dir / "latest", Path(path).name + "\n")
+        if self.best_step is None or self.best_step <= step:
+            return
+        forgotten = self._best_record(self.best_step)
+        self.best_value = self.best_step = None
+        if self.rank == 0:
+            (self.dir / BEST).unlink(missing_ok=True)
+            print(f"warning: resuming from step {step}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
+                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this resume abandons", file=sys.stderr)
+        self._event("best_forgotten", step, best_step=forgotten["step"], metric=forgotten["metric"], value=forgotten["value"])
 
     def _start_thread(self, target: Callable[[Job], None], job: Job) -> None:
         # Not niced: under load a low-priority writer overran the save interval and the next save
