@@ -672,6 +672,24 @@ def test_a_resume_that_can_verify_no_checkpoint_is_refused_not_started_over(tiny
     assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **fresh), progress=False)["steps"] == 4
 
 
+def test_a_resume_under_other_eval_samples_chooses_the_best_among_its_own_evals(tiny_target_dir, store, tmp_path):
+    """The best's value is an estimate on eval.offline_max_samples held-out samples: resumed with
+    another number, its evals score another set, and comparing them with the saved best (here a set
+    the first run scored higher than any eval of the second can) would keep `best` on the old
+    checkpoint for good. The resumed run's evals choose anew, as under another metric."""
+    extra = {"train.max_steps": 2, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "eval.every_steps": 1,
+             "checkpoint.keep_best": True, "eval.offline_max_anchors_per_seq": None, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    pointer = tmp_path / "checkpoints" / "best"
+    pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "value": 1e9}))
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    more = {**extra, "train.max_steps": 4, "eval.offline_max_samples": 2}
+    assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **more), progress=False)["steps"] == 4
+    evals = {r["step"]: r["walk_tau"] for r in read_log(tmp_path / "train_log.jsonl")[first:] if r["kind"] == "eval"}
+    best = json.loads(pointer.read_text())
+    assert sorted(evals) == [3, 4] and best["step"] in evals and best["value"] == max(evals.values())
+
+
 def test_a_best_saved_at_an_epochs_last_step_resumes_with_the_next_epochs_count_from_zero(tiny_target_dir, store, tmp_path):
     """checkpoint.keep_best saves a new best when its eval runs, before the epoch_end that closes the
     epoch: resumed from that save (8 steps an epoch, evals every 8), the next epoch's epoch_end counts

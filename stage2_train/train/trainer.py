@@ -406,13 +406,15 @@ class Trainer:
         self.progress.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
         # checkpoint.keep_best compares the evals' common metric with the evals' own estimator:
         # walk_tau when they score every anchor, else accept_len over the same sampled anchors
-        # (the final, dense eval's accept_len weighs blocks differently, so it is not compared).
+        # (the final, dense eval's accept_len weighs blocks differently, so it is not compared), on the
+        # same held-out samples (`basis`: a resume that changed them starts the comparison anew).
         metric = "walk_tau" if sampled is None else "accept_len"
         value = row.get(metric)
         if final and metric == "accept_len" and self.cfg.checkpoint.keep_best:
             again = self.heldout.row(self.model, sampled)
             value = again["accept_len"] if isinstance(again, dict) else None
-        self.checkpointer.note_eval(self.step, value, metric=metric)
+        basis = {"offline_max_samples": self.cfg.eval.offline_max_samples, "offline_max_anchors_per_seq": sampled}
+        self.checkpointer.note_eval(self.step, value, metric=metric, basis=basis)
         return row
 
     def summary(self) -> dict[str, Any]:

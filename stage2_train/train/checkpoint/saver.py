@@ -117,6 +117,8 @@ class Checkpointer:
         self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
         self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
         self.best_step: int | None = None if best is None else best["step"]
+        # The held-out samples and anchors the value was estimated on (`note_eval`'s basis).
+        self.best_basis: dict | None = None if best is None else best.get("basis")
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
         self._pointed_step: int | None = None  # the step `best` was last pointed at by this process
         if rank == 0:
@@ -206,19 +208,22 @@ class Checkpointer:
         return True
 
     def note_eval(
-        self, step: int, value: float | None, state_fn: Callable[[], dict[str, Any]] | None = None, metric: str = "walk_tau"
+        self, step: int, value: float | None, state_fn: Callable[[], dict[str, Any]] | None = None, metric: str = "walk_tau",
+        basis: dict[str, Any] | None = None,
     ) -> bool:
         """checkpoint.keep_best: when this eval's `metric` (higher is better) beats every earlier one,
         save this step (unless it is saved already) and point `best` at it once the save commits.
         Every rank calls it with the same row (the eval is reduced over ranks). Returns whether it is
-        the new best. A pointer of another metric (the eval's anchors changed on resume) is replaced."""
+        the new best. A pointer of another metric, or of another `basis` (what the value was estimated
+        on: the eval's samples and anchors, changed on resume; compared when both record one), is
+        replaced: values on other samples are not comparable, and the old one could stay best for good."""
         if not self.cfg.keep_best or value is None:
             return False
-        if metric != self.best_metric:
+        if metric != self.best_metric or (None not in (basis, self.best_basis) and basis != self.best_basis):
             self.best_metric, self.best_value = metric, None
         if self.best_value is not None and value <= self.best_value:
             return False
-        self.best_value, self._best_step, self.best_step = value, step, step
+        self.best_value, self._best_step, self.best_step, self.best_basis = value, step, step, basis
         if not self.save(step, state_fn) and step == self._last_step and not self.busy:
             self._point_best(step)  # this step was committed before the eval named it the best
         # else: a save of this step is being written (begun now or before the eval); `_poll` points
@@ -235,7 +240,8 @@ class Checkpointer:
         self._event("best_checkpoint", step, **{self.best_metric: self.best_value}, path=str(self.dir / step_name(step)))
 
     def _best_record(self, step: int) -> dict[str, Any]:
-        return {"step": step, "metric": self.best_metric, "value": self.best_value}
+        basis = {} if self.best_basis is None else {"basis": self.best_basis}
+        return {"step": step, "metric": self.best_metric, "value": self.best_value, **basis}
 
     def mark_saved(self, step: int) -> None:
         """`step` is already on disk (a resumed run that has nothing left to train): no final save."""
@@ -256,7 +262,7 @@ class Checkpointer:
         if self.best_step is None or self.best_step <= step:
             return
         forgotten = self._best_record(self.best_step)
-        self.best_value = self.best_step = None
+        self.best_value = self.best_step = self.best_basis = None
         if self.rank == 0:
             (self.dir / BEST).unlink(missing_ok=True)
             print(f"warning: resuming from step {step}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
