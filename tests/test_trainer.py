@@ -711,6 +711,38 @@ def test_a_best_saved_at_an_epochs_last_step_resumes_with_the_next_epochs_count_
     assert again == ends[1:]
 
 
+def test_a_run_lost_during_its_final_eval_evaluates_its_last_step_when_run_again(
+    tiny_target_dir, store, tmp_path, fresh_accelerator_state
+):
+    """The last step's periodic save came before the final eval: lost during that eval (a preemption's
+    grace period, a node), the run was complete on disk, so the same command reported it done with no
+    final eval, its summary held an earlier eval and keep_best never judged the final weights. The last
+    step is saved once, after its final eval: run again, the run trains its last steps again (exactly)
+    and evaluates them."""
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 2, "eval.every_steps": 2, "checkpoint.keep_best": True,
+             "train.resume": "auto"}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra))
+    evaluate = trainer.evaluate
+
+    def lost_in_the_final_eval(final=False):
+        if final:
+            raise RuntimeError("node lost")
+        return evaluate(final)
+
+    trainer.evaluate = lost_in_the_final_eval
+    with pytest.raises(RuntimeError, match="node lost"):
+        trainer.fit()
+    first = {r["step"]: r for r in read_log(tmp_path / "train_log.jsonl", "train")}
+    rows = len(read_log(tmp_path / "train_log.jsonl"))
+    summary = commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    again = read_log(tmp_path / "train_log.jsonl")[rows:]
+    assert not summary.get("already_complete") and summary["steps"] == 4
+    final = [r for r in again if r["kind"] == "eval" and r["step"] == 4]
+    assert len(final) == 1 and final[0]["walk_tau"] is not None
+    assert summary["final_eval"]["walk_tau"] == final[0]["walk_tau"]
+    assert [(r["step"], r["loss"]) for r in again if r["kind"] == "train"] == [(s, first[s]["loss"]) for s in (3, 4)]
+
+
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     from stage2_train.train.config import OptimConfig
     from stage2_train.train.schedules import Optimizers, muon_params

@@ -208,9 +208,11 @@ class Trainer:
                     if self._eval_due():
                         self.evaluate()
                     self.mark_epoch_end(stats)
-                    self.checkpointer.maybe_save(self.step)
+                    # The last step is saved once, after its final eval: a run lost in that eval is not done on disk.
+                    if not self.finished():
+                        self.checkpointer.maybe_save(self.step)
             self.evaluate(final=True)
-            self.checkpointer.save(self.step, blocking=True)  # skipped if just saved
+            self.checkpointer.save(self.step, blocking=True)  # skipped if just saved (keep_best's new best)
         finally:
             if self._bar is not None:
                 self._bar.close()
