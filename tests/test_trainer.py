@@ -437,6 +437,17 @@ def test_a_resume_under_more_steps_follows_the_new_schedule_from_its_first_step(
     assert "off its schedule" not in text and code == 0
 
 
+def test_a_resume_under_another_schedule_length_says_so_on_the_console(tiny_target_dir, store, tmp_path, capfd):
+    """A larger train.max_steps stretches the LR schedule: the lr jumps at the resume (by design, the new
+    schedule from the first resumed step). The console says so at the resume, not only the event."""
+    every = {"checkpoint.every_steps": 2, "noise.warmup_steps": 0, "eval.every_steps": 0, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **{**every, "train.max_steps": 2}), progress=False)
+    capfd.readouterr()
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **{**every, "train.max_steps": 4}), progress=False)
+    err = capfd.readouterr().err
+    assert "schedule" in err and "4 steps" in err and "2" in err and "train.max_steps" in err
+
+
 def test_optimizers_restored_under_another_schedule_apply_its_lr_to_adamw_and_muon():
     """What the optimizers apply after a load under other settings: this run's peak lr (and Muon's)
     and its schedule at the restored step, in the optimizers' param groups (what updates read)."""

@@ -298,6 +298,10 @@ def find_resume_point(
             f"impossible, train.resume_force included. {start_anew(str(path))}"
         )
     replanned = replan_before_block_budget(state, path, force)
+    before, now = state["trainer"].get("total_steps"), info.get("hyperparameters", {}).get("total_steps")
+    if rank == 0 and None not in (before, now) and before != now:  # allowed, but the lr jumps here: say so
+        print(f"note: resuming {path} under a learning-rate schedule of {now} steps, not its {before} (train.max_steps, "
+              f"train.epochs): from step {state['trainer']['step']} on, the lr is this schedule's", file=sys.stderr)
     if rank == 0 and (forced or replanned):
         what = forced + ([f"epoch {replanned['epoch']} re-planned from its start"] if replanned else [])
         print(f"warning: train.resume_force: resuming {path} with " + "; ".join(what), file=sys.stderr)
