@@ -146,8 +146,10 @@ def test_noise_is_reproducible_per_step_and_rank():
 def test_noise_state_refuses_another_schedule():
     state = NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=10)).state_dict()
     NoiseSchedule(NoiseConfig(std=0.05, warmup_steps=10)).load_state_dict(state)
-    with pytest.raises(ValueError, match="noise.warmup_steps was 10 when saved, is 0 now"):
+    with pytest.raises(ValueError, match="noise.warmup_steps was 10 when saved, is 0 now") as refused:
         NoiseSchedule(NoiseConfig(std=0.05)).load_state_dict(state)
+    # What fixes it: the saved value, or one of the ways to start anew.
+    assert "noise.warmup_steps=10" in str(refused.value) and "train.resume=never" in str(refused.value)
 
 
 def test_blocks_at_the_end_of_a_response_score_only_the_tokens_that_exist():

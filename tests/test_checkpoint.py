@@ -432,6 +432,21 @@ def test_another_variant_is_reported_once_as_the_variant():
         check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64})
 
 
+def test_another_optimizer_is_refused_even_when_forced_naming_the_weights_as_a_start():
+    """The checkpoint's optimizer state is its optimizer's: Muon's momentum over the matrices and AdamW's
+    moments over the rest, or AdamW's over every parameter. train.resume_force cannot load it into
+    another optimizer (it crashed there, after the forced resume was announced): refused by name,
+    offering the weights."""
+    saved = {"optim": {"name": "muon"}, "model": {"block_size": 16}}
+    current = {"optim": {"name": "adamw"}, "model": {"block_size": 16}}
+    for before, now in ((saved, current), (current, saved)):
+        with pytest.raises(CheckpointError) as refused:
+            check_compatible(before, now, force=True, checkpoint="ckpt/step_000002")
+        message = str(refused.value)
+        assert "optim.name" in message and "model.init_from=ckpt/step_000002" in message
+        assert "set train.resume_force=true" not in message
+
+
 def test_a_setting_neither_drafter_reads_is_no_change_to_resume():
     """model.markov_rank on a DFlash run, projection_dim with no projection, a window with no sliding
     layer: `check` says they do nothing, so resuming across them is no change (it was refused as

@@ -437,6 +437,17 @@ def test_a_resume_under_more_steps_follows_the_new_schedule_from_its_first_step(
     assert "off its schedule" not in text and code == 0
 
 
+def test_a_resume_under_another_schedule_length_says_so_on_the_console(tiny_target_dir, store, tmp_path, capfd):
+    """A larger train.max_steps stretches the LR schedule: the lr jumps at the resume (by design, the new
+    schedule from the first resumed step). The console says so at the resume, not only the event."""
+    every = {"checkpoint.every_steps": 2, "noise.warmup_steps": 0, "eval.every_steps": 0, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **{**every, "train.max_steps": 2}), progress=False)
+    capfd.readouterr()
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **{**every, "train.max_steps": 4}), progress=False)
+    err = capfd.readouterr().err
+    assert "schedule" in err and "4 steps" in err and "2" in err and "train.max_steps" in err
+
+
 def test_optimizers_restored_under_another_schedule_apply_its_lr_to_adamw_and_muon():
     """What the optimizers apply after a load under other settings: this run's peak lr (and Muon's)
     and its schedule at the restored step, in the optimizers' param groups (what updates read)."""
@@ -575,6 +586,174 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
 
         state = load_checkpoint(ckpt / "step_000008")["optimizer"]
         assert set(state) == {"muon", "adamw"} and any("momentum_buffer" in v for v in state["muon"]["state"].values())
+
+
+def test_a_resume_from_an_older_step_forgets_the_best_of_the_run_it_abandons(tiny_target_dir, store, tmp_path):
+    """Rolled back to step 2 (train.resume=<its folder>, a lower lr) of a run whose `best` named its step
+    4: that best is an eval of the abandoned run, and this run's save of step 4 replaces its folder.
+    `best` must end naming a checkpoint of this run with this run's eval of it, not the old value on
+    this run's weights (nor keep this run's better checkpoints from becoming the best)."""
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "eval.every_steps": 1,
+             "checkpoint.keep_best": True, "eval.offline_max_anchors_per_seq": None}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    ckpt = tmp_path / "checkpoints"
+    # The abandoned run's best at its step 4, a value no eval of the rolled-back run reaches.
+    (ckpt / "best").write_text(json.dumps({"step": 4, "metric": "walk_tau", "value": 1e9}))
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    back = {**extra, "train.resume": str(ckpt / "step_000002"), "optim.lr": 1e-4}
+    assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **back), progress=False)["steps"] == 4
+    again = read_log(tmp_path / "train_log.jsonl")[first:]
+    evals = {r["step"]: r["walk_tau"] for r in again if r["kind"] == "eval"}
+    best = json.loads((ckpt / "best").read_text())
+    assert sorted(evals) == [3, 4] and best["step"] in evals and best["value"] == evals[best["step"]]
+    assert best["value"] == max(evals.values())
+
+
+def test_a_rolled_back_run_lost_before_its_first_save_resumes_from_where_it_rolled_back_to(
+    tiny_target_dir, store, tmp_path, fresh_accelerator_state
+):
+    """Rolled back to step 2 (train.resume=<its folder>, a lower lr) of a run saved up to step 4, and
+    lost at step 3, before its first save: the job's train.resume=auto must continue the rolled-back
+    run from step 2, not take the abandoned run's step 4 (here its last step: the rolled-back training
+    would be reported complete, on the weights it was rolled back from)."""
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    ckpt = tmp_path / "checkpoints"
+    back = {**extra, "checkpoint.every_steps": 2, "optim.lr": 1e-4}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **{**back, "train.resume": str(ckpt / "step_000002")}))
+
+    def node_lost():
+        raise RuntimeError("node lost")
+
+    trainer.train_step = node_lost
+    with pytest.raises(RuntimeError, match="node lost"):
+        trainer.fit()
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    summary = commands.cmd_train(config(tiny_target_dir, store, tmp_path, **back), progress=False)
+    resumed = [r for r in read_log(tmp_path / "train_log.jsonl")[first:] if r.get("event") == "resume"]
+    assert [r["path"] for r in resumed] == [str(ckpt / "step_000002")]
+    assert summary["steps"] == 4 and not summary.get("already_complete")
+
+
+def test_a_resume_that_finds_no_checkpoint_in_a_moved_checkpoint_dir_is_refused_not_started_over(
+    tiny_target_dir, store, tmp_path, capfd
+):
+    """A full disk's error says to set checkpoint.dir to a larger disk: the same command with it then
+    finds no checkpoint there, and train.resume=auto would train this run_dir again from step 0. It
+    is refused, naming the folder the last training saved in and the ways on."""
+    from shared.errors import CheckpointError
+
+    run_dir = tmp_path / "run"
+    extra = {"train.max_steps": 2, "checkpoint.every_steps": 1, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, run_dir, **extra), progress=False)
+    rows = len(read_log(run_dir / "train_log.jsonl"))
+    moved = {**extra, "train.max_steps": 4, "checkpoint.dir": str(tmp_path / "bigger")}
+    with pytest.raises(CheckpointError) as refused:
+        commands.cmd_train(config(tiny_target_dir, store, run_dir, **moved), progress=False)
+    message = str(refused.value)
+    assert str(run_dir / "checkpoints") in message and "checkpoint.dir" in message and "train.resume=never" in message
+    assert len(read_log(run_dir / "train_log.jsonl")) == rows  # nothing trained, nothing logged
+    # Moved there, the checkpoints resume; a fresh start stays one setting away.
+    shutil.move(run_dir / "checkpoints", tmp_path / "bigger")
+    assert commands.cmd_train(config(tiny_target_dir, store, run_dir, **moved), progress=False)["steps"] == 4
+    fresh = {**moved, "checkpoint.dir": str(tmp_path / "empty"), "train.resume": "never"}
+    assert commands.cmd_train(config(tiny_target_dir, store, run_dir, **fresh), progress=False)["steps"] == 4
+
+
+def test_a_resume_that_can_verify_no_checkpoint_is_refused_not_started_over(tiny_target_dir, store, tmp_path):
+    """Every checkpoint fails its checks (damaged, or unreadable as this node's file system shows
+    them): train.resume=auto would train the run again from step 0, and its saves would later
+    replace them. It is refused, naming each and the ways on; train.resume=never starts over."""
+    from shared.errors import CheckpointError
+
+    extra = {"train.max_steps": 2, "checkpoint.every_steps": 1, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    for step_dir in saved:
+        weights = step_dir / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-100:-36] = bytes(64)  # same size, other bytes
+        weights.write_bytes(bytes(data))
+    rows = len(read_log(tmp_path / "train_log.jsonl"))
+    more = {**extra, "train.max_steps": 4}
+    with pytest.raises(CheckpointError) as refused:
+        commands.cmd_train(config(tiny_target_dir, store, tmp_path, **more), progress=False)
+    message = str(refused.value)
+    assert len(saved) == 2 and all(str(p) in message for p in saved) and "train.resume=never" in message
+    assert len(read_log(tmp_path / "train_log.jsonl")) == rows
+    fresh = {**more, "train.resume": "never"}
+    assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **fresh), progress=False)["steps"] == 4
+
+
+def test_a_resume_under_other_eval_samples_chooses_the_best_among_its_own_evals(tiny_target_dir, store, tmp_path):
+    """The best's value is an estimate on eval.offline_max_samples held-out samples: resumed with
+    another number, its evals score another set, and comparing them with the saved best (here a set
+    the first run scored higher than any eval of the second can) would keep `best` on the old
+    checkpoint for good. The resumed run's evals choose anew, as under another metric."""
+    extra = {"train.max_steps": 2, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "eval.every_steps": 1,
+             "checkpoint.keep_best": True, "eval.offline_max_anchors_per_seq": None, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    pointer = tmp_path / "checkpoints" / "best"
+    pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "value": 1e9}))
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    more = {**extra, "train.max_steps": 4, "eval.offline_max_samples": 2}
+    assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **more), progress=False)["steps"] == 4
+    evals = {r["step"]: r["walk_tau"] for r in read_log(tmp_path / "train_log.jsonl")[first:] if r["kind"] == "eval"}
+    best = json.loads(pointer.read_text())
+    assert sorted(evals) == [3, 4] and best["step"] in evals and best["value"] == max(evals.values())
+
+
+def test_a_best_saved_at_an_epochs_last_step_resumes_with_the_next_epochs_count_from_zero(tiny_target_dir, store, tmp_path):
+    """checkpoint.keep_best saves a new best when its eval runs, before the epoch_end that closes the
+    epoch: resumed from that save (8 steps an epoch, evals every 8), the next epoch's epoch_end counts
+    its own blocks, not the finished epoch's added to them."""
+    extra = {"train.max_steps": 17, "checkpoint.every_steps": 0, "eval.every_steps": 8, "checkpoint.keep_best": True,
+             "checkpoint.keep_latest_k": 5, "train.resume": "auto", "sampler.max_anchors_per_seq": 2}
+    cfg = config(tiny_target_dir, store, tmp_path, **extra)
+    commands.cmd_train(cfg, progress=False)
+    ends = [(e["epoch"], e["step"], e["blocks"]) for e in read_log(tmp_path / "train_log.jsonl", "event") if e["event"] == "epoch_end"]
+    assert ends[0][:2] == (0, 8) and len(ends) == 2
+    ckpt = tmp_path / "checkpoints"
+    for later in (p for p in ckpt.glob("step_*") if p.name != "step_000008"):
+        shutil.rmtree(later)
+    (ckpt / "latest").write_text("step_000008")
+    (ckpt / "best").write_text(json.dumps({"step": 8, "metric": "accept_len", "value": 0.0}))
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    assert commands.cmd_train(cfg, progress=False)["steps"] == 17
+    again = [(e["epoch"], e["step"], e["blocks"]) for e in read_log(tmp_path / "train_log.jsonl")[first:] if e.get("event") == "epoch_end"]
+    assert again == ends[1:]
+
+
+def test_a_run_lost_during_its_final_eval_evaluates_its_last_step_when_run_again(
+    tiny_target_dir, store, tmp_path, fresh_accelerator_state
+):
+    """The last step's periodic save came before the final eval: lost during that eval (a preemption's
+    grace period, a node), the run was complete on disk, so the same command reported it done with no
+    final eval, its summary held an earlier eval and keep_best never judged the final weights. The last
+    step is saved once, after its final eval: run again, the run trains its last steps again (exactly)
+    and evaluates them."""
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 2, "eval.every_steps": 2, "checkpoint.keep_best": True,
+             "train.resume": "auto"}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **extra))
+    evaluate = trainer.evaluate
+
+    def lost_in_the_final_eval(final=False):
+        if final:
+            raise RuntimeError("node lost")
+        return evaluate(final)
+
+    trainer.evaluate = lost_in_the_final_eval
+    with pytest.raises(RuntimeError, match="node lost"):
+        trainer.fit()
+    first = {r["step"]: r for r in read_log(tmp_path / "train_log.jsonl", "train")}
+    rows = len(read_log(tmp_path / "train_log.jsonl"))
+    summary = commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    again = read_log(tmp_path / "train_log.jsonl")[rows:]
+    assert not summary.get("already_complete") and summary["steps"] == 4
+    final = [r for r in again if r["kind"] == "eval" and r["step"] == 4]
+    assert len(final) == 1 and final[0]["walk_tau"] is not None
+    assert summary["final_eval"]["walk_tau"] == final[0]["walk_tau"]
+    assert [(r["step"], r["loss"]) for r in again if r["kind"] == "train"] == [(s, first[s]["loss"]) for s in (3, 4)]
 
 
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest():

@@ -1,15 +1,17 @@
 """The one resume policy: which checkpoint a run continues from, and what may differ when it does.
 
 `train.resume`: auto (the newest checkpoint every rank can verify, `Checkpointer.select`), never,
-or a path. A checkpoint whose settings change what training computes (COMPATIBILITY_FIELDS), or
-whose drafter (its drafter.json) differs from this run's in any field, is refused by name unless
+or a path. Auto never starts a trained run over by itself: when no checkpoint passes its checks, or
+checkpoint.dir moved away from the run's last checkpoints, it is refused, naming train.resume=never.
+A checkpoint whose settings change what training computes (COMPATIBILITY_FIELDS), or whose drafter
+(its drafter.json) differs from this run's in any field, is refused by name unless
 `train.resume_force`; every changed setting goes into the `resume` event either way
 (`config_changes`, and `forced_differences` when forced). A checkpoint saved before micro-batches had
 a block budget cannot rebuild its batch plan: refused, or under `train.resume_force` its epoch is
 re-planned from the start (`replanned` in the event). What `train.resume_force` cannot carry is
 refused with or without it, naming the ways to start anew (`start_anew`): weights of another shape
-(WEIGHT_SHAPE_FIELDS), or a batch plan the sampler cannot continue (other samples after `reprocess`,
-another split or budget: its `plan_difference`).
+(WEIGHT_SHAPE_FIELDS), another optimizer's state (optim.name), or a batch plan the sampler cannot
+continue (other samples after `reprocess`, another split or budget: its `plan_difference`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from shared.config import dotted_differences, flatten
 from shared.errors import CheckpointError, ConfigError
+from shared.paths import RunPaths
 from stage2_train.data.sampler import start_anew
 from stage2_train.model.description import VARIANT_FIELDS
 from stage2_train.observe.config import DetectorConfig
+from stage2_train.train.checkpoint.select import latest_checkpoint
 
 # Fields that change what training computes: resuming with a different value is refused (unless
 # forced). Dotted paths into the config dict the trainer stores under state["config"]: its resolved
@@ -195,8 +201,10 @@ def check_compatible(
     if not differences:
         return differences
     reshaped = [key for key in WEIGHT_SHAPE_FIELDS if key in changed] + _other_layer_count(saved, current) + reshaped
-    unforceable = ([f"its weights do not fit this drafter ({', '.join(reshaped)})"] if reshaped else []) + (
-        [f"the batch plan cannot be continued ({plan})"] if plan else []
+    unforceable = (
+        ([f"its weights do not fit this drafter ({', '.join(reshaped)})"] if reshaped else [])
+        + (["its optimizer state is another optimizer's, over other parameters (optim.name)"] if "optim.name" in changed else [])
+        + ([f"the batch plan cannot be continued ({plan})"] if plan else [])
     )
     anew = start_anew(checkpoint, weights_fit=not reshaped)
     if unforceable:
@@ -267,8 +275,18 @@ def find_resume_point(
             raise CheckpointError(f"train.resume={choice!r}: {problem}")
         verified = True
     passed_over = [{"path": p, "why": w} for p, w in skipped]
+    if choice == "auto" and path is None:
+        refuse_checkpoints_left_behind(current_config, checkpointer)
+    if path is None and skipped:  # this run's history, unreadable: starting over would later replace it
+        raise CheckpointError(
+            f"train.resume=auto: no checkpoint in {checkpointer.dir} passes its checks ("
+            + "; ".join(f"{where}: {why}" for where, why in skipped)
+            + "), and starting over would train this run again from step 0 and later replace them. Restore them (from a "
+            "copy, or wait for the file system to show every rank the same files) and run the same command, or start over "
+            "(train.resume=never)"
+        )
     if path is None:
-        return ResumePoint(None, None, {"path": None, "skipped": passed_over} if skipped else None)
+        return ResumePoint(None, None, None)
     state = checkpointer.load(path, verified=verified)
     plan = saved_plan_difference(state, plan_difference)
     forced = check_compatible(
@@ -280,6 +298,10 @@ def find_resume_point(
             f"impossible, train.resume_force included. {start_anew(str(path))}"
         )
     replanned = replan_before_block_budget(state, path, force)
+    before, now = state["trainer"].get("total_steps"), info.get("hyperparameters", {}).get("total_steps")
+    if rank == 0 and None not in (before, now) and before != now:  # allowed, but the lr jumps here: say so
+        print(f"note: resuming {path} under a learning-rate schedule of {now} steps, not its {before} (train.max_steps, "
+              f"train.epochs): from step {state['trainer']['step']} on, the lr is this schedule's", file=sys.stderr)
     if rank == 0 and (forced or replanned):
         what = forced + ([f"epoch {replanned['epoch']} re-planned from its start"] if replanned else [])
         print(f"warning: train.resume_force: resuming {path} with " + "; ".join(what), file=sys.stderr)
@@ -292,6 +314,28 @@ def find_resume_point(
         **({"replanned": replanned} if replanned else {}),
     }
     return ResumePoint(path, state, event)
+
+
+def refuse_checkpoints_left_behind(config: dict[str, Any], checkpointer: Any) -> None:
+    """train.resume=auto found no checkpoint in checkpoint.dir: refused when this run_dir's last training
+    (its train_config.yaml) saved checkpoints in another folder that still holds them (checkpoint.dir
+    changed, as a full disk's error advises), which would train the run again from step 0. Agreed by
+    every rank (another node may not see the run_dir), so all raise or none do."""
+    run_dir = Path(config["run_dir"])
+    try:
+        before = yaml.safe_load(RunPaths(run_dir).train_config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        before = {}
+    old = RunPaths(run_dir, checkpoint_dir=(before.get("checkpoint") or {}).get("dir")).checkpoints if before else None
+    newest = latest_checkpoint(old) if old is not None and old.resolve() != Path(checkpointer.dir).resolve() else None
+    if checkpointer.agree(newest is None):
+        return
+    where, one = (f"in {old} (newest {newest.name})", f"train.resume={newest}") if newest else ("elsewhere", "train.resume=<one>")
+    raise CheckpointError(
+        f"train.resume=auto: no checkpoint in {checkpointer.dir} (checkpoint.dir), but {run_dir}'s last training saved its "
+        f"checkpoints {where}: resuming here would train the run again from step 0. Move them there (mv {old}/* "
+        f"{checkpointer.dir}/) and run the same command, resume from one ({one}), or start over (train.resume=never)"
+    )
 
 
 def saved_plan_difference(

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from shared.errors import CheckpointError
+from stage2_train.data.sampler import start_anew
 from stage2_train.train.checkpoint.format import load_optimizer_state, optimizer_state
 from stage2_train.train.config import NoiseConfig, OptimConfig
 from stage2_train.train.curves import lr_factor, noise_std_at, warmup_steps  # noqa: F401 - the trainer's and tests' names
@@ -68,7 +69,9 @@ class NoiseSchedule:
         for key, value in self.state_dict().items():
             if state.get(key) != value:
                 raise CheckpointError(
-                    f"noise state: noise.{key} was {state.get(key)!r} when saved, is {value!r} now"
+                    f"noise state: noise.{key} was {state.get(key)!r} when saved, is {value!r} now (the noise of every "
+                    f"resumed step; train.resume_force does not change it): set noise.{key}={state.get(key)} to resume. "
+                    f"{start_anew()}"
                 )
 
 

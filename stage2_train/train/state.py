@@ -58,8 +58,12 @@ class Progress:
         # every step would be a host sync before the optimizer's kernels; read at the epoch's end and at a save) and whether a preemption stopped the run at a step whose eval
         # was due: both carried over a resume, so epoch_end counts the whole epoch and no eval is lost.
         self.epoch_blocks: Any = 0
+        self.blocks_epoch: int | None = None  # the epoch epoch_blocks were counted in
         self.eval_owed = False
         self.restart_clock()
+
+    def add_blocks(self, blocks: Any, epoch: int) -> None:
+        self.epoch_blocks, self.blocks_epoch = blocks + self.epoch_blocks, epoch
 
     def restart_clock(self) -> None:
         self._start, self._cpu_start = time.perf_counter(), time.process_time()
@@ -82,7 +86,9 @@ class Progress:
             "world_size": self.world_size,
             "last_row": self.last_row,
             "last_eval": self.last_eval,
-            "epoch_blocks": int(self.epoch_blocks),
+            # A save between an epoch's last step and its epoch_end (checkpoint.keep_best saves at the
+            # eval, which comes first) holds the finished epoch's count: the next epoch starts from 0.
+            "epoch_blocks": int(self.epoch_blocks) if self.blocks_epoch in (None, self.epoch) else 0,
             "eval_owed": self.eval_owed,
         }
 

@@ -209,9 +209,11 @@ class Trainer:
                     if self._eval_due():
                         self.evaluate()
                     self.mark_epoch_end(stats)
-                    self.checkpointer.maybe_save(self.step)
+                    # The last step is saved once, after its final eval: a run lost in that eval is not done on disk.
+                    if not self.finished():
+                        self.checkpointer.maybe_save(self.step)
             self.evaluate(final=True)
-            self.checkpointer.save(self.step, blocking=True)  # skipped if just saved
+            self.checkpointer.save(self.step, blocking=True)  # skipped if just saved (keep_best's new best)
         finally:
             if self._bar is not None:
                 self._bar.close()
@@ -250,7 +252,7 @@ class Trainer:
             parts.append(counts)
             forward_s, backward_s = forward_s + f_s, backward_s + b_s
         counts = sum_counts(parts)
-        self.progress.epoch_blocks = counts["num_blocks"].long() + self.progress.epoch_blocks
+        self.progress.add_blocks(counts["num_blocks"].long(), loaded[0].ref.epoch)
         lr, grad_norm, skipped, optim_s = self.optimizer_step(counts)
         first = loaded[0].ref
         stats = StepStats(
@@ -407,13 +409,15 @@ class Trainer:
         self.progress.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
         # checkpoint.keep_best compares the evals' common metric with the evals' own estimator:
         # walk_tau when they score every anchor, else accept_len over the same sampled anchors
-        # (the final, dense eval's accept_len weighs blocks differently, so it is not compared).
+        # (the final, dense eval's accept_len weighs blocks differently, so it is not compared), on the
+        # same held-out samples (`basis`: a resume that changed them starts the comparison anew).
         metric = "walk_tau" if sampled is None else "accept_len"
         value = row.get(metric)
         if final and metric == "accept_len" and self.cfg.checkpoint.keep_best:
             again = self.heldout.row(self.model, sampled)
             value = again["accept_len"] if isinstance(again, dict) else None
-        self.checkpointer.note_eval(self.step, value, metric=metric)
+        basis = {"offline_max_samples": self.cfg.eval.offline_max_samples, "offline_max_anchors_per_seq": sampled}
+        self.checkpointer.note_eval(self.step, value, metric=metric, basis=basis)
         return row
 
     def summary(self) -> dict[str, Any]:
@@ -445,7 +449,7 @@ class Trainer:
             self.checkpointer.load_state_dict(point.state)
             # On disk already: an eval at this step that is a new best points `best` at it, never
             # rewrites the checkpoint it was resumed from.
-            self.checkpointer.mark_saved(self.step)
+            self.checkpointer.resumed_at(self.step, point.path)
         if point.event is not None:
             self.sink.event("resume", self.step, **point.event)
         return None if point.path is None else str(point.path)

@@ -45,6 +45,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -115,6 +116,9 @@ class Checkpointer:
         # The pointer names its metric: walk_tau when the evals score every anchor, else accept_len.
         self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
         self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
+        self.best_step: int | None = None if best is None else best["step"]
+        # The held-out samples and anchors the value was estimated on (`note_eval`'s basis).
+        self.best_basis: dict | None = None if best is None else best.get("basis")
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
         self._pointed_step: int | None = None  # the step `best` was last pointed at by this process
         if rank == 0:
@@ -204,19 +208,22 @@ class Checkpointer:
         return True
 
     def note_eval(
-        self, step: int, value: float | None, state_fn: Callable[[], dict[str, Any]] | None = None, metric: str = "walk_tau"
+        self, step: int, value: float | None, state_fn: Callable[[], dict[str, Any]] | None = None, metric: str = "walk_tau",
+        basis: dict[str, Any] | None = None,
     ) -> bool:
         """checkpoint.keep_best: when this eval's `metric` (higher is better) beats every earlier one,
         save this step (unless it is saved already) and point `best` at it once the save commits.
         Every rank calls it with the same row (the eval is reduced over ranks). Returns whether it is
-        the new best. A pointer of another metric (the eval's anchors changed on resume) is replaced."""
+        the new best. A pointer of another metric, or of another `basis` (what the value was estimated
+        on: the eval's samples and anchors, changed on resume; compared when both record one), is
+        replaced: values on other samples are not comparable, and the old one could stay best for good."""
         if not self.cfg.keep_best or value is None:
             return False
-        if metric != self.best_metric:
+        if metric != self.best_metric or (None not in (basis, self.best_basis) and basis != self.best_basis):
             self.best_metric, self.best_value = metric, None
         if self.best_value is not None and value <= self.best_value:
             return False
-        self.best_value, self._best_step = value, step
+        self.best_value, self._best_step, self.best_step, self.best_basis = value, step, step, basis
         if not self.save(step, state_fn) and step == self._last_step and not self.busy:
             self._point_best(step)  # this step was committed before the eval named it the best
         # else: a save of this step is being written (begun now or before the eval); `_poll` points
@@ -233,11 +240,34 @@ class Checkpointer:
         self._event("best_checkpoint", step, **{self.best_metric: self.best_value}, path=str(self.dir / step_name(step)))
 
     def _best_record(self, step: int) -> dict[str, Any]:
-        return {"step": step, "metric": self.best_metric, "value": self.best_value}
+        basis = {} if self.best_basis is None else {"basis": self.best_basis}
+        return {"step": step, "metric": self.best_metric, "value": self.best_value, **basis}
 
     def mark_saved(self, step: int) -> None:
         """`step` is already on disk (a resumed run that has nothing left to train): no final save."""
         self._last_step = step
+
+    def resumed_at(self, step: int, path: str | os.PathLike | None = None) -> None:
+        """A run resumed from `step` (on disk at `path`: no second save of it). Resumed from an older
+        checkpoint of this folder, what is newer belongs to the run this resume abandons: `latest` is
+        moved back to `path` now, not at this run's first save (lost before it, `train.resume=auto`
+        would continue the abandoned run), and a `best` newer than `step` is forgotten, pointer and
+        value (kept, this run's save of that step would replace its folder under the old value, and
+        the value would keep this run's better checkpoints from being named)."""
+        self.mark_saved(step)
+        ours = self.rank == 0 and path is not None and Path(path).parent.resolve() == self.dir.resolve()
+        newest = self.latest() if ours else None
+        if newest is not None and (read_meta(newest) or {}).get("step", step) > step:
+            write_atomic(self.dir / "latest", Path(path).name + "\n")
+        if self.best_step is None or self.best_step <= step:
+            return
+        forgotten = self._best_record(self.best_step)
+        self.best_value = self.best_step = self.best_basis = None
+        if self.rank == 0:
+            (self.dir / BEST).unlink(missing_ok=True)
+            print(f"warning: resuming from step {step}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
+                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this resume abandons", file=sys.stderr)
+        self._event("best_forgotten", step, best_step=forgotten["step"], metric=forgotten["metric"], value=forgotten["value"])
 
     def _start_thread(self, target: Callable[[Job], None], job: Job) -> None:
         # Not niced: under load a low-priority writer overran the save interval and the next save
@@ -357,6 +387,10 @@ class Checkpointer:
             write_atomic(self.dir / BEST, json.dumps(self._best_record(job.step)))
         for old in prunable(self.dir, job.step, self.cfg.keep_latest_k):
             shutil.rmtree(old)
+
+    def agree(self, ok: bool) -> bool:
+        """True when `ok` on every rank (a collective: every rank calls it)."""
+        return self._all_ranks_ok(ok)
 
     def _all_ranks_ok(self, ok: bool) -> bool:
         if self._group is None:

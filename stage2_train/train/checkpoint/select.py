@@ -69,7 +69,8 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     complete = [p for p in candidates(ckpt_dir) if read_meta(p) is not None]
     return complete[-1] if complete else None
 
-BEST = "best"  # {"step": N, "metric": "walk_tau", "value": x}: the best held-out checkpoint (checkpoint.keep_best)
+# {"step": N, "metric": "walk_tau", "value": x, "basis": {...}}: the best held-out checkpoint (checkpoint.keep_best)
+BEST = "best"
 
 
 def prunable(ckpt_dir: Path, step: int, keep: int) -> list[Path]:
