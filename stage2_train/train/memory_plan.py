@@ -204,6 +204,7 @@ def traced_step(
             if eval_indices is not None:
                 _trace_eval(model, eval_indices, num_feature_layers * arch.hidden_size, model_cfg, loss_cfg, dtype, bf16)
         peak = tracker.get_tracker_snapshot("peak")
+
     def gib(by_kind: dict[Any, int]) -> dict[str, float]:
         return {str(getattr(k, "value", k)): round(v / 2**30, 3) for k, v in by_kind.items()}
 
