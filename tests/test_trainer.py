@@ -756,6 +756,23 @@ def test_a_run_lost_during_its_final_eval_evaluates_its_last_step_when_run_again
     assert [(r["step"], r["loss"]) for r in again if r["kind"] == "train"] == [(s, first[s]["loss"]) for s in (3, 4)]
 
 
+def test_a_run_stopped_early_at_resume_at_a_saved_step_still_gets_its_final_eval(tiny_target_dir, store, tmp_path):
+    """train.max_steps lowered at resume to a step a periodic save holds: the run ends there, but that
+    checkpoint's run never ran its final (dense) eval; it was reported complete without one."""
+    from stage2_train import commands
+    from stage2_train.observe.metrics import read_log
+
+    extra = {"checkpoint.every_steps": 2, "eval.every_steps": 0, "train.resume": "auto"}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **{**extra, "train.max_steps": 4}), progress=False)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000004")  # as if lost before its last save
+    (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
+    rows = len(read_log(tmp_path / "train_log.jsonl"))
+    summary = commands.cmd_train(config(tiny_target_dir, store, tmp_path, **{**extra, "train.max_steps": 2}), progress=False)
+    again = read_log(tmp_path / "train_log.jsonl")[rows:]
+    assert not summary.get("already_complete") and summary["steps"] == 2
+    assert [r["step"] for r in again if r["kind"] == "eval"] == [2] and summary["final_eval"]["walk_tau"] is not None
+
+
 def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     from stage2_train.train.config import OptimConfig
     from stage2_train.train.schedules import Optimizers, muon_params

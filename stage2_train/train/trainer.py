@@ -180,7 +180,8 @@ class Trainer:
             if self.rank == 0:  # only once the config has passed the store and checkpoint checks
                 self.cfg.write_resolved(self.paths.train_config)
                 self.paths.preempted.unlink(missing_ok=True)  # this run continues what a preemption stopped
-            if self.finished() and resumed_from is not None:
+            # Done only after its final eval: a schedule shortened to a periodic save's step still owes it.
+            if self.finished() and resumed_from is not None and (self.progress.last_eval or {}).get("final"):
                 return self._already_done(resumed_from)
             self.sink.event("run_start", self.step, **self.info, resumed_from=resumed_from)
             self.detectors.run_started(self.info["hyperparameters"])  # as the doctor reads that event
@@ -406,7 +407,7 @@ class Trainer:
         # Eval time is not a stall; a held-out curve turning while training improves is a warning.
         for event in self.detectors.update({"kind": "eval", "step": self.step, **row}):
             self.sink.event("warning", event["step"], **as_warning(event))
-        self.progress.last_eval = {k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}
+        self.progress.last_eval = {**{k: row.get(k) for k in ("ce", "accuracy", "accept_len", "walk_tau")}, "final": final}
         # checkpoint.keep_best compares the evals' common metric with the evals' own estimator:
         # walk_tau when they score every anchor, else accept_len over the same sampled anchors
         # (the final, dense eval's accept_len weighs blocks differently, so it is not compared), on the
