@@ -289,11 +289,12 @@ class PlanInputs:
     bf16: bool = True  # the trainer's compute dtype on a GPU (train.mixed_precision; fp32 doubles every activation)
     eval_tokens: int | None = None  # the held-out eval's largest pack (None: the run holds nothing out, no eval)
 
-    def trace(self, shape: StepShape, model: DrafterConfig | None = None, legacy: frozenset[str] = frozenset()) -> dict[str, float]:
+    def trace(self, shape: StepShape, model: DrafterConfig | None = None, legacy: frozenset[str] = frozenset(),
+              with_eval: bool = True) -> dict[str, float]:
         return traced_step(
             model or self.model, self.loss, self.arch, self.num_feature_layers, shape,
             grad_accum=self.grad_accum, noise_cfg=self.noise, optim_cfg=self.optim, bf16=self.bf16, legacy=legacy,
-            eval_shape=self.eval_shape(),
+            eval_shape=self.eval_shape() if with_eval else None,
         )
 
     def eval_shape(self) -> StepShape | None:
@@ -347,7 +348,8 @@ def plan(inputs: PlanInputs, world_size: int = 8, search: bool = False, removed_
     if removed_costs:
         out["removed_costs_gib"] = {
             # The steps alone: where the eval's pack sets the peak, a step's cost would not show in it.
-            name: {"would_add": round(inputs.trace(shape, legacy=frozenset({name}))["step_total"] - configured["step_total"], 2), "what": what}
+            name: {"would_add": round(inputs.trace(shape, legacy=frozenset({name}), with_eval=False)["step_total"] - configured["step_total"], 2),
+                   "what": what}
             for name, what in LEGACY_COSTS.items()
         }
     if search:

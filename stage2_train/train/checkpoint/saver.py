@@ -116,7 +116,7 @@ class Checkpointer:
         # The pointer names its metric: walk_tau when the evals score every anchor, else accept_len.
         self.best_metric: str = "walk_tau" if best is None else str(best.get("metric", "walk_tau"))
         self.best_value: float | None = None if best is None else best.get("value", best.get("walk_tau"))
-        self.best_step: int | None = None if best is None else best["step"]
+        self.best_step: int | None = None if best is None else best["step"]  # the step best_value was scored at
         # The held-out samples and anchors the value was estimated on (`note_eval`'s basis).
         self.best_basis: dict | None = None if best is None else best.get("basis")
         self._best_step: int | None = None  # a save of this step is the new best: point at it once committed
