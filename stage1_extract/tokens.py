@@ -50,8 +50,19 @@ def tokenize_all(
     # fork: the workers inherit the tokenizer instead of each loading it. Their Rust thread pools
     # stay off (the processes are the parallelism), which also silences the fork warning; set in
     # the workers, so this process's environment is left as it was.
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init) as pool:
-        yield from pool.imap(_tokenize_one, items, chunksize=max(1, min(256, len(items) // (workers * 8))))
+    # Results come back a block at a time (`map`, not `imap`) and the pool ends with close + join, never
+    # terminate: when the caller stops early (a bad row raises there) no task is in flight, while
+    # Pool.terminate with tasks still queued hung in joining its task handler (seen in the test suite:
+    # the command never ended, instead of naming the row).
+    chunk = max(1, min(256, len(items) // (workers * 8)))
+    block = chunk * workers * 16
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_init)
+    try:
+        for start in range(0, len(items), block):
+            yield from pool.map(_tokenize_one, items[start : start + block], chunksize=chunk)
+    finally:
+        pool.close()
+        pool.join()
 
 
 def resolve_workers(requested: int) -> int:
