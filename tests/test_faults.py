@@ -301,6 +301,28 @@ def test_nan_losses_stop_training_and_the_good_checkpoints_survive(store, tiny_t
         assert all(bool(w.isfinite().all()) for w in weights.values())
 
 
+def test_the_count_of_non_finite_steps_in_a_row_survives_a_resume(store, tiny_target_dir, tmp_path, monkeypatch):
+    """A diverging run relaunched (a preemption, a crash loop) must still stop at
+    train.max_nonfinite_steps: its count in a row is carried in the checkpoint, not begun anew."""
+    from shared.errors import DivergedError
+    from stage2_train.commands import cmd_train
+    from stage2_train.train import trainer as trainer_mod
+
+    real, calls = trainer_mod.dflash_loss, []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan"), metrics) if len(calls) > 3 else (loss, metrics)
+
+    monkeypatch.setattr(trainer_mod, "dflash_loss", poisoned)
+    settings = {"train.max_nonfinite_steps": 2, "train.resume": "auto"}
+    cmd_train(train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 4, **settings}), progress=False)
+    # Step 4 was skipped and saved; the relaunch's steps 5 and 6 are the second and third in a row.
+    with pytest.raises(DivergedError, match=r"3 optimizer steps in a row \(up to step 6\)"):
+        cmd_train(train_config(tiny_target_dir, store[1], tmp_path, **{"train.max_steps": 12, **settings}), progress=False)
+
+
 def test_resume_skips_a_damaged_checkpoint_and_says_so(store, tiny_target_dir, tmp_path, capfd):
     from stage2_train.commands import cmd_train
 

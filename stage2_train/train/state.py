@@ -60,6 +60,9 @@ class Progress:
         self.epoch_blocks: Any = 0
         self.blocks_epoch: int | None = None  # the epoch epoch_blocks were counted in
         self.eval_owed = False
+        # Non-finite steps in a row: carried over a resume, so a run that is preempted or relaunched
+        # while diverging still reaches train.max_nonfinite_steps instead of starting the count anew.
+        self.nonfinite_in_a_row = 0
         self.restart_clock()
 
     def add_blocks(self, blocks: Any, epoch: int) -> None:
@@ -90,6 +93,7 @@ class Progress:
             # eval, which comes first) holds the finished epoch's count: the next epoch starts from 0.
             "epoch_blocks": int(self.epoch_blocks) if self.blocks_epoch in (None, self.epoch) else 0,
             "eval_owed": self.eval_owed,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -101,6 +105,7 @@ class Progress:
         self.last_eval = state.get("last_eval")
         self.epoch_blocks = int(state.get("epoch_blocks", 0))  # checkpoints before it: counted from the resume
         self.eval_owed = bool(state.get("eval_owed", False))
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         self.restart_clock()
 
 

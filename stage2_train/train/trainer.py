@@ -127,7 +127,6 @@ class Trainer:
             "config": RunRecord(self.info["config"]),  # compared before anything loads
             "drafter": Description(self.description),
         })
-        self.nonfinite_in_a_row = 0
         self._last_log = (0, 0, time.perf_counter())  # (step, tokens_seen, time) at the previous train row
         self._batches: Iterator[list[LoadedBatch]] | None = None
         self._bar = None
@@ -298,13 +297,13 @@ class Trainer:
         finite = bool(torch.isfinite(torch.stack([grad_norm.float(), loss_sum.float()])).all())
         if finite:
             self.optimizers.step()
-            self.nonfinite_in_a_row = 0
+            self.progress.nonfinite_in_a_row = 0
         else:
-            self.nonfinite_in_a_row += 1
-            self.sink.event("nonfinite_step", self.step + 1, grad_norm=grad_norm, loss_sum=loss_sum, in_a_row=self.nonfinite_in_a_row)
-            if self.nonfinite_in_a_row > self.cfg.train.max_nonfinite_steps:
+            self.progress.nonfinite_in_a_row += 1
+            self.sink.event("nonfinite_step", self.step + 1, grad_norm=grad_norm, loss_sum=loss_sum, in_a_row=self.progress.nonfinite_in_a_row)
+            if self.progress.nonfinite_in_a_row > self.cfg.train.max_nonfinite_steps:
                 raise DivergedError(
-                    f"training diverged: {self.nonfinite_in_a_row} optimizer steps in a row (up to step {self.step + 1}) "
+                    f"training diverged: {self.progress.nonfinite_in_a_row} optimizer steps in a row (up to step {self.step + 1}) "
                     f"had a non-finite loss or gradient norm; no update was applied and no such checkpoint saved. "
                     f"Lower optim.lr, check the store with `python -m stage1_extract verify`, and resume from "
                     f"{self.checkpointer.dir}"
