@@ -591,8 +591,8 @@ def test_resume_continues_exactly(tiny_target_dir, store, tmp_path, optimizer):
 def test_a_resume_from_an_older_step_forgets_the_best_of_the_run_it_abandons(tiny_target_dir, store, tmp_path):
     """Rolled back to step 2 (train.resume=<its folder>, a lower lr) of a run whose `best` named its step
     4: that best is an eval of the abandoned run, and this run's save of step 4 replaces its folder.
-    `best` must end naming a checkpoint of this run with this run's eval of it, not the old value on
-    this run's weights (nor keep this run's better checkpoints from becoming the best)."""
+    `best` must end naming the best of this history (up to step 2, or this run's evals) with its own
+    value, not the old value on this run's weights (nor keep this run's better checkpoints from it)."""
     extra = {"train.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "eval.every_steps": 1,
              "checkpoint.keep_best": True, "eval.offline_max_anchors_per_seq": None}
     commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
@@ -600,13 +600,35 @@ def test_a_resume_from_an_older_step_forgets_the_best_of_the_run_it_abandons(tin
     # The abandoned run's best at its step 4, a value no eval of the rolled-back run reaches.
     (ckpt / "best").write_text(json.dumps({"step": 4, "metric": "walk_tau", "value": 1e9}))
     first = len(read_log(tmp_path / "train_log.jsonl"))
+    earlier = json.loads((ckpt / "step_000002" / "meta.json").read_text())["best"]  # the best as of step 2
     back = {**extra, "train.resume": str(ckpt / "step_000002"), "optim.lr": 1e-4}
     assert commands.cmd_train(config(tiny_target_dir, store, tmp_path, **back), progress=False)["steps"] == 4
     again = read_log(tmp_path / "train_log.jsonl")[first:]
     evals = {r["step"]: r["walk_tau"] for r in again if r["kind"] == "eval"}
     best = json.loads((ckpt / "best").read_text())
-    assert sorted(evals) == [3, 4] and best["step"] in evals and best["value"] == evals[best["step"]]
-    assert best["value"] == max(evals.values())
+    named = {earlier["step"]: earlier["value"], **evals}  # what this history evaluated, step 4 by this run
+    assert sorted(evals) == [3, 4] and earlier["step"] <= 2 and named[best["step"]] == best["value"] == max(named.values())
+
+
+def test_a_rollback_names_again_the_best_the_checkpoint_it_resumes_was_saved_with(tiny_target_dir, store, tmp_path):
+    """Rolled back to step 2 of a run whose `best` moved on to step 4: the best as of step 2 (recorded
+    in step 2's meta.json; here an eval no later one reaches) is still a checkpoint of this history and
+    must stay named, not be forgotten with the abandoned run's."""
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10, "eval.every_steps": 1,
+             "checkpoint.keep_best": True, "eval.offline_max_anchors_per_seq": None}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "best").write_text(json.dumps({"step": 4, "metric": "walk_tau", "value": 1e9}))
+    meta = json.loads((ckpt / "step_000002" / "meta.json").read_text())
+    assert meta["best"]["step"] in (1, 2) and meta["best"]["metric"] == "walk_tau"
+    meta["best"]["value"] = 1e8
+    (ckpt / "step_000002" / "meta.json").write_text(json.dumps(meta))
+    back = {**extra, "train.resume": str(ckpt / "step_000002"), "optim.lr": 1e-4}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **back), progress=False)
+    forgotten = [e for e in read_log(tmp_path / "train_log.jsonl", "event") if e["event"] == "best_forgotten"]
+    assert [(e["best_step"], e["best_again"]) for e in forgotten] == [(4, meta["best"]["step"])]
+    assert json.loads((ckpt / "best").read_text())["step"] == meta["best"]["step"]
+    assert json.loads((ckpt / "best").read_text())["value"] == 1e8
 
 
 def test_a_rolled_back_run_lost_before_its_first_save_resumes_from_where_it_rolled_back_to(

@@ -74,6 +74,7 @@ from stage2_train.train.checkpoint.select import (
     BEST,
     Selection,
     best_pointer,
+    best_saved_with,
     candidates,
     latest_checkpoint,
     prunable,
@@ -128,11 +129,12 @@ class Checkpointer:
         if self._group is not None:
             dist.barrier(group=self._group)
 
-    def _read_best(self) -> dict | None:
-        """The `best` pointer as rank 0 reads it, on every rank. Ranks reading it themselves can see
-        different files (another node's NFS cache): they would then disagree on whether an eval is a new
-        best, some would save and others not, and the agreement collectives would pair up wrongly."""
-        pointer = [best_pointer(self.dir) if self.rank == 0 else None]
+    def _read_best(self, path: Path | None = None) -> dict | None:
+        """The `best` pointer (or the record checkpoint `path` was saved with) as rank 0 reads it, on
+        every rank. Ranks reading it themselves can see different files (another node's NFS cache): they
+        would then disagree on whether an eval is a new best, some would save and others not, and the
+        agreement collectives would pair up wrongly."""
+        pointer = [None if self.rank else best_pointer(self.dir) if path is None else best_saved_with(path)]
         if self._group is not None:
             dist.broadcast_object_list(pointer, src=0, group=self._group)
         return pointer[0]
@@ -193,7 +195,7 @@ class Checkpointer:
             self._poll()
         self._event("checkpoint_start", step, waited_s=round(waited_s, 4))
         job = self._snapshots.take(step, state_fn(), self.rank)
-        job.waited_s = waited_s
+        job.waited_s, job.best = waited_s, None if self.best_step is None else self._best_record(self.best_step)
         self._last_step = step
         if blocking or not self.cfg.async_save:
             job.mode = "sync"
@@ -249,25 +251,32 @@ class Checkpointer:
 
     def resumed_at(self, step: int, path: str | os.PathLike | None = None) -> None:
         """A run resumed from `step` (on disk at `path`: no second save of it). Resumed from an older
-        checkpoint of this folder, what is newer belongs to the run this resume abandons: `latest` is
-        moved back to `path` now, not at this run's first save (lost before it, `train.resume=auto`
-        would continue the abandoned run), and a `best` newer than `step` is forgotten, pointer and
-        value (kept, this run's save of that step would replace its folder under the old value, and
-        the value would keep this run's better checkpoints from being named)."""
+        checkpoint of this folder, what is newer belongs to the run this resume abandons: `latest` moves
+        back to `path` now (lost before its first save, `train.resume=auto` would continue the abandoned
+        run), and a `best` newer than `step` is forgotten (kept, its value would keep this run's better
+        checkpoints from being named), and the best as of `step` (`path`'s meta.json) named again."""
         self.mark_saved(step)
-        ours = self.rank == 0 and path is not None and Path(path).parent.resolve() == self.dir.resolve()
-        newest = self.latest() if ours else None
+        ours = path is not None and Path(path).parent.resolve() == self.dir.resolve()
+        newest = self.latest() if ours and self.rank == 0 else None
         if newest is not None and (read_meta(newest) or {}).get("step", step) > step:
             write_atomic(self.dir / "latest", Path(path).name + "\n")
         if self.best_step is None or self.best_step <= step:
             return
-        forgotten = self._best_record(self.best_step)
+        forgotten, earlier = self._best_record(self.best_step), self._read_best(Path(path)) if ours else None
         self.best_value = self.best_step = self.best_basis = None
+        if earlier is not None:
+            self.best_metric, self.best_value, self.best_basis = earlier["metric"], earlier["value"], earlier.get("basis")
+            self.best_step = self._pointed_step = earlier["step"]
         if self.rank == 0:
-            (self.dir / BEST).unlink(missing_ok=True)
+            if earlier is None:
+                (self.dir / BEST).unlink(missing_ok=True)
+            else:
+                write_atomic(self.dir / BEST, json.dumps(earlier))
+            again = "" if earlier is None else f"; `best` is step {earlier['step']} again ({earlier['metric']} {earlier['value']})"
             print(f"warning: resuming from step {step}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
-                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this resume abandons", file=sys.stderr)
-        self._event("best_forgotten", step, best_step=forgotten["step"], metric=forgotten["metric"], value=forgotten["value"])
+                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this resume abandons{again}", file=sys.stderr)
+        self._event("best_forgotten", step, best_step=forgotten["step"], metric=forgotten["metric"], value=forgotten["value"],
+                    best_again=None if earlier is None else earlier["step"])
 
     def _start_thread(self, target: Callable[[Job], None], job: Job) -> None:
         # Not niced: under load a low-priority writer overran the save interval and the next save
@@ -346,7 +355,7 @@ class Checkpointer:
                 job.num_bytes += write_part(tmp, stem, plain, tensors)
         except BaseException as exc:  # noqa: BLE001 - the other ranks must still hear about it
             error = exc
-        if not self._all_ranks_ok(error is None):
+        if not self.agree(error is None):
             if self.rank == 0:  # a partial save holds disk the next one may need: remove it now
                 shutil.rmtree(tmp, ignore_errors=True)
             raise error or RuntimeError("another rank failed to write its part")
@@ -356,7 +365,7 @@ class Checkpointer:
             except BaseException as exc:  # noqa: BLE001 - the other ranks must still hear about it
                 error = exc
         # A second agreement: when finalize() returns on any rank, the checkpoint is committed.
-        if not self._all_ranks_ok(error is None):
+        if not self.agree(error is None):
             raise error or RuntimeError("rank 0 failed to commit the checkpoint")
 
     def _commit(self, job: Job, tmp: Path) -> None:
@@ -371,6 +380,7 @@ class Checkpointer:
             "keys": job.keys,
             "shared_keys": list(SHARED_KEYS),
             "files": files,
+            **({"best": job.best} if job.best else {}),
         }
         write_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
         job.num_bytes += (tmp / "meta.json").stat().st_size
@@ -390,9 +400,6 @@ class Checkpointer:
 
     def agree(self, ok: bool) -> bool:
         """True when `ok` on every rank (a collective: every rank calls it)."""
-        return self._all_ranks_ok(ok)
-
-    def _all_ranks_ok(self, ok: bool) -> bool:
         if self._group is None:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -435,7 +442,7 @@ class Checkpointer:
         """Why some rank cannot use the checkpoint at `path`, agreed by every rank, or None. Each
         file is hashed by one rank only (see `select`)."""
         problem = checkpoint_problem(Path(path), self.rank, shared=self.rank == 0)
-        if self._all_ranks_ok(problem is None):
+        if self.agree(problem is None):
             return None
         return problem or "another rank found its part damaged"
 

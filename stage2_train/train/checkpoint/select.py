@@ -24,6 +24,7 @@ from stage2_train.train.checkpoint.format import (
     checkpoint_problem,
     read_meta,
     read_weights,
+    step_name,
 )
 
 
@@ -80,6 +81,15 @@ def prunable(ckpt_dir: Path, step: int, keep: int) -> list[Path]:
     best = best_pointer(ckpt_dir)
     old = upto[: max(0, len(upto) - keep)]
     return [p for p in old if best is None or _step_of(p) != best["step"]]
+
+
+def best_saved_with(path: Path) -> dict | None:
+    """The `best` record the checkpoint at `path` was saved with (the best eval up to its step), when
+    that checkpoint is still complete beside it; None otherwise (older checkpoints record none)."""
+    best = (read_meta(path) or {}).get("best")
+    if not isinstance(best, dict) or not isinstance(best.get("step"), int) or best["step"] > _step_of(path):
+        return None
+    return best if read_meta(path.parent / step_name(best["step"])) is not None else None
 
 
 def best_pointer(ckpt_dir: str | os.PathLike) -> dict | None:

@@ -37,6 +37,7 @@ class Job:
     write_s: float = 0.0
     num_bytes: int = 0
     error: BaseException | None = None
+    best: dict[str, Any] | None = None  # the `best` record when the save began (meta.json, for a rollback)
 
 
 class Snapshots:
