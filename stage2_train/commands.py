@@ -126,6 +126,15 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
             f"{cfg.model.attention} keeps each chunk group's mask and scores (bench/attention.py), which it does not trace. "
             f"Plan and train with model.attention=auto"
         )
+    from stage2_train.model.attention import flex_importable
+
+    if not flex_importable():  # `auto` would then run sdpa on the GPU, with the memory the message above names
+        import torch
+
+        raise ConfigError(
+            f"this torch ({torch.__version__}) has no flex_attention: model.attention=auto would run sdpa on the GPU, which "
+            f"keeps each chunk group's mask and scores and which the memory plan does not trace; install torch >= 2.5"
+        )
     layers = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_feature_layers
     # The compute dtype the trainer takes on a GPU (train.mixed_precision, or accelerate launch's choice under auto).
     bf16 = resolve_mixed_precision(cfg.train, True, os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16"

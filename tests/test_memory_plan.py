@@ -240,3 +240,10 @@ def test_the_plan_reads_the_eval_pack_and_refuses_an_attention_it_does_not_trace
     # sdpa keeps each chunk group's mask and scores for backward: a plan of flex would call it fitting.
     with pytest.raises(ConfigError, match="model.attention='sdpa'.*model.attention=auto"):
         plan_inputs(load_run_config("qwen3-8b", ["model.attention=sdpa"]))
+    # A torch without flex: `auto` resolves to sdpa on the GPU, so the same plan would be wrong.
+    from stage2_train.model import attention
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "flex_importable", lambda: False)
+        with pytest.raises(ConfigError, match=r"no flex_attention: model.attention=auto would run sdpa.*torch >= 2.5"):
+            plan_inputs(load_run_config("qwen3-8b"))
