@@ -39,59 +39,48 @@ BENCHES = {
     "attention": ["bench/attention.py"],
     "projection": ["bench/projection.py"],
 }
+
+
+def compare(name: str, *variants: str, long: bool = False, prompts: tuple[int, int] | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """bench/compare.py at equal steps and seed: 400 steps of the default preset decoded on 12 held-out
+    and 32 unseen prompts, or (`long`) 1,600 of cpu-long's on 24 and 16; `variants`: NAME:overrides."""
+    heldout, unseen = prompts or ((24, 16) if long else (12, 32))
+    preset = ["--config", "configs/cpu-long.yaml", "--steps", "1600"] if long else ["--steps", "400"]
+    return ["bench/compare.py", *preset, "--name", name, "--heldout", str(heldout), "--unseen", str(unseen),
+            *(f"--variant={v}" for v in variants), *extra]
+
+
+# The fp4 stores: the same data extracted as bf16, fp8 and fp4 by bench/fp4.py (its --run-dir).
+FP4_STORES = ("fp8:store.path={}/store-fp8,store.dtype=fp8", "bf16:store.path={}/store-bf16", "fp4:store.path={}/store-fp4,store.dtype=fp4")
 # Run on request only (`--only learning_long`): the long CPU preset trains up to an hour.
 EXTRA_BENCHES = {
     "learning_long": ["bench/learning.py", "--config", "configs/cpu-long.yaml", "--n", "100"],
     "plan8b": ["bench/plan.py"],  # ~15 min of fake-tensor traces on 2 cores
     # Settings at equal steps and seed, decoded on the same prompts with paired intervals (~2 h; ~1.5 h).
-    "levers": [
-        "bench/compare.py", "--name", "levers-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
-        "--variant", "base:loss.weighting=decay", "--variant", "dpace:loss.weighting=dpace",
-        "--variant", "muon:loss.weighting=decay,optim.name=muon",
-        "--variant", "distill:loss.weighting=decay,loss.distill_positions=all",
-        "--variant", "distill16:loss.weighting=decay,loss.distill_positions=all,sampler.max_anchors_per_seq=16",
-        "--variant", "sliding64:loss.weighting=decay,model.layer_types=[sliding_attention],model.sliding_window=64",
-        "--variant", "pcaH:loss.weighting=decay,model.feature_projection=pca",
-        "--variant", "pcaH2:loss.weighting=decay,model.feature_projection=pca,model.projection_dim=288",
-    ],
+    "levers": compare("levers-default", "base:loss.weighting=decay", "dpace:loss.weighting=dpace",
+                      "muon:loss.weighting=decay,optim.name=muon", "distill:loss.weighting=decay,loss.distill_positions=all",
+                      "distill16:loss.weighting=decay,loss.distill_positions=all,sampler.max_anchors_per_seq=16",
+                      "sliding64:loss.weighting=decay,model.layer_types=[sliding_attention],model.sliding_window=64",
+                      "pcaH:loss.weighting=decay,model.feature_projection=pca",
+                      "pcaH2:loss.weighting=decay,model.feature_projection=pca,model.projection_dim=288"),
+    "levers_long": compare("levers-cpu-long", "dpace:", "decay:loss.weighting=decay",
+                           "sliding64:model.layer_types=[sliding_attention],model.sliding_window=64", long=True),
     # Needs the all-questions store first: make extract ARGS="run_dir=runs/questions data.default_question_share=1.0"
-    "questions": [
-        "bench/compare.py", "--name", "qmix", "--steps", "400", "--heldout", "0", "--unseen", "44",
-        "--variant", "mixed:", "--variant", "questions:store.path=runs/questions/store",
-    ],
-    # fp4 hidden states: the same data extracted as bf16, fp8 and fp4 (bench/fp4.py builds the stores
-    # and measures the codec, ~15 min), then drafters trained from each at equal steps and seed.
+    "questions": compare("qmix", "mixed:", "questions:store.path=runs/questions/store", prompts=(0, 44)),
+    # fp4 hidden states: bench/fp4.py builds the three stores and measures the codec (~15 min), then
+    # drafters trained from each at equal steps and seed.
     "fp4": ["bench/fp4.py", "--config", "configs/default.yaml", "--run-dir", "runs/fp4-default"],
-    "fp4_compare": [
-        "bench/compare.py", "--name", "fp4-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
-        "--variant", "fp8:store.path=runs/fp4-default/store-fp8,store.dtype=fp8", "--variant", "bf16:store.path=runs/fp4-default/store-bf16",
-        "--variant", "fp4:store.path=runs/fp4-default/store-fp4,store.dtype=fp4", "store.path=runs/fp4-default/store-bf16",
-    ],
+    "fp4_compare": compare("fp4-default", *(v.format("runs/fp4-default") for v in FP4_STORES),
+                           extra=("store.path=runs/fp4-default/store-bf16",)),
     "fp4_long": ["bench/fp4.py", "--config", "configs/cpu-long.yaml", "--run-dir", "runs/fp4-cpu-long"],
-    "fp4_compare_long": [
-        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "fp4-cpu-long", "--steps", "1600",
-        "--heldout", "24", "--unseen", "16",
-        "--variant", "fp8:store.path=runs/fp4-cpu-long/store-fp8,store.dtype=fp8", "--variant", "bf16:store.path=runs/fp4-cpu-long/store-bf16",
-        "--variant", "fp4:store.path=runs/fp4-cpu-long/store-fp4,store.dtype=fp4", "store.path=runs/fp4-cpu-long/store-bf16",
-    ],
-    "levers_long": [
-        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "levers-cpu-long", "--steps", "1600",
-        "--heldout", "24", "--unseen", "16", "--variant", "dpace:", "--variant", "decay:loss.weighting=decay",
-        "--variant", "sliding64:model.layer_types=[sliding_attention],model.sliding_window=64",
-    ],
+    "fp4_compare_long": compare("fp4-cpu-long", *(v.format("runs/fp4-cpu-long") for v in FP4_STORES), long=True,
+                                extra=("store.path=runs/fp4-cpu-long/store-bf16",)),
     # The drafter variants (docs/variants.md): DFlash (the CPU default, D-PACE) against DSpark and DFlash2
     # trained from the same store at equal steps and seed, decoded on the same prompts, DSpark also with
     # its confidence stop (~1 h; ~2.5 h).
-    "variants": [
-        "bench/compare.py", "--name", "variants-default", "--steps", "400", "--heldout", "12", "--unseen", "32",
-        "--variant", "dflash:", "--variant", "dspark:model.variant=dspark", "--variant", "dflash2:model.variant=dflash2",
-        "--confidence-stop", "dspark=0.5",
-    ],
-    "variants_long": [
-        "bench/compare.py", "--config", "configs/cpu-long.yaml", "--name", "variants-cpu-long", "--steps", "1600",
-        "--heldout", "24", "--unseen", "16", "--variant", "dflash:", "--variant", "dspark:model.variant=dspark",
-        "--variant", "dflash2:model.variant=dflash2", "--confidence-stop", "dspark=0.5",
-    ],
+    **{name: compare(label, "dflash:", "dspark:model.variant=dspark", "dflash2:model.variant=dflash2", long=long,
+                     extra=("--confidence-stop", "dspark=0.5"))
+       for name, label, long in (("variants", "variants-default", False), ("variants_long", "variants-cpu-long", True))},
 }
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
