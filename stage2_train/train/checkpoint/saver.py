@@ -252,21 +252,23 @@ class Checkpointer:
         checkpoint of this folder, what is newer belongs to the run this resume abandons: `latest` is
         moved back to `path` now, not at this run's first save (lost before it, `train.resume=auto`
         would continue the abandoned run), and a `best` newer than `step` is forgotten, pointer and
-        value (kept, this run's save of that step would replace its folder under the old value, and
-        the value would keep this run's better checkpoints from being named)."""
+        value (kept, its value would keep this run's better checkpoints from being named)."""
         self.mark_saved(step)
         ours = self.rank == 0 and path is not None and Path(path).parent.resolve() == self.dir.resolve()
         newest = self.latest() if ours else None
         if newest is not None and (read_meta(newest) or {}).get("step", step) > step:
             write_atomic(self.dir / "latest", Path(path).name + "\n")
-        if self.best_step is None or self.best_step <= step:
-            return
+        if self.best_step is not None and self.best_step > step:
+            self.forget_best(step, f"resuming from step {step}")
+
+    def forget_best(self, step: int, why: str) -> None:
+        """The `best` pointer and value, of a run this one abandons (`why`), forgotten; logged at `step`."""
         forgotten = self._best_record(self.best_step)
         self.best_value = self.best_step = self.best_basis = None
         if self.rank == 0:
             (self.dir / BEST).unlink(missing_ok=True)
-            print(f"warning: resuming from step {step}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
-                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this resume abandons", file=sys.stderr)
+            print(f"warning: {why}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
+                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this one abandons", file=sys.stderr)
         self._event("best_forgotten", step, best_step=forgotten["step"], metric=forgotten["metric"], value=forgotten["value"])
 
     def _start_thread(self, target: Callable[[Job], None], job: Job) -> None:
