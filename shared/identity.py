@@ -247,13 +247,16 @@ def generate_settings(cfg: RunConfig, weights_sha256: str, template: dict[str, s
 def prompt_template(hashes: dict[str, str]) -> dict[str, str]:
     """What rendered the prompts the answers were sampled after, from a tokenizer's fingerprints
     (`TargetInfo.tokenizer_hashes`, `tokenizer_fingerprints`): another chat template (an edited one, or
-    a Hub revision that changed only it) gives other prompts, whose answers these are not."""
-    return {"tokenizer_sha256": hashes["tokenizer_sha256"], "chat_template_sha256": hashes["chat_template_sha256"]}
+    a Hub revision that changed only it), or a tokenizer that splits text otherwise under the same
+    vocabulary (its merges), gives other prompt ids, whose answers these are not."""
+    return {k: hashes[k] for k in ("tokenizer_sha256", "chat_template_sha256", "tokenizer_probe_sha256")}
 
 
-# Settings answers generated before they were recorded lack: taken as today's, with a warning naming them.
+# Settings answers generated before they were recorded lack (dotted: a key inside one): taken as
+# today's, with a warning naming them.
 UNRECORDED_SETTINGS = {
     "template": "the chat template they answered: they are used as answers to prompts rendered by today's template",
+    "template.tokenizer_probe_sha256": "the tokenizer's behaviour: they are used as answers to prompts as today's tokenizer splits them",
     "target_config": "the target's config.json: they are used as answers of the target as its config.json is today",
 }
 
@@ -262,11 +265,20 @@ def with_unrecorded_of(made: dict[str, Any], settings: dict[str, Any]) -> dict[s
     """`made` (settings recorded with answers) with `settings`' value of each UNRECORDED_SETTINGS it
     records none of: answers generated before it was recorded are taken as made with today's (a
     warning says so)."""
-    missing = [k for k in UNRECORDED_SETTINGS if k not in made and k in settings]
-    for name in missing:
+    out = dict(made)
+    for key, what in UNRECORDED_SETTINGS.items():
+        outer, _, inner = key.partition(".")
+        if outer not in settings:
+            continue
+        if not inner and outer not in out:
+            out[outer] = settings[outer]
+        elif inner and isinstance(out.get(outer), dict) and inner not in out[outer]:
+            out[outer] = {**out[outer], inner: settings[outer][inner]}
+        else:
+            continue
         log.warning("the generated answers were made before generate recorded %s (if it changed since, delete "
-                    "run_dir/data/generated.parts and run generate again)", UNRECORDED_SETTINGS[name])
-    return {**made, **{k: settings[k] for k in missing}}
+                    "run_dir/data/generated.parts and run generate again)", what)
+    return out
 
 
 def generate_settings_key(settings: dict[str, Any]) -> str:
@@ -323,6 +335,7 @@ def generated_problem(cfg: RunConfig, weights_sha256: str, template: dict[str, s
         "settings.target_config": "the target's config.json",
         "max_samples": "data.max_samples", "on_bad_row": "data.on_bad_row", "format": "data.format", "settings.seed": "generate.seed",
         "settings.template.chat_template_sha256": "the chat template", "settings.template.tokenizer_sha256": "the tokenizer",
+        "settings.template.tokenizer_probe_sha256": "the tokenizer's behaviour",
     }
     what = ", ".join(
         f"{names.get(k, k.replace('settings.', ''))} ({_short(v[0])} -> {_short(v[1])})" for k, v in changed.items()
