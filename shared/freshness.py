@@ -99,7 +99,7 @@ def store_staleness(cfg: RunConfig, target: TargetInfo, manifest: dict[str, Any]
     for record in manifest["shards"]:
         if record.get("header_key") != key:
             report.stale.append((record["index"], "settings changed: " + ", ".join(changed or ["schema"])))
-    problem = generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()))
+    problem = generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()), target.config_sha256)
     if problem is not None:
         report.problems.append(problem)
     try:

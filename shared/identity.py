@@ -225,17 +225,20 @@ def extraction_source(cfg: RunConfig) -> Path:
     )
 
 
-def generate_settings(cfg: RunConfig, weights_sha256: str, template: dict[str, str]) -> dict[str, Any]:
-    """What makes an answer: the sampling settings, the target, the prompt it answered as the
-    tokenizer and chat template rendered it (`prompt_template`), generate.seed (never the run's seed,
-    which training changes freely) and the part size (rows are keyed per part, so appending or
-    editing rows regenerates only the parts they fall in)."""
+def generate_settings(cfg: RunConfig, weights_sha256: str, template: dict[str, str], config_sha256: str) -> dict[str, Any]:
+    """What makes an answer: the sampling settings, the target (its weights, and its config.json,
+    `config_fingerprint`: the same weights under another rope_theta or window are another model, whose
+    store is stale and whose answers these are not), the prompt it answered as the tokenizer and chat
+    template rendered it (`prompt_template`), generate.seed (never the run's seed, which training
+    changes freely) and the part size (rows are keyed per part, so appending or editing rows
+    regenerates only the parts they fall in)."""
     return {
         "generate": {k: stage1_value(cfg, f"generate.{k}") for k in ("backend", "temperature", "top_p", "max_new_tokens")},
         "rows_per_part": stage1_value(cfg, "generate.rows_per_part"),
         # the prompts render with them (only when set: answers generated before keep their key)
         **({"chat_template_kwargs": dict(kw)} if (kw := stage1_value(cfg, "data.chat_template_kwargs")) else {}),
         "target": weights_sha256,
+        "target_config": config_sha256,
         "template": dict(template),
         "seed": stage1_value(cfg, "generate.seed"),  # "seed": the key answers generated before it existed carry
     }
@@ -244,26 +247,47 @@ def generate_settings(cfg: RunConfig, weights_sha256: str, template: dict[str, s
 def prompt_template(hashes: dict[str, str]) -> dict[str, str]:
     """What rendered the prompts the answers were sampled after, from a tokenizer's fingerprints
     (`TargetInfo.tokenizer_hashes`, `tokenizer_fingerprints`): another chat template (an edited one, or
-    a Hub revision that changed only it) gives other prompts, whose answers these are not."""
-    return {"tokenizer_sha256": hashes["tokenizer_sha256"], "chat_template_sha256": hashes["chat_template_sha256"]}
+    a Hub revision that changed only it), or a tokenizer that splits text otherwise under the same
+    vocabulary (its merges), gives other prompt ids, whose answers these are not."""
+    return {k: hashes[k] for k in ("tokenizer_sha256", "chat_template_sha256", "tokenizer_probe_sha256")}
 
 
-def with_template_of(made: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    """`made` (settings recorded with answers) with `settings`' template when it records none: answers
-    generated before the template was recorded are taken as made with today's (a warning says so)."""
-    if "template" in made:
-        return made
-    log.warning("the generated answers were made before generate recorded the chat template they answered: they are used as "
-                "answers to prompts rendered by today's template (if it changed since, delete run_dir/data/generated.parts "
-                "and run generate again)")
-    return {**made, "template": settings["template"]}
+# Settings answers generated before they were recorded lack (dotted: a key inside one): taken as
+# today's, with a warning naming them.
+UNRECORDED_SETTINGS = {
+    "template": "the chat template they answered: they are used as answers to prompts rendered by today's template",
+    "template.tokenizer_probe_sha256": "the tokenizer's behaviour: they are used as answers to prompts as today's tokenizer splits them",
+    "target_config": "the target's config.json: they are used as answers of the target as its config.json is today",
+}
+
+
+def with_unrecorded_of(made: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """`made` (settings recorded with answers) with `settings`' value of each UNRECORDED_SETTINGS it
+    records none of: answers generated before it was recorded are taken as made with today's (a
+    warning says so)."""
+    out = dict(made)
+    for key, what in UNRECORDED_SETTINGS.items():
+        outer, _, inner = key.partition(".")
+        if outer not in settings:
+            continue
+        if not inner and outer not in out:
+            out[outer] = settings[outer]
+        elif inner and isinstance(out.get(outer), dict) and inner not in out[outer]:
+            out[outer] = {**out[outer], inner: settings[outer][inner]}
+        else:
+            continue
+        log.warning("the generated answers were made before generate recorded %s (if it changed since, delete "
+                    "run_dir/data/generated.parts and run generate again)", what)
+    return out
 
 
 def generate_settings_key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def generation_inputs(cfg: RunConfig, weights_sha256: str, prompts_sha256: str, template: dict[str, str]) -> dict[str, Any]:
+def generation_inputs(
+    cfg: RunConfig, weights_sha256: str, prompts_sha256: str, template: dict[str, str], config_sha256: str
+) -> dict[str, Any]:
     """What the generated conversations must have been made from to belong to this config: the
     prompts by content (a prompts file that only moved is the same input)."""
     data_format = stage1_value(cfg, "data.format")
@@ -273,11 +297,11 @@ def generation_inputs(cfg: RunConfig, weights_sha256: str, prompts_sha256: str, 
         "on_bad_row": stage1_value(cfg, "data.on_bad_row"),
         # only when set: answers generated before data.format existed were read as `auto` reads them
         **({"format": data_format} if data_format != "auto" else {}),
-        "settings": generate_settings(cfg, weights_sha256, template),
+        "settings": generate_settings(cfg, weights_sha256, template, config_sha256),
     }
 
 
-def generated_problem(cfg: RunConfig, weights_sha256: str, template: dict[str, str]) -> str | None:
+def generated_problem(cfg: RunConfig, weights_sha256: str, template: dict[str, str], config_sha256: str) -> str | None:
     """Why the generated conversations do not belong to this config (other prompts, another target,
     other sampling settings), naming both sides and the fix; None when they do (or data.regenerate
     is off). Read from the provenance `generate` writes beside them."""
@@ -299,17 +323,19 @@ def generated_problem(cfg: RunConfig, weights_sha256: str, template: dict[str, s
             f"{paths.generated} answers {made.get('prompts')}, but the config's prompts {prompts} do not exist"
             + (relative_note("data.path", prompts) if stage1_value(cfg, "data.path") is not None else "")
         )
-    now = generation_inputs(cfg, weights_sha256, source_fingerprint(prompts), template)
+    now = generation_inputs(cfg, weights_sha256, source_fingerprint(prompts), template, config_sha256)
     inputs = made.get("inputs", {})
     if isinstance(inputs.get("settings"), dict):
-        inputs = {**inputs, "settings": with_template_of(inputs["settings"], now["settings"])}
+        inputs = {**inputs, "settings": with_unrecorded_of(inputs["settings"], now["settings"])}
     changed = dotted_differences(inputs, now)
     if not changed:
         return None
     names = {
         "prompts_sha256": f"the prompts' content ({prompts})", "settings.target": "the target's weights",
+        "settings.target_config": "the target's config.json",
         "max_samples": "data.max_samples", "on_bad_row": "data.on_bad_row", "format": "data.format", "settings.seed": "generate.seed",
         "settings.template.chat_template_sha256": "the chat template", "settings.template.tokenizer_sha256": "the tokenizer",
+        "settings.template.tokenizer_probe_sha256": "the tokenizer's behaviour",
     }
     what = ", ".join(
         f"{names.get(k, k.replace('settings.', ''))} ({_short(v[0])} -> {_short(v[1])})" for k, v in changed.items()

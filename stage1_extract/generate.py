@@ -52,7 +52,7 @@ from shared.conversation_files import read_conversations
 from shared.conversations import Conversation, ReadStats
 from shared.errors import DataError
 from shared.files import full_disk, write_atomic
-from shared.identity import generate_settings_key, with_template_of
+from shared.identity import generate_settings_key, with_unrecorded_of
 from stage1_extract.backends import Answer, Engine, Request, RequestRefused, request_seed
 from stage1_extract.data import part_counts, write_conversations_parquet
 from stage1_extract.template import prompt_ids
@@ -272,10 +272,10 @@ def generate_all(
         meta = json.loads(meta_path.read_text())
         made = meta.get("settings")
         if made is None:  # written before the settings themselves were kept: only their key
-            legacy = {**{k: v for k, v in settings.items() if k not in ("rows_per_part", "template")},
+            legacy = {**{k: v for k, v in settings.items() if k not in ("rows_per_part", "template", "target_config")},
                       "chunk_size": settings["rows_per_part"]}
             made = settings if meta.get("key") == generate_settings_key(legacy) else {"settings": "unknown (older parts)"}
-        changed = dotted_differences(with_template_of(made, settings), settings)
+        changed = dotted_differences(with_unrecorded_of(made, settings), settings)
         if changed:
             what = ", ".join(f"{k} ({v[0]} -> {v[1]})" for k, v in changed.items())
             raise DataError(

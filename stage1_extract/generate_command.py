@@ -26,6 +26,7 @@ from shared.lock import exclusive
 from shared.paths import RunPaths
 from shared.target import (
     TargetArch,
+    config_fingerprint,
     load_tokenizer,
     resolve_target_dir,
     stop_token_ids,
@@ -90,8 +91,8 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.target)
     template = prompt_template(tokenizer_fingerprints(tokenizer))  # what renders the prompts answered
     model_dir = resolve_target_dir(cfg.target)
-    weights_sha256 = weights_fingerprint(model_dir)
-    settings = generate_settings(cfg, weights_sha256, template)
+    weights_sha256, config_sha256 = weights_fingerprint(model_dir), config_fingerprint(model_dir)
+    settings = generate_settings(cfg, weights_sha256, template, config_sha256)
     # The tokens a sample may hold: a prompt past them is not sent, on every backend (generate.py).
     positions = TargetArch.from_dir(model_dir).max_position_embeddings
     context = min((cfg.data.max_length, f"data.max_length={cfg.data.max_length}"),
@@ -121,7 +122,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
             template_kwargs=cfg.data.chat_template_kwargs,
         )
         if rank == 0:
-            inputs = generation_inputs(cfg, weights_sha256, source_fingerprint(source), template)
+            inputs = generation_inputs(cfg, weights_sha256, source_fingerprint(source), template, config_sha256)
             provenance = {"prompts": str(source), "inputs": inputs, "num_conversations": result.num_conversations}
             write_atomic(paths.generated_provenance, json.dumps(provenance, indent=1))
     return {

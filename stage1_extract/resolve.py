@@ -60,4 +60,5 @@ def prepare_run(cfg: RunConfig, *, use_token_cache: bool = True, deep: bool = Fa
     source: Path = extraction_source(cfg)
     cache_root = RunPaths.of(cfg).token_cache if use_token_cache else None
     prepared = prepare(cfg.data, target, header, files, source, source_format(cfg.data), cache_root)
-    return replace(prepared, generated_problem=generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes())))
+    return replace(prepared, generated_problem=generated_problem(
+        cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()), target.config_sha256))

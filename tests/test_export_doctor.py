@@ -565,3 +565,32 @@ def test_a_store_made_from_a_sharegpt_array_is_read_back_in_its_format(exports, 
     assert json.loads((Path(url) / "manifest.json").read_text())["data"]["format"] == "sharegpt"
     report = doctor(exports["zlab"], target, store=url, settings=DecodeSettings(num_prompts=1, max_new_tokens=4))
     assert "chat template: 6 stored prompts equal today's rendering of their messages" in report["notes"]
+
+
+def test_rows_of_a_data_file_changed_since_extraction_are_not_blamed_on_the_template(exports, store):
+    """The doctor read the data file by sample id as it is today: reordered or edited after extraction,
+    another row's messages were rendered against each stored prompt and the unchanged chat template
+    was named an error ("serve with the template the data was rendered with"). Each row's opening is
+    now checked against the one the store recorded; rows that are not the store's are left out, named."""
+    url, target, data = store
+    original = data.read_text()
+    lines = original.splitlines()
+    try:
+        data.write_text("\n".join(lines[::-1]) + "\n")
+        reordered = doctor(exports["zlab"], target, store=url)
+        assert "chat template" not in fields(reordered)
+        assert (
+            f"chat template: 8 stored sample(s) not compared, their rows of {data} (rows 0, 1, 2, 3 and 4 more) being other "
+            f"rows than they were extracted from ({data} changed since extraction); pass --data with the file as it was "
+            f"extracted, or run `python -m stage1_extract reprocess` to extract the file as it is now"
+        ) in reordered["notes"]
+        edited = json.loads(lines[1])
+        edited["messages"][0]["content"] = "an edited question"
+        data.write_text("\n".join([lines[0], json.dumps(edited), *lines[2:]]) + "\n")
+        one_row = doctor(exports["zlab"], target, store=url)
+        assert "chat template" not in fields(one_row)
+        assert "chat template: 7 stored prompts equal today's rendering of their messages" in one_row["notes"]
+        assert any(n.startswith(f"chat template: 1 stored sample(s) not compared, their rows of {data} (rows 1) being")
+                   for n in one_row["notes"])
+    finally:
+        data.write_text(original)

@@ -401,3 +401,37 @@ def test_init_from_a_checkpoint_step_starts_from_its_weights(tiny_target_dir, st
     assert cmd_train(cfg, progress=False)["steps"] == 1
     start = next(r for r in log_of(tmp_path / "new") if r.get("event") == "run_start")
     assert start["hyperparameters"]["init_from"] == str(step)
+
+
+def test_init_from_on_a_store_grown_from_the_one_trained_on_refuses_a_split_that_holds_out_its_training_rows(
+    tiny_target_dir, stores, trained, tmp_path
+):
+    """Starting from one's own drafter after appending rows and reprocessing (another store digest)
+    with another split: the check above ran only on the identical store, so the new run held out rows
+    the first drafter trained on and every held-out figure was inflated, silently. Now the rows are
+    compared by split key with the store the checkpoint was trained on (refused naming how many); an
+    unrelated store passes; where the first store cannot be read (an export records no path) the
+    refusal says so."""
+    from shared.store import read_manifest
+    from stage2_train.serve.trained_on import init_split_problem, read_trained_on
+
+    (tmp_path / "grown").mkdir()
+    grown = extract(tiny_target_dir, tmp_path / "grown", chat_rows(24) + chat_rows(12, seed=1))
+    step = trained / "checkpoints" / "step_000002"
+    record = read_trained_on(step)
+    assert record.store == str(stores[0])
+
+    def problem(store, record, **split):
+        cfg = load_run_config("configs/default.yaml", overrides(tiny_target_dir, store, tmp_path / "new", **split))
+        return init_split_problem(cfg, record, read_manifest(str(store)))
+
+    assert problem(grown, record) is None  # the drafter's own split
+    leaked = problem(grown, record, **{"eval.split_seed": 7})
+    assert leaked.startswith(f"model.init_from: that drafter was trained on {stores[0]} with eval.holdout_fraction=0.2, "
+                             f"eval.split_seed=0 (recorded in {step}); ")
+    assert "; 2 sample(s) of this store that this run's split (holdout_fraction=0.2, split_seed=7) holds out are rows it " \
+           "trained on there. Set eval.holdout_fraction=0.2 eval.split_seed=0" in leaked
+    assert problem(stores[1], record, **{"eval.split_seed": 7}) is None  # no row in common
+    unknown = problem(grown, record.__class__(**{**record.__dict__, "store": None}), **{"eval.split_seed": 7})
+    assert ("and that store (its path not recorded) cannot be read here as it was (moved, deleted or reprocessed since) to "
+            "tell. Set eval.holdout_fraction=0.2 eval.split_seed=0") in unknown

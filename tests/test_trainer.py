@@ -631,6 +631,41 @@ def test_a_rollback_names_again_the_best_the_checkpoint_it_resumes_was_saved_wit
     assert json.loads((ckpt / "best").read_text())["value"] == 1e8
 
 
+def test_starting_over_in_a_run_dir_forgets_the_abandoned_runs_best_and_latest(
+    tiny_target_dir, store, tmp_path, fresh_accelerator_state
+):
+    """train.resume=never (what a refused resume after `reprocess` names: "starts over in this run_dir")
+    left the abandoned run's `best` pointer in place: `export --checkpoint best` exported that run's
+    drafter, trained on the old store, and its value kept this run's evals from being named. Its
+    `latest` stayed too: a crash before the new run's first save, and eval, export and
+    train.resume=auto took the abandoned run's newest checkpoint."""
+    from shared.errors import CheckpointError
+    from stage2_train.train.checkpoint.select import latest_checkpoint, resolve_checkpoint
+
+    extra = {"train.max_steps": 4, "checkpoint.every_steps": 1, "checkpoint.keep_latest_k": 10}
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **extra), progress=False)
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "best").write_text(json.dumps({"step": 4, "metric": "walk_tau", "value": 1e9}))  # the abandoned run's best
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path, **{**extra, "checkpoint.every_steps": 2}))
+
+    def node_lost():
+        raise RuntimeError("node lost")
+
+    trainer.train_step = node_lost
+    with pytest.raises(RuntimeError, match="node lost"):
+        trainer.fit()
+    assert not (ckpt / "best").exists() and latest_checkpoint(ckpt) is None
+    with pytest.raises(CheckpointError, match="no best checkpoint recorded"):
+        resolve_checkpoint("best", ckpt)
+    again = {**extra, "train.max_steps": 2, "eval.every_steps": 1, "checkpoint.keep_best": True,
+             "eval.offline_max_anchors_per_seq": None}
+    first = len(read_log(tmp_path / "train_log.jsonl"))
+    commands.cmd_train(config(tiny_target_dir, store, tmp_path, **again), progress=False)
+    evals = {r["step"]: r["walk_tau"] for r in read_log(tmp_path / "train_log.jsonl")[first:] if r["kind"] == "eval"}
+    best = json.loads((ckpt / "best").read_text())
+    assert best["step"] in evals and best["value"] == max(evals.values()) and latest_checkpoint(ckpt).name == "step_000002"
+
+
 def test_a_rolled_back_run_lost_before_its_first_save_resumes_from_where_it_rolled_back_to(
     tiny_target_dir, store, tmp_path, fresh_accelerator_state
 ):

@@ -12,7 +12,9 @@ one the data used (z-lab #133: a thinking-mode mismatch took acceptance from 60%
 
 The rows are read and rendered by the code stage 1 tokenized them with (`shared/conversation_files.py`,
 `shared/conversations.py`: any format stage 1 reads, numbered as stage 1 numbers them, since a
-`sample_id` is the row's index in its file), in the format the manifest records.
+`sample_id` is the row's index in its file), in the format the manifest records. A row that is not
+the one its sample was extracted from (the file edited or reordered since: its opening is not the one
+the store recorded) is left out and named, never blamed on the template.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 from shared.conversation_files import input_exists, read_rows
 from shared.conversations import render
+from shared.shard_records import split_hashes
+from shared.token_cache import source_fingerprint
 from stage2_train.serve.export_view import Finding, TargetSide
 
 THINKING_SWITCH = "enable_thinking"
@@ -90,6 +94,8 @@ def store_findings(
         )
     if rendered["status"] == "compared":
         out += rendered["differ"]
+        if rendered.get("other_rows"):
+            notes.append(rendered["other_rows"])
         if rendered.get("mode"):
             notes.append(rendered["mode"])
         if not rendered["differ"]:
@@ -115,12 +121,15 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
     indices = list(range(min(len(reader), max_samples)))
     data_format = "auto" if data else recorded.get("format", "auto")
     rows = read_rows(Path(source), {int(reader.sample_ids[i]) for i in indices}, data_format)
+    other = other_rows(reader, rows, indices, Path(source))
     differ: list[Finding] = []
     modes: set[str] = set()
     compared = 0
     for index in indices:
         sample_id = int(reader.sample_ids[index])
         conv = rows.get(sample_id)
+        if index in other:
+            continue
         sample = reader[index]
         mask = sample["loss_mask_T"].bool()
         if conv is None or not mask.any() or "assistant" not in [m["role"] for m in conv.messages]:
@@ -171,6 +180,8 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
                     f"serve with the template the data was rendered with (--chat-template FILE), or {REEXTRACT}",
                 )
             )
+    if other and not compared:
+        return {"status": "skipped", "why": other_rows_note(source, other, reader)}
     if not compared:
         return {
             "status": "skipped",
@@ -182,7 +193,31 @@ def compare_renders(reader: Any, target: TargetSide, data: str | None, max_sampl
             f"thinking mode: the stored prompts render as {', '.join(sorted(modes))}; serve in the same mode "
             f"(chat_template_kwargs) or acceptance falls"
         )
-    return {"status": "compared", "num_samples": compared, "differ": differ, "mode": mode}
+    out = {"status": "compared", "num_samples": compared, "differ": differ, "mode": mode}
+    return {**out, "other_rows": other_rows_note(source, other, reader)} if other else out
+
+
+def other_rows(reader: Any, rows: dict[int, Any], indices: list[int], source: Path) -> list[int]:
+    """The samples among `indices` whose row of `source` is not the row they were extracted from (the
+    file edited, reordered or replaced since): rendered, another row's messages would be blamed on the
+    chat template. Each row's opening is compared with the one the store recorded; a store that
+    predates those is judged by the whole file's sha256."""
+    chosen = split_hashes(reader.manifest["shards"])
+    if chosen is not None and chosen[0] == "opening_hashes":
+        stored = chosen[1]  # each a prefix of the row's opening hash (stage 1's writer keeps 16 characters)
+        return [i for i in indices if (conv := rows.get(int(reader.sample_ids[i]))) is not None
+                and (opening := conv.opening_hash()) and not opening.startswith(stored[i])]
+    recorded = (reader.manifest.get("data") or {}).get("source_sha256")
+    return list(indices) if recorded and source_fingerprint(source) != recorded else []
+
+
+def other_rows_note(source: str, other: list[int], reader: Any) -> str:
+    ids = ", ".join(str(int(reader.sample_ids[i])) for i in other[:4]) + (f" and {len(other) - 4} more" if len(other) > 4 else "")
+    return (
+        f"chat template: {len(other)} stored sample(s) not compared, their rows of {source} (rows {ids}) being other "
+        f"rows than they were extracted from ({source} changed since extraction); pass --data with the file as it "
+        f"was extracted, or run `python -m stage1_extract reprocess` to extract the file as it is now"
+    )
 
 
 def has_switch(tokenizer: Any) -> bool:

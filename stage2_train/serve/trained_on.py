@@ -39,6 +39,8 @@ class TrainedOn:
     # The chat template's variables its data was rendered with (`data.chat_template_kwargs`: Qwen3's
     # enable_thinking), which its prompts must be rendered with wherever it is decoded; None = none set.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Where that store was (a checkpoint's resolved.store; an export records no machine path): None unknown.
+    store: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """What an export records (`dflash_pipeline.training`)."""
@@ -57,7 +59,7 @@ def read_trained_on(path: str | Path) -> TrainedOn | None:
             return None
         split, resolved = saved.get("eval") or {}, saved.get("resolved") or {}
         return TrainedOn(str(folder), *(split.get(k) for k in SPLIT_KEYS), resolved.get("store_digest"),
-                         (saved.get("data") or {}).get("chat_template_kwargs") or None)
+                         (saved.get("data") or {}).get("chat_template_kwargs") or None, resolved.get("store"))
     config_path = folder / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -96,22 +98,68 @@ def heldout_split(cfg: RunConfig, record: TrainedOn | None) -> tuple[float, int,
 
 def init_split_problem(cfg: RunConfig, record: TrainedOn | None, manifest: dict[str, Any]) -> str | None:
     """Why a run starting from `record`'s drafter (model.init_from) on the store of `manifest` would
-    score samples that drafter trained on as held-out, or None. On the same store with another split
-    its held-out samples are partly its training samples: every held-out figure of the new run (its
-    evals, `eval`, an export's card) would be inflated with no sign of it."""
-    if record is None or other_store(record, manifest) is not None or record.store_digest is None:
+    score samples that drafter trained on as held-out, or None. With another split, its held-out
+    samples include that drafter's training samples: on the same store, and on another that shares its
+    rows (the same store reprocessed with rows appended: the usual reason to start from one's own
+    drafter). Every held-out figure of the new run (its evals, `eval`, an export's card) would be
+    inflated with no sign of it. Another store is judged by the split keys of the store the drafter was
+    trained on where that is still readable here, else refused (whether they share rows is unknown)."""
+    if record is None or record.store_digest is None:
         return None
     theirs = {k: getattr(record, k) for k in SPLIT_KEYS}
     mine = {k: getattr(cfg.eval, k) for k in SPLIT_KEYS}
     if None in theirs.values() or theirs == mine:
         return None
+    split = f"eval.holdout_fraction={theirs['holdout_fraction']}, eval.split_seed={theirs['split_seed']} (recorded in {record.where})"
+    fix = (f"Set eval.holdout_fraction={theirs['holdout_fraction']} eval.split_seed={theirs['split_seed']} to keep its held-out "
+           f"samples unseen")
+    ours = f"this run's split (holdout_fraction={mine['holdout_fraction']}, split_seed={mine['split_seed']})"
+    other = other_store(record, manifest)
+    if other is None:
+        return f"model.init_from: that drafter was trained on this store with {split}; {ours} would hold out samples it trained on. {fix}"
+    leaked = _trained_heldout(record, manifest, mine)
+    if leaked == 0:
+        return None
+    if leaked is not None:
+        return (f"model.init_from: that drafter was trained on {record.store} with {split}; {leaked} sample(s) of this store "
+                f"that {ours} holds out are rows it trained on there. {fix}")
     return (
-        f"model.init_from: that drafter was trained on this store with eval.holdout_fraction={theirs['holdout_fraction']}, "
-        f"eval.split_seed={theirs['split_seed']} (recorded in {record.where}); this run's split (holdout_fraction="
-        f"{mine['holdout_fraction']}, split_seed={mine['split_seed']}) would hold out samples it trained on. Set "
-        f"eval.holdout_fraction={theirs['holdout_fraction']} eval.split_seed={theirs['split_seed']} to keep its held-out "
-        f"samples unseen"
+        f"model.init_from: that drafter was trained on another store ({other}) with {split}; {ours} would hold out "
+        f"any row this store shares with that one that it trained on (a store reprocessed with rows appended shares them "
+        f"all), and that store ({record.store or 'its path not recorded'}) cannot be read here as it was (moved, deleted "
+        f"or reprocessed since) to tell. {fix} (a store sharing no row with it is split as well by it)"
     )
+
+
+def _trained_heldout(record: TrainedOn, manifest: dict[str, Any], split: dict[str, Any]) -> int | None:
+    """How many samples of the store of `manifest` that `split` holds out share their split key with a
+    sample `record`'s drafter trained on in its own store; None when that store is not readable here
+    as it was (moved, deleted, or reprocessed since)."""
+    import numpy as np
+
+    from shared.errors import StoreError
+    from shared.reader import content_keys
+    from shared.store import read_manifest
+    from stage2_train.data.split import heldout_mask
+
+    if not record.store:
+        return None
+    try:
+        then = read_manifest(record.store)
+    except StoreError:
+        return None
+    if store_digest(then) != record.store_digest:
+        return None
+
+    def keys(made: dict[str, Any]) -> np.ndarray:
+        ids = np.concatenate([np.asarray(r["sample_ids"], dtype=np.int64) for r in made["shards"]]) if made["shards"] else np.zeros(0, np.int64)
+        return content_keys(made["shards"], ids)
+
+    trained_keys = keys(then)
+    trained_keys = trained_keys[~heldout_mask(trained_keys, record.holdout_fraction, record.split_seed)]
+    now = keys(manifest)
+    held = now[heldout_mask(now, split["holdout_fraction"], split["split_seed"])]
+    return int(np.isin(held, trained_keys).sum())
 
 
 def other_store(record: TrainedOn | None, manifest: dict[str, Any]) -> str | None:

@@ -26,11 +26,13 @@ import yaml
 
 from shared.config import dotted_differences, flatten
 from shared.errors import CheckpointError, ConfigError
+from shared.files import write_atomic
 from shared.paths import RunPaths
 from stage2_train.data.sampler import start_anew
 from stage2_train.model.description import VARIANT_FIELDS
 from stage2_train.observe.config import DetectorConfig
-from stage2_train.train.checkpoint.select import latest_checkpoint
+from stage2_train.train.checkpoint.format import step_name
+from stage2_train.train.checkpoint.select import best_pointer, latest_checkpoint
 
 # Fields that change what training computes: resuming with a different value is refused (unless
 # forced). Dotted paths into the config dict the trainer stores under state["config"]: its resolved
@@ -256,6 +258,7 @@ def find_resume_point(
     resolved config and the drafter's description) before anything is loaded."""
     current_config = info["config"]
     if choice == "never":
+        start_afresh(checkpointer, rank)
         return ResumePoint(None, None, None)
     skipped: list[tuple[str, str]] = []
     verified = False
@@ -314,6 +317,21 @@ def find_resume_point(
         **({"replanned": replanned} if replanned else {}),
     }
     return ResumePoint(path, state, event)
+
+
+def start_afresh(checkpointer: Any, rank: int) -> None:
+    """train.resume=never in a folder of another run's checkpoints: that run is abandoned. Its `best` is
+    forgotten (`export --checkpoint best` reads the pointer whatever checkpoint.keep_best says, and its
+    value would keep this run's checkpoints from being named) and `latest` is moved before its steps, so
+    `eval`, `export` and `train.resume=auto` after a crash before this run's first save do not take its
+    newest; its folders are replaced as this run saves the same steps."""
+    pointer = best_pointer(checkpointer.dir) if rank == 0 else None
+    if rank == 0 and checkpointer.best_step is None and pointer is not None:
+        checkpointer.best_step, checkpointer.best_metric, checkpointer.best_value = pointer["step"], pointer.get("metric", "walk_tau"), pointer.get("value")
+    if checkpointer.best_step is not None:
+        checkpointer.forget_best(0, "starting afresh (train.resume=never)")
+    if rank == 0 and checkpointer.latest() is not None:
+        write_atomic(Path(checkpointer.dir) / "latest", step_name(0) + "\n")
 
 
 def refuse_checkpoints_left_behind(config: dict[str, Any], checkpointer: Any) -> None:

@@ -130,10 +130,9 @@ class Checkpointer:
             dist.barrier(group=self._group)
 
     def _read_best(self, path: Path | None = None) -> dict | None:
-        """The `best` pointer (or the record checkpoint `path` was saved with) as rank 0 reads it, on
-        every rank. Ranks reading it themselves can see different files (another node's NFS cache): they
-        would then disagree on whether an eval is a new best, some would save and others not, and the
-        agreement collectives would pair up wrongly."""
+        """The `best` pointer (or the one checkpoint `path` was saved with) as rank 0 reads it, on every
+        rank: ranks reading it themselves can see different files (NFS caches), disagree on a new best,
+        and pair the agreement collectives up wrongly."""
         pointer = [None if self.rank else best_pointer(self.dir) if path is None else best_saved_with(path)]
         if self._group is not None:
             dist.broadcast_object_list(pointer, src=0, group=self._group)
@@ -167,11 +166,9 @@ class Checkpointer:
         return self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0
 
     def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]] | None = None) -> bool:
-        """Save if `step` is a multiple of `every_steps`. Returns whether a save started.
-
-        At the first call that is not a save step, the snapshot buffers are allocated (and their
-        pages touched) in the background, so that no save pays for it inside the loop.
-        """
+        """Save if `step` is a multiple of `every_steps`; whether a save started. At the first call that
+        is not a save step, the snapshot buffers are allocated (pages touched) in the background, so
+        that no save pays for it inside the loop."""
         self._poll()
         state_fn = state_fn or self.state_dict
         if self.is_due(step):
@@ -260,9 +257,12 @@ class Checkpointer:
         newest = self.latest() if ours and self.rank == 0 else None
         if newest is not None and (read_meta(newest) or {}).get("step", step) > step:
             write_atomic(self.dir / "latest", Path(path).name + "\n")
-        if self.best_step is None or self.best_step <= step:
-            return
-        forgotten, earlier = self._best_record(self.best_step), self._read_best(Path(path)) if ours else None
+        if self.best_step is not None and self.best_step > step:
+            self.forget_best(step, f"resuming from step {step}", self._read_best(Path(path)) if ours else None)
+
+    def forget_best(self, step: int, why: str, earlier: dict | None = None) -> None:
+        """Forget the `best` of a run this one abandons (`why`), logged at `step`; name `earlier` again."""
+        forgotten = self._best_record(self.best_step)
         self.best_value = self.best_step = self.best_basis = None
         if earlier is not None:
             self.best_metric, self.best_value, self.best_basis = earlier["metric"], earlier["value"], earlier.get("basis")
@@ -273,8 +273,8 @@ class Checkpointer:
             else:
                 write_atomic(self.dir / BEST, json.dumps(earlier))
             again = "" if earlier is None else f"; `best` is step {earlier['step']} again ({earlier['metric']} {earlier['value']})"
-            print(f"warning: resuming from step {step}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
-                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this resume abandons{again}", file=sys.stderr)
+            print(f"warning: {why}: forgetting {self.dir / BEST} (step {forgotten['step']}, "
+                  f"{forgotten['metric']} {forgotten['value']}), an eval of the run this one abandons{again}", file=sys.stderr)
         self._event("best_forgotten", step, best_step=forgotten["step"], metric=forgotten["metric"], value=forgotten["value"],
                     best_again=None if earlier is None else earlier["step"])
 
