@@ -346,3 +346,49 @@ def test_a_command_that_ignores_sigint_still_stops_when_its_lease_is_taken(tmp_p
     assert "still writing" not in done.stdout
     assert done.returncode == -signal.SIGTERM, done.stderr
     assert json.loads((store / LEASE_NAME).read_text())["token"] == "0123456789abcdef"
+
+
+def converted_as_a_rank(out) -> None:
+    from shared import embedded
+
+    try:
+        folder = embedded.default_target_dir()
+        out.put(sorted(p.name for p in folder.iterdir()))
+    except BaseException as exc:  # noqa: BLE001 - the parent names it
+        out.put(repr(exc))
+
+
+@pytest.mark.parametrize("flock", ["flock", "no flock"])
+def test_ranks_that_start_together_convert_the_embedded_target_once_and_each_finds_it_whole(tmp_path, monkeypatch, flock):
+    """`torchrun ... generate` on a fresh cache: every rank resolves the embedded target at once. They
+    shared one temp folder, which a second rank emptied under the first: one failed (its files gone,
+    or the folder there already) or the folder was renamed while the other still wrote into it."""
+    import multiprocessing
+
+    from shared import embedded
+
+    def slow_conversion(tmp: Path, gguf: Path) -> None:  # the real one: ~15 s of CPU
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            time.sleep(0.2)
+            (tmp / name).write_text(name)
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded, "embedded_gguf_path", lambda: gguf)
+    monkeypatch.setattr(embedded, "_convert_into", slow_conversion)
+    if flock == "no flock":
+        monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "refused")))
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    procs = [context.Process(target=converted_as_a_rank, args=(out,)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        seen = [out.get(timeout=60) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    whole = [".complete", "config.json", "model.safetensors", "tokenizer.json"]
+    assert seen == [whole, whole]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m-instruct"]
