@@ -392,3 +392,29 @@ def test_ranks_that_start_together_convert_the_embedded_target_once_and_each_fin
     whole = [".complete", "config.json", "model.safetensors", "tokenizer.json"]
     assert seen == [whole, whole]
     assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m-instruct"]
+
+
+def test_the_merge_finds_part_records_another_node_just_wrote_and_its_listing_does_not_show(tiny_target_dir, tmp_path, monkeypatch):
+    """Rank 0 merged the manifest from its listing of parts/ seconds after the other nodes wrote their
+    records: NFS serves a node a cached listing for up to a minute, so a multi-node extraction ended
+    'missing or belongs to other rows; rerun extract' after every shard was written. The merge reads
+    each planned record by its name (an open asks the server)."""
+    from shared.store import StoreFiles
+    from stage1_extract import commands
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    listed, merge = StoreFiles.list, commands._merge
+
+    def merge_with_a_stale_listing(*args, **kwargs):  # shard 1's record: another node's, written just now
+        with monkeypatch.context() as m:
+            m.setattr(StoreFiles, "list", lambda self, rel: [n for n in listed(self, rel) if n != "shard-000001.json"])
+            return merge(*args, **kwargs)
+
+    monkeypatch.setattr(commands, "_merge", merge_with_a_stale_listing)
+    summary = commands.cmd_extract(cfg, progress=False)
+    manifest = json.loads((tmp_path / "run" / "store" / "manifest.json").read_text())
+    assert len(manifest["shards"]) == summary["shards_total"] >= 2
+    assert [r["index"] for r in manifest["shards"]] == list(range(summary["shards_total"]))
+    assert (tmp_path / "run" / "store" / "parts" / "shard-000001.json").is_file()
