@@ -843,3 +843,17 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path):
                 proc.kill()
     assert [proc.exitcode for proc in procs] == [0, 0]
     assert seen == [(0, "step_000002"), (1, "step_000002")]
+
+
+def test_a_listing_without_the_newest_step_still_resumes_from_the_step_latest_names(tmp_path, monkeypatch):
+    """Relaunched with rank 0 on another node, whose NFS cache still lists the folder as it was before
+    the last save: the listing lacks step_000002 while `latest` (read by opening it) names it. The
+    resume went back to step_000001 in silence, training its steps again."""
+    ckpt = make_checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save(step, lambda step=step: small_rank_state(step), blocking=True)
+    real_iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: (p for p in real_iterdir(self) if p.name != "step_000002"))
+    assert ckpt.select().path.name == "step_000002"
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    assert [p.name for p in ckpt_mod.candidates(tmp_path)] == ["step_000001", "step_000002"]
