@@ -418,3 +418,29 @@ def test_the_merge_finds_part_records_another_node_just_wrote_and_its_listing_do
     assert len(manifest["shards"]) == summary["shards_total"] >= 2
     assert [r["index"] for r in manifest["shards"]] == list(range(summary["shards_total"]))
     assert (tmp_path / "run" / "store" / "parts" / "shard-000001.json").is_file()
+
+
+def test_a_shard_another_node_just_wrote_is_no_missing_shard_to_training_or_verify(tiny_target_dir, tmp_path, monkeypatch):
+    """Training opened right after a multi-node extraction (or rank 0's check after verify --repair)
+    listed shards/ on a node whose NFS cache did not show another node's newest shard group yet: the
+    store was refused as damaged ('is missing; run verify --repair'). A shard the listing lacks is
+    looked up by name; one deleted by hand is still missing."""
+    import shutil
+
+    from shared.store import StoreFiles
+    from stage1_extract import commands
+    from stage1_extract.verify import verify_store
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    commands.cmd_extract(cfg, progress=False)
+    url = cfg.store.url(cfg.run_dir)
+    newest = json.loads(Path(url, "manifest.json").read_text())["shards"][-1]["name"]
+    listed = StoreFiles.list
+    monkeypatch.setattr(StoreFiles, "list", lambda self, rel: [n for n in listed(self, rel) if n != newest])
+    assert len(StoreReader(url)) > 0
+    assert verify_store(url)["ok"]
+    shutil.rmtree(Path(url, "shards", newest))
+    with pytest.raises(Exception, match=f"shard {newest} is missing"):
+        StoreReader(url)
