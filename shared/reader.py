@@ -155,7 +155,7 @@ class StoreReader:
 
     def _check_listing(self, files: StoreFiles) -> None:
         """Cheap open-time check (one listing): every shard the manifest lists is there."""
-        present = set(files.list("shards"))
+        present = files.present("shards", [s["name"] for s in self._shards if s["name"]])
         missing = [s["name"] for s in self._shards if s["name"] and s["name"] not in present]
         if missing:
             raise self._damaged(

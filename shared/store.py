@@ -176,6 +176,12 @@ class StoreFiles:
             return []
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(rel), detail=False))
 
+    def present(self, rel: str, names: list[str]) -> set[str]:
+        """Which of `names` are in folder `rel`: one listing, then each one it lacks looked up by name
+        (NFS serves a node a cached listing of a folder other nodes wrote into for up to a minute)."""
+        listed = set(self.list(rel))
+        return listed | {n for n in names if n not in listed and self.exists(f"{rel}/{n}")}
+
     def remove(self, rel: str) -> None:
         if self.fs.exists(self.path(rel)):
             self.fs.rm(self.path(rel), recursive=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.errors import ConfigError, DataError, StoreError
-from shared.identity import AUTO_SETTINGS, header_key
+from shared.identity import AUTO_SETTINGS, header_changes, header_key
 from shared.paths import RunPaths
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetConfig
@@ -37,7 +37,7 @@ from stage1_extract.distributed import (
 )
 from stage1_extract.extract import ExtractConfig, run_shards
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
-from stage1_extract.header import load_or_pin_plan, other_data_problem, plan_problem
+from stage1_extract.header import SETTING_OF, load_or_pin_plan, other_data_problem, plan_problem
 from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records, row_accounting
 from stage1_extract.outliers import ensure_outlier_channels, pinned_outlier_channels
 from stage1_extract.plan import cmd_plan  # noqa: F401  (a verb: `commands` names them all)
@@ -167,6 +167,15 @@ def _pin_plan(
     # would pin another one (0 samples per shard) over it. Rank 0 reads nothing again here: an error
     # after the agreement would leave the others waiting in the broadcast.
     samples_per_shard = from_rank_0(per, world)
+    # Each rank resolved the auto settings on its own node (flash-attn importable, native bf16): one that
+    # differs from rank 0's pinned header would store its windows under another, found only by the merge.
+    differs = header_changes(from_rank_0(prepared.header if rank == 0 else None, world), prepared.header)
+    if not all_ok(world, not differs, behind_work=True):
+        field_name, (pinned, here) = next(iter(differs.items()), (None, (None, None)))
+        raise ConfigError(
+            f"rank {rank} resolved {field_name}={here!r}, rank 0 {pinned!r} (its node differs); set it explicitly "
+            f"({SETTING_OF.get(field_name, field_name)}={pinned}) so every node extracts alike" if differs else
+            f"{files.url}: another rank resolved other settings than rank 0 (its error names them); nothing was extracted")
     return plan_shards(prepared.rows, samples_per_shard, header_key(prepared.header)), samples_per_shard, model, records
 
 

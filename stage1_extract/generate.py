@@ -385,7 +385,8 @@ def generate_all(
     # Summed over every part, each rank's and each earlier run's: the count belongs to the data made.
     counts = [part_counts(parts_dir / name) for name in wanted]
     read = ReadStats()  # the cut answers, counted as the parts hold them
-    parts = list(read_conversations(parts_dir, stats=read))
+    # By name, as waited for: another node's newest parts can be missing from this node's cached listing (NFS).
+    parts = [c for name in wanted for c in read_conversations(parts_dir / name, stats=read)]
     if [p.source_row for p in parts] != [c.row for c in conversations]:
         raise RuntimeError(f"{parts_dir}: its parts hold other rows than the {len(conversations)} of the data, in another order")
     # Each row keeps its row in the user's data (source_row) and its prompt's hash (module docstring).

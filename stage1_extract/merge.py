@@ -34,17 +34,31 @@ def tokens_changed(record: dict[str, Any], shard: ShardPlan) -> bool:
 PART_READ_THREADS = 32
 
 
-def part_records(files: StoreFiles, shards: list[ShardPlan], beyond_plan: bool = False) -> dict[int, dict[str, Any]]:
+def part_records(
+    files: StoreFiles, shards: list[ShardPlan], beyond_plan: bool = False, by_name: bool = False
+) -> dict[int, dict[str, Any]]:
     """The part record of every shard that has one: one listing, then reads in parallel. On an
     object store each read is a latency-bound GET; 100K shards read one by one take minutes.
-    `beyond_plan` (with every planned shard): also the records of indices past the last one."""
+    `beyond_plan` (with every planned shard): also the records of indices past the last one.
+    `by_name`: every planned shard's record read by its name, not found through the listing (the
+    merge, seconds after other nodes wrote theirs: NFS serves a cached listing for up to a minute,
+    while an open asks the server)."""
     present = set(files.list("parts"))
-    wanted = [s.index for s in shards if part_path(s.index).rsplit("/", 1)[1] in present]
+    wanted = [s.index for s in shards if by_name or part_path(s.index).rsplit("/", 1)[1] in present]
     if beyond_plan:
         wanted += sorted(i for i in (int(n[6:-5]) for n in present if n.startswith("shard-") and n.endswith(".json")) if i >= len(shards))
     with ThreadPoolExecutor(PART_READ_THREADS, thread_name_prefix="dflash-parts") as pool:
-        records = list(pool.map(lambda index: files.read_json(part_path(index)), wanted))
-    return dict(zip(wanted, records))
+        records = list(pool.map(lambda index: _read_part(files, index, by_name), wanted))
+    return {index: record for index, record in zip(wanted, records) if record is not None}
+
+
+def _read_part(files: StoreFiles, index: int, absent_ok: bool) -> dict[str, Any] | None:
+    try:
+        return files.read_json(part_path(index))
+    except FileNotFoundError:
+        if absent_ok:
+            return None
+        raise
 
 
 def shard_groups(files: StoreFiles) -> set[str]:
@@ -77,7 +91,7 @@ def foreign_shards(shards: list[ShardPlan], records: dict[int, dict[str, Any]]) 
 
 def merge_manifest(files: StoreFiles, header: dict[str, Any], shards: list[ShardPlan], extra: dict[str, Any]) -> dict[str, Any]:
     """Build manifest.json from the part records (all ranks), then drop unlisted shard groups."""
-    found = part_records(files, shards)
+    found = part_records(files, shards, by_name=True)
     records = []
     for shard in shards:
         if not record_matches(found.get(shard.index), shard):

@@ -50,7 +50,7 @@ def check_store(url: str, tokenized_afresh: Callable[[], Any] | None) -> dict[st
             report["bad_shards"].append(
                 {"shard": shard, "index": manifest_index[shard], "fields": ["input_ids"], "error": why, "fix": EXTRACT, "deep": True}
             )
-    present = set(files.list("shards"))
+    present = files.present("shards", [r["name"] for r in manifest["shards"] if r["name"]])
     for record in manifest["shards"]:
         if not record["name"] or record["name"] in known or record["name"] in tokens:
             continue
@@ -97,7 +97,7 @@ def split_key_problem(record: dict[str, Any], rows_by_id: dict[int, Any], data: 
 def verify_store(url: str) -> dict[str, Any]:
     manifest = read_manifest(url)
     files = StoreFiles(url)
-    present = set(files.list("shards"))
+    present = files.present("shards", [r["name"] for r in manifest["shards"] if r["name"]])
     bad: list[dict[str, Any]] = []
     for record in manifest["shards"]:
         if not record["name"]:

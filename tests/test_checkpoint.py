@@ -798,3 +798,62 @@ def test_every_rank_holds_the_best_pointer_rank_0_read(tmp_path):
                 proc.kill()
     assert [proc.exitcode for proc in procs] == [0, 0]
     assert seen == [(0, "accept_len", 1.5), (1, "accept_len", 1.5)]
+
+
+def resume_choice_as_rank_sees_it(rank: int, port: int, ckpt_dir: Path, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if rank == 1:  # another node's cached listing: the newest step_N and `latest` not seen yet
+            listed = ckpt_mod.candidates
+            ckpt_mod.candidates = lambda folder: listed(folder)[:-1]
+        ckpt = Checkpointer(CheckpointConfig(every_steps=1), ckpt_dir, None, rank, 2)
+        out.put((rank, ckpt.select().path.name))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path):
+    """Rank 1 lists the checkpoints folder as a stale NFS cache shows it (without the newest step):
+    each rank choosing from its own listing resumed rank 0 from step 2 and rank 1 from step 1, each
+    verdict agreed, so the run went on with ranks at different steps, weights and data positions."""
+    import multiprocessing
+    import socket
+
+    ckpt = as_rank_0_of_2(make_checkpointer(tmp_path))
+    for step in (1, 2):  # two checkpoints of a 2-rank run, rank 1's files written as its rank would
+        (tmp_path / f".tmp-step_00000{step}").mkdir()
+        ckpt_mod.write_part(tmp_path / f".tmp-step_00000{step}", "rank_00001", {"trainer": {"step": step}}, {"rng/t": torch.ones(2)})
+        ckpt.save(step, lambda step=step: small_rank_state(step), blocking=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    procs = [context.Process(target=resume_choice_as_rank_sees_it, args=(rank, port, tmp_path, out)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        seen = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert seen == [(0, "step_000002"), (1, "step_000002")]
+
+
+def test_a_listing_without_the_newest_step_still_resumes_from_the_step_latest_names(tmp_path, monkeypatch):
+    """Relaunched with rank 0 on another node, whose NFS cache still lists the folder as it was before
+    the last save: the listing lacks step_000002 while `latest` (read by opening it) names it. The
+    resume went back to step_000001 in silence, training its steps again."""
+    ckpt = make_checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save(step, lambda step=step: small_rank_state(step), blocking=True)
+    real_iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: (p for p in real_iterdir(self) if p.name != "step_000002"))
+    assert ckpt.select().path.name == "step_000002"
+    assert latest_checkpoint(tmp_path).name == "step_000002"
+    assert [p.name for p in ckpt_mod.candidates(tmp_path)] == ["step_000001", "step_000002"]

@@ -346,3 +346,101 @@ def test_a_command_that_ignores_sigint_still_stops_when_its_lease_is_taken(tmp_p
     assert "still writing" not in done.stdout
     assert done.returncode == -signal.SIGTERM, done.stderr
     assert json.loads((store / LEASE_NAME).read_text())["token"] == "0123456789abcdef"
+
+
+def converted_as_a_rank(out) -> None:
+    from shared import embedded
+
+    try:
+        folder = embedded.default_target_dir()
+        out.put(sorted(p.name for p in folder.iterdir()))
+    except BaseException as exc:  # noqa: BLE001 - the parent names it
+        out.put(repr(exc))
+
+
+@pytest.mark.parametrize("flock", ["flock", "no flock"])
+def test_ranks_that_start_together_convert_the_embedded_target_once_and_each_finds_it_whole(tmp_path, monkeypatch, flock):
+    """`torchrun ... generate` on a fresh cache: every rank resolves the embedded target at once. They
+    shared one temp folder, which a second rank emptied under the first: one failed (its files gone,
+    or the folder there already) or the folder was renamed while the other still wrote into it."""
+    import multiprocessing
+
+    from shared import embedded
+
+    def slow_conversion(tmp: Path, gguf: Path) -> None:  # the real one: ~15 s of CPU
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            time.sleep(0.2)
+            (tmp / name).write_text(name)
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded, "embedded_gguf_path", lambda: gguf)
+    monkeypatch.setattr(embedded, "_convert_into", slow_conversion)
+    if flock == "no flock":
+        monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "refused")))
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    procs = [context.Process(target=converted_as_a_rank, args=(out,)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        seen = [out.get(timeout=60) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+    whole = [".complete", "config.json", "model.safetensors", "tokenizer.json"]
+    assert seen == [whole, whole]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m-instruct"]
+
+
+def test_the_merge_finds_part_records_another_node_just_wrote_and_its_listing_does_not_show(tiny_target_dir, tmp_path, monkeypatch):
+    """Rank 0 merged the manifest from its listing of parts/ seconds after the other nodes wrote their
+    records: NFS serves a node a cached listing for up to a minute, so a multi-node extraction ended
+    'missing or belongs to other rows; rerun extract' after every shard was written. The merge reads
+    each planned record by its name (an open asks the server)."""
+    from shared.store import StoreFiles
+    from stage1_extract import commands
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    listed, merge = StoreFiles.list, commands._merge
+
+    def merge_with_a_stale_listing(*args, **kwargs):  # shard 1's record: another node's, written just now
+        with monkeypatch.context() as m:
+            m.setattr(StoreFiles, "list", lambda self, rel: [n for n in listed(self, rel) if n != "shard-000001.json"])
+            return merge(*args, **kwargs)
+
+    monkeypatch.setattr(commands, "_merge", merge_with_a_stale_listing)
+    summary = commands.cmd_extract(cfg, progress=False)
+    manifest = json.loads((tmp_path / "run" / "store" / "manifest.json").read_text())
+    assert len(manifest["shards"]) == summary["shards_total"] >= 2
+    assert [r["index"] for r in manifest["shards"]] == list(range(summary["shards_total"]))
+    assert (tmp_path / "run" / "store" / "parts" / "shard-000001.json").is_file()
+
+
+def test_a_shard_another_node_just_wrote_is_no_missing_shard_to_training_or_verify(tiny_target_dir, tmp_path, monkeypatch):
+    """Training opened right after a multi-node extraction (or rank 0's check after verify --repair)
+    listed shards/ on a node whose NFS cache did not show another node's newest shard group yet: the
+    store was refused as damaged ('is missing; run verify --repair'). A shard the listing lacks is
+    looked up by name; one deleted by hand is still missing."""
+    import shutil
+
+    from shared.store import StoreFiles
+    from stage1_extract import commands
+    from stage1_extract.verify import verify_store
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run"))
+    commands.cmd_extract(cfg, progress=False)
+    url = cfg.store.url(cfg.run_dir)
+    newest = json.loads(Path(url, "manifest.json").read_text())["shards"][-1]["name"]
+    listed = StoreFiles.list
+    monkeypatch.setattr(StoreFiles, "list", lambda self, rel: [n for n in listed(self, rel) if n != newest])
+    assert len(StoreReader(url)) > 0
+    assert verify_store(url)["ok"]
+    shutil.rmtree(Path(url, "shards", newest))
+    with pytest.raises(Exception, match=f"shard {newest} is missing"):
+        StoreReader(url)

@@ -609,3 +609,59 @@ def test_rank_0_refusing_the_outlier_channels_stops_every_rank_at_once(tiny_targ
     assert (tmp_path / "rank0.txt").read_text() == "StoreError: plan.json holds no fp4 outlier channels"
     assert (tmp_path / "rank1.txt").read_text().startswith("StoreError: ") and "rank 0 could not read the fp4 outlier channels" in (
         tmp_path / "rank1.txt").read_text()
+
+
+def pin_plan_on_another_node(rank: int, port: int, target_dir: str, data: str, run_dir: str, out: str) -> None:
+    """Rank 1's node resolves target.dtype=auto otherwise (a CPU with native bf16, as flash-attn
+    importable on one GPU node and not another decides attention and packing); each rank writes
+    what _pin_plan did."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shared import target_model
+    from stage1_extract import distributed
+    from stage1_extract.resolve import prepare_run
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    distributed._work_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))  # a hang fails the test
+    try:
+        if rank == 1:
+            native = target_model.cpu_has_native_bf16()
+            target_model.cpu_has_native_bf16 = lambda: not native
+        cfg = config(Path(target_dir), Path(data), Path(run_dir), **{"target.dtype": "auto"})
+        prepared = None
+        for turn in (0, 1):
+            if turn == rank:
+                prepared = prepare_run(cfg)
+            dist.barrier()
+        try:
+            commands._pin_plan(cfg, prepared, rank, 2, False, rank)
+            outcome = f"pinned with {prepared.header['extraction']['compute_dtype']}"
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the test's answer
+            outcome = f"{type(exc).__name__}: {exc}"
+        Path(out, f"rank{rank}.txt").write_text(outcome)
+    finally:
+        distributed._work_group = None
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # ~10 s: two gloo ranks tokenize the data
+def test_a_rank_whose_node_resolves_other_settings_is_refused_before_it_extracts(tiny_target_dir, data_file, tmp_path):
+    """Each rank resolved the store's auto settings on its own node and extracted its windows with
+    them: a node without flash-attn (or native bf16) stored its shards under another header, found
+    only by rank 0's merge after the whole extraction. Every rank now compares its header with rank
+    0's and all refuse at once, naming the setting to pin."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(pin_plan_on_another_node, args=(port, str(tiny_target_dir), str(data_file), str(tmp_path / "run"), str(tmp_path)),
+             nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert outcomes[1].startswith("ConfigError: rank 1 resolved extraction.compute_dtype=") and "target.dtype" in outcomes[1]
+    assert outcomes[0].startswith("ConfigError: ") and "another rank resolved other settings than rank 0" in outcomes[0]

@@ -1004,3 +1004,24 @@ def test_answers_to_prompts_a_tokenizer_now_splits_otherwise_are_not_reused(tiny
     provenance.write_text(json.dumps(written))
     assert problem() is None and "before generate recorded the tokenizer's behaviour" in caplog.text
     assert commands.cmd_generate(cfg, progress=False)["parts_reused"] == 2
+
+
+def test_rank_0_merges_the_parts_it_waited_for_even_when_its_listing_lacks_them(tiny_target_dir, tmp_path, fake_vllm, monkeypatch):
+    """Rank 0 waited for every part by name, then read the folder through a listing: on NFS another
+    node's newest parts can be missing from it for up to a minute, and generate failed at its very end
+    ('its parts hold other rows than the data'). It reads the parts it waited for by name."""
+    data = prompts_file(tmp_path, n=11)
+    cfg = generate_config(tiny_target_dir, data, tmp_path / "two")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    real_glob = Path.glob
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        if rank == 0:  # rank 1's parts (1 and 3), written on another node moments ago
+            monkeypatch.setattr(Path, "glob", lambda self, pattern: (
+                p for p in real_glob(self, pattern) if not p.name.startswith(("part-000001-", "part-000003-"))))
+        result = commands.cmd_generate(cfg, progress=False)
+    monkeypatch.setattr(Path, "glob", real_glob)
+    assert result["conversations"] == 11
+    assert [c.row for c in read_conversations(result["output"])] == list(range(11))

@@ -407,17 +407,17 @@ class Checkpointer:
         return bool(flag.item())
 
     # ---- reading ------------------------------------------------------------------------------
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint by the pointer rule (sizes only, no checksums)."""
+    def latest(self) -> Path | None:  # the newest complete one by the pointer rule (sizes only, no checksums)
         return latest_checkpoint(self.dir)
 
     def select(self) -> Selection:
-        """The newest checkpoint every rank can use (`select_checkpoint`'s rule), each file hashed
-        once: rank 0 hashes the shared files (model, optimizer: ~19 GB at the 8B preset) and its own,
-        every other rank only its own rank files; one all_reduce agrees on the verdict. A checkpoint
-        chosen here is loaded with `load(path, verified=True)`, which reads without hashing again."""
-        selection = Selection(None)
-        for path in reversed(candidates(self.dir)):
+        """The newest checkpoint every rank can use (`select_checkpoint`'s rule) in rank 0's listing (a
+        node's cached one can lack the newest step: ranks resumed at other steps, or hung). Rank 0 hashes
+        the shared files, each rank its own; one all_reduce agrees. Load it with `verified=True`."""
+        selection, listed = Selection(None), [candidates(self.dir) if self.rank == 0 else None]
+        if self._group is not None:
+            dist.broadcast_object_list(listed, src=0, group=self._group)
+        for path in reversed(listed[0]):
             self.refuse_other_world_size(path)
             problem = self.verify(path)
             if problem is None:

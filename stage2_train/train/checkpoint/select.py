@@ -63,6 +63,11 @@ def candidates(ckpt_dir: str | os.PathLike) -> list[Path]:
         pointer = None
     if pointer is not None:
         found = [p for p in found if _step_of(p) <= int(pointer.group(1))]
+        named = Path(ckpt_dir) / pointer.group(0)
+        # A listing NFS cached on a node that did not write the folder (a relaunch that put rank 0 on
+        # another node) can lack the newest step: the pointer names it, and a lookup asks the server.
+        if named not in found and named.is_dir():
+            found.append(named)
     return found
 
 def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
