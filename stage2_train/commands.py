@@ -362,6 +362,7 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
             "split": recorded.get("split") or {},
             **{k: trained.get(k) for k in ("tau", "lo", "hi", "num_prompts")}, "prompts": online["num_prompts"],
             "max_new_tokens": online["max_new_tokens"], "num_exact": online["proposers"]["trained"]["num_exact"],
+            "confidence_stop": online["proposers"]["trained"].get("confidence_stop"),
             **{n: online["proposers"][n]["tau"] for n in ("untrained", "ngram") if n in online["proposers"]},
         }
     return facts

@@ -519,3 +519,45 @@ def test_the_card_serves_each_variant_as_the_engines_do_and_states_exactness_as_
     assert '"method": "dflash"' in card and f'"num_speculative_tokens": {d.block_size - 1}' in card and "DFLASH" in card
     assert "vllm serve" not in cards["dflash2"][1] and "No engine serves DFlash2" in cards["dflash2"][1]
     assert all("6 of 8 outputs equal to the target's own" in c and "every output equal" not in c for _, c in cards.values())
+
+
+def test_an_eval_with_a_confidence_stop_records_it_and_the_card_states_it(tmp_path):
+    """`eval` with eval.confidence_stop decodes a DSpark drafter with early-ended blocks; its tau was
+    recorded and restated on the model card as if whole blocks were drafted (what the card's vLLM
+    command serves), with nothing saying a stop was used."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from shared.config import load_run_config
+    from stage2_train.commands import _card_facts
+    from stage2_train.serve.card import write_card
+    from stage2_train.serve.evaluation import early_stop
+    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+
+    def stop(drafter, value):
+        return early_stop(DFlashProposer(drafter, LAYER_IDS, confidence_stop=value))
+
+    dspark = make_drafter("dspark")
+    assert stop(dspark, 0.5) == 0.5 and stop(dspark, None) is None
+    assert stop(make_drafter("dspark", confidence_head=False), 0.5) is None and stop(make_drafter("dflash"), 0.5) is None
+    assert early_stop(NgramProposer(3)) is None
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_run_config(root / "configs/default.yaml", [f"run_dir={tmp_path / 'run'}"])
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"")
+    description = describe_parts(variant_cfg("dspark"), tiny_arch(), LAYER_IDS, MASK_ID)
+    for value, said in ((0.5, True), (None, False)):
+        trained = {"interval": {"tau": 1.5, "lo": 1.4, "hi": 1.6, "num_prompts": 8}, "num_exact": 8, "tau": 1.5,
+                   "confidence_stop": value}
+        recorded = {"checkpoint": str(step / "model.safetensors"), "split": {},
+                    "online": {"num_prompts": 8, "max_new_tokens": 64, "proposers": {"trained": trained}}}
+        (tmp_path / "run" / "eval").mkdir(exist_ok=True)
+        (tmp_path / "run" / "eval" / "step_000004.json").write_text(json.dumps(recorded))
+        loaded = SimpleNamespace(weights_file=step / "model.safetensors", trained_on=None)
+        out = tmp_path / f"card{value}"
+        out.mkdir()
+        card = write_card(out, description, _card_facts(cfg, {"name": "t"}, loaded)).read_text()
+        assert "8 prompts x 64 new tokens, greedy" in card
+        assert ("greedy, each block ended early by the confidence head (eval.confidence_stop=0.5" in card) is said

@@ -43,8 +43,12 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         equal = ("every output equal to the target's own" if exact == online["prompts"] else
                  f"{exact} of {online['prompts']} outputs equal to the target's own" if exact is not None else "greedy")
         title, used = eval_data(online.get("split") or {})
+        stop = online.get("confidence_stop")
+        # An early stop drafts fewer tokens than the engines' DSpark method below: its tau is another decoder's.
+        stopped = (f", each block ended early by the confidence head (eval.confidence_stop={stop}: before the slot where the "
+                   f"predicted chance that every draft so far is accepted falls below it)" if stop is not None else "")
         eval_line = (
-            f"{title}, on {used}. {online['prompts']} prompt{'' if online['prompts'] == 1 else 's'} x {online['max_new_tokens']} new tokens, greedy, {equal}: "
+            f"{title}, on {used}. {online['prompts']} prompt{'' if online['prompts'] == 1 else 's'} x {online['max_new_tokens']} new tokens, greedy{stopped}, {equal}: "
             f"tau **{interval_text(online)}**"
             + (" (95% bootstrap interval over prompts)" if online.get("lo") is not None else "")
             + f"; untrained drafter {online.get('untrained', float('nan')):.3f}, "
