@@ -561,3 +561,31 @@ def test_an_eval_with_a_confidence_stop_records_it_and_the_card_states_it(tmp_pa
         card = write_card(out, description, _card_facts(cfg, {"name": "t"}, loaded)).read_text()
         assert "8 prompts x 64 new tokens, greedy" in card
         assert ("greedy, each block ended early by the confidence head (eval.confidence_stop=0.5" in card) is said
+
+
+def test_a_speculators_drafter_with_a_reduced_draft_vocabulary_is_refused_by_name(tmp_path):
+    """speculators can train a drafter over a reduced vocabulary (draft_vocab_size, its own lm_head and
+    d2t/t2d maps). model.init_from took its weights, and the trainer then refused them as 'unexpected
+    ['d2t', 'lm_head.weight', 't2d']' under model.num_layers, naming neither the cause nor a fix."""
+    from safetensors.torch import load_file, save_file
+
+    from shared.target import TargetInfo
+
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "s",
+                         dtype="float32", format="speculators")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+    (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 32}))
+    weights = load_file(out / "model.safetensors")
+    V, H = drafter.arch.vocab_size, drafter.arch.hidden_size
+    save_file({**weights, "lm_head.weight": torch.zeros(32, H), "d2t": torch.arange(32), "t2d": torch.zeros(V, dtype=torch.bool)},
+              out / "model.safetensors")
+    target = TargetInfo("", tmp_path, drafter.arch, LAYER_IDS, MASK_ID, "", "", "")
+    message = rf"draft_vocab_size=32 but the verifier's vocab_size is {V}: a reduced draft vocabulary .* \(draft_vocab_size = vocab_size\)"
+    with pytest.raises(CheckpointError, match=message):
+        init_weights_for(out, drafter.cfg, target)
+    with pytest.raises(CheckpointError, match=message):
+        load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
+    (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": V}))  # the full vocabulary: ours
+    assert folder_description(out).vocab_size == V

@@ -143,6 +143,14 @@ def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
             f"{where}: transformer_layer_config.layer_types has sliding_attention: speculators fixes each block's window "
             f"at its anchor (PR #749), which this drafter does not compute; start from a full-attention drafter"
         )
+    draft_vocab, vocab = config.get("draft_vocab_size"), layer.get("vocab_size")
+    if draft_vocab is not None and draft_vocab != vocab:
+        # Its own [draft_vocab, H] lm_head and d2t/t2d maps would reach check_fit as unexpected tensors, unexplained.
+        raise CheckpointError(
+            f"{where}: draft_vocab_size={draft_vocab} but the verifier's vocab_size is {vocab}: a reduced draft vocabulary "
+            f"(its own lm_head and d2t/t2d maps), while this pipeline's drafter scores the target's whole vocabulary through "
+            f"the target's LM head; start from a drafter trained with the full vocabulary (draft_vocab_size = vocab_size)"
+        )
     if kind != "dspark" and config.get("sample_from_anchor"):
         raise CheckpointError(f"{where}: sample_from_anchor=true is not the {kind} block this pipeline trains")
     dflash = dict(config.get("dflash_config") or {})
