@@ -589,3 +589,28 @@ def test_a_speculators_drafter_with_a_reduced_draft_vocabulary_is_refused_by_nam
         load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
     (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": V}))  # the full vocabulary: ours
     assert folder_description(out).vocab_size == V
+
+
+def test_another_trainers_drafter_architecture_is_refused_by_name(tmp_path):
+    """A SpecForge Domino drafter (architectures DominoDraftModel: the DFlash backbone plus a GRU head)
+    was read as a DFlash drafter: model.init_from took its weights and the trainer then refused its own
+    head as 'unexpected' weights, never naming the architecture."""
+    from safetensors.torch import load_file, save_file
+
+    from shared.target import TargetInfo
+
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "d",
+                         dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+    config["dflash_config"].update({"projector_type": "domino", "emb_dim": 8, "gru_hidden_dim": 8, "shift_label": True})
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["DominoDraftModel"]}))
+    H = drafter.arch.hidden_size
+    save_file({**load_file(out / "model.safetensors"), "prefix_gru.weight_ih_l0": torch.zeros(24, H)}, out / "model.safetensors")
+    target = TargetInfo("", tmp_path, drafter.arch, LAYER_IDS, MASK_ID, "", "", "")
+    message = r"architectures \['DominoDraftModel'\] is not a drafter this pipeline builds \(DFlashDraftModel, DSparkDraftModel, DFlash2DraftModel\)"
+    with pytest.raises(CheckpointError, match=message):
+        init_weights_for(out, drafter.cfg, target)
+    with pytest.raises(CheckpointError, match=message):
+        load_exported(out, drafter.embed_VH, drafter.lm_head_VH)

@@ -312,6 +312,14 @@ _READ_BY_LOADERS = (
 
 
 def refuse_unsupported(config: dict[str, Any], where: Path) -> None:
+    names = config.get("architectures") or []
+    if names and not set(names) & set(SPECULATORS_TYPES.values()):
+        # Read as a DFlash drafter, another trainer's drafter (SpecForge's DominoDraftModel, an EAGLE head) met
+        # check_fit later with its own heads as "unexpected" weights, or a missing DFlash field, never its name.
+        raise CheckpointError(
+            f"{where}: architectures {names} is not a drafter this pipeline builds ({', '.join(SPECULATORS_TYPES.values())}); "
+            f"start from (or evaluate) a DFlash, DSpark or DFlash2 drafter folder"
+        )
     rope_types = {
         (config.get(key) or {}).get("rope_type", (config.get(key) or {}).get("type"))
         for key in ("rope_scaling", "rope_parameters")
