@@ -614,3 +614,27 @@ def test_another_trainers_drafter_architecture_is_refused_by_name(tmp_path):
         init_weights_for(out, drafter.cfg, target)
     with pytest.raises(CheckpointError, match=message):
         load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
+
+
+def test_a_zlab_layout_dspark_config_is_read_with_specforges_defaults(tmp_path):
+    """Only SpecForge writes DSpark in z-lab's layout; what it leaves out means its defaults (no Markov head,
+    a confidence head only with confidence_head_alpha > 0, on the hidden state alone), not speculators'
+    (tests/test_peers_variants.py checks SpecForge's own saves)."""
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "d",
+                         dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+
+    def read(**fields):
+        (out / "config.json").write_text(json.dumps({**config, "architectures": ["DSparkDraftModel"],
+                                                     "dflash_config": {**config["dflash_config"], **fields}}))
+        return folder_description(out)
+
+    with pytest.raises(CheckpointError, match="confidence_head_with_markov=false: this pipeline's confidence head reads"):
+        read(markov_rank=8, confidence_head_alpha=1.0)
+    with pytest.raises(CheckpointError, match="markov_rank=0: this pipeline builds DSpark with a Markov head"):
+        read(confidence_head_alpha=1.0, confidence_head_with_markov=True)
+    d = read(markov_rank=8)
+    assert (d.variant, d.markov_rank, d.markov_head, d.confidence_head) == ("dspark", 8, "vanilla", False)
+    assert read(markov_rank=8, confidence_head_alpha=0.5, confidence_head_with_markov=True).confidence_head is True

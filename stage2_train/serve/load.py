@@ -128,6 +128,11 @@ SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel",
 # `dflash_config` name them.
 DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# What a DSpark config that leaves a field out means: speculators' DSparkSpeculatorConfig defaults, and
+# SpecForge's (the only z-lab-layout DSpark: z-lab has none): no Markov head unless markov_rank is given,
+# a confidence head only with a positive confidence_head_alpha, and reading the hidden state alone.
+SPECULATORS_DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                               "confidence_head_with_markov": True, "sample_from_anchor": True}
 
 
 def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -168,7 +173,9 @@ def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
         "block_size": block,
         "dflash_config": {
             "target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id")),
-            **{name: config[name] for name in own if name in config},
+            # speculators' own defaults for what its file leaves out: `variant_of` reads a bare field as SpecForge's
+            **{name: config.get(name, SPECULATORS_DSPARK_DEFAULTS.get(name)) for name in own
+               if name in config or name in SPECULATORS_DSPARK_DEFAULTS},
         },
     }
 
@@ -179,7 +186,9 @@ def variant_of(config: dict[str, Any], value: Any, where: Path) -> dict[str, Any
     if "DSparkDraftModel" in names:
         from stage2_train.model.dspark import check_dspark_config
 
-        fields = {name: value(name) for name in DSPARK_FIELDS if value(name) is not None}
+        specforge = {"markov_rank": 0, "enable_confidence_head": float(value("confidence_head_alpha", 0.0) or 0.0) > 0,
+                     "confidence_head_with_markov": False}
+        fields = {**specforge, **{name: value(name) for name in DSPARK_FIELDS if value(name) is not None}}
         return {"variant": "dspark", **check_dspark_config(fields, str(where))}
     if "DFlash2DraftModel" in names:
         sizes = {name: value(name) for name in DFLASH2_FIELDS}
