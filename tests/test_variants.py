@@ -638,3 +638,15 @@ def test_a_zlab_layout_dspark_config_is_read_with_specforges_defaults(tmp_path):
     d = read(markov_rank=8)
     assert (d.variant, d.markov_rank, d.markov_head, d.confidence_head) == ("dspark", 8, "vanilla", False)
     assert read(markov_rank=8, confidence_head_alpha=0.5, confidence_head_with_markov=True).confidence_head is True
+
+
+def test_export_to_a_file_is_refused_by_name(tmp_path):
+    """`export --out` naming a file (or a path under one) ended in FileExistsError / NotADirectoryError
+    tracebacks from mkdir, after the checkpoint was loaded."""
+    drafter = make_drafter("dflash2")
+    description = describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID)
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "export"):
+        with pytest.raises(CheckpointError, match=rf"export --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder"):
+            export_drafter(drafter, description, {"path": "x"}, out)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
