@@ -650,3 +650,28 @@ def test_export_to_a_file_is_refused_by_name(tmp_path):
         with pytest.raises(CheckpointError, match=rf"export --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder"):
             export_drafter(drafter, description, {"path": "x"}, out)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"block_size": 1}, "the drafter's block_size is 1: it must be an integer >= 2"),
+    ({"block_size": "4"}, "the drafter's block_size is '4': it must be an integer >= 2"),
+    ({"dflash_config": {"target_layer_ids": [-1, 3]}}, r"the drafter's target_layer_ids \[-1, 3\] must be target layer indices"),
+    ({"dflash_config": {"target_layer_ids": "1,3"}}, r"the drafter's target_layer_ids \['1', ',', '3'\] must be"),
+    ({"rope_theta": "1e6", "rope_parameters": {"rope_type": "default", "rope_theta": "1e6"}}, "rope_theta is '1e6', not a number > 0"),
+])
+def test_a_hand_edited_drafter_config_is_refused_naming_the_field(tmp_path, edit, message):
+    """A config.json with block_size 1 loaded a drafter that drafts nothing, target_layer_ids [-1, 3]
+    one that reads the target's last layer (a negative index) in decoding, and a string where a number
+    belongs crashed in a comparison or in float() with a bare traceback."""
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "d",
+                         dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+    edited = {**config, **edit, "dflash_config": {**config["dflash_config"], **edit.get("dflash_config", {})}}
+    (out / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match=rf"{out / 'config.json'}: .*{message}"):
+        load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
+    if edit.get("block_size") == 1:  # a checkpoint's drafter.json: the same checks
+        with pytest.raises(CheckpointError, match=message):
+            DrafterDescription.from_dict({**describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID).to_dict(), "block_size": 1})

@@ -258,15 +258,16 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
         num_key_value_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         vocab_size=config.get("vocab_size", 0),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+        rope_theta=_number(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta", where),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=False,
     )
     block_size = value("block_size", 16)
     types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     sliding = "sliding_attention" in types
-    described = DrafterDescription(
+    described = _described(
+        where,
         **variant_of(config, value, where),
         block_size=block_size,
         num_layers=config["num_hidden_layers"],
@@ -302,6 +303,20 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
             f"export; export again, or make them agree"
         )
     return recorded
+
+
+def _described(where: Path, **fields: Any) -> DrafterDescription:
+    """The description config.json gives, its refusal naming the file."""
+    try:
+        return DrafterDescription(**fields)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+def _number(value: Any, name: str, where: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointError(f"{where}: {name} is {value!r}, not a number > 0")
+    return float(value)
 
 
 def _attention(d: DrafterDescription) -> list[Any]:
