@@ -675,3 +675,20 @@ def test_a_hand_edited_drafter_config_is_refused_naming_the_field(tmp_path, edit
     if edit.get("block_size") == 1:  # a checkpoint's drafter.json: the same checks
         with pytest.raises(CheckpointError, match=message):
             DrafterDescription.from_dict({**describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID).to_dict(), "block_size": 1})
+
+
+def test_the_export_doctor_does_not_tell_to_serve_dflash2_in_an_engine(tmp_path):
+    """The model card says no engine serves DFlash2 (vLLM's loader drops its convolutions); the export
+    doctor told its user to serve it in vLLM / SGLang with B - 1 speculative tokens."""
+    from stage2_train.serve.diagnose import describe_layout
+    from stage2_train.serve.export_view import read_export
+
+    notes = {}
+    for variant, fmt in (("dflash2", "zlab"), ("dflash2", "speculators"), ("dflash", "zlab")):
+        drafter = make_drafter(variant)
+        out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"},
+                             tmp_path / f"{variant}-{fmt}", dtype="float32", format=fmt)
+        notes[variant, fmt] = describe_layout(read_export(out))[1]
+    for fmt in ("zlab", "speculators"):
+        assert notes["dflash2", fmt].startswith("no engine serves DFlash2 drafters as released") and "vLLM num_speculative" not in notes["dflash2", fmt]
+    assert notes["dflash", "zlab"] == f"serve with {BLOCK - 1} speculative tokens (vLLM num_speculative_tokens={BLOCK - 1}; SGLang reads block_size={BLOCK})"
