@@ -692,3 +692,19 @@ def test_the_export_doctor_does_not_tell_to_serve_dflash2_in_an_engine(tmp_path)
     for fmt in ("zlab", "speculators"):
         assert notes["dflash2", fmt].startswith("no engine serves DFlash2 drafters as released") and "vLLM num_speculative" not in notes["dflash2", fmt]
     assert notes["dflash", "zlab"] == f"serve with {BLOCK - 1} speculative tokens (vLLM num_speculative_tokens={BLOCK - 1}; SGLang reads block_size={BLOCK})"
+
+
+def test_check_warns_before_training_a_dspark_drafter_no_export_layout_carries():
+    """z-lab's layout has no DSpark and speculators' refuses sliding or block-causal layers, so a DSpark
+    drafter trained so could not be exported: `export` said it only after the training."""
+    from shared.config import load_run_config
+
+    def warned(*overrides):
+        return [w for w in load_run_config("default", ["model.variant=dspark", *overrides]).recipe_warnings() if "no export" in w]
+
+    assert warned("model.layer_types=[sliding_attention,full_attention]", "model.sliding_window=64", "model.num_layers=2") == [
+        "model.variant=dspark with sliding_attention layers: no export layout carries this drafter (z-lab's has no DSpark; "
+        "speculators' computes sliding layers another way and has no is_causal), so `export` will refuse it; train "
+        "full-attention layers with model.is_causal unset to serve it"]
+    assert warned("model.is_causal=true")[0].startswith("model.variant=dspark with model.is_causal=true: no export layout")
+    assert warned() == [] and warned("model.is_causal=false") == []
