@@ -324,7 +324,8 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
     from stage2_train.serve.trained_on import other_store
 
     paths = RunPaths.of(cfg)
-    facts: dict[str, Any] = {"target": target_info}
+    # The drafter's own record, not the store's: serving must render prompts as its data was, whichever store is configured.
+    facts: dict[str, Any] = {"target": target_info, "chat_template_kwargs": loaded.trained_on and loaded.trained_on.chat_template_kwargs}
     step_dir = loaded.weights_file.parent
     if step_dir.name.startswith("step_"):
         facts["steps"] = int(step_dir.name[len("step_"):])
@@ -361,6 +362,7 @@ def _card_facts(cfg: RunConfig, target_info: dict[str, Any], loaded: Any) -> dic
             "split": recorded.get("split") or {},
             **{k: trained.get(k) for k in ("tau", "lo", "hi", "num_prompts")}, "prompts": online["num_prompts"],
             "max_new_tokens": online["max_new_tokens"], "num_exact": online["proposers"]["trained"]["num_exact"],
+            "confidence_stop": online["proposers"]["trained"].get("confidence_stop"),
             **{n: online["proposers"][n]["tau"] for n in ("untrained", "ngram") if n in online["proposers"]},
         }
     return facts

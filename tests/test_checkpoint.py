@@ -432,6 +432,30 @@ def test_another_variant_is_reported_once_as_the_variant():
         check_compatible(current, resized, force=True, saved_drafter=now, drafter={**now, "markov_rank": 64})
 
 
+@pytest.mark.parametrize("field, before, after", [("markov_head", "vanilla", "gated"), ("confidence_head", True, False)])
+def test_another_dspark_head_kind_is_refused_even_when_forced(field, before, after):
+    """A vanilla and a gated Markov head, a drafter with and without a confidence head, hold other modules:
+    the refusal offered train.resume_force and model.init_from, and the forced resume then failed to load
+    the checkpoint's weights (check_fit: missing markov_head.gate_proj.*)."""
+    from stage2_train.model.config import DrafterConfig
+    from stage2_train.model.description import describe_parts
+    from stage2_train.model.drafter import build_drafter
+    from tests.test_model import MASK_ID, tiny_arch
+
+    saved = {"model": {"variant": "dspark", "block_size": 16, field: before}}
+    current = {"model": {"variant": "dspark", "block_size": 16, field: after}}
+    with pytest.raises(CheckpointError) as refused:
+        check_compatible(saved, current, force=True, checkpoint="ckpt/step_000002")
+    message = str(refused.value)
+    assert f"its weights do not fit this drafter (model.{field})" in message
+    assert "set train.resume_force=true" not in message and "model.init_from" not in message
+    arch = tiny_arch()
+    keys = [set(build_drafter(describe_parts(DrafterConfig(variant="dspark", num_layers=1, markov_rank=4, **{field: v}), arch,
+                                             [1, 3], MASK_ID), torch.zeros(arch.vocab_size, arch.hidden_size),
+                              torch.zeros(arch.vocab_size, arch.hidden_size)).state_dict()) for v in (before, after)]
+    assert keys[0] != keys[1]  # the reason: other weight names
+
+
 def test_another_optimizer_is_refused_even_when_forced_naming_the_weights_as_a_start():
     """The checkpoint's optimizer state is its optimizer's: Muon's momentum over the matrices and AdamW's
     moments over the rest, or AdamW's over every parameter. train.resume_force cannot load it into

@@ -29,6 +29,7 @@ import json
 import pytest
 import torch
 
+from shared.errors import CheckpointError
 from shared.target_parts import load_embed_and_head
 from stage2_train.data.batch import IGNORE, collate
 from stage2_train.model.config import DrafterConfig, LossConfig
@@ -283,3 +284,38 @@ def test_zlab_dflash2_computes_our_blocks_and_drafts_our_tokens(tmp_path):
                 n += 1
     print(f"z-lab DFlash2, {n} blocks: max|hidden diff| {worst:.2e}; {drafted} greedy drafts equal")
     assert worst <= ATOL
+
+
+@pytest.mark.parametrize("fields, refused", [
+    ({"markov_rank": 8, "confidence_head_alpha": 1.0}, "confidence_head_with_markov=false: this pipeline's confidence head reads"),
+    ({"confidence_head_alpha": 1.0, "confidence_head_with_markov": False}, "markov_rank=0: this pipeline builds DSpark with a Markov head"),
+    ({"markov_rank": 8}, None),  # SpecForge's default: no confidence head
+    ({"markov_rank": 8, "markov_head_type": "gated", "confidence_head_alpha": 0.5, "confidence_head_with_markov": True}, None),
+])
+def test_what_specforge_saves_as_dspark_is_read_with_specforges_defaults(tmp_path, fields, refused):
+    """SpecForge's DSparkDraftModel (z-lab's layout: the only DSpark there) leaves out what it defaults:
+    no Markov head, a confidence head only with confidence_head_alpha > 0, reading the hidden state alone.
+    Read with speculators' defaults instead, its drafters failed check_fit on a confidence head of
+    another shape, or a Markov head they do not have."""
+    specforge = pytest.importorskip("specforge.modeling.draft.dspark", reason="SpecForge not on DFLASH_PEERS")
+    from transformers import Qwen3Config
+
+    from stage2_train.serve.load import load_exported
+
+    arch = tiny_arch(kv_heads=2)
+    config = Qwen3Config(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size, num_hidden_layers=1,
+                         num_attention_heads=arch.num_attention_heads, num_key_value_heads=2, head_dim=arch.head_dim,
+                         vocab_size=arch.vocab_size)
+    config.num_target_layers, config.block_size, config.architectures = 6, BLOCK, ["DSparkDraftModel"]
+    config.dflash_config = {"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, **fields}
+    theirs = specforge.DSparkDraftModel(config)
+    theirs.save_pretrained(tmp_path / "sf")
+    embed = head = torch.zeros(arch.vocab_size, arch.hidden_size)
+    if refused:
+        with pytest.raises(CheckpointError, match=refused):
+            load_exported(tmp_path / "sf", embed, head)
+        return
+    ours = load_exported(tmp_path / "sf", embed, head)
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    assert (ours.cfg.markov_rank, ours.cfg.markov_head, ours.confidence_head is not None) == (
+        8, fields.get("markov_head_type", "vanilla"), "confidence_head_alpha" in fields)

@@ -204,3 +204,27 @@ def test_a_drafter_carries_its_template_variables_to_the_export_doctors_prompts(
     no_think, default = builtin_prompts(tokenizer, 1, {"enable_thinking": False}), builtin_prompts(tokenizer, 1)
     assert tokenizer.decode(no_think[0]).endswith("assistant\n<think>\n\n</think>\n\n")
     assert tokenizer.decode(default[0]).endswith("<|im_start|>assistant\n")
+
+
+def test_the_model_card_tells_servers_the_template_variables_the_drafter_was_trained_with(tmp_path):
+    """The card's serving section names `chat_template_kwargs` from the drafter's own record; export
+    never passed that record to the card, so a no-think drafter's card told nobody to serve no-think
+    (thinking mode alone moves acceptance 25% -> 60%, z-lab #133)."""
+    from types import SimpleNamespace
+
+    from stage2_train.commands import _card_facts
+    from stage2_train.model.config import DrafterConfig
+    from stage2_train.model.description import describe_parts
+    from stage2_train.serve.card import write_card
+    from stage2_train.serve.trained_on import TrainedOn
+    from tests.test_model import MASK_ID, tiny_arch
+
+    cfg = load_run_config(ROOT / "configs/default.yaml", [f"run_dir={tmp_path / 'run'}"])
+    description = describe_parts(DrafterConfig(num_layers=1, block_size=4), tiny_arch(), [1, 3], MASK_ID)
+    out = tmp_path / "export"
+    out.mkdir()
+    for kwargs, said in (({"enable_thinking": False}, True), (None, False)):
+        loaded = SimpleNamespace(weights_file=out / "model.safetensors", trained_on=TrainedOn("run", 0.05, 0, "abc", kwargs))
+        card = write_card(out, description, _card_facts(cfg, {"name": "t"}, loaded)).read_text()
+        sentence = 'The data was rendered with `chat_template_kwargs={"enable_thinking": false}` (`data.chat_template_kwargs`)'
+        assert (sentence in card) is said

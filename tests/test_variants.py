@@ -519,3 +519,192 @@ def test_the_card_serves_each_variant_as_the_engines_do_and_states_exactness_as_
     assert '"method": "dflash"' in card and f'"num_speculative_tokens": {d.block_size - 1}' in card and "DFLASH" in card
     assert "vllm serve" not in cards["dflash2"][1] and "No engine serves DFlash2" in cards["dflash2"][1]
     assert all("6 of 8 outputs equal to the target's own" in c and "every output equal" not in c for _, c in cards.values())
+
+
+def test_an_eval_with_a_confidence_stop_records_it_and_the_card_states_it(tmp_path):
+    """`eval` with eval.confidence_stop decodes a DSpark drafter with early-ended blocks; its tau was
+    recorded and restated on the model card as if whole blocks were drafted (what the card's vLLM
+    command serves), with nothing saying a stop was used."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from shared.config import load_run_config
+    from stage2_train.commands import _card_facts
+    from stage2_train.serve.card import write_card
+    from stage2_train.serve.evaluation import early_stop
+    from stage2_train.serve.speculative import DFlashProposer, NgramProposer
+
+    def stop(drafter, value):
+        return early_stop(DFlashProposer(drafter, LAYER_IDS, confidence_stop=value))
+
+    dspark = make_drafter("dspark")
+    assert stop(dspark, 0.5) == 0.5 and stop(dspark, None) is None
+    assert stop(make_drafter("dspark", confidence_head=False), 0.5) is None and stop(make_drafter("dflash"), 0.5) is None
+    assert early_stop(NgramProposer(3)) is None
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_run_config(root / "configs/default.yaml", [f"run_dir={tmp_path / 'run'}"])
+    step = tmp_path / "run" / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"")
+    description = describe_parts(variant_cfg("dspark"), tiny_arch(), LAYER_IDS, MASK_ID)
+    for value, said in ((0.5, True), (None, False)):
+        trained = {"interval": {"tau": 1.5, "lo": 1.4, "hi": 1.6, "num_prompts": 8}, "num_exact": 8, "tau": 1.5,
+                   "confidence_stop": value}
+        recorded = {"checkpoint": str(step / "model.safetensors"), "split": {},
+                    "online": {"num_prompts": 8, "max_new_tokens": 64, "proposers": {"trained": trained}}}
+        (tmp_path / "run" / "eval").mkdir(exist_ok=True)
+        (tmp_path / "run" / "eval" / "step_000004.json").write_text(json.dumps(recorded))
+        loaded = SimpleNamespace(weights_file=step / "model.safetensors", trained_on=None)
+        out = tmp_path / f"card{value}"
+        out.mkdir()
+        card = write_card(out, description, _card_facts(cfg, {"name": "t"}, loaded)).read_text()
+        assert "8 prompts x 64 new tokens, greedy" in card
+        assert ("greedy, each block ended early by the confidence head (eval.confidence_stop=0.5" in card) is said
+
+
+def test_a_speculators_drafter_with_a_reduced_draft_vocabulary_is_refused_by_name(tmp_path):
+    """speculators can train a drafter over a reduced vocabulary (draft_vocab_size, its own lm_head and
+    d2t/t2d maps). model.init_from took its weights, and the trainer then refused them as 'unexpected
+    ['d2t', 'lm_head.weight', 't2d']' under model.num_layers, naming neither the cause nor a fix."""
+    from safetensors.torch import load_file, save_file
+
+    from shared.target import TargetInfo
+
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "s",
+                         dtype="float32", format="speculators")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+    (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 32}))
+    weights = load_file(out / "model.safetensors")
+    V, H = drafter.arch.vocab_size, drafter.arch.hidden_size
+    save_file({**weights, "lm_head.weight": torch.zeros(32, H), "d2t": torch.arange(32), "t2d": torch.zeros(V, dtype=torch.bool)},
+              out / "model.safetensors")
+    target = TargetInfo("", tmp_path, drafter.arch, LAYER_IDS, MASK_ID, "", "", "")
+    message = rf"draft_vocab_size=32 but the verifier's vocab_size is {V}: a reduced draft vocabulary .* \(draft_vocab_size = vocab_size\)"
+    with pytest.raises(CheckpointError, match=message):
+        init_weights_for(out, drafter.cfg, target)
+    with pytest.raises(CheckpointError, match=message):
+        load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
+    (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": V}))  # the full vocabulary: ours
+    assert folder_description(out).vocab_size == V
+
+
+def test_another_trainers_drafter_architecture_is_refused_by_name(tmp_path):
+    """A SpecForge Domino drafter (architectures DominoDraftModel: the DFlash backbone plus a GRU head)
+    was read as a DFlash drafter: model.init_from took its weights and the trainer then refused its own
+    head as 'unexpected' weights, never naming the architecture."""
+    from safetensors.torch import load_file, save_file
+
+    from shared.target import TargetInfo
+
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "d",
+                         dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+    config["dflash_config"].update({"projector_type": "domino", "emb_dim": 8, "gru_hidden_dim": 8, "shift_label": True})
+    (out / "config.json").write_text(json.dumps({**config, "architectures": ["DominoDraftModel"]}))
+    H = drafter.arch.hidden_size
+    save_file({**load_file(out / "model.safetensors"), "prefix_gru.weight_ih_l0": torch.zeros(24, H)}, out / "model.safetensors")
+    target = TargetInfo("", tmp_path, drafter.arch, LAYER_IDS, MASK_ID, "", "", "")
+    message = r"architectures \['DominoDraftModel'\] is not a drafter this pipeline builds \(DFlashDraftModel, DSparkDraftModel, DFlash2DraftModel\)"
+    with pytest.raises(CheckpointError, match=message):
+        init_weights_for(out, drafter.cfg, target)
+    with pytest.raises(CheckpointError, match=message):
+        load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
+
+
+def test_a_zlab_layout_dspark_config_is_read_with_specforges_defaults(tmp_path):
+    """Only SpecForge writes DSpark in z-lab's layout; what it leaves out means its defaults (no Markov head,
+    a confidence head only with confidence_head_alpha > 0, on the hidden state alone), not speculators'
+    (tests/test_peers_variants.py checks SpecForge's own saves)."""
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "d",
+                         dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+
+    def read(**fields):
+        (out / "config.json").write_text(json.dumps({**config, "architectures": ["DSparkDraftModel"],
+                                                     "dflash_config": {**config["dflash_config"], **fields}}))
+        return folder_description(out)
+
+    with pytest.raises(CheckpointError, match="confidence_head_with_markov=false: this pipeline's confidence head reads"):
+        read(markov_rank=8, confidence_head_alpha=1.0)
+    with pytest.raises(CheckpointError, match="markov_rank=0: this pipeline builds DSpark with a Markov head"):
+        read(confidence_head_alpha=1.0, confidence_head_with_markov=True)
+    d = read(markov_rank=8)
+    assert (d.variant, d.markov_rank, d.markov_head, d.confidence_head) == ("dspark", 8, "vanilla", False)
+    assert read(markov_rank=8, confidence_head_alpha=0.5, confidence_head_with_markov=True).confidence_head is True
+
+
+def test_export_to_a_file_is_refused_by_name(tmp_path):
+    """`export --out` naming a file (or a path under one) ended in FileExistsError / NotADirectoryError
+    tracebacks from mkdir, after the checkpoint was loaded."""
+    drafter = make_drafter("dflash2")
+    description = describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID)
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "export"):
+        with pytest.raises(CheckpointError, match=rf"export --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder"):
+            export_drafter(drafter, description, {"path": "x"}, out)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"block_size": 1}, "the drafter's block_size is 1: it must be an integer >= 2"),
+    ({"block_size": "4"}, "the drafter's block_size is '4': it must be an integer >= 2"),
+    ({"dflash_config": {"target_layer_ids": [-1, 3]}}, r"the drafter's target_layer_ids \[-1, 3\] must be target layer indices"),
+    ({"dflash_config": {"target_layer_ids": "1,3"}}, r"the drafter's target_layer_ids \['1', ',', '3'\] must be"),
+    ({"rope_theta": "1e6", "rope_parameters": {"rope_type": "default", "rope_theta": "1e6"}}, "rope_theta is '1e6', not a number > 0"),
+])
+def test_a_hand_edited_drafter_config_is_refused_naming_the_field(tmp_path, edit, message):
+    """A config.json with block_size 1 loaded a drafter that drafts nothing, target_layer_ids [-1, 3]
+    one that reads the target's last layer (a negative index) in decoding, and a string where a number
+    belongs crashed in a comparison or in float() with a bare traceback."""
+    drafter = make_drafter("dflash")
+    out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "d",
+                         dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"]
+    edited = {**config, **edit, "dflash_config": {**config["dflash_config"], **edit.get("dflash_config", {})}}
+    (out / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match=rf"{out / 'config.json'}: .*{message}"):
+        load_exported(out, drafter.embed_VH, drafter.lm_head_VH)
+    if edit.get("block_size") == 1:  # a checkpoint's drafter.json: the same checks
+        with pytest.raises(CheckpointError, match=message):
+            DrafterDescription.from_dict({**describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID).to_dict(), "block_size": 1})
+
+
+def test_the_export_doctor_does_not_tell_to_serve_dflash2_in_an_engine(tmp_path):
+    """The model card says no engine serves DFlash2 (vLLM's loader drops its convolutions); the export
+    doctor told its user to serve it in vLLM / SGLang with B - 1 speculative tokens."""
+    from stage2_train.serve.diagnose import describe_layout
+    from stage2_train.serve.export_view import read_export
+
+    notes = {}
+    for variant, fmt in (("dflash2", "zlab"), ("dflash2", "speculators"), ("dflash", "zlab")):
+        drafter = make_drafter(variant)
+        out = export_drafter(drafter, describe_parts(drafter.cfg, drafter.arch, LAYER_IDS, MASK_ID), {"path": "x"},
+                             tmp_path / f"{variant}-{fmt}", dtype="float32", format=fmt)
+        notes[variant, fmt] = describe_layout(read_export(out))[1]
+    for fmt in ("zlab", "speculators"):
+        assert notes["dflash2", fmt].startswith("no engine serves DFlash2 drafters as released") and "vLLM num_speculative" not in notes["dflash2", fmt]
+    assert notes["dflash", "zlab"] == f"serve with {BLOCK - 1} speculative tokens (vLLM num_speculative_tokens={BLOCK - 1}; SGLang reads block_size={BLOCK})"
+
+
+def test_check_warns_before_training_a_dspark_drafter_no_export_layout_carries():
+    """z-lab's layout has no DSpark and speculators' refuses sliding or block-causal layers, so a DSpark
+    drafter trained so could not be exported: `export` said it only after the training."""
+    from shared.config import load_run_config
+
+    def warned(*overrides):
+        return [w for w in load_run_config("default", ["model.variant=dspark", *overrides]).recipe_warnings() if "no export" in w]
+
+    assert warned("model.layer_types=[sliding_attention,full_attention]", "model.sliding_window=64", "model.num_layers=2") == [
+        "model.variant=dspark with sliding_attention layers: no export layout carries this drafter (z-lab's has no DSpark; "
+        "speculators' computes sliding layers another way and has no is_causal), so `export` will refuse it; train "
+        "full-attention layers with model.is_causal unset to serve it"]
+    assert warned("model.is_causal=true")[0].startswith("model.variant=dspark with model.is_causal=true: no export layout")
+    assert warned() == [] and warned("model.is_causal=false") == []

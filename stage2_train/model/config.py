@@ -165,6 +165,15 @@ class DrafterConfig(Section):
                     f"model.sliding_window={self.sliding_window} < block_size={self.block_size}: z-lab windows the block's "
                     f"own slots too (followed here), SpecForge does not, so the two serve such a drafter differently"
                 )
+        sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
+        if self.variant == "dspark" and (sliding or self.is_causal):
+            # Found otherwise only by `export`, after the training: z-lab's layout has no DSpark, and speculators'
+            # windows sliding layers at the anchor and has no is_causal (serve/export.py refuses both).
+            out.append(
+                f"model.variant=dspark with {'sliding_attention layers' if sliding else 'model.is_causal=true'}: no export "
+                f"layout carries this drafter (z-lab's has no DSpark; speculators' computes sliding layers another way and "
+                f"has no is_causal), so `export` will refuse it; train full-attention layers with model.is_causal unset to serve it"
+            )
         return out
 
     def alternatives(self) -> list[str]:

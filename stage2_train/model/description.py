@@ -70,6 +70,17 @@ class DrafterDescription:
                         f"a {self.variant} drafter's description {'gives' if given else 'lacks'} {name} "
                         f"(a field of {variant} drafters)"
                     )
+        # A hand-edited or foreign config.json: a string, a float or a 0 here would build a drafter that drafts
+        # nothing (block_size 1), reads a negative layer index (the target's last layer), or crash in arithmetic.
+        for name, least in (("block_size", 2), ("num_layers", 1), ("hidden_size", 1), ("intermediate_size", 1), ("head_dim", 1),
+                            ("num_attention_heads", 1), ("num_key_value_heads", 1), ("vocab_size", 1), ("num_target_layers", 1),
+                            ("mask_token_id", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise CheckpointError(f"the drafter's {name} is {value!r}: it must be an integer >= {least}")
+        ids = self.target_layer_ids
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise CheckpointError(f"the drafter's target_layer_ids {list(ids)!r} must be target layer indices (integers >= 0)")
         if self.variant == "dflash2" and self.hidden_size % self.conv_group_size:
             raise CheckpointError(
                 f"the drafter's conv_group_size {self.conv_group_size} does not divide its hidden size {self.hidden_size} "

@@ -29,7 +29,8 @@ LOCAL_ONLY = "dflash_pipeline_config.yaml"  # the resolved run config, written b
 def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, Any]) -> Path:
     """README.md of an exported drafter. `facts`: target (name, revision), data (what the store was
     made from, samples, tokens; or `other_store`, why the store at hand is not the one trained on),
-    steps, and the held-out eval when one was run."""
+    steps, the held-out eval when one was run, and the chat template's variables the data was rendered with
+    (`chat_template_kwargs`, the drafter's own record: whatever store is configured)."""
     d = description
     target = facts.get("target") or {}
     target_name = target.get("hub_id") or target.get("name") or "the target"
@@ -42,8 +43,12 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         equal = ("every output equal to the target's own" if exact == online["prompts"] else
                  f"{exact} of {online['prompts']} outputs equal to the target's own" if exact is not None else "greedy")
         title, used = eval_data(online.get("split") or {})
+        stop = online.get("confidence_stop")
+        # An early stop drafts fewer tokens than the engines' DSpark method below: its tau is another decoder's.
+        stopped = (f", each block ended early by the confidence head (eval.confidence_stop={stop}: before the slot where the "
+                   f"predicted chance that every draft so far is accepted falls below it)" if stop is not None else "")
         eval_line = (
-            f"{title}, on {used}. {online['prompts']} prompt{'' if online['prompts'] == 1 else 's'} x {online['max_new_tokens']} new tokens, greedy, {equal}: "
+            f"{title}, on {used}. {online['prompts']} prompt{'' if online['prompts'] == 1 else 's'} x {online['max_new_tokens']} new tokens, greedy{stopped}, {equal}: "
             f"tau **{interval_text(online)}**"
             + (" (95% bootstrap interval over prompts)" if online.get("lo") is not None else "")
             + f"; untrained drafter {online.get('untrained', float('nan')):.3f}, "
@@ -90,7 +95,7 @@ def write_card(out_dir: Path, description: DrafterDescription, facts: dict[str, 
         "Serve it with the same chat template (and thinking mode) the training data was rendered with: a different "
         "template is the most common cause of low acceptance in serving."
         + (f" The data was rendered with `chat_template_kwargs={json.dumps(template_kwargs)}` (`data.chat_template_kwargs`): "
-           "pass the same in each request (vLLM / SGLang)." if (template_kwargs := data.get("chat_template_kwargs")) else ""),
+           "pass the same in each request (vLLM / SGLang)." if (template_kwargs := facts.get("chat_template_kwargs")) else ""),
         "",
     ]
     return write_atomic(out_dir / CARD_NAME, "\n".join(lines))

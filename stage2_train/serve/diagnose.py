@@ -123,7 +123,12 @@ def describe_layout(view: ExportView) -> list[str]:
         f"target layers {ids} (decoder layer i's output, HF hidden_states[i + 1]), mask token {view.get('mask_token_id')}"
     ]
     block = view.get("block_size")
-    if view.config.get("speculators_model_type") == "dspark" and isinstance(block, int):
+    names = view.config.get("architectures") or []
+    if view.config.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in names:
+        # as the model card says (serve/card.py serving_lines): engines would run it without its convolutions
+        out.append("no engine serves DFlash2 drafters as released (vLLM's loader drops the attention convolution: vllm "
+                   "#53428, #53612); measure it with this doctor's decode or `python -m stage2_train eval`")
+    elif view.config.get("speculators_model_type") == "dspark" and isinstance(block, int):
         out.append(f"serve with {block} speculative tokens (vLLM method dspark, num_speculative_tokens={block}: DSpark drafts every slot)")
     elif isinstance(block, int):
         out.append(

@@ -167,11 +167,23 @@ def evaluate_drafters(
         target_model, proposers, list(prompts), max_new_tokens=max_new_tokens or eval_cfg.online_max_new_tokens,
         eos_token_ids=stop_token_ids(tokenizer, target_model),
     )
+    for name, proposer in proposers.items():
+        # A DSpark early stop changes tau and drafted/step: what was measured says so (a card restates it).
+        online["proposers"][name]["confidence_stop"] = early_stop(proposer)
     add_intervals(online, baseline, groups)
     online.update({"dtype": eval_cfg.online_dtype, "num_prompts_asked": num_prompts_asked or len(prompts)})
     online["notes"] = online_notes(online, baseline)
     gaps = {name: acceptance_gap(row, online["proposers"][name]["tau"]) for name, row in offline_rows.items()}
     return {"offline": offline_rows, "online": online, "gap": gaps, "baseline": baseline}
+
+
+def early_stop(proposer: Any) -> float | None:
+    """The confidence stop a proposer drafts with: a DSpark drafter's with a confidence head, else None
+    (whole blocks: a DFlash or DFlash2 drafter, the n-gram drafter, DSpark without a stop)."""
+    drafter = getattr(proposer, "drafter", None)
+    if getattr(drafter, "confidence_head", None) is None:
+        return None
+    return proposer.confidence_stop
 
 
 def _prompts(num: int) -> str:

@@ -156,6 +156,11 @@ def export_drafter(
             f"{drafter.block_size}, {len(drafter.layers)} layers, mask {drafter.mask_token_id})"
         )
     out = Path(out_dir)
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # mkdir would raise FileExistsError / NotADirectoryError, a bare traceback
+        raise CheckpointError(
+            f"export --out {out}: {blocker} is a file, not a folder; give --out a new folder (or one holding an earlier export)"
+        )
     stale = stale_weights(out)
     if stale:
         # vLLM and SGLang read model.safetensors.index.json when there is one and load the shards it lists,

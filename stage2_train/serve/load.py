@@ -128,6 +128,11 @@ SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel",
 # `dflash_config` name them.
 DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# What a DSpark config that leaves a field out means: speculators' DSparkSpeculatorConfig defaults, and
+# SpecForge's (the only z-lab-layout DSpark: z-lab has none): no Markov head unless markov_rank is given,
+# a confidence head only with a positive confidence_head_alpha, and reading the hidden state alone.
+SPECULATORS_DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                               "confidence_head_with_markov": True, "sample_from_anchor": True}
 
 
 def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -142,6 +147,14 @@ def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{where}: transformer_layer_config.layer_types has sliding_attention: speculators fixes each block's window "
             f"at its anchor (PR #749), which this drafter does not compute; start from a full-attention drafter"
+        )
+    draft_vocab, vocab = config.get("draft_vocab_size"), layer.get("vocab_size")
+    if draft_vocab is not None and draft_vocab != vocab:
+        # Its own [draft_vocab, H] lm_head and d2t/t2d maps would reach check_fit as unexpected tensors, unexplained.
+        raise CheckpointError(
+            f"{where}: draft_vocab_size={draft_vocab} but the verifier's vocab_size is {vocab}: a reduced draft vocabulary "
+            f"(its own lm_head and d2t/t2d maps), while this pipeline's drafter scores the target's whole vocabulary through "
+            f"the target's LM head; start from a drafter trained with the full vocabulary (draft_vocab_size = vocab_size)"
         )
     if kind != "dspark" and config.get("sample_from_anchor"):
         raise CheckpointError(f"{where}: sample_from_anchor=true is not the {kind} block this pipeline trains")
@@ -160,7 +173,9 @@ def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
         "block_size": block,
         "dflash_config": {
             "target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id")),
-            **{name: config[name] for name in own if name in config},
+            # speculators' own defaults for what its file leaves out: `variant_of` reads a bare field as SpecForge's
+            **{name: config.get(name, SPECULATORS_DSPARK_DEFAULTS.get(name)) for name in own
+               if name in config or name in SPECULATORS_DSPARK_DEFAULTS},
         },
     }
 
@@ -171,7 +186,9 @@ def variant_of(config: dict[str, Any], value: Any, where: Path) -> dict[str, Any
     if "DSparkDraftModel" in names:
         from stage2_train.model.dspark import check_dspark_config
 
-        fields = {name: value(name) for name in DSPARK_FIELDS if value(name) is not None}
+        specforge = {"markov_rank": 0, "enable_confidence_head": float(value("confidence_head_alpha", 0.0) or 0.0) > 0,
+                     "confidence_head_with_markov": False}
+        fields = {**specforge, **{name: value(name) for name in DSPARK_FIELDS if value(name) is not None}}
         return {"variant": "dspark", **check_dspark_config(fields, str(where))}
     if "DFlash2DraftModel" in names:
         sizes = {name: value(name) for name in DFLASH2_FIELDS}
@@ -241,15 +258,16 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
         num_key_value_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         vocab_size=config.get("vocab_size", 0),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+        rope_theta=_number(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta", where),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=False,
     )
     block_size = value("block_size", 16)
     types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     sliding = "sliding_attention" in types
-    described = DrafterDescription(
+    described = _described(
+        where,
         **variant_of(config, value, where),
         block_size=block_size,
         num_layers=config["num_hidden_layers"],
@@ -287,6 +305,20 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
     return recorded
 
 
+def _described(where: Path, **fields: Any) -> DrafterDescription:
+    """The description config.json gives, its refusal naming the file."""
+    try:
+        return DrafterDescription(**fields)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+def _number(value: Any, name: str, where: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointError(f"{where}: {name} is {value!r}, not a number > 0")
+    return float(value)
+
+
 def _attention(d: DrafterDescription) -> list[Any]:
     """Each layer's attention rule: is_causal unset and false are one rule for full layers (bidirectional
     in the block), and speculators' config, which runs full layers so, has no is_causal to write."""
@@ -304,6 +336,14 @@ _READ_BY_LOADERS = (
 
 
 def refuse_unsupported(config: dict[str, Any], where: Path) -> None:
+    names = config.get("architectures") or []
+    if names and not set(names) & set(SPECULATORS_TYPES.values()):
+        # Read as a DFlash drafter, another trainer's drafter (SpecForge's DominoDraftModel, an EAGLE head) met
+        # check_fit later with its own heads as "unexpected" weights, or a missing DFlash field, never its name.
+        raise CheckpointError(
+            f"{where}: architectures {names} is not a drafter this pipeline builds ({', '.join(SPECULATORS_TYPES.values())}); "
+            f"start from (or evaluate) a DFlash, DSpark or DFlash2 drafter folder"
+        )
     rope_types = {
         (config.get(key) or {}).get("rope_type", (config.get(key) or {}).get("type"))
         for key in ("rope_scaling", "rope_parameters")

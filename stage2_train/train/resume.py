@@ -48,8 +48,8 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
     "model.is_causal": "the drafter's attention layout",
     "model.variant": "the drafter's architecture and its labels (dspark predicts one token further)",
     "model.markov_rank": "the DSpark heads (their weights would not fit)",
-    "model.markov_head": "the DSpark heads",
-    "model.confidence_head": "the DSpark heads",
+    "model.markov_head": "the DSpark heads (each kind has its own modules: their weights would not fit)",
+    "model.confidence_head": "the DSpark heads (with or without the confidence head: their weights would not fit)",
     "model.conv_kernel_size": "the DFlash2 convolutions (their weights would not fit)",
     "model.conv_group_size": "the DFlash2 convolutions (their weights would not fit)",
     "model.selector_rank": "the DFlash2 selector (its weights would not fit)",
@@ -87,7 +87,7 @@ COMPATIBILITY_FIELDS: dict[str, str] = {
 # model.init_from can use them. A change in the number of target layers is one too (`_reshaped`).
 WEIGHT_SHAPE_FIELDS = (
     "model.num_layers", "model.intermediate_size", "model.feature_projection", "model.projection_dim", "model.variant",
-    "model.markov_rank", "model.conv_kernel_size", "model.conv_group_size", "model.selector_rank",
+    "model.markov_rank", "model.markov_head", "model.confidence_head", "model.conv_kernel_size", "model.conv_group_size", "model.selector_rank",
     "target.num_feature_layers",
 )
 DESCRIPTION_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
