@@ -283,7 +283,7 @@ def weights_fingerprint(model_dir: str | os.PathLike, *, deep: bool = False) -> 
     model_dir = Path(model_dir)
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
     if not files:
-        raise InputFileError(f"no weight files (*.safetensors, *.bin) in {model_dir}")
+        raise InputFileError(f"no weight files (*.safetensors, *.bin) in {model_dir}; " + _fetch_rest(model_dir, "the model's weights"))
     key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
     cache_path = cache_dir() / "fingerprints" / f"{key}.json"
     stats = [(p, p.stat()) for p in files]
@@ -368,13 +368,32 @@ def tokenizer_fingerprints(tokenizer: Any) -> dict[str, str]:
     }
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
+
+
 def load_tokenizer(cfg: TargetConfig) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(cfg))
+    folder = resolve_target_dir(cfg)
+    if not any(any(folder.glob(name)) for name in TOKENIZER_FILES):
+        # A snapshot fetched in part (`hf download ORG/NAME config.json`, a download cut short) has its
+        # config.json: transformers would then fail deep in its tokenizer conversion, naming no file.
+        raise InputFileError(f"target.path: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {folder}; "
+                             + _fetch_rest(folder, "the model's tokenizer files"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(f"target.path={cfg.path!r}: the tokenizer has no chat template")
     return tokenizer
+
+
+def _fetch_rest(folder: Path, what: str) -> str:
+    """How to complete a target's folder: for a Hub cache's snapshot (models--ORG--NAME/snapshots/REV)
+    the command that fetches the rest, for a local folder a copy."""
+    folder = Path(folder)
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        repo = folder.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+        return f"{repo} was fetched into the Hugging Face cache in part: `{DOWNLOAD} --config ...` fetches the rest"
+    return f"copy {what} into it"
 
 
 def turn_end_token_id(tokenizer: Any) -> int | None:

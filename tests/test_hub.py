@@ -228,3 +228,36 @@ def test_an_unreachable_hub_and_a_repo_without_safetensors_are_one_line(hub, mon
     with pytest.raises(InputFileError, match=r"^target.path=org/model: org/model has no \*.safetensors weights in its top "
                                              r"folder \(https://huggingface.co/org/model\)"):
         stage1.cmd_download(cfg)
+
+
+def test_a_snapshot_fetched_in_part_names_the_command_that_fetches_the_rest(tmp_path, monkeypatch, tiny_target_dir):
+    """A Hub id whose cached snapshot holds its config.json but no tokenizer (`hf download ORG/NAME
+    config.json`, a download cut short) passed `check`, then `plan` and `extract` died in
+    transformers' tokenizer conversion with a bare traceback naming no file; one without its weights
+    said only "no weight files". Both now name the folder and `download`."""
+    from stage1_extract.plan import cmd_plan
+
+    cache = tmp_path / "hf" / "hub"
+    for repo, keep in (("org/config-only", ("config.json",)), ("org/no-weights", ("config.json", "tokenizer.json", "chat_template.jinja",
+                                                                                   "tokenizer_config.json"))):
+        part = tmp_path / repo
+        part.mkdir(parents=True)
+        for name in keep:
+            shutil.copyfile(tiny_target_dir / name, part / name)
+        add_to_hub_cache(cache, repo, part)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    snapshot = rf"{cache}/models--org--{{}}/snapshots/{COMMIT}"
+    fetch = r"{} was fetched into the Hugging Face cache in part: `python -m stage1_extract download --config \.\.\.` fetches the rest"
+    for command in (lambda cfg: cmd_plan(cfg), lambda cfg: stage1.cmd_extract(cfg, progress=False)):
+        cfg = load_run_config("configs/default.yaml", stage1_overrides("org/config-only", data, tmp_path / "run"))
+        with pytest.raises(InputFileError, match=r"^target\.path: no tokenizer files \(tokenizer\.json, .*\) in "
+                                                 + snapshot.format("config-only") + "; " + fetch.format("org/config-only") + "$"):
+            command(cfg)
+        cfg = load_run_config("configs/default.yaml", stage1_overrides("org/no-weights", data, tmp_path / "run"))
+        with pytest.raises(InputFileError, match=r"^no weight files \(\*\.safetensors, \*\.bin\) in " + snapshot.format("no-weights")
+                                                 + "; " + fetch.format("org/no-weights") + "$"):
+            command(cfg)
+    local = load_run_config("configs/default.yaml", stage1_overrides(tmp_path / "org" / "config-only", data, tmp_path / "run"))
+    with pytest.raises(InputFileError, match=r"no tokenizer files .* in .*org/config-only; copy the model's tokenizer files into it$"):
+        stage1.cmd_extract(local, progress=False)
