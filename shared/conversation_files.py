@@ -5,7 +5,8 @@
 
 What `path` may be, and how its rows are numbered:
 - a `.jsonl` file (or `.json` whose first character is not `[`): row = line index, blank lines counted;
-  each line is decoded on its own, so a line that is not UTF-8 or not JSON is one bad row, named;
+  each line is decoded on its own, so a line that is not UTF-8 or not JSON is one bad row, named
+  (a file that is one JSON object over many lines, `{"train": [rows]}`, is refused naming its rows' key);
 - a `.json` file holding one JSON array: row = element index. The array is parsed element by element
   (one element's text in memory at a time), and an element that is not JSON (or not UTF-8) ends the
   read, named: the elements after it cannot be found;
@@ -48,6 +49,7 @@ from shared.conversations import (
     fits,
     mismatch,
     parse_row,
+    rows_fix,
 )
 from shared.errors import DataError, InputFileError
 from shared.paths import relative_note
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 BOM = b"\xef\xbb\xbf"
 ARRAY_CHUNK = 1 << 20  # characters read at a time from a JSON array
+ONE_OBJECT_MAX = 1 << 30  # bytes: a larger file is not parsed whole to say what its one object holds
 # A split's files as the Hub names them (`train_sft-00000-of-00003.parquet`; older uploads add
 # `-<fingerprint>`; a one-file split may be `train.parquet`) and as the `datasets` cache does
 # (`ultrachat_200k-train_sft-00000-of-00003.arrow`, `ultrachat_200k-test.arrow`). `datasets` allows
@@ -295,7 +298,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(line index, record or the ValueError that makes the row bad) for every non-blank line. Bytes
     are decoded per line, so a line that is not UTF-8 is one bad row, named, not the end of the file."""
     with path.open("rb") as fh:
-        i = -1
+        i, seen = -1, False
         for raw in fh:  # not enumerate(): its cached result tuple would keep a huge row's bytes alive
             i += 1
             if i == 0 and raw.startswith(BOM):
@@ -312,10 +315,25 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 record: Any = json.loads(text)
             except json.JSONDecodeError as exc:
+                if not seen and text.lstrip().startswith("{"):  # one JSON object written over many lines?
+                    _refuse_one_object(path)
                 record = ValueError(f"not valid JSON ({json_problem(exc)} at column {exc.colno})")
+            seen = True
             del text
             yield i, record
             del record
+
+
+def _refuse_one_object(path: Path) -> None:
+    """Refuse a file holding one JSON object over many lines (`{"train": [rows]}`, one conversation
+    pretty-printed): read as JSON lines, each of its lines would be called a row that is no JSON."""
+    try:
+        whole = json.loads(path.read_bytes().removeprefix(BOM)) if path.stat().st_size <= ONE_OBJECT_MAX else None
+    except ValueError:
+        return
+    if isinstance(whole, dict):
+        raise DataError(f"{path}: holds one JSON object (keys {sorted(whole)[:8]}), not rows (a JSON array, or JSONL: one row "
+                        f"a line); {rows_fix(whole, path)}")
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:

@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import shlex
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -632,3 +633,36 @@ def test_a_name_that_is_not_a_string_is_refused_naming_the_turn(tmp_path, row, w
     path = write_jsonl(tmp_path / "n.jsonl", [row])
     with pytest.raises(DataError, match=r"n\.jsonl: row 0: " + where + r"\.name must be a string \(the participant's name\), got a"):
         list(read_conversations(path))
+
+
+def test_a_json_file_holding_one_object_names_the_list_of_rows_and_the_command_that_writes_them(tmp_path):
+    """`{"train": [rows]}` written with indent (as json.dump(..., indent=2) writes it) was read as
+    JSON lines: "row 0: not valid JSON" for a valid file, with data.on_bad_row=skip as the fix (which
+    skips every line). It is now refused whatever on_bad_row says, naming the key that holds the rows
+    and a command that writes them one per line, which then reads as they are."""
+    import subprocess
+    import sys
+
+    rows = [{"conversations": [{"from": "human", "value": f"Q{i}"}, {"from": "gpt", "value": f"A{i}"}]} for i in range(3)]
+    nested = tmp_path / "data.json"
+    nested.write_text(json.dumps({"version": 1, "train": rows}, indent=2))
+    with pytest.raises(DataError) as refused:
+        list(read_conversations(nested, on_bad_row="skip"))
+    message = str(refused.value)
+    assert message.startswith(f"{nested}: holds one JSON object (keys ['train', 'version']), not rows (a JSON array, or "
+                              f"JSONL: one row a line); its rows are the list under 'train': write them one per line with `")
+    command = re.search(r"`(python -c .*)` and set data\.path=(\S+)$", message)
+    subprocess.run(command[1], shell=True, check=True, cwd=tmp_path, executable="/bin/bash", env={"PATH": f"{Path(sys.executable).parent}"})
+    assert [[m["content"] for m in c.messages] for c in read_conversations(command[2])] == [[f"Q{i}", f"A{i}"] for i in range(3)]
+
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(rows[0], indent=2))
+    with pytest.raises(DataError, match=r"one\.json: holds one JSON object \(keys \['conversations'\]\), .*; it is one "
+                                        r"conversation: put it in a JSON array \(\[\.\.\.\]\) or on one line \(JSONL\)$"):
+        list(read_conversations(one))
+    flat = write_jsonl(tmp_path / "flat.jsonl", [{"train": rows}])
+    with pytest.raises(DataError, match=r"flat\.jsonl: row 0: fits no known format .* found keys \['train'\]; its rows are the "
+                                        r"list under 'train': write them one per line with `python -c"):
+        list(read_conversations(flat))
+    broken = write_jsonl(tmp_path / "broken.jsonl", ['{"messages": [', *map(json.dumps, rows)])
+    assert [c.row for c in read_conversations(broken, on_bad_row="skip")] == [1, 2, 3]  # a broken first line stays one bad row
