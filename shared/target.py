@@ -382,7 +382,11 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
                              + _fetch_rest(folder, "the model's tokenizer files"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"target.path={cfg.path!r}: the tokenizer has no chat template")
+        raise ConfigError(
+            f"target.path={cfg.path!r}: the tokenizer has no chat template (a base model?), and every row is rendered with the "
+            f"template the drafter will be served with: use the model's chat (instruct) version, or a copy of {folder} with "
+            f"that template in chat_template.jinja, set as target.path"
+        )
     return tokenizer
 
 

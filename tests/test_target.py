@@ -92,3 +92,30 @@ def test_converted_checkpoint_matches_the_gguf_model():
     assert (ref_TV - out_TV).abs().max() < 0.05 * ref_TV.abs().max()
     for name, tensor in converted.state_dict().items():
         assert torch.isfinite(tensor).all(), name
+
+
+def test_a_target_without_a_chat_template_names_how_to_give_it_one(tiny_target_dir, tmp_path):
+    """A base model (no chat template) was refused with "the tokenizer has no chat template" and no
+    way on; the refusal now says how to give one, and that way works."""
+    import json
+    import shutil
+
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract.plan import cmd_plan
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    base = shutil.copytree(tiny_target_dir, tmp_path / "base")
+    template = (base / "chat_template.jinja").read_text()
+    (base / "chat_template.jinja").unlink()
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(base, data, tmp_path / "run"))
+    with pytest.raises(ConfigError, match=rf"target\.path='{base}': the tokenizer has no chat template \(a base model\?\), .*: use "
+                                          rf"the model's chat \(instruct\) version, or a copy of {base} with that template in "
+                                          r"chat_template\.jinja, set as target\.path$"):
+        cmd_plan(cfg)
+    (base / "chat_template.jinja").write_text(template)
+    assert cmd_plan(cfg)["samples"] == 4
