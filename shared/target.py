@@ -391,8 +391,7 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
 
 
 def _fetch_rest(folder: Path, what: str) -> str:
-    """How to complete a target's folder: for a Hub cache's snapshot (models--ORG--NAME/snapshots/REV)
-    the command that fetches the rest, for a local folder a copy."""
+    """How to complete a Hub snapshot (models--ORG--NAME/snapshots/REV: the download) or a folder (a copy)."""
     folder = Path(folder)
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
         repo = folder.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
