@@ -102,18 +102,29 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
     from pathlib import PurePath
 
     from shared.errors import ConfigError
+    from shared.hub import DOWNLOAD, hub_cache, is_hub_id, resolve_hub
     from shared.identity import stage1_value
     from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
     from stage2_train.train.launch import resolve_mixed_precision
     from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs
 
     folder = Path(cfg.target.path).expanduser()
+    if is_hub_id(cfg.target.path):  # its snapshot's config.json when the cache holds it (only that file is read)
+        try:
+            folder = resolve_hub(cfg.target.path, "target.path").folder
+        except FileNotFoundError:
+            pass
     if cfg.target.path == EMBEDDED_DEFAULT or (folder / "config.json").is_file():
         arch, source = TargetArch.from_dir(resolve_target_dir(cfg.target)), "config.json"
     else:
         folder_name = PurePath(cfg.target.path).name.lower()
         # A folder named after its model: Llama-3.1-8B-Instruct, Meta-Llama-3.1-8B-Instruct, Qwen3-8B
         name = next((known for known in KNOWN_TARGETS if known in folder_name), None)
+        if name is None and is_hub_id(cfg.target.path):
+            raise ConfigError(
+                f"target.path={cfg.target.path}: not in the Hugging Face cache at {hub_cache()} and not a known shape "
+                f"({', '.join(KNOWN_TARGETS)}); fetch it with `{DOWNLOAD} --config ...` to plan for it"
+            )
         if name is None:
             raise ConfigError(
                 f"target.path={cfg.target.path!r}: no config.json there and not a known shape ({', '.join(KNOWN_TARGETS)}); "

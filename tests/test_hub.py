@@ -261,3 +261,21 @@ def test_a_snapshot_fetched_in_part_names_the_command_that_fetches_the_rest(tmp_
     local = load_run_config("configs/default.yaml", stage1_overrides(tmp_path / "org" / "config-only", data, tmp_path / "run"))
     with pytest.raises(InputFileError, match=r"no tokenizer files .* in .*org/config-only; copy the model's tokenizer files into it$"):
         stage1.cmd_extract(local, progress=False)
+
+
+def test_stage2_plan_reads_a_hub_targets_shape_from_the_cache(hub):
+    """`python -m stage2_train plan` read target.path as a folder only: a Hub id in the cache whose name
+    is not a known shape (Qwen/Qwen3-14B, the tiny one here) was refused as "no config.json there ...
+    copy the target's config.json into that folder", a folder that does not exist. It now reads the
+    snapshot's config.json, and an id not cached names the download command."""
+    from shared.errors import ConfigError
+    from stage2_train.commands import cmd_plan, plan_inputs
+
+    cfg = load_run_config("configs/default.yaml", ["target.path=tiny-org/tiny-target", "target.num_feature_layers=3"])
+    inputs, source = plan_inputs(cfg)  # what cmd_plan traces (a tiny shape: the trace itself is the slow part)
+    assert source == "config.json" and (inputs.arch.hidden_size, inputs.arch.num_hidden_layers) == (64, 6)
+    missing = load_run_config("configs/default.yaml", ["target.path=tiny-org/other-target"])
+    with pytest.raises(ConfigError, match=rf"^target\.path=tiny-org/other-target: not in the Hugging Face cache at {hub} and not a "
+                                          r"known shape \(qwen3-8b, llama-3\.1-8b\); fetch it with `python -m stage1_extract "
+                                          r"download --config \.\.\.` to plan for it$"):
+        cmd_plan(missing, world_size=1)
