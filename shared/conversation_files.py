@@ -288,6 +288,10 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("rb") as fh:
         head = fh.read(4096)
     start = head[len(BOM) :] if head.startswith(BOM) else head
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # PowerShell's `>` writes it: every line would be "not UTF-8"
+        out = shlex.quote(str(path.with_name(f"{path.stem}.utf8{path.suffix}")))
+        raise DataError(f"{path}: is UTF-16 (it starts with its byte-order mark), not UTF-8: convert it with `iconv -f UTF-16 "
+                        f"-t UTF-8 {shlex.quote(str(path))} > {out}` and set data.path={out}")
     if start.lstrip()[:1] == b"[":
         yield from _json_array_rows(path)
     else:
@@ -325,8 +329,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _refuse_one_object(path: Path) -> None:
-    """Refuse a file holding one JSON object over many lines (`{"train": [rows]}`, one conversation
-    pretty-printed): read as JSON lines, each of its lines would be called a row that is no JSON."""
+    """Refuse one JSON object over many lines (`{"train": [rows]}`): as JSON lines, each line is a bad row."""
     try:
         whole = json.loads(path.read_bytes().removeprefix(BOM)) if path.stat().st_size <= ONE_OBJECT_MAX else None
     except ValueError:

@@ -666,3 +666,21 @@ def test_a_json_file_holding_one_object_names_the_list_of_rows_and_the_command_t
         list(read_conversations(flat))
     broken = write_jsonl(tmp_path / "broken.jsonl", ['{"messages": [', *map(json.dumps, rows)])
     assert [c.row for c in read_conversations(broken, on_bad_row="skip")] == [1, 2, 3]  # a broken first line stays one bad row
+
+
+def test_a_utf16_file_is_named_as_such_with_the_command_that_converts_it(tmp_path):
+    """PowerShell's `>` writes UTF-16 with a byte-order mark: every line was "row N: not UTF-8 (byte 0xff
+    ...)" with data.on_bad_row=skip as the fix, which skipped them all. It is refused whatever on_bad_row
+    says, naming the encoding and an iconv command, which then gives the rows."""
+    import subprocess
+
+    rows = [{"messages": [{"role": "user", "content": f"Q{i} é"}, {"role": "assistant", "content": "A"}]} for i in range(3)]
+    path = tmp_path / "win.jsonl"
+    path.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode("utf-16"))
+    with pytest.raises(DataError) as refused:
+        list(read_conversations(path, on_bad_row="skip"))
+    out = tmp_path / "win.utf8.jsonl"
+    assert str(refused.value) == (f"{path}: is UTF-16 (it starts with its byte-order mark), not UTF-8: convert it with "
+                                  f"`iconv -f UTF-16 -t UTF-8 {path} > {out}` and set data.path={out}")
+    subprocess.run(re.search(r"`(iconv .*)`", str(refused.value))[1], shell=True, check=True)
+    assert [c.messages[0]["content"] for c in read_conversations(out)] == ["Q0 é", "Q1 é", "Q2 é"]
