@@ -279,3 +279,18 @@ def test_stage2_plan_reads_a_hub_targets_shape_from_the_cache(hub):
                                           r"known shape \(qwen3-8b, llama-3\.1-8b\); fetch it with `python -m stage1_extract "
                                           r"download --config \.\.\.` to plan for it$"):
         cmd_plan(missing, world_size=1)
+
+
+def test_a_relative_folder_read_as_a_hub_id_says_where_the_folder_was_looked_for(hub, tmp_path, monkeypatch):
+    """docs/config.md: a relative setting's missing file is refused naming the rule and the folder.
+    `target.path: models/Qwen3-8B` written relative to the config file, run from elsewhere, was read
+    as a Hub id and refused only as "not in the Hugging Face cache": the folder meant was never named."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputFileError) as refused:
+        resolve_target_dir(TargetConfig(path="models/Qwen3-8B"))
+    assert str(refused.value).endswith(
+        f"or give a local folder (no folder models/Qwen3-8B under the working directory {tmp_path} either: a relative path "
+        f"resolves against it, not against the config file's folder)")
+    with pytest.raises(InputFileError) as refused:
+        resolve_target_dir(TargetConfig(path="tiny-org/tiny-target@v2"))  # a revision: a Hub id, no folder meant
+    assert str(refused.value).endswith("or give a local folder")
