@@ -119,3 +119,34 @@ def test_a_target_without_a_chat_template_names_how_to_give_it_one(tiny_target_d
         cmd_plan(cfg)
     (base / "chat_template.jinja").write_text(template)
     assert cmd_plan(cfg)["samples"] == 4
+
+
+def test_a_mask_token_text_produces_is_refused_before_extraction_and_training(tiny_target_dir, tmp_path):
+    """A preset's target.mask_token_id inherited onto another target family (llama-3.1-8b's 128002 on
+    Qwen2.5: an ordinary BPE token there), or any id text or the template produces, was extracted and
+    trained on without a word; only the export doctor, after the whole run, said to retrain. stage 1
+    and train now refuse it naming the target's own reserved token, and take that one."""
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract import commands
+    from stage2_train.commands import cmd_train
+    from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    for mask, why in ((300, "'om', an ordinary token that text tokenizes to"), (2, "the tokenizer's eos token '<|im_end|>'"),
+                      (1, "the tokenizer's bos token '<|im_start|>'")):
+        cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run",
+                                                                         **{"target.mask_token_id": mask}))
+        with pytest.raises(ConfigError) as refused:
+            commands.cmd_extract(cfg, progress=False)
+        assert str(refused.value) == (
+            f"target.mask_token_id={mask} is {why}: the drafter could not tell its mask slots from real text (and the export "
+            f"doctor refuses such a drafter); a preset's id belongs to its own target. Set target.mask_token_id=16 (<empty_output>)")
+    assert not (tmp_path / "run" / "store" / "manifest.json").exists()
+    commands.cmd_extract(load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run",
+                                                                                   **{"target.mask_token_id": 16})), progress=False)
+    train = train_overrides_for(tiny_target_dir, tmp_path / "run" / "store", tmp_path / "run",
+                                {"target.mask_token_id": 300, "train.max_steps": 1, "train.device": "cpu"})
+    with pytest.raises(ConfigError, match=r"^target\.mask_token_id=300 is 'om', an ordinary token"):
+        cmd_train(load_run_config("configs/default.yaml", train), progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()

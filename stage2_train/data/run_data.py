@@ -13,6 +13,7 @@ import torch
 
 from shared.config import RunConfig
 from shared.errors import ConfigError
+from shared.mask_token import check_mask_token
 from shared.target import resolve_target
 from stage2_train.data.batch import IGNORE, DrafterBatch
 from stage2_train.data.view import DataSettings, TrainData, open_train_data
@@ -44,7 +45,9 @@ def open_run_data(
         distill_all=cfg.loss.distill_positions == "all",
     )
     url = cfg.store.url(cfg.run_dir)
-    data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
+    target = resolve_target(cfg.target)
+    check_mask_token(cfg.target, target)
+    data = open_train_data(url, target, cfg.sampler, settings, rank=rank, world_size=world_size)
     longest = int(data.reader.lengths.max())
     if cfg.model.block_size > longest:
         data.close()
