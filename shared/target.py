@@ -376,8 +376,7 @@ def load_tokenizer(cfg: TargetConfig) -> Any:
 
     folder = resolve_target_dir(cfg)
     if not any(any(folder.glob(name)) for name in TOKENIZER_FILES):
-        # A snapshot fetched in part (`hf download ORG/NAME config.json`, a download cut short) has its
-        # config.json: transformers would then fail deep in its tokenizer conversion, naming no file.
+        # A snapshot fetched in part (a download cut short): transformers would fail naming no file.
         raise InputFileError(f"target.path: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {folder}; "
                              + _fetch_rest(folder, "the model's tokenizer files"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -446,5 +445,6 @@ def default_mask_token_id(cfg: TargetConfig, arch: TargetArch, tokenizer: Any) -
             "choose an unused special token id"
         )
     if not 0 <= mask_id < arch.vocab_size:
-        raise ConfigError(f"target.mask_token_id must be in [0, {arch.vocab_size}), got {mask_id}")
+        raise ConfigError(f"target.mask_token_id must be in [0, {arch.vocab_size}) (this target's vocabulary), got {mask_id}: a "
+                          f"preset's id belongs to its own target; set target.mask_token_id=null to take this target's reserved one")
     return mask_id

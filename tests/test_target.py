@@ -150,3 +150,23 @@ def test_a_mask_token_text_produces_is_refused_before_extraction_and_training(ti
     with pytest.raises(ConfigError, match=r"^target\.mask_token_id=300 is 'om', an ordinary token"):
         cmd_train(load_run_config("configs/default.yaml", train), progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_presets_mask_token_beyond_another_targets_vocabulary_names_the_way_out(tiny_target_dir, tmp_path):
+    """`inherit: qwen3-8b` onto another target: its 151669 lies past that target's vocabulary, and the
+    refusal said only "must be in [0, 49152), got 151669", though the user never set it. It now says
+    where it came from and the override that takes the target's own, which then works."""
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract.plan import cmd_plan
+    from testkit.data import chat_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"inherit: qwen3-8b\nrun_dir: {tmp_path / 'run'}\ntarget:\n  path: {tiny_target_dir}\n  num_feature_layers: 3\n"
+                    f"data:\n  path: {data}\n  regenerate: false\n")
+    with pytest.raises(ConfigError) as refused:
+        cmd_plan(load_run_config(mine, []))
+    assert str(refused.value) == ("target.mask_token_id must be in [0, 49152) (this target's vocabulary), got 151669: a preset's "
+                                  "id belongs to its own target; set target.mask_token_id=null to take this target's reserved one")
+    assert cmd_plan(load_run_config(mine, ["target.mask_token_id=null"]))["samples"] == 4
