@@ -219,10 +219,13 @@ def data_files(path: Path) -> list[Path]:
     if not parquet and not arrow:
         hub = path / "data"
         files = (sorted(hub.glob("*.parquet")) or sorted(hub.glob("*.arrow"))) if hub.is_dir() else []
-        hint = ""
+        hint, rows = "", sorted(path.glob("*.jsonl")) or sorted(path.glob("*.json"))
         if files:
             choices = _choices(hub, files)
             hint = f" (a Hub dataset keeps them under data/: {choices or shlex.quote(f'data.path={hub}')})"
+        elif rows:  # JSON files are read one by one or by a glob, never as a folder: say how
+            hint = (f" (it holds {len(rows)} {rows[0].suffix} file(s): {', '.join(p.name for p in rows[:3])}{', ...' * (len(rows) > 3)}; set "
+                    f"data.path to one, or to a glob of one split's: {shlex.quote(f'data.path={path}/*{rows[0].suffix}')} reads all)")
         raise InputFileError(f"{path}: folder holds no .parquet or .arrow files{hint}")
     choices = _choices(path, parquet or arrow)
     if choices:
@@ -273,15 +276,12 @@ def _tables(path: Path) -> Iterator[_Table]:
     for file in data_files(path):
         if not file.is_file():
             raise InputFileError(f"data file not found: {file} (listed by {path})")
-        suffix = file.suffix
-        if suffix in (".jsonl", ".json"):
+        if file.suffix in (".jsonl", ".json"):
             yield _Table(file, None, _json_rows(file))
-        elif suffix == ".parquet":
-            yield _parquet(file)
-        elif suffix == ".arrow":
-            yield _arrow(file)
+        elif file.suffix in (".parquet", ".arrow"):
+            yield _parquet(file) if file.suffix == ".parquet" else _arrow(file)
         else:
-            raise DataError(f"{file}: unsupported data file type {suffix!r} (use .jsonl, .json, .parquet or .arrow)")
+            raise DataError(f"{file}: unsupported data file type {file.suffix!r} (use .jsonl, .json, .parquet or .arrow)")
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -333,7 +333,7 @@ def _refuse_one_object(path: Path) -> None:
     try:
         whole = json.loads(path.read_bytes().removeprefix(BOM)) if path.stat().st_size <= ONE_OBJECT_MAX else None
     except ValueError:
-        return
+        whole = None
     if isinstance(whole, dict):
         raise DataError(f"{path}: holds one JSON object (keys {sorted(whole)[:8]}), not rows (a JSON array, or JSONL: one row "
                         f"a line); {rows_fix(whole, path)}")

@@ -684,3 +684,20 @@ def test_a_utf16_file_is_named_as_such_with_the_command_that_converts_it(tmp_pat
                                   f"`iconv -f UTF-16 -t UTF-8 {path} > {out}` and set data.path={out}")
     subprocess.run(re.search(r"`(iconv .*)`", str(refused.value))[1], shell=True, check=True)
     assert [c.messages[0]["content"] for c in read_conversations(out)] == ["Q0 é", "Q1 é", "Q2 é"]
+
+
+def test_a_folder_of_jsonl_files_names_the_glob_that_reads_them(tmp_path):
+    """data.path at a folder of JSONL shards was refused as "folder holds no .parquet or .arrow files",
+    with no word of the .jsonl files in it nor of the glob that reads them; the refusal now names both,
+    and the glob it names reads every shard in name order."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for k in range(2):
+        write_jsonl(folder / f"part-{k}.jsonl", [{"prompt": f"p{k}{i}", "completion": "c"} for i in range(2)])
+    with pytest.raises(InputFileError) as refused:
+        list(read_conversations(folder))
+    assert str(refused.value) == (f"{folder}: folder holds no .parquet or .arrow files (it holds 2 .jsonl file(s): part-0.jsonl, "
+                                  f"part-1.jsonl; set data.path to one, or to a glob of one split's: "
+                                  f"{shlex.quote(f'data.path={folder}/*.jsonl')} reads all)")
+    glob = shlex.split(re.search(r"glob of one split's: (.*) reads all\)$", str(refused.value))[1])[0].removeprefix("data.path=")
+    assert [c.messages[0]["content"] for c in read_conversations(glob)] == ["p00", "p01", "p10", "p11"]
