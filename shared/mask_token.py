@@ -67,13 +67,18 @@ def check_mask_token(cfg: TargetConfig, target: TargetInfo) -> None:
     try:
         spare: int | None = default_mask_token_id(cfg.model_copy(update={"mask_token_id": None}), target.arch, tokenizer)
     except ConfigError:
-        special = sorted(i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i != mask_id)
-        spare = next((i for i in special[:64] if not_reserved(tokenizer, folder, i) is None), None)
-        if spare is None and target.arch.vocab_size > len(tokenizer):
-            spare = len(tokenizer)
+        spare = spare_mask_token(tokenizer, folder, target.arch.vocab_size)
     choice = (f"target.mask_token_id={spare} ({tokenizer.convert_ids_to_tokens(spare) or 'an embedding row no text maps to'})"
               if spare is not None else "target.mask_token_id to an unused special token id of this target")
     raise ConfigError(
         f"target.mask_token_id={mask_id} is {why}: the drafter could not tell its mask slots from real text (and the "
         f"export doctor refuses such a drafter); a preset's id belongs to its own target. Set {choice}"
     )
+
+
+def spare_mask_token(tokenizer: Any, folder: str | os.PathLike | None, vocab_size: int) -> int | None:
+    """A reserved id to offer: the first special token nothing emits, else the first embedding row
+    beyond the tokenizer; None when the target has neither."""
+    special = sorted(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    spare = next((i for i in special[:64] if not_reserved(tokenizer, folder, i) is None), None)
+    return len(tokenizer) if spare is None and vocab_size > len(tokenizer) else spare

@@ -440,10 +440,10 @@ def default_mask_token_id(cfg: TargetConfig, arch: TargetArch, tokenizer: Any) -
     elif "<empty_output>" in tokenizer.get_vocab():
         mask_id = tokenizer.get_vocab()["<empty_output>"]  # SmolLM2: an unused special token (id 16)
     else:
-        raise ConfigError(
-            "target.mask_token_id is not set and this target has no known reserved token: "
-            "choose an unused special token id"
-        )
+        from shared.mask_token import spare_mask_token  # here: that module reads this one
+        spare = spare_mask_token(tokenizer, None, arch.vocab_size)
+        raise ConfigError("target.mask_token_id is not set and this target has no known reserved token: set an unused special "
+                          "token's id" + (f" (its first: target.mask_token_id={spare}, {tokenizer.convert_ids_to_tokens(spare)})" if spare is not None else ""))
     if not 0 <= mask_id < arch.vocab_size:
         raise ConfigError(f"target.mask_token_id must be in [0, {arch.vocab_size}) (this target's vocabulary), got {mask_id}: a "
                           f"preset's id belongs to its own target; set target.mask_token_id=null to take this target's reserved one")

@@ -170,3 +170,30 @@ def test_a_presets_mask_token_beyond_another_targets_vocabulary_names_the_way_ou
     assert str(refused.value) == ("target.mask_token_id must be in [0, 49152) (this target's vocabulary), got 151669: a preset's "
                                   "id belongs to its own target; set target.mask_token_id=null to take this target's reserved one")
     assert cmd_plan(load_run_config(mine, ["target.mask_token_id=null"]))["samples"] == 4
+
+
+def test_a_target_without_a_known_reserved_token_is_offered_one(tiny_target_dir, tmp_path):
+    """`target.mask_token_id=null` on a target this pipeline knows no mask for (a Mistral, or a preset's
+    id cleared) was refused with "choose an unused special token id", naming none; it now names the
+    first reserved one, which then works."""
+    import json
+    import shutil
+
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract.plan import cmd_plan
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    target = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # SmolLM2's known mask, <empty_output>, renamed
+        (target / name).write_text((target / name).read_text().replace("<empty_output>", "<reserved_0>"))
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, tmp_path / "run"))
+    with pytest.raises(ConfigError) as refused:
+        cmd_plan(cfg)
+    assert str(refused.value) == ("target.mask_token_id is not set and this target has no known reserved token: set an unused "
+                                  "special token's id (its first: target.mask_token_id=3, <repo_name>)")
+    assert "<empty_output>" not in json.dumps(json.loads((target / "tokenizer.json").read_text()))
+    plan = cmd_plan(load_run_config("configs/default.yaml", stage1_overrides(target, data, tmp_path / "run",
+                                                                              **{"target.mask_token_id": 3})))
+    assert plan["samples"] == 4
