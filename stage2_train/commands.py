@@ -153,10 +153,15 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
 def _saved_drafter_path(cfg: RunConfig, checkpoint_arg: str | None) -> Path:
     """The folder eval and export read: `checkpoint_arg` (`best`, a checkpoint, a drafter folder) or the
     run's newest checkpoint that verifies."""
+    from shared.errors import CheckpointError
     from stage2_train.serve.load import saved_drafter_path
     from stage2_train.train.checkpoint.select import resolve_checkpoint
 
-    return saved_drafter_path(resolve_checkpoint(checkpoint_arg, RunPaths.of(cfg).checkpoints))
+    checkpoints = RunPaths.of(cfg).checkpoints
+    if checkpoint_arg is None and not Path(checkpoints).exists():  # read as a weights file, it would say "no drafter weights"
+        raise CheckpointError(f"no checkpoint in {checkpoints} (no such folder: this run has not trained yet); train first "
+                              f"(`python -m stage2_train train`), or name one with --checkpoint")
+    return saved_drafter_path(resolve_checkpoint(checkpoint_arg, checkpoints))
 
 
 def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, path: Path, device: Any = "cpu") -> Any:
