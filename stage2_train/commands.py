@@ -214,8 +214,13 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     for note in heldout.notes:
         print(f"note: {note}", file=sys.stderr)
     if len(heldout.heldout) == 0:
+        # The split is the one the drafter was trained with: a larger fraction now would measure trained samples.
+        share = round(min(0.5, max(0.05, 3 / max(1, len(heldout.reader)))), 2)
         raise StoreError(
-            f"eval.holdout_fraction={heldout.split['holdout_fraction']} leaves no held-out sample among {len(heldout.reader)}"
+            f"eval.holdout_fraction={heldout.split['holdout_fraction']} leaves no held-out sample among {len(heldout.reader)}, "
+            f"and the drafter was trained on every other one: train a new run (another run_dir) with "
+            f"eval.holdout_fraction={share} on the same store: `python -m stage2_train train eval.holdout_fraction={share} "
+            f"run_dir=NEW_RUN_DIR store.path={cfg.store.url(cfg.run_dir)}`, or extract more data"
         )
     device = train_device(cfg.train)
     loaded = _saved_drafter(cfg, heldout, path, device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -401,3 +402,30 @@ def test_init_from_a_checkpoint_step_starts_from_its_weights(tiny_target_dir, st
     assert cmd_train(cfg, progress=False)["steps"] == 1
     start = next(r for r in log_of(tmp_path / "new") if r.get("event") == "run_start")
     assert start["hyperparameters"]["init_from"] == str(step)
+
+
+def test_eval_of_a_run_that_held_nothing_out_names_how_to_train_one_that_does(tiny_target_dir, stores, tmp_path):
+    """A small data set at the recipe's eval.holdout_fraction=0.01 holds no sample out; eval then said
+    only "eval.holdout_fraction=0.01 leaves no held-out sample among 24". It now says the split is the
+    trained one's and names a run on the same store whose split holds samples out."""
+    import shlex
+
+    from shared.errors import StoreError
+    from shared.reader import StoreReader
+    from stage2_train.data.view import split_indices
+
+    reader = StoreReader(str(stores[0]))
+    assert len(split_indices(reader, 0.01, 0)[1]) == 0
+    run_dir = tmp_path / "run"
+    base = overrides(tiny_target_dir, stores[0], run_dir, **{"eval.holdout_fraction": 0.01, "eval.every_steps": 0})
+    cmd_train(load_run_config("configs/default.yaml", base), progress=False)
+    with pytest.raises(StoreError) as refused:
+        cmd_eval(load_run_config("configs/default.yaml", base))
+    message = str(refused.value)
+    assert message.startswith("eval.holdout_fraction=0.01 leaves no held-out sample among 24, and the drafter was trained on "
+                              "every other one: train a new run (another run_dir) with eval.holdout_fraction=0.12 on the same "
+                              "store: `python -m stage2_train train eval.holdout_fraction=0.12 run_dir=NEW_RUN_DIR store.path=")
+    settings = shlex.split(re.search(r"`python -m stage2_train train (.*)`", message)[1])
+    again = load_run_config("configs/default.yaml", base + [s.replace("NEW_RUN_DIR", str(tmp_path / "new")) for s in settings])
+    assert Path(again.store.url(again.run_dir)) == stores[0]
+    assert len(split_indices(reader, again.eval.holdout_fraction, again.eval.split_seed)[1]) > 0
