@@ -49,16 +49,15 @@ from shared.conversations import (
     fits,
     mismatch,
     parse_row,
-    rows_fix,
 )
 from shared.errors import DataError, InputFileError
+from shared.json_shapes import refuse_one_object, refuse_utf16
 from shared.paths import relative_note
 
 log = logging.getLogger(__name__)
 
 BOM = b"\xef\xbb\xbf"
 ARRAY_CHUNK = 1 << 20  # characters read at a time from a JSON array
-ONE_OBJECT_MAX = 1 << 30  # bytes: a larger file is not parsed whole to say what its one object holds
 # A split's files as the Hub names them (`train_sft-00000-of-00003.parquet`; older uploads add
 # `-<fingerprint>`; a one-file split may be `train.parquet`) and as the `datasets` cache does
 # (`ultrachat_200k-train_sft-00000-of-00003.arrow`, `ultrachat_200k-test.arrow`). `datasets` allows
@@ -288,10 +287,7 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("rb") as fh:
         head = fh.read(4096)
     start = head[len(BOM) :] if head.startswith(BOM) else head
-    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # PowerShell's `>` writes it: every line would be "not UTF-8"
-        out = shlex.quote(str(path.with_name(f"{path.stem}.utf8{path.suffix}")))
-        raise DataError(f"{path}: is UTF-16 (it starts with its byte-order mark), not UTF-8: convert it with `iconv -f UTF-16 "
-                        f"-t UTF-8 {shlex.quote(str(path))} > {out}` and set data.path={out}")
+    refuse_utf16(path, head)
     if start.lstrip()[:1] == b"[":
         yield from _json_array_rows(path)
     else:
@@ -320,23 +316,12 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 record: Any = json.loads(text)
             except json.JSONDecodeError as exc:
                 if not seen and text.lstrip().startswith("{"):  # one JSON object written over many lines?
-                    _refuse_one_object(path)
+                    refuse_one_object(path)
                 record = ValueError(f"not valid JSON ({json_problem(exc)} at column {exc.colno})")
             seen = True
             del text
             yield i, record
             del record
-
-
-def _refuse_one_object(path: Path) -> None:
-    """Refuse one JSON object over many lines (`{"train": [rows]}`): as JSON lines, each line is a bad row."""
-    try:
-        whole = json.loads(path.read_bytes().removeprefix(BOM)) if path.stat().st_size <= ONE_OBJECT_MAX else None
-    except ValueError:
-        whole = None
-    if isinstance(whole, dict):
-        raise DataError(f"{path}: holds one JSON object (keys {sorted(whole)[:8]}), not rows (a JSON array, or JSONL: one row "
-                        f"a line); {rows_fix(whole, path)}")
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:

@@ -58,7 +58,6 @@ import hashlib
 import json
 import logging
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,22 +181,11 @@ def mismatch(fmt: str | None, record: Any, why: str) -> ValueError:
     if fmt is None:
         names = list(FORMAT_NAMES.values())
         known = ", ".join(names[:-1]) + " or " + names[-1]
+        from shared.json_shapes import rows_fix  # here: that module reads this one
+
         nested = rows_fix(record, None) if isinstance(record, dict) else ""
         return ValueError(f"fits no known format (expected {known}), found {found(record)}; {nested or 'data.format names one'}")
     return ValueError(f"expected {FORMAT_NAMES[fmt]} {why}, found {found(record)}")
-
-
-def rows_fix(whole: dict[str, Any], path: Any) -> str:
-    """How to read a JSON object that holds the rows (`{"train": [rows]}`) or is one row, as data:
-    the command that writes its rows one per line; "" when it holds no list of rows."""
-    if detect_format(whole) is not None:
-        return "it is one conversation: put it in a JSON array ([...]) or on one line (JSONL)"
-    key = next((k for k, v in whole.items() if isinstance(v, list) and v and all(detect_format(r) for r in v[:8])), None)
-    if key is None:
-        return "" if path is None else "write its rows as a JSON array, or one per line (JSONL)"
-    file, out = (shlex.quote(str(path)), shlex.quote(str(path.with_suffix(f".{key}.jsonl")))) if path else ("FILE", "ROWS.jsonl")
-    return (f"its rows are the list under {key!r}: write them one per line with `python -c \"import json, sys; "
-            f"[print(json.dumps(r)) for r in json.load(open(sys.argv[1]))[{key!r}]]\" {file} > {out}` and set data.path={out}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -701,3 +701,23 @@ def test_a_folder_of_jsonl_files_names_the_glob_that_reads_them(tmp_path):
                                   f"{shlex.quote(f'data.path={folder}/*.jsonl')} reads all)")
     glob = shlex.split(re.search(r"glob of one split's: (.*) reads all\)$", str(refused.value))[1])[0].removeprefix("data.path=")
     assert [c.messages[0]["content"] for c in read_conversations(glob)] == ["p00", "p01", "p10", "p11"]
+
+
+def test_jsonl_written_over_several_lines_per_row_names_the_command_that_writes_one_per_line(tmp_path):
+    """`jq '.[]' data.json > data.jsonl` (no -c) writes each row over several lines: read as JSON lines
+    every line was a bad row ("row 0: not valid JSON", data.on_bad_row=skip as the fix, which skipped
+    them all). It is now refused naming `jq -c`, whose output then reads row by row."""
+    import shutil
+    import subprocess
+
+    rows = [{"conversations": [{"from": "human", "value": f"Q{i}"}, {"from": "gpt", "value": "A"}]} for i in range(3)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r, indent=2) + "\n" for r in rows))
+    with pytest.raises(DataError) as refused:
+        list(read_conversations(path, on_bad_row="skip"))
+    out = tmp_path / "rows.lines.jsonl"
+    assert str(refused.value) == (f"{path}: holds JSON objects written over several lines each (`jq` without -c?), not one per "
+                                  f"line: write them one per line with `jq -c . {path} > {out}` and set data.path={out}")
+    if shutil.which("jq"):
+        subprocess.run(re.search(r"`(jq .*)`", str(refused.value))[1], shell=True, check=True)
+        assert [c.messages[0]["content"] for c in read_conversations(out)] == ["Q0", "Q1", "Q2"]
