@@ -404,10 +404,11 @@ def test_init_from_a_checkpoint_step_starts_from_its_weights(tiny_target_dir, st
     assert start["hyperparameters"]["init_from"] == str(step)
 
 
-def test_eval_of_a_run_that_held_nothing_out_names_how_to_train_one_that_does(tiny_target_dir, stores, tmp_path):
-    """A small data set at the recipe's eval.holdout_fraction=0.01 holds no sample out; eval then said
-    only "eval.holdout_fraction=0.01 leaves no held-out sample among 24". It now says the split is the
-    trained one's and names a run on the same store whose split holds samples out."""
+def test_eval_of_a_run_that_held_nothing_out_names_how_to_train_one_that_does(tiny_target_dir, stores, tmp_path, caplog):
+    """A small data set at the recipe's eval.holdout_fraction=0.01 holds no sample out: train said nothing,
+    and eval then said only "eval.holdout_fraction=0.01 leaves no held-out sample among 24". train now
+    warns before the run, and eval says the split is the trained one's and names a run on the same
+    store whose split holds samples out."""
     import shlex
 
     from shared.errors import StoreError
@@ -418,7 +419,12 @@ def test_eval_of_a_run_that_held_nothing_out_names_how_to_train_one_that_does(ti
     assert len(split_indices(reader, 0.01, 0)[1]) == 0
     run_dir = tmp_path / "run"
     base = overrides(tiny_target_dir, stores[0], run_dir, **{"eval.holdout_fraction": 0.01, "eval.every_steps": 0})
-    cmd_train(load_run_config("configs/default.yaml", base), progress=False)
+    with caplog.at_level("WARNING", logger="stage2_train.data.run_data"):
+        cmd_train(load_run_config("configs/default.yaml", base), progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "stage2_train.data.run_data"] == [
+        f"eval.holdout_fraction=0.01 holds out none of the 24 samples of {stores[0]}: this run is never scored on samples it did "
+        f"not train on, and `python -m stage2_train eval` will have none; raise eval.holdout_fraction (to 0.12: about 3 "
+        f"samples) or extract more data"]
     with pytest.raises(StoreError) as refused:
         cmd_eval(load_run_config("configs/default.yaml", base))
     message = str(refused.value)
