@@ -721,3 +721,23 @@ def test_jsonl_written_over_several_lines_per_row_names_the_command_that_writes_
     if shutil.which("jq"):
         subprocess.run(re.search(r"`(jq .*)`", str(refused.value))[1], shell=True, check=True)
         assert [c.messages[0]["content"] for c in read_conversations(out)] == ["Q0", "Q1", "Q2"]
+
+
+def test_integer_tool_call_ids_read_as_the_calls_own_ids(tmp_path):
+    """A call's `id` given as an integer was read (as text), while the tool result's `tool_call_id`
+    naming that same integer refused the row ("must be a string"). Both now read as the same text,
+    and the row is the one its string-id copy is."""
+    def row(call_id):
+        return {"messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "res"}, {"role": "assistant", "content": "done"}]}
+    path = write_jsonl(tmp_path / "ids.jsonl", [row(1), row("1"), {**row(True)}])
+    stats = ReadStats()
+    convs = list(read_conversations(path, on_bad_row="skip", stats=stats, log_skips=False))
+    assert [c.row for c in convs] == [0, 1] and convs[0].messages == convs[1].messages
+    assert convs[0].messages[1]["tool_calls"] == [{"name": "f", "arguments": "{}", "id": "1"}]
+    assert convs[0].messages[2] == {"role": "tool", "content": "res", "tool_call_id": "1"}
+    assert convs[0].row_hash() == convs[1].row_hash()
+    assert stats.bad_examples == [f"{path}: row 2: messages[2].tool_call_id must be a string (the id of the call it answers)"]
