@@ -30,6 +30,7 @@ float without a dot as a string) for a float field.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Callable
@@ -260,7 +261,11 @@ def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[st
         # A file beside this one, else a preset of the project by name (a user's config anywhere can
         # say `inherit: qwen3-8b`).
         beside = path.parent / base
-        _merge(merged, load_yaml(beside if beside.is_file() else resolve_preset(base), (*_chain, resolved)))
+        try:
+            found = beside if beside.is_file() else resolve_preset(base)
+        except InputFileError as exc:  # the typo is in this file, which the bare "not found" would not name
+            raise InputFileError(f"{path}: inherit: {exc}") from None
+        _merge(merged, load_yaml(found, (*_chain, resolved)))
     return _merge(merged, data)
 
 
@@ -321,8 +326,10 @@ def resolve_preset(path: str | os.PathLike) -> Path:
     for candidate in (PRESETS_DIR / given.name, PRESETS_DIR / f"{given.name}.yaml"):
         if given.parent == Path(".") and candidate.is_file():
             return candidate
-    names = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
-    raise InputFileError(f"config file not found: {path} (a path, or a preset name: {names})")
+    presets = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    close = difflib.get_close_matches(given.name.removesuffix(".yaml"), presets, n=1)
+    raise InputFileError(f"config file not found: {path} (a path, or a preset name: {', '.join(presets)}"
+                         + (f"; did you mean {close[0]}?)" if close else ")"))
 
 
 def load_run_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -5,7 +5,8 @@
 
 What `path` may be, and how its rows are numbered:
 - a `.jsonl` file (or `.json` whose first character is not `[`): row = line index, blank lines counted;
-  each line is decoded on its own, so a line that is not UTF-8 or not JSON is one bad row, named;
+  each line is decoded on its own, so a line that is not UTF-8 or not JSON is one bad row, named
+  (a file that is one JSON object over many lines, `{"train": [rows]}`, is refused naming its rows' key);
 - a `.json` file holding one JSON array: row = element index. The array is parsed element by element
   (one element's text in memory at a time), and an element that is not JSON (or not UTF-8) ends the
   read, named: the elements after it cannot be found;
@@ -50,6 +51,7 @@ from shared.conversations import (
     parse_row,
 )
 from shared.errors import DataError, InputFileError
+from shared.json_shapes import refuse_one_object, refuse_utf16
 from shared.paths import relative_note
 
 log = logging.getLogger(__name__)
@@ -216,10 +218,13 @@ def data_files(path: Path) -> list[Path]:
     if not parquet and not arrow:
         hub = path / "data"
         files = (sorted(hub.glob("*.parquet")) or sorted(hub.glob("*.arrow"))) if hub.is_dir() else []
-        hint = ""
+        hint, rows = "", sorted(path.glob("*.jsonl")) or sorted(path.glob("*.json"))
         if files:
             choices = _choices(hub, files)
             hint = f" (a Hub dataset keeps them under data/: {choices or shlex.quote(f'data.path={hub}')})"
+        elif rows:  # JSON files are read one by one or by a glob, never as a folder: say how
+            hint = (f" (it holds {len(rows)} {rows[0].suffix} file(s): {', '.join(p.name for p in rows[:3])}{', ...' * (len(rows) > 3)}; set "
+                    f"data.path to one, or to a glob of one split's: {shlex.quote(f'data.path={path}/*{rows[0].suffix}')} reads all)")
         raise InputFileError(f"{path}: folder holds no .parquet or .arrow files{hint}")
     choices = _choices(path, parquet or arrow)
     if choices:
@@ -270,21 +275,19 @@ def _tables(path: Path) -> Iterator[_Table]:
     for file in data_files(path):
         if not file.is_file():
             raise InputFileError(f"data file not found: {file} (listed by {path})")
-        suffix = file.suffix
-        if suffix in (".jsonl", ".json"):
+        if file.suffix in (".jsonl", ".json"):
             yield _Table(file, None, _json_rows(file))
-        elif suffix == ".parquet":
-            yield _parquet(file)
-        elif suffix == ".arrow":
-            yield _arrow(file)
+        elif file.suffix in (".parquet", ".arrow"):
+            yield _parquet(file) if file.suffix == ".parquet" else _arrow(file)
         else:
-            raise DataError(f"{file}: unsupported data file type {suffix!r} (use .jsonl, .json, .parquet or .arrow)")
+            raise DataError(f"{file}: unsupported data file type {file.suffix!r} (use .jsonl, .json, .parquet or .arrow)")
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("rb") as fh:
         head = fh.read(4096)
     start = head[len(BOM) :] if head.startswith(BOM) else head
+    refuse_utf16(path, head)
     if start.lstrip()[:1] == b"[":
         yield from _json_array_rows(path)
     else:
@@ -295,7 +298,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(line index, record or the ValueError that makes the row bad) for every non-blank line. Bytes
     are decoded per line, so a line that is not UTF-8 is one bad row, named, not the end of the file."""
     with path.open("rb") as fh:
-        i = -1
+        i, seen = -1, False
         for raw in fh:  # not enumerate(): its cached result tuple would keep a huge row's bytes alive
             i += 1
             if i == 0 and raw.startswith(BOM):
@@ -312,7 +315,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 record: Any = json.loads(text)
             except json.JSONDecodeError as exc:
+                if not seen and text.lstrip().startswith("{"):  # one JSON object written over many lines?
+                    refuse_one_object(path)
                 record = ValueError(f"not valid JSON ({json_problem(exc)} at column {exc.colno})")
+            seen = True
             del text
             yield i, record
             del record

@@ -181,7 +181,10 @@ def mismatch(fmt: str | None, record: Any, why: str) -> ValueError:
     if fmt is None:
         names = list(FORMAT_NAMES.values())
         known = ", ".join(names[:-1]) + " or " + names[-1]
-        return ValueError(f"fits no known format (expected {known}), found {found(record)}; data.format names one")
+        from shared.json_shapes import rows_fix  # here: that module reads this one
+
+        nested = rows_fix(record, None) if isinstance(record, dict) else ""
+        return ValueError(f"fits no known format (expected {known}), found {found(record)}; {nested or 'data.format names one'}")
     return ValueError(f"expected {FORMAT_NAMES[fmt]} {why}, found {found(record)}")
 
 
@@ -387,11 +390,12 @@ def _tool_call(call: Any, where: str, cutter: _Cutter) -> dict[str, Any]:
 
 
 def _tool_result_id(msg: dict[str, Any], where: str) -> dict[str, str]:
-    if msg.get("tool_call_id") is None:
+    value = msg.get("tool_call_id")
+    if value is None:
         return {}
-    if not isinstance(msg["tool_call_id"], str):
-        raise ValueError(f"{where}.tool_call_id must be a string")
-    return {"tool_call_id": msg["tool_call_id"]}
+    if not isinstance(value, (str, int)) or isinstance(value, bool):  # an int as the call's own `id` is read: str()
+        raise ValueError(f"{where}.tool_call_id must be a string (the id of the call it answers)")
+    return {"tool_call_id": str(value)}
 
 
 def _name(msg: dict[str, Any], where: str) -> dict[str, str]:

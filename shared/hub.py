@@ -73,6 +73,9 @@ def resolve_hub(text: str, setting: str) -> HubSnapshot:
             f"{setting}={text}: not in the Hugging Face cache at {cache} ({type(exc).__name__}); nothing is downloaded "
             f"implicitly: fetch it with `{DOWNLOAD} --config ...` (or `hf download {repo}"
             f"{'' if revision == 'main' else ' --revision ' + revision}`), or give a local folder"
+            # `models/Qwen3-8B` may have meant a folder beside the config file: say where it was looked for.
+            + ("" if "@" in text else f" (no folder {text} under the working directory {os.getcwd()} either: a relative "
+                                      f"path resolves against it, not against the config file's folder)")
         ) from None
     return HubSnapshot(folder, repo, revision, folder.name)
 

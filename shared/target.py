@@ -283,7 +283,7 @@ def weights_fingerprint(model_dir: str | os.PathLike, *, deep: bool = False) -> 
     model_dir = Path(model_dir)
     files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin"))
     if not files:
-        raise InputFileError(f"no weight files (*.safetensors, *.bin) in {model_dir}")
+        raise InputFileError(f"no weight files (*.safetensors, *.bin) in {model_dir}; " + _fetch_rest(model_dir, "the model's weights"))
     key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
     cache_path = cache_dir() / "fingerprints" / f"{key}.json"
     stats = [(p, p.stat()) for p in files]
@@ -368,13 +368,34 @@ def tokenizer_fingerprints(tokenizer: Any) -> dict[str, str]:
     }
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
+
+
 def load_tokenizer(cfg: TargetConfig) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_target_dir(cfg))
+    folder = resolve_target_dir(cfg)
+    if not any(any(folder.glob(name)) for name in TOKENIZER_FILES):
+        # A snapshot fetched in part (a download cut short): transformers would fail naming no file.
+        raise InputFileError(f"target.path: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {folder}; "
+                             + _fetch_rest(folder, "the model's tokenizer files"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"target.path={cfg.path!r}: the tokenizer has no chat template")
+        raise ConfigError(
+            f"target.path={cfg.path!r}: the tokenizer has no chat template (a base model?), and every row is rendered with the "
+            f"template the drafter will be served with: use the model's chat (instruct) version, or a copy of {folder} with "
+            f"that template in chat_template.jinja, set as target.path"
+        )
     return tokenizer
+
+
+def _fetch_rest(folder: Path, what: str) -> str:
+    """How to complete a Hub snapshot (models--ORG--NAME/snapshots/REV: the download) or a folder (a copy)."""
+    folder = Path(folder)
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        repo = folder.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+        return f"{repo} was fetched into the Hugging Face cache in part: `{DOWNLOAD} --config ...` fetches the rest"
+    return f"copy {what} into it"
 
 
 def turn_end_token_id(tokenizer: Any) -> int | None:
@@ -419,10 +440,11 @@ def default_mask_token_id(cfg: TargetConfig, arch: TargetArch, tokenizer: Any) -
     elif "<empty_output>" in tokenizer.get_vocab():
         mask_id = tokenizer.get_vocab()["<empty_output>"]  # SmolLM2: an unused special token (id 16)
     else:
-        raise ConfigError(
-            "target.mask_token_id is not set and this target has no known reserved token: "
-            "choose an unused special token id"
-        )
+        from shared.mask_token import spare_mask_token  # here: that module reads this one
+        spare = spare_mask_token(tokenizer, None, arch.vocab_size)
+        raise ConfigError("target.mask_token_id is not set and this target has no known reserved token: set an unused special "
+                          "token's id" + (f" (its first: target.mask_token_id={spare}, {tokenizer.convert_ids_to_tokens(spare)})" if spare is not None else ""))
     if not 0 <= mask_id < arch.vocab_size:
-        raise ConfigError(f"target.mask_token_id must be in [0, {arch.vocab_size}), got {mask_id}")
+        raise ConfigError(f"target.mask_token_id must be in [0, {arch.vocab_size}) (this target's vocabulary), got {mask_id}: a "
+                          f"preset's id belongs to its own target; set target.mask_token_id=null to take this target's reserved one")
     return mask_id

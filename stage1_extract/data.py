@@ -40,7 +40,7 @@ class DataConfig(Section):
     on_long: Literal["truncate", "skip"] = "truncate"
     """A row longer than max_length: cut it, or leave it out (both counted in the manifest)."""
     chat_template_kwargs: dict[str, bool | int | float | str] = {}
-    """Variables the target's chat template reads, passed to every render as a server's `chat_template_kwargs` passes them: `{enable_thinking: false}` trains a drafter for Qwen3's no-think mode (answers generated and stored as the template renders them then). Serve the drafter with the same ones: a thinking-mode mismatch has cut acceptance from 60% to 25% (z-lab #133)."""
+    """Variables the target's chat template reads, passed to every render as a server's `chat_template_kwargs` passes them: `{enable_thinking: false}` trains a drafter for Qwen3's no-think mode (answers generated and stored as the template renders them then). Serve the drafter with the same ones: a thinking-mode mismatch has cut acceptance from 60% to 25% (z-lab #133). A key the template never reads (a misspelt name) is refused."""
     num_default_prompts: int = 384
     """Size of the embedded default prompt set."""
     default_question_share: float = 0.25

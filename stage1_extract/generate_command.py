@@ -44,6 +44,7 @@ from stage1_extract.backends import (
 )
 from stage1_extract.distributed import distributed_context, rank_device
 from stage1_extract.generate import generate_all
+from stage1_extract.template import check_template_variables
 
 
 def prompts_format(cfg: RunConfig) -> str:
@@ -89,6 +90,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     device = resolve_device(cfg.extract.device)
     backend_name = resolve_backend(cfg.generate.backend, device)
     tokenizer = load_tokenizer(cfg.target)
+    check_template_variables(tokenizer, cfg.data.chat_template_kwargs, cfg.target.path)
     template = prompt_template(tokenizer_fingerprints(tokenizer))  # what renders the prompts answered
     model_dir = resolve_target_dir(cfg.target)
     weights_sha256, config_sha256 = weights_fingerprint(model_dir), config_fingerprint(model_dir)

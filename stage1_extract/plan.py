@@ -34,6 +34,7 @@ from stage1_extract.generate_command import prompts_format
 from stage1_extract.merge import row_accounting
 from stage1_extract.prepare import row_limits, token_bytes
 from stage1_extract.resolve import prepare_run, resolve_store
+from stage1_extract.template import check_template_variables
 from stage1_extract.tensor_parallel import (
     RESERVE_GIB,
     fitting_size,
@@ -252,6 +253,7 @@ def estimate_answers(cfg: RunConfig, target_dir: Any) -> AnswerEstimate:
     (module docstring). Each turn to be generated is rendered empty and its answer's tokens added."""
     data, max_new = cfg.data, cfg.generate.max_new_tokens
     tokenizer, _ = cached_tokenizer(str(target_dir))
+    check_template_variables(tokenizer, data.chat_template_kwargs, cfg.target.path)
     stats = ReadStats()
     conversations = prompt_conversations(cfg, tokenizer, stats)
     if not conversations:

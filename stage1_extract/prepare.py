@@ -30,6 +30,7 @@ from stage1_extract.batching import (
     plan_shards,
 )
 from stage1_extract.data import DataConfig, generate_record
+from stage1_extract.template import check_template_variables
 from stage1_extract.tokens import resolve_workers, tokenize_all
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ def prepare(
     store's identity header (its settings already checked: `resolve.resolve_store`). No model weights
     are loaded."""
     tokenizer, tokenizer_hashes = cached_tokenizer(str(target.target_dir))
+    check_template_variables(tokenizer, data.chat_template_kwargs, target.path)
     cache_root = cache_root if data.token_cache else None
     generated = generate_record(source) if data.regenerate else None
     origin = generated.get("prompts") if generated else None

@@ -17,6 +17,7 @@ from typing import Any
 from shared.config import RunConfig
 from shared.errors import ConfigError
 from shared.identity import extraction_source, generated_problem, prompt_template, store_header
+from shared.mask_token import check_mask_token
 from shared.paths import RunPaths
 from shared.store import StoreFiles
 from shared.target import TargetInfo, resolve_target
@@ -36,6 +37,7 @@ def resolve_store(cfg: RunConfig, *, deep: bool = False) -> tuple[TargetInfo, St
     """(the target's record, the store's files, its identity header). `deep`: rehash the target's
     weights whatever the fingerprint cache says."""
     target = resolve_target(cfg.target, deep=deep)
+    check_mask_token(cfg.target, target)
     files = StoreFiles(RunPaths.of(cfg).store)
     pinned = pinned_header(files)
     header = store_header(cfg, target, pinned.get("extraction"), pinned.get("identity_version"))

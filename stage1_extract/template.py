@@ -36,12 +36,15 @@ assistant turn the data marks `weight: 0` (axolotl's "context only") is rendered
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shared.conversations import mark_answer, render
+from shared.conversations import mark_answer, render, template_text
+from shared.errors import ConfigError
+from stage1_extract.data import TEMPLATE_ARGUMENTS
 
 
 @dataclass
@@ -173,6 +176,37 @@ def _tokenize_with_ids(
     ids = np.asarray([t for chunk, _ in pieces for t in chunk], dtype=np.int32)
     mask = np.asarray([sup for chunk, sup in pieces for _ in chunk], dtype=bool)
     return ids, mask, fallbacks
+
+
+def check_template_variables(tokenizer: Any, template_kwargs: dict[str, Any], target_path: str) -> None:
+    """Refuse a `data.chat_template_kwargs` key the target's chat template never names: jinja renders
+    it as if it were not given, so a misspelt `enable_thinking` (or one given to a template without
+    the switch) would store and supervise the other mode's answers with nothing said."""
+    template = template_text(tokenizer)
+    unread = [key for key in template_kwargs if not re.search(rf"\b{re.escape(key)}\b", template)]
+    if not unread:
+        return
+    own = template_variables(template)
+    raise ConfigError(
+        f"data.chat_template_kwargs.{unread[0]}: the chat template of target.path={target_path} reads no variable of that "
+        f"name, so the rows would render as without it; "
+        + (f"the variables it reads: {', '.join(own)}" if own else "it reads no variable of its own")
+        + f". Fix the name, or remove data.chat_template_kwargs.{unread[0]}"
+    )
+
+
+def template_variables(template: str) -> list[str]:
+    """The variables a chat template reads beyond what apply_chat_template passes itself (its own
+    switches: Qwen3's enable_thinking, Llama 3.1's date_string); [] when jinja cannot parse it here."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        names = meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template))
+    except jinja2.TemplateError:  # a tag of transformers' own ({% generation %}): the list is a hint only
+        return []
+    given = TEMPLATE_ARGUMENTS | {"raise_exception", "strftime_now"}
+    return sorted(n for n in names if n not in given and not n.endswith("_token"))
 
 
 def prompt_ids(

@@ -102,18 +102,29 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
     from pathlib import PurePath
 
     from shared.errors import ConfigError
+    from shared.hub import DOWNLOAD, hub_cache, is_hub_id, resolve_hub
     from shared.identity import stage1_value
     from shared.target import EMBEDDED_DEFAULT, TargetArch, resolve_target_dir
     from stage2_train.train.launch import resolve_mixed_precision
     from stage2_train.train.memory_plan import KNOWN_TARGETS, PlanInputs
 
     folder = Path(cfg.target.path).expanduser()
+    if is_hub_id(cfg.target.path):  # its snapshot's config.json when the cache holds it (only that file is read)
+        try:
+            folder = resolve_hub(cfg.target.path, "target.path").folder
+        except FileNotFoundError:
+            pass
     if cfg.target.path == EMBEDDED_DEFAULT or (folder / "config.json").is_file():
         arch, source = TargetArch.from_dir(resolve_target_dir(cfg.target)), "config.json"
     else:
         folder_name = PurePath(cfg.target.path).name.lower()
         # A folder named after its model: Llama-3.1-8B-Instruct, Meta-Llama-3.1-8B-Instruct, Qwen3-8B
         name = next((known for known in KNOWN_TARGETS if known in folder_name), None)
+        if name is None and is_hub_id(cfg.target.path):
+            raise ConfigError(
+                f"target.path={cfg.target.path}: not in the Hugging Face cache at {hub_cache()} and not a known shape "
+                f"({', '.join(KNOWN_TARGETS)}); fetch it with `{DOWNLOAD} --config ...` to plan for it"
+            )
         if name is None:
             raise ConfigError(
                 f"target.path={cfg.target.path!r}: no config.json there and not a known shape ({', '.join(KNOWN_TARGETS)}); "
@@ -151,10 +162,15 @@ def plan_inputs(cfg: RunConfig) -> tuple[Any, str]:
 def _saved_drafter_path(cfg: RunConfig, checkpoint_arg: str | None) -> Path:
     """The folder eval and export read: `checkpoint_arg` (`best`, a checkpoint, a drafter folder) or the
     run's newest checkpoint that verifies."""
+    from shared.errors import CheckpointError
     from stage2_train.serve.load import saved_drafter_path
     from stage2_train.train.checkpoint.select import resolve_checkpoint
 
-    return saved_drafter_path(resolve_checkpoint(checkpoint_arg, RunPaths.of(cfg).checkpoints))
+    checkpoints = RunPaths.of(cfg).checkpoints
+    if checkpoint_arg is None and not Path(checkpoints).exists():  # read as a weights file, it would say "no drafter weights"
+        raise CheckpointError(f"no checkpoint in {checkpoints} (no such folder: this run has not trained yet); train first "
+                              f"(`python -m stage2_train train`), or name one with --checkpoint")
+    return saved_drafter_path(resolve_checkpoint(checkpoint_arg, checkpoints))
 
 
 def _saved_drafter(cfg: RunConfig, heldout_or_target: Any, path: Path, device: Any = "cpu") -> Any:
@@ -207,8 +223,13 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     for note in heldout.notes:
         print(f"note: {note}", file=sys.stderr)
     if len(heldout.heldout) == 0:
+        # The split is the one the drafter was trained with: a larger fraction now would measure trained samples.
+        share = round(min(0.5, max(0.05, 3 / max(1, len(heldout.reader)))), 2)
         raise StoreError(
-            f"eval.holdout_fraction={heldout.split['holdout_fraction']} leaves no held-out sample among {len(heldout.reader)}"
+            f"eval.holdout_fraction={heldout.split['holdout_fraction']} leaves no held-out sample among {len(heldout.reader)}, "
+            f"and the drafter was trained on every other one: train a new run (another run_dir) with "
+            f"eval.holdout_fraction={share} on the same store: `python -m stage2_train train eval.holdout_fraction={share} "
+            f"run_dir=NEW_RUN_DIR store.path={cfg.store.url(cfg.run_dir)}`, or extract more data"
         )
     device = train_device(cfg.train)
     loaded = _saved_drafter(cfg, heldout, path, device)

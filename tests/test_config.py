@@ -275,3 +275,18 @@ def test_stage1_check_warns_when_the_backend_is_vllm_and_vllm_is_not_installed(m
     monkeypatch.setattr(generate, "vllm_installed", lambda: True)
     assert stage1_cli.main(["check", "generate.backend=vllm"]) == 0
     assert "not installed" not in capsys.readouterr().err
+
+
+def test_a_misspelt_preset_in_inherit_names_the_file_that_inherits_it_and_the_preset_meant(tmp_path):
+    """`inherit: qwen3_8b` in a user's config was refused as "config file not found: qwen3_8b": it
+    named neither the file holding the typo nor the preset meant."""
+    from shared.errors import InputFileError
+
+    mine = tmp_path / "my-qwen3.yaml"
+    mine.write_text("inherit: qwen3_8b\nrun_dir: /scratch/runs/mine\n")
+    with pytest.raises(InputFileError) as refused:
+        load_run_config(mine, [])
+    assert str(refused.value) == (f"{mine}: inherit: config file not found: qwen3_8b (a path, or a preset name: cpu-long, "
+                                  f"default, llama-3.1-8b, qwen3-8b, recipe; did you mean qwen3-8b?)")
+    with pytest.raises(InputFileError, match=r"^config file not found: lama-3\.1-8b \(.*; did you mean llama-3\.1-8b\?\)$"):
+        load_run_config("lama-3.1-8b", [])

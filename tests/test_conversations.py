@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import shlex
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -632,3 +633,111 @@ def test_a_name_that_is_not_a_string_is_refused_naming_the_turn(tmp_path, row, w
     path = write_jsonl(tmp_path / "n.jsonl", [row])
     with pytest.raises(DataError, match=r"n\.jsonl: row 0: " + where + r"\.name must be a string \(the participant's name\), got a"):
         list(read_conversations(path))
+
+
+def test_a_json_file_holding_one_object_names_the_list_of_rows_and_the_command_that_writes_them(tmp_path):
+    """`{"train": [rows]}` written with indent (as json.dump(..., indent=2) writes it) was read as
+    JSON lines: "row 0: not valid JSON" for a valid file, with data.on_bad_row=skip as the fix (which
+    skips every line). It is now refused whatever on_bad_row says, naming the key that holds the rows
+    and a command that writes them one per line, which then reads as they are."""
+    import subprocess
+    import sys
+
+    rows = [{"conversations": [{"from": "human", "value": f"Q{i}"}, {"from": "gpt", "value": f"A{i}"}]} for i in range(3)]
+    nested = tmp_path / "data.json"
+    nested.write_text(json.dumps({"version": 1, "train": rows}, indent=2))
+    with pytest.raises(DataError) as refused:
+        list(read_conversations(nested, on_bad_row="skip"))
+    message = str(refused.value)
+    assert message.startswith(f"{nested}: holds one JSON object (keys ['train', 'version']), not rows (a JSON array, or "
+                              f"JSONL: one row a line); its rows are the list under 'train': write them one per line with `")
+    command = re.search(r"`(python -c .*)` and set data\.path=(\S+)$", message)
+    subprocess.run(command[1], shell=True, check=True, cwd=tmp_path, executable="/bin/bash", env={"PATH": f"{Path(sys.executable).parent}"})
+    assert [[m["content"] for m in c.messages] for c in read_conversations(command[2])] == [[f"Q{i}", f"A{i}"] for i in range(3)]
+
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(rows[0], indent=2))
+    with pytest.raises(DataError, match=r"one\.json: holds one JSON object \(keys \['conversations'\]\), .*; it is one "
+                                        r"conversation: put it in a JSON array \(\[\.\.\.\]\) or on one line \(JSONL\)$"):
+        list(read_conversations(one))
+    flat = write_jsonl(tmp_path / "flat.jsonl", [{"train": rows}])
+    with pytest.raises(DataError, match=r"flat\.jsonl: row 0: fits no known format .* found keys \['train'\]; its rows are the "
+                                        r"list under 'train': write them one per line with `python -c"):
+        list(read_conversations(flat))
+    broken = write_jsonl(tmp_path / "broken.jsonl", ['{"messages": [', *map(json.dumps, rows)])
+    assert [c.row for c in read_conversations(broken, on_bad_row="skip")] == [1, 2, 3]  # a broken first line stays one bad row
+
+
+def test_a_utf16_file_is_named_as_such_with_the_command_that_converts_it(tmp_path):
+    """PowerShell's `>` writes UTF-16 with a byte-order mark: every line was "row N: not UTF-8 (byte 0xff
+    ...)" with data.on_bad_row=skip as the fix, which skipped them all. It is refused whatever on_bad_row
+    says, naming the encoding and an iconv command, which then gives the rows."""
+    import subprocess
+
+    rows = [{"messages": [{"role": "user", "content": f"Q{i} é"}, {"role": "assistant", "content": "A"}]} for i in range(3)]
+    path = tmp_path / "win.jsonl"
+    path.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode("utf-16"))
+    with pytest.raises(DataError) as refused:
+        list(read_conversations(path, on_bad_row="skip"))
+    out = tmp_path / "win.utf8.jsonl"
+    assert str(refused.value) == (f"{path}: is UTF-16 (it starts with its byte-order mark), not UTF-8: convert it with "
+                                  f"`iconv -f UTF-16 -t UTF-8 {path} > {out}` and set data.path={out}")
+    subprocess.run(re.search(r"`(iconv .*)`", str(refused.value))[1], shell=True, check=True)
+    assert [c.messages[0]["content"] for c in read_conversations(out)] == ["Q0 é", "Q1 é", "Q2 é"]
+
+
+def test_a_folder_of_jsonl_files_names_the_glob_that_reads_them(tmp_path):
+    """data.path at a folder of JSONL shards was refused as "folder holds no .parquet or .arrow files",
+    with no word of the .jsonl files in it nor of the glob that reads them; the refusal now names both,
+    and the glob it names reads every shard in name order."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for k in range(2):
+        write_jsonl(folder / f"part-{k}.jsonl", [{"prompt": f"p{k}{i}", "completion": "c"} for i in range(2)])
+    with pytest.raises(InputFileError) as refused:
+        list(read_conversations(folder))
+    assert str(refused.value) == (f"{folder}: folder holds no .parquet or .arrow files (it holds 2 .jsonl file(s): part-0.jsonl, "
+                                  f"part-1.jsonl; set data.path to one, or to a glob of one split's: "
+                                  f"{shlex.quote(f'data.path={folder}/*.jsonl')} reads all)")
+    glob = shlex.split(re.search(r"glob of one split's: (.*) reads all\)$", str(refused.value))[1])[0].removeprefix("data.path=")
+    assert [c.messages[0]["content"] for c in read_conversations(glob)] == ["p00", "p01", "p10", "p11"]
+
+
+def test_jsonl_written_over_several_lines_per_row_names_the_command_that_writes_one_per_line(tmp_path):
+    """`jq '.[]' data.json > data.jsonl` (no -c) writes each row over several lines: read as JSON lines
+    every line was a bad row ("row 0: not valid JSON", data.on_bad_row=skip as the fix, which skipped
+    them all). It is now refused naming `jq -c`, whose output then reads row by row."""
+    import shutil
+    import subprocess
+
+    rows = [{"conversations": [{"from": "human", "value": f"Q{i}"}, {"from": "gpt", "value": "A"}]} for i in range(3)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r, indent=2) + "\n" for r in rows))
+    with pytest.raises(DataError) as refused:
+        list(read_conversations(path, on_bad_row="skip"))
+    out = tmp_path / "rows.lines.jsonl"
+    assert str(refused.value) == (f"{path}: holds JSON objects written over several lines each (`jq` without -c?), not one per "
+                                  f"line: write them one per line with `jq -c . {path} > {out}` and set data.path={out}")
+    if shutil.which("jq"):
+        subprocess.run(re.search(r"`(jq .*)`", str(refused.value))[1], shell=True, check=True)
+        assert [c.messages[0]["content"] for c in read_conversations(out)] == ["Q0", "Q1", "Q2"]
+
+
+def test_integer_tool_call_ids_read_as_the_calls_own_ids(tmp_path):
+    """A call's `id` given as an integer was read (as text), while the tool result's `tool_call_id`
+    naming that same integer refused the row ("must be a string"). Both now read as the same text,
+    and the row is the one its string-id copy is."""
+    def row(call_id):
+        return {"messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "res"}, {"role": "assistant", "content": "done"}]}
+    path = write_jsonl(tmp_path / "ids.jsonl", [row(1), row("1"), {**row(True)}])
+    stats = ReadStats()
+    convs = list(read_conversations(path, on_bad_row="skip", stats=stats, log_skips=False))
+    assert [c.row for c in convs] == [0, 1] and convs[0].messages == convs[1].messages
+    assert convs[0].messages[1]["tool_calls"] == [{"name": "f", "arguments": "{}", "id": "1"}]
+    assert convs[0].messages[2] == {"role": "tool", "content": "res", "tool_call_id": "1"}
+    assert convs[0].row_hash() == convs[1].row_hash()
+    assert stats.bad_examples == [f"{path}: row 2: messages[2].tool_call_id must be a string (the id of the call it answers)"]

@@ -498,3 +498,20 @@ def test_a_speculators_export_names_a_verifier_speculators_can_load(capsys):
     assert verifier_name(None, {"_name_or_path": "/models/q"}, "q", "speculators") == "q"
     assert "speculators_config.verifier.name_or_path is 'q'" in capsys.readouterr().err
     assert verifier_name(None, {}, "q", "zlab") == "q" and capsys.readouterr().err == ""
+
+
+def test_export_and_eval_before_training_say_to_train(tiny_target_dir, tmp_path):
+    """`export` (and `eval`) on a run that never trained read the missing checkpoints folder as a weights
+    file: "no drafter weights at .../checkpoints: expected model.safetensors", with no way on. They now
+    say the run has not trained and name the command that does."""
+    from stage2_train.commands import cmd_eval
+
+    cfg = build_run_config({"run_dir": str(tmp_path / "run"), "target": {"path": str(tiny_target_dir), "num_feature_layers": 3}})
+    expected = (f"no checkpoint in {tmp_path / 'run' / 'checkpoints'} (no such folder: this run has not trained yet); train "
+                f"first (`python -m stage2_train train`), or name one with --checkpoint")
+    for command in (lambda: cmd_export(cfg), lambda: cmd_eval(cfg)):
+        with pytest.raises(CheckpointError) as refused:
+            command()
+        assert str(refused.value) == expected
+    with pytest.raises(CheckpointError, match=r"^no drafter weights at .*elsewhere: expected model\.safetensors$"):
+        cmd_export(cfg, checkpoint=str(tmp_path / "elsewhere"))  # a path given is read as given

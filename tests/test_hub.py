@@ -228,3 +228,69 @@ def test_an_unreachable_hub_and_a_repo_without_safetensors_are_one_line(hub, mon
     with pytest.raises(InputFileError, match=r"^target.path=org/model: org/model has no \*.safetensors weights in its top "
                                              r"folder \(https://huggingface.co/org/model\)"):
         stage1.cmd_download(cfg)
+
+
+def test_a_snapshot_fetched_in_part_names_the_command_that_fetches_the_rest(tmp_path, monkeypatch, tiny_target_dir):
+    """A Hub id whose cached snapshot holds its config.json but no tokenizer (`hf download ORG/NAME
+    config.json`, a download cut short) passed `check`, then `plan` and `extract` died in
+    transformers' tokenizer conversion with a bare traceback naming no file; one without its weights
+    said only "no weight files". Both now name the folder and `download`."""
+    from stage1_extract.plan import cmd_plan
+
+    cache = tmp_path / "hf" / "hub"
+    for repo, keep in (("org/config-only", ("config.json",)), ("org/no-weights", ("config.json", "tokenizer.json", "chat_template.jinja",
+                                                                                   "tokenizer_config.json"))):
+        part = tmp_path / repo
+        part.mkdir(parents=True)
+        for name in keep:
+            shutil.copyfile(tiny_target_dir / name, part / name)
+        add_to_hub_cache(cache, repo, part)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    snapshot = rf"{cache}/models--org--{{}}/snapshots/{COMMIT}"
+    fetch = r"{} was fetched into the Hugging Face cache in part: `python -m stage1_extract download --config \.\.\.` fetches the rest"
+    for command in (lambda cfg: cmd_plan(cfg), lambda cfg: stage1.cmd_extract(cfg, progress=False)):
+        cfg = load_run_config("configs/default.yaml", stage1_overrides("org/config-only", data, tmp_path / "run"))
+        with pytest.raises(InputFileError, match=r"^target\.path: no tokenizer files \(tokenizer\.json, .*\) in "
+                                                 + snapshot.format("config-only") + "; " + fetch.format("org/config-only") + "$"):
+            command(cfg)
+        cfg = load_run_config("configs/default.yaml", stage1_overrides("org/no-weights", data, tmp_path / "run"))
+        with pytest.raises(InputFileError, match=r"^no weight files \(\*\.safetensors, \*\.bin\) in " + snapshot.format("no-weights")
+                                                 + "; " + fetch.format("org/no-weights") + "$"):
+            command(cfg)
+    local = load_run_config("configs/default.yaml", stage1_overrides(tmp_path / "org" / "config-only", data, tmp_path / "run"))
+    with pytest.raises(InputFileError, match=r"no tokenizer files .* in .*org/config-only; copy the model's tokenizer files into it$"):
+        stage1.cmd_extract(local, progress=False)
+
+
+def test_stage2_plan_reads_a_hub_targets_shape_from_the_cache(hub):
+    """`python -m stage2_train plan` read target.path as a folder only: a Hub id in the cache whose name
+    is not a known shape (Qwen/Qwen3-14B, the tiny one here) was refused as "no config.json there ...
+    copy the target's config.json into that folder", a folder that does not exist. It now reads the
+    snapshot's config.json, and an id not cached names the download command."""
+    from shared.errors import ConfigError
+    from stage2_train.commands import cmd_plan, plan_inputs
+
+    cfg = load_run_config("configs/default.yaml", ["target.path=tiny-org/tiny-target", "target.num_feature_layers=3"])
+    inputs, source = plan_inputs(cfg)  # what cmd_plan traces (a tiny shape: the trace itself is the slow part)
+    assert source == "config.json" and (inputs.arch.hidden_size, inputs.arch.num_hidden_layers) == (64, 6)
+    missing = load_run_config("configs/default.yaml", ["target.path=tiny-org/other-target"])
+    with pytest.raises(ConfigError, match=rf"^target\.path=tiny-org/other-target: not in the Hugging Face cache at {hub} and not a "
+                                          r"known shape \(qwen3-8b, llama-3\.1-8b\); fetch it with `python -m stage1_extract "
+                                          r"download --config \.\.\.` to plan for it$"):
+        cmd_plan(missing, world_size=1)
+
+
+def test_a_relative_folder_read_as_a_hub_id_says_where_the_folder_was_looked_for(hub, tmp_path, monkeypatch):
+    """docs/config.md: a relative setting's missing file is refused naming the rule and the folder.
+    `target.path: models/Qwen3-8B` written relative to the config file, run from elsewhere, was read
+    as a Hub id and refused only as "not in the Hugging Face cache": the folder meant was never named."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputFileError) as refused:
+        resolve_target_dir(TargetConfig(path="models/Qwen3-8B"))
+    assert str(refused.value).endswith(
+        f"or give a local folder (no folder models/Qwen3-8B under the working directory {tmp_path} either: a relative path "
+        f"resolves against it, not against the config file's folder)")
+    with pytest.raises(InputFileError) as refused:
+        resolve_target_dir(TargetConfig(path="tiny-org/tiny-target@v2"))  # a revision: a Hub id, no folder meant
+    assert str(refused.value).endswith("or give a local folder")

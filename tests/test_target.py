@@ -92,3 +92,108 @@ def test_converted_checkpoint_matches_the_gguf_model():
     assert (ref_TV - out_TV).abs().max() < 0.05 * ref_TV.abs().max()
     for name, tensor in converted.state_dict().items():
         assert torch.isfinite(tensor).all(), name
+
+
+def test_a_target_without_a_chat_template_names_how_to_give_it_one(tiny_target_dir, tmp_path):
+    """A base model (no chat template) was refused with "the tokenizer has no chat template" and no
+    way on; the refusal now says how to give one, and that way works."""
+    import json
+    import shutil
+
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract.plan import cmd_plan
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    base = shutil.copytree(tiny_target_dir, tmp_path / "base")
+    template = (base / "chat_template.jinja").read_text()
+    (base / "chat_template.jinja").unlink()
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(base, data, tmp_path / "run"))
+    with pytest.raises(ConfigError, match=rf"target\.path='{base}': the tokenizer has no chat template \(a base model\?\), .*: use "
+                                          rf"the model's chat \(instruct\) version, or a copy of {base} with that template in "
+                                          r"chat_template\.jinja, set as target\.path$"):
+        cmd_plan(cfg)
+    (base / "chat_template.jinja").write_text(template)
+    assert cmd_plan(cfg)["samples"] == 4
+
+
+def test_a_mask_token_text_produces_is_refused_before_extraction_and_training(tiny_target_dir, tmp_path):
+    """A preset's target.mask_token_id inherited onto another target family (llama-3.1-8b's 128002 on
+    Qwen2.5: an ordinary BPE token there), or any id text or the template produces, was extracted and
+    trained on without a word; only the export doctor, after the whole run, said to retrain. stage 1
+    and train now refuse it naming the target's own reserved token, and take that one."""
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract import commands
+    from stage2_train.commands import cmd_train
+    from testkit.data import chat_rows, stage1_overrides, train_overrides_for, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(6))
+    for mask, why in ((300, "'om', an ordinary token that text tokenizes to"), (2, "the tokenizer's eos token '<|im_end|>'"),
+                      (1, "the tokenizer's bos token '<|im_start|>'")):
+        cfg = load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run",
+                                                                         **{"target.mask_token_id": mask}))
+        with pytest.raises(ConfigError) as refused:
+            commands.cmd_extract(cfg, progress=False)
+        assert str(refused.value) == (
+            f"target.mask_token_id={mask} is {why}: the drafter could not tell its mask slots from real text (and the export "
+            f"doctor refuses such a drafter); a preset's id belongs to its own target. Set target.mask_token_id=16 (<empty_output>)")
+    assert not (tmp_path / "run" / "store" / "manifest.json").exists()
+    commands.cmd_extract(load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run",
+                                                                                   **{"target.mask_token_id": 16})), progress=False)
+    train = train_overrides_for(tiny_target_dir, tmp_path / "run" / "store", tmp_path / "run",
+                                {"target.mask_token_id": 300, "train.max_steps": 1, "train.device": "cpu"})
+    with pytest.raises(ConfigError, match=r"^target\.mask_token_id=300 is 'om', an ordinary token"):
+        cmd_train(load_run_config("configs/default.yaml", train), progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_presets_mask_token_beyond_another_targets_vocabulary_names_the_way_out(tiny_target_dir, tmp_path):
+    """`inherit: qwen3-8b` onto another target: its 151669 lies past that target's vocabulary, and the
+    refusal said only "must be in [0, 49152), got 151669", though the user never set it. It now says
+    where it came from and the override that takes the target's own, which then works."""
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract.plan import cmd_plan
+    from testkit.data import chat_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"inherit: qwen3-8b\nrun_dir: {tmp_path / 'run'}\ntarget:\n  path: {tiny_target_dir}\n  num_feature_layers: 3\n"
+                    f"data:\n  path: {data}\n  regenerate: false\n")
+    with pytest.raises(ConfigError) as refused:
+        cmd_plan(load_run_config(mine, []))
+    assert str(refused.value) == ("target.mask_token_id must be in [0, 49152) (this target's vocabulary), got 151669: a preset's "
+                                  "id belongs to its own target; set target.mask_token_id=null to take this target's reserved one")
+    assert cmd_plan(load_run_config(mine, ["target.mask_token_id=null"]))["samples"] == 4
+
+
+def test_a_target_without_a_known_reserved_token_is_offered_one(tiny_target_dir, tmp_path):
+    """`target.mask_token_id=null` on a target this pipeline knows no mask for (a Mistral, or a preset's
+    id cleared) was refused with "choose an unused special token id", naming none; it now names the
+    first reserved one, which then works."""
+    import json
+    import shutil
+
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage1_extract.plan import cmd_plan
+    from testkit.data import chat_rows, stage1_overrides, write_jsonl
+
+    target = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # SmolLM2's known mask, <empty_output>, renamed
+        (target / name).write_text((target / name).read_text().replace("<empty_output>", "<reserved_0>"))
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    cfg = load_run_config("configs/default.yaml", stage1_overrides(target, data, tmp_path / "run"))
+    with pytest.raises(ConfigError) as refused:
+        cmd_plan(cfg)
+    assert str(refused.value) == ("target.mask_token_id is not set and this target has no known reserved token: set an unused "
+                                  "special token's id (its first: target.mask_token_id=3, <repo_name>)")
+    assert "<empty_output>" not in json.dumps(json.loads((target / "tokenizer.json").read_text()))
+    plan = cmd_plan(load_run_config("configs/default.yaml", stage1_overrides(target, data, tmp_path / "run",
+                                                                              **{"target.mask_token_id": 3})))
+    assert plan["samples"] == 4

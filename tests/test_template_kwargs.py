@@ -228,3 +228,34 @@ def test_the_model_card_tells_servers_the_template_variables_the_drafter_was_tra
         card = write_card(out, description, _card_facts(cfg, {"name": "t"}, loaded)).read_text()
         sentence = 'The data was rendered with `chat_template_kwargs={"enable_thinking": false}` (`data.chat_template_kwargs`)'
         assert (sentence in card) is said
+
+
+def test_a_variable_the_template_never_reads_is_refused_not_ignored(tiny_target_dir, tmp_path):
+    """A misspelt enable_thinking (or one given to a template without the switch) rendered every row
+    as without it: the store held the other mode's answers, and the manifest and model card still
+    told users to serve with it. extract, plan and generate now refuse it, naming the template's own
+    variables."""
+    from shared.errors import ConfigError
+    from stage1_extract import commands
+    from stage1_extract.generate_command import cmd_generate
+    from stage1_extract.plan import cmd_plan
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    target = switch_target(tiny_target_dir, tmp_path)
+    typo = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        target, data, tmp_path / "run", **{"data.chat_template_kwargs": {"enable_thinkng": False}}))
+    expected = (r"data\.chat_template_kwargs\.enable_thinkng: the chat template of target\.path=.*target reads no variable "
+                r"of that name, so the rows would render as without it; the variables it reads: enable_thinking\. Fix the name")
+    regenerate = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        target, data, tmp_path / "run", **{"data.regenerate": True, "generate.backend": "transformers", "extract.device": "cpu",
+                                            "data.chat_template_kwargs": {"enable_thinkng": False}}))
+    for command in (lambda: commands.cmd_extract(typo, progress=False), lambda: cmd_plan(typo),
+                    lambda: cmd_plan(regenerate), lambda: cmd_generate(regenerate, progress=False)):
+        with pytest.raises(ConfigError, match=expected):
+            command()
+    assert not list((tmp_path / "run").rglob("*.parquet"))
+    assert not (tmp_path / "run" / "store" / "manifest.json").exists()
+    plain = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(
+        tiny_target_dir, data, tmp_path / "plain", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
+    with pytest.raises(ConfigError, match=r"enable_thinking: .* reads no variable of that name.*; it reads no variable of its own"):
+        commands.cmd_extract(plain, progress=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -269,7 +270,7 @@ def test_the_exported_mask_token_is_the_drafters_not_the_configs(tiny_target_dir
 # ---- resume: the drafter's description, field by field (item 5) -----------------------------------
 def test_a_resume_with_another_mask_token_is_refused_unless_forced(tiny_target_dir, stores, run_copy, capfd):
     saved_mask = json.loads((run_copy / "checkpoints" / "step_000002" / "drafter.json").read_text())["mask_token_id"]
-    other = saved_mask + 1
+    other = saved_mask - 1  # another reserved token (SmolLM2's <jupyter_script>): an ordinary one is refused before resuming
     more = overrides(tiny_target_dir, stores[0], run_copy, **{"train.max_steps": 3, "target.mask_token_id": other})
     with pytest.raises(CheckpointError, match=rf"cannot resume: resolved\.mask_token_id: saved {saved_mask}, now {other} "
                                               r"\(the mask token filling the drafter's blocks \(target\.mask_token_id\)\) "
@@ -435,3 +436,36 @@ def test_init_from_on_a_store_grown_from_the_one_trained_on_refuses_a_split_that
     unknown = problem(grown, record.__class__(**{**record.__dict__, "store": None}), **{"eval.split_seed": 7})
     assert ("and that store (its path not recorded) cannot be read here as it was (moved, deleted or reprocessed since) to "
             "tell. Set eval.holdout_fraction=0.2 eval.split_seed=0") in unknown
+
+
+def test_eval_of_a_run_that_held_nothing_out_names_how_to_train_one_that_does(tiny_target_dir, stores, tmp_path, caplog):
+    """A small data set at the recipe's eval.holdout_fraction=0.01 holds no sample out: train said nothing,
+    and eval then said only "eval.holdout_fraction=0.01 leaves no held-out sample among 24". train now
+    warns before the run, and eval says the split is the trained one's and names a run on the same
+    store whose split holds samples out."""
+    import shlex
+
+    from shared.errors import StoreError
+    from shared.reader import StoreReader
+    from stage2_train.data.view import split_indices
+
+    reader = StoreReader(str(stores[0]))
+    assert len(split_indices(reader, 0.01, 0)[1]) == 0
+    run_dir = tmp_path / "run"
+    base = overrides(tiny_target_dir, stores[0], run_dir, **{"eval.holdout_fraction": 0.01, "eval.every_steps": 0})
+    with caplog.at_level("WARNING", logger="stage2_train.data.run_data"):
+        cmd_train(load_run_config("configs/default.yaml", base), progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "stage2_train.data.run_data"] == [
+        f"eval.holdout_fraction=0.01 holds out none of the 24 samples of {stores[0]}: this run is never scored on samples it did "
+        f"not train on, and `python -m stage2_train eval` will have none; raise eval.holdout_fraction (to 0.12: about 3 "
+        f"samples) or extract more data"]
+    with pytest.raises(StoreError) as refused:
+        cmd_eval(load_run_config("configs/default.yaml", base))
+    message = str(refused.value)
+    assert message.startswith("eval.holdout_fraction=0.01 leaves no held-out sample among 24, and the drafter was trained on "
+                              "every other one: train a new run (another run_dir) with eval.holdout_fraction=0.12 on the same "
+                              "store: `python -m stage2_train train eval.holdout_fraction=0.12 run_dir=NEW_RUN_DIR store.path=")
+    settings = shlex.split(re.search(r"`python -m stage2_train train (.*)`", message)[1])
+    again = load_run_config("configs/default.yaml", base + [s.replace("NEW_RUN_DIR", str(tmp_path / "new")) for s in settings])
+    assert Path(again.store.url(again.run_dir)) == stores[0]
+    assert len(split_indices(reader, again.eval.holdout_fraction, again.eval.split_seed)[1]) > 0

@@ -7,15 +7,19 @@ sampler and the loader; and the one rule that keeps every DDP rank's micro-batch
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
 
 from shared.config import RunConfig
 from shared.errors import ConfigError
+from shared.mask_token import check_mask_token
 from shared.target import resolve_target
 from stage2_train.data.batch import IGNORE, DrafterBatch
 from stage2_train.data.view import DataSettings, TrainData, open_train_data
+
+log = logging.getLogger(__name__)
 
 
 def open_run_data(
@@ -44,7 +48,9 @@ def open_run_data(
         distill_all=cfg.loss.distill_positions == "all",
     )
     url = cfg.store.url(cfg.run_dir)
-    data = open_train_data(url, resolve_target(cfg.target), cfg.sampler, settings, rank=rank, world_size=world_size)
+    target = resolve_target(cfg.target)
+    check_mask_token(cfg.target, target)
+    data = open_train_data(url, target, cfg.sampler, settings, rank=rank, world_size=world_size)
     longest = int(data.reader.lengths.max())
     if cfg.model.block_size > longest:
         data.close()
@@ -53,6 +59,12 @@ def open_run_data(
             f"{longest} tokens, data.max_length was {data.reader.manifest.get('max_length')}): no block could "
             f"fill its slots; use a block size of at most {longest} (published drafters: 16)"
         )
+    if rank == 0 and cfg.eval.holdout_fraction > 0 and len(data.heldout_indices) == 0:
+        # Said before the run, not by `eval` after it: the split is the drafter's for good.
+        log.warning("eval.holdout_fraction=%s holds out none of the %d samples of %s: this run is never scored on samples it "
+                    "did not train on, and `python -m stage2_train eval` will have none; raise eval.holdout_fraction (to %.2g: "
+                    "about 3 samples) or extract more data", cfg.eval.holdout_fraction, len(data.reader), url,
+                    min(0.5, max(0.05, 3 / max(1, len(data.reader)))))
     return data
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared import mask_token
 from shared.errors import ConfigError
-from shared.target import dflash_layer_ids, stop_token_ids
+from shared.target import dflash_layer_ids
 from stage2_train.serve.export import QWEN3_MASK_TOKEN
 from stage2_train.serve.export_fit import check_dims, check_identity, check_rope, feature_layers_in_weights
 from stage2_train.serve.export_view import RETRAIN, ExportView, Finding, TargetSide
@@ -313,48 +314,8 @@ def sglang_mask_id(tokenizer: Any, text: str) -> int:
 
 
 def not_reserved(target: TargetSide, token_id: int) -> str | None:
-    """Why `token_id` is a token that text or the chat template produces (None when reserved: an
-    embedding row beyond the tokenizer, or a special token nothing emits)."""
-    tokenizer = target.tokenizer
-    if token_id >= len(tokenizer):
-        return None  # an embedding row no text maps to (Qwen3's 151669)
-    token = tokenizer.convert_ids_to_tokens(token_id)
-    roles = {
-        "eos": tokenizer.eos_token_id,
-        "bos": tokenizer.bos_token_id,
-        "pad": tokenizer.pad_token_id,
-        "unk": tokenizer.unk_token_id,
-    }
-    for role, value in roles.items():
-        if value == token_id:
-            return f"the tokenizer's {role} token {token!r}"
-    if token_id in stop_token_ids(tokenizer, model_dir=target.folder):
-        return f"a stop token ({token!r}) of the target's generation config"
-    added = tokenizer.added_tokens_decoder.get(token_id)
-    if added is None:
-        return f"{token!r}, an ordinary token that text tokenizes to"
-    if token_id in template_token_ids(tokenizer):
-        return f"{token!r}, which the chat template writes into every conversation"
-    if not added.special:
-        return f"{token!r}, an added token that text tokenizes to (not special)"
-    return None
-
-
-def template_token_ids(tokenizer: Any) -> set[int]:
-    for messages in (
-        [
-            {"role": "system", "content": "s"},
-            {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "a"},
-        ],
-        [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
-    ):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-        except Exception:  # noqa: BLE001 - templates raise what they like (e.g. no system role)
-            continue
-        return set(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return set()
+    """Why `token_id` is a token that text or the chat template produces (None when reserved)."""
+    return mask_token.not_reserved(target.tokenizer, target.folder, token_id)
 
 
 def _rule(num_layers: int, count: int) -> list[int] | None:
