@@ -160,6 +160,19 @@ def test_the_cli_prints_one_line_per_finding_and_exits_1(exports, tiny_target_di
     assert report["num_errors"] == len([f for f in report["findings"] if f["severity"] == "error"]) >= 1
 
 
+def test_a_drafter_that_cannot_be_decoded_here_is_no_healthy_verdict(exports, tiny_target_dir, tmp_path, capsys):
+    """Another trainer's folder this pipeline cannot build (SpecForge's Domino: the DFlash backbone and a
+    GRU head) passed every field check, was 'not decoded' in a note, and exited 0 under "no mismatch
+    found": a script gating on the doctor took it for a checked drafter. It now exits 3, cannot tell."""
+    domino = planted(exports, tmp_path, set_in("architectures", ["DominoDraftModel"]), ours=False)
+    args = ["doctor", "--target", str(tiny_target_dir), "--prompts", "2", f"run_dir={tmp_path / 'run'}", "--export", str(domino)]
+    assert main(args) == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("note: not decoded: ") and "DominoDraftModel" in line for line in lines), lines
+    assert lines[-1] == "verdict: cannot tell: no mismatch found, but the drafter could not be decoded here (the note above says why)"
+    assert main([a if a != "2" else "0" for a in args]) == 0  # not asked to decode: the field checks are the verdict
+
+
 def test_hub_ids_are_read_from_the_local_cache(exports, tiny_target_dir, tmp_path, monkeypatch):
     from .conftest import add_to_hub_cache
 

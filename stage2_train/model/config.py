@@ -172,7 +172,7 @@ class DrafterConfig(Section):
             out.append(
                 f"model.variant=dspark with {'sliding_attention layers' if sliding else 'model.is_causal=true'}: no export "
                 f"layout carries this drafter (z-lab's has no DSpark; speculators' computes sliding layers another way and "
-                f"has no is_causal), so `export` will refuse it; train full-attention layers with model.is_causal unset to serve it"
+                f"has no is_causal), so `python -m stage2_train export` will refuse it; train full-attention layers with model.is_causal unset to serve it"
             )
         return out
 

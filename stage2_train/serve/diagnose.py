@@ -14,7 +14,7 @@ target, tokenizer and chat template, and the stored prompts against today's rend
 mode included). A drafter with no error is then decoded on a few prompts (the store's held-out
 split, else built-in questions) with the project's speculative loop, beside the n-gram drafter:
 tau with its 95% interval over prompts, and whether every output equals the target's own greedy
-output. Exit 1 when anything is found.
+output. Exit 1 when anything is found; 3 when nothing is, but the drafter could not be decoded.
 """
 
 from __future__ import annotations
@@ -85,15 +85,16 @@ def diagnose_export(
             "no store given (--store PATH, or a config whose store exists): the chat template was not checked"
         )
     errors = [f for f in findings if f.severity == "error"]
-    acceptance = None
+    acceptance = undecided = None
     if settings.num_prompts > 0:
         if errors:
             notes.append("not decoded: fix the errors first (acceptance would measure them)")
         else:
             try:
                 acceptance = decode(folder, view, target, reader, settings)
-            except UserError as exc:
-                notes.append(f"not decoded: {exc}")
+            except UserError as exc:  # a folder this pipeline cannot build: no verdict on what it serves
+                undecided = f"not decoded: {exc}"
+                notes.append(undecided)
     return {
         "export": str(folder),
         "layout": view.layout,
@@ -113,6 +114,7 @@ def diagnose_export(
         "num_warnings": len(findings) - len(errors),
         "notes": notes,
         "acceptance": acceptance,
+        "undecided": undecided,
     }
 
 
@@ -227,6 +229,8 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(
             f"verdict: errors {report['num_errors']}, warnings {report['num_warnings']}: each line names the field and the fix"
         )
+    elif report.get("undecided"):
+        lines.append("verdict: cannot tell: no mismatch found, but the drafter could not be decoded here (the note above says why)")
     else:
         lines.append(
             "verdict: no mismatch found between the drafter, its target"
@@ -236,7 +240,9 @@ def format_text(report: dict[str, Any]) -> str:
 
 
 def doctor_export(as_json: bool, **kwargs: Any) -> tuple[str, int]:
-    """(text to print, exit code): 1 when there is any finding, else 0."""
+    """(text to print, exit code): 1 when there is any finding, 3 when there is none but the drafter
+    could not be decoded (as the log doctor's "cannot tell": a script gating on it must not take it
+    for healthy), else 0."""
     report = diagnose_export(**kwargs)
-    code = 1 if report["findings"] else 0
+    code = 1 if report["findings"] else 3 if report["undecided"] else 0
     return (json.dumps(report, indent=1, default=str) if as_json else format_text(report)), code
