@@ -44,11 +44,13 @@ log = logging.getLogger(__name__)
 # row's held-out split key is its prompt (`prompt_hashes` in the part records), not its tokens, which
 # differ between copies given different answers; 6: every row's split key is its opening (its turns
 # through the first user turn, `opening_hashes`), so rows that share a first question never straddle the
-# split (online eval decodes from it). A store keeps the version it was made at, and its
-# keys: a version-2 header carries the batch shape it pinned, a store made before 4 is not judged by
-# fields it never recorded, and one made before 5 (6) keeps its split on tokens (prompts) when resumed
-# or re-extracted.
-IDENTITY_VERSION = 6
+# split (online eval decodes from it); 7: an opening is generic (its rows keyed on their prompt or
+# tokens) past a fixed number of rows, not past a share of the store, so rows appended to a store never
+# move others across the split (`shared/reader.py` generic_threshold). A store keeps the version it was
+# made at, and its keys: a version-2 header carries the batch shape it pinned, a store made before 4 is
+# not judged by fields it never recorded, one made before 5 (6) keeps its split on tokens (prompts) when
+# resumed or re-extracted, and one made before 7 its generic openings by share.
+IDENTITY_VERSION = 7
 PROMPT_KEYS_VERSION = 5
 OPENING_KEYS_VERSION = 6
 BATCH_SETTINGS = ("batch_tokens", "max_samples_per_batch", "window_shards", "lm_head_chunk_tokens")

@@ -25,18 +25,31 @@ from shared.store import ARRAY_NAMES, StoreFiles, _zarr_store, read_manifest
 log = logging.getLogger(__name__)
 
 
-# An opening shared by more than this share of the store (and GENERIC_OPENING_MIN rows) is generic (one
-# fixed instruction before every row): kept together it would put the whole group on one side of the
-# split (no held-out sample, or no training one), so its rows are keyed on their prompt or tokens.
-GENERIC_OPENING_SHARE = 0.05
+# An opening shared by more than GENERIC_OPENING_MIN rows is generic (one fixed instruction before every
+# row): kept together it would put the whole group on one side of the split (no held-out sample, or no
+# training one), so its rows are keyed on their prompt or tokens. The count is the group's own, so rows
+# added to a store never move another group's rows. A store made before identity version 7
+# (`shared/identity.py` FIXED_GENERIC_VERSION) keeps the rule it was trained with: generic past
+# GENERIC_OPENING_SHARE of the store too, a threshold that grows with the store.
 GENERIC_OPENING_MIN = 16
+GENERIC_OPENING_SHARE = 0.05
+FIXED_GENERIC_VERSION = 7
 
 
-def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.ndarray:
+def generic_threshold(num_samples: int, identity_version: int | None) -> float:
+    """How many rows may share an opening before it is generic, under the rule of a store made at
+    `identity_version` (None: a store older than versions)."""
+    if (identity_version or 0) >= FIXED_GENERIC_VERSION:
+        return GENERIC_OPENING_MIN
+    return max(GENERIC_OPENING_MIN, GENERIC_OPENING_SHARE * num_samples)
+
+
+def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray, identity_version: int | None) -> np.ndarray:
     """int64 per sample: the hash `split_hashes` chooses (a row's opening; in older stores a regenerated
     row's prompt, else the sample's tokens and loss mask), so rows that open alike share a key and the
     held-out split keeps them on one side; else the sample ids (stores written before any hash). Rows
-    of a generic opening (GENERIC_OPENING_SHARE) are keyed on their prompt or tokens instead."""
+    of a generic opening (`generic_threshold` of the store's `identity_version`, its manifest's) are
+    keyed on their prompt or tokens instead."""
     chosen = split_hashes(shards)
     if chosen is None:
         return sample_ids
@@ -44,7 +57,7 @@ def content_keys(shards: list[dict[str, Any]], sample_ids: np.ndarray) -> np.nda
     finer = duplicate_hashes(shards)
     if chosen[0] == "opening_hashes" and finer is not None and len(keys):
         _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        generic = counts[inverse] > max(GENERIC_OPENING_MIN, GENERIC_OPENING_SHARE * len(keys))
+        generic = counts[inverse] > generic_threshold(len(keys), identity_version)
         if generic.any():
             keys[generic] = np.asarray([int(h[:15], 16) for h in finer[1]], dtype=np.int64)[generic]
     return keys
@@ -81,7 +94,7 @@ class StoreReader:
         self._shards = shards
         self.lengths = np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
         self.sample_ids = np.concatenate([np.asarray(s["sample_ids"], dtype=np.int64) for s in shards]) if shards else np.zeros(0, np.int64)
-        self.split_keys = content_keys(shards, self.sample_ids)
+        self.split_keys = content_keys(shards, self.sample_ids, self.manifest.get("identity_version"))
         self._supervised_pairs: np.ndarray | None = None
         files = StoreFiles(url)
         self._check_listing(files)

@@ -10,6 +10,7 @@ section, the target's record, the store's header and files, the conversations to
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from shared.conversations import ReadStats, RowLimits
 from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
 from shared.identity import OPENING_KEYS_VERSION, PROMPT_KEYS_VERSION, header_key
+from shared.reader import FIXED_GENERIC_VERSION, GENERIC_OPENING_MIN, GENERIC_OPENING_SHARE
 from shared.store import StoreConfig, StoreFiles
 from shared.target import TargetInfo, cached_tokenizer
 from shared.token_cache import ROW_SETTINGS, SELECTION_SETTINGS, DamagedCache, TokenCache, token_cache_key
@@ -97,11 +99,20 @@ def split_keys(
     and resuming or re-extracting it never moves a sample across its split. From version 6 every row
     keys on its opening (`Conversation.opening_hash`); a regenerated row also carries its prompt
     (which groups its copies, and counts them as duplicates). A store made before 6 keeps its keys
-    (opening hashes dropped: rows that share a first question may straddle its split, a warning says),
+    (opening hashes dropped: rows that share a first question may straddle its split, a warning says;
+    one made at 6 judges generic openings by their share of the store, which appended rows can change),
     one made before 5 keys on tokens (prompt hashes dropped too: copies of a prompt may straddle it).
     From version 5 regenerated rows must carry a prompt hash; a generated.parquet merged before
     generate wrote them is refused, naming the cheap fix."""
     version = header["identity_version"]
+    shared_openings = Counter(r.opening_hash for r in rows if r.opening_hash)
+    if OPENING_KEYS_VERSION <= version < FIXED_GENERIC_VERSION and max(shared_openings.values(), default=0) > GENERIC_OPENING_MIN:
+        log.warning(
+            "%s was made at identity version %d: an opening shared by more than %d rows counts as generic (its rows "
+            "split on their own keys) only past %.0f%% of the store, so rows added to it can move the rows of such an "
+            "opening between train and held-out; it keeps that rule. Extract into a new store (store.path) for a fixed "
+            "count", store, version, GENERIC_OPENING_MIN, 100 * GENERIC_OPENING_SHARE,
+        )
     if version < OPENING_KEYS_VERSION and any(r.opening_hash for r in rows):
         log.warning(
             "%s was made at identity version %d: its held-out split keeps rows that open with the same turns "

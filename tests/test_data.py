@@ -473,8 +473,8 @@ def test_rows_that_share_a_first_question_stay_on_one_side_of_the_split(tiny_tar
 
 def test_a_generic_opening_does_not_put_the_whole_store_on_one_side_of_the_split():
     """Rows that all open alike (one fixed instruction: "Go on.") formed one split group: every sample
-    held out or none (no eval at all, or no training sample). A group past GENERIC_OPENING_SHARE of the
-    store is keyed on its rows' prompt or tokens; small groups (a question asked twice) stay together."""
+    held out or none (no eval at all, or no training sample). A group past GENERIC_OPENING_MIN rows is
+    keyed on its rows' prompt or tokens; small groups (a question asked twice) stay together."""
     from shared.reader import content_keys
     from stage2_train.data.split import heldout_mask
 
@@ -483,7 +483,7 @@ def test_a_generic_opening_does_not_put_the_whole_store_on_one_side_of_the_split
 
     contents = [f"{i:016x}" for i in range(1, 41)]
     generic = [record(["a" * 16] * 20, contents[:20]), record(["a" * 16] * 18 + ["b" * 16] * 2, contents[20:])]
-    keys = content_keys(generic, np.arange(40))
+    keys = content_keys(generic, np.arange(40), 7)
     assert keys[:38].tolist() == [int(h[:15], 16) for h in contents[:38]]  # the generic group: its tokens
     assert keys[38] == keys[39] == int("b" * 15, 16)  # a pair that opens alike stays one key
     assert 0 < heldout_mask(keys, 0.25, 0).sum() < 40

@@ -101,7 +101,7 @@ def test_manifest_records_what_made_the_store(store, tiny_target_dir):
     assert manifest["schema_version"] == 1
     assert manifest["layer_ids"] == LAYERS and manifest["top_k"] == 8
     assert "path" not in manifest["target"] and manifest["target_source"]["path"] == str(tiny_target_dir)
-    assert manifest["identity_version"] == 6 and manifest["data"]["source_sha256"] == source_fingerprint(Path(cfg.data.path))
+    assert manifest["identity_version"] == 7 and manifest["data"]["source_sha256"] == source_fingerprint(Path(cfg.data.path))
     # data.regenerate=false: the split keys samples on their opening, and nothing was generated to count
     assert manifest["split_key"] == "opening" and "generate" not in manifest["data"] and manifest["data"]["rows_read"] == 30
     assert len(manifest["target"]["weights_sha256"]) == 64

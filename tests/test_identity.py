@@ -308,7 +308,7 @@ def test_a_store_made_when_the_batch_shape_was_identity_keeps_its_keys_and_conti
     cfg = config(tiny_target_dir, root)
     store = root / "run" / "store"
     target = prepare_run(cfg).target
-    assert identity.store_header(cfg, target)["identity_version"] == 6
+    assert identity.store_header(cfg, target)["identity_version"] == 7
     header = identity.store_header(cfg, target, version=3)
     assert header["identity_version"] == 3 and "batch_tokens" not in header["extraction"]
     batching = {"batch_tokens": 512, "max_samples_per_batch": 64, "window_shards": 1, "lm_head_chunk_tokens": 2048}

@@ -4,8 +4,11 @@ and rank count.
 A sample is held out when a hash of (seed, key) falls under the fraction. The key is the hash the
 store records per sample (`shared/shard_records.split_hashes`): the row's opening (its turns through
 the first user turn, what online eval decodes from; older stores: a regenerated row's prompt, else the
-sample's tokens); so copies of a row, and rows that share a first question, always fall on the same
-side, and adding or re-extracting other samples never moves a sample between train and eval.
+sample's tokens; an opening shared by more than 16 rows keys them on their prompt or tokens,
+`shared/reader.py` generic_threshold); so copies of a row, and rows that share a first question, fall
+on the same side, and adding or re-extracting other samples never moves a sample between train and
+eval (in a store made before identity version 7, whose generic threshold grows with the store, it can
+move a shared opening's rows).
 """
 
 from __future__ import annotations

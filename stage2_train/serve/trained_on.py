@@ -108,8 +108,10 @@ def init_split_problem(cfg: RunConfig, record: TrainedOn | None, manifest: dict[
         return None
     theirs = {k: getattr(record, k) for k in SPLIT_KEYS}
     mine = {k: getattr(cfg.eval, k) for k in SPLIT_KEYS}
-    if None in theirs.values() or theirs == mine:
+    if None in theirs.values():
         return None
+    if theirs == mine:
+        return _moved_by_store(record, manifest, mine)
     split = f"eval.holdout_fraction={theirs['holdout_fraction']}, eval.split_seed={theirs['split_seed']} (recorded in {record.where})"
     fix = (f"Set eval.holdout_fraction={theirs['holdout_fraction']} eval.split_seed={theirs['split_seed']} to keep its held-out "
            f"samples unseen")
@@ -131,14 +133,39 @@ def init_split_problem(cfg: RunConfig, record: TrainedOn | None, manifest: dict[
     )
 
 
+def _moved_by_store(record: TrainedOn, manifest: dict[str, Any], split: dict[str, Any]) -> str | None:
+    """With the drafter's own split on another store, the samples of that store it holds out that the
+    drafter trained on in its own store where that is readable: the same split settings cut another
+    split when the stores key their rows otherwise (a store made before identity version 7 judges a
+    generic opening by its share of the store, so rows appended to it move others; a new store made
+    from its rows judges it by a fixed count, `shared/reader.py` generic_threshold)."""
+    from shared.reader import GENERIC_OPENING_MIN
+
+    if other_store(record, manifest) is None:
+        return None
+    leaked = _trained_heldout(record, manifest, split)
+    if not leaked:
+        return None  # None: not readable as it was; a store keyed as the drafter's one moves no row
+    return (
+        f"model.init_from: that drafter was trained on {record.store} with the same split (holdout_fraction="
+        f"{split['holdout_fraction']}, split_seed={split['split_seed']}, recorded in {record.where}), yet {leaked} sample(s) of "
+        f"this store that it holds out are rows it trained on there: the two stores key their rows otherwise (an opening "
+        f"shared by more than {GENERIC_OPENING_MIN} rows is split by its share of a store made before identity version 7, by "
+        f"a fixed count from 7), so every held-out figure of this run would count them. Train without model.init_from, or on the store "
+        f"it was trained on ({record.store})"
+    )
+
+
 def _trained_heldout(record: TrainedOn, manifest: dict[str, Any], split: dict[str, Any]) -> int | None:
-    """How many samples of the store of `manifest` that `split` holds out share their split key with a
+    """How many samples of the store of `manifest` that `split` holds out share their split key, or are
+    the same row (prompt or tokens: where the stores key a row otherwise, its split keys differ), with a
     sample `record`'s drafter trained on in its own store; None when that store is not readable here
     as it was (moved, deleted, or reprocessed since)."""
     import numpy as np
 
     from shared.errors import StoreError
     from shared.reader import content_keys
+    from shared.shard_records import duplicate_hashes
     from shared.store import read_manifest
     from stage2_train.data.split import heldout_mask
 
@@ -151,15 +178,18 @@ def _trained_heldout(record: TrainedOn, manifest: dict[str, Any], split: dict[st
     if store_digest(then) != record.store_digest:
         return None
 
-    def keys(made: dict[str, Any]) -> np.ndarray:
+    def keys(made: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         ids = np.concatenate([np.asarray(r["sample_ids"], dtype=np.int64) for r in made["shards"]]) if made["shards"] else np.zeros(0, np.int64)
-        return content_keys(made["shards"], ids)
+        rows = duplicate_hashes(made["shards"])
+        return content_keys(made["shards"], ids, made.get("identity_version")), np.asarray(rows[1] if rows else [], dtype=object)
 
-    trained_keys = keys(then)
-    trained_keys = trained_keys[~heldout_mask(trained_keys, record.holdout_fraction, record.split_seed)]
-    now = keys(manifest)
-    held = now[heldout_mask(now, split["holdout_fraction"], split["split_seed"])]
-    return int(np.isin(held, trained_keys).sum())
+    (trained_keys, trained_rows), (now, now_rows) = keys(then), keys(manifest)
+    trained = ~heldout_mask(trained_keys, record.holdout_fraction, record.split_seed)
+    held = heldout_mask(now, split["holdout_fraction"], split["split_seed"])
+    leaked = np.isin(now[held], trained_keys[trained])
+    if len(trained_rows) and len(now_rows):
+        leaked |= np.isin(now_rows[held], trained_rows[trained])
+    return int(leaked.sum())
 
 
 def other_store(record: TrainedOn | None, manifest: dict[str, Any]) -> str | None:
