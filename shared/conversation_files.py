@@ -48,11 +48,11 @@ from shared.conversations import (
     detect_format,
     fits,
     mismatch,
-    parse_row,
 )
 from shared.errors import DataError, InputFileError
 from shared.json_shapes import refuse_one_object, refuse_utf16
 from shared.paths import relative_note
+from shared.row_formats import parse_row
 
 log = logging.getLogger(__name__)
 

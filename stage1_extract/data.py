@@ -28,7 +28,7 @@ class DataConfig(Section):
     path: str | None = None
     """Conversations to regenerate and extract. None = the embedded default prompt set, built under run_dir. A .jsonl file, a .json array, a .parquet or .arrow file, a folder of .parquet or .arrow files (of one split: a folder of several is refused naming each), a glob of files in one folder (`<dataset>/data/train_sft-*.parquet`: one split of a Hub dataset), or a dataset saved by `datasets` (save_to_disk)."""
     format: Literal["auto", "sharegpt", "openai", "prompt_completion"] = "auto"
-    """The rows' format: auto = each file's own, from its columns or first row; sharegpt (conversations: [{from, value}]), openai (messages: [{role, content}], tool_calls), prompt_completion (prompt, completion)."""
+    """The rows' format: auto = each file's own, from its columns or first row; sharegpt (conversations: [{from, value}]), openai (messages: [{role, content}], tool_calls), prompt_completion (prompt, completion: strings, or TRL's lists of messages)."""
     regenerate: bool = True
     """True: extract the target's regenerated answers (run `generate` first), as the recipe does. False: extract data.path as it is (its answers must already come from the target)."""
     max_samples: int | None = None

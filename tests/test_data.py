@@ -57,6 +57,29 @@ def test_prompt_completion_rows_become_chats(tmp_path, tokenizer):
     assert decoded_supervised(tokenizer, sample) == "4<|im_end|>\n"
 
 
+def test_trl_conversational_prompt_completion_rows_become_chats(tmp_path, tokenizer):
+    """TRL's conversational format (lists of messages under prompt and completion, as SFTTrainer and
+    many Hub datasets hold them) was refused ("must be strings") with no fix. It reads as one
+    conversation, in JSON lines and in Parquet (lists of structs); TRL trains on the completion, so
+    an assistant turn of the prompt is context (weight 0), the completion's answer is supervised."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"}],
+           "completion": [{"role": "assistant", "content": "4"}]}
+    want = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "weight": 0}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}]
+    (conv,) = read_conversations(write_jsonl(tmp_path / "trl.jsonl", [row]))
+    assert conv.messages == want
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "trl.parquet")
+    (from_parquet,) = read_conversations(tmp_path / "trl.parquet")
+    assert from_parquet.messages == want
+    sample = tokenize_conversation(tokenizer, conv.messages, 512)
+    assert decoded_supervised(tokenizer, sample) == "4<|im_end|>\n"
+
+
 def test_truncation_is_reported(tokenizer):
     messages = [{"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y " * 200}]
     sample = tokenize_conversation(tokenizer, messages, max_length=64)
@@ -75,7 +98,12 @@ PROMPT = json.dumps({"prompt": "ok"})
         (CHAT, '{"text": "x"}', r"row 1: expected OpenAI chat \(messages: \[\{role, content\}\]\) like the rows before it, found keys \['text'\]"),
         (CHAT, '{"messages": [{"role": "user"}]}', r"row 1: messages\[0\] must have 'role' and 'content'"),
         (CHAT, "{not json", r"row 1: not valid JSON"),
-        (PROMPT, '{"prompt": 5}', r"row 1: 'prompt' and 'completion' must be strings"),
+        (PROMPT, '{"prompt": 5}', r"row 1: 'prompt' is a number and 'completion' absent: give both as strings"),
+        (PROMPT, '{"prompt": [{"role": "user", "content": "ok"}], "completion": "fine"}',
+         r"row 1: 'prompt' is a list of messages and 'completion' a string: give both as strings \(a question and its answer\), "
+         r"or both as lists of \{role, content\} messages \(TRL's conversational prompt/completion\)"),
+        (PROMPT, '{"prompt": [{"role": "user", "content": "ok"}], "completion": [{"role": "robot", "content": "x"}]}',
+         r"row 1: completion\[0\] has unknown role 'robot'"),
         (PROMPT, CHAT, r"row 1: expected prompt/completion \(prompt, completion\) like the rows before it, found keys \['messages'\]"),
     ],
 )
