@@ -299,6 +299,12 @@ def test_layer_ids_follow_zlab_rule_when_only_num_target_layers_is_given(exporte
     assert list(folder_description(out).target_layer_ids) == [1, 5]  # 2 draft layers over 8 target layers: 1 .. L-3
 
 
+def foreign(config: dict, **fields) -> None:
+    """`config` as another tool writes it (no description of ours), with `fields` set."""
+    config["dflash_pipeline"].pop("drafter")
+    config.update(fields)
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -312,6 +318,13 @@ def test_layer_ids_follow_zlab_rule_when_only_num_target_layers_is_given(exporte
         (lambda c: c.update(is_causal="yes"), r"is_causal must be true, false or absent"),
         (lambda c: c.update(attention_bias=True), r"attention_bias=true"),
         (lambda c: c.pop("hidden_size"), r"`hidden_size` missing"),
+        # a foreign drafter's 0 became num_attention_heads (`or heads`): another shape, with nothing said
+        (lambda c: foreign(c, num_key_value_heads=0),
+         r"config\.json: num_key_value_heads is 0, not an integer >= 1; leave it out to mean num_attention_heads$"),
+        (lambda c: foreign(c, num_key_value_heads="2"), r"num_key_value_heads is '2', not an integer >= 1"),
+        (lambda c: foreign(c, num_key_value_heads=3), r"num_key_value_heads=3 does not divide num_attention_heads=4"),
+        (lambda c: foreign(c, head_dim=0), r"head_dim is 0, not an integer >= 1; leave it out to mean hidden_size // num_attention_heads"),
+        (lambda c: foreign(c, num_attention_heads=0), r"num_attention_heads is 0, not an integer >= 1$"),
     ],
 )
 def test_what_the_drafter_cannot_compute_is_refused_naming_the_field(exported, edit, message):

@@ -248,15 +248,21 @@ def folder_description(folder: str | os.PathLike) -> DrafterDescription:
             raise CheckpointError(f"{where}: neither dflash_config.target_layer_ids nor num_target_layers is given")
         layer_ids = dflash_layer_ids(num_target_layers, config["num_hidden_layers"])
     rope = config.get("rope_parameters") or {}
-    heads = config["num_attention_heads"]
+    heads = _count(config, "num_attention_heads", where)
+    # Absent or null means "one per attention head" (and hidden_size // heads), as in transformers; a
+    # 0 is not that, and read as it would be it would build a drafter of another shape.
+    kv_heads = _count(config, "num_key_value_heads", where, heads, "num_attention_heads")
+    if heads % kv_heads:
+        raise CheckpointError(f"{where}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}: each kv head "
+                              f"serves a whole group of attention heads")
     arch = TargetArch(
         model_type=(config.get("dflash_pipeline") or {}).get("target", {}).get("model_type", "unknown"),
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
         num_hidden_layers=num_target_layers if isinstance(num_target_layers, int) else max(layer_ids) + 3,
         num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        num_key_value_heads=kv_heads,
+        head_dim=_count(config, "head_dim", where, config["hidden_size"] // heads, "hidden_size // num_attention_heads"),
         vocab_size=config.get("vocab_size", 0),
         rms_norm_eps=_number(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
         rope_theta=_number(rope.get("rope_theta", config.get("rope_theta", 10000.0)), "rope_theta", where),
@@ -311,6 +317,17 @@ def _described(where: Path, **fields: Any) -> DrafterDescription:
         return DrafterDescription(**fields)
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
+
+
+def _count(config: dict[str, Any], name: str, where: Path, default: int | None = None, absent: str = "") -> int:
+    """config[name], a positive integer; `default` where it is absent or null (what `absent` says)."""
+    value = config.get(name)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        fix = f"; leave it out to mean {absent}" if absent else ""
+        raise CheckpointError(f"{where}: {name} is {value!r}, not an integer >= 1{fix}")
+    return value
 
 
 def _number(value: Any, name: str, where: Path) -> float:
