@@ -76,12 +76,9 @@ def _inert_settings(cfg: RunConfig) -> list[str]:
     if cfg.optim.name != "muon":
         muon = [n for n in type(cfg.optim).model_fields if n.startswith("muon_")]
         out += [f"{s} does nothing: optim.name={cfg.optim.name}" for s in changed("optim", muon)]
-    if model.variant != "dspark":
-        out += [f"{s} does nothing: only a dspark drafter stops early" for s in changed("eval", ["confidence_stop"])]
-    elif not model.confidence_head:
-        # Both read the confidence head: without one DSpark drafts whole blocks and trains no BCE term.
-        out += [f"{s} does nothing: model.confidence_head=false" for s in
-                [*changed("eval", ["confidence_stop"]), *changed("loss", ["confidence_weight"])]]
+    if model.variant == "dspark" and not model.confidence_head:
+        # Without the head DSpark trains no BCE term (eval.confidence_stop: `_confidence_stop_scope`).
+        out += [f"{s} does nothing: model.confidence_head=false" for s in changed("loss", ["confidence_weight"])]
     if model.init_from:
         # The trainer starts from model.init_from's weights and never reads model.init then.
         out += [f"{s} does nothing: model.init_from gives the starting weights" for s in changed("model", ["init"])]
@@ -90,12 +87,25 @@ def _inert_settings(cfg: RunConfig) -> list[str]:
     return out
 
 
+def _confidence_stop_scope(cfg: RunConfig) -> list[str]:
+    """eval.confidence_stop stops the drafter `eval` loads, as its own description says (a checkpoint,
+    an export), whatever this config's model section: with a drafter that cannot stop early here it is
+    not inert, and calling it so sent a DSpark checkpoint's eval to drop it."""
+    stop, model = cfg.eval.confidence_stop, cfg.model
+    if stop is None or (model.variant == "dspark" and model.confidence_head):
+        return []
+    why = f"model.variant={model.variant}" if model.variant != "dspark" else "model.confidence_head=false"
+    return [f"eval.confidence_stop={stop} stops no block of this run's drafter ({why}: it drafts whole blocks); `eval` "
+            f"applies it to a DSpark drafter with a confidence head that it loads (--checkpoint of a DSpark run, or a "
+            f"DSpark export)"]
+
+
 def _warnings(cfg: RunConfig) -> list[str]:
     return _gamma_for_block_size(cfg) + _inert_settings(cfg)
 
 
 def _notes(cfg: RunConfig) -> list[str]:
-    return _global_batch(cfg) + _confidence_slots(cfg)
+    return _global_batch(cfg) + _confidence_slots(cfg) + _confidence_stop_scope(cfg)
 
 
 register_rules(warnings=_warnings, notes=_notes)

@@ -196,7 +196,6 @@ def test_settings_nothing_reads_are_said_at_check_and_train():
         "model.markov_rank=8 does nothing: it is a dspark setting and model.variant=dflash",
         "loss.selector_weight=2.0 does nothing: it is a dflash2 setting and model.variant=dflash",
         "optim.muon_lr=0.01 does nothing: optim.name=adamw",
-        "eval.confidence_stop=0.5 does nothing: only a dspark drafter stops early",
     ]
     for preset in ("default", "cpu-long", "recipe", "qwen3-8b", "llama-3.1-8b"):
         assert not [w for w in load_run_config(preset, []).recipe_warnings() if "does nothing" in w], preset
@@ -209,10 +208,25 @@ def test_settings_nothing_reads_are_said_at_check_and_train():
         "loss.weighting=decay", "loss.dpace_alpha=0.3",
     ])
     assert [w for w in headless.recipe_warnings() if "does nothing" in w] == [
-        "eval.confidence_stop=0.5 does nothing: model.confidence_head=false",
         "loss.confidence_weight=2.0 does nothing: model.confidence_head=false",
         "loss.dpace_alpha=0.3 does nothing: loss.weighting=decay",
     ]
+
+
+def test_confidence_stop_under_a_drafter_that_cannot_stop_is_named_for_the_drafters_eval_loads():
+    """`check` called eval.confidence_stop inert under model.variant=dflash, yet `eval` of a DSpark
+    checkpoint (loaded as its own description says) applies it: a note says where it applies."""
+    import stage2_train  # noqa: F401 - its rules
+
+    for given, why in ((["eval.confidence_stop=0.5"], "model.variant=dflash"),
+                       (["model.variant=dspark", "model.confidence_head=false", "eval.confidence_stop=0.5"], "model.confidence_head=false")):
+        cfg = load_run_config("configs/default.yaml", given)
+        assert not [w for w in cfg.recipe_warnings() if "confidence_stop" in w]
+        assert [n for n in cfg.notes() if n.startswith("eval.confidence_stop")] == [
+            f"eval.confidence_stop=0.5 stops no block of this run's drafter ({why}: it drafts whole blocks); `eval` applies it "
+            f"to a DSpark drafter with a confidence head that it loads (--checkpoint of a DSpark run, or a DSpark export)"]
+    dspark = load_run_config("configs/default.yaml", ["model.variant=dspark", "eval.confidence_stop=0.5"])
+    assert not [n for n in dspark.notes() if n.startswith("eval.confidence_stop")]
     others = load_run_config("configs/default.yaml", [
         "model.projection_scale=none", "model.projection_fit_tokens=1000", "noise.std=0", "noise.warmup_steps=50",
         "eval.every_steps=0", "eval.offline_max_anchors_per_seq=4",
