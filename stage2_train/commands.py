@@ -215,7 +215,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     import sys
 
     from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters, one_line
-    from stage2_train.serve.trained_on import read_trained_on
+    from stage2_train.serve.trained_on import drafter_gamma, read_trained_on
     from stage2_train.train.launch import train_device
 
     path = _saved_drafter_path(cfg, checkpoint)
@@ -234,10 +234,13 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     device = train_device(cfg.train)
     loaded = _saved_drafter(cfg, heldout, path, device)
     drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device)}
+    gamma, notes = drafter_gamma(cfg, loaded.trained_on, loaded.drafter.block_size)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     prompts = heldout.prompts(cfg.eval.online_num_prompts)
     report = evaluate_drafters(
         drafters, heldout, prompts=[p for _, p in prompts], cfg=cfg, baseline="trained", offline=["trained"], device=device,
-        num_prompts_asked=cfg.eval.online_num_prompts,
+        num_prompts_asked=cfg.eval.online_num_prompts, gamma=gamma,
     )
     if report["online"] is not None:
         report["online"]["sample_ids"] = [sid for sid, _ in prompts]
@@ -247,7 +250,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         "weights_sha256": _weights_sha256(source),
         "num_heldout": int(len(heldout.heldout)),
         "split": heldout.split,
-        "offline": report["offline"]["trained"],
+        "offline": {**report["offline"]["trained"], "gamma": gamma},
         "online": report["online"],
         "gap": report["gap"].get("trained"),
         "summary": one_line(report),

@@ -138,6 +138,25 @@ def test_eval_with_no_online_prompts_reports_offline_only_without_loading_the_ta
     assert "offline only (eval.online_num_prompts=0)" in result["summary"]
 
 
+def test_eval_weights_the_heldout_ce_with_the_gamma_the_drafter_trained_with(tiny_target_dir, stores, trained, tmp_path, capsys):
+    """The offline ce is weighted by exp(-(k-1)/gamma): eval took the config's loss.gamma, so the same
+    checkpoint on the same held-out samples scored another ce under a config without the run's
+    loss.gamma=4 than in its own evals. It now takes the drafter's own (its saved run config; an
+    export records it), with a note naming the config's value it ignored."""
+    from stage2_train.serve.trained_on import read_trained_on
+
+    base = overrides(tiny_target_dir, stores[0], trained, **{"eval.online_num_prompts": 0})
+    own = cmd_eval(load_run_config("configs/default.yaml", base))["offline"]
+    capsys.readouterr()
+    other = cmd_eval(load_run_config("configs/default.yaml", [o for o in base if not o.startswith("loss.gamma=")] + ["loss.gamma=9"]))["offline"]
+    assert other["ce"] == own["ce"] and own["accept_len"] == other["accept_len"]
+    assert own["gamma"] == other["gamma"] == 4.0
+    assert ("note: loss.gamma: the held-out ce is weighted with the drafter's own: the drafter was trained with 4 "
+            f"({trained / 'checkpoints' / 'step_000002'}); the config gives (ignored) 9") in capsys.readouterr().err
+    cmd_export(load_run_config("configs/default.yaml", base), out=str(tmp_path / "export"))
+    assert read_trained_on(tmp_path / "export").loss_gamma == 4.0
+
+
 # ---- export: the target, the mask token and the store it was trained on (items 1, 7) ---------------
 def test_export_records_the_split_and_states_the_store_only_when_it_was_trained_on(tiny_target_dir, stores, trained, tmp_path):
     from shared.reader import StoreReader
@@ -146,7 +165,7 @@ def test_export_records_the_split_and_states_the_store_only_when_it_was_trained_
     digest = store_digest(StoreReader(str(stores[0])).manifest)
     cmd_export(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained)), out=str(tmp_path / "a"))
     config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert config["dflash_pipeline"]["training"] == {"holdout_fraction": 0.2, "split_seed": 0, "store_digest": digest}
+    assert config["dflash_pipeline"]["training"] == {"holdout_fraction": 0.2, "split_seed": 0, "store_digest": digest, "loss_gamma": 4.0}
     assert "| data | chat.jsonl: 24 samples" in (tmp_path / "a" / "README.md").read_text()
     cmd_export(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[1], trained)), out=str(tmp_path / "b"))
     card = (tmp_path / "b" / "README.md").read_text()

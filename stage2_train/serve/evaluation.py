@@ -135,19 +135,22 @@ def evaluate_drafters(
     device: Any = "cpu",
     confidence_stops: dict[str, float | None] | None = None,
     num_prompts_asked: int | None = None,
+    gamma: float | None = None,
 ) -> dict[str, Any]:
     """Offline (the drafters named in `offline`, default all) and online evaluation of `drafters` and
     the n-gram drafter on `prompts`; intervals on all prompts and on each of `groups` (prompt indices),
     paired against `baseline`. `confidence_stops`: per drafter, a DSpark early stop other than
     `eval.confidence_stop`. `num_prompts_asked`: how many held-out prompts were asked for, when
-    `prompts` may hold fewer (a note says so)."""
+    `prompts` may hold fewer (a note says so). `gamma`: the offline ce's position weights, when not
+    loss.gamma (a saved drafter's own, `trained_on.drafter_gamma`)."""
     eval_cfg = cfg.eval
     for name, drafter in drafters.items():
         same_layers(drafter, heldout.target, name)
     offline_rows = {
         name: offline_eval(
             drafters[name], heldout.reader, heldout.heldout[: eval_cfg.offline_max_samples].tolist(),
-            max_anchors_per_seq=None, batch_tokens=eval_cfg.offline_batch_tokens, seed=cfg.seed, gamma=cfg.loss.gamma,
+            max_anchors_per_seq=None, batch_tokens=eval_cfg.offline_batch_tokens, seed=cfg.seed,
+            gamma=cfg.loss.gamma if gamma is None else gamma,
         )  # every anchor, as a run's final eval: walk_tau needs them all
         for name in (offline if offline is not None else drafters)
     }

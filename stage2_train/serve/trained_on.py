@@ -41,11 +41,14 @@ class TrainedOn:
     chat_template_kwargs: dict[str, Any] | None = None
     # Where that store was (a checkpoint's resolved.store; an export records no machine path): None unknown.
     store: str | None = None
+    # The loss.gamma it trained with, which weights its held-out cross-entropy (`drafter_gamma`): None unknown.
+    loss_gamma: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """What an export records (`dflash_pipeline.training`)."""
         return {"holdout_fraction": self.holdout_fraction, "split_seed": self.split_seed, "store_digest": self.store_digest,
-                **({"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else {})}
+                **({"chat_template_kwargs": self.chat_template_kwargs} if self.chat_template_kwargs else {}),
+                **({"loss_gamma": self.loss_gamma} if self.loss_gamma is not None else {})}
 
 
 def read_trained_on(path: str | Path) -> TrainedOn | None:
@@ -59,7 +62,8 @@ def read_trained_on(path: str | Path) -> TrainedOn | None:
             return None
         split, resolved = saved.get("eval") or {}, saved.get("resolved") or {}
         return TrainedOn(str(folder), *(split.get(k) for k in SPLIT_KEYS), resolved.get("store_digest"),
-                         (saved.get("data") or {}).get("chat_template_kwargs") or None, resolved.get("store"))
+                         (saved.get("data") or {}).get("chat_template_kwargs") or None, resolved.get("store"),
+                         (saved.get("loss") or {}).get("gamma"))
     config_path = folder / "config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -69,7 +73,7 @@ def read_trained_on(path: str | Path) -> TrainedOn | None:
     if not isinstance(training, dict):
         return None
     return TrainedOn(f"{config_path} (dflash_pipeline.{TRAINING_KEY})", *(training.get(k) for k in SPLIT_KEYS), training.get("store_digest"),
-                     training.get("chat_template_kwargs") or None)
+                     training.get("chat_template_kwargs") or None, loss_gamma=training.get("loss_gamma"))
 
 
 def heldout_split(cfg: RunConfig, record: TrainedOn | None) -> tuple[float, int, list[str]]:
@@ -94,6 +98,22 @@ def heldout_split(cfg: RunConfig, record: TrainedOn | None) -> tuple[float, int,
             + ". Another split would score samples it trained on, so eval uses the drafter's own: drop those overrides"
         )
     return float(values["holdout_fraction"]), int(values["split_seed"]), notes
+
+
+def drafter_gamma(cfg: RunConfig, record: TrainedOn | None, block_size: int) -> tuple[float, list[str]]:
+    """The gamma that weights a saved drafter's held-out cross-entropy: the loss.gamma it trained with
+    (its run's evals reported ce so), else the published one for its block size, else the config's;
+    and a note when the config's loss.gamma, which would have weighted it, differs. The config's was
+    used: a drafter trained with loss.gamma=5 scored under a config of 7 gave another ce than its
+    own evals, for the same weights and held-out samples."""
+    from stage2_train.model.config import recipe_gamma
+
+    own = record.loss_gamma if record is not None and record.loss_gamma is not None else recipe_gamma(block_size)
+    if own is None or own == cfg.loss.gamma:
+        return cfg.loss.gamma, []
+    why = f"the drafter was trained with {own:g} ({record.where})" if record is not None and record.loss_gamma is not None \
+        else f"{own:g} is the published value for its block size {block_size} (its training's is not recorded)"
+    return float(own), [f"loss.gamma: the held-out ce is weighted with the drafter's own: {why}; the config gives (ignored) {cfg.loss.gamma:g}"]
 
 
 def init_split_problem(cfg: RunConfig, record: TrainedOn | None, manifest: dict[str, Any]) -> str | None:
