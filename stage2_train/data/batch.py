@@ -32,7 +32,7 @@ class DrafterBatch:
     block_ids_NB: torch.Tensor  # long, [anchor token, mask, mask, ...]
     block_seq_N: torch.Tensor  # long, sample of each block
     anchor_pos_N: torch.Tensor  # long, position of the anchor inside its sample
-    labels_NB: torch.Tensor  # long, token at anchor + k; -100 where not scored (slot 0, past the end, unsupervised)
+    labels_NB: torch.Tensor  # long, token at anchor + k; -100 where not scored (slot 0, past the end of the sample or the response)
     topk_logprobs_NBK: torch.Tensor | None = None  # target log-probs for the token at anchor + k
     topk_ids_NBK: torch.Tensor | None = None
     num_samples: int = 0
@@ -120,8 +120,8 @@ def collate(
     """Pack samples (no padding) and build their blocks, labels and target top-k.
 
     Block n of sample s anchored at a: slots a+0 .. a+B-1. With c = a + k + label_shift the position
-    slot k predicts: labels[n, k] = input_ids[c] when c < T and loss_mask[c] (and k >= 1 when
-    label_shift is 0); else -100. Top-k for slot k comes from position c-1 (row t holds the target's
+    slot k predicts: labels[n, k] = input_ids[c] when c < T and loss_mask[c] holds from the block's
+    first supervised position through c (and k >= 1 when label_shift is 0); else -100. Top-k for slot k comes from position c-1 (row t holds the target's
     prediction of token t+1) and is zero where the label is -100; prev_ids[n, k] = input_ids[c-1]
     (at least the anchor, at most the last token).
 
@@ -151,6 +151,11 @@ def collate(
         prev.append(ids_T[torch.maximum(pos_AB - 1, anchors_A[:, None]).clamp(max=num_tokens - 1)])
         pos_AB = pos_AB.clamp(max=num_tokens - 1)
         supervised_AB = inside_AB & mask_T[pos_AB]
+        # Only the block's first run of supervised tokens: past its end the response is over (decoding
+        # stops there), and a later run is the next answer, after a user turn the block never sees.
+        starts_AB = supervised_AB.clone()
+        starts_AB[:, 1:] &= ~supervised_AB[:, :-1]
+        supervised_AB &= starts_AB.cumsum(1) <= 1
         supervised_AB[:, : 1 - label_shift] = False
         scored_AB = inside_AB.clone() if distill_all else supervised_AB
         scored_AB[:, : 1 - label_shift] = False
