@@ -48,6 +48,9 @@ class DrafterBatch:
     supervised_NB: torch.Tensor | None = None
     label_shift: int = 0  # 1: slot k is labelled with the token at anchor + k + 1 (every slot scored)
     prev_ids_NB: torch.Tensor | None = None  # long, the data token before each slot's label
+    # bool, the response goes on past the block's last slot: only then does a block drafted right to
+    # its end earn decoding's bonus token (at the end of turn decoding stops). None: assume it does.
+    continues_N: torch.Tensor | None = None
 
     @property
     def first_slot(self) -> int:
@@ -138,6 +141,7 @@ def collate(
     k_B = torch.arange(block_size)
     context, positions, seqs = [], [], []
     block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids, supervised, prev = [], [], [], [], [], [], [], []
+    continues = []
     for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
         ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
         num_tokens = ids_T.shape[0]
@@ -156,6 +160,8 @@ def collate(
         starts_AB = supervised_AB.clone()
         starts_AB[:, 1:] &= ~supervised_AB[:, :-1]
         supervised_AB &= starts_AB.cumsum(1) <= 1
+        after_A = anchors_A + block_size + label_shift  # what a slot past the block would predict
+        continues.append(supervised_AB[:, -1] & (after_A < num_tokens) & mask_T[after_A.clamp(max=num_tokens - 1)])
         supervised_AB[:, : 1 - label_shift] = False
         scored_AB = inside_AB.clone() if distill_all else supervised_AB
         scored_AB[:, : 1 - label_shift] = False
@@ -195,4 +201,5 @@ def collate(
         supervised_NB=torch.cat(supervised) if distill_all else None,
         label_shift=label_shift,
         prev_ids_NB=torch.cat(prev),
+        continues_N=torch.cat(continues),
     )
