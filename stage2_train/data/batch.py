@@ -123,10 +123,11 @@ def collate(
     """Pack samples (no padding) and build their blocks, labels and target top-k.
 
     Block n of sample s anchored at a: slots a+0 .. a+B-1. With c = a + k + label_shift the position
-    slot k predicts: labels[n, k] = input_ids[c] when c < T and loss_mask[c] holds from the block's
-    first supervised position through c (and k >= 1 when label_shift is 0); else -100. Top-k for slot k comes from position c-1 (row t holds the target's
-    prediction of token t+1) and is zero where the label is -100; prev_ids[n, k] = input_ids[c-1]
-    (at least the anchor, at most the last token).
+    slot k predicts: labels[n, k] = input_ids[c] when c < T and loss_mask holds from the block's
+    first supervised position through c (and k >= 1 when label_shift is 0); else -100. Top-k for
+    slot k comes from position c-1 (row t holds the target's prediction of token t+1) and is zero
+    where the label is -100; prev_ids[n, k] = input_ids[c-1] (at least the anchor, at most the last
+    token). continues[n]: the response goes on at the position a slot B would predict.
 
     `context_TF`, when given, already holds the samples' features packed in order (the loader read
     them into it): their hidden_TLH are its slices and are not copied again.
