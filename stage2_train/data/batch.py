@@ -109,6 +109,27 @@ def check_sample(sample: dict[str, Any], anchors_A: torch.Tensor, expected_lengt
         raise ValueError(f"anchors {anchors_A.tolist()[:8]}... fall outside [0, {num_tokens})")
 
 
+def supervised_slots(
+    loss_mask_T: torch.Tensor, anchors_A: torch.Tensor, block_size: int, label_shift: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(supervised_AB: the slots cross-entropy scores, continues_A: whether the response goes on past
+    the block's last slot) of blocks anchored at `anchors_A`; the one rule `collate` and the FLOP
+    count (model/flops.py) follow. A slot is supervised where the token it predicts lies in the block's
+    first run of supervised tokens (slot 0 never when label_shift is 0): past that run's end the response
+    is over (decoding stops there), and a later run is the next answer, after a user turn or tool
+    result the block never sees."""
+    mask_T = loss_mask_T.bool()
+    num_tokens = mask_T.shape[0]
+    pos_AB = anchors_A.long()[:, None] + torch.arange(block_size + 1) + label_shift  # one slot past the block too
+    run_AB = (pos_AB < num_tokens) & mask_T[pos_AB.clamp(max=num_tokens - 1)]
+    starts_AB = run_AB.clone()
+    starts_AB[:, 1:] &= ~run_AB[:, :-1]
+    run_AB &= starts_AB.cumsum(1) <= 1
+    supervised_AB = run_AB[:, :block_size].clone()
+    supervised_AB[:, : 1 - label_shift] = False
+    return supervised_AB, run_AB[:, block_size]
+
+
 def collate(
     samples: Sequence[dict[str, Any]],
     anchors_per_sample: Sequence[torch.Tensor],
@@ -155,15 +176,8 @@ def collate(
         inside_AB = pos_AB < num_tokens
         prev.append(ids_T[torch.maximum(pos_AB - 1, anchors_A[:, None]).clamp(max=num_tokens - 1)])
         pos_AB = pos_AB.clamp(max=num_tokens - 1)
-        supervised_AB = inside_AB & mask_T[pos_AB]
-        # Only the block's first run of supervised tokens: past its end the response is over (decoding
-        # stops there), and a later run is the next answer, after a user turn the block never sees.
-        starts_AB = supervised_AB.clone()
-        starts_AB[:, 1:] &= ~supervised_AB[:, :-1]
-        supervised_AB &= starts_AB.cumsum(1) <= 1
-        after_A = anchors_A + block_size + label_shift  # what a slot past the block would predict
-        continues.append(supervised_AB[:, -1] & (after_A < num_tokens) & mask_T[after_A.clamp(max=num_tokens - 1)])
-        supervised_AB[:, : 1 - label_shift] = False
+        supervised_AB, continues_A = supervised_slots(mask_T, anchors_A, block_size, label_shift)
+        continues.append(continues_A)
         scored_AB = inside_AB.clone() if distill_all else supervised_AB
         scored_AB[:, : 1 - label_shift] = False
         supervised.append(supervised_AB)
