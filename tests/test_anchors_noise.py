@@ -171,3 +171,33 @@ def test_blocks_at_the_end_of_a_response_score_only_the_tokens_that_exist():
     batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=7, gather_topk=False)
     last = batch.labels_NB[-1].tolist()  # anchor T-2: slot 1 is the last token (the end of turn)
     assert last == [IGNORE, 100 + T - 1] + [IGNORE] * (BLOCK - 2)
+
+
+@pytest.mark.parametrize("label_shift", [0, 1])
+def test_a_block_reaching_past_a_user_turn_scores_nothing_of_the_next_answer(label_shift):
+    """Two answers separated by a short user turn (or tool result): a block anchored near the end of the
+    first may reach into the second, whose tokens follow text the block never sees and that decoding
+    never drafts across (the target ends its turn first). Its slots there are not supervised; the KL
+    of distill_positions=all still reaches them (the target read them)."""
+    from stage2_train.data.batch import IGNORE, collate
+
+    # prompt 0-1 | answer 2-5 (5: end of turn) | user 6-7 | answer 8-13
+    mask = torch.tensor([False] * 2 + [True] * 4 + [False] * 2 + [True] * 6)
+    T, B = len(mask), 8
+    sample = {
+        "input_ids_T": torch.arange(100, 100 + T),
+        "loss_mask_T": mask,
+        "hidden_TLH": torch.zeros(T, 1, 2),
+        "topk_logprobs_TK": torch.zeros(T, 3),
+        "topk_ids_TK": torch.zeros(T, 3, dtype=torch.long),
+    }
+    anchors = torch.tensor([3, 4])  # 4: its slot 1 (or, shifted, slot 0) is the end of the first turn
+    batch = collate([sample], [anchors], block_size=B, mask_token_id=7, gather_topk=False, label_shift=label_shift)
+    first = 1 - label_shift
+    for n, a in enumerate(anchors.tolist()):
+        labels = batch.labels_NB[n].tolist()
+        scored = [100 + a + k + label_shift if first <= k and a + k + label_shift <= 5 else IGNORE for k in range(B)]
+        assert labels == scored, (a, labels)
+    everywhere = collate([sample], [anchors], block_size=B, mask_token_id=7, label_shift=label_shift, distill_all=True)
+    assert (everywhere.labels_NB[:, first:] != IGNORE).all()
+    assert everywhere.supervised_NB.tolist() == (batch.labels_NB != IGNORE).tolist()

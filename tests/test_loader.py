@@ -63,9 +63,12 @@ def reference_block(sample: dict, anchor: int):
     ids, mask = sample["input_ids_T"], sample["loss_mask_T"]
     num_tokens = len(ids)
     labels, lps, tids = [], [], []
+    ended = False  # the block's first supervised run is over: nothing after it is scored
     for k in range(BLOCK):
         p = anchor + k
-        if k >= 1 and p < num_tokens and mask[p]:
+        supervised = p < num_tokens and bool(mask[p]) and not ended
+        ended = ended or (not supervised and any(bool(mask[q]) for q in range(anchor, min(p, num_tokens))))
+        if k >= 1 and supervised:
             labels.append(int(ids[p]))
             lps.append(sample["topk_logprobs_TK"][p - 1])
             tids.append(sample["topk_ids_TK"][p - 1])
@@ -111,11 +114,11 @@ def test_collate_packs_and_builds_exact_blocks():
 def test_collate_without_topk_keeps_store_dtype():
     reader = FakeReader([8], hidden_dtype=torch.bfloat16)
     batch = collate(
-        [reader[0]], [torch.tensor([3])], block_size=BLOCK, mask_token_id=MASK_ID, gather_topk=False
+        [reader[0]], [torch.tensor([4])], block_size=BLOCK, mask_token_id=MASK_ID, gather_topk=False
     )
     assert batch.topk_logprobs_NBK is None and batch.topk_ids_NBK is None
     assert batch.context_TF.dtype == torch.bfloat16  # DrafterBatch.to(device, dtype) casts later
-    assert batch.labels_NB.tolist() == [[-100, -100, 10_005, 10_006]]  # position 4 = 8 // 2 is unsupervised
+    assert batch.labels_NB.tolist() == [[-100, 10_005, 10_006, 10_007]]  # position 4 = 8 // 2 is unsupervised
 
 
 class RecordingReader(FakeReader):

@@ -145,6 +145,32 @@ def test_streak_counts_consecutive_hits_from_slot_one():
     assert m["correct_per_pos"].tolist() == [1, 0, 2, 2]
 
 
+@pytest.mark.parametrize("label_shift", [0, 1])
+def test_a_block_whose_last_draft_ends_the_response_earns_no_bonus(label_shift):
+    """Decoding cuts its tokens after the end of turn: a block whose every draft is right and whose
+    last draft is the response's last token gives B - 1 tokens (DSpark B), not one more. A block
+    followed by more of the response earns the bonus."""
+    from stage2_train.data.batch import collate
+
+    B, V = 4, 40
+    ids = torch.arange(10, 20)
+
+    def accept(mask, anchors):
+        sample = {"input_ids_T": ids, "loss_mask_T": torch.tensor(mask, dtype=torch.bool), "hidden_TLH": torch.zeros(10, 1, 2),
+                  "topk_logprobs_TK": torch.zeros(10, 1), "topk_ids_TK": torch.zeros(10, 1, dtype=torch.long)}
+        batch = collate([sample], [torch.tensor(anchors)], block_size=B, mask_token_id=0, gather_topk=False, label_shift=label_shift)
+        hidden = torch.nn.functional.one_hot(batch.labels_NB.clamp(min=0), V).float() * 10  # every draft right
+        _, m = dflash_loss(hidden, torch.eye(V), batch, LossConfig())
+        return m["accept_sum"].item()
+
+    drafts = B - 1 + label_shift
+    answer_to_the_end = [False, False] + [True] * 8  # 9, the sample's last token, ends the answer
+    assert accept(answer_to_the_end, [2 - label_shift]) == drafts + 1  # the answer goes on after the block
+    assert accept(answer_to_the_end, [6 - label_shift]) == drafts  # its last draft is token 9
+    answer_then_template = [False, False] + [True] * 6 + [False, False]  # 7 ends the answer, 8-9 template
+    assert accept(answer_then_template, [4 - label_shift]) == drafts
+
+
 # ---------------------------------------------------------------------------------------------
 # Top-k KL
 

@@ -477,7 +477,7 @@ def test_muon_split_equals_speculators():
         for group_ours, group_theirs in zip(ours, theirs):
             assert [n for n, _ in group_ours] == [n for n, _ in group_theirs]
             assert all(a is b for (_, a), (_, b) in zip(group_ours, group_theirs))
-    muon, adamw = muon_params(drafter)
+    muon, adamw, _ = muon_params(drafter)
     assert "fc.weight" in dict(muon) and "norm.weight" in dict(adamw) and len(muon) == 3 * 7 + 1
 
 

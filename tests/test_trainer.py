@@ -836,8 +836,8 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     from testkit.drafter import tiny_arch, tiny_drafter
 
     model = tiny_drafter(tiny_arch(kv_heads=2), num_layers=2)
-    muon, adamw = muon_params(model)
-    assert {n for n, _ in muon} == {n for n, p in model.named_parameters() if p.ndim == 2}
+    muon, adamw, tables = muon_params(model)
+    assert not tables and {n for n, _ in muon} == {n for n, p in model.named_parameters() if p.ndim == 2}
     assert all(p.ndim == 1 for _, p in adamw) and "fc.weight" in {n for n, _ in muon}
     opts = Optimizers(model, OptimConfig(name="muon", lr=1e-3), total_steps=10)
     muon_group = opts.named["muon"].param_groups[0]

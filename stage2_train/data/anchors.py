@@ -3,8 +3,11 @@
 Anchor t of a sample with T tokens is valid when
     loss_mask[t] and loss_mask[t + 1]     (the anchor and the first drafted token are supervised)
 as in SpecForge's DFlash training. Anchors near the end of a response are allowed: a block's slots
-past the sample end, or on unsupervised tokens, carry no loss (`collate` gives them IGNORE), so the
-drafter learns the last tokens of an answer, its end-of-turn token included, from slot 1 too.
+past the sample end, or past the response's end, carry no loss (`collate` gives them IGNORE), so the
+drafter learns the last tokens of an answer, its end-of-turn token included, from slot 1 too. Past the
+response's end means past it for good: a later answer the block reaches across a short user turn or
+tool result is not scored (SpecForge scores it), since its tokens follow text the block does not see
+and decoding, which stops at the end of the turn, never drafts them.
 Each epoch draws up to `sampler.max_anchors_per_seq` of them without replacement (all of them when
 there are fewer), from a generator seeded by (seed, epoch, sample_id): no state, so resume is
 exact by construction and two ranks never disagree. A sample with no valid anchor yields zero

@@ -32,7 +32,7 @@ class DrafterBatch:
     block_ids_NB: torch.Tensor  # long, [anchor token, mask, mask, ...]
     block_seq_N: torch.Tensor  # long, sample of each block
     anchor_pos_N: torch.Tensor  # long, position of the anchor inside its sample
-    labels_NB: torch.Tensor  # long, token at anchor + k; -100 where not scored (slot 0, past the end, unsupervised)
+    labels_NB: torch.Tensor  # long, token at anchor + k; -100 where not scored (slot 0, past the end of the sample or the response)
     topk_logprobs_NBK: torch.Tensor | None = None  # target log-probs for the token at anchor + k
     topk_ids_NBK: torch.Tensor | None = None
     num_samples: int = 0
@@ -48,6 +48,9 @@ class DrafterBatch:
     supervised_NB: torch.Tensor | None = None
     label_shift: int = 0  # 1: slot k is labelled with the token at anchor + k + 1 (every slot scored)
     prev_ids_NB: torch.Tensor | None = None  # long, the data token before each slot's label
+    # bool, the response goes on past the block's last slot: only then does a block drafted right to
+    # its end earn decoding's bonus token (at the end of turn decoding stops). None: assume it does.
+    continues_N: torch.Tensor | None = None
 
     @property
     def first_slot(self) -> int:
@@ -106,6 +109,27 @@ def check_sample(sample: dict[str, Any], anchors_A: torch.Tensor, expected_lengt
         raise ValueError(f"anchors {anchors_A.tolist()[:8]}... fall outside [0, {num_tokens})")
 
 
+def supervised_slots(
+    loss_mask_T: torch.Tensor, anchors_A: torch.Tensor, block_size: int, label_shift: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(supervised_AB: the slots cross-entropy scores, continues_A: whether the response goes on past
+    the block's last slot) of blocks anchored at `anchors_A`; the one rule `collate` and the FLOP
+    count (model/flops.py) follow. A slot is supervised where the token it predicts lies in the block's
+    first run of supervised tokens (slot 0 never when label_shift is 0): past that run's end the response
+    is over (decoding stops there), and a later run is the next answer, after a user turn or tool
+    result the block never sees."""
+    mask_T = loss_mask_T.bool()
+    num_tokens = mask_T.shape[0]
+    pos_AB = anchors_A.long()[:, None] + torch.arange(block_size + 1) + label_shift  # one slot past the block too
+    run_AB = (pos_AB < num_tokens) & mask_T[pos_AB.clamp(max=num_tokens - 1)]
+    starts_AB = run_AB.clone()
+    starts_AB[:, 1:] &= ~run_AB[:, :-1]
+    run_AB &= starts_AB.cumsum(1) <= 1
+    supervised_AB = run_AB[:, :block_size].clone()
+    supervised_AB[:, : 1 - label_shift] = False
+    return supervised_AB, run_AB[:, block_size]
+
+
 def collate(
     samples: Sequence[dict[str, Any]],
     anchors_per_sample: Sequence[torch.Tensor],
@@ -120,10 +144,11 @@ def collate(
     """Pack samples (no padding) and build their blocks, labels and target top-k.
 
     Block n of sample s anchored at a: slots a+0 .. a+B-1. With c = a + k + label_shift the position
-    slot k predicts: labels[n, k] = input_ids[c] when c < T and loss_mask[c] (and k >= 1 when
-    label_shift is 0); else -100. Top-k for slot k comes from position c-1 (row t holds the target's
-    prediction of token t+1) and is zero where the label is -100; prev_ids[n, k] = input_ids[c-1]
-    (at least the anchor, at most the last token).
+    slot k predicts: labels[n, k] = input_ids[c] when c < T and loss_mask holds from the block's
+    first supervised position through c (and k >= 1 when label_shift is 0); else -100. Top-k for
+    slot k comes from position c-1 (row t holds the target's prediction of token t+1) and is zero
+    where the label is -100; prev_ids[n, k] = input_ids[c-1] (at least the anchor, at most the last
+    token). continues[n]: the response goes on at the position a slot B would predict.
 
     `context_TF`, when given, already holds the samples' features packed in order (the loader read
     them into it): their hidden_TLH are its slices and are not copied again.
@@ -138,6 +163,7 @@ def collate(
     k_B = torch.arange(block_size)
     context, positions, seqs = [], [], []
     block_ids, block_seq, anchor_pos, labels, topk_lp, topk_ids, supervised, prev = [], [], [], [], [], [], [], []
+    continues = []
     for s, (sample, anchors_A) in enumerate(zip(samples, anchors_per_sample)):
         ids_T, mask_T = sample["input_ids_T"].long(), sample["loss_mask_T"].bool()
         num_tokens = ids_T.shape[0]
@@ -150,8 +176,8 @@ def collate(
         inside_AB = pos_AB < num_tokens
         prev.append(ids_T[torch.maximum(pos_AB - 1, anchors_A[:, None]).clamp(max=num_tokens - 1)])
         pos_AB = pos_AB.clamp(max=num_tokens - 1)
-        supervised_AB = inside_AB & mask_T[pos_AB]
-        supervised_AB[:, : 1 - label_shift] = False
+        supervised_AB, continues_A = supervised_slots(mask_T, anchors_A, block_size, label_shift)
+        continues.append(continues_A)
         scored_AB = inside_AB.clone() if distill_all else supervised_AB
         scored_AB[:, : 1 - label_shift] = False
         supervised.append(supervised_AB)
@@ -190,4 +216,5 @@ def collate(
         supervised_NB=torch.cat(supervised) if distill_all else None,
         label_shift=label_shift,
         prev_ids_NB=torch.cat(prev),
+        continues_N=torch.cat(continues),
     )

@@ -89,6 +89,7 @@ def with_a_block(batch: DrafterBatch, mask_token_id: int) -> DrafterBatch:
         scored_per_slot=(0,) * B,
         prev_ids_NB=None if batch.prev_ids_NB is None else torch.full((1, B), mask_token_id, dtype=torch.long),
         supervised_NB=None if batch.supervised_NB is None else torch.zeros(1, B, dtype=torch.bool),
+        continues_N=None if batch.continues_N is None else torch.zeros(1, dtype=torch.bool),
         **topk,
     )
 

@@ -23,6 +23,7 @@ import torch
 
 from shared.target import TargetArch
 from stage2_train.data.anchors import AnchorSampler
+from stage2_train.data.batch import supervised_slots
 from stage2_train.data.sampler import LengthMixedSampler
 from stage2_train.model.config import DrafterConfig
 
@@ -143,7 +144,6 @@ def step_work(
     sample id: stage 1's tokenization, so no features are read). `label_shift` 1: a DSpark run, whose
     slot k is scored on the token at anchor + k + 1 (data/batch.py collate)."""
     B = anchors.block_size
-    slots = np.arange(1, B + label_shift)  # the positions a block's scored slots predict, from its anchor
     out = []
     for row in rows:
         tokens = blocks = scored = pairs = 0
@@ -151,10 +151,9 @@ def step_work(
             sample_id = int(sample_ids[index])
             mask = np.asarray(loss_masks[sample_id], dtype=bool)
             drawn = anchors.anchors(torch.from_numpy(mask), sample_id=sample_id, epoch=row["epoch"]).numpy()
-            pos = drawn[:, None] + slots[None, :]
             tokens += len(mask)
             blocks += len(drawn)
-            scored += int(((pos < len(mask)) & mask[np.minimum(pos, len(mask) - 1)]).sum())
+            scored += int(supervised_slots(torch.from_numpy(mask), torch.from_numpy(drawn), B, label_shift)[0].sum())
             pairs += int((drawn + B).sum()) * B
         out.append(StepWork(tokens, blocks, scored, pairs))
     return out

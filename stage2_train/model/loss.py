@@ -272,7 +272,7 @@ def dflash_loss(
         w_M = rows.w_M * sup_M  # the metrics: decay weights, supervised slots
         counts = block_counts(
             correct_NB.view(N, B), batch.supervised(), loss_weights(labels_NB, cfg.gamma, batch.first_slot),
-            (w_M * ce_M.detach()).sum(), (w_M * kl_M.detach()).sum(), batch.first_slot,
+            (w_M * ce_M.detach()).sum(), (w_M * kl_M.detach()).sum(), batch.first_slot, batch.continues_N,
         )
         if extra is not None:
             counts.update(extra.counts(terms, rows, cfg))
@@ -290,19 +290,20 @@ def dpace_row_weights(
 
 def block_counts(
     correct_NB: torch.Tensor, valid_NB: torch.Tensor, w_NB: torch.Tensor, ce_sum: torch.Tensor, kl_sum: torch.Tensor,
-    first: int = 1,
+    first: int = 1, continues_N: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The COUNT_KEYS of some blocks (`first`: the first scorable slot, 0 for DSpark's shifted blocks).
 
     A block's acceptance length is what one verification of it would yield: its run of correct
     scored slots from the first draft, plus the target's bonus token, except when the run ran into an
-    unscored slot (the end of the response): decoding stops there, with no bonus. So offline
+    unscored slot or through the block's last slot at the end of the response (`continues_N`
+    false): decoding stops there, with no bonus. So offline
     blocks give decoding's numbers at response ends too. Only blocks whose first draft is scored count
     for accept_len: decoding drafts only where the next token is the response's (with
     loss.distill_positions=all a block anchored in the prompt scores KL-only slots first and CE
     slots later; its "run" would read 0)."""
     scored_N = valid_NB[:, first]
-    accept_N = accept_lengths(correct_NB, valid_NB, first)
+    accept_N = accept_lengths(correct_NB, valid_NB, first, continues_N)
     return {
         "ce_sum": ce_sum.float(),
         "kl_sum": kl_sum.float(),
@@ -315,13 +316,19 @@ def block_counts(
     }
 
 
-def accept_lengths(correct_NB: torch.Tensor, valid_NB: torch.Tensor, first: int = 1) -> torch.Tensor:
+def accept_lengths(
+    correct_NB: torch.Tensor, valid_NB: torch.Tensor, first: int = 1, continues_N: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per block: 1 + correct scored slots in a row from slot `first`, less the bonus when that run
-    ended at an unscored slot (the response ended; decoding gets no token past it)."""
+    ended at an unscored slot, or ran through the whole block and the response ends with it
+    (`continues_N` false; None: it goes on): decoding gets no token past the response's end."""
     run_N = (correct_NB[:, first:] & valid_NB[:, first:]).long().cumprod(1).sum(1)
     B = correct_NB.shape[1]
     stop_N = (run_N + first).clamp(max=B - 1)  # the slot where the run stopped
-    ran_out_N = (run_N < B - first) & ~valid_NB.gather(1, stop_N[:, None])[:, 0]
+    whole_N = run_N == B - first
+    ran_out_N = ~whole_N & ~valid_NB.gather(1, stop_N[:, None])[:, 0]
+    if continues_N is not None:
+        ran_out_N = ran_out_N | (whole_N & ~continues_N.to(whole_N.device))
     return run_N + (~ran_out_N).long()
 
 

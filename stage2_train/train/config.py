@@ -66,8 +66,8 @@ class OptimConfig(Section):
     section: ClassVar[str] = "optim"
     name: Literal["adamw", "muon"] = "adamw"
     """adamw (the recipe), or muon: torch.optim.Muon for the 2-D weight matrices, AdamW for the norms
-    (speculators' split: every trainable matrix with min(shape) > 1; the embedding and LM head are
-    frozen here anyway)."""
+    (speculators' split: every trainable matrix with min(shape) > 1 except those indexed by token id,
+    DSpark's Markov factors and DFlash2's codebooks, which AdamW trains at Muon's lr and decay)."""
     lr: float = 6e-4
     """Peak learning rate of AdamW (recipe: 6e-4)."""
     betas: tuple[float, float] = RECIPE_BETAS

@@ -94,8 +94,9 @@ def score_blocks(drafter: DFlashDrafter, batch: DrafterBatch, gamma: float, rows
     w_NB = loss_weights(labels_NB, gamma, first)
     correct_NB = valid_NB & (pred_NB == labels_NB)
     ce_sum = (w_NB * ce_NB).sum()
-    counts = block_counts(correct_NB, valid_NB, w_NB, ce_sum, torch.zeros((), device=ce_sum.device), first)
-    return ScoredBlocks(counts, accept_lengths(correct_NB, valid_NB, first), pred_NB, ce_NB, w_NB, correct_NB)
+    counts = block_counts(correct_NB, valid_NB, w_NB, ce_sum, torch.zeros((), device=ce_sum.device), first, batch.continues_N)
+    accept_N = accept_lengths(correct_NB, valid_NB, first, batch.continues_N)
+    return ScoredBlocks(counts, accept_N, pred_NB, ce_NB, w_NB, correct_NB)
 
 
 def _packs(indices: Sequence[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:

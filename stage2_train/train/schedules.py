@@ -2,8 +2,12 @@
 
 Optimizers (`Optimizers`): AdamW over every trainable parameter (the recipe), or, with
 `optim.name=muon`, torch.optim.Muon over the 2-D weight matrices (min(shape) > 1: attention and
-MLP projections, fc) and AdamW over the rest (norms), as speculators splits them (PR #746). One LR
-schedule drives both; their states are checkpointed together.
+MLP projections, fc) and AdamW over the rest (norms), as speculators splits them (PR #746). The
+vocabulary-indexed tables (DSpark's Markov factors, DFlash2's codebooks) are matrices Muon must not
+orthogonalise: a row's update would no longer follow its own token's gradient (a rare token's row
+moves as far as a frequent one's). They go to AdamW in a group of their own at Muon's lr and weight
+decay (speculators' `_ADAMW_NAME_HINTS`). One LR schedule drives both optimizers; their states are
+checkpointed together.
 
 Learning rate (`lr_factor`, in the torch-free `curves.py` the doctor also reads): linear warmup over ceil(warmup_ratio * total_steps) optimizer steps,
 then cosine (or linear) decay to lr * min_lr_ratio; `warmup_steps(total, cfg)` is the one place
@@ -81,16 +85,27 @@ def noise_generator(seed: int, step: int, rank: int, device: torch.device | str 
     return torch.Generator(device=device).manual_seed(mixed & 0x7FFF_FFFF_FFFF_FFFF)
 
 
-def muon_params(model: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.nn.Parameter]]]:
-    """(Muon's, AdamW's) trainable parameters: matrices with min(shape) > 1 go to Muon, except
-    embeddings and LM heads by name (frozen buffers in this drafter, so none today)."""
-    muon, adamw = [], []
+# Matrices indexed by token id, by name: embeddings and heads (frozen buffers in this drafter), DSpark's
+# Markov factors (markov_w1 is an nn.Embedding) and DFlash2's predecessor/successor codebooks.
+VOCAB_TABLE_HINTS = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")
+
+Named = list[tuple[str, torch.nn.Parameter]]
+
+
+def muon_params(model: torch.nn.Module) -> tuple[Named, Named, Named]:
+    """(Muon's, AdamW's, the vocabulary tables') trainable parameters: matrices with min(shape) > 1
+    go to Muon unless a name in VOCAB_TABLE_HINTS says they are indexed by token id."""
+    muon, adamw, tables = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        matrix = param.ndim == 2 and min(param.shape) > 1 and not any(h in name for h in ("embed_tokens", "lm_head"))
-        (muon if matrix else adamw).append((name, param))
-    return muon, adamw
+        if param.ndim != 2 or min(param.shape) <= 1:
+            adamw.append((name, param))
+        elif any(h in name for h in VOCAB_TABLE_HINTS):
+            tables.append((name, param))
+        else:
+            muon.append((name, param))
+    return muon, adamw, tables
 
 
 class Optimizers:
@@ -98,17 +113,23 @@ class Optimizers:
 
     def __init__(self, model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
         self.cfg = cfg
-        muon, adamw = muon_params(model) if cfg.name == "muon" else ([], [(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        if cfg.name == "muon":
+            muon, adamw, tables = muon_params(model)
+        else:
+            muon, adamw, tables = [], [(n, p) for n, p in model.named_parameters() if p.requires_grad], []
         self.named: dict[str, torch.optim.Optimizer] = {}
         if muon:
             self.named["muon"] = torch.optim.Muon(
                 [p for _, p in muon], lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum,
                 weight_decay=cfg.muon_weight_decay, ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr,
             )
-        if adamw:
-            self.named["adamw"] = torch.optim.AdamW(
-                [p for _, p in adamw], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-            )
+        # The tables are left out of Muon for their shape, not to train slower: Muon's lr and decay
+        # (speculators). The norms' group stays first: last_lr() reads it.
+        groups = [{"params": [p for _, p in adamw]}] if adamw else []
+        if tables:
+            groups.append({"params": [p for _, p in tables], "lr": cfg.muon_lr or cfg.lr, "weight_decay": cfg.muon_weight_decay})
+        if groups:
+            self.named["adamw"] = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
         # Stepped by us once per optimizer step (an Accelerate-prepared scheduler steps once per rank).
         self.schedulers = {
             name: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg)) for name, opt in self.named.items()
@@ -154,6 +175,13 @@ class Optimizers:
         for name, opt in self.named.items():
             if name not in parts:
                 raise CheckpointError(f"optimizer state has no {name!r} part: the checkpoint was trained with another optim.name")
+            saved = [len(group["params"]) for group in parts[name]["param_groups"]]
+            mine = [len(group["params"]) for group in opt.param_groups]
+            if saved != mine:  # torch would say only that a group "doesn't match"
+                raise CheckpointError(
+                    f"optimizer state: {name} held parameter groups of {saved} tensors when saved, has {mine} now (a Muon "
+                    f"run saved before the vocabulary tables left Muon for AdamW, or another drafter). {start_anew()}"
+                )
             own = [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")} for group in opt.param_groups]
             load_optimizer_state(opt, parts[name])
             for group, settings in zip(opt.param_groups, own):
