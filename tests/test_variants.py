@@ -740,7 +740,7 @@ def test_check_warns_before_training_a_dspark_drafter_no_export_layout_carries()
 
     assert warned("model.layer_types=[sliding_attention,full_attention]", "model.sliding_window=64", "model.num_layers=2") == [
         "model.variant=dspark with sliding_attention layers: no export layout carries this drafter (z-lab's has no DSpark; "
-        "speculators' computes sliding layers another way and has no is_causal), so `export` will refuse it; train "
+        "speculators' computes sliding layers another way and has no is_causal), so `python -m stage2_train export` will refuse it; train "
         "full-attention layers with model.is_causal unset to serve it"]
     assert warned("model.is_causal=true")[0].startswith("model.variant=dspark with model.is_causal=true: no export layout")
     assert warned() == [] and warned("model.is_causal=false") == []
