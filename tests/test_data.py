@@ -49,6 +49,23 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
     assert sample.input_ids.dtype == np.int32 and sample.loss_mask.dtype == bool
 
 
+@pytest.mark.parametrize("answer", ["\n\nHello", "  Hello", "\n\n\n"])
+def test_an_answer_opening_with_whitespace_keeps_the_prompt_it_is_served_after(tokenizer, answer):
+    """ChatML's prompt ends "assistant\\n"; an answer opening "\\n\\n" made one "\\n\\n" token of the two
+    when the whole render was tokenized: a prompt the target never sees when serving, and the answer's
+    first newline unsupervised. Each answer now follows its prompt's own tokens, as in generation."""
+    from stage1_extract.template import prompt_ids
+
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "Again"}, {"role": "assistant", "content": answer}]
+    sample = tokenize_conversation(tokenizer, messages, max_length=512)
+    prompt = prompt_ids(tokenizer, messages[:1])
+    turn = tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    between = tokenizer("<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert sample.input_ids.tolist() == prompt + turn + between + turn
+    assert sample.loss_mask.tolist() == [False] * len(prompt) + [True] * len(turn) + [False] * len(between) + [True] * len(turn)
+
+
 def test_prompt_completion_rows_become_chats(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2?", "completion": "4"}])
     (conv,) = read_conversations(path)
