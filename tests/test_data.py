@@ -270,6 +270,24 @@ def plan_config(tiny_target_dir, data, tmp_path, **extra):
     return load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run", **extra))
 
 
+def test_rows_past_the_targets_context_are_refused_not_extracted(tmp_path):
+    """data.max_length past the target's max_position_embeddings stored features at positions the target
+    never runs at when served (generate already counts a sample's context as the smaller of the two);
+    a max_length within it cuts those rows, counted, as any other."""
+    from shared.errors import ConfigError
+    from testkit.target import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "short", max_positions=64)
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "fox " * (5 + 40 * i)}]}
+            for i in range(3)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(ConfigError, match=r"max_length=256 is past the target's max_position_embeddings=64.* 2 row\(s\) "
+                                          r".*row 1: \d+ tokens.*set data.max_length=64"):
+        prepare_run(plan_config(target, data, tmp_path, **{"data.token_cache": False}))
+    within = prepare_run(plan_config(target, data, tmp_path, **{"data.token_cache": False, "data.max_length": 64}))
+    assert [len(r.input_ids) <= 64 for r in within.rows] == [True] * 3 and [r.truncated for r in within.rows] == [False, True, True]
+
+
 def test_token_ids_beyond_the_vocabulary_are_a_named_bad_row(tiny_target_dir, tmp_path):
     """Regenerated answers carry token ids: one beyond the target's vocabulary would crash
     extraction (on a GPU, a device-side assert that kills the rank); it is named when read."""
