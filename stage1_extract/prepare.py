@@ -181,8 +181,9 @@ def tokenized_rows(
                 stats.bad_examples.append(message)
             log.warning("skipping %s", message)
             continue
-        stats.context_turns += sample.context_turns
-        stats.ids_fallbacks += sample.ids_fallbacks
+        if not skipped:  # counts of what the store holds: a skipped row holds nothing
+            stats.context_turns += sample.context_turns
+            stats.ids_fallbacks += sample.ids_fallbacks
         rows.append(
             TokenizedRow(
                 sample_id=conv.row,

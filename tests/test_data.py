@@ -288,6 +288,26 @@ def test_rows_past_the_targets_context_are_refused_not_extracted(tmp_path):
     assert [len(r.input_ids) <= 64 for r in within.rows] == [True] * 3 and [r.truncated for r in within.rows] == [False, True, True]
 
 
+def test_a_row_skipped_as_too_long_counts_none_of_its_turns(tiny_target_dir, tmp_path, copy_tree):
+    """The manifest's num_empty_turns and context_turns count what the store holds: a row data.on_long=skip
+    left out was counted (its empty turn warned about as supervised, its earlier turns as context)."""
+    from stage1_extract import commands
+
+    from .test_generate import QWEN3_LIKE
+
+    target = copy_tree(tiny_target_dir, tmp_path / "qwen3-like")
+    (target / "chat_template.jinja").write_text(QWEN3_LIKE)
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\na"},
+             {"role": "user", "content": "again"}, {"role": "assistant", "content": "b"}]
+    long_turns = [{"role": "user", "content": "fox " * 300}, turns[1], {"role": "user", "content": "again"},
+                  {"role": "assistant", "content": ""}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}, {"messages": long_turns}])
+    cfg = plan_config(target, data, tmp_path, **{"data.on_long": "skip", "data.max_length": 128})
+    out = commands.cmd_extract(cfg, progress=False)
+    assert (out["num_samples"], out["num_skipped"]) == (1, 1)
+    assert (out["num_empty_turns"], out["context_turns"]) == (0, 1)
+
+
 def test_token_ids_beyond_the_vocabulary_are_a_named_bad_row(tiny_target_dir, tmp_path):
     """Regenerated answers carry token ids: one beyond the target's vocabulary would crash
     extraction (on a GPU, a device-side assert that kills the rank); it is named when read."""
