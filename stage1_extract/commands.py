@@ -36,6 +36,7 @@ from stage1_extract.distributed import (
     wait_for_ranks,
 )
 from stage1_extract.extract import ExtractConfig, run_shards
+from stage1_extract.forward import check_output_head, check_packed_forward
 from stage1_extract.generate_command import cmd_generate  # noqa: F401  (a verb: `commands` names them all)
 from stage1_extract.header import SETTING_OF, load_or_pin_plan, other_data_problem, plan_problem
 from stage1_extract.merge import done_shards, merge_manifest, part_path, part_records, row_accounting
@@ -285,9 +286,9 @@ def _run_windows(
         )
         if split is not None:
             check_split(model, lay)
-    from stage1_extract.forward import check_output_head
-
     check_output_head(model)  # every rank (a tensor-parallel forward is collective), fp4's rank 0 too
+    if settings["packed"]:
+        check_packed_forward(model)
     if model.config._attn_implementation != settings["attn_implementation"]:
         raise RuntimeError(
             f"the target loaded with attention {model.config._attn_implementation!r}, the store's header says "

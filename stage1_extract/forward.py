@@ -104,6 +104,33 @@ def check_output_head(model: Any, num_tokens: int = 8) -> None:
         )
 
 
+def check_packed_forward(model: Any, lengths: tuple[int, int] = (6, 10)) -> None:
+    """Refuse packed extraction where the target's forward lets a packed sample see the one before it:
+    a sequence mixer that is not attention (Qwen3-Next's and Qwen3.5's gated DeltaNet, Mamba, short
+    convolutions) takes no packed mask, and its state runs on across the samples of a packed row, which
+    `check_packing` cannot tell from the model type. One forward of two short samples packed against
+    the second alone, on every rank (a tensor-parallel forward is collective)."""
+    import torch
+
+    device = next(model.parameters()).device
+    decoder = model.get_decoder()
+    ids_N = (torch.arange(sum(lengths), device=device) * 7 + 3) % model.config.get_text_config().vocab_size
+    positions_1N = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    with torch.inference_mode():
+        packed = decoder(input_ids=ids_N[None], position_ids=positions_1N, use_cache=False,
+                         **packed_lengths(model, list(lengths), device)).last_hidden_state[0, lengths[0]:].float()
+        alone = decoder(input_ids=ids_N[None, lengths[0]:], use_cache=False).last_hidden_state[0].float()
+    # Relative to the whole output, not per value: bf16 rounding differs by ~1e-2, a leak by ~1.
+    error = float((packed - alone).norm() / alone.norm().clamp_min(1e-6))
+    if error > 0.1:
+        raise ConfigError(
+            f"extract.packed: the target ({type(model).__name__}) gives a packed sample other features than the same sample "
+            f"alone (relative difference {error:.2g}): a layer of it that is not attention carries its state across the "
+            f"samples of a packed batch, so the store would hold each sample mixed with the ones before it; set "
+            f"extract.packed=off (padded batches)"
+        )
+
+
 def topk_logprobs(final_hidden_NH: Any, lm_head: Any, k: int, chunk: int) -> tuple[Any, Any]:
     """Top-k of log_softmax(lm_head(h)) in fp32, chunked over tokens.
 

@@ -84,6 +84,7 @@ def prepare(
     origin = generated.get("prompts") if generated else None
     rows, stats, source_sha256 = tokenized_rows(data, tokenizer, tokenizer_hashes, source, data_format, cache_root, origin)
     rows = in_vocabulary(rows, stats, target.arch.vocab_size, tokenizer, source, data.on_bad_row, origin)
+    check_context(rows, data.max_length, target.arch.max_position_embeddings, source)
     if not rows:
         raise DataError(f"{source}: no usable rows")
     rows = split_keys(rows, header, source, data.regenerate, files.url)
@@ -191,8 +192,9 @@ def tokenized_rows(
                 stats.bad_examples.append(message)
             log.warning("skipping %s", message)
             continue
-        stats.context_turns += sample.context_turns
-        stats.ids_fallbacks += sample.ids_fallbacks
+        if not skipped:  # counts of what the store holds: a skipped row holds nothing
+            stats.context_turns += sample.context_turns
+            stats.ids_fallbacks += sample.ids_fallbacks
         rows.append(
             TokenizedRow(
                 sample_id=conv.row,
@@ -273,6 +275,20 @@ def in_vocabulary(
             stats.bad_examples.append(message)
         log.warning("skipping %s", message)
     return kept
+
+
+def check_context(rows: list[TokenizedRow], max_length: int, positions: int, source: Path) -> None:
+    """Refuse rows longer than the target's context (config.json max_position_embeddings), the tokens
+    a sample may hold as `generate` counts them: the target never ran past it when trained and a
+    serving engine refuses it (vLLM's max_model_len), so features there are no drafter's input."""
+    longer = [r for r in rows if not r.skipped and len(r.input_ids) > positions]
+    if longer:
+        raise ConfigError(
+            f"data.max_length={max_length} is past the target's max_position_embeddings={positions} (its config.json), and "
+            f"{len(longer)} row(s) of {source} are longer than that (row {longer[0].sample_id}: {len(longer[0].input_ids)} "
+            f"tokens): their features past position {positions} would be positions the target is never served at; set "
+            f"data.max_length={positions} (longer rows are then cut, or skipped with data.on_long=skip)"
+        )
 
 
 def unusable(sample: Any, max_length: int) -> str | None:

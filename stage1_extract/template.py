@@ -116,9 +116,17 @@ def tokenize_conversation(
 def _tokenize_text(
     tokenizer: Any, messages: list[dict[str, Any]], text: str, spans: dict[int, tuple[int, int]]
 ) -> tuple[np.ndarray, np.ndarray]:
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int32)
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    ids, offsets = _encode(tokenizer, text, 0)
+    # A token across a turn's edge (ChatML's "assistant\n" and an answer opening "\n\n" merge into one
+    # "\n\n") would put a prompt the target never sees when serving, which ends at the edge, and leave
+    # the answer's first tokens unsupervised: the text is tokenized apart at such an edge, as the
+    # generation prompt and the answer are. Rows whose tokens respect every edge keep their tokens.
+    edges = sorted({edge for span in spans.values() for edge in span})
+    crossed = [e for e in edges if ((offsets[:, 0] < e) & (offsets[:, 1] > e)).any()]
+    if crossed:
+        cuts = [0, *crossed, len(text)]
+        parts = [_encode(tokenizer, text[a:b], a) for a, b in zip(cuts[:-1], cuts[1:])]
+        ids, offsets = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     mask = np.zeros(len(ids), dtype=bool)
     for turn, (start, end) in spans.items():
         if messages[turn].get("weight") == 0:
@@ -126,6 +134,13 @@ def _tokenize_text(
         # A token is supervised when it starts inside the assistant's text.
         mask |= (offsets[:, 0] >= start) & (offsets[:, 0] < end) & (offsets[:, 1] > offsets[:, 0])
     return ids, mask
+
+
+def _encode(tokenizer: Any, text: str, at: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of `text` and their character offsets, shifted to where `text` starts in the render (`at`)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) + at
+    return np.asarray(enc["input_ids"], dtype=np.int32), offsets
 
 
 def _tokenize_with_ids(

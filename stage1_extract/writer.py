@@ -228,7 +228,7 @@ class ShardWriter:
                 **({"opening_hashes": [r.opening_hash[:16] for r in shard.kept]} if all(r.opening_hash for r in shard.rows) else {}),
                 "num_truncated": sum(r.truncated for r in shard.rows),
                 "num_skipped": sum(r.skipped for r in shard.rows),
-                "num_empty_turns": sum(r.empty_turns for r in shard.rows),
+                "num_empty_turns": sum(r.empty_turns for r in shard.kept),  # a skipped row stores none
                 **self.provenance,
             }
         )

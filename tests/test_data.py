@@ -49,6 +49,23 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer):
     assert sample.input_ids.dtype == np.int32 and sample.loss_mask.dtype == bool
 
 
+@pytest.mark.parametrize("answer", ["\n\nHello", "  Hello", "\n\n\n"])
+def test_an_answer_opening_with_whitespace_keeps_the_prompt_it_is_served_after(tokenizer, answer):
+    """ChatML's prompt ends "assistant\\n"; an answer opening "\\n\\n" made one "\\n\\n" token of the two
+    when the whole render was tokenized: a prompt the target never sees when serving, and the answer's
+    first newline unsupervised. Each answer now follows its prompt's own tokens, as in generation."""
+    from stage1_extract.template import prompt_ids
+
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "Again"}, {"role": "assistant", "content": answer}]
+    sample = tokenize_conversation(tokenizer, messages, max_length=512)
+    prompt = prompt_ids(tokenizer, messages[:1])
+    turn = tokenizer(answer + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    between = tokenizer("<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert sample.input_ids.tolist() == prompt + turn + between + turn
+    assert sample.loss_mask.tolist() == [False] * len(prompt) + [True] * len(turn) + [False] * len(between) + [True] * len(turn)
+
+
 def test_prompt_completion_rows_become_chats(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2?", "completion": "4"}])
     (conv,) = read_conversations(path)
@@ -279,6 +296,44 @@ def plan_config(tiny_target_dir, data, tmp_path, **extra):
     from .conftest import stage1_overrides
 
     return load_run_config("configs/default.yaml", stage1_overrides(tiny_target_dir, data, tmp_path / "run", **extra))
+
+
+def test_rows_past_the_targets_context_are_refused_not_extracted(tmp_path):
+    """data.max_length past the target's max_position_embeddings stored features at positions the target
+    never runs at when served (generate already counts a sample's context as the smaller of the two);
+    a max_length within it cuts those rows, counted, as any other."""
+    from shared.errors import ConfigError
+    from testkit.target import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "short", max_positions=64)
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "fox " * (5 + 40 * i)}]}
+            for i in range(3)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(ConfigError, match=r"max_length=256 is past the target's max_position_embeddings=64.* 2 row\(s\) "
+                                          r".*row 1: \d+ tokens.*set data.max_length=64"):
+        prepare_run(plan_config(target, data, tmp_path, **{"data.token_cache": False}))
+    within = prepare_run(plan_config(target, data, tmp_path, **{"data.token_cache": False, "data.max_length": 64}))
+    assert [len(r.input_ids) <= 64 for r in within.rows] == [True] * 3 and [r.truncated for r in within.rows] == [False, True, True]
+
+
+def test_a_row_skipped_as_too_long_counts_none_of_its_turns(tiny_target_dir, tmp_path, copy_tree):
+    """The manifest's num_empty_turns and context_turns count what the store holds: a row data.on_long=skip
+    left out was counted (its empty turn warned about as supervised, its earlier turns as context)."""
+    from stage1_extract import commands
+
+    from .test_generate import QWEN3_LIKE
+
+    target = copy_tree(tiny_target_dir, tmp_path / "qwen3-like")
+    (target / "chat_template.jinja").write_text(QWEN3_LIKE)
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\na"},
+             {"role": "user", "content": "again"}, {"role": "assistant", "content": "b"}]
+    long_turns = [{"role": "user", "content": "fox " * 300}, turns[1], {"role": "user", "content": "again"},
+                  {"role": "assistant", "content": ""}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}, {"messages": long_turns}])
+    cfg = plan_config(target, data, tmp_path, **{"data.on_long": "skip", "data.max_length": 128})
+    out = commands.cmd_extract(cfg, progress=False)
+    assert (out["num_samples"], out["num_skipped"]) == (1, 1)
+    assert (out["num_empty_turns"], out["context_turns"]) == (0, 1)
 
 
 def test_token_ids_beyond_the_vocabulary_are_a_named_bad_row(tiny_target_dir, tmp_path):

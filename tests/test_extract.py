@@ -665,3 +665,43 @@ def test_a_rank_whose_node_resolves_other_settings_is_refused_before_it_extracts
     outcomes = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert outcomes[1].startswith("ConfigError: rank 1 resolved extraction.compute_dtype=") and "target.dtype" in outcomes[1]
     assert outcomes[0].startswith("ConfigError: ") and "another rank resolved other settings than rank 0" in outcomes[0]
+
+
+def test_packed_extraction_of_a_target_whose_layers_carry_state_across_samples_is_refused(tmp_path, data_file):
+    """Qwen3-Next's (and Qwen3.5's) gated DeltaNet layers take no packed mask: their state ran on from one
+    packed sample into the next, and every sample after a batch's first was stored mixed with the ones
+    before it (here ~100% off a forward of the sample alone). Refused before any shard is written;
+    padded batches store each sample's own features."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from shared.errors import ConfigError
+    from testkit.target import tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    hybrid = AutoConfig.for_model(
+        "qwen3_next", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hybrid).eval()
+    target = tmp_path / "hybrid"
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    packed = config(target, data_file, tmp_path / "packed", **{"extract.packed": "on", "target.attn_implementation": "sdpa",
+                                                                "data.max_samples": 6})
+    with pytest.raises(ConfigError, match=r"extract\.packed: the target \(Qwen3NextForCausalLM\) gives a packed sample other "
+                                          r"features than the same sample alone .* set extract\.packed=off"):
+        commands.cmd_extract(packed, progress=False)
+    assert not list((Path(packed.store.url(packed.run_dir)) / "parts").glob("*.json"))
+    padded = config(target, data_file, tmp_path / "padded", **{"extract.packed": "off", "data.max_samples": 6})
+    commands.cmd_extract(padded, progress=False)
+    reader = StoreReader(padded.store.url(padded.run_dir))
+    for index in range(len(reader)):
+        sample = reader[index]
+        with torch.inference_mode():
+            out = model(sample["input_ids_T"][None], output_hidden_states=True)
+        expected_TLH = torch.stack([out.hidden_states[i + 1][0] for i in reader.manifest["layer_ids"]], dim=1)
+        torch.testing.assert_close(sample["hidden_TLH"].float(), expected_TLH.bfloat16().float(), rtol=0.02, atol=0.02)
