@@ -95,7 +95,7 @@ def _confidence_stop_scope(cfg: RunConfig) -> list[str]:
     if stop is None or (model.variant == "dspark" and model.confidence_head):
         return []
     why = f"model.variant={model.variant}" if model.variant != "dspark" else "model.confidence_head=false"
-    return [f"eval.confidence_stop={stop} stops no block of this run's drafter ({why}: it drafts whole blocks); `eval` "
+    return [f"eval.confidence_stop={stop} stops no block of this run's drafter ({why}: it drafts whole blocks); `python -m stage2_train eval` "
             f"applies it to a DSpark drafter with a confidence head that it loads (--checkpoint of a DSpark run, or a "
             f"DSpark export)"]
 

@@ -223,7 +223,7 @@ def test_confidence_stop_under_a_drafter_that_cannot_stop_is_named_for_the_draft
         cfg = load_run_config("configs/default.yaml", given)
         assert not [w for w in cfg.recipe_warnings() if "confidence_stop" in w]
         assert [n for n in cfg.notes() if n.startswith("eval.confidence_stop")] == [
-            f"eval.confidence_stop=0.5 stops no block of this run's drafter ({why}: it drafts whole blocks); `eval` applies it "
+            f"eval.confidence_stop=0.5 stops no block of this run's drafter ({why}: it drafts whole blocks); `python -m stage2_train eval` applies it "
             f"to a DSpark drafter with a confidence head that it loads (--checkpoint of a DSpark run, or a DSpark export)"]
     dspark = load_run_config("configs/default.yaml", ["model.variant=dspark", "eval.confidence_stop=0.5"])
     assert not [n for n in dspark.notes() if n.startswith("eval.confidence_stop")]
