@@ -100,6 +100,22 @@ def tokenize_conversation(
     tokenizer: Any, messages: list[dict[str, Any]], max_length: int, tools: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> TokenizedSample:
+    """The row's ids and loss mask; ValueError (a bad row: named, or skipped with data.on_bad_row=skip)
+    when the row cannot be masked, or when the chat template refuses it."""
+    import jinja2
+
+    try:
+        return _tokenize_conversation(tokenizer, messages, max_length, tools, template_kwargs)
+    except jinja2.TemplateSyntaxError:  # the template itself is broken: every row would fail, not this one
+        raise
+    except jinja2.TemplateError as exc:  # raise_exception (Mistral's "roles must alternate") or an undefined field
+        raise ValueError(f"the chat template refused the row: {exc}") from exc
+
+
+def _tokenize_conversation(
+    tokenizer: Any, messages: list[dict[str, Any]], max_length: int, tools: str | None,
+    template_kwargs: dict[str, Any] | None,
+) -> TokenizedSample:
     kw = {"tools": tools, "template_kwargs": template_kwargs}
     full, spans, context = assistant_char_spans(tokenizer, messages, **kw)
     empty = sum(1 for m in (messages[i] for i in spans) if not m["content"].strip() and not m.get("tool_calls") and m.get("weight") != 0)

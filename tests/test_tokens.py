@@ -202,3 +202,31 @@ def test_a_store_tokenized_at_a_version_with_the_same_tokens_is_not_doubted(tiny
         report = store_staleness(cfg, target, manifest)
         assert report.current and report.rows_checked_by == "data sha256"
         assert any("tokenization version" in w for w in report.warnings) is doubted, (version, report.warnings)
+
+
+# Mistral's and Llama 2's templates refuse a conversation whose roles do not alternate (ShareGPT data
+# with two user turns in a row), through raise_exception: a jinja TemplateError, not a ValueError.
+ALTERNATING = """{%- for m in messages -%}
+{%- if not loop.first and m.role == messages[loop.index0 - 1].role -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"""
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["serial", "worker pool"])
+def test_a_template_that_raises_is_a_bad_row_named_or_skipped(tiny_target_dir, tmp_path, monkeypatch, copy_tree, workers):
+    target = copy_tree(tiny_target_dir, tmp_path / "target")
+    (target / "chat_template.jinja").write_text(ALTERNATING)
+    rows = chat_rows(10)
+    rows[7]["messages"].insert(1, {"role": "user", "content": "and another thing"})
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    monkeypatch.setattr(tokens, "_PARALLEL_MIN_ROWS", 0)
+    with pytest.raises(ValueError, match=r"chat\.jsonl: row 7: the chat template refused the row: Conversation roles must "
+                                         r"alternate user/assistant/user/assistant/\.\.\. \(set data\.on_bad_row=skip"):
+        prepared(target, data, tmp_path / "run", **{"data.tokenize_workers": workers})
+    assert not list((tmp_path / "run").glob("cache/tokens-*"))
+    skipped = prepared(target, data, tmp_path / "run", **{"data.tokenize_workers": workers, "data.on_bad_row": "skip"})
+    assert [r.sample_id for r in skipped.rows] == [0, 1, 2, 3, 4, 5, 6, 8, 9]
+    assert skipped.stats.bad_rows == 1
+    assert skipped.stats.bad_examples == [f"{data}: row 7: the chat template refused the row: Conversation roles must "
+                                          f"alternate user/assistant/user/assistant/..."]
