@@ -196,8 +196,8 @@ def test_a_store_tokenized_at_a_version_with_the_same_tokens_is_not_doubted(tiny
     prepare.discard_token_cache(RunPaths.of(cfg).token_cache)
     manifest = StoreReader(cfg.store.url(cfg.run_dir)).manifest
     target = resolve_target(cfg.target)
-    # 12 tokenizes apart at a turn's edge a token crossed: a store made at 10 or 11 may hold other tokens
-    for version, doubted in ((token_cache.SAME_TOKENS_SINCE, False), (11, True), (9, True)):
+    # 13 supervises turns a template opens otherwise as the last turn: a store made at 12 or before may hold other masks
+    for version, doubted in ((token_cache.SAME_TOKENS_SINCE, False), (12, True), (9, True)):
         manifest["data"]["tokens_version"] = version
         report = store_staleness(cfg, target, manifest)
         assert report.current and report.rows_checked_by == "data sha256"
