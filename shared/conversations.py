@@ -31,7 +31,8 @@ would drop the other.
 One form: `{"role", "content"}` per message, plus `token_ids` on an answer the target regenerated
 and beside them `answer_cut` (true: `generate.max_new_tokens` cut the answer, the target had not
 ended it; false: the target ended it; absent in files written before it was recorded: read as
-ended, and counted as `answers_cut_unknown`), `tool_calls` (`[{"name", "arguments" (JSON text),
+ended, and counted as `answers_cut_unknown`), and `stop_id` (the stop token the target ended it with,
+when it did), `tool_calls` (`[{"name", "arguments" (JSON text),
 "id"?}]`) on an assistant turn that calls tools, `reasoning_content` and `weight: 0` on an assistant
 turn, `tool_call_id` on a tool's result, `name` on any turn. Keys appear only when they hold something
 (`weight: 1` is left out), so a row's hash (`Conversation.row_hash`) is the same for the same

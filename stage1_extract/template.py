@@ -23,6 +23,11 @@ prompt, the end-of-turn marker, the next turns) is tokenized piece by piece: the
 first answer exactly as generation saw it. A template that drops the answer or closes it otherwise
 falls back to tokenizing the text, counted (`TokenizedSample.ids_fallbacks`).
 
+An answer the target ended closes with the stop token it ended with (`stop_id`), supervised, where the
+template's closing opens with another end marker (Llama 3.1's <|eot_id|> for an <|eom_id|>, Qwen3's
+<|im_end|> for an <|endoftext|>); in a turn later turns follow, the template's marker stays (they were
+generated after it), unsupervised.
+
 An answer `generate.max_new_tokens` cut (`answer_cut`) did not end: the template still closes its
 turn, but that end-of-turn marker (the text the template writes after the answer) is not the
 target's, so it is not supervised, and the drafter is never taught that the target stops there. Its
@@ -223,7 +228,7 @@ def _tokenize_with_ids(
                 if later:
                     text(before, supervised)
                 pieces.append((list(ids), supervised))
-                text(after, supervised and not cut)
+                pieces.extend(_closing(tokenizer, after, message.get("stop_id"), later, supervised and not cut))
             else:  # the template dropped the answer or closes it otherwise: the ids cannot be placed, use the text
                 fallbacks += 1
                 # A cut answer has no end marker to tell apart: unsupervised rather than teach a false end.
@@ -233,6 +238,21 @@ def _tokenize_with_ids(
     ids = np.asarray([t for chunk, _ in pieces for t in chunk], dtype=np.int32)
     mask = np.asarray([sup for chunk, sup in pieces for _ in chunk], dtype=bool)
     return ids, mask, fallbacks
+
+
+def _closing(tokenizer: Any, after: str, stop: int | None, later: bool, supervised: bool) -> list[tuple[list[int], bool]]:
+    """The template's closing of an answer whose ids were placed, opened by the stop token the target ended
+    it with (`stop_id`) where the template writes another end marker (Llama 3.1's <|eot_id|> for the
+    target's <|eom_id|>, Qwen3's <|im_end|> for its <|endoftext|>): the drafter learns the target's own end.
+    In a turn later turns follow, the marker they were generated after stays, unsupervised: the target
+    never wrote it."""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    if stop is None or not ids or ids[0] == stop or not getattr(added.get(ids[0]), "special", False):
+        return [(ids, supervised)] if ids else []
+    if later:
+        return [([ids[0]], False), (ids[1:], supervised)]
+    return [([stop, *ids[1:]], supervised)]
 
 
 def check_template_variables(tokenizer: Any, template_kwargs: dict[str, Any], target_path: str) -> None:
