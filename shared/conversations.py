@@ -132,6 +132,12 @@ class ReadStats:
     ids_fallbacks: int = 0
 
 
+def answer_cuts(messages: list[dict[str, Any]]) -> tuple[int, int]:
+    """(regenerated answers cut, those from files that do not record it) among a row's messages."""
+    return (sum(m.get("answer_cut") is True for m in messages),
+            sum("token_ids" in m and "answer_cut" not in m for m in messages))
+
+
 # ---------------------------------------------------------------------------------------------
 # Which format a row or a file is in
 

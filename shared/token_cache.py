@@ -41,7 +41,7 @@ TOKENS_VERSION = 13  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT
 # a token crossed (an answer opening with whitespace the template's own merged into); 13: a turn without reasoning whose
 # render as the last turn only adds an opening (Qwen3's empty think block before a tool call) supervised where the
 # whole render has it (was refused, or context before a later user turn), a regenerated answer's own stop token (`stop_id`)
-# in place of the template's end marker
+# in place of the template's end marker, answers_cut counted over the rows stored
 # The first version whose rows tokenize as this one's do: later ones changed only what the cache holds
 # beside the tokens (11: opening hashes), so a store's manifest at it still holds today's tokens.
 SAME_TOKENS_SINCE = 13

@@ -230,3 +230,21 @@ def test_a_template_that_raises_is_a_bad_row_named_or_skipped(tiny_target_dir, t
     assert skipped.stats.bad_rows == 1
     assert skipped.stats.bad_examples == [f"{data}: row 7: the chat template refused the row: Conversation roles must "
                                           f"alternate user/assistant/user/assistant/..."]
+
+
+def test_answers_cut_counts_the_rows_stored_only(tiny_target_dir, tmp_path):
+    """answers_cut (and answers_cut_unknown) were counted as rows were read: a row then skipped as too long
+    or dropped as bad still counted, so the manifest reported cut answers the store does not hold."""
+    def row(i, words, **answer):
+        return {"messages": [{"role": "user", "content": f"{i}: say it"},
+                             {"role": "assistant", "content": " ".join(["fox"] * words), **answer}]}
+
+    ids = [1, 2, 3]
+    rows = [row(0, 3, token_ids=ids, answer_cut=True), row(1, 3, token_ids=ids * 40, answer_cut=True),  # too long
+            row(2, 0, token_ids=[], answer_cut=True),  # nothing to supervise: a bad row
+            row(3, 3, token_ids=ids), row(4, 3, token_ids=ids * 40), row(5, 3)]  # 3 and 4: cut or not unknown
+    data = write_jsonl(tmp_path / "answers.jsonl", rows)
+    prep = prepared(tiny_target_dir, data, tmp_path / "run", **{"data.max_length": 64, "data.on_long": "skip",
+                                                                  "data.on_bad_row": "skip", "data.regenerate": False})
+    assert [(r.sample_id, r.skipped) for r in prep.rows] == [(0, False), (1, True), (3, False), (4, True), (5, False)]
+    assert (prep.stats.bad_rows, prep.stats.answers_cut, prep.stats.answers_cut_unknown) == (1, 1, 1)
