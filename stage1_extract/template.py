@@ -255,6 +255,23 @@ def _closing(tokenizer: Any, after: str, stop: int | None, later: bool, supervis
     return [([stop, *ids[1:]], supervised)]
 
 
+def template_refusal(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: str | None = None, template_kwargs: dict[str, Any] | None = None
+) -> str | None:
+    """Why the chat template refuses the row (its raise_exception: Mistral's "roles must alternate"), or None;
+    one render of the whole row, for `generate`, whose prompts are its prefixes."""
+    import jinja2
+
+    try:
+        render(tokenizer, messages, add_generation_prompt=messages[-1]["role"] != "assistant", tools=tools,
+               template_kwargs=template_kwargs)
+    except jinja2.TemplateSyntaxError:  # the template itself is broken: every row would fail, not this one
+        raise
+    except jinja2.TemplateError as exc:
+        return f"the chat template refused the row: {exc}"
+    return None
+
+
 def check_template_variables(tokenizer: Any, template_kwargs: dict[str, Any], target_path: str) -> None:
     """Refuse a `data.chat_template_kwargs` key the target's chat template never names: jinja renders
     it as if it were not given, so a misspelt `enable_thinking` (or one given to a template without

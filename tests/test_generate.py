@@ -1063,3 +1063,21 @@ def test_rank_0_merges_the_parts_it_waited_for_even_when_its_listing_lacks_them(
     monkeypatch.setattr(Path, "glob", real_glob)
     assert result["conversations"] == 11
     assert [c.row for c in read_conversations(result["output"])] == list(range(11))
+
+
+def test_a_row_the_chat_template_refuses_is_named_or_skipped_before_generating(tiny_target_dir, tmp_path, fake_vllm, copy_tree):
+    """A template's raise_exception (Mistral's "roles must alternate", two user turns in a row in ShareGPT
+    data) stopped generate mid-run with a jinja traceback naming no row, whatever data.on_bad_row said."""
+    from .test_tokens import ALTERNATING
+
+    target = copy_tree(tiny_target_dir, tmp_path / "target")
+    (target / "chat_template.jinja").write_text(ALTERNATING)
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
+    rows[2]["messages"].append({"role": "user", "content": "and another"})
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(data))}: row 2: the chat template refused the row: Conversation "
+                                        r"roles must alternate user/assistant/user/assistant/\.\.\. \(set data\.on_bad_row=skip"):
+        commands.cmd_generate(generate_config(target, data, tmp_path / "run"), progress=False)
+    out = commands.cmd_generate(generate_config(target, data, tmp_path / "run", **{"data.on_bad_row": "skip"}), progress=False)
+    assert (out["rows_read"], out["bad_rows_skipped"], out["conversations"]) == (4, 1, 3)
+    assert [c.source_row for c in read_conversations(out["output"])] == [0, 1, 3]
