@@ -43,6 +43,7 @@ from shared.conversations import (
     Conversation,
     ReadStats,
     RowLimits,
+    answer_cuts,
     both_formats,
     detect_columns,
     detect_format,
@@ -128,8 +129,9 @@ def read_conversations(
                 del record  # a huge row's text is gone once it is cut, not when the next row comes
             kept += 1
             stats.leading_turns_dropped += dropped
-            stats.answers_cut += sum(m.get("answer_cut") is True for m in messages)
-            stats.answers_cut_unknown += sum("token_ids" in m and "answer_cut" not in m for m in messages)
+            cut_answers, unknown = answer_cuts(messages)
+            stats.answers_cut += cut_answers
+            stats.answers_cut_unknown += unknown
             if dropped and not warned:
                 warned = True
                 log.warning(

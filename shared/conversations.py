@@ -31,7 +31,8 @@ would drop the other.
 One form: `{"role", "content"}` per message, plus `token_ids` on an answer the target regenerated
 and beside them `answer_cut` (true: `generate.max_new_tokens` cut the answer, the target had not
 ended it; false: the target ended it; absent in files written before it was recorded: read as
-ended, and counted as `answers_cut_unknown`), `tool_calls` (`[{"name", "arguments" (JSON text),
+ended, and counted as `answers_cut_unknown`), and `stop_id` (the stop token the target ended it with,
+when it did), `tool_calls` (`[{"name", "arguments" (JSON text),
 "id"?}]`) on an assistant turn that calls tools, `reasoning_content` and `weight: 0` on an assistant
 turn, `tool_call_id` on a tool's result, `name` on any turn. Keys appear only when they hold something
 (`weight: 1` is left out), so a row's hash (`Conversation.row_hash`) is the same for the same
@@ -129,6 +130,12 @@ class ReadStats:
     # (the template renders them otherwise once a user turn follows), answers whose ids could not be placed.
     context_turns: int = 0
     ids_fallbacks: int = 0
+
+
+def answer_cuts(messages: list[dict[str, Any]]) -> tuple[int, int]:
+    """(regenerated answers cut, those from files that do not record it) among a row's messages."""
+    return (sum(m.get("answer_cut") is True for m in messages),
+            sum("token_ids" in m and "answer_cut" not in m for m in messages))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,6 +122,11 @@ def _openai(messages: Any, cutter: _Cutter, key: str = "messages") -> list[dict[
             if not isinstance(cut, bool) or ids is None:
                 raise ValueError(f"{where}.answer_cut must be true or false, beside token_ids")
             message["answer_cut"] = cut
+        stop = msg.get("stop_id")
+        if stop is not None:  # the stop token the target ended that answer with: stored in place of the template's
+            if not isinstance(stop, int) or isinstance(stop, bool) or stop < 0 or ids is None or cut is True:
+                raise ValueError(f"{where}.stop_id must be a token id, beside token_ids of an answer not cut")
+            message["stop_id"] = stop
         if calls:
             if role != "assistant":
                 raise ValueError(f"{where} has tool_calls but role {msg['role']!r}: only an assistant turn calls tools")

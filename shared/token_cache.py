@@ -31,17 +31,20 @@ import numpy as np
 from shared.conversation_files import glob_files
 from shared.files import file_sha256, fsync_dir, fsync_file
 
-TOKENS_VERSION = 12  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
+TOKENS_VERSION = 13  # 3: per-file sha256 in meta.json, empty_turns; 4: ShareGPT, tool calls, data.format;
 # 5: turns before the first user turn dropped; 6: a cut answer's end-of-turn marker unsupervised, answers_cut counted;
 # 7: a row's `system` in every format, reasoning_content, weight 0; 8: a regenerated row's prompt_hash and source_row;
 # 9: a turn's `name` kept on every role and passed to the template, a ShareGPT turn with differing value/content refused;
 # 10: a regenerated answer's ids right after its prompt (no template text before them), turns a template renders
 # otherwise once a user turn follows kept as context (context_turns, ids_fallbacks counted); 11: each row's opening
 # hash (its turns through the first user turn), the held-out split key; 12: a text row tokenized apart at a turn's edge
-# a token crossed (an answer opening with whitespace the template's own merged into)
+# a token crossed (an answer opening with whitespace the template's own merged into); 13: a turn without reasoning whose
+# render as the last turn only adds an opening (Qwen3's empty think block before a tool call) supervised where the
+# whole render has it (was refused, or context before a later user turn), a regenerated answer's own stop token (`stop_id`)
+# in place of the template's end marker, answers_cut counted over the rows stored
 # The first version whose rows tokenize as this one's do: later ones changed only what the cache holds
 # beside the tokens (11: opening hashes), so a store's manifest at it still holds today's tokens.
-SAME_TOKENS_SINCE = 12
+SAME_TOKENS_SINCE = 13
 
 
 # The data.* settings a row's tokens depend on: stage 1 keys its cache with them, and stage 2

@@ -87,11 +87,14 @@ def engine_seed(seed: int, rank: int) -> int:
 
 @dataclass(frozen=True)
 class Answer:
-    """One generated answer: the target's token ids, stop token removed, and whether
-    generate.max_new_tokens cut it before the target ended it."""
+    """One generated answer: the target's token ids, stop token removed, whether
+    generate.max_new_tokens cut it before the target ended it, and the stop token it ended with (None:
+    cut, or ended by a stop string): Llama 3.1 ends a turn with <|eom_id|> or <|eot_id|>, Qwen3 with
+    <|im_end|> or <|endoftext|>, and the template's closing names one of them only."""
 
     ids: list[int]
     cut: bool
+    stop: int | None = None
 
 
 def until_stop(ids: list[int], stop_ids: list[int]) -> Answer:
@@ -100,7 +103,7 @@ def until_stop(ids: list[int], stop_ids: list[int]) -> Answer:
     stops = set(stop_ids)
     for position, token in enumerate(ids):
         if token in stops:
-            return Answer(ids[:position], cut=False)
+            return Answer(ids[:position], cut=False, stop=token)
     return Answer(ids, cut=True)
 
 
@@ -271,8 +274,8 @@ class VllmEngine:
                     key = self.keys.pop(output.request_id)
                     completion = output.outputs[0]
                     # vLLM says why it stopped: "length" is max_tokens, "stop" a stop token or string
-                    ids = until_stop(list(completion.token_ids), self.stop_ids).ids
-                    done.append((key, Answer(ids, cut=completion.finish_reason == "length")))
+                    found, cut = until_stop(list(completion.token_ids), self.stop_ids), completion.finish_reason == "length"
+                    done.append((key, Answer(found.ids, cut=cut, stop=None if cut else found.stop)))
         return done
 
     def pending(self) -> int:

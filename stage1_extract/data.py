@@ -97,7 +97,7 @@ def write_conversations_parquet(conversations: list[Conversation], path: Path, c
     the conversation was made from, so every row can be traced back) and, when the conversations carry
     one, `prompt_hash` (the split key of a regenerated row: `generate.prompt_hash`). Tool calls,
     tool results' ids, reasoning, `weight`, `answer_cut` (per regenerated answer: did
-    generate.max_new_tokens cut it; null on the turns kept as the data has them) and `tools` get their
+    generate.max_new_tokens cut it; null on the turns kept as the data has them), `stop_id` (the stop token it ended with) and `tools` get their
     columns only when some row has them, so a file of plain chats has the bytes it always had. `counts`
     go into the file's own metadata (`part_counts` reads them): a part carries what was counted while
     it was made, whichever rank or run made it."""
@@ -107,6 +107,8 @@ def write_conversations_parquet(conversations: list[Conversation], path: Path, c
     fields = [("role", pa.string()), ("content", pa.string()), ("token_ids", pa.list_(pa.int32()))]
     if any("answer_cut" in m for c in conversations for m in c.messages):
         fields.append(("answer_cut", pa.bool_()))
+    if any("stop_id" in m for c in conversations for m in c.messages):
+        fields.append(("stop_id", pa.int32()))
     if any(k in m for c in conversations for m in c.messages for k in ("tool_calls", "tool_call_id", "name")):
         call = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
         fields += [("tool_calls", pa.list_(call)), ("tool_call_id", pa.string()), ("name", pa.string())]

@@ -185,7 +185,7 @@ class PartRewrite:
         # produced it named no one, and a template that shows names would otherwise render another prompt.
         reply = {
             "role": "assistant", "content": self.tokenizer.decode(answer.ids, skip_special_tokens=True),
-            "token_ids": list(answer.ids), "answer_cut": answer.cut,
+            "token_ids": list(answer.ids), "answer_cut": answer.cut, **({} if answer.stop is None else {"stop_id": answer.stop}),
         }
         at = self.slots[i][self.round]
         later = self.current[i][at + 1 :]

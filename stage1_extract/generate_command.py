@@ -10,6 +10,7 @@ settings and what the answers' provenance records) and hands `generate.generate_
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,8 +19,8 @@ from typing import Any
 
 from shared.config import RunConfig
 from shared.conversation_files import read_conversations
-from shared.conversations import ReadStats
-from shared.errors import ConfigError
+from shared.conversations import Conversation, ReadStats
+from shared.errors import ConfigError, DataError
 from shared.files import write_atomic
 from shared.identity import generate_settings, generation_inputs, prompt_template, prompts_path
 from shared.lock import exclusive
@@ -44,7 +45,9 @@ from stage1_extract.backends import (
 )
 from stage1_extract.distributed import distributed_context, rank_device
 from stage1_extract.generate import generate_all
-from stage1_extract.template import check_template_variables
+from stage1_extract.template import check_template_variables, template_refusal
+
+log = logging.getLogger(__name__)
 
 
 def prompts_format(cfg: RunConfig) -> str:
@@ -61,6 +64,25 @@ def default_prompts(cfg: RunConfig) -> Path:
 
         write_default_prompts(path, cfg.data.num_default_prompts, cfg.data.default_question_share)
     return path
+
+
+def template_accepted(
+    conversations: list[Conversation], tokenizer: Any, source: Path, cfg: RunConfig, stats: ReadStats
+) -> list[Conversation]:
+    """The rows the chat template renders: one it refuses is a bad row (named, or skipped and counted with
+    data.on_bad_row=skip) before any is generated, not a jinja traceback mid-run naming none."""
+    kept = []
+    for conv in conversations:
+        problem = template_refusal(tokenizer, conv.messages, conv.tools, cfg.data.chat_template_kwargs)
+        if problem is None:
+            kept.append(conv)
+            continue
+        message = f"{source}: row {conv.row}: {problem}"
+        if cfg.data.on_bad_row == "raise":
+            raise DataError(message + " (set data.on_bad_row=skip to skip and count bad rows)")
+        stats.bad_rows += 1
+        log.warning("skipping %s", message)
+    return kept
 
 
 def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
@@ -99,6 +121,7 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     positions = TargetArch.from_dir(model_dir).max_position_embeddings
     context = min((cfg.data.max_length, f"data.max_length={cfg.data.max_length}"),
                   (positions, f"the target's max_position_embeddings={positions}"))
+    conversations = template_accepted(conversations, tokenizer, source, cfg, stats)
     read_counts = {"prompts": str(source), "rows_read": stats.rows, "bad_rows_skipped": stats.bad_rows,
                    "leading_turns_dropped": stats.leading_turns_dropped}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.conversation_files import read_conversations
-from shared.conversations import ReadStats, RowLimits
+from shared.conversations import ReadStats, RowLimits, answer_cuts
 from shared.errors import ConfigError, DataError, StoreError
 from shared.files import human_bytes
 from shared.identity import OPENING_KEYS_VERSION, PROMPT_KEYS_VERSION, header_key
@@ -173,6 +173,7 @@ def tokenized_rows(
         )
     )
     workers = resolve_workers(data.tokenize_workers)
+    stats.answers_cut = stats.answers_cut_unknown = 0  # as read; counted again below over the rows stored
     rows = []
     for conv, (row, sample) in zip(conversations, tokenize_all(tokenizer, conversations, data.max_length, workers, data.chat_template_kwargs)):
         if conv.cut and not isinstance(sample, str) and not sample.truncated:
@@ -195,6 +196,9 @@ def tokenized_rows(
         if not skipped:  # counts of what the store holds: a skipped row holds nothing
             stats.context_turns += sample.context_turns
             stats.ids_fallbacks += sample.ids_fallbacks
+            cut_answers, unknown = answer_cuts(conv.messages)
+            stats.answers_cut += cut_answers
+            stats.answers_cut_unknown += unknown
         rows.append(
             TokenizedRow(
                 sample_id=conv.row,

@@ -495,7 +495,7 @@ def test_answers_cut_at_max_new_tokens_are_marked_counted_and_end_their_row(tiny
     assert (out["answers"], out["answers_cut"], out["answers_cut_share"], out["turns_dropped_after_cut"]) == (5, 2, 0.4, 2)
     assert out["answers_cut_unknown"] == 0 and len(fake_vllm.engines[0].added) == 5
     assert cut_flags(out["output"]) == [[False], [True], [True], [False, False]]
-    assert [f.name for f in pq.read_schema(out["output"]).field("messages").type.value_type][-1] == "answer_cut"
+    assert [f.name for f in pq.read_schema(out["output"]).field("messages").type.value_type][-2:] == ["answer_cut", "stop_id"]
     generated = list(read_conversations(out["output"]))
     assert [m["role"] for m in generated[2].messages] == ["user", "assistant"]  # stopped at its cut answer
     assert all(len(c.messages[1]["token_ids"]) == 12 and EOS not in c.messages[1]["token_ids"] for c in generated[1:3])
@@ -517,7 +517,7 @@ def test_parts_written_before_cuts_were_recorded_are_read_as_ended_and_said_so(t
     commands.cmd_generate(cfg, progress=False)
     parts = tmp_path / "run" / "data" / "generated.parts"
     first = sorted(parts.glob("part-*.parquet"))[0]  # rows 0-2: one finished answer, two cut
-    old = [Conversation(c.row, [{k: v for k, v in m.items() if k != "answer_cut"} for m in c.messages], tools=c.tools)
+    old = [Conversation(c.row, [{k: v for k, v in m.items() if k not in ("answer_cut", "stop_id")} for m in c.messages], tools=c.tools)
            for c in read_conversations(first)]
     write_conversations_parquet(old, first, {"long_prompt_turns_kept": part_counts(first)["long_prompt_turns_kept"]})
     assert [f.name for f in pq.read_schema(first).field("messages").type.value_type] == ["role", "content", "token_ids"]
@@ -590,6 +590,43 @@ def test_ids_follow_their_generation_prompt_whatever_the_template_writes_around_
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text, "token_ids": ids, "answer_cut": True}]
     sample = tokenize_conversation(tokenizer, messages, 256)
     assert sample.ids_fallbacks == 1 and not sample.loss_mask.any()  # cut, and no end marker to tell apart
+
+
+def test_an_answer_closes_with_the_stop_token_the_target_ended_it_with(tiny_target_dir, tmp_path):
+    """The target's stop token was dropped and the template's end marker written and supervised in its
+    place: a target ending with <|endoftext|> (Qwen3's other stop; Llama 3.1's <|eom_id|>) taught the
+    drafter <|im_end|>. The stop it produced is kept through generated.parquet and stored, supervised; in a
+    turn later turns follow, the marker they were generated after stays, unsupervised."""
+    from transformers import AutoTokenizer
+
+    from shared.row_formats import parse_row
+    from stage1_extract.backends import Answer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    im_end, eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    rewrite = generate.PartRewrite(0, [Conversation(0, [{"role": "user", "content": "hi"}])], tokenizer, seed=0)
+    rewrite.next_round()
+    ids = tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    rewrite.answer(0, Answer(ids, cut=False, stop=eos))
+    write_conversations_parquet(rewrite.conversations(), tmp_path / "generated.parquet")
+    (row,) = read_conversations(tmp_path / "generated.parquet")
+    assert row.messages[1] == {"role": "assistant", "content": "hello there", "token_ids": ids, "answer_cut": False, "stop_id": eos}
+
+    prompt = prompt_ids(tokenizer, row.messages[:1])
+    sample = tokenize_conversation(tokenizer, row.messages, 256)
+    assert sample.input_ids.tolist() == prompt + ids + [eos, *newline]
+    assert sample.loss_mask.tolist() == [False] * len(prompt) + [True] * (len(ids) + 1 + len(newline))
+
+    again = [*row.messages, {"role": "user", "content": "more"}, {**row.messages[1], "stop_id": im_end}]
+    sample = tokenize_conversation(tokenizer, again, 256)
+    first = prompt + ids + [im_end, *newline]
+    second = prompt_ids(tokenizer, again[:3])[len(first):]
+    assert sample.input_ids.tolist() == first + second + ids + [im_end, *newline]
+    assert sample.loss_mask.tolist() == ([False] * len(prompt) + [True] * len(ids) + [False] + [True] * len(newline)
+                                         + [False] * len(second) + [True] * (len(ids) + 1 + len(newline)))
+    with pytest.raises(ValueError, match=r"messages\[1\]\.stop_id must be a token id, beside token_ids of an answer not cut"):
+        parse_row({"messages": [row.messages[0], {**row.messages[1], "answer_cut": True}]}, "openai")
 
 
 # Qwen3's chat template in what matters here: an assistant turn after the last user query renders its
@@ -700,8 +737,9 @@ def test_an_answer_is_cut_when_no_stop_token_ends_it():
     padding after it dropped); none within max_new_tokens means the limit cut it."""
     from stage1_extract.backends import Answer, until_stop
 
-    assert until_stop([7, 8, EOS, EOS, EOS], [EOS]) == Answer([7, 8], cut=False)
-    assert until_stop([7, 8, 9, EOS], [EOS]) == Answer([7, 8, 9], cut=False)  # ended on its last allowed token
+    assert until_stop([7, 8, EOS, EOS, EOS], [EOS]) == Answer([7, 8], cut=False, stop=EOS)
+    assert until_stop([7, 8, 9, EOS], [EOS]) == Answer([7, 8, 9], cut=False, stop=EOS)  # ended on its last allowed token
+    assert until_stop([7, 8, 5, EOS], [EOS, 5]) == Answer([7, 8], cut=False, stop=5)  # the stop token it ended with
     assert until_stop([7, 8, 9, 10], [EOS]) == Answer([7, 8, 9, 10], cut=True)
 
 
@@ -1025,3 +1063,21 @@ def test_rank_0_merges_the_parts_it_waited_for_even_when_its_listing_lacks_them(
     monkeypatch.setattr(Path, "glob", real_glob)
     assert result["conversations"] == 11
     assert [c.row for c in read_conversations(result["output"])] == list(range(11))
+
+
+def test_a_row_the_chat_template_refuses_is_named_or_skipped_before_generating(tiny_target_dir, tmp_path, fake_vllm, copy_tree):
+    """A template's raise_exception (Mistral's "roles must alternate", two user turns in a row in ShareGPT
+    data) stopped generate mid-run with a jinja traceback naming no row, whatever data.on_bad_row said."""
+    from .test_tokens import ALTERNATING
+
+    target = copy_tree(tiny_target_dir, tmp_path / "target")
+    (target / "chat_template.jinja").write_text(ALTERNATING)
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
+    rows[2]["messages"].append({"role": "user", "content": "and another"})
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(data))}: row 2: the chat template refused the row: Conversation "
+                                        r"roles must alternate user/assistant/user/assistant/\.\.\. \(set data\.on_bad_row=skip"):
+        commands.cmd_generate(generate_config(target, data, tmp_path / "run"), progress=False)
+    out = commands.cmd_generate(generate_config(target, data, tmp_path / "run", **{"data.on_bad_row": "skip"}), progress=False)
+    assert (out["rows_read"], out["bad_rows_skipped"], out["conversations"]) == (4, 1, 3)
+    assert [c.source_row for c in read_conversations(out["output"])] == [0, 1, 3]

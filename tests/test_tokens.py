@@ -196,9 +196,55 @@ def test_a_store_tokenized_at_a_version_with_the_same_tokens_is_not_doubted(tiny
     prepare.discard_token_cache(RunPaths.of(cfg).token_cache)
     manifest = StoreReader(cfg.store.url(cfg.run_dir)).manifest
     target = resolve_target(cfg.target)
-    # 12 tokenizes apart at a turn's edge a token crossed: a store made at 10 or 11 may hold other tokens
-    for version, doubted in ((token_cache.SAME_TOKENS_SINCE, False), (11, True), (9, True)):
+    # 13 supervises turns a template opens otherwise as the last turn: a store made at 12 or before may hold other masks
+    for version, doubted in ((token_cache.SAME_TOKENS_SINCE, False), (12, True), (9, True)):
         manifest["data"]["tokens_version"] = version
         report = store_staleness(cfg, target, manifest)
         assert report.current and report.rows_checked_by == "data sha256"
         assert any("tokenization version" in w for w in report.warnings) is doubted, (version, report.warnings)
+
+
+# Mistral's and Llama 2's templates refuse a conversation whose roles do not alternate (ShareGPT data
+# with two user turns in a row), through raise_exception: a jinja TemplateError, not a ValueError.
+ALTERNATING = """{%- for m in messages -%}
+{%- if not loop.first and m.role == messages[loop.index0 - 1].role -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"""
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["serial", "worker pool"])
+def test_a_template_that_raises_is_a_bad_row_named_or_skipped(tiny_target_dir, tmp_path, monkeypatch, copy_tree, workers):
+    target = copy_tree(tiny_target_dir, tmp_path / "target")
+    (target / "chat_template.jinja").write_text(ALTERNATING)
+    rows = chat_rows(10)
+    rows[7]["messages"].insert(1, {"role": "user", "content": "and another thing"})
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    monkeypatch.setattr(tokens, "_PARALLEL_MIN_ROWS", 0)
+    with pytest.raises(ValueError, match=r"chat\.jsonl: row 7: the chat template refused the row: Conversation roles must "
+                                         r"alternate user/assistant/user/assistant/\.\.\. \(set data\.on_bad_row=skip"):
+        prepared(target, data, tmp_path / "run", **{"data.tokenize_workers": workers})
+    assert not list((tmp_path / "run").glob("cache/tokens-*"))
+    skipped = prepared(target, data, tmp_path / "run", **{"data.tokenize_workers": workers, "data.on_bad_row": "skip"})
+    assert [r.sample_id for r in skipped.rows] == [0, 1, 2, 3, 4, 5, 6, 8, 9]
+    assert skipped.stats.bad_rows == 1
+    assert skipped.stats.bad_examples == [f"{data}: row 7: the chat template refused the row: Conversation roles must "
+                                          f"alternate user/assistant/user/assistant/..."]
+
+
+def test_answers_cut_counts_the_rows_stored_only(tiny_target_dir, tmp_path):
+    """answers_cut (and answers_cut_unknown) were counted as rows were read: a row then skipped as too long
+    or dropped as bad still counted, so the manifest reported cut answers the store does not hold."""
+    def row(i, words, **answer):
+        return {"messages": [{"role": "user", "content": f"{i}: say it"},
+                             {"role": "assistant", "content": " ".join(["fox"] * words), **answer}]}
+
+    ids = [1, 2, 3]
+    rows = [row(0, 3, token_ids=ids, answer_cut=True), row(1, 3, token_ids=ids * 40, answer_cut=True),  # too long
+            row(2, 0, token_ids=[], answer_cut=True),  # nothing to supervise: a bad row
+            row(3, 3, token_ids=ids), row(4, 3, token_ids=ids * 40), row(5, 3)]  # 3 and 4: cut or not unknown
+    data = write_jsonl(tmp_path / "answers.jsonl", rows)
+    prep = prepared(tiny_target_dir, data, tmp_path / "run", **{"data.max_length": 64, "data.on_long": "skip",
+                                                                  "data.on_bad_row": "skip", "data.regenerate": False})
+    assert [(r.sample_id, r.skipped) for r in prep.rows] == [(0, False), (1, True), (3, False), (4, True), (5, False)]
+    assert (prep.stats.bad_rows, prep.stats.answers_cut, prep.stats.answers_cut_unknown) == (1, 1, 1)
