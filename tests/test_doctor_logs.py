@@ -187,6 +187,19 @@ def test_a_csv_chart_export_with_specforge_names(tmp_path):
         load_log(two)
 
 
+def test_a_csv_chart_export_of_a_metric_without_a_namespace(tmp_path):
+    """A chart of a metric logged as plain `loss` exports as Step, "<run> - loss": nothing but the
+    Step column marks it as wandb's, and the doctor stopped with "no train rows with a step"."""
+    path = tmp_path / "export.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Step", "my-run - loss", "my-run - loss__MIN", "my-run - loss__MAX"])
+        for row in history():
+            writer.writerow([row["step"]] + [row["loss"]] * 3)
+    diagnosis = run_doctor(path)
+    assert found(diagnosis) == [("loss_spike", 300)] and diagnosis["summary"]["read_as"] == {"loss": ["loss"]}
+
+
 # ---- speculators' names --------------------------------------------------------------------------
 def speculators_rows(row: dict) -> list[dict]:
     """speculators 0.9.0's metric logger rows (speculators/train/trainer.py, flattened by

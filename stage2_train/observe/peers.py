@@ -75,7 +75,9 @@ def needs_translation(row: dict[str, Any]) -> bool:
     """A row of another trainer's history: no `kind`/`event`, and namespaced or wandb-internal names."""
     if "kind" in row or "event" in row:
         return False
-    return any("/" in key or key.startswith("_") for key in row)
+    # "Step" is wandb's chart export's column: a chart of a metric logged without a namespace ("loss")
+    # has no other mark, and normalize's step aliases do not hold it (no train rows: nothing diagnosed).
+    return any("/" in key or key.startswith("_") or key == "Step" for key in row)
 
 
 def translate(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
