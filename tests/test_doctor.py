@@ -396,6 +396,30 @@ def test_lr_at_zero_is_named_and_a_decay_into_zero_is_not(tmp_path):
     assert found(diagnose(trainer_records(600, change=decay))) == []
 
 
+def test_an_lr_schedule_that_ends_long_before_the_run_is_named():
+    """A cosine over 1,000 steps of a 3,000-step run (total steps set for one epoch of three): lr 0 for
+    the last 2,000 steps, no update applied. Taken for a schedule's end (it decayed into 0), it was
+    called healthy; it is named once the zero stretch outlasts the decay from the peak (880 rows).
+    The same cosine over the whole run, its lr rounded to 6 decimals (its last rows written as 0),
+    is still a schedule's end."""
+
+    def cosine(end, digits=None):
+        def change(step, row):
+            lr = 6e-4 * min(step / 120, 1.0) * 0.5 * (1 + math.cos(math.pi * min(max(step - 120, 0) / (end - 120), 1.0)))
+            row["lr"] = lr if digits is None else round(lr, digits)
+
+        return change
+
+    diagnosis = diagnose(trainer_records(3000, change=cosine(1000)))
+    assert found(diagnosis) == [("lr_zero", 1000)]
+    ev = diagnosis["events"][0]
+    assert ev["details"] == {
+        "lr": 0.0, "peak_before": 6e-4, "confirmed_step": 1879, "to_step": 3000, "decay_rows": 879,
+    }
+    assert "the schedule ended long before the run" in ev["likely_cause"]
+    assert found(diagnose(trainer_records(3000, change=cosine(3000, digits=6)))) == []
+
+
 def test_a_slow_divergence_and_decline_are_named():
     """The spike and cliff detectors compare each row with a trailing window that climbs along with
     the loss: they see nothing here. The trailing median against the run's best level does."""

@@ -106,17 +106,23 @@ class Level:
 class LrZero:
     """lr 0 (or below) for lr_zero_rows rows in a row: the optimizer applies no update. An lr that
     decayed into 0 (its last positive value below DECAY_TAIL of its peak: a cosine or linear schedule's
-    last steps) is the schedule's end, not this event. `to_step` is updated in place while lr stays 0."""
+    last steps) is the schedule's end, not this event, for as many rows as the decay took from the
+    peak: a schedule that ends with the run puts only its last rows at 0 (those a rounded log writes
+    as 0), one whose total steps are fewer than the run's leaves it at 0 for the rest of the run (a
+    cosine over 1,000 steps of a 3,000-step run was called healthy). `to_step` is updated in place
+    while lr stays 0."""
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
         self.peak = 0.0
         self.last_positive: float | None = None
-        self.run: list[Any] | None = None  # [first step, rows, decayed into it]
+        self.decay_rows = 0  # rows with lr > 0 since the last one at the peak
+        self.run: list[Any] | None = None  # [first step, rows, decayed into it, decay rows before it]
         self.open: dict[str, Any] | None = None
 
     def update(self, step: int, lr: float) -> dict[str, Any] | None:
         if lr > 0:
+            self.decay_rows = 0 if lr >= self.peak else self.decay_rows + 1
             self.peak, self.last_positive = max(self.peak, lr), lr
             self.run = self.open = None
             return None
@@ -125,9 +131,10 @@ class LrZero:
             return None
         if self.run is None:
             decayed = self.last_positive is not None and self.last_positive < DECAY_TAIL * self.peak
-            self.run = [step, 0, decayed]
+            self.run = [step, 0, decayed, self.decay_rows]
         self.run[1] += 1
-        if self.run[2] or self.run[1] < self.cfg.lr_zero_rows:
+        decay_rows = self.run[3] if len(self.run) > 3 else None  # None: a state from before it, no bound
+        if self.run[1] < self.cfg.lr_zero_rows or (self.run[2] and (decay_rows is None or self.run[1] <= decay_rows)):
             return None
         self.open = make_event(
             "lr_zero",
@@ -137,6 +144,7 @@ class LrZero:
             peak_before=r6(self.peak) if self.peak > 0 else None,
             confirmed_step=int(step),
             to_step=int(step),
+            **({"decay_rows": decay_rows} if self.run[2] else {}),
         )
         return self.open
 
@@ -146,10 +154,12 @@ class LrZero:
             self.open = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"peak": self.peak, "last_positive": self.last_positive, "run": self.run, "open": self.open}
+        return {"peak": self.peak, "last_positive": self.last_positive, "decay_rows": self.decay_rows,
+                "run": self.run, "open": self.open}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.peak, self.last_positive = state["peak"], state["last_positive"]
+        self.decay_rows = state.get("decay_rows", 0)  # absent from checkpoints before it
         self.run, self.open = state["run"], state["open"]
 
 
