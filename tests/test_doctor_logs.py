@@ -125,11 +125,30 @@ def test_a_wandb_offline_run_is_read_with_specforge_names(tmp_path, monkeypatch)
         "epoch boundaries",
         "checkpoint saves and resumes",
         "noise schedule changes",
+        "stalls at evals",  # its eval rows do not say how long each eval took
     ]
     # A synced run's folder (wandb/run-DATE-ID) holds the same transaction log.
     synced = tmp_path / "synced" / "wandb" / run_dir.name.replace("offline-run-", "run-")
     shutil.copytree(run_dir, synced)
     assert found(run_doctor(tmp_path / "synced")) == EVENTS
+
+
+def test_untimed_evals_of_another_trainer_are_not_stalls(tmp_path):
+    """SpecForge's eval rows say nothing of how long each eval took, and wandb gives the row the clock
+    of its last metric, the eval's end (`_runtime` of the row at the eval's step is 60 s later): each
+    of the 16 evals was a stall, exit 1 on a healthy run. A gap that holds an eval is now not judged
+    (and the doctor says so); a 60 s gap with no eval is still a stall."""
+    rows, late = [], 0.0
+    for row in history():
+        late += 60.0 if "eval" in row or row["step"] == 140 else 0.0
+        rows.append({"_step": row["step"], "_runtime": row["elapsed_s"] + late, **specforge_row(row)})
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(rows))
+    diagnosis = run_doctor(path)
+    assert found(diagnosis) == sorted([*EVENTS, ("stall", 140)])
+    assert "stalls at evals: 16 eval row(s) without eval_s, so the gap that holds each eval is not judged" in (
+        diagnosis["summary"]["cannot_tell"]
+    )
 
 
 def test_a_wandb_run_still_being_written_is_read_to_its_last_record(tmp_path, monkeypatch):
@@ -266,6 +285,7 @@ def test_a_tensorboard_folder_written_by_summary_writer_with_speculators_names(t
         "checkpoint saves and resumes",
         "non-finite gradients",
         "noise schedule changes",
+        "stalls at evals",  # no eval time in speculators' eval rows
     ]
 
 

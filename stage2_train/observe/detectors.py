@@ -95,6 +95,9 @@ class _Pace:
         self.step_deltas = Window(cfg.window_rows)
         self.prev: list[float] | None = None  # [step, t] of the previous train row
         self.paused_s = 0.0  # intended pauses (eval) since the previous row, not counted as stalls
+        # An eval of unknown length (its row has no eval_s: another trainer's) since the previous row: the
+        # gap holds an intended pause of unknown size, so it is not judged (every eval was a stall).
+        self.untimed_pause = False
         self.warmup_left = cfg.warmup_rows
         self.outliers = 0  # consecutive stalls: past sustain_rows the pace itself changed
 
@@ -103,11 +106,12 @@ class _Pace:
             self.sec_per_step.truncate(step + 1)
             self.step_deltas.truncate(step + 1)
         self.prev, self.paused_s, self.warmup_left, self.outliers = None, 0.0, self.cfg.warmup_rows, 0
+        self.untimed_pause = False
 
     def update(self, step: int, t: float | None) -> list[dict[str, Any]]:
         cfg = self.cfg
-        prev, paused = self.prev, self.paused_s
-        self.prev, self.paused_s = [step, t], 0.0
+        prev, paused, untimed = self.prev, self.paused_s, self.untimed_pause
+        self.prev, self.paused_s, self.untimed_pause = [step, t], 0.0, False
         if prev is None:
             return []
         delta = step - prev[0]
@@ -127,7 +131,7 @@ class _Pace:
                 )
         if not events:
             self.step_deltas.append(step, delta)
-        if t is None or prev[1] is None:
+        if t is None or prev[1] is None or untimed:
             return events
         gap = t - prev[1] - paused
         if gap < 0:  # the clock went back: a new process without a continuous elapsed_s
@@ -166,6 +170,7 @@ class _Pace:
             "step_deltas": list(self.step_deltas.pairs),
             "prev": self.prev,
             "paused_s": self.paused_s,
+            "untimed_pause": self.untimed_pause,
             "warmup_left": self.warmup_left,
             "outliers": self.outliers,
         }
@@ -176,6 +181,7 @@ class _Pace:
             window.pairs.clear()
             window.pairs.extend(state[name])
         self.prev, self.paused_s = state["prev"], state["paused_s"]
+        self.untimed_pause = state.get("untimed_pause", False)  # absent from checkpoints before it
         self.warmup_left, self.outliers = state["warmup_left"], state["outliers"]
 
 
@@ -227,6 +233,8 @@ class LiveDetectors:
         if row["kind"] == "eval":
             if finite(row["eval_s"]):
                 self.pace.paused_s += row["eval_s"]
+            else:
+                self.pace.untimed_pause = True
             if row["step"] is None:
                 return []
             ev = self.generalisation.update(row["step"], row)

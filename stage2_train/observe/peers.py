@@ -132,7 +132,9 @@ def split_row(row: dict[str, Any], names: dict[str, list[str]]) -> list[dict[str
         records.append({"kind": "train", **base, **record})
     record = _mapped(evals, EVAL_NAMES, names, "held-out ")
     if any(k in record for k in ("ce", "accuracy", "accept_len", "walk_tau")):
-        records.append({"kind": "eval", **base, **record})
+        # Ahead of the train record: the row's clock (wandb's _runtime, TensorBoard's latest wall time)
+        # is the eval's end, so the gap up to this row holds the eval, which the pace then does not judge.
+        records.insert(0, {"kind": "eval", **base, **record})
     for event, fields in events.items():
         own = number(
             fields.pop("step", None)
