@@ -297,6 +297,7 @@ class LiveDetectors:
         from trained weights (init_from) is not held to the from-scratch rule of `NotLearning`."""
         if isinstance(hyperparameters, dict):
             self.not_learning.init_from = hyperparameters.get("init_from") or None
+            self.not_learning.start_known = "init_from" in hyperparameters
 
     def _nan(self, step: int, row: dict[str, Any]) -> list[dict[str, Any]]:
         bad = {

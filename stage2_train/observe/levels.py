@@ -233,7 +233,10 @@ class NotLearning:
     flat stretch (a history export from step 10,000) says nothing of whether the run learned. A run
     started from trained weights (`init_from`, from run_start) is at its level from its first row, so a
     flat loss is what a healthy one shows: judged only when its first accuracy median says the start
-    was untrained after all (under UNTRAINED_ACCURACY), never when accuracy is not logged."""
+    was untrained after all (under UNTRAINED_ACCURACY), never when accuracy is not logged. A log that
+    does not say where the run started (no run_start with init_from: another trainer's) is judged by
+    that accuracy alone: a drafter that drafts from its first rows did not start from scratch (a peer's
+    fine-tune, accuracy 0.45 from the first row, was named not_learning)."""
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
@@ -247,6 +250,7 @@ class NotLearning:
         self.judged = False  # fired, or the log began too late to judge
         self.open: dict[str, Any] | None = None
         self.init_from: str | None = None  # the trained weights the run started from (run_start)
+        self.start_known = False  # a run_start said where the run started (init_from, None: from scratch)
 
     def update(self, step: int, loss: float, accuracy: float | None, lr: float | None) -> dict[str, Any] | None:
         if lr is not None and lr <= 0:
@@ -280,7 +284,8 @@ class NotLearning:
             return None
         self.judged = True
         first = self.first
-        if self.init_from and (first["accuracy"] is None or first["accuracy"] >= UNTRAINED_ACCURACY):
+        trained_start = first["accuracy"] is not None and first["accuracy"] >= UNTRAINED_ACCURACY
+        if (self.init_from and (first["accuracy"] is None or trained_start)) or (not self.start_known and trained_start):
             return None
         self.open = make_event(
             "not_learning",
@@ -324,7 +329,7 @@ class NotLearning:
     def state_dict(self) -> dict[str, Any]:
         return {"loss": list(self.loss.pairs), "accuracy": list(self.accuracy.pairs), "first": self.first,
                 "best": self.best, "rows": self.rows, "start_step": self.start_step, "peak_lr": self.peak_lr, "judged": self.judged,
-                "open": self.open, "init_from": self.init_from}
+                "open": self.open, "init_from": self.init_from, "start_known": self.start_known}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("loss", "accuracy"):
@@ -335,3 +340,4 @@ class NotLearning:
         self.start_step = state["start_step"]
         self.peak_lr, self.judged, self.open = state["peak_lr"], state["judged"], state["open"]
         self.init_from = state.get("init_from")  # absent from checkpoints before it: the run_start that follows sets it
+        self.start_known = state.get("start_known", False)
