@@ -241,6 +241,20 @@ def test_failed_run_stall_then_slow_recovery():
     )
 
 
+def test_a_new_logging_interval_is_not_a_step_gap_at_every_row():
+    """A log written every 10 steps to step 1,000, then every 100 (a resume with another
+    log.every_steps; a peer's run resumed in wandb, with no event): each row after the change was a
+    step gap, 50 events on a healthy run. A step gap is now confirmed by the next row's delta; the
+    failed run's lost stretch 4001 -> 4019, followed by the usual 2 steps, is still one."""
+    rows = [r for r in trainer_records(6000) if r["kind"] == "train"]
+    every = [r for r in rows if r["step"] % (10 if r["step"] <= 1000 else 100) == 0]
+    assert found(diagnose(every)) == []
+    resumed = [*every[:100], {"kind": "event", "event": "run_start", "step": 1000}, *every[100:]]
+    assert found(diagnose(resumed)) == []
+    gap = next(ev for ev in diagnose(failed_run_records())["events"] if ev["kind"] == "step_gap")
+    assert (gap["step"], gap["details"]["from_step"], gap["details"]["confirmed_step"]) == (4019, 4001, 4021)
+
+
 def test_log_without_event_rows_or_epoch_says_what_it_cannot_tell():
     records = failed_run_records()
     assert all("kind" not in r and "epoch" not in r for r in records)

@@ -12,7 +12,13 @@ from stage2_train.observe.records import Window, make_event, r6, robust
 
 
 class Pace:
-    """Wall time and step deltas between consecutive train rows: stalls and step gaps."""
+    """Wall time and step deltas between consecutive train rows: stalls and step gaps.
+
+    A step gap is held for one row and named at the next (its `confirmed_step`): when that row's delta
+    is as long, the logging interval changed (a resume with another log.every_steps, a peer's run
+    resumed in wandb), no rows were lost, and both deltas join the window. Named at once, every row
+    after an interval change of 10 -> 100 steps was a step gap (50 on a 6,000-step log). A gap on the
+    log's last row has no next row to confirm it and is not named."""
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
@@ -25,6 +31,7 @@ class Pace:
         self.untimed_pause = False
         self.warmup_left = cfg.warmup_rows
         self.outliers = 0  # consecutive stalls: past sustain_rows the pace itself changed
+        self.held_gap: dict[str, Any] | None = None  # a step gap waiting for the next row's delta
 
     def restart(self, step: int | None) -> None:
         if step is not None:
@@ -37,24 +44,28 @@ class Pace:
         cfg = self.cfg
         prev, paused, untimed = self.prev, self.paused_s, self.untimed_pause
         self.prev, self.paused_s, self.untimed_pause = [step, t], 0.0, False
+        held, self.held_gap = self.held_gap, None
         if prev is None:
-            return []
+            return confirmed(held, step)
         delta = step - prev[0]
         if self.warmup_left > 0:
             self.warmup_left -= 1
-            return []
-        events = []
+            return confirmed(held, step)
+        long = False
         if len(self.step_deltas) >= cfg.min_history_rows:
             deltas = sorted(self.step_deltas.values())
             usual = max(deltas[int(0.9 * (len(deltas) - 1))], 1)
-            if delta > cfg.step_gap_ratio * usual:
+            long = delta > cfg.step_gap_ratio * usual
+            if long and held is not None:  # two long deltas in a row: a new logging interval
+                self.step_deltas.append(held["step"], held["size"])
+                held, long = None, False
+            elif long:
                 gap_s = None if t is None or prev[1] is None else r6(t - prev[1])
-                events.append(
-                    make_event(
-                        "step_gap", step, delta, from_step=int(prev[0]), usual_delta=int(usual), gap_s=gap_s
-                    )
+                self.held_gap = make_event(
+                    "step_gap", step, delta, from_step=int(prev[0]), usual_delta=int(usual), gap_s=gap_s
                 )
-        if not events:
+        events = confirmed(held, step)
+        if not long:
             self.step_deltas.append(step, delta)
         if t is None or prev[1] is None or untimed:
             return events
@@ -98,6 +109,7 @@ class Pace:
             "untimed_pause": self.untimed_pause,
             "warmup_left": self.warmup_left,
             "outliers": self.outliers,
+            "held_gap": self.held_gap,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -108,3 +120,12 @@ class Pace:
         self.prev, self.paused_s = state["prev"], state["paused_s"]
         self.untimed_pause = state.get("untimed_pause", False)  # absent from checkpoints before it
         self.warmup_left, self.outliers = state["warmup_left"], state["outliers"]
+        self.held_gap = state.get("held_gap")  # absent from checkpoints before it
+
+
+def confirmed(gap: dict[str, Any] | None, step: int) -> list[dict[str, Any]]:
+    """The held step gap, named at the row that confirms it."""
+    if gap is None:
+        return []
+    gap["details"]["confirmed_step"] = int(step)
+    return [gap]
