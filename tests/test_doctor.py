@@ -675,6 +675,28 @@ def test_a_detector_state_from_before_the_level_detectors_resumes():
     assert found(fired) == [("lr_zero", first)] and restored.state_dict()["lr_zero"]["open"] is not None
 
 
+def test_a_resume_on_a_slower_machine_is_not_a_stall_at_every_row():
+    """Resumed at step 1,000 on a machine 4x slower: its throughput window was another machine's and
+    cleared, its seconds per step were not, and each of its next 29 rows was a stall (exit 1 on a
+    healthy run). Offline (the resume event) and live (a restored state) alike."""
+
+    def slower(step, row):
+        if step > 1000:
+            row["dt"] *= 4
+            row["tok_per_s"] /= 4
+
+    records = trainer_records(2000, change=slower)
+    at = next(i for i, r in enumerate(records) if r["kind"] == "train" and r["step"] == 1001)
+    records.insert(at, {"kind": "event", "event": "resume", "step": 1000})
+    assert found(diagnose(records)) == []
+    live = LiveDetectors()
+    for r in records[:at]:
+        live.update(r)
+    restored = LiveDetectors()
+    restored.load_state_dict(json.loads(json.dumps(live.state_dict())))
+    assert [ev for r in records[at + 1 :] for ev in restored.update(r) if ev["kind"] == "stall"] == []
+
+
 def test_resume_warms_the_pace_up_again():
     records = [r for r in trainer_records(500) if r["kind"] == "train"]
     slow = dict(records[-1], step=501, elapsed_s=records[-1]["elapsed_s"] + 30.0)

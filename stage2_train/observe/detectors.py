@@ -27,7 +27,7 @@ compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of 
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
 a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
 `min_history_rows` values; pace and throughput also skip `warmup_rows` rows at the start and after a
-resume (first steps are slow). Windows hold (step, value): when the steps go backwards (a resume from
+resume (first steps are slow), and learn their level afresh after it (another machine's). Windows hold (step, value): when the steps go backwards (a resume from
 an older checkpoint, a restart), entries from the abandoned future are dropped.
 
 The level detectors (`levels.py`) compare with the run's own best level or a fixed bar rather than

@@ -34,8 +34,11 @@ class Pace:
         self.held_gap: dict[str, Any] | None = None  # a step gap waiting for the next row's delta
 
     def restart(self, step: int | None) -> None:
+        """A resume or a new process: its seconds per step are another machine's (as its throughput is),
+        so they are learned afresh; judged against the old pace, a resume on a 4x slower machine named
+        a stall at every row for 29 rows."""
+        self.sec_per_step.pairs.clear()
         if step is not None:
-            self.sec_per_step.truncate(step + 1)
             self.step_deltas.truncate(step + 1)
         self.prev, self.paused_s, self.warmup_left, self.outliers = None, 0.0, self.cfg.warmup_rows, 0
         self.untimed_pause = False
