@@ -694,7 +694,8 @@ def test_a_resume_on_a_slower_machine_is_not_a_stall_at_every_row():
         live.update(r)
     restored = LiveDetectors()
     restored.load_state_dict(json.loads(json.dumps(live.state_dict())))
-    assert [ev for r in records[at + 1 :] for ev in restored.update(r) if ev["kind"] == "stall"] == []
+    # Live, the restored throughput window was the old machine's: a drop the doctor did not name.
+    assert [ev for r in records[at + 1 :] for ev in restored.update(r)] == []
 
 
 def test_resume_warms_the_pace_up_again():

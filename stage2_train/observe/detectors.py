@@ -335,6 +335,7 @@ class LiveDetectors:
         self.noise_std.pairs.extend(state.get("noise_std", []))  # absent before the resume check read it: no level known
         if resumed:
             self._arm_resume_check(self.last_step)
+            self.throughput.window.pairs.clear()  # another machine's, as the doctor reads the resume event
             self.pace.restart(None)
             self.input_bound.restart(None)
             self.whiplash.restart(None)
