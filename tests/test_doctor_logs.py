@@ -151,6 +151,26 @@ def test_untimed_evals_of_another_trainer_are_not_stalls(tmp_path):
     )
 
 
+def test_flat_eval_rows_without_kind_are_eval_rows(tmp_path):
+    """Hugging Face Trainer's log_history, one row per line: train rows (loss, learning_rate,
+    grad_norm, epoch) and, at some of their steps, eval rows (eval_loss, eval_runtime) with no `kind`.
+    Read as train rows, each eval's step "went back" to its train row's: exit 3, "two runs in one
+    log", and no held-out curve read."""
+    rows = []
+    for row in history():
+        rows.append({"loss": row["loss"], "grad_norm": row["grad_norm"], "learning_rate": row["lr"],
+                     "epoch": row["step"] / 100, "step": row["step"]})
+        if "eval" in row:
+            rows.append({"eval_loss": row["eval"]["ce"], "eval_runtime": 12.5, "epoch": row["step"] / 100,
+                         "step": row["step"]})
+    path = tmp_path / "log_history.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    diagnosis = run_doctor(path)
+    s = diagnosis["summary"]
+    assert found(diagnosis) == [("generalisation", 200), ("loss_spike", 300)]
+    assert s["eval_rows"] == 16 and s["restarts"] == [] and s["undecided"] == []
+
+
 def test_a_wandb_run_still_being_written_is_read_to_its_last_record(tmp_path, monkeypatch):
     write_wandb_run(tmp_path, monkeypatch)
     (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
