@@ -241,6 +241,20 @@ def test_failed_run_stall_then_slow_recovery():
     )
 
 
+def test_a_new_logging_interval_is_not_a_step_gap_at_every_row():
+    """A log written every 10 steps to step 1,000, then every 100 (a resume with another
+    log.every_steps; a peer's run resumed in wandb, with no event): each row after the change was a
+    step gap, 50 events on a healthy run. A step gap is now confirmed by the next row's delta; the
+    failed run's lost stretch 4001 -> 4019, followed by the usual 2 steps, is still one."""
+    rows = [r for r in trainer_records(6000) if r["kind"] == "train"]
+    every = [r for r in rows if r["step"] % (10 if r["step"] <= 1000 else 100) == 0]
+    assert found(diagnose(every)) == []
+    resumed = [*every[:100], {"kind": "event", "event": "run_start", "step": 1000}, *every[100:]]
+    assert found(diagnose(resumed)) == []
+    gap = next(ev for ev in diagnose(failed_run_records())["events"] if ev["kind"] == "step_gap")
+    assert (gap["step"], gap["details"]["from_step"], gap["details"]["confirmed_step"]) == (4019, 4001, 4021)
+
+
 def test_log_without_event_rows_or_epoch_says_what_it_cannot_tell():
     records = failed_run_records()
     assert all("kind" not in r and "epoch" not in r for r in records)
@@ -394,6 +408,30 @@ def test_lr_at_zero_is_named_and_a_decay_into_zero_is_not(tmp_path):
             row["lr"] = max(0.0, 6e-4 * (1 - (step - 400) / 150))
 
     assert found(diagnose(trainer_records(600, change=decay))) == []
+
+
+def test_an_lr_schedule_that_ends_long_before_the_run_is_named():
+    """A cosine over 1,000 steps of a 3,000-step run (total steps set for one epoch of three): lr 0 for
+    the last 2,000 steps, no update applied. Taken for a schedule's end (it decayed into 0), it was
+    called healthy; it is named once the zero stretch outlasts the decay from the peak (880 rows).
+    The same cosine over the whole run, its lr rounded to 6 decimals (its last rows written as 0),
+    is still a schedule's end."""
+
+    def cosine(end, digits=None):
+        def change(step, row):
+            lr = 6e-4 * min(step / 120, 1.0) * 0.5 * (1 + math.cos(math.pi * min(max(step - 120, 0) / (end - 120), 1.0)))
+            row["lr"] = lr if digits is None else round(lr, digits)
+
+        return change
+
+    diagnosis = diagnose(trainer_records(3000, change=cosine(1000)))
+    assert found(diagnosis) == [("lr_zero", 1000)]
+    ev = diagnosis["events"][0]
+    assert ev["details"] == {
+        "lr": 0.0, "peak_before": 6e-4, "confirmed_step": 1879, "to_step": 3000, "decay_rows": 879,
+    }
+    assert "the schedule ended long before the run" in ev["likely_cause"]
+    assert found(diagnose(trainer_records(3000, change=cosine(3000, digits=6)))) == []
 
 
 def test_a_slow_divergence_and_decline_are_named():
@@ -635,6 +673,29 @@ def test_a_detector_state_from_before_the_level_detectors_resumes():
     fired = [ev for r in records[100:] for ev in restored.update(r)]
     first = next(r["step"] for r in records[100:] if r["kind"] == "train")
     assert found(fired) == [("lr_zero", first)] and restored.state_dict()["lr_zero"]["open"] is not None
+
+
+def test_a_resume_on_a_slower_machine_is_not_a_stall_at_every_row():
+    """Resumed at step 1,000 on a machine 4x slower: its throughput window was another machine's and
+    cleared, its seconds per step were not, and each of its next 29 rows was a stall (exit 1 on a
+    healthy run). Offline (the resume event) and live (a restored state) alike."""
+
+    def slower(step, row):
+        if step > 1000:
+            row["dt"] *= 4
+            row["tok_per_s"] /= 4
+
+    records = trainer_records(2000, change=slower)
+    at = next(i for i, r in enumerate(records) if r["kind"] == "train" and r["step"] == 1001)
+    records.insert(at, {"kind": "event", "event": "resume", "step": 1000})
+    assert found(diagnose(records)) == []
+    live = LiveDetectors()
+    for r in records[:at]:
+        live.update(r)
+    restored = LiveDetectors()
+    restored.load_state_dict(json.loads(json.dumps(live.state_dict())))
+    # Live, the restored throughput window was the old machine's: a drop the doctor did not name.
+    assert [ev for r in records[at + 1 :] for ev in restored.update(r)] == []
 
 
 def test_resume_warms_the_pace_up_again():

@@ -125,11 +125,50 @@ def test_a_wandb_offline_run_is_read_with_specforge_names(tmp_path, monkeypatch)
         "epoch boundaries",
         "checkpoint saves and resumes",
         "noise schedule changes",
+        "stalls at evals",  # its eval rows do not say how long each eval took
     ]
     # A synced run's folder (wandb/run-DATE-ID) holds the same transaction log.
     synced = tmp_path / "synced" / "wandb" / run_dir.name.replace("offline-run-", "run-")
     shutil.copytree(run_dir, synced)
     assert found(run_doctor(tmp_path / "synced")) == EVENTS
+
+
+def test_untimed_evals_of_another_trainer_are_not_stalls(tmp_path):
+    """SpecForge's eval rows say nothing of how long each eval took, and wandb gives the row the clock
+    of its last metric, the eval's end (`_runtime` of the row at the eval's step is 60 s later): each
+    of the 16 evals was a stall, exit 1 on a healthy run. A gap that holds an eval is now not judged
+    (and the doctor says so); a 60 s gap with no eval is still a stall."""
+    rows, late = [], 0.0
+    for row in history():
+        late += 60.0 if "eval" in row or row["step"] == 140 else 0.0
+        rows.append({"_step": row["step"], "_runtime": row["elapsed_s"] + late, **specforge_row(row)})
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(rows))
+    diagnosis = run_doctor(path)
+    assert found(diagnosis) == sorted([*EVENTS, ("stall", 140)])
+    assert "stalls at evals: 16 eval row(s) without eval_s, so the gap that holds each eval is not judged" in (
+        diagnosis["summary"]["cannot_tell"]
+    )
+
+
+def test_flat_eval_rows_without_kind_are_eval_rows(tmp_path):
+    """Hugging Face Trainer's log_history, one row per line: train rows (loss, learning_rate,
+    grad_norm, epoch) and, at some of their steps, eval rows (eval_loss, eval_runtime) with no `kind`.
+    Read as train rows, each eval's step "went back" to its train row's: exit 3, "two runs in one
+    log", and no held-out curve read."""
+    rows = []
+    for row in history():
+        rows.append({"loss": row["loss"], "grad_norm": row["grad_norm"], "learning_rate": row["lr"],
+                     "epoch": row["step"] / 100, "step": row["step"]})
+        if "eval" in row:
+            rows.append({"eval_loss": row["eval"]["ce"], "eval_runtime": 12.5, "epoch": row["step"] / 100,
+                         "step": row["step"]})
+    path = tmp_path / "log_history.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    diagnosis = run_doctor(path)
+    s = diagnosis["summary"]
+    assert found(diagnosis) == [("generalisation", 200), ("loss_spike", 300)]
+    assert s["eval_rows"] == 16 and s["restarts"] == [] and s["undecided"] == []
 
 
 def test_a_wandb_run_still_being_written_is_read_to_its_last_record(tmp_path, monkeypatch):
@@ -185,6 +224,19 @@ def test_a_csv_chart_export_with_specforge_names(tmp_path):
     two.write_text("Step,a - train/loss,b - train/loss\n1,2.0,2.1\n")
     with pytest.raises(InputFileError, match=r"columns of 2 runs \(a, b\); export one run"):
         load_log(two)
+
+
+def test_a_csv_chart_export_of_a_metric_without_a_namespace(tmp_path):
+    """A chart of a metric logged as plain `loss` exports as Step, "<run> - loss": nothing but the
+    Step column marks it as wandb's, and the doctor stopped with "no train rows with a step"."""
+    path = tmp_path / "export.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Step", "my-run - loss", "my-run - loss__MIN", "my-run - loss__MAX"])
+        for row in history():
+            writer.writerow([row["step"]] + [row["loss"]] * 3)
+    diagnosis = run_doctor(path)
+    assert found(diagnosis) == [("loss_spike", 300)] and diagnosis["summary"]["read_as"] == {"loss": ["loss"]}
 
 
 # ---- speculators' names --------------------------------------------------------------------------
@@ -253,6 +305,7 @@ def test_a_tensorboard_folder_written_by_summary_writer_with_speculators_names(t
         "checkpoint saves and resumes",
         "non-finite gradients",
         "noise schedule changes",
+        "stalls at evals",  # no eval time in speculators' eval rows
     ]
 
 

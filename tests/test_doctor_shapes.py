@@ -254,6 +254,18 @@ def test_a_fine_tune_from_trained_weights_is_not_called_not_learning(tmp_path):
     assert "yet its accuracy began untrained (under 5%)" in ev["likely_cause"]
 
 
+def test_a_fine_tune_in_a_log_that_does_not_say_where_it_started_is_not_called_not_learning():
+    """Another trainer's log has no run_start recording init_from: a fine-tune there (accuracy 0.45,
+    its trained level, from the first row) was named not_learning, exit 1. A drafter that drafts from
+    its first rows did not start from scratch; one at accuracy 0.01 still never learned."""
+    peer = [r for r in warm_start_records() if r["kind"] != "event"]
+    diagnosis = diagnose(peer)
+    assert found(diagnosis) == [] and diagnosis["summary"]["verdict"] == "healthy"
+    assert found(diagnose([r for r in warm_start_records(accuracy=0.01) if r["kind"] != "event"])) == [("not_learning", 1)]
+    # Without accuracy nothing says where it started: a flat loss is still named.
+    assert found(diagnose([r for r in warm_start_records(accuracy=None) if r["kind"] != "event"])) == [("not_learning", 1)]
+
+
 def test_a_warm_start_is_kept_through_checkpoints_and_old_states_load():
     """Live, the trainer calls run_started after its run_start event, after a resume has loaded the
     state; a state saved before init_from was kept loads, and the run_start that follows sets it."""

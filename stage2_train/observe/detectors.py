@@ -27,7 +27,7 @@ compared with the median and MAD (sigma = 1.4826 * MAD) of a trailing window of 
 must also pass a minimum ratio, so noise never fires on its own. Outliers do not enter the window;
 a dip must last `sustain_rows` logged rows to be a cliff or a drop. Nothing is judged before
 `min_history_rows` values; pace and throughput also skip `warmup_rows` rows at the start and after a
-resume (first steps are slow). Windows hold (step, value): when the steps go backwards (a resume from
+resume (first steps are slow), and learn their level afresh after it (another machine's). Windows hold (step, value): when the steps go backwards (a resume from
 an older checkpoint, a restart), entries from the abandoned future are dropped.
 
 The level detectors (`levels.py`) compare with the run's own best level or a fixed bar rather than
@@ -49,6 +49,7 @@ from stage2_train.observe.episodes import Drop, Spike
 from stage2_train.observe.generalisation import Generalisation
 from stage2_train.observe.levels import InputBound, Level, LrZero, NotLearning
 from stage2_train.observe.oscillation import Whiplash
+from stage2_train.observe.pace import Pace
 from stage2_train.observe.records import (
     RESET_EVENTS,
     Window,
@@ -79,107 +80,12 @@ EVENT_KINDS = (
 )
 
 
-
 def as_warning(event: dict[str, Any]) -> dict[str, Any]:
     """Fields for `sink.event("warning", event["step"], **as_warning(event))`."""
     return {"detector": event["kind"], "size": event["size"], "details": event["details"]}
 
 
-# ---- one detector per signal (spikes and drops: `episodes.py`) -------------------------------------
-class _Pace:
-    """Wall time and step deltas between consecutive train rows: stalls and step gaps."""
-
-    def __init__(self, cfg: DetectorConfig):
-        self.cfg = cfg
-        self.sec_per_step = Window(cfg.window_rows)
-        self.step_deltas = Window(cfg.window_rows)
-        self.prev: list[float] | None = None  # [step, t] of the previous train row
-        self.paused_s = 0.0  # intended pauses (eval) since the previous row, not counted as stalls
-        self.warmup_left = cfg.warmup_rows
-        self.outliers = 0  # consecutive stalls: past sustain_rows the pace itself changed
-
-    def restart(self, step: int | None) -> None:
-        if step is not None:
-            self.sec_per_step.truncate(step + 1)
-            self.step_deltas.truncate(step + 1)
-        self.prev, self.paused_s, self.warmup_left, self.outliers = None, 0.0, self.cfg.warmup_rows, 0
-
-    def update(self, step: int, t: float | None) -> list[dict[str, Any]]:
-        cfg = self.cfg
-        prev, paused = self.prev, self.paused_s
-        self.prev, self.paused_s = [step, t], 0.0
-        if prev is None:
-            return []
-        delta = step - prev[0]
-        if self.warmup_left > 0:
-            self.warmup_left -= 1
-            return []
-        events = []
-        if len(self.step_deltas) >= cfg.min_history_rows:
-            deltas = sorted(self.step_deltas.values())
-            usual = max(deltas[int(0.9 * (len(deltas) - 1))], 1)
-            if delta > cfg.step_gap_ratio * usual:
-                gap_s = None if t is None or prev[1] is None else r6(t - prev[1])
-                events.append(
-                    make_event(
-                        "step_gap", step, delta, from_step=int(prev[0]), usual_delta=int(usual), gap_s=gap_s
-                    )
-                )
-        if not events:
-            self.step_deltas.append(step, delta)
-        if t is None or prev[1] is None:
-            return events
-        gap = t - prev[1] - paused
-        if gap < 0:  # the clock went back: a new process without a continuous elapsed_s
-            self.restart(None)
-            self.prev = [step, t]
-            return events
-        stalled = False
-        if len(self.sec_per_step) >= cfg.min_history_rows:
-            med, sigma = robust(self.sec_per_step.values())
-            expected = delta * med
-            lost = gap - expected
-            if gap > cfg.stall_min_ratio * expected and lost > max(
-                cfg.stall_min_s, cfg.stall_k * sigma * delta
-            ):
-                stalled = True
-                events.append(
-                    make_event(
-                        "stall",
-                        step,
-                        gap,
-                        from_step=int(prev[0]),
-                        expected_s=r6(expected),
-                        lost_s=r6(lost),
-                        sec_per_step=r6(med),
-                        paused_s=r6(paused),
-                    )
-                )
-        self.outliers = self.outliers + 1 if stalled else 0
-        if not stalled or self.outliers >= cfg.sustain_rows:
-            self.sec_per_step.append(step, gap / delta)
-        return events
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "sec_per_step": list(self.sec_per_step.pairs),
-            "step_deltas": list(self.step_deltas.pairs),
-            "prev": self.prev,
-            "paused_s": self.paused_s,
-            "warmup_left": self.warmup_left,
-            "outliers": self.outliers,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in ("sec_per_step", "step_deltas"):
-            window = getattr(self, name)
-            window.pairs.clear()
-            window.pairs.extend(state[name])
-        self.prev, self.paused_s = state["prev"], state["paused_s"]
-        self.warmup_left, self.outliers = state["warmup_left"], state["outliers"]
-
-
-# ---- all of them -----------------------------------------------------------------------------------
+# ---- all of them (stalls and step gaps: `pace.py`; spikes and drops: `episodes.py`) ----------------
 class LiveDetectors:
     """Every detector, fed one record at a time; `update` returns the events that record revealed.
 
@@ -193,7 +99,7 @@ class LiveDetectors:
 
     def __init__(self, cfg: DetectorConfig | None = None):
         self.cfg = cfg or DetectorConfig()
-        self.pace = _Pace(self.cfg)
+        self.pace = Pace(self.cfg)
         self.loss = Spike(self.cfg)
         self.accuracy = Drop(
             self.cfg, "accuracy_cliff", self.cfg.cliff_k, self.cfg.cliff_min_drop, self.cfg.cliff_min_rel
@@ -227,6 +133,8 @@ class LiveDetectors:
         if row["kind"] == "eval":
             if finite(row["eval_s"]):
                 self.pace.paused_s += row["eval_s"]
+            else:
+                self.pace.untimed_pause = True
             if row["step"] is None:
                 return []
             ev = self.generalisation.update(row["step"], row)
@@ -289,6 +197,7 @@ class LiveDetectors:
         from trained weights (init_from) is not held to the from-scratch rule of `NotLearning`."""
         if isinstance(hyperparameters, dict):
             self.not_learning.init_from = hyperparameters.get("init_from") or None
+            self.not_learning.start_known = "init_from" in hyperparameters
 
     def _nan(self, step: int, row: dict[str, Any]) -> list[dict[str, Any]]:
         bad = {
@@ -426,6 +335,7 @@ class LiveDetectors:
         self.noise_std.pairs.extend(state.get("noise_std", []))  # absent before the resume check read it: no level known
         if resumed:
             self._arm_resume_check(self.last_step)
+            self.throughput.window.pairs.clear()  # another machine's, as the doctor reads the resume event
             self.pace.restart(None)
             self.input_bound.restart(None)
             self.whiplash.restart(None)

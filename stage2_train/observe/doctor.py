@@ -134,6 +134,7 @@ def diagnose(
         for a, b in zip(train, train[1:])
         if b["step"] > a["step"] and finite(a["t"]) and finite(b["t"]) and b["t"] >= a["t"]
     ]
+    untimed = sum(1 for r in evals if not finite(r["eval_s"]))
     info = {
         "interval": interval,
         "has_events": has_events,
@@ -141,6 +142,10 @@ def diagnose(
         "data_wait": {},
         "schedule": run_start_hyperparameters(event_rows),
     }
+    if untimed and any(finite(r["t"]) for r in train):
+        info["cannot_tell"].append(
+            f"stalls at evals: {untimed} eval row(s) without eval_s, so the gap that holds each eval is not judged"
+        )
     live = LiveDetectors(cfg)
     events = [dict(ev) for record in records for ev in live.update(record)]
     undecided = live.generalisation.undecided()

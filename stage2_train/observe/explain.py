@@ -254,7 +254,13 @@ def level_cause(ev: dict[str, Any], near: list[dict[str, Any]], info: dict[str, 
     if kind == "lr_zero":
         schedule = info.get("schedule") or {}
         lr, warmup, total = (schedule.get(k) for k in ("optim.lr", "warmup_steps", "total_steps"))
-        if d.get("peak_before"):
+        if d.get("decay_rows") is not None:
+            why = (
+                f"the lr decayed from {d['peak_before']:.3g} to 0 over {d['decay_rows']} rows and stayed there for longer "
+                "than its decay took: the schedule ended long before the run (its total steps fewer than the run's: "
+                "train.max_steps or train.epochs against the schedule's total_steps, or a resume that kept a finished schedule)"
+            )
+        elif d.get("peak_before"):
             why = f"the lr fell from {d['peak_before']:.3g} to 0 in one row, not by a decay: a scheduler or optimizer reset"
         elif lr == 0:
             why = "optim.lr is 0 in the run's config (run_start)"

@@ -106,17 +106,23 @@ class Level:
 class LrZero:
     """lr 0 (or below) for lr_zero_rows rows in a row: the optimizer applies no update. An lr that
     decayed into 0 (its last positive value below DECAY_TAIL of its peak: a cosine or linear schedule's
-    last steps) is the schedule's end, not this event. `to_step` is updated in place while lr stays 0."""
+    last steps) is the schedule's end, not this event, for as many rows as the decay took from the
+    peak: a schedule that ends with the run puts only its last rows at 0 (those a rounded log writes
+    as 0), one whose total steps are fewer than the run's leaves it at 0 for the rest of the run (a
+    cosine over 1,000 steps of a 3,000-step run was called healthy). `to_step` is updated in place
+    while lr stays 0."""
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
         self.peak = 0.0
         self.last_positive: float | None = None
-        self.run: list[Any] | None = None  # [first step, rows, decayed into it]
+        self.decay_rows = 0  # rows with lr > 0 since the last one at the peak
+        self.run: list[Any] | None = None  # [first step, rows, decayed into it, decay rows before it]
         self.open: dict[str, Any] | None = None
 
     def update(self, step: int, lr: float) -> dict[str, Any] | None:
         if lr > 0:
+            self.decay_rows = 0 if lr >= self.peak else self.decay_rows + 1
             self.peak, self.last_positive = max(self.peak, lr), lr
             self.run = self.open = None
             return None
@@ -125,9 +131,10 @@ class LrZero:
             return None
         if self.run is None:
             decayed = self.last_positive is not None and self.last_positive < DECAY_TAIL * self.peak
-            self.run = [step, 0, decayed]
+            self.run = [step, 0, decayed, self.decay_rows]
         self.run[1] += 1
-        if self.run[2] or self.run[1] < self.cfg.lr_zero_rows:
+        decay_rows = self.run[3] if len(self.run) > 3 else None  # None: a state from before it, no bound
+        if self.run[1] < self.cfg.lr_zero_rows or (self.run[2] and (decay_rows is None or self.run[1] <= decay_rows)):
             return None
         self.open = make_event(
             "lr_zero",
@@ -137,6 +144,7 @@ class LrZero:
             peak_before=r6(self.peak) if self.peak > 0 else None,
             confirmed_step=int(step),
             to_step=int(step),
+            **({"decay_rows": decay_rows} if self.run[2] else {}),
         )
         return self.open
 
@@ -146,10 +154,12 @@ class LrZero:
             self.open = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"peak": self.peak, "last_positive": self.last_positive, "run": self.run, "open": self.open}
+        return {"peak": self.peak, "last_positive": self.last_positive, "decay_rows": self.decay_rows,
+                "run": self.run, "open": self.open}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.peak, self.last_positive = state["peak"], state["last_positive"]
+        self.decay_rows = state.get("decay_rows", 0)  # absent from checkpoints before it
         self.run, self.open = state["run"], state["open"]
 
 
@@ -223,7 +233,10 @@ class NotLearning:
     flat stretch (a history export from step 10,000) says nothing of whether the run learned. A run
     started from trained weights (`init_from`, from run_start) is at its level from its first row, so a
     flat loss is what a healthy one shows: judged only when its first accuracy median says the start
-    was untrained after all (under UNTRAINED_ACCURACY), never when accuracy is not logged."""
+    was untrained after all (under UNTRAINED_ACCURACY), never when accuracy is not logged. A log that
+    does not say where the run started (no run_start with init_from: another trainer's) is judged by
+    that accuracy alone: a drafter that drafts from its first rows did not start from scratch (a peer's
+    fine-tune, accuracy 0.45 from the first row, was named not_learning)."""
 
     def __init__(self, cfg: DetectorConfig):
         self.cfg = cfg
@@ -237,6 +250,7 @@ class NotLearning:
         self.judged = False  # fired, or the log began too late to judge
         self.open: dict[str, Any] | None = None
         self.init_from: str | None = None  # the trained weights the run started from (run_start)
+        self.start_known = False  # a run_start said where the run started (init_from, None: from scratch)
 
     def update(self, step: int, loss: float, accuracy: float | None, lr: float | None) -> dict[str, Any] | None:
         if lr is not None and lr <= 0:
@@ -270,7 +284,8 @@ class NotLearning:
             return None
         self.judged = True
         first = self.first
-        if self.init_from and (first["accuracy"] is None or first["accuracy"] >= UNTRAINED_ACCURACY):
+        trained_start = first["accuracy"] is not None and first["accuracy"] >= UNTRAINED_ACCURACY
+        if (self.init_from and (first["accuracy"] is None or trained_start)) or (not self.start_known and trained_start):
             return None
         self.open = make_event(
             "not_learning",
@@ -314,7 +329,7 @@ class NotLearning:
     def state_dict(self) -> dict[str, Any]:
         return {"loss": list(self.loss.pairs), "accuracy": list(self.accuracy.pairs), "first": self.first,
                 "best": self.best, "rows": self.rows, "start_step": self.start_step, "peak_lr": self.peak_lr, "judged": self.judged,
-                "open": self.open, "init_from": self.init_from}
+                "open": self.open, "init_from": self.init_from, "start_known": self.start_known}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("loss", "accuracy"):
@@ -325,3 +340,4 @@ class NotLearning:
         self.start_step = state["start_step"]
         self.peak_lr, self.judged, self.open = state["peak_lr"], state["judged"], state["open"]
         self.init_from = state.get("init_from")  # absent from checkpoints before it: the run_start that follows sets it
+        self.start_known = state.get("start_known", False)

@@ -75,7 +75,9 @@ def needs_translation(row: dict[str, Any]) -> bool:
     """A row of another trainer's history: no `kind`/`event`, and namespaced or wandb-internal names."""
     if "kind" in row or "event" in row:
         return False
-    return any("/" in key or key.startswith("_") for key in row)
+    # "Step" is wandb's chart export's column: a chart of a metric logged without a namespace ("loss")
+    # has no other mark, and normalize's step aliases do not hold it (no train rows: nothing diagnosed).
+    return any("/" in key or key.startswith("_") or key == "Step" for key in row)
 
 
 def translate(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
@@ -130,7 +132,9 @@ def split_row(row: dict[str, Any], names: dict[str, list[str]]) -> list[dict[str
         records.append({"kind": "train", **base, **record})
     record = _mapped(evals, EVAL_NAMES, names, "held-out ")
     if any(k in record for k in ("ce", "accuracy", "accept_len", "walk_tau")):
-        records.append({"kind": "eval", **base, **record})
+        # Ahead of the train record: the row's clock (wandb's _runtime, TensorBoard's latest wall time)
+        # is the eval's end, so the gap up to this row holds the eval, which the pace then does not judge.
+        records.insert(0, {"kind": "eval", **base, **record})
     for event, fields in events.items():
         own = number(
             fields.pop("step", None)

@@ -37,7 +37,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "data_wait_frac": ("data_wait_frac",),
     # Set on train rows whose drafts past the first N are scored among the target's top-k candidates.
     "full_vocab_slots": ("full_vocab_slots",),
-    "eval_s": ("eval_s",),
+    "eval_s": ("eval_s", "eval_runtime"),  # eval_runtime: Hugging Face Trainer's seconds per eval
     "blocked_s": ("blocked_s",),
     "write_s": ("write_s",),
     # Held-out eval rows: ce falls back to the eval's loss (other trainers log val loss as `loss`).
@@ -72,8 +72,16 @@ def finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
+# A flat row without `kind` that holds only held-out metrics (Hugging Face Trainer's log_history:
+# eval_loss, eval_runtime at the step of the train row before it) is an eval row. Read as a train row,
+# each one's step "went back" to its train row's: a resume at every eval, two runs in one log (exit 3).
+EVAL_NAME_PREFIXES = ("eval_", "val_", "valid_", "validation_", "test_")
+TRAIN_METRIC_NAMES = ("loss", "train_loss", "train/loss", "accuracy", "acc", "train_acc", "lr", "learning_rate")
+
+
 def record_kind(record: dict[str, Any]) -> str:
-    """train, eval or event; a record without `kind` is an event if it names one, else a train row."""
+    """train, eval or event; a record without `kind` is an event if it names one, an eval row if it
+    holds held-out metrics and no train one, else a train row."""
     kind = record.get("kind")
     if kind in ("train", "eval", "event"):
         return kind
@@ -81,6 +89,9 @@ def record_kind(record: dict[str, Any]) -> str:
         return "event"
     if kind in ("val", "valid", "validation", "test"):
         return "eval"
+    if kind is None and any(k.startswith(EVAL_NAME_PREFIXES) for k in record):
+        if not any(k in record for k in TRAIN_METRIC_NAMES):
+            return "eval"
     return "train" if kind is None else str(kind)
 
 
