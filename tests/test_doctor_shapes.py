@@ -213,6 +213,7 @@ def test_a_detector_state_from_before_these_detectors_resumes():
     assert found([ev for r in records[100:] for ev in restored.update(r)]) == [("not_learning", 99)]
 
 
+@pytest.mark.slow  # matplotlib (5 s); test_doctor.py's report tests draw in the default run
 def test_the_report_draws_both_events(tmp_path):
     records = whiplash_records()
     flat = [r for r in flat_records() if r["kind"] == "train"]

@@ -139,6 +139,7 @@ def test_a_phase_that_fell_back_ends_fallback_never_ok(tmp_path, monkeypatch):
     assert (phase["status"], phase["fallbacks"]) == ("fallback", ["vllm: not installed -> transformers"])
 
 
+@pytest.mark.slow  # a whole collection of the suite in a subprocess (12 s): test-all
 def test_the_device_tests_are_the_ones_the_gpu_check_promises():
     """docs/gpu.md lists what `device_tests` runs on a GPU: a test that lost its `device` mark (or was
     renamed) would drop out of the GPU check unseen."""

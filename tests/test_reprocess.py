@@ -134,7 +134,7 @@ def gone(name: str) -> str:
     return f"its group shards/{name} is not in the store (deleted?): `python -m stage1_extract extract` or `python -m stage1_extract reprocess` extracts it again"
 
 
-@pytest.mark.parametrize("where, merged", [("local", True), ("local", False), ("memory", True)],
+@pytest.mark.parametrize("where, merged", [pytest.param("local", True, marks=pytest.mark.slow), ("local", False), ("memory", True)],
                          ids=["local", "local-interrupted", "fsspec"])
 def test_a_shard_group_deleted_by_hand_is_missing_and_extract_makes_it_again(tiny_target_dir, tmp_path, where, merged):
     """Its part record (and manifest record) survive the group: status counts the shard missing,
@@ -235,7 +235,7 @@ def chunk_file(cfg, array: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_shard"])
+@pytest.mark.parametrize("damage", ["flip_byte", pytest.param("truncate", marks=pytest.mark.slow), "delete_shard"])
 def test_verify_catches_damage_and_repair_fixes_it(built, damage):
     cfg, _ = built
     good = contents(cfg)
@@ -396,10 +396,11 @@ def shift_pairs(record: dict) -> None:
     "field, edit",
     [
         ("lengths", shift_lengths),
-        ("sample_ids", lambda r: r["sample_ids"].__setitem__(slice(0, 2), r["sample_ids"][1::-1])),
-        ("content_hashes", lambda r: r["content_hashes"].__setitem__(3, "0" * 16)),
-        ("supervised_pairs", lambda r: shift_pairs(r)),
-        ("bytes", lambda r: r.update(bytes=r["bytes"] + 1)),
+        # The default run checks one count and the checksum; the other fields take the same path (test-all).
+        pytest.param("sample_ids", lambda r: r["sample_ids"].__setitem__(slice(0, 2), r["sample_ids"][1::-1]), marks=pytest.mark.slow),
+        pytest.param("content_hashes", lambda r: r["content_hashes"].__setitem__(3, "0" * 16), marks=pytest.mark.slow),
+        pytest.param("supervised_pairs", lambda r: shift_pairs(r), marks=pytest.mark.slow),
+        pytest.param("bytes", lambda r: r.update(bytes=r["bytes"] + 1), marks=pytest.mark.slow),
         ("checksum", lambda r: r.update(checksum="0" * 64)),
         ("index", lambda r: r.update(name=r["name"].replace("shard-000001-", "shard-000007-"))),
     ],
@@ -424,7 +425,7 @@ def test_verify_names_a_manifest_field_that_contradicts_its_shard_and_repair_reb
     assert read_manifest(url)["shards"] == good["shards"] and read_manifest(url)["shards"][1]["name"] == name
 
 
-@pytest.mark.parametrize("field, edit", [("lengths", shift_lengths), ("supervised_pairs", shift_pairs)])
+@pytest.mark.parametrize("field, edit", [("lengths", shift_lengths), pytest.param("supervised_pairs", shift_pairs, marks=pytest.mark.slow)])
 def test_verify_extracts_again_when_the_part_record_is_wrong_too(built, field, edit):
     """--repair never copies a wrong count from the part record: it checks that record against the shard too."""
     cfg, _ = built
