@@ -966,81 +966,62 @@ def test_answers_generated_under_another_chat_template_are_not_reused(tiny_targe
     assert commands.cmd_generate(cfg, progress=False)["parts_reused"] == 2
 
 
-def test_answers_generated_by_a_target_whose_config_changed_since_are_not_reused(tiny_target_dir, tmp_path, fake_vllm, caplog):
-    """The same weights under another config.json (a Hub revision that changed rope_theta, a window, a
-    norm epsilon) compute another model: its store is stale, but the answers that model sampled were
-    kept by generate and called current by status, so `reprocess` paired the new target's features with
-    the old one's answers. The config is now part of what made an answer; answers generated before it
-    was recorded are used with a warning."""
-    import shutil
-
-    from shared.identity import generated_problem, prompt_template
-    from shared.target import resolve_target
-
-    data = prompts_file(tmp_path, n=6)
-    target_dir = shutil.copytree(tiny_target_dir, tmp_path / "target")
-    cfg = generate_config(target_dir, data, tmp_path / "run")
-    commands.cmd_generate(cfg, progress=False)
-
-    def problem():
-        target = resolve_target(cfg.target)
-        return generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()), target.config_sha256)
-
-    assert problem() is None
-    parts = tmp_path / "run" / "data" / "generated.parts"
-    old = json.loads((parts / "settings.json").read_text())
-    provenance = tmp_path / "run" / "data" / "generated.provenance.json"
-    written = json.loads(provenance.read_text())
+def _scale_rms_norm_eps(target_dir):
     config = json.loads((target_dir / "config.json").read_text())
     (target_dir / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 10 * config["rms_norm_eps"]}))
-    assert "the target's config.json (" in (problem() or "")
-    with pytest.raises(DataError, match="target_config"):
-        commands.cmd_generate(cfg, progress=False)
-    # Answers from before the config was recorded: used as they are, said so.
-    old["settings"].pop("target_config")
-    (parts / "settings.json").write_text(json.dumps(old))
-    written["inputs"]["settings"].pop("target_config")
-    provenance.write_text(json.dumps(written))
-    assert problem() is None and "before generate recorded the target's config.json" in caplog.text
-    assert commands.cmd_generate(cfg, progress=False)["parts_reused"] == 2
 
 
-def test_answers_to_prompts_a_tokenizer_now_splits_otherwise_are_not_reused(tiny_target_dir, tmp_path, fake_vllm, caplog):
-    """A tokenizer whose merges changed with its vocabulary unchanged (an edited tokenizer.json, a Hub
-    revision) tokenizes the same prompts into other ids: its store is stale (tokenizer_probe_sha256),
-    but generate reused the answers sampled after the old ids and status called them current. The
-    tokenizer's behaviour is now part of what rendered a prompt; answers generated before it was
-    recorded are used with a warning."""
-    import shutil
-
-    from shared.identity import generated_problem, prompt_template
-    from shared.target import resolve_target
-
-    data = prompts_file(tmp_path, n=6)
-    target_dir = shutil.copytree(tiny_target_dir, tmp_path / "target")
-    cfg = generate_config(target_dir, data, tmp_path / "run")
-    commands.cmd_generate(cfg, progress=False)
-
-    def problem():
-        target = resolve_target(cfg.target)
-        return generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()), target.config_sha256)
-
-    assert problem() is None
-    parts = tmp_path / "run" / "data" / "generated.parts"
-    old = json.loads((parts / "settings.json").read_text())
-    provenance = tmp_path / "run" / "data" / "generated.provenance.json"
-    written = json.loads(provenance.read_text())
+def _drop_first_merge(target_dir):
     tokenizer = json.loads((target_dir / "tokenizer.json").read_text())
     tokenizer["model"]["merges"] = tokenizer["model"]["merges"][1:]  # "Ġ t" no longer merged; the vocabulary unchanged
     (target_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
-    assert "the tokenizer's behaviour (" in (problem() or "")
-    with pytest.raises(DataError, match="template.tokenizer_probe_sha256"):
+
+
+@pytest.mark.parametrize("edit, named, key, recorded", [
+    # The same weights under another config.json (a Hub revision that changed rope_theta, a window, a norm epsilon).
+    (_scale_rms_norm_eps, "the target's config.json (", ("target_config",), "the target's config.json"),
+    # A tokenizer whose merges changed with its vocabulary unchanged tokenizes the same prompts into other ids.
+    (_drop_first_merge, "the tokenizer's behaviour (", ("template", "tokenizer_probe_sha256"), "the tokenizer's behaviour"),
+], ids=["config", "tokenizer"])
+def test_answers_of_a_target_that_changed_since_are_not_reused(tiny_target_dir, tmp_path, fake_vllm, caplog, edit, named, key, recorded):
+    """Another target config.json or tokenizer behaviour computes another model or other prompt ids: its
+    store is stale, but the answers sampled before were kept by generate and called current by status,
+    so `reprocess` paired the new target's features with the old one's answers. Both are now part of
+    what made an answer; answers generated before they were recorded are used with a warning."""
+    import shutil
+
+    from shared.identity import generated_problem, prompt_template
+    from shared.target import resolve_target
+
+    data = prompts_file(tmp_path, n=6)
+    target_dir = shutil.copytree(tiny_target_dir, tmp_path / "target")
+    cfg = generate_config(target_dir, data, tmp_path / "run")
+    commands.cmd_generate(cfg, progress=False)
+
+    def problem():
+        target = resolve_target(cfg.target)
+        return generated_problem(cfg, target.weights_sha256, prompt_template(target.tokenizer_hashes()), target.config_sha256)
+
+    def forget(settings):  # the key as generate wrote it before it was recorded
+        node = settings
+        for part in key[:-1]:
+            node = node[part]
+        node.pop(key[-1])
+
+    assert problem() is None
+    parts = tmp_path / "run" / "data" / "generated.parts"
+    old = json.loads((parts / "settings.json").read_text())
+    provenance = tmp_path / "run" / "data" / "generated.provenance.json"
+    written = json.loads(provenance.read_text())
+    edit(target_dir)
+    assert named in (problem() or "")
+    with pytest.raises(DataError, match=".".join(key)):
         commands.cmd_generate(cfg, progress=False)
-    old["settings"]["template"].pop("tokenizer_probe_sha256")
+    forget(old["settings"])
     (parts / "settings.json").write_text(json.dumps(old))
-    written["inputs"]["settings"]["template"].pop("tokenizer_probe_sha256")
+    forget(written["inputs"]["settings"])
     provenance.write_text(json.dumps(written))
-    assert problem() is None and "before generate recorded the tokenizer's behaviour" in caplog.text
+    assert problem() is None and f"before generate recorded {recorded}" in caplog.text
     assert commands.cmd_generate(cfg, progress=False)["parts_reused"] == 2
 
 
