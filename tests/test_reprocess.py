@@ -29,12 +29,21 @@ def contents(cfg) -> list:
     return [(r["index"], r["checksum"], r["sample_ids"]) for r in read_manifest(cfg.store.url(cfg.run_dir))["shards"]]
 
 
+@pytest.fixture(scope="module")
+def pristine(tiny_target_dir, tmp_path_factory) -> Path:
+    """One extracted store per module (extraction is most of this file's time); each test edits a copy."""
+    root = tmp_path_factory.mktemp("reprocess_pristine")
+    data = write_jsonl(root / "chat.jsonl", chat_rows(30))
+    commands.cmd_extract(config(tiny_target_dir, data, root / "run"), progress=False)
+    return root
+
+
 @pytest.fixture
-def built(tiny_target_dir, tmp_path):
-    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(30))
-    cfg = config(tiny_target_dir, data, tmp_path / "run")
-    commands.cmd_extract(cfg, progress=False)
-    return cfg, data
+def built(pristine, tiny_target_dir, tmp_path):
+    """A fresh copy of the module's store and its data, at this test's own paths."""
+    for name in ("chat.jsonl", "run"):
+        (shutil.copytree if (pristine / name).is_dir() else shutil.copy2)(pristine / name, tmp_path / name)
+    return config(tiny_target_dir, tmp_path / "chat.jsonl", tmp_path / "run"), tmp_path / "chat.jsonl"
 
 
 def test_unchanged_store_is_current_and_reprocess_does_nothing(built):
@@ -107,16 +116,17 @@ def test_appended_and_removed_rows(built, tiny_target_dir):
     assert commands.cmd_status(cfg)["complete"] and read_manifest(cfg.store.url(cfg.run_dir))["num_samples"] == 10
 
 
-def test_extract_refuses_a_store_made_from_other_data_and_reprocess_replaces_it(built, tmp_path):
+def test_extract_refuses_a_store_made_from_other_data_and_reprocess_replaces_it(built, pristine, tmp_path):
     """A second dataset pointed at the same store (store.path shared by two runs) or an edited row:
     `extract` refuses naming the shards, both datasets and the two ways out, and touches nothing;
     `reprocess` is the verb that replaces shards."""
     cfg, data = built
+    made_from = pristine / "chat.jsonl"  # the path the manifest recorded: the store is a copy
     before = contents(cfg)
     other = write_jsonl(tmp_path / "other.jsonl", chat_rows(30, seed=9))
     second = config(Path(cfg.target.path), other, Path(cfg.run_dir))
     with pytest.raises(StoreError, match=(
-        rf"shard\(s\) 0, 1 were extracted from other input rows than {other} gives \(the store was made from {data}\); "
+        rf"shard\(s\) 0, 1 were extracted from other input rows than {other} gives \(the store was made from {made_from}\); "
         r"extraction does not replace them.*`python -m stage1_extract reprocess`.*set store.path \(or run_dir\) to a new folder"
     )):
         commands.cmd_extract(second, progress=False)
