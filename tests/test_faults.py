@@ -807,7 +807,7 @@ def test_a_preempted_run_saves_its_step_and_resumes_with_none_lost_or_repeated(t
     from stage2_train.train.preemption import EXIT_PREEMPTED
 
     _, path = store
-    extra = {"train.max_steps": 12, "checkpoint.every_steps": 5, "train.resume": "auto", "eval.every_steps": 1}
+    extra = {"train.max_steps": 8, "checkpoint.every_steps": 5, "train.resume": "auto", "eval.every_steps": 1}
     reference = tmp_path / "reference"
     stage2.cmd_train(train_config(tiny_target_dir, path, reference, **extra), progress=False)
     run = tmp_path / "run"
@@ -821,7 +821,7 @@ def test_a_preempted_run_saves_its_step_and_resumes_with_none_lost_or_repeated(t
     preempted = [e for e in events if e["event"] == "preempted"]
     assert len(preempted) == 1 and preempted[0]["signal"] == signal_name
     stopped = preempted[0]["step"]
-    assert 2 <= stopped < 12 and (run / "checkpoints" / f"step_{stopped:06d}" / "meta.json").is_file()
+    assert 2 <= stopped < 8 and (run / "checkpoints" / f"step_{stopped:06d}" / "meta.json").is_file()
     assert json.loads((run / "preempted.json").read_text())["step"] == stopped
     assert f"stopped by {signal_name} after step {stopped}" in stderr and "Traceback" not in stderr
     again = start_training(args, {}, tmp_path)
@@ -829,7 +829,7 @@ def test_a_preempted_run_saves_its_step_and_resumes_with_none_lost_or_repeated(t
     assert again.returncode == 0, stderr[-3000:]
     assert not (run / "preempted.json").exists()
     steps = train_steps_logged(run / "train_log.jsonl")
-    assert steps == list(range(1, 13))  # none lost, none twice
+    assert steps == list(range(1, 9))  # none lost, none twice
     want = {r["step"]: r for r in read_log(reference / "train_log.jsonl", "train")}
     for row in read_log(run / "train_log.jsonl", "train"):
         assert row["loss"] == want[row["step"]]["loss"] and row["lr"] == want[row["step"]]["lr"], row["step"]

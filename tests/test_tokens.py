@@ -96,7 +96,7 @@ def truncate(path):
     path.write_bytes(path.read_bytes()[:-40])
 
 
-@pytest.mark.parametrize("damage", [flip_a_byte, truncate], ids=["flipped byte", "truncated"])
+@pytest.mark.parametrize("damage", [flip_a_byte, pytest.param(truncate, marks=pytest.mark.slow)], ids=["flipped byte", "truncated"])
 def test_a_damaged_token_cache_is_named_rebuilt_and_never_reaches_the_store(tiny_target_dir, tmp_path, damage, caplog):
     """A flipped byte used to pass into the store as a token nobody wrote (and verify passed it); a
     truncated file ended in an mmap traceback. Both are now a warning naming the file, a rebuilt
