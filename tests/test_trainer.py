@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1051,3 +1052,23 @@ def test_ddp_leaves_the_frozen_buffers_where_each_rank_holds_them(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["wrapped"] for r in ranks] == ["DistributedDataParallel"] * 2
     assert ranks[1]["seen"] == [2.0, 2.0]  # not rank 0's 1.0
+
+
+def test_tokens_per_second_counts_training_time_not_the_evals_between_rows(tiny_target_dir, store, tmp_path, fresh_accelerator_state):
+    """A held-out eval between two train rows is not training time: the row after it read as a
+    slowdown every eval.every_steps (here each eval takes 1 s longer than the steps it follows)."""
+    extra = {"train.max_steps": 4, "eval.every_steps": 2, "log.every_steps": 1, "checkpoint.every_steps": 0}
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path / "run", **extra))
+    row = trainer.heldout.row
+
+    def slow_row(*args, **kwargs):
+        time.sleep(1.0)
+        return row(*args, **kwargs)
+
+    trainer.heldout.row = slow_row
+    trainer.fit()
+    rows = read_log(tmp_path / "run" / "train_log.jsonl", "train")
+    evals = [r["eval_s"] for r in read_log(tmp_path / "run" / "train_log.jsonl", "eval")]
+    assert len(evals) == 2 and min(evals) >= 1.0
+    for r in rows[1:]:  # each row's rate over its own step: the previous row's eval is not in it
+        assert r["tok_per_s"] > 0.5 * r["tokens"] / r["step_s"], (r["step"], r["tok_per_s"], r["tokens"] / r["step_s"])

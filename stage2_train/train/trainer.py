@@ -128,6 +128,7 @@ class Trainer:
             "drafter": Description(self.description),
         })
         self._last_log = (0, 0, time.perf_counter())  # (step, tokens_seen, time) at the previous train row
+        self._eval_s_unlogged = 0.0  # evals since: not training time, or tok_per_s dips every eval.every_steps
         self._batches: Iterator[list[LoadedBatch]] | None = None
         self._bar = None
         self.preemption = Preemption()
@@ -330,7 +331,7 @@ class Trainer:
             "lr": stats.lr, "noise_std": stats.noise_std, "grad_norm": float(stats.grad_norm),
             "skipped_update": stats.skipped, "tokens": stats.num_tokens, "samples": stats.num_samples,
             "blocks": int(counts["num_blocks"]),
-            "tok_per_s": (self.progress.tokens_seen - last_tokens) / max(now - last_time, 1e-9),
+            "tok_per_s": (self.progress.tokens_seen - last_tokens) / max(now - last_time - self._eval_s_unlogged, 1e-9),
             "data_wait_frac": stats.times["data_s"] / max(step_s, 1e-9),
             **{k: round(v, 6) for k, v in stats.times.items()},
             "step_s": round(step_s, 6),
@@ -340,7 +341,7 @@ class Trainer:
         self.sink.log(self.step, row)
         for event in self.detectors.update({"kind": "train", "step": self.step, **row}):
             self.sink.event("warning", event["step"], **as_warning(event))
-        self._last_log = (self.step, self.progress.tokens_seen, now)
+        self._last_log, self._eval_s_unlogged = (self.step, self.progress.tokens_seen, now), 0.0
         self.progress.last_row = {k: row[k] for k in ("loss", "accuracy", "accept_len", "tok_per_s")}
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{row['loss']:.3f}", acc_len=f"{row['accept_len']:.2f}", tok_s=f"{row['tok_per_s']:.0f}")
@@ -402,6 +403,7 @@ class Trainer:
         if not isinstance(row, dict):
             return None
         row["eval_s"] = round(time.perf_counter() - start, 3)
+        self._eval_s_unlogged += row["eval_s"]
         self.sink.log(self.step, row, kind="eval")
         # Eval time is not a stall; a held-out curve turning while training improves is a warning.
         for event in self.detectors.update({"kind": "eval", "step": self.step, **row}):
