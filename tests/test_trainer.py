@@ -1072,3 +1072,30 @@ def test_tokens_per_second_counts_training_time_not_the_evals_between_rows(tiny_
     assert len(evals) == 2 and min(evals) >= 1.0
     for r in rows[1:]:  # each row's rate over its own step: the previous row's eval is not in it
         assert r["tok_per_s"] > 0.5 * r["tokens"] / r["step_s"], (r["step"], r["tok_per_s"], r["tokens"] / r["step_s"])
+
+
+def test_a_step_that_scored_no_block_logs_no_loss_or_accuracy_not_zeros(tiny_target_dir, store, tmp_path, fresh_accelerator_state):
+    """A step whose micro-batches held only samples with no block (every rank) logged loss 0.0 and
+    accuracy 0.0: a perfect loss on the plots and an accuracy cliff to the doctor. Its ratios are null."""
+    from stage2_train.observe.doctor import diagnose
+
+    trainer = bf16_trainer(config(tiny_target_dir, store, tmp_path / "run", **{"train.max_steps": 6, "log.every_steps": 1}))
+    reduce = trainer._reduce_counts
+
+    def no_block_at_step_4(counts):
+        out = reduce(counts)
+        return {k: torch.zeros_like(v) for k, v in out.items()} if trainer.step == 4 else out
+
+    trainer._reduce_counts = no_block_at_step_4
+    trainer.fit()
+    rows = {r["step"]: r for r in read_log(tmp_path / "run" / "train_log.jsonl", "train")}
+    assert rows[4]["blocks"] == 0 and rows[4]["loss"] is None and rows[4]["accuracy"] is None
+    assert rows[4]["acc_per_pos"] is None and rows[4]["accept_len"] is None and rows[4]["tokens"] > 0
+    assert all(rows[s]["loss"] > 0 for s in (1, 2, 3, 5, 6))
+    events = [r for r in read_log(tmp_path / "run" / "train_log.jsonl", "event") if r["event"] == "warning"]
+    assert events == []
+    diagnosis = diagnose(read_log(tmp_path / "run" / "train_log.jsonl"))  # the offline doctor reads the null row too
+    assert [e for e in diagnosis["events"] if e.get("step") == 4] == []
+    from stage2_train.commands import cmd_report
+
+    assert len(cmd_report(tmp_path / "run" / "train_log.jsonl", tmp_path / "report")["plots"]) >= 5  # and draws it

@@ -358,6 +358,13 @@ def finalize_metrics(counts: dict[str, torch.Tensor], cfg: LossConfig) -> dict[s
     }
 
 
+def logged_metrics(counts: dict[str, torch.Tensor], cfg: LossConfig) -> dict[str, Any]:
+    """finalize_metrics as a log row's plain numbers, each None when the counts hold no scored block:
+    0.0 there read as a perfect loss and as an accuracy cliff (the doctor's detectors skip None)."""
+    scored = bool(counts["num_blocks"])
+    return {k: (v.tolist() if v.dim() else v.item()) if scored else None for k, v in finalize_metrics(counts, cfg).items()}
+
+
 def count_keys(metrics: dict[str, torch.Tensor]) -> list[str]:
     """The summable entries of a loss's metrics: COUNT_KEYS and a variant's X_num / X_den pairs."""
     return [*COUNT_KEYS, *sorted(k for k in metrics if k.endswith(("_num", "_den")))]

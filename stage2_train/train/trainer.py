@@ -57,7 +57,7 @@ from stage2_train.model.drafter import DFlashDrafter, build_drafter, init_from_t
 from stage2_train.model.loss import (
     count_keys,
     dflash_loss,
-    finalize_metrics,
+    logged_metrics,
     objective_normalizer,
     sum_counts,
 )
@@ -318,7 +318,7 @@ class Trainer:
     def log_step(self, stats: StepStats) -> dict[str, Any]:
         """Reduce the step's counts over ranks and write one train row (every rank must call it)."""
         counts = self._reduce_counts(stats.counts)
-        ratios = {k: v.tolist() if v.dim() else v.item() for k, v in finalize_metrics(counts, self.cfg.loss).items()}
+        ratios = logged_metrics(counts, self.cfg.loss)
         now = time.perf_counter()
         _, last_tokens, last_time = self._last_log
         step_s = sum(stats.times.values())
@@ -334,9 +334,7 @@ class Trainer:
             "tok_per_s": (self.progress.tokens_seen - last_tokens) / max(now - last_time - self._eval_s_unlogged, 1e-9),
             "data_wait_frac": stats.times["data_s"] / max(step_s, 1e-9),
             **{k: round(v, 6) for k, v in stats.times.items()},
-            "step_s": round(step_s, 6),
-            "elapsed_s": round(self.progress.elapsed_s(), 3),
-            "cpu_s": round(self.progress.cpu_s(), 3),
+            "step_s": round(step_s, 6), "elapsed_s": round(self.progress.elapsed_s(), 3), "cpu_s": round(self.progress.cpu_s(), 3),
         }
         self.sink.log(self.step, row)
         for event in self.detectors.update({"kind": "train", "step": self.step, **row}):
@@ -344,7 +342,8 @@ class Trainer:
         self._last_log, self._eval_s_unlogged = (self.step, self.progress.tokens_seen, now), 0.0
         self.progress.last_row = {k: row[k] for k in ("loss", "accuracy", "accept_len", "tok_per_s")}
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{row['loss']:.3f}", acc_len=f"{row['accept_len']:.2f}", tok_s=f"{row['tok_per_s']:.0f}")
+            if row["loss"] is not None:
+                self._bar.set_postfix(loss=f"{row['loss']:.3f}", acc_len=f"{row['accept_len']:.2f}", tok_s=f"{row['tok_per_s']:.0f}")
             self._bar.update(self.step - self._bar.n)
         return row
 
