@@ -53,10 +53,14 @@ likewise: a template that reads `reasoning_content` (Qwen3) gets the field, one 
 written before the answer as `<think>\\n...\\n</think>\\n\\n`, the form Qwen3 and DeepSeek-R1 emit.
 A turn's `name` goes to the template as a field, as vLLM and apply_chat_template pass it when serving;
 a template that reads no message's name (SmolLM2, Qwen3, Llama 3.1) does not render it, warned once.
+
+A template that prints today's date (`strftime_now`: Llama 3.1's "Today Date: ...") renders
+TEMPLATE_DATE at every stage instead, so the same rows give the same tokens on any day.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
@@ -257,6 +261,26 @@ def reads_message_name(template: str) -> bool:
     return re.search(owner + r"\s*" + field, template) is not None
 
 
+# Rendered with the day's date, the same rows tokenized otherwise every day: a store read as "tokens
+# changed" (every shard stale) the day after extraction once its token cache was rebuilt, and
+# reprocess mixed dates. Llama 3.1's own fallback date, so its template renders as without strftime_now.
+TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
+
+
+def pin_template_date(tokenizer: Any) -> None:
+    """Make the target's chat template(s) see TEMPLATE_DATE through `strftime_now` (a transformers
+    global the render's keyword arguments cannot replace: they reach the template as plain data)."""
+    templates = getattr(tokenizer, "chat_template", None) or ""
+    for template in templates.values() if isinstance(templates, dict) else [templates]:
+        if "strftime_now" not in str(template):
+            continue
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # the render's own, cached
+
+        compiled = _compile_jinja_template(template)
+        if compiled.globals.get("strftime_now") != TEMPLATE_DATE.strftime:
+            compiled.globals["strftime_now"] = TEMPLATE_DATE.strftime  # this template's globals only
+
+
 def render(
     tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: str | None = None,
     template_kwargs: dict[str, Any] | None = None, **kwargs: Any,
@@ -276,6 +300,7 @@ def render(
         _WARNED.add(("name", template))
         log.warning("the target's chat template reads no message's `name`: the rows' turn names are passed to it, as a "
                     "server passes them, and not rendered")
+    pin_template_date(tokenizer)  # each time: the compiled template may have left transformers' cache
     return tokenizer.apply_chat_template(
         template_messages(messages, "tool_calls" in template, "reasoning_content" in template), tokenize=False,
         add_generation_prompt=add_generation_prompt, **kwargs,

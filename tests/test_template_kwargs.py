@@ -259,3 +259,43 @@ def test_a_variable_the_template_never_reads_is_refused_not_ignored(tiny_target_
         tiny_target_dir, data, tmp_path / "plain", **{"data.chat_template_kwargs": {"enable_thinking": False}}))
     with pytest.raises(ConfigError, match=r"enable_thinking: .* reads no variable of that name.*; it reads no variable of its own"):
         commands.cmd_extract(plain, progress=False)
+
+
+# Llama 3.1's date line, in what matters here: the day's date when the template can ask for it.
+DATED = ("{%- if strftime_now is defined -%}{%- set date_string = strftime_now('%d %b %Y') -%}"
+         "{%- else -%}{%- set date_string = '26 Jul 2024' -%}{%- endif -%}"
+         "{{ '<|im_start|>system\\nToday Date: ' + date_string + '<|im_end|>\\n' }}") + THINKING_SWITCH
+
+
+def test_a_template_that_prints_the_days_date_tokenizes_the_same_on_any_day(tiny_target_dir, tmp_path, monkeypatch):
+    """Llama 3.1's template prints today's date (strftime_now): the same rows rendered into other tokens
+    the next day, so once the token cache was rebuilt (another node, a cleaned run_dir) every shard of
+    a good store read as stale ("tokens changed") and reprocess mixed dates. Every render now sees one date."""
+    import datetime
+
+    import transformers.utils.chat_template_utils as jinja_utils
+
+    from shared.conversations import TEMPLATE_DATE
+    from stage1_extract import commands
+
+    class Day(datetime.datetime):  # the clock transformers' strftime_now reads
+        today_is = datetime.datetime(2026, 12, 3)
+
+        @classmethod
+        def now(cls, tz=None):
+            return cls.today_is
+
+    monkeypatch.setattr(jinja_utils, "datetime", Day)
+    target = Path(shutil.copytree(tiny_target_dir, tmp_path / "target"))
+    (target / "chat_template.jinja").write_text(DATED)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    cfg = load_run_config(ROOT / "configs/default.yaml", stage1_overrides(target, data, tmp_path / "run"))
+    commands.cmd_extract(cfg, progress=False)
+    Day.today_is = datetime.datetime(2026, 12, 4)  # the next day, with the token cache gone
+    shutil.rmtree(tmp_path / "run" / "cache")
+    assert commands.cmd_status(cfg)["counts"] == {"current": 1, "stale": 0, "missing": 0, "orphaned": 0}
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(target).decode(prompt_ids(AutoTokenizer.from_pretrained(target), [
+        {"role": "user", "content": "Hi"}]))
+    assert prompt.startswith(f"<|im_start|>system\nToday Date: {TEMPLATE_DATE:%d %b %Y}<|im_end|>\n") and TEMPLATE_DATE.year == 2024
