@@ -201,3 +201,16 @@ def test_a_block_reaching_past_a_user_turn_scores_nothing_of_the_next_answer(lab
     everywhere = collate([sample], [anchors], block_size=B, mask_token_id=7, label_shift=label_shift, distill_all=True)
     assert (everywhere.labels_NB[:, first:] != IGNORE).all()
     assert everywhere.supervised_NB.tolist() == (batch.labels_NB != IGNORE).tolist()
+
+
+def test_the_recipes_noise_is_speculators_noise_not_sqrt3_wider():
+    """speculators' AddUniformNoise(std=0.05) adds 2 * (rand - 0.5) * 0.05: U(-0.05, 0.05), whose
+    standard deviation is 0.05 / sqrt(3). The recipe said "std 0.05 as speculators" and drew
+    U(-0.087, 0.087). The recipe's preset and the default now draw what speculators draws."""
+    from shared.config import load_run_config
+
+    theirs = 2 * (torch.rand(400, 500, generator=torch.Generator().manual_seed(0)) - 0.5) * 0.05
+    for cfg in (NoiseConfig(), load_run_config("qwen3-8b").noise, load_run_config("configs/recipe.yaml").noise):
+        ours = NoiseSchedule(cfg).apply_(torch.zeros(400, 500), 10**6, noise_generator(1, 0, 0))
+        assert ours.abs().max().item() == pytest.approx(0.05, rel=0.01) and ours.abs().max().item() <= 0.0501
+        assert ours.std().item() == pytest.approx(theirs.std().item(), rel=0.02)

@@ -133,12 +133,13 @@ class OptimConfig(Section):
 
 class NoiseConfig(Section):
     section: ClassVar[str] = "noise"
-    std: float = 0.05
-    """Target standard deviation after warmup; 0 turns noise off."""
+    std: float = 0.0289
+    """Target standard deviation after warmup; 0 turns noise off. 0.0289 is speculators' noise:
+    its AddUniformNoise(std=0.05) draws U(-0.05, 0.05), whose standard deviation is 0.05/sqrt(3)."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0."""
     kind: Literal["uniform", "gaussian"] = "uniform"
-    """Uniform noise U(-s*sqrt(3), s*sqrt(3)) as speculators adds it, or Gaussian."""
+    """Uniform noise of standard deviation s, U(-s*sqrt(3), s*sqrt(3)), as speculators adds it, or Gaussian."""
 
     def validate(self) -> None:
         self.require(math.isfinite(self.std) and self.std >= 0, "std", "must be a finite number >= 0")

@@ -14,7 +14,8 @@ then cosine (or linear) decay to lr * min_lr_ratio; `warmup_steps(total, cfg)` i
 that warmup length is computed. AdamW defaults follow the recipe: betas (0.9, 0.999), weight
 decay 0, clip 1.0 ((0.9, 0.98) has been reported to give NaN losses, z-lab/dflash issue #115).
 
-Noise (vllm-project/speculators: uniform, std 0.05).
+Noise (vllm-project/speculators: uniform, U(-0.05, 0.05), which its config calls std 0.05: the
+standard deviation is 0.05/sqrt(3) = 0.0289, noise.std's default; 0.05 here is sqrt(3) times wider).
 
 std_at(step) warms up linearly from 0 at step 0 to `noise.std` at `noise.warmup_steps`, then stays
 there; with warmup_steps = 0 it is `std` from the first step, and with std = 0 it is exactly 0 and
