@@ -273,14 +273,22 @@ def verifier_name(hub_id: str | None, target_config: dict[str, Any], folder_name
     """What an export names its verifier by: speculators loads the verifier's embedding and LM head
     from it, so a bare local folder name resolves nowhere. The Hub id the target came from, else the
     one its config.json was saved from, else the folder's name with a warning (speculators format)."""
+    import sys
+
     from shared.hub import is_hub_id
 
     saved_from = str(target_config.get("_name_or_path") or "")
-    if hub_id or is_hub_id(saved_from):
-        return hub_id or saved_from
+    if hub_id:
+        return hub_id
+    if is_hub_id(saved_from):
+        # A fine-tune keeps the _name_or_path of the model it was saved from: its head is not that one's.
+        if format == "speculators":
+            print(f"warning: speculators_config.verifier.name_or_path is {saved_from!r}, read from the config.json of the "
+                  f"local target {folder_name!r} (saved from it): speculators loads the verifier's embedding and LM head "
+                  f"from there, so if {folder_name!r} is another model (a fine-tune of it), serve with the target's own "
+                  f"Hub id set there by hand, or load the target by its Hub id (target.path={saved_from})", file=sys.stderr)
+        return saved_from
     if format == "speculators":
-        import sys
-
         print(f"warning: speculators_config.verifier.name_or_path is {folder_name!r}, a local folder's name that speculators "
               f"cannot load the verifier from; set it to the target's Hub id by hand (the target was not loaded from the Hub)",
               file=sys.stderr)

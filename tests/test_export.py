@@ -506,7 +506,11 @@ def test_a_speculators_export_names_a_verifier_speculators_can_load(capsys):
     from stage2_train.commands import verifier_name
 
     assert verifier_name("Qwen/Qwen3-8B", {}, "Qwen3-8B", "speculators") == "Qwen/Qwen3-8B"
+    assert capsys.readouterr().err == ""
+    # A local folder saved from a Hub model may be a fine-tune of it, whose head the base's is not: said.
     assert verifier_name(None, {"_name_or_path": "Qwen/Qwen3-8B"}, "my-copy", "speculators") == "Qwen/Qwen3-8B"
+    assert "read from the config.json of the local target 'my-copy'" in capsys.readouterr().err
+    assert verifier_name(None, {"_name_or_path": "Qwen/Qwen3-8B"}, "my-copy", "zlab") == "Qwen/Qwen3-8B"
     assert capsys.readouterr().err == ""
     assert verifier_name(None, {"_name_or_path": "/models/q"}, "q", "speculators") == "q"
     assert "speculators_config.verifier.name_or_path is 'q'" in capsys.readouterr().err
