@@ -20,7 +20,7 @@ from typing import Any
 
 from shared import mask_token
 from shared.errors import ConfigError
-from shared.target import dflash_layer_ids
+from shared.target import dflash_layer_ids, vocab_id
 from stage2_train.serve.export import QWEN3_MASK_TOKEN
 from stage2_train.serve.export_fit import check_dims, check_identity, check_rope, feature_layers_in_weights
 from stage2_train.serve.export_view import RETRAIN, ExportView, Finding, TargetSide
@@ -309,8 +309,8 @@ def sglang_mask_id(tokenizer: Any, text: str) -> int:
         and getattr(tokenizer, "mask_token_id", None) is not None
     ):
         return int(tokenizer.mask_token_id)
-    vocab = tokenizer.get_vocab()
-    return int(vocab[text]) if text in vocab else len(tokenizer)
+    found = vocab_id(tokenizer, text)
+    return found if found is not None else len(tokenizer)
 
 
 def not_reserved(target: TargetSide, token_id: int) -> str | None:
