@@ -27,11 +27,10 @@ from shared.lock import exclusive
 from shared.paths import RunPaths
 from shared.target import (
     TargetArch,
+    cached_tokenizer,
     config_fingerprint,
-    load_tokenizer,
     resolve_target_dir,
     stop_token_ids,
-    tokenizer_fingerprints,
     weights_fingerprint,
 )
 from shared.target_model import load_target_model, resolve_device, resolve_dtype
@@ -111,10 +110,10 @@ def cmd_generate(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     device = resolve_device(cfg.extract.device)
     backend_name = resolve_backend(cfg.generate.backend, device)
-    tokenizer = load_tokenizer(cfg.target)
-    check_template_variables(tokenizer, cfg.data.chat_template_kwargs, cfg.target.path)
-    template = prompt_template(tokenizer_fingerprints(tokenizer))  # what renders the prompts answered
     model_dir = resolve_target_dir(cfg.target)
+    tokenizer, fingerprints = cached_tokenizer(str(model_dir))  # the one extract and status use, loaded once
+    check_template_variables(tokenizer, cfg.data.chat_template_kwargs, cfg.target.path)
+    template = prompt_template(fingerprints)  # what renders the prompts answered
     weights_sha256, config_sha256 = weights_fingerprint(model_dir), config_fingerprint(model_dir)
     settings = generate_settings(cfg, weights_sha256, template, config_sha256)
     # The tokens a sample may hold: a prompt past them is not sent, on every backend (generate.py).
