@@ -1,0 +1,49 @@
+"""A saved drafter is rebuilt as it was trained, whatever the command line says: a value that agrees
+with the drafter is accepted, one that contradicts it is refused naming both values, a checkpoint
+from before drafter.json is described by what its own run resolved (never today's command line),
+and model.init_from refuses a drafter whose weights were trained under other rotary or norm settings.
+
+.venv/bin/python -m pytest -q -p no:xdist tests/test_drafter_identity.py
+"""
+
+from __future__ import annotations
+
+from stage2_train.model.config import DrafterConfig
+from stage2_train.model.description import describe_parts
+from testkit.drafter import tiny_arch
+
+LAYER_IDS, MASK_ID = [1, 3], 7
+SLIDING = ("sliding_attention", "full_attention")
+
+
+def sliding_description():
+    cfg = DrafterConfig(num_layers=2, block_size=8, layer_types=SLIDING, sliding_window=6)
+    return describe_parts(cfg, tiny_arch(), LAYER_IDS, MASK_ID)
+
+
+def test_a_window_given_alone_is_compared_with_the_drafters_window_not_with_none():
+    """model.sliding_window=6 on the command line of a drafter trained with window 6 (model.layer_types
+    left to the checkpoint) was refused as 'the command line gives None'; window 4 was named as None too."""
+    d = sliding_description()
+    assert d.contradictions(DrafterConfig(sliding_window=6), {"model.sliding_window"}) == []
+    assert d.contradictions(DrafterConfig(sliding_window=4), {"model.sliding_window"}) == [
+        "model.sliding_window: the drafter has 6, the command line gives 4"]
+
+
+def test_a_projection_size_given_alone_is_compared_with_the_drafters():
+    cfg = DrafterConfig(num_layers=1, block_size=8, feature_projection="pca", projection_dim=32)
+    d = describe_parts(cfg, tiny_arch(), LAYER_IDS, MASK_ID)
+    assert d.contradictions(DrafterConfig(projection_dim=32), {"model.projection_dim"}) == []
+    assert d.contradictions(DrafterConfig(projection_dim=16), {"model.projection_dim"}) == [
+        "model.projection_dim: the drafter has 32, the command line gives 16"]
+
+
+def test_is_causal_false_on_a_drafter_of_full_layers_is_its_own_rule():
+    """Full layers with is_causal unset are bidirectional in the block, as is_causal=false says: the
+    same drafter. On sliding layers the two differ (unset: causal there), and that is refused."""
+    full = describe_parts(DrafterConfig(num_layers=2, block_size=8), tiny_arch(), LAYER_IDS, MASK_ID)
+    assert full.contradictions(DrafterConfig(is_causal=False), {"model.is_causal"}) == []
+    assert full.contradictions(DrafterConfig(is_causal=True), {"model.is_causal"}) == [
+        "model.is_causal: the drafter has None, the command line gives True"]
+    assert sliding_description().contradictions(DrafterConfig(is_causal=False), {"model.is_causal"}) == [
+        "model.is_causal: the drafter has None, the command line gives False"]
