@@ -8,6 +8,8 @@ and model.init_from refuses a drafter whose weights were trained under other rot
 
 from __future__ import annotations
 
+import pytest
+
 from stage2_train.model.config import DrafterConfig
 from stage2_train.model.description import describe_parts
 from testkit.drafter import tiny_arch
@@ -47,3 +49,40 @@ def test_is_causal_false_on_a_drafter_of_full_layers_is_its_own_rule():
         "model.is_causal: the drafter has None, the command line gives True"]
     assert sliding_description().contradictions(DrafterConfig(is_causal=False), {"model.is_causal"}) == [
         "model.is_causal: the drafter has None, the command line gives False"]
+
+
+def save_legacy_checkpoint(run_dir, target_dir, target_section):
+    """A checkpoint written before drafter.json and before the resolved mask token were recorded: its
+    weights and the run config it saved (model and target sections, the resolved layer ids)."""
+    import torch
+
+    from shared.target import TargetArch
+    from stage2_train.model.drafter import DFlashDrafter
+    from stage2_train.train.checkpoint.saver import Checkpointer
+    from stage2_train.train.config import CheckpointConfig
+
+    torch.manual_seed(0)
+    trained = DFlashDrafter(DrafterConfig(num_layers=1, block_size=4), TargetArch.from_dir(target_dir), 3, 16)
+    saved = {"model": {"num_layers": 1, "block_size": 4}, "target": {"path": str(target_dir), **target_section},
+             "resolved": {"layer_ids": [1, 2, 3]}}
+    Checkpointer(CheckpointConfig(), run_dir / "checkpoints").save(5, lambda: {"model": trained.state_dict(), "config": saved},
+                                                                   blocking=True)
+
+
+def test_a_checkpoint_from_before_drafter_json_keeps_the_mask_token_its_run_trained_with(tmp_path, tiny_target_dir):
+    """Its description was rebuilt with today's target.mask_token_id: exported under a config without
+    the run's target.mask_token_id=9, config.json said 16; with target.mask_token_id=5 on the command
+    line it said 5, and eval scored it so, every block filled with another token, without a word."""
+    import json
+
+    from shared.config import load_run_config
+    from shared.errors import ConfigError
+    from stage2_train.commands import cmd_export
+
+    common = [f"target.path={tiny_target_dir}", "target.num_feature_layers=3"]
+    save_legacy_checkpoint(tmp_path / "nine", tiny_target_dir, {"num_feature_layers": 3, "mask_token_id": 9})
+    cmd_export(load_run_config(None, [f"run_dir={tmp_path / 'nine'}", *common]))
+    assert json.loads((tmp_path / "nine" / "export" / "config.json").read_text())["dflash_config"]["mask_token_id"] == 9
+    save_legacy_checkpoint(tmp_path / "default", tiny_target_dir, {"num_feature_layers": 3, "mask_token_id": None})
+    with pytest.raises(ConfigError, match=r"target\.mask_token_id: the drafter has 16, the command line gives 5"):
+        cmd_export(load_run_config(None, [f"run_dir={tmp_path / 'default'}", *common, "target.mask_token_id=5"]))

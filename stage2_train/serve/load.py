@@ -94,7 +94,8 @@ def drafter_folder(source: str | os.PathLike, setting: str = "model.init_from") 
 
 def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescription:
     """A checkpoint's drafter.json; for one written before descriptions were saved, the description
-    rebuilt from the run config it saved (its model section and the layer ids and mask it resolved)."""
+    rebuilt from the run config it saved (its model section and the layer ids and mask it resolved; where
+    those were not recorded, resolved again from its saved target section, never from today's config)."""
     if (step_dir / DESCRIPTION_FILE).is_file():
         return DrafterDescription.from_dict(json.loads((step_dir / DESCRIPTION_FILE).read_text()), str(step_dir / DESCRIPTION_FILE))
     saved = saved_run_config(step_dir)
@@ -102,9 +103,21 @@ def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescrip
         raise CheckpointError(f"{step_dir}: no {DESCRIPTION_FILE} and no saved run config to describe its drafter")
     resolved = saved.get("resolved") or {}
     model = DrafterConfig.from_dict({k: v for k, v in saved["model"].items() if k in DrafterConfig.model_fields})
+    layer_ids, mask_token_id = resolved.get("layer_ids"), resolved.get("mask_token_id")
+    if layer_ids is None or mask_token_id is None:
+        # Not recorded (an older checkpoint): resolved again from the target settings its run saved, never from
+        # this command line's (a target.mask_token_id given today would become the drafter's own).
+        from shared.target import TargetConfig, cached_tokenizer, default_mask_token_id, resolve_layer_ids
+
+        fields = {k: v for k, v in (saved.get("target") or {}).items() if k in ("layer_ids", "num_feature_layers", "mask_token_id")}
+        trained = TargetConfig.from_dict({"path": target.path, **fields})
+        if layer_ids is None:
+            layer_ids = resolve_layer_ids(trained, target.arch)
+        if mask_token_id is None:
+            mask_token_id = default_mask_token_id(trained, target.arch, cached_tokenizer(str(target.target_dir))[0])
     legacy = TargetInfo(
         path=target.path, target_dir=target.target_dir, arch=target.arch,
-        layer_ids=list(resolved.get("layer_ids", target.layer_ids)), mask_token_id=resolved.get("mask_token_id", target.mask_token_id),
+        layer_ids=list(layer_ids), mask_token_id=mask_token_id,
         weights_sha256=resolved.get("target_fingerprint", ""), tokenizer_sha256="", chat_template_sha256="",
     )
     return describe(model, legacy)
