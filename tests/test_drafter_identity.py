@@ -86,3 +86,32 @@ def test_a_checkpoint_from_before_drafter_json_keeps_the_mask_token_its_run_trai
     save_legacy_checkpoint(tmp_path / "default", tiny_target_dir, {"num_feature_layers": 3, "mask_token_id": None})
     with pytest.raises(ConfigError, match=r"target\.mask_token_id: the drafter has 16, the command line gives 5"):
         cmd_export(load_run_config(None, [f"run_dir={tmp_path / 'default'}", *common, "target.mask_token_id=5"]))
+
+
+@pytest.mark.parametrize("field, value", [("rope_theta", 1_000_000.0), ("rms_norm_eps", 1e-5)])
+def test_init_from_refuses_a_drafter_trained_under_other_rotary_or_norm_settings(tmp_path, field, value):
+    """A drafter folder whose weights were trained with another rope_theta (or RMSNorm eps) than this
+    target's: model.init_from took them and the run trained them under the target's, positions and
+    norms silently other than the ones they were fitted to (a published drafter records no target
+    weights, and model.allow_other_target lets a recorded one through)."""
+    import dataclasses
+
+    import torch
+
+    from shared.errors import CheckpointError
+    from shared.target import TargetInfo
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.export import export_drafter
+    from stage2_train.serve.load import init_weights_for
+
+    arch, cfg = tiny_arch(), DrafterConfig(num_layers=1, block_size=8)
+    theirs = describe_parts(cfg, dataclasses.replace(arch, **{field: value}), LAYER_IDS, MASK_ID)
+    parts = torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
+    out = export_drafter(build_drafter(theirs, *parts, seed=0), theirs, {"path": "x"}, tmp_path / "other")
+    target = TargetInfo("", out, arch, LAYER_IDS, MASK_ID, "", "", "")
+    with pytest.raises(CheckpointError, match=rf"model\.init_from=.*other.*: the drafter has {field}={value!r} but this run "
+                                              rf"has {getattr(arch, field)!r} \(the target's {field}\); its weights were trained for another target"):
+        init_weights_for(out, cfg, target)
+    same = export_drafter(build_drafter(describe_parts(cfg, arch, LAYER_IDS, MASK_ID), *parts, seed=0),
+                          describe_parts(cfg, arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "same")
+    assert set(init_weights_for(same, cfg, target)) == set(build_drafter(theirs, *parts).state_dict())

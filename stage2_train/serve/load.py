@@ -446,13 +446,19 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
         *((name, getattr(theirs, name), getattr(ours, name), f"model.{name}") for name in VARIANT_FIELDS[theirs.variant]),
         ("num_attention_heads", theirs.num_attention_heads, ours.num_attention_heads, "the target's heads"),
         ("num_key_value_heads", theirs.num_key_value_heads, ours.num_key_value_heads, "the target's kv heads"),
+        ("head_dim", theirs.head_dim, ours.head_dim, "the target's head_dim"),
+        # Not shapes, so no weight would show them: the run computes its drafter with the target's.
+        ("rope_theta", theirs.rope_theta, ours.rope_theta, "the target's rope_theta"),
+        ("rms_norm_eps", theirs.rms_norm_eps, ours.rms_norm_eps, "the target's rms_norm_eps"),
     ]
     for name, have, want, setting in checks:
         have, want = (list(v) if isinstance(v, tuple) else v for v in (have, want))
         if have != want:
+            fix = f"set {setting}={have!r} or start" if setting.startswith(("model.", "target.")) else \
+                "its weights were trained for another target: start"
             raise CheckpointError(
                 f"{where}: the drafter has {name}={have!r} but this run has {want!r} ({setting}); "
-                f"set {setting}={have!r} or start from another drafter"
+                f"{fix} from another drafter"
             )
     theirs.check_target(target, where, allow_other_target=cfg.allow_other_target)
     weights, _ = read_weights(folder if checkpoint else folder / WEIGHTS_NAME)
