@@ -115,3 +115,24 @@ def test_init_from_refuses_a_drafter_trained_under_other_rotary_or_norm_settings
     same = export_drafter(build_drafter(describe_parts(cfg, arch, LAYER_IDS, MASK_ID), *parts, seed=0),
                           describe_parts(cfg, arch, LAYER_IDS, MASK_ID), {"path": "x"}, tmp_path / "same")
     assert set(init_weights_for(same, cfg, target)) == set(build_drafter(theirs, *parts).state_dict())
+
+
+def test_init_from_takes_is_causal_false_for_full_layers_whose_drafter_leaves_it_unset(tmp_path):
+    """A speculators drafter has no is_causal (it runs full layers bidirectionally, as is_causal=false
+    says): a run with model.is_causal=false was refused 'set model.is_causal=None'. true is refused."""
+    import torch
+
+    from shared.errors import CheckpointError
+    from shared.target import TargetInfo
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.export import export_drafter
+    from stage2_train.serve.load import init_weights_for
+
+    arch, cfg = tiny_arch(), DrafterConfig(num_layers=1, block_size=8)
+    d = describe_parts(cfg, arch, LAYER_IDS, MASK_ID)
+    parts = torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
+    out = export_drafter(build_drafter(d, *parts, seed=0), d, {"path": "x"}, tmp_path / "s", format="speculators")
+    target = TargetInfo("", out, arch, LAYER_IDS, MASK_ID, "", "", "")
+    assert init_weights_for(out, DrafterConfig(num_layers=1, block_size=8, is_causal=False), target)
+    with pytest.raises(CheckpointError, match=r"the drafter has is_causal=None but this run has True \(model\.is_causal\)"):
+        init_weights_for(out, DrafterConfig(num_layers=1, block_size=8, is_causal=True), target)

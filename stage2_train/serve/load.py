@@ -453,6 +453,8 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
     ]
     for name, have, want, setting in checks:
         have, want = (list(v) if isinstance(v, tuple) else v for v in (have, want))
+        if name == "is_causal" and _attention(theirs) == _attention(ours):
+            continue  # unset and false are one rule for full layers (speculators' config has no is_causal)
         if have != want:
             fix = f"set {setting}={have!r} or start" if setting.startswith(("model.", "target.")) else \
                 "its weights were trained for another target: start"
