@@ -136,3 +136,35 @@ def test_init_from_takes_is_causal_false_for_full_layers_whose_drafter_leaves_it
     assert init_weights_for(out, DrafterConfig(num_layers=1, block_size=8, is_causal=False), target)
     with pytest.raises(CheckpointError, match=r"the drafter has is_causal=None but this run has True \(model\.is_causal\)"):
         init_weights_for(out, DrafterConfig(num_layers=1, block_size=8, is_causal=True), target)
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"block_size": 6}, "block_size"),
+    ({"dflash_config": {"mask_token_id": 5}}, "mask_token_id"),
+    ({"dflash_config": {"target_layer_ids": [1, 2]}}, "target_layer_ids"),
+    ({"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "rope_theta"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
+])
+def test_our_export_whose_config_was_edited_after_export_is_refused_naming_both_values(tmp_path, edit, field):
+    """The engines build the drafter from config.json's fields, this pipeline from the description it
+    recorded beside them: where they differ, eval and the export doctor would measure another drafter
+    than the one served. An edited rms_norm_eps went through (every norm of the served drafter other)."""
+    import json
+
+    import torch
+
+    from shared.errors import CheckpointError
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.export import export_drafter
+    from stage2_train.serve.load import folder_description
+
+    arch = tiny_arch()
+    d = describe_parts(DrafterConfig(num_layers=1, block_size=8), arch, LAYER_IDS, MASK_ID)
+    parts = torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
+    out = export_drafter(build_drafter(d, *parts, seed=0), d, {"path": "x"}, tmp_path / "e")
+    config = json.loads((out / "config.json").read_text())
+    config.update({**edit, "dflash_config": {**config["dflash_config"], **edit.get("dflash_config", {})}})
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"config\.json: the fields serving engines read say {field}=.*but the drafter's own "
+                                              rf"description \(dflash_pipeline\.drafter\) says .*export again, or make them agree"):
+        folder_description(out)

@@ -361,7 +361,7 @@ def _attention(d: DrafterDescription) -> list[Any]:
 _READ_BY_LOADERS = (
     "variant", "markov_rank", "markov_head", "confidence_head", "conv_kernel_size", "conv_group_size", "selector_rank",
     "selector_top_k", "block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "layer_types", "sliding_window", "is_causal", "target_layer_ids", "mask_token_id", "rope_theta",
+    "head_dim", "layer_types", "sliding_window", "is_causal", "target_layer_ids", "mask_token_id", "rope_theta", "rms_norm_eps",
 )
 
 
