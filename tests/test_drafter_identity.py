@@ -168,3 +168,25 @@ def test_our_export_whose_config_was_edited_after_export_is_refused_naming_both_
     with pytest.raises(CheckpointError, match=rf"config\.json: the fields serving engines read say {field}=.*but the drafter's own "
                                               rf"description \(dflash_pipeline\.drafter\) says .*export again, or make them agree"):
         folder_description(out)
+
+
+def test_a_speculators_config_without_block_size_reads_speculators_default_of_8(tmp_path):
+    """speculators' DFlashSpeculatorConfig (and the DSpark / DFlash2 configs built on it) means 8 by a
+    block_size it leaves out; read as z-lab's 16, eval and init_from built a drafter of another block
+    (its weights fit any block size, so nothing else showed it)."""
+    import json
+
+    import torch
+
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.export import export_drafter
+    from stage2_train.serve.load import folder_description
+
+    arch = tiny_arch()
+    d = describe_parts(DrafterConfig(num_layers=1, block_size=8), arch, LAYER_IDS, MASK_ID)
+    parts = torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
+    out = export_drafter(build_drafter(d, *parts, seed=0), d, {"path": "x"}, tmp_path / "s", format="speculators")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_pipeline"], config["block_size"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert folder_description(out).block_size == 8

@@ -136,6 +136,7 @@ def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+SPECULATORS_BLOCK_SIZE = 8  # what a speculators config.json without block_size means
 SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
 # The variants' own fields, as speculators' config.json (top level) and z-lab's / SpecForge's
 # `dflash_config` name them.
@@ -172,7 +173,8 @@ def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
     if kind != "dspark" and config.get("sample_from_anchor"):
         raise CheckpointError(f"{where}: sample_from_anchor=true is not the {kind} block this pipeline trains")
     dflash = dict(config.get("dflash_config") or {})
-    block = dflash.get("block_size", config.get("block_size", 16))
+    # speculators' DFlashSpeculatorConfig default (its DSpark and DFlash2 configs extend it), not z-lab's 16
+    block = dflash.get("block_size", config.get("block_size", SPECULATORS_BLOCK_SIZE))
     aux = config.get("aux_hidden_state_layer_ids")
     if not isinstance(aux, list) or not aux:
         raise CheckpointError(f"{where}: aux_hidden_state_layer_ids is missing")
