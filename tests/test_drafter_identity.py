@@ -190,3 +190,23 @@ def test_a_speculators_config_without_block_size_reads_speculators_default_of_8(
     del config["dflash_pipeline"], config["block_size"]
     (out / "config.json").write_text(json.dumps(config))
     assert folder_description(out).block_size == 8
+
+
+def test_a_drafter_folders_weights_file_loads_as_its_folder(tmp_path):
+    """`eval --checkpoint EXPORT/model.safetensors` (the file a user points at) was read as a training
+    checkpoint's: 'no drafter.json and no saved run config', naming no fix."""
+    import torch
+
+    from shared.target import TargetInfo
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.export import export_drafter
+    from stage2_train.serve.load import load_drafter
+
+    arch = tiny_arch()
+    d = describe_parts(DrafterConfig(num_layers=1, block_size=8), arch, LAYER_IDS, MASK_ID)
+    parts = torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
+    out = export_drafter(build_drafter(d, *parts, seed=0), d, {"path": "x"}, tmp_path / "e")
+    target = TargetInfo("", out, arch, LAYER_IDS, MASK_ID, "", "", "")
+    loaded = load_drafter(out / "model.safetensors", target, parts=parts)
+    assert loaded.description == load_drafter(out, target, parts=parts).description
+    assert loaded.weights_file == out / "model.safetensors"

@@ -76,6 +76,8 @@ def saved_drafter_path(source: str | os.PathLike) -> Path:
     """The folder `source` names: a checkpoint step folder or a drafter folder as given (a Hub id's
     snapshot), a checkpoints folder resolved to its newest checkpoint that verifies."""
     path = drafter_folder(source)
+    if path.is_file() and path.name == WEIGHTS_NAME:  # a folder's weights file named: the folder (its description)
+        path = path.parent
     if path.is_dir() and not (path / WEIGHTS_NAME).is_file() and not (path / CONFIG_NAME).is_file():
         selection = select_checkpoint(path)
         if selection.path is None:
