@@ -125,6 +125,23 @@ def test_eval_refuses_a_drafter_trained_on_other_target_layers(tiny_target_dir, 
         heldout.load(step)
 
 
+def test_a_heldout_set_cut_with_another_split_refuses_a_drafter_trained_with_its_own(tiny_target_dir, stores, trained):
+    """bench/compare.py and bench/learning.py open one held-out set from the config (`HeldoutSet.open(cfg)`)
+    and load each drafter into it: a drafter trained with eval.holdout_fraction=0.2 was scored on a set cut
+    at 0.5, which holds samples it trained on, and its online tau counted them as held-out, without a word."""
+    from stage2_train.serve.evaluation import HeldoutSet
+
+    step = trained / "checkpoints" / "step_000002"
+    own = HeldoutSet.open(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained)))
+    assert own.load(step).trained_on.holdout_fraction == 0.2
+    for change, named in (({"eval.holdout_fraction": 0.5}, "eval.holdout_fraction=0.2, this held-out set 0.5"),
+                          ({"eval.split_seed": 3}, "eval.split_seed=0, this held-out set 3")):
+        other = HeldoutSet.open(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained, **change)))
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(step))} was trained with {re.escape(named)}: .*samples it trained "
+                                              rf"on.*eval\.holdout_fraction=0\.2 eval\.split_seed=0"):
+            other.load(step)
+
+
 def test_eval_with_no_online_prompts_reports_offline_only_without_loading_the_target(tiny_target_dir, stores, trained, monkeypatch):
     """eval.online_num_prompts=0 asks for the offline numbers: the (at 8B 32 GB fp32) target never loads."""
     import stage2_train.serve.evaluation as evaluation
