@@ -233,7 +233,7 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         )
     device = train_device(cfg.train)
     loaded = _saved_drafter(cfg, heldout, path, device)
-    drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device)}
+    drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device, trained=loaded.drafter)}
     gamma, notes = drafter_gamma(cfg, loaded.trained_on, loaded.drafter.block_size)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

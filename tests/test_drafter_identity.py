@@ -210,3 +210,25 @@ def test_a_drafter_folders_weights_file_loads_as_its_folder(tmp_path):
     loaded = load_drafter(out / "model.safetensors", target, parts=parts)
     assert loaded.description == load_drafter(out, target, parts=parts).description
     assert loaded.weights_file == out / "model.safetensors"
+
+
+def test_the_untrained_floor_of_a_projected_drafter_reads_the_features_through_its_projection():
+    """A PCA drafter's projection is fitted from the data before training and never trained: the
+    untrained drafter `eval` and bench/compare.py score beside it was built with a zero projection, a
+    floor that reads none of the target's features, so 'trained vs untrained' measured the features too."""
+    import numpy as np
+    import torch
+
+    from shared.config import load_run_config
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.evaluation import HeldoutSet
+
+    arch = tiny_arch()
+    d = describe_parts(DrafterConfig(num_layers=1, block_size=8, feature_projection="pca", projection_dim=32), arch, LAYER_IDS, MASK_ID)
+    parts = torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
+    trained = build_drafter(d, *parts, seed=1)
+    trained.set_projection(torch.randn(32, len(LAYER_IDS) * arch.hidden_size))
+    heldout = HeldoutSet(target=None, reader=None, heldout=np.array([]), parts=parts)
+    floor = heldout.untrained(load_run_config(None, []), d, trained=trained)
+    assert torch.equal(floor.projection_RF, trained.projection_RF)
+    assert not torch.equal(floor.fc.weight, trained.fc.weight)  # the rest is untrained

@@ -116,10 +116,15 @@ class HeldoutSet:
                 f"count as held-out; evaluate it on its own split ({own})"
             )
 
-    def untrained(self, cfg: RunConfig, like: Any = None, device: Any = "cpu") -> DFlashDrafter:
-        """A drafter of the same description as `like` (or the config's) from cfg.seed: the floor."""
+    def untrained(self, cfg: RunConfig, like: Any = None, device: Any = "cpu", *, trained: DFlashDrafter | None = None) -> DFlashDrafter:
+        """A drafter of the same description as `like` (or the config's) from cfg.seed: the floor. A
+        projected drafter's (model.feature_projection=pca) takes `trained`'s projection, which was fitted
+        from the data before training and never trained (left zero, the floor would read no feature)."""
         description = like if like is not None else describe(cfg.model, self.target)
-        return build_drafter(description, *self.parts, runtime=cfg.model, seed=cfg.seed).to(device).eval()
+        drafter = build_drafter(description, *self.parts, runtime=cfg.model, seed=cfg.seed)
+        if description.feature_projection == "pca" and trained is not None and getattr(trained, "projection_RF", None) is not None:
+            drafter.set_projection(trained.projection_RF.detach().cpu())
+        return drafter.to(device).eval()
 
     def prompts(self, count: int) -> list[tuple[int, list[int]]]:
         """(sample id, prompt ids) of up to `count` held-out conversations."""
