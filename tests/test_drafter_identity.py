@@ -232,3 +232,29 @@ def test_the_untrained_floor_of_a_projected_drafter_reads_the_features_through_i
     floor = heldout.untrained(load_run_config(None, []), d, trained=trained)
     assert torch.equal(floor.projection_RF, trained.projection_RF)
     assert not torch.equal(floor.fc.weight, trained.fc.weight)  # the rest is untrained
+
+
+def test_the_export_doctor_names_an_rms_norm_eps_edited_after_export(tmp_path):
+    """The doctor compared the other fields engines read with the recorded description, not
+    rms_norm_eps: an edited one was found only when decoding failed ('cannot tell', exit 3)."""
+    import json
+
+    import torch
+
+    from stage2_train.model.drafter import build_drafter
+    from stage2_train.serve.export import export_drafter
+    from stage2_train.serve.export_checks import check_description
+    from stage2_train.serve.export_view import read_export
+
+    arch = tiny_arch()
+    d = describe_parts(DrafterConfig(num_layers=1, block_size=8), arch, LAYER_IDS, MASK_ID)
+    parts = torch.randn(arch.vocab_size, arch.hidden_size), torch.randn(arch.vocab_size, arch.hidden_size)
+    for fmt in ("zlab", "speculators"):
+        out = export_drafter(build_drafter(d, *parts, seed=0), d, {"path": "x"}, tmp_path / fmt, format=fmt)
+        assert check_description(read_export(out)) == []
+        config = json.loads((out / "config.json").read_text())
+        (config["transformer_layer_config"] if fmt == "speculators" else config)["rms_norm_eps"] = 1e-5
+        (out / "config.json").write_text(json.dumps(config))
+        [finding] = check_description(read_export(out))
+        assert finding.severity == "error" and finding.field.endswith("rms_norm_eps")
+        assert "is 1e-05, but the drafter was trained with 1e-06" in finding.problem
