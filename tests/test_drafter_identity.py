@@ -38,6 +38,10 @@ def test_a_projection_size_given_alone_is_compared_with_the_drafters():
     assert d.contradictions(DrafterConfig(projection_dim=32), {"model.projection_dim"}) == []
     assert d.contradictions(DrafterConfig(projection_dim=16), {"model.projection_dim"}) == [
         "model.projection_dim: the drafter has 32, the command line gives 16"]
+    assert d.contradictions(DrafterConfig(projection_dim=None), {"model.projection_dim"}) == [  # null: the target's width
+        "model.projection_dim: the drafter has 32, the command line gives None"]
+    wide = describe_parts(cfg.model_copy(update={"projection_dim": None}), tiny_arch(), LAYER_IDS, MASK_ID)
+    assert wide.projection_dim == 64 and wide.contradictions(DrafterConfig(projection_dim=None), {"model.projection_dim"}) == []
 
 
 def test_is_causal_false_on_a_drafter_of_full_layers_is_its_own_rule():

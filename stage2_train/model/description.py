@@ -182,14 +182,15 @@ class DrafterDescription:
         # the command line's own layer_types / feature_projection (unset there: None, which the drafter's 6 is not).
         if "sliding_attention" in self.layer_types:
             ours["sliding_window"] = cfg.sliding_window
+        shown = dict(ours)  # what the line names: the value as given (null, not the width it stands for)
         if self.feature_projection == "pca":
-            ours["projection_dim"] = cfg.projection_dim or self.hidden_size
+            ours["projection_dim"], shown["projection_dim"] = cfg.projection_dim or self.hidden_size, cfg.projection_dim
         out = []
         for key, value in ours.items():
             if key == "is_causal" and self._same_attention(value):
                 continue  # is_causal unset and false are one rule for full layers
             if f"model.{key}" in given and value != getattr(self, key):
-                out.append(f"model.{key}: the drafter has {_plain(getattr(self, key))}, the command line gives {_plain(value)}")
+                out.append(f"model.{key}: the drafter has {_plain(getattr(self, key))}, the command line gives {_plain(shown[key])}")
         # A value this drafter never reads is no contradiction to compare, but the user meant it to change something.
         unread = {"sliding_window": "no layer is sliding_attention" if "sliding_attention" not in self.layer_types else None,
                   "projection_dim": "its feature_projection is none" if self.feature_projection != "pca" else None,
