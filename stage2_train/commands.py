@@ -233,6 +233,14 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         )
     device = train_device(cfg.train)
     loaded = _saved_drafter(cfg, heldout, path, device)
+    described = loaded.description
+    if "eval.confidence_stop" in cfg.overridden and cfg.eval.confidence_stop is not None and not described.confidence_head:
+        # Only DSpark's confidence head stops a block early: whole blocks would be decoded and the stop reported null.
+        raise ConfigError(
+            f"eval.confidence_stop: the drafter {loaded.weights_file.parent} has no confidence head (a {described.variant} "
+            f"drafter{' trained with model.confidence_head=false' if described.variant == 'dspark' else ''}), the command line "
+            f"gives {cfg.eval.confidence_stop}: it would decode whole blocks; drop eval.confidence_stop"
+        )
     drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device, trained=loaded.drafter)}
     gamma, notes = drafter_gamma(cfg, loaded.trained_on, loaded.drafter.block_size)
     for note in notes:

@@ -142,6 +142,15 @@ def test_a_heldout_set_cut_with_another_split_refuses_a_drafter_trained_with_its
             other.load(step)
 
 
+def test_eval_refuses_a_confidence_stop_for_a_drafter_without_a_confidence_head(tiny_target_dir, stores, trained):
+    """eval.confidence_stop=0.5 on the command line for a DFlash drafter (only DSpark's confidence head
+    can stop a block early) decoded whole blocks and reported confidence_stop null: the figure asked
+    for was never measured, without a word."""
+    with pytest.raises(ConfigError, match=r"eval\.confidence_stop: the drafter .*step_000002 has no confidence head \(a dflash "
+                                          r"drafter\), the command line gives 0\.5.*drop eval\.confidence_stop"):
+        cmd_eval(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained) + ["eval.confidence_stop=0.5"]))
+
+
 def test_eval_with_no_online_prompts_reports_offline_only_without_loading_the_target(tiny_target_dir, stores, trained, monkeypatch):
     """eval.online_num_prompts=0 asks for the offline numbers: the (at 8B 32 GB fp32) target never loads."""
     import stage2_train.serve.evaluation as evaluation
