@@ -36,27 +36,19 @@ def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     from shared.network import check_gloo_network
     from shared.paths import RunPaths
     from shared.store import read_manifest
-    from shared.target import resolve_target
+    from stage2_train.serve.load import run_init_weights
     from stage2_train.train.launch import make_accelerator
     from stage2_train.train.trainer import Trainer
 
     check_gloo_network()  # the checkpoint agreement group is gloo: a hostname on loopback hangs its first save
     manifest = read_manifest(RunPaths.of(cfg).store)  # no store yet: refused naming extract, before anything is created
-    init_weights = None
-    if cfg.model.init_from:
-        from stage2_train.serve.load import drafter_folder, init_weights_for
-        from stage2_train.serve.trained_on import init_split_problem, read_trained_on
-
-        init_weights = init_weights_for(cfg.model.init_from, cfg.model, resolve_target(cfg.target))
-        problem = init_split_problem(cfg, read_trained_on(drafter_folder(cfg.model.init_from)), manifest)
-        if problem:
-            raise ConfigError(problem)
+    init_weights = run_init_weights(cfg, manifest) if cfg.model.init_from else None
     accelerator = make_accelerator(cfg.train)
     trainer = None
     try:
         with ExitStack() as stack:
             lock = run_dir_lock(stack, accelerator, str(cfg.run_dir))
-            trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress)
+            trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress, initialised=bool(cfg.model.init_from))
             summary = trainer.fit()
         rank, world = accelerator.process_index, accelerator.num_processes
         where = {"rank": rank, "world_size": world, "run_dir": str(cfg.run_dir)}

@@ -397,6 +397,20 @@ def test_every_field_of_the_drafters_description_is_compared_on_resume():
     assert forced == ["model.block_size: saved 16, now 8 (the drafter's block, hence anchors, attention and loss weights)"]
 
 
+def test_a_run_started_from_init_from_resumes_after_that_folder_is_gone(tiny_target_dir, stores, run_copy, tmp_path, capfd):
+    """Every launch read model.init_from before resuming, though a resume takes the checkpoint's weights:
+    a run started from an export in a scratch folder could not be resumed once the folder was cleaned up
+    ("no DFlash drafter at ..."). Without a checkpoint to resume (train.resume=never) it is still refused."""
+    gone = tmp_path / "scratch_export"
+    more = overrides(tiny_target_dir, stores[0], run_copy, **{"train.max_steps": 3, "model.init_from": str(gone)})
+    assert cmd_train(load_run_config("configs/default.yaml", more), progress=False)["steps"] == 3
+    assert f"note: model.init_from={gone}" in capfd.readouterr().err
+    start = [r for r in log_of(run_copy) if r.get("event") == "run_start"][-1]
+    assert start["hyperparameters"]["init_from"] == str(gone)  # the run still says where it started (the doctor reads it)
+    with pytest.raises(CheckpointError, match=rf"no DFlash drafter at {re.escape(str(gone))}"):
+        cmd_train(load_run_config("configs/default.yaml", more + ["train.resume=never"]), progress=False)
+
+
 # ---- a checkpoint from before the block budget (item 8) ---------------------------------------------
 def strip_block_budget(step: Path) -> dict:
     """step's sampler state as a checkpoint written before the block budget has it; meta.json updated."""

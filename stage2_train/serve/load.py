@@ -342,3 +342,37 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
     theirs.check_target(target, where, allow_other_target=cfg.allow_other_target)
     weights, _ = read_weights(folder if checkpoint else folder / WEIGHTS_NAME)
     return weights
+
+
+def run_init_weights(cfg: Any, manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """`train`'s model.init_from: its weights, checked against this run (`init_weights_for`) and its
+    held-out split against the store (`init_split_problem`). A run that resumes a checkpoint takes that
+    checkpoint's weights, so a folder no longer readable (a scratch export cleaned up) is said, not refused."""
+    import sys
+
+    from shared.errors import ConfigError
+    from shared.target import resolve_target
+    from stage2_train.serve.trained_on import init_split_problem
+
+    weights = None
+    try:
+        weights = init_weights_for(cfg.model.init_from, cfg.model, resolve_target(cfg.target))
+    except (CheckpointError, FileNotFoundError) as exc:
+        if not resumes(cfg):
+            raise
+        print(f"note: model.init_from={cfg.model.init_from} is not readable ({exc}); the run resumes from its checkpoint, "
+              f"whose weights replace it", file=sys.stderr)
+    problem = init_split_problem(cfg, read_trained_on(drafter_folder(cfg.model.init_from)), manifest)
+    if problem:
+        raise ConfigError(problem)
+    return weights
+
+
+def resumes(cfg: Any) -> bool:
+    """Whether `train` will continue a checkpoint (train.resume a path, or auto with one saved)."""
+    from shared.paths import RunPaths
+    from stage2_train.train.checkpoint.select import latest_checkpoint
+
+    if cfg.train.resume == "never":
+        return False
+    return cfg.train.resume != "auto" or latest_checkpoint(RunPaths.of(cfg).checkpoints) is not None
