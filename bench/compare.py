@@ -100,7 +100,7 @@ def main() -> int:
     loaded = {name: heldout.load(runs[name].checkpoints, cfg0.model) for name, _ in variants}
     drafters = {name: entry.drafter for name, entry in loaded.items()}
     baseline = variants[0][0]
-    drafters["untrained"] = heldout.untrained(cfg0, loaded[baseline].description)
+    drafters["untrained"] = heldout.untrained(cfg0, loaded[baseline].description, trained=drafters[baseline])
     stops = dict(s.split("=", 1) for s in args.confidence_stop)  # NAME=VALUE: a second proposer that may stop early
     for name, value in stops.items():
         drafters[f"{name}@stop{value}"] = drafters[name]

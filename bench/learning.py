@@ -28,8 +28,11 @@ def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
 
     paths, heldout = RunPaths.of(cfg), HeldoutSet.open(cfg)
     steps = [0, n, 4 * n, 16 * n]
-    start = heldout.load(cfg.model.init_from, cfg.model).drafter.float() if cfg.model.init_from else heldout.untrained(cfg)
-    drafters = {"step_0": start, **{f"step_{s}": heldout.load(paths.step(s), cfg.model).drafter for s in steps[1:]}}
+    later = {f"step_{s}": heldout.load(paths.step(s), cfg.model).drafter for s in steps[1:]}
+    # step 0 of a projected run: its fitted projection (never trained), which every checkpoint carries
+    start = heldout.load(cfg.model.init_from, cfg.model).drafter.float() if cfg.model.init_from else \
+        heldout.untrained(cfg, trained=later[f"step_{steps[1]}"])
+    drafters = {"step_0": start, **later}
     rows = {r["step"]: r for r in read_log(paths.log, "train")}
     chosen = heldout.prompts(prompts)
     report = evaluate_drafters(drafters, heldout, prompts=[p for _, p in chosen], cfg=cfg, baseline=f"step_{steps[-1]}",

@@ -36,27 +36,19 @@ def cmd_train(cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     from shared.network import check_gloo_network
     from shared.paths import RunPaths
     from shared.store import read_manifest
-    from shared.target import resolve_target
+    from stage2_train.serve.load import run_init_weights
     from stage2_train.train.launch import make_accelerator
     from stage2_train.train.trainer import Trainer
 
     check_gloo_network()  # the checkpoint agreement group is gloo: a hostname on loopback hangs its first save
     manifest = read_manifest(RunPaths.of(cfg).store)  # no store yet: refused naming extract, before anything is created
-    init_weights = None
-    if cfg.model.init_from:
-        from stage2_train.serve.load import drafter_folder, init_weights_for
-        from stage2_train.serve.trained_on import init_split_problem, read_trained_on
-
-        init_weights = init_weights_for(cfg.model.init_from, cfg.model, resolve_target(cfg.target))
-        problem = init_split_problem(cfg, read_trained_on(drafter_folder(cfg.model.init_from)), manifest)
-        if problem:
-            raise ConfigError(problem)
+    init_weights = run_init_weights(cfg, manifest) if cfg.model.init_from else None
     accelerator = make_accelerator(cfg.train)
     trainer = None
     try:
         with ExitStack() as stack:
             lock = run_dir_lock(stack, accelerator, str(cfg.run_dir))
-            trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress)
+            trainer = Trainer(cfg, accelerator, init_weights=init_weights, progress=progress, initialised=bool(cfg.model.init_from))
             summary = trainer.fit()
         rank, world = accelerator.process_index, accelerator.num_processes
         where = {"rank": rank, "world_size": world, "run_dir": str(cfg.run_dir)}
@@ -233,7 +225,15 @@ def cmd_eval(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         )
     device = train_device(cfg.train)
     loaded = _saved_drafter(cfg, heldout, path, device)
-    drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device)}
+    described = loaded.description
+    if "eval.confidence_stop" in cfg.overridden and cfg.eval.confidence_stop is not None and not described.confidence_head:
+        # Only DSpark's confidence head stops a block early: whole blocks would be decoded and the stop reported null.
+        raise ConfigError(
+            f"eval.confidence_stop: the drafter {loaded.weights_file.parent} has no confidence head (a {described.variant} "
+            f"drafter{' trained with model.confidence_head=false' if described.variant == 'dspark' else ''}), the command line "
+            f"gives {cfg.eval.confidence_stop}: it would decode whole blocks; drop eval.confidence_stop"
+        )
+    drafters = {"trained": loaded.drafter, "untrained": heldout.untrained(cfg, loaded.description, device, trained=loaded.drafter)}
     gamma, notes = drafter_gamma(cfg, loaded.trained_on, loaded.drafter.block_size)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -881,3 +882,27 @@ def test_a_listing_without_the_newest_step_still_resumes_from_the_step_latest_na
     assert ckpt.select().path.name == "step_000002"
     assert latest_checkpoint(tmp_path).name == "step_000002"
     assert [p.name for p in ckpt_mod.candidates(tmp_path)] == ["step_000001", "step_000002"]
+
+
+@pytest.mark.parametrize("key, before, after", [
+    ("model.intermediate_size", None, 128),           # the target's width, now written out
+    ("model.layer_types", None, ["full_attention"]),  # every layer full, now listed
+    ("target.layer_ids", None, [1, 2, 3]),            # the DFlash rule's ids, now listed
+    ("target.num_feature_layers", 3, 5),               # ignored beside explicit target.layer_ids
+])
+def test_a_setting_spelled_out_as_the_drafter_it_resolved_to_resumes(key, before, after):
+    """A resume whose setting now names the value the checkpoint's drafter already had (its
+    drafter.json equal field for field) was refused, model.intermediate_size even under
+    train.resume_force as 'its weights do not fit this drafter', which they do."""
+    section, name = key.split(".")
+    saved = {"model": {"block_size": 8, "intermediate_size": None, "layer_types": None},
+             "target": {"layer_ids": [1, 2, 3] if name == "num_feature_layers" else None, "num_feature_layers": 3},
+             "resolved": {"layer_ids": [1, 2, 3]}}
+    current = json.loads(json.dumps(saved))
+    current[section][name] = after
+    drafter = {"intermediate_size": 128, "layer_types": ["full_attention"], "target_layer_ids": [1, 2, 3], "block_size": 8}
+    assert check_compatible(saved, current, force=False, saved_drafter=drafter, drafter=dict(drafter)) == []
+    # the same setting changing the drafter is still refused, naming it
+    other = {**drafter, "intermediate_size": 64, "layer_types": ["sliding_attention"], "target_layer_ids": [1, 2, 3, 4]}
+    with pytest.raises(CheckpointError, match=re.escape(f"{key}: saved {before!r}, now {after!r}")):
+        check_compatible(saved, current, force=False, saved_drafter=drafter, drafter=other)

@@ -125,6 +125,32 @@ def test_eval_refuses_a_drafter_trained_on_other_target_layers(tiny_target_dir, 
         heldout.load(step)
 
 
+def test_a_heldout_set_cut_with_another_split_refuses_a_drafter_trained_with_its_own(tiny_target_dir, stores, trained):
+    """bench/compare.py and bench/learning.py open one held-out set from the config (`HeldoutSet.open(cfg)`)
+    and load each drafter into it: a drafter trained with eval.holdout_fraction=0.2 was scored on a set cut
+    at 0.5, which holds samples it trained on, and its online tau counted them as held-out, without a word."""
+    from stage2_train.serve.evaluation import HeldoutSet
+
+    step = trained / "checkpoints" / "step_000002"
+    own = HeldoutSet.open(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained)))
+    assert own.load(step).trained_on.holdout_fraction == 0.2
+    for change, named in (({"eval.holdout_fraction": 0.5}, "eval.holdout_fraction=0.2, this held-out set 0.5"),
+                          ({"eval.split_seed": 3}, "eval.split_seed=0, this held-out set 3")):
+        other = HeldoutSet.open(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained, **change)))
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(step))} was trained with {re.escape(named)}: .*samples it trained "
+                                              rf"on.*eval\.holdout_fraction=0\.2 eval\.split_seed=0"):
+            other.load(step)
+
+
+def test_eval_refuses_a_confidence_stop_for_a_drafter_without_a_confidence_head(tiny_target_dir, stores, trained):
+    """eval.confidence_stop=0.5 on the command line for a DFlash drafter (only DSpark's confidence head
+    can stop a block early) decoded whole blocks and reported confidence_stop null: the figure asked
+    for was never measured, without a word."""
+    with pytest.raises(ConfigError, match=r"eval\.confidence_stop: the drafter .*step_000002 has no confidence head \(a dflash "
+                                          r"drafter\), the command line gives 0\.5.*drop eval\.confidence_stop"):
+        cmd_eval(load_run_config("configs/default.yaml", overrides(tiny_target_dir, stores[0], trained) + ["eval.confidence_stop=0.5"]))
+
+
 def test_eval_with_no_online_prompts_reports_offline_only_without_loading_the_target(tiny_target_dir, stores, trained, monkeypatch):
     """eval.online_num_prompts=0 asks for the offline numbers: the (at 8B 32 GB fp32) target never loads."""
     import stage2_train.serve.evaluation as evaluation
@@ -369,6 +395,20 @@ def test_every_field_of_the_drafters_description_is_compared_on_resume():
     now = {"model": {"block_size": 8}, "resolved": {"mask_token_id": 5}}
     forced = check_compatible(config, now, True, saved_drafter=drafter, drafter={**drafter, "block_size": 8, "version": 2})
     assert forced == ["model.block_size: saved 16, now 8 (the drafter's block, hence anchors, attention and loss weights)"]
+
+
+def test_a_run_started_from_init_from_resumes_after_that_folder_is_gone(tiny_target_dir, stores, run_copy, tmp_path, capfd):
+    """Every launch read model.init_from before resuming, though a resume takes the checkpoint's weights:
+    a run started from an export in a scratch folder could not be resumed once the folder was cleaned up
+    ("no DFlash drafter at ..."). Without a checkpoint to resume (train.resume=never) it is still refused."""
+    gone = tmp_path / "scratch_export"
+    more = overrides(tiny_target_dir, stores[0], run_copy, **{"train.max_steps": 3, "model.init_from": str(gone)})
+    assert cmd_train(load_run_config("configs/default.yaml", more), progress=False)["steps"] == 3
+    assert f"note: model.init_from={gone}" in capfd.readouterr().err
+    start = [r for r in log_of(run_copy) if r.get("event") == "run_start"][-1]
+    assert start["hyperparameters"]["init_from"] == str(gone)  # the run still says where it started (the doctor reads it)
+    with pytest.raises(CheckpointError, match=rf"no DFlash drafter at {re.escape(str(gone))}"):
+        cmd_train(load_run_config("configs/default.yaml", more + ["train.resume=never"]), progress=False)
 
 
 # ---- a checkpoint from before the block budget (item 8) ---------------------------------------------

@@ -178,10 +178,19 @@ class DrafterDescription:
         this description, as 'model.key: the drafter has X, the command line gives Y'."""
         ours = describe_model(cfg, self.hidden_size, self.intermediate_size_default(cfg))
         ours.update({name: getattr(cfg, name) for name in VARIANT_FIELDS[self.variant]})  # this drafter's own heads
+        # A window or a projection size given alone is compared as given: describe_model reads it only beside
+        # the command line's own layer_types / feature_projection (unset there: None, which the drafter's 6 is not).
+        if "sliding_attention" in self.layer_types:
+            ours["sliding_window"] = cfg.sliding_window
+        shown = dict(ours)  # what the line names: the value as given (null, not the width it stands for)
+        if self.feature_projection == "pca":
+            ours["projection_dim"], shown["projection_dim"] = cfg.projection_dim or self.hidden_size, cfg.projection_dim
         out = []
         for key, value in ours.items():
+            if key == "is_causal" and self._same_attention(value):
+                continue  # is_causal unset and false are one rule for full layers
             if f"model.{key}" in given and value != getattr(self, key):
-                out.append(f"model.{key}: the drafter has {_plain(getattr(self, key))}, the command line gives {_plain(value)}")
+                out.append(f"model.{key}: the drafter has {_plain(getattr(self, key))}, the command line gives {_plain(shown[key])}")
         # A value this drafter never reads is no contradiction to compare, but the user meant it to change something.
         unread = {"sliding_window": "no layer is sliding_attention" if "sliding_attention" not in self.layer_types else None,
                   "projection_dim": "its feature_projection is none" if self.feature_projection != "pca" else None,
@@ -194,6 +203,14 @@ class DrafterDescription:
             if why and meant and f"model.{key}" in given and f"model.{key}" not in named:
                 out.append(f"model.{key}: the drafter does not read it ({why}), the command line gives {_plain(getattr(cfg, key))}")
         return out
+
+    def _same_attention(self, is_causal: bool | None) -> bool:
+        """Whether `is_causal` gives each of this drafter's layers the rule it has (`attention.layer_kinds`:
+        a sliding layer is causal in the block unless is_causal says, a full one bidirectional unless true)."""
+        def causal(rule: bool | None) -> list[bool]:
+            return [t == "sliding_attention" if rule is None else bool(rule) for t in self.layer_types]
+
+        return causal(is_causal) == causal(self.is_causal)
 
     def intermediate_size_default(self, cfg: DrafterConfig) -> int:
         return cfg.intermediate_size if cfg.intermediate_size is not None else self.intermediate_size

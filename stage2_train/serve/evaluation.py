@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from shared.config import RunConfig
-from shared.errors import CheckpointError, StoreError
+from shared.errors import CheckpointError, ConfigError, StoreError
 from shared.paths import RunPaths
 from shared.target import TargetInfo, cached_tokenizer, resolve_target, stop_token_ids
 from shared.target_parts import load_embed_and_head
@@ -52,7 +52,7 @@ from stage2_train.serve.online_eval import (
     online_eval,
 )
 from stage2_train.serve.speculative import DFlashProposer, NgramProposer
-from stage2_train.serve.trained_on import TrainedOn, heldout_split, other_store
+from stage2_train.serve.trained_on import SPLIT_KEYS, TrainedOn, heldout_split, other_store
 from stage2_train.train.evaluate import offline_eval
 from stage2_train.train.state import store_digest
 
@@ -97,13 +97,34 @@ class HeldoutSet:
         """A saved drafter (checkpoint or folder), as its description says, on `device`."""
         loaded = load_drafter(source, self.target, runtime=runtime, parts=self.parts)
         same_layers(loaded.drafter, self.target, str(source))
+        self.same_split(loaded.trained_on)
         loaded.drafter.to(device)
         return loaded
 
-    def untrained(self, cfg: RunConfig, like: Any = None, device: Any = "cpu") -> DFlashDrafter:
-        """A drafter of the same description as `like` (or the config's) from cfg.seed: the floor."""
+    def same_split(self, record: TrainedOn | None) -> None:
+        """Refuse a drafter trained with another held-out split than this set's (a set opened from the
+        config, as bench/compare.py and bench/learning.py open one for several drafters): its held-out
+        samples would include ones it trained on. A drafter that recorded no split is scored as it is."""
+        if record is None:
+            return
+        differ = [f"eval.{key}={getattr(record, key)}, this held-out set {self.split[key]}" for key in SPLIT_KEYS
+                  if getattr(record, key) is not None and getattr(record, key) != self.split.get(key)]
+        if differ:
+            own = " ".join(f"eval.{key}={getattr(record, key)}" for key in SPLIT_KEYS if getattr(record, key) is not None)
+            raise ConfigError(
+                f"{record.where} was trained with {'; '.join(differ)}: the set holds samples it trained on, which would "
+                f"count as held-out; evaluate it on its own split ({own})"
+            )
+
+    def untrained(self, cfg: RunConfig, like: Any = None, device: Any = "cpu", *, trained: DFlashDrafter | None = None) -> DFlashDrafter:
+        """A drafter of the same description as `like` (or the config's) from cfg.seed: the floor. A
+        projected drafter's (model.feature_projection=pca) takes `trained`'s projection, which was fitted
+        from the data before training and never trained (left zero, the floor would read no feature)."""
         description = like if like is not None else describe(cfg.model, self.target)
-        return build_drafter(description, *self.parts, runtime=cfg.model, seed=cfg.seed).to(device).eval()
+        drafter = build_drafter(description, *self.parts, runtime=cfg.model, seed=cfg.seed)
+        if description.feature_projection == "pca" and trained is not None and getattr(trained, "projection_RF", None) is not None:
+            drafter.set_projection(trained.projection_RF.detach().cpu())
+        return drafter.to(device).eval()
 
     def prompts(self, count: int) -> list[tuple[int, list[int]]]:
         """(sample id, prompt ids) of up to `count` held-out conversations."""

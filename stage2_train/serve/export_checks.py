@@ -76,6 +76,7 @@ _DESCRIBED = (
     "head_dim",
     "vocab_size",
     "rope_theta",
+    "rms_norm_eps",
     "layer_types",
     "sliding_window",
     "is_causal",
@@ -96,7 +97,7 @@ def check_description(view: ExportView) -> list[Finding]:
         want = view.recorded[key]
         if key == "layer_types" and have is None:
             continue  # absent means all full attention, which the description lists
-        if key == "rope_theta" and have is not None:
+        if key in ("rope_theta", "rms_norm_eps") and isinstance(have, (int, float)) and not isinstance(have, bool):
             have = float(have)
         if _plain(have) != _plain(want):
             field_name = view.name(renamed.get(key, key))

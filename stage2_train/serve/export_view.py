@@ -88,6 +88,7 @@ ARCH_KEYS = (
     "layer_types",
     "sliding_window",
     "is_causal",
+    "rms_norm_eps",
 )
 
 

@@ -30,6 +30,7 @@ from stage2_train.model.config import DrafterConfig
 from stage2_train.model.description import VARIANT_FIELDS, DrafterDescription, describe
 from stage2_train.model.drafter import DFlashDrafter, build_drafter
 from stage2_train.serve.export import CONFIG_NAME, EXPORT_FORMAT_VERSION, WEIGHTS_NAME
+from stage2_train.serve.peer_config import SPECULATORS_TYPES, from_speculators, refuse_unsupported, variant_of
 from stage2_train.serve.trained_on import TrainedOn, read_trained_on
 from stage2_train.train.checkpoint.format import DESCRIPTION_FILE, read_weights, saved_run_config
 from stage2_train.train.checkpoint.select import select_checkpoint
@@ -76,6 +77,8 @@ def saved_drafter_path(source: str | os.PathLike) -> Path:
     """The folder `source` names: a checkpoint step folder or a drafter folder as given (a Hub id's
     snapshot), a checkpoints folder resolved to its newest checkpoint that verifies."""
     path = drafter_folder(source)
+    if path.is_file() and path.name == WEIGHTS_NAME:  # a folder's weights file named: the folder (its description)
+        path = path.parent
     if path.is_dir() and not (path / WEIGHTS_NAME).is_file() and not (path / CONFIG_NAME).is_file():
         selection = select_checkpoint(path)
         if selection.path is None:
@@ -94,7 +97,8 @@ def drafter_folder(source: str | os.PathLike, setting: str = "model.init_from") 
 
 def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescription:
     """A checkpoint's drafter.json; for one written before descriptions were saved, the description
-    rebuilt from the run config it saved (its model section and the layer ids and mask it resolved)."""
+    rebuilt from the run config it saved (its model section and the layer ids and mask it resolved; where
+    those were not recorded, resolved again from its saved target section, never from today's config)."""
     if (step_dir / DESCRIPTION_FILE).is_file():
         return DrafterDescription.from_dict(json.loads((step_dir / DESCRIPTION_FILE).read_text()), str(step_dir / DESCRIPTION_FILE))
     saved = saved_run_config(step_dir)
@@ -102,9 +106,21 @@ def checkpoint_description(step_dir: Path, target: TargetInfo) -> DrafterDescrip
         raise CheckpointError(f"{step_dir}: no {DESCRIPTION_FILE} and no saved run config to describe its drafter")
     resolved = saved.get("resolved") or {}
     model = DrafterConfig.from_dict({k: v for k, v in saved["model"].items() if k in DrafterConfig.model_fields})
+    layer_ids, mask_token_id = resolved.get("layer_ids"), resolved.get("mask_token_id")
+    if layer_ids is None or mask_token_id is None:
+        # Not recorded (an older checkpoint): resolved again from the target settings its run saved, never from
+        # this command line's (a target.mask_token_id given today would become the drafter's own).
+        from shared.target import TargetConfig, cached_tokenizer, default_mask_token_id, resolve_layer_ids
+
+        fields = {k: v for k, v in (saved.get("target") or {}).items() if k in ("layer_ids", "num_feature_layers", "mask_token_id")}
+        trained = TargetConfig.from_dict({"path": target.path, **fields})
+        if layer_ids is None:
+            layer_ids = resolve_layer_ids(trained, target.arch)
+        if mask_token_id is None:
+            mask_token_id = default_mask_token_id(trained, target.arch, cached_tokenizer(str(target.target_dir))[0])
     legacy = TargetInfo(
         path=target.path, target_dir=target.target_dir, arch=target.arch,
-        layer_ids=list(resolved.get("layer_ids", target.layer_ids)), mask_token_id=resolved.get("mask_token_id", target.mask_token_id),
+        layer_ids=list(layer_ids), mask_token_id=mask_token_id,
         weights_sha256=resolved.get("target_fingerprint", ""), tokenizer_sha256="", chat_template_sha256="",
     )
     return describe(model, legacy)
@@ -121,86 +137,6 @@ def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(config).__name__}")
     return config
-
-
-SPECULATORS_TYPES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
-# The variants' own fields, as speculators' config.json (top level) and z-lab's / SpecForge's
-# `dflash_config` name them.
-DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# What a DSpark config that leaves a field out means: speculators' DSparkSpeculatorConfig defaults, and
-# SpecForge's (the only z-lab-layout DSpark: z-lab has none): no Markov head unless markov_rank is given,
-# a confidence head only with a positive confidence_head_alpha, and reading the hidden state alone.
-SPECULATORS_DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
-                               "confidence_head_with_markov": True, "sample_from_anchor": True}
-
-
-def from_speculators(config: dict[str, Any], where: Path) -> dict[str, Any]:
-    """A speculators DFlash, DSpark or DFlash2 config.json read as the z-lab layout `folder_description`
-    reads (its weights need no renaming). Layer ids come back as id - 1; sliding layers are refused
-    (other semantics)."""
-    kind = config.get("speculators_model_type")
-    layer = dict(config.get("transformer_layer_config") or {})
-    if not layer:
-        raise CheckpointError(f"{where}: speculators_model_type={kind} but no transformer_layer_config")
-    if "sliding_attention" in (layer.get("layer_types") or []):
-        raise CheckpointError(
-            f"{where}: transformer_layer_config.layer_types has sliding_attention: speculators fixes each block's window "
-            f"at its anchor (PR #749), which this drafter does not compute; start from a full-attention drafter"
-        )
-    draft_vocab, vocab = config.get("draft_vocab_size"), layer.get("vocab_size")
-    if draft_vocab is not None and draft_vocab != vocab:
-        # Its own [draft_vocab, H] lm_head and d2t/t2d maps would reach check_fit as unexpected tensors, unexplained.
-        raise CheckpointError(
-            f"{where}: draft_vocab_size={draft_vocab} but the verifier's vocab_size is {vocab}: a reduced draft vocabulary "
-            f"(its own lm_head and d2t/t2d maps), while this pipeline's drafter scores the target's whole vocabulary through "
-            f"the target's LM head; start from a drafter trained with the full vocabulary (draft_vocab_size = vocab_size)"
-        )
-    if kind != "dspark" and config.get("sample_from_anchor"):
-        raise CheckpointError(f"{where}: sample_from_anchor=true is not the {kind} block this pipeline trains")
-    dflash = dict(config.get("dflash_config") or {})
-    block = dflash.get("block_size", config.get("block_size", 16))
-    aux = config.get("aux_hidden_state_layer_ids")
-    if not isinstance(aux, list) or not aux:
-        raise CheckpointError(f"{where}: aux_hidden_state_layer_ids is missing")
-    layer.pop("layer_types", None)
-    layer.update({"use_sliding_window": False, "sliding_window": None})
-    own = DSPARK_FIELDS if kind == "dspark" else DFLASH2_FIELDS if kind == "dflash2" else ()
-    return {
-        **layer,
-        **({"dflash_pipeline": config["dflash_pipeline"]} if "dflash_pipeline" in config else {}),
-        "architectures": [SPECULATORS_TYPES[kind]],
-        "block_size": block,
-        "dflash_config": {
-            "target_layer_ids": [i - 1 for i in aux], "mask_token_id": config.get("mask_token_id", dflash.get("mask_token_id")),
-            # speculators' own defaults for what its file leaves out: `variant_of` reads a bare field as SpecForge's
-            **{name: config.get(name, SPECULATORS_DSPARK_DEFAULTS.get(name)) for name in own
-               if name in config or name in SPECULATORS_DSPARK_DEFAULTS},
-        },
-    }
-
-
-def variant_of(config: dict[str, Any], value: Any, where: Path) -> dict[str, Any]:
-    """The variant a (z-lab layout) config describes, from its architectures, with its own fields."""
-    names = config.get("architectures") or []
-    if "DSparkDraftModel" in names:
-        from stage2_train.model.dspark import check_dspark_config
-
-        specforge = {"markov_rank": 0, "enable_confidence_head": float(value("confidence_head_alpha", 0.0) or 0.0) > 0,
-                     "confidence_head_with_markov": False}
-        fields = {**specforge, **{name: value(name) for name in DSPARK_FIELDS if value(name) is not None}}
-        return {"variant": "dspark", **check_dspark_config(fields, str(where))}
-    if "DFlash2DraftModel" in names:
-        sizes = {name: value(name) for name in DFLASH2_FIELDS}
-        missing = [name for name, v in sizes.items() if not isinstance(v, int) or v < 1]
-        if missing:
-            raise CheckpointError(f"{where}: a DFlash2DraftModel without {missing} (dflash_config or top level)")
-        if value("output_multiplier", 1.0) != 1.0 or value("final_logit_softcapping"):
-            raise CheckpointError(
-                f"{where}: output_multiplier / final_logit_softcapping change the unary logits, which this drafter does not"
-            )
-        return {"variant": "dflash2", **sizes}
-    return {"variant": "dflash"}
 
 
 def folder_description(folder: str | os.PathLike) -> DrafterDescription:
@@ -348,54 +284,8 @@ def _attention(d: DrafterDescription) -> list[Any]:
 _READ_BY_LOADERS = (
     "variant", "markov_rank", "markov_head", "confidence_head", "conv_kernel_size", "conv_group_size", "selector_rank",
     "selector_top_k", "block_size", "num_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "layer_types", "sliding_window", "is_causal", "target_layer_ids", "mask_token_id", "rope_theta",
+    "head_dim", "layer_types", "sliding_window", "is_causal", "target_layer_ids", "mask_token_id", "rope_theta", "rms_norm_eps",
 )
-
-
-def refuse_unsupported(config: dict[str, Any], where: Path) -> None:
-    names = config.get("architectures") or []
-    if names and not set(names) & set(SPECULATORS_TYPES.values()):
-        # Read as a DFlash drafter, another trainer's drafter (SpecForge's DominoDraftModel, an EAGLE head) met
-        # check_fit later with its own heads as "unexpected" weights, or a missing DFlash field, never its name.
-        raise CheckpointError(
-            f"{where}: architectures {names} is not a drafter this pipeline builds ({', '.join(SPECULATORS_TYPES.values())}); "
-            f"start from (or evaluate) a DFlash, DSpark or DFlash2 drafter folder"
-        )
-    rope_types = {
-        (config.get(key) or {}).get("rope_type", (config.get(key) or {}).get("type"))
-        for key in ("rope_scaling", "rope_parameters")
-    }
-    rope_type = next((t for t in sorted(rope_types - {None, "default"}, key=str)), None)
-    if rope_type is not None:
-        raise CheckpointError(
-            f"{where}: rope type {rope_type!r} (rope_scaling / rope_parameters) is not supported; this pipeline "
-            f"computes plain RoPE only, so the drafter's outputs would be wrong"
-        )
-    layer_types = config.get("layer_types") or []
-    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if other:
-        raise CheckpointError(f"{where}: layer_types {other} are not supported (full_attention and sliding_attention are)")
-    if layer_types and len(layer_types) != config.get("num_hidden_layers"):
-        raise CheckpointError(f"{where}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {config.get('num_hidden_layers')}")
-    if "sliding_attention" in layer_types:
-        window = config.get("sliding_window")
-        if not config.get("use_sliding_window") or not isinstance(window, int) or window < 1:
-            raise CheckpointError(
-                f"{where}: layer_types has sliding_attention but use_sliding_window={config.get('use_sliding_window')!r}, "
-                f"sliding_window={window!r}: z-lab would then run those layers causal without a window and SpecForge "
-                f"refuses the file; set use_sliding_window: true and a sliding_window"
-            )
-    elif config.get("use_sliding_window") and not layer_types:
-        raise CheckpointError(
-            f"{where}: use_sliding_window=true without layer_types (Qwen3's max_window_layers rule): list layer_types"
-        )
-    if config.get("is_causal") is not None and not isinstance(config.get("is_causal"), bool):
-        raise CheckpointError(f"{where}: is_causal must be true, false or absent, got {config.get('is_causal')!r}")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise CheckpointError(f"{where}: {key}=true is not supported (the drafter's projections have no bias)")
-    if config.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{where}: hidden_act={config['hidden_act']!r} is not supported (silu only)")
 
 
 def load_exported(folder: str | os.PathLike, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> DFlashDrafter:
@@ -433,14 +323,56 @@ def init_weights_for(folder: str | os.PathLike, cfg: DrafterConfig, target: Any)
         *((name, getattr(theirs, name), getattr(ours, name), f"model.{name}") for name in VARIANT_FIELDS[theirs.variant]),
         ("num_attention_heads", theirs.num_attention_heads, ours.num_attention_heads, "the target's heads"),
         ("num_key_value_heads", theirs.num_key_value_heads, ours.num_key_value_heads, "the target's kv heads"),
+        ("head_dim", theirs.head_dim, ours.head_dim, "the target's head_dim"),
+        # Not shapes, so no weight would show them: the run computes its drafter with the target's.
+        ("rope_theta", theirs.rope_theta, ours.rope_theta, "the target's rope_theta"),
+        ("rms_norm_eps", theirs.rms_norm_eps, ours.rms_norm_eps, "the target's rms_norm_eps"),
     ]
     for name, have, want, setting in checks:
         have, want = (list(v) if isinstance(v, tuple) else v for v in (have, want))
+        if name == "is_causal" and _attention(theirs) == _attention(ours):
+            continue  # unset and false are one rule for full layers (speculators' config has no is_causal)
         if have != want:
+            fix = f"set {setting}={have!r} or start" if setting.startswith(("model.", "target.")) else \
+                "its weights were trained for another target: start"
             raise CheckpointError(
                 f"{where}: the drafter has {name}={have!r} but this run has {want!r} ({setting}); "
-                f"set {setting}={have!r} or start from another drafter"
+                f"{fix} from another drafter"
             )
     theirs.check_target(target, where, allow_other_target=cfg.allow_other_target)
     weights, _ = read_weights(folder if checkpoint else folder / WEIGHTS_NAME)
     return weights
+
+
+def run_init_weights(cfg: Any, manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """`train`'s model.init_from: its weights, checked against this run (`init_weights_for`) and its
+    held-out split against the store (`init_split_problem`). A run that resumes a checkpoint takes that
+    checkpoint's weights, so a folder no longer readable (a scratch export cleaned up) is said, not refused."""
+    import sys
+
+    from shared.errors import ConfigError
+    from shared.target import resolve_target
+    from stage2_train.serve.trained_on import init_split_problem
+
+    weights = None
+    try:
+        weights = init_weights_for(cfg.model.init_from, cfg.model, resolve_target(cfg.target))
+    except (CheckpointError, FileNotFoundError) as exc:
+        if not resumes(cfg):
+            raise
+        print(f"note: model.init_from={cfg.model.init_from} is not readable ({exc}); the run resumes from its checkpoint, "
+              f"whose weights replace it", file=sys.stderr)
+    problem = init_split_problem(cfg, read_trained_on(drafter_folder(cfg.model.init_from)), manifest)
+    if problem:
+        raise ConfigError(problem)
+    return weights
+
+
+def resumes(cfg: Any) -> bool:
+    """Whether `train` will continue a checkpoint (train.resume a path, or auto with one saved)."""
+    from shared.paths import RunPaths
+    from stage2_train.train.checkpoint.select import latest_checkpoint
+
+    if cfg.train.resume == "never":
+        return False
+    return cfg.train.resume != "auto" or latest_checkpoint(RunPaths.of(cfg).checkpoints) is not None

@@ -187,7 +187,7 @@ def check_compatible(
         if _unread(key, saved, current):
             continue
         before, now = saved.get(key, _ABSENT), current.get(key, _ABSENT)
-        if before != now:
+        if before != now and not _same_drafter(key, saved_drafter, drafter):
             changed.add(key)
             differences.append(f"{key}: saved {before!r}, now {now!r} ({COMPATIBILITY_FIELDS[key]})")
     if saved_drafter is not None and drafter is not None:  # a checkpoint from before drafter.json: its config only
@@ -220,6 +220,26 @@ def check_compatible(
             f"to accept it and resume with them). {anew}"
         )
     return differences
+
+
+# Settings whose value only names what the drafter's description records (null: the target's width, the
+# DFlash rule's ids, every layer full): written out as that very value, the drafter is the same one.
+_SPELLED_IN_DESCRIPTION: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "model.intermediate_size": ("intermediate_size", lambda v: v),
+    "model.layer_types": ("layer_types", list),
+    "model.projection_dim": ("projection_dim", lambda v: v),
+    "target.layer_ids": ("target_layer_ids", list),
+    "target.num_feature_layers": ("target_layer_ids", len),
+}
+
+
+def _same_drafter(key: str, saved_drafter: dict[str, Any] | None, drafter: dict[str, Any] | None) -> bool:
+    """Whether a changed `key` still describes the checkpoint's drafter (both drafter.json records agree on
+    what the setting decides): a value spelled out, not a change."""
+    if key not in _SPELLED_IN_DESCRIPTION or saved_drafter is None or drafter is None:
+        return False
+    field, read = _SPELLED_IN_DESCRIPTION[key]
+    return field in saved_drafter and field in drafter and read(saved_drafter[field]) == read(drafter[field])
 
 
 def _other_layer_count(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -73,7 +73,8 @@ from stage2_train.train.state import Description, Progress, RngState, RunRecord,
 
 class Trainer:
     def __init__(
-        self, cfg: RunConfig, accelerator: Any, *, init_weights: dict[str, torch.Tensor] | None = None, progress: bool = True
+        self, cfg: RunConfig, accelerator: Any, *, init_weights: dict[str, torch.Tensor] | None = None, progress: bool = True,
+        initialised: bool | None = None,
     ):
         self.cfg, self.accelerator, self.device = cfg, accelerator, accelerator.device
         self.rank, self.world_size = accelerator.process_index, accelerator.num_processes
@@ -111,7 +112,7 @@ class Trainer:
         )
         self.info = run_info(
             cfg, self.data, self.model, self.description, total_steps=self.total_steps, world_size=self.world_size,
-            mixed_precision=accelerator.mixed_precision, device=self.device, initialised=init_weights is not None,
+            mixed_precision=accelerator.mixed_precision, device=self.device, initialised=init_weights is not None if initialised is None else initialised,
         )
         self.checkpointer = Checkpointer(cfg.checkpoint, self.paths.checkpoints, self.sink, self.rank, self.world_size)
         self.checkpointer.register({
