@@ -14,10 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, arguments, emit, existing_store, fmt, run_training, yes  # noqa: E402
+from bench.common import REPO, Row, arguments, emit, existing_store, figure, fmt, run_training, yes  # noqa: E402
 
 
 def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
@@ -64,28 +63,19 @@ def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
 
 
 def plot(result: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     points = result["points"]
     x = [p["cpu_min"] for p in points]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, [p["online_tau"] for p in points], "o-", label="DFlash drafter, online tau")
-    ax.plot(x, [p["walk_tau"] for p in points], "s--", alpha=0.7, label="DFlash drafter, offline walk_tau")
-    for p, xi in zip(points, x):
-        ax.annotate(f"{p['step']} steps", (xi, p["online_tau"]), textcoords="offset points", xytext=(4, 6), fontsize=8)
-    ax.axhline(result["ngram_tau"], color="tab:red", ls=":", label=f"n-gram drafter ({result['ngram_tau']:.2f})")
-    ax.axhline(points[0]["online_tau"], color="grey", ls=":", label=f"untrained ({points[0]['online_tau']:.2f})")
-    ax.set_xlabel("training CPU minutes (2 cores)")
-    ax.set_ylabel("tau (tokens per target forward)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, (7, 4)) as ax:
+        ax.plot(x, [p["online_tau"] for p in points], "o-", label="DFlash drafter, online tau")
+        ax.plot(x, [p["walk_tau"] for p in points], "s--", alpha=0.7, label="DFlash drafter, offline walk_tau")
+        for p, xi in zip(points, x):
+            ax.annotate(f"{p['step']} steps", (xi, p["online_tau"]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        ax.axhline(result["ngram_tau"], color="tab:red", ls=":", label=f"n-gram drafter ({result['ngram_tau']:.2f})")
+        ax.axhline(points[0]["online_tau"], color="grey", ls=":", label=f"untrained ({points[0]['online_tau']:.2f})")
+        ax.set_xlabel("training CPU minutes (2 cores)")
+        ax.set_ylabel("tau (tokens per target forward)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, loc="upper left")
 
 
 def main() -> int:
