@@ -29,7 +29,7 @@ def train_overrides(ctx: Context, run_dir: Path, steps: int, resume: str) -> lis
             f"train.resume={resume}", "log.every_steps=1", "log.wandb=disabled", *sizes.train_overrides]
 
 
-def ddp_run(ctx: Context, run_dir: Path, overrides: list[str], name: str) -> tuple[dict[str, Any], str | None]:
+def ddp_run(ctx: Context, overrides: list[str], name: str) -> tuple[dict[str, Any], str | None]:
     """One `stage2_train train` under torchrun (one rank, DDP-wrapped by `train_worker`); the worker's
     report, and the error when it failed or timed out."""
     report_path = ctx.work / f"{name}_ddp.json"
@@ -118,7 +118,7 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
                   "precision": "bf16 autocast" if cuda else "fp32 (CPU)", "allocator": "torch's defaults (no expandable_segments)"})
     planner = ctx.big["planner"]
     with gpu_memory_peak(entry, cuda):
-        report, error = ddp_run(ctx, run_dir, overrides, "train")
+        report, error = ddp_run(ctx, overrides, "train")
     paths = RunPaths(run_dir)
     log = read_log(paths.log) if paths.log.is_file() else []
     rows = [r for r in log if r.get("kind") == "train"]
@@ -177,7 +177,7 @@ def phase_resume(entry: dict[str, Any], ctx: Context) -> None:
     overrides = train_overrides(ctx, run_dir, steps, "auto")
     entry["overrides"] = overrides
     started = time.perf_counter()
-    report, error = ddp_run(ctx, run_dir, overrides, "resume")
+    report, error = ddp_run(ctx, overrides, "resume")
     entry.update({"ddp": report, "seconds_to_finish": round(time.perf_counter() - started, 1)})
     if error:
         raise RuntimeError(error)
