@@ -12,10 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
+from bench.common import REPO, Row, arguments, emit, fmt, yes  # noqa: E402
 
 
 def main() -> int:

@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PY = sys.executable
 
-from bench.common import Row  # noqa: E402
+from bench.common import REPO, Row  # noqa: E402
 
 BENCHES = {
     "data": ["bench/data.py"],

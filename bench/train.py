@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import STARTED, Row, arguments, emit, fmt, run_training, steady, step_figures, yes  # noqa: E402
 
