@@ -33,31 +33,23 @@ def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
     chosen = heldout.prompts(prompts)
     report = evaluate_drafters(drafters, heldout, prompts=[p for _, p in chosen], cfg=cfg, baseline=f"step_{steps[-1]}",
                                max_new_tokens=max_new_tokens)
-    online = report["online"]
+    online, proposers = report["online"], report["online"]["proposers"]
     points = []
     for step in steps:
-        tau, offline = online["proposers"][f"step_{step}"]["tau"], report["offline"][f"step_{step}"]
+        tau, offline = proposers[f"step_{step}"]["tau"], report["offline"][f"step_{step}"]
         points.append({
-            "step": step,
-            "cpu_min": round(rows[step]["cpu_s"] / 60, 2) if step else 0.0,
-            "wall_min": round(rows[step]["elapsed_s"] / 60, 2) if step else 0.0,
-            "online_tau": round(tau, 4),
-            "exact": online["proposers"][f"step_{step}"]["exact"],
-            "walk_tau": round(offline["walk_tau"], 4),
-            "walk_over_online": round(offline["walk_tau"] / tau, 4),
-            "heldout_accuracy": round(offline["accuracy"], 4),
+            "step": step, "cpu_min": round(rows[step]["cpu_s"] / 60, 2) if step else 0.0,
+            "wall_min": round(rows[step]["elapsed_s"] / 60, 2) if step else 0.0, "online_tau": round(tau, 4),
+            "exact": proposers[f"step_{step}"]["exact"], "walk_tau": round(offline["walk_tau"], 4),
+            "walk_over_online": round(offline["walk_tau"] / tau, 4), "heldout_accuracy": round(offline["accuracy"], 4),
             "heldout_acc_slot1": round(offline["acc_per_pos"][0], 4),
         })
-    proposers = online["proposers"]  # intervals over prompts; diffs paired against the last point
     return {
-        "points": points,
+        "points": points,  # intervals over prompts; diffs paired against the last point
         "intervals": {"last": proposers[f"step_{steps[-1]}"]["interval"], "untrained_minus_last": proposers["step_0"]["interval"],
                       "ngram_minus_last": proposers["ngram"]["interval"]},
-        "ngram_tau": round(online["proposers"]["ngram"]["tau"], 4),
-        "ngram_exact": online["proposers"]["ngram"]["exact"],
-        "prompts": len(chosen),
-        "max_new_tokens": max_new_tokens,
-        "heldout_samples": int(len(heldout.heldout)),
+        "ngram_tau": round(proposers["ngram"]["tau"], 4), "ngram_exact": proposers["ngram"]["exact"],
+        "prompts": len(chosen), "max_new_tokens": max_new_tokens, "heldout_samples": int(len(heldout.heldout)),
         "greedy_wall_s": online["greedy_wall_s"],
     }
 

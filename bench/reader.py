@@ -30,16 +30,9 @@ def write_per_sample_files(reader: StoreReader, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for index in range(len(reader)):
         s = reader[index]
-        save_file(
-            {
-                "hidden": s["hidden_TLH"].view(torch.int16),
-                "input_ids": s["input_ids_T"].to(torch.int32),
-                "loss_mask": s["loss_mask_T"],
-                "topk_logprobs": s["topk_logprobs_TK"].to(torch.float16),
-                "topk_ids": s["topk_ids_TK"].to(torch.int32),
-            },
-            out / f"{index:07d}.safetensors",
-        )
+        save_file({"hidden": s["hidden_TLH"].view(torch.int16), "input_ids": s["input_ids_T"].to(torch.int32),
+                   "loss_mask": s["loss_mask_T"], "topk_logprobs": s["topk_logprobs_TK"].to(torch.float16),
+                   "topk_ids": s["topk_ids_TK"].to(torch.int32)}, out / f"{index:07d}.safetensors")
     return sum(p.stat().st_size for p in out.iterdir())
 
 
@@ -98,23 +91,13 @@ def main() -> int:
         def read_file(index: int) -> dict:
             """The sample as the loader takes it from the store reader (same dtypes)."""
             t = load_file(per_file / f"{index:07d}.safetensors")
-            return {
-                "sample_id": index,
-                "input_ids_T": t["input_ids"].long(),
-                "loss_mask_T": t["loss_mask"],
-                "hidden_TLH": t["hidden"].view(torch.bfloat16),
-                "topk_logprobs_TK": t["topk_logprobs"].float(),
-                "topk_ids_TK": t["topk_ids"].long(),
-            }
+            return {"sample_id": index, "input_ids_T": t["input_ids"].long(), "loss_mask_T": t["loss_mask"],
+                    "hidden_TLH": t["hidden"].view(torch.bfloat16), "topk_logprobs_TK": t["topk_logprobs"].float(),
+                    "topk_ids_TK": t["topk_ids"].long()}
 
-        results: dict = {
-            "store": str(store),
-            "samples": n,
-            "tokens": int(reader.lengths.sum()),
-            "store_bytes": sum(p.stat().st_size for p in store.rglob("*") if p.is_file()),
-            "per_file_bytes": file_bytes,
-            "storage": reader.manifest["storage"],
-        }
+        results: dict = {"store": str(store), "samples": n, "tokens": int(reader.lengths.sum()),
+                         "store_bytes": sum(p.stat().st_size for p in store.rglob("*") if p.is_file()),
+                         "per_file_bytes": file_bytes, "storage": reader.manifest["storage"]}
         plain = uncompressed_copy(reader, per_file.with_name(per_file.name + "_none"))
         results["uncompressed_store_bytes"] = sum(p.stat().st_size for p in plain.rglob("*") if p.is_file())
         evict(store), evict(per_file), evict(plain)
@@ -127,16 +110,9 @@ def main() -> int:
         rate(steady_reader.read, once)  # fill its chunk cache, as the first epoch does
         steady_store = rate(steady_reader.read, many)
         steady_files = rate(read_file, many)
-        results["samples_per_s"] = {
-            **measured,
-            "steady": {
-                "store": round(steady_store, 1),
-                "per_file": round(steady_files, 1),
-                "ratio": round(steady_store / steady_files, 3),
-                "chunk_cache_hits": steady_reader._chunks.hits,
-                "chunk_cache_misses": steady_reader._chunks.misses,
-            },
-        }
+        results["samples_per_s"] = {**measured, "steady": {
+            "store": round(steady_store, 1), "per_file": round(steady_files, 1), "ratio": round(steady_store / steady_files, 3),
+            "chunk_cache_hits": steady_reader._chunks.hits, "chunk_cache_misses": steady_reader._chunks.misses}}
     finally:
         shutil.rmtree(per_file, ignore_errors=True)
         shutil.rmtree(per_file.with_name(per_file.name + "_none"), ignore_errors=True)
