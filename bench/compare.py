@@ -53,8 +53,7 @@ def main() -> int:
     from shared.paths import RunPaths
     from shared.target import cached_tokenizer
     from stage2_train.observe.metrics import read_log
-    from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters
-    from stage2_train.serve.online_eval import interval_text
+    from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters, one_line
 
     torch.set_num_threads(1)
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in args.variant] or [("base", [])]
@@ -116,11 +115,7 @@ def main() -> int:
     plot(result, png)
     result["png"] = str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png)
     (root / "compare.json").write_text(json.dumps(result, indent=1))
-    for name, e in table.items():
-        a = e["all"]
-        diff = f"  diff {interval_text(a, 'diff', '+.3f')}" if "diff" in a else ""
-        print(f"{name:>14}: tau {interval_text(a)}{diff}  drafted/step {interval_text(e['drafted_per_step'], 'drafted_per_step', '.2f')}  "
-              f"walk {e.get('walk_tau')}  exact {e['exact']}", flush=True)
+    print(one_line(report, trained=baseline).replace(" | ", "\n"), flush=True)  # `make eval`'s summary, a proposer a line
     for note in report["online"]["notes"]:
         print(f"note: {note}", flush=True)
     return emit(result, args.json, t0)
