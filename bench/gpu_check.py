@@ -73,15 +73,8 @@ def phase_device_tests(entry: dict[str, Any], ctx: Context) -> None:
         raise RuntimeError(f"device tests failed: {failed or 'none ran'} (logs/device_tests.log.out)")
 
 
-PHASES = {
-    "env": phase_env,
-    "device_tests": phase_device_tests,
-    "extract_8b": phase_extract_8b,
-    "train": phase_train,
-    "resume": phase_resume,
-    "generate": phase_generate,
-    "extract_smollm2": phase_extract_smollm2,
-}
+PHASES = {"env": phase_env, "device_tests": phase_device_tests, "extract_8b": phase_extract_8b, "train": phase_train,
+          "resume": phase_resume, "generate": phase_generate, "extract_smollm2": phase_extract_smollm2}
 
 
 # ---------------------------------------------------------------------------------------------

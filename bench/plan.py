@@ -21,13 +21,9 @@ def main() -> int:
     parser = arguments(__doc__)
     parser.add_argument("--presets", default="qwen3-8b,llama-3.1-8b")
     args = parser.parse_args()
-    results = {}
-    for preset in args.presets.split(","):
-        done = subprocess.run(
-            [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset, "--search"],
-            cwd=REPO, capture_output=True, text=True, check=True,
-        )
-        results[preset] = json.loads(done.stdout)
+    command = [sys.executable, "-m", "stage2_train", "plan", "--json", "--search", "--config"]
+    results = {p: json.loads(subprocess.run([*command, p], cwd=REPO, capture_output=True, text=True, check=True).stdout)
+               for p in args.presets.split(",")}
     return emit({"presets": results}, args.json)
 
 

@@ -146,20 +146,18 @@ def main() -> int:
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
-    seq, ld = r["sequential_read_mb_per_s"], r["loader"]
-    out.append((f"8B-shaped store ({r['features']}, {r['tokens_per_sample']} tokens/sample, {r['samples']} samples, {r['store_gib']} GiB)",
-                f"written at {r['write']['mb_per_s']} MB/s", "", "the project's writer", ""))
-    for mode in ("cold", "warm"):
-        out.append((f"loader MB/s ({ld['threads']} threads, 512 anchors x 16 slots collated) / sequential read, {mode}",
-                    fmt(ld[mode]["over_sequential"]), ">= 0.7", f"{ld[mode]['mb_per_s']} vs {seq[mode]} MB/s",
-                    yes(ld[mode]["over_sequential"] >= 0.7)))
-    d = r["h200_demand"]
-    out.append(("loader samples/s / what one H200 trains (5-layer 8B drafter, 40% MFU)", fmt(r["loader_over_h200_demand"]), ">= 1",
-                f"{ld['warm']['samples_per_s']} vs {d['samples_per_s']} samples/s ({d['flops_per_sample'] / 1e12:.0f} TFLOP per sample)",
-                yes(r["loader_over_h200_demand"] >= 1)))
-    out.append(("zstd decode MB/s per thread (real activations compress ~1.26x)", fmt(r["zstd_decode_mb_per_s"]), "", "", ""))
-    return out
+    seq, ld, d = r["sequential_read_mb_per_s"], r["loader"], r["h200_demand"]
+    return [
+        (f"8B-shaped store ({r['features']}, {r['tokens_per_sample']} tokens/sample, {r['samples']} samples, {r['store_gib']} GiB)",
+         f"written at {r['write']['mb_per_s']} MB/s", "", "the project's writer", ""),
+        *((f"loader MB/s ({ld['threads']} threads, 512 anchors x 16 slots collated) / sequential read, {mode}",
+           fmt(ld[mode]["over_sequential"]), ">= 0.7", f"{ld[mode]['mb_per_s']} vs {seq[mode]} MB/s", yes(ld[mode]["over_sequential"] >= 0.7))
+          for mode in ("cold", "warm")),
+        ("loader samples/s / what one H200 trains (5-layer 8B drafter, 40% MFU)", fmt(r["loader_over_h200_demand"]), ">= 1",
+         f"{ld['warm']['samples_per_s']} vs {d['samples_per_s']} samples/s ({d['flops_per_sample'] / 1e12:.0f} TFLOP per sample)",
+         yes(r["loader_over_h200_demand"] >= 1)),
+        ("zstd decode MB/s per thread (real activations compress ~1.26x)", fmt(r["zstd_decode_mb_per_s"]), "", "", ""),
+    ]
 
 
 if __name__ == "__main__":
