@@ -2,9 +2,7 @@
 
     .venv/bin/python bench/extract.py [--samples 48] [--json bench/results_extract.json]
 
-The embedded default target over documentation answers (real activations), and the shard writer at
-the 8B shape (`writer_at_8b`, alone with `--only-8b`); its figures and goals: docs/benchmarks.md,
-`extract`.
+The shard writer at the 8B shape alone: `--only-8b`. Its figures and goals: docs/benchmarks.md, `extract`.
 """
 
 from __future__ import annotations
