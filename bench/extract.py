@@ -151,11 +151,8 @@ def main() -> int:
             record = write_shard(url, "shard-000000-bench", features, StoreConfig(dtype=dtype, compression=compression))
             sizes[f"{dtype}+{compression}"] = record["bytes"] / tokens
             if compression == "none":  # where the bytes go: per array, summed over its files
-                shard_dir = Path(url) / "shards" / "shard-000000-bench"
-                by_array[dtype] = {
-                    a.name: round(sum(f.stat().st_size for f in a.rglob("*") if f.is_file()) / tokens, 1)
-                    for a in sorted(shard_dir.iterdir()) if a.is_dir()
-                }
+                arrays = [a for a in sorted((Path(url) / "shards" / "shard-000000-bench").iterdir()) if a.is_dir()]
+                by_array[dtype] = {a.name: round(sum(f.stat().st_size for f in a.rglob("*") if f.is_file()) / tokens, 1) for a in arrays}
     peers = work / "torch_save"
     peers.mkdir()
     for f in features:

@@ -124,11 +124,9 @@ def rows(r: dict) -> list[Row]:
     sp = r["samples_per_s"]
     for mode in ("cold", "warm"):
         m = sp[mode]
-        out.append((f"random sample reads, {mode} page cache, store as configured ({r['storage']['compression']}) / per-file safetensors",
-                    fmt(m["ratio"]), ">= 0.5", f"{m['store']} vs {m['per_file']} samples/s", yes(m["ratio"] >= 0.5)))
-        out.append((f"random sample reads, {mode} page cache, same store uncompressed / per-file safetensors",
-                    fmt(m["ratio_uncompressed"]), ">= 0.5", f"{m['store_uncompressed']} vs {m['per_file']} samples/s",
-                    yes(m["ratio_uncompressed"] >= 0.5)))
+        for store, key in ((f"store as configured ({r['storage']['compression']})", ""), ("same store uncompressed", "_uncompressed")):
+            out.append((f"random sample reads, {mode} page cache, {store} / per-file safetensors", fmt(m["ratio" + key]), ">= 0.5",
+                        f"{m['store' + key]} vs {m['per_file']} samples/s", yes(m["ratio" + key] >= 0.5)))
     m = sp["steady"]
     out.append(("1,000 random reads by one long-lived reader (its chunk cache warm) / per-file", fmt(m["ratio"]), "",
                 f"{m['store']} vs {m['per_file']} samples/s", ""))
