@@ -12,8 +12,7 @@ import random
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Row, arguments, emit  # noqa: E402
 
@@ -50,28 +49,20 @@ def main() -> int:
         mask_elems = sum(g.mask_QC.numel() for g in plan.groups)
         largest = max(plan.groups, key=lambda g: g.mask_QC.numel())
         pairs = visible_pairs(anchors, B, window, causal)
-        rows[name] = {
-            "sdpa_mask_mb": round(mask_elems / 2**20, 1),
-            "largest_group_keys": int(largest.mask_QC.shape[1]),
-            "largest_group_scores_mb_fp32_32_heads": round(HEADS * largest.mask_QC.numel() * 4 / 2**20, 1),
-            "visible_pairs": pairs,
-            "visible_pairs_vs_full": round(pairs / full_pairs, 4),
-        }
+        rows[name] = {"sdpa_mask_mb": round(mask_elems / 2**20, 1), "largest_group_keys": int(largest.mask_QC.shape[1]),
+                      "largest_group_scores_mb_fp32_32_heads": round(HEADS * largest.mask_QC.numel() * 4 / 2**20, 1),
+                      "visible_pairs": pairs, "visible_pairs_vs_full": round(pairs / full_pairs, 4)}
     for name in rows:
         rows[name]["sdpa_mask_vs_full"] = round(rows[name]["sdpa_mask_mb"] / rows["full"]["sdpa_mask_mb"], 3)
     return emit({"context": T, "anchors": args.anchors, "block_size": B, "chunk_blocks": 64, "kinds": rows}, args.json)
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
     full = r["kinds"]["full"]
-    for kind, k in r["kinds"].items():
-        if kind == "full":
-            continue
-        out.append((f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
-                    f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
-                    f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", ""))
-    return out
+    return [(f"{kind} at {r['context']:,} context, {r['anchors']} anchors: visible pairs (flex's work) / SDPA masks / largest group's fp32 scores",
+             f"{k['visible_pairs_vs_full']}x / {k['sdpa_mask_mb']} MB / {k['largest_group_scores_mb_fp32_32_heads']:,} MB", "falls with W",
+             f"full: 1.0 / {full['sdpa_mask_mb']} MB / {full['largest_group_scores_mb_fp32_32_heads']:,} MB", "")
+            for kind, k in r["kinds"].items() if kind != "full"]
 
 
 if __name__ == "__main__":

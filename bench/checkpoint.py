@@ -33,12 +33,7 @@ GOAL_DURING = 1.5
 
 def build(width: int, num_blocks: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(
-        *[
-            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-            for _ in range(num_blocks)
-        ]
-    )
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(num_blocks)])
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -50,12 +45,8 @@ def run_mode(async_save: bool, args: argparse.Namespace, root: Path) -> dict:
     ckpt = Checkpointer(CheckpointConfig(every_steps=args.every, keep_latest_k=2, async_save=async_save), root / mode, sink)
 
     def state_fn() -> dict:
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer_state(opt),
-            "rng": {"torch": torch.get_rng_state()},
-            "trainer": {"step": step},
-        }
+        return {"model": model.state_dict(), "optimizer": optimizer_state(opt), "rng": {"torch": torch.get_rng_state()},
+                "trainer": {"step": step}}
 
     step_s, call_s, overlapped = [], [], []
     t_run = None
@@ -84,18 +75,11 @@ def run_mode(async_save: bool, args: argparse.Namespace, root: Path) -> dict:
     during = [s / median_s for s, o in zip(step_s, overlapped) if o]
     blocked = [e["blocked_s"] / median_s for e in ends]
     return {
-        "mode": mode,
-        "num_saves": len(ends),
-        "checkpoint_mb": round(ends[0]["bytes"] / 2**20, 1),
-        "median_step_s": round(median_s, 4),
-        "blocked_s": [round(e["blocked_s"], 4) for e in ends],
-        "write_s": [round(e["write_s"], 4) for e in ends],
-        "blocked_over_step_median": round(statistics.median(blocked), 3),
-        "blocked_over_step_max": round(max(blocked), 3),
-        "num_steps_during_save": len(during),
-        "during_over_step_mean": round(statistics.mean(during), 3) if during else None,
-        "during_over_step_max": round(max(during), 3) if during else None,
-        "total_s": round(total_s, 2),
+        "mode": mode, "num_saves": len(ends), "checkpoint_mb": round(ends[0]["bytes"] / 2**20, 1), "median_step_s": round(median_s, 4),
+        "blocked_s": [round(e["blocked_s"], 4) for e in ends], "write_s": [round(e["write_s"], 4) for e in ends],
+        "blocked_over_step_median": round(statistics.median(blocked), 3), "blocked_over_step_max": round(max(blocked), 3),
+        "num_steps_during_save": len(during), "during_over_step_mean": round(statistics.mean(during), 3) if during else None,
+        "during_over_step_max": round(max(during), 3) if during else None, "total_s": round(total_s, 2),
         "cost_per_save_s": round((total_s - len(step_s) * median_s) / max(1, len(ends)), 3),
     }
 
@@ -117,24 +101,18 @@ def main() -> int:
     async_r = results[0]
     return emit({
         "params": sum(p.numel() for p in build(args.width, args.blocks, 0)[0].parameters()),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "cpus": os.cpu_count(),
-        "load_avg": os.getloadavg(),
-        "results": results,
+        "args": {k: str(v) for k, v in vars(args).items()}, "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "results": results,
         "goals": {"blocked_over_step": GOAL_BLOCKED, "during_over_step": GOAL_DURING},
         "async_goals_met": async_r["blocked_over_step_max"] <= GOAL_BLOCKED and (async_r["during_over_step_max"] or 0) <= GOAL_DURING,
     }, args.json)
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
-    a = next(x for x in r["results"] if x["mode"] == "async")
-    s = next(x for x in r["results"] if x["mode"] == "sync")
-    out.append((f"loop blocked by a save / median step ({a['checkpoint_mb']} MB state)", f"{a['blocked_over_step_median']} (max {a['blocked_over_step_max']})",
-                "<= 0.5", f"sync save: {s['blocked_over_step_median']} (max {s['blocked_over_step_max']})", yes(a["blocked_over_step_max"] <= 0.5)))
-    out.append(("step time during a save / median", f"{a['during_over_step_mean']} (max {a['during_over_step_max']})", "<= 1.5",
-                "", yes(a["during_over_step_mean"] is not None and a["during_over_step_mean"] <= 1.5)))
-    return out
+    a, s = (next(x for x in r["results"] if x["mode"] == mode) for mode in ("async", "sync"))
+    return [(f"loop blocked by a save / median step ({a['checkpoint_mb']} MB state)", f"{a['blocked_over_step_median']} (max {a['blocked_over_step_max']})",
+             "<= 0.5", f"sync save: {s['blocked_over_step_median']} (max {s['blocked_over_step_max']})", yes(a["blocked_over_step_max"] <= 0.5)),
+            ("step time during a save / median", f"{a['during_over_step_mean']} (max {a['during_over_step_max']})", "<= 1.5",
+             "", yes(a["during_over_step_mean"] is not None and a["during_over_step_mean"] <= 1.5))]
 
 
 if __name__ == "__main__":

@@ -1,13 +1,6 @@
 """What the benchmark scripts share: their command line and results, running the pipeline's commands
-as `make` does, the stage-1 pure forward, the documentation chats, and the report's rows.
-
-    args = arguments(__doc__).parse_args()                     # the docstring's first paragraph, --json
-    return emit(results, args.json)                            # printed, written, with total_s
-    done = run_training(run_dir, ["train.max_steps=20"])       # `stage2_train train` in its own process
-    done.rows, done.paths.step(20), done.seconds, done.peak_rss_mib
-    step_figures(done.rows)                                    # tokens/s, split, data wait of its steady steps
-    forward, features = pure_forward(model, cfg, prepared)       # the batches extraction forms, timed
-    rows(result) -> list[Row]                                   # each benchmark's figures for BENCHMARKS.md
+as `make` does, the stage-1 pure forward, the documentation chats, plots and the report's rows
+(`Row`: each benchmark's `rows(result)` gives its lines of BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -95,6 +88,22 @@ def calls_per_s(fns: dict[str, Any], rounds: int = 5, min_s: float = 0.2) -> dic
     return best
 
 
+@contextlib.contextmanager
+def figure(path: Path, size: tuple[float, float]) -> Any:
+    """A matplotlib axis (Agg) whose figure is laid out and written to `path` as a PNG at the end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    yield ax
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------
 # The pipeline's commands, each in its own process
 
@@ -169,12 +178,10 @@ class Training(Done):
         return read_log(self.paths.log, "train")
 
 
-def run_training(
-    run_dir: Path, overrides: list[str], config: str = "configs/default.yaml", nproc: int = 1,
-    env: dict[str, str] | None = None, timeout: float | None = None, log: Path | None = None,
-) -> Training:
+def run_training(run_dir: Path, overrides: list[str], config: str = "configs/default.yaml", nproc: int = 1,
+                 env: dict[str, str] | None = None) -> Training:
     """`stage2_train train` as `make train` runs it, a fresh run in `run_dir` (never resumed, W&B off),
-    in its own process (`nproc` > 1: torchrun on this machine); its output to `log` (<run_dir>.log)."""
+    in its own process (`nproc` > 1: torchrun on this machine); its output to <run_dir>.log."""
     from shared.paths import RunPaths
 
     launcher = ["-m", "stage2_train"]
@@ -182,7 +189,7 @@ def run_training(
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *launcher]
     command = [*launcher, "train", "--json", "--no-progress", "--config", config, *overrides, f"run_dir={run_dir}",
                "train.resume=never", "log.wandb=disabled"]
-    done = run_cli(command, log or Path(f"{run_dir}.log"), env, timeout)
+    done = run_cli(command, Path(f"{run_dir}.log"), env)
     return Training(**vars(done), paths=RunPaths(Path(run_dir)))
 
 

@@ -3,25 +3,11 @@
     .venv/bin/python bench/compare.py --name levers --steps 400 \\
         --variant base: --variant dpace:loss.weighting=dpace --variant muon:optim.name=muon,optim.lr=2e-3
 
-Each variant trains its own run (`stage2_train train`, the config's store, the variant's overrides,
-the same seed and steps; no eval during training, so its clock is training only), then every final
-drafter, read back as its checkpoint describes it, is evaluated by the library's one evaluation
-(`serve/evaluation.py`) on the SAME prompts in one process, beside the untrained drafter and the n-gram
-drafter, with the target in fp32 (`eval.online_dtype`): every output must equal the target's greedy
-output. Prompts: `--heldout` held-out conversations of the store (as `make eval`) and `--unseen`
-default prompts past the training ones (never in any training data), reported apart for
-documentation excerpts and short questions (excerpts favour the n-gram drafter: answers quote them).
-Each tau carries a 95% bootstrap interval over prompts, and each variant its paired difference
-against the first variant (same prompts, resampled together: the prompts' own spread cancels).
-Each proposer's drafted tokens per verifying forward carry their interval too (a DSpark block drafts B
-tokens, B - 1 for the others; `--confidence-stop NAME=P` adds NAME's DSpark drafter stopping early at
-P as NAME@stopP). Offline: walk_tau on the held-out store samples, with its standard error; per run,
-its drafter's variant, trained parameters and median training step time.
+How each variant is trained and every drafter evaluated on the same prompts: docs/benchmarks.md, `compare`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -29,10 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, emit, existing_store, run_training, yes  # noqa: E402
+from bench.common import REPO, Row, arguments, emit, existing_store, figure, run_training, yes  # noqa: E402
 
 
 def unseen_prompts(tokenizer, first: int, count: int) -> list[tuple[str, list[int]]]:
@@ -46,7 +31,7 @@ def unseen_prompts(tokenizer, first: int, count: int) -> list[tuple[str, list[in
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--name", default="compare")
     parser.add_argument("--steps", type=int, default=400)
@@ -57,15 +42,10 @@ def main() -> int:
     parser.add_argument("--skip-train", action="store_true", help="evaluate the runs already there")
     parser.add_argument("--confidence-stop", action="append", default=[], metavar="NAME=VALUE",
                         help="also decode variant NAME (a DSpark drafter) with eval.confidence_stop=VALUE, as NAME@stopVALUE")
-    parser.add_argument("--json")
     parser.add_argument("--png", default=None, help="default: bench/results/<name>.png")
-    parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNG of a result already written")
     parser.add_argument("overrides", nargs="*", help="for every variant")
     args = parser.parse_args()
     png = Path(args.png or REPO / "bench" / "results" / f"{args.name}.png")
-    if args.plot_only:
-        plot(json.loads(Path(args.plot_only).read_text()), png)
-        return 0
     t0 = time.perf_counter()
     import torch
 
@@ -73,8 +53,7 @@ def main() -> int:
     from shared.paths import RunPaths
     from shared.target import cached_tokenizer
     from stage2_train.observe.metrics import read_log
-    from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters
-    from stage2_train.serve.online_eval import interval_text
+    from stage2_train.serve.evaluation import HeldoutSet, evaluate_drafters, one_line
 
     torch.set_num_threads(1)
     variants = [(v.split(":", 1)[0], [o for o in v.split(":", 1)[1].split(",") if o]) for v in args.variant] or [("base", [])]
@@ -119,15 +98,13 @@ def main() -> int:
         if name in report["offline"]:
             log = read_log(runs[name].log, "train")
             o, last = report["offline"][name], log[-1]
-            entry["walk_tau"] = round(o["walk_tau"], 4)
-            entry["walk_tau_se"] = round(o["walk_tau_se"], 4) if o["walk_tau_se"] is not None else None
-            entry["heldout_accuracy"] = round(o["accuracy"], 4)
-            entry["train_loss_last"] = round(last["loss"], 4)
-            entry["cpu_min"] = round(last["cpu_s"] / 60, 2)
-            entry["train_wall_s"] = train_s.get(name)
-            entry["median_step_s"] = round(statistics.median(r["step_s"] for r in log), 4)
-            entry["variant"] = loaded[name].description.variant
-            entry["params"] = sum(p.numel() for p in drafters[name].parameters())
+            entry.update({
+                "walk_tau": round(o["walk_tau"], 4), "walk_tau_se": round(o["walk_tau_se"], 4) if o["walk_tau_se"] is not None else None,
+                "heldout_accuracy": round(o["accuracy"], 4), "train_loss_last": round(last["loss"], 4),
+                "cpu_min": round(last["cpu_s"] / 60, 2), "train_wall_s": train_s.get(name),
+                "median_step_s": round(statistics.median(r["step_s"] for r in log), 4), "variant": loaded[name].description.variant,
+                "params": sum(p.numel() for p in drafters[name].parameters()),
+            })
         table[name] = entry
     result = {
         "config": args.config, "overrides": args.overrides, "steps": args.steps,
@@ -138,11 +115,7 @@ def main() -> int:
     plot(result, png)
     result["png"] = str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png)
     (root / "compare.json").write_text(json.dumps(result, indent=1))
-    for name, e in table.items():
-        a = e["all"]
-        diff = f"  diff {interval_text(a, 'diff', '+.3f')}" if "diff" in a else ""
-        print(f"{name:>14}: tau {interval_text(a)}{diff}  drafted/step {interval_text(e['drafted_per_step'], 'drafted_per_step', '.2f')}  "
-              f"walk {e.get('walk_tau')}  exact {e['exact']}", flush=True)
+    print(one_line(report, trained=baseline).replace(" | ", "\n"), flush=True)  # `make eval`'s summary, a proposer a line
     for note in report["online"]["notes"]:
         print(f"note: {note}", flush=True)
     return emit(result, args.json, t0)
@@ -151,37 +124,27 @@ def main() -> int:
 def plot(result: dict, path: Path) -> None:
     """Each drafter's online tau with its 95% interval over prompts, on all prompts and per kind; the
     n-gram drafter's interval as a band. A group of too few prompts for an interval is a bare point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(result["results"])
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.2))
-    ngram = result["results"].get("ngram", {}).get("all")
-    if ngram and ngram.get("lo") is not None:
-        ax.axvspan(ngram["lo"], ngram["hi"], color="0.9", label="n-gram interval")
-    for offset, kind, colour in ((-0.2, "all", "k"), (0.0, "excerpt", "tab:orange"), (0.2, "question", "tab:blue")):
-        ys, xs, lo, hi = [], [], [], []
-        for y, name in enumerate(names):
-            entry = result["results"][name].get(kind)
-            if entry and entry["tau"] is not None:
-                ys.append(y + offset)
-                xs.append(entry["tau"])
-                lo.append(entry["tau"] - entry["lo"] if entry.get("lo") is not None else 0.0)
-                hi.append(entry["hi"] - entry["tau"] if entry.get("hi") is not None else 0.0)
-        ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", color=colour, ms=4, capsize=2,
-                    label=f"{kind} ({result['prompts'].get(kind, 0)} prompts)")
-    ax.set_yticks(range(len(names)), names)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"online tau, {result['max_new_tokens']} new tokens per prompt (95% bootstrap interval over prompts)")
-    ax.set_title(f"{Path(result['config']).stem}, {result['steps']} steps, same seed", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
+    with figure(path, (7, 0.45 * len(names) + 1.2)) as ax:
+        ngram = result["results"].get("ngram", {}).get("all")
+        if ngram and ngram.get("lo") is not None:
+            ax.axvspan(ngram["lo"], ngram["hi"], color="0.9", label="n-gram interval")
+        for offset, kind, colour in ((-0.2, "all", "k"), (0.0, "excerpt", "tab:orange"), (0.2, "question", "tab:blue")):
+            ys, xs, lo, hi = [], [], [], []
+            for y, name in enumerate(names):
+                entry = result["results"][name].get(kind)
+                if entry and entry["tau"] is not None:
+                    ys.append(y + offset)
+                    xs.append(entry["tau"])
+                    lo.append(entry["tau"] - entry["lo"] if entry.get("lo") is not None else 0.0)
+                    hi.append(entry["hi"] - entry["tau"] if entry.get("hi") is not None else 0.0)
+            ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", color=colour, ms=4, capsize=2,
+                        label=f"{kind} ({result['prompts'].get(kind, 0)} prompts)")
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"online tau, {result['max_new_tokens']} new tokens per prompt (95% bootstrap interval over prompts)")
+        ax.set_title(f"{Path(result['config']).stem}, {result['steps']} steps, same seed", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
 
 
 def rows(r: dict) -> list[Row]:

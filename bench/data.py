@@ -93,19 +93,11 @@ def evaluate(plan: Plan, lengths: np.ndarray, budget: int, world_size: int) -> d
         step_lengths = np.concatenate([lengths[b] for b in step if b])
         tv.append(0.5 * np.abs(token_histogram(step_lengths) - whole).sum())
         per_rank = len(step) // world_size
-        rank_tokens = [
-            sum(int(lengths[b].sum()) for b in step[r * per_rank : (r + 1) * per_rank])
-            for r in range(world_size)
-        ]
+        rank_tokens = [sum(int(lengths[b].sum()) for b in step[r * per_rank : (r + 1) * per_rank]) for r in range(world_size)]
         imbalance.append(max(rank_tokens) / np.mean(rank_tokens))
-    return {
-        "steps": len(plan),
-        "efficiency": float(lengths.sum() / (micro_batches * budget)),
-        "mixing_tv_median": float(np.median(tv)),
-        "mixing_tv_worst": float(np.max(tv)),
-        "imbalance_median": float(np.median(imbalance)),
-        "imbalance_worst": float(np.max(imbalance)),
-    }
+    return {"steps": len(plan), "efficiency": float(lengths.sum() / (micro_batches * budget)),
+            "mixing_tv_median": float(np.median(tv)), "mixing_tv_worst": float(np.max(tv)),
+            "imbalance_median": float(np.median(imbalance)), "imbalance_worst": float(np.max(imbalance))}
 
 
 def main() -> int:
@@ -139,33 +131,26 @@ def main() -> int:
     ours(big, args.budget, 8, 4, args.seed)
     plan_800k_s = time.perf_counter() - start
 
-    return emit({
-        "lengths": source,
-        "num_samples": int(len(lengths)),
-        "token_budget": args.budget,
-        "hist_edges": [float(e) for e in HIST_EDGES],
-        "bucket_edges": [float(e) for e in BUCKET_EDGES],
-        "results": results,
-        "plan_800k_s": plan_800k_s,
-    }, args.json)
+    return emit({"lengths": source, "num_samples": int(len(lengths)), "token_budget": args.budget,
+                 "hist_edges": [float(e) for e in HIST_EDGES], "bucket_edges": [float(e) for e in BUCKET_EDGES],
+                 "results": results, "plan_800k_s": plan_800k_s}, args.json)
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
     res = r["results"]
-    ours, buckets, hf = res["ours@8x4"], res["six_buckets@8x4"], res["hf_group_by_length@8x4"]
-    out.append((f"packing efficiency, budget {r['token_budget']} (8 ranks x 4 accum)", fmt(ours["efficiency"]), ">= 0.98",
-                f"six buckets {fmt(buckets['efficiency'])}, HF group_by_length {fmt(hf['efficiency'])}", yes(ours["efficiency"] >= 0.98)))
-    one = res["ours@1x1"]
-    out.append(("packing efficiency, 1 rank", fmt(one["efficiency"]), ">= 0.98", f"six buckets {fmt(res['six_buckets@1x1']['efficiency'])}", yes(one["efficiency"] >= 0.98)))
-    out.append(("length mixing: TV distance per optimizer step, median / worst (8x4)",
-                f"{fmt(ours['mixing_tv_median'])} / {fmt(ours['mixing_tv_worst'])}", "lower is better",
-                f"six buckets {fmt(buckets['mixing_tv_median'])} / {fmt(buckets['mixing_tv_worst'])}", ""))
-    for ranks in (2, 8):
-        key = f"ours@{ranks}x1"
-        out.append((f"token imbalance max/mean, {ranks} ranks (worst step)", fmt(res[key]["imbalance_worst"], 4), "<= 1.05",
-                    f"six buckets {fmt(res[f'six_buckets@{ranks}x1']['imbalance_worst'])}", yes(res[key]["imbalance_worst"] <= 1.05)))
-    return out
+    ours, buckets, hf, one = res["ours@8x4"], res["six_buckets@8x4"], res["hf_group_by_length@8x4"], res["ours@1x1"]
+    return [
+        (f"packing efficiency, budget {r['token_budget']} (8 ranks x 4 accum)", fmt(ours["efficiency"]), ">= 0.98",
+         f"six buckets {fmt(buckets['efficiency'])}, HF group_by_length {fmt(hf['efficiency'])}", yes(ours["efficiency"] >= 0.98)),
+        ("packing efficiency, 1 rank", fmt(one["efficiency"]), ">= 0.98", f"six buckets {fmt(res['six_buckets@1x1']['efficiency'])}",
+         yes(one["efficiency"] >= 0.98)),
+        ("length mixing: TV distance per optimizer step, median / worst (8x4)",
+         f"{fmt(ours['mixing_tv_median'])} / {fmt(ours['mixing_tv_worst'])}", "lower is better",
+         f"six buckets {fmt(buckets['mixing_tv_median'])} / {fmt(buckets['mixing_tv_worst'])}", ""),
+        *((f"token imbalance max/mean, {ranks} ranks (worst step)", fmt(res[f"ours@{ranks}x1"]["imbalance_worst"], 4), "<= 1.05",
+           f"six buckets {fmt(res[f'six_buckets@{ranks}x1']['imbalance_worst'])}", yes(res[f"ours@{ranks}x1"]["imbalance_worst"] <= 1.05))
+          for ranks in (2, 8)),
+    ]
 
 
 if __name__ == "__main__":

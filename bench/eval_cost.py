@@ -14,8 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Row, arguments, emit, existing_store, run_training, yes  # noqa: E402
 
@@ -32,8 +31,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="eval-cost-") as tmp:
         done = run_training(Path(tmp) / "run", [f"store.path={store}", "checkpoint.every_steps=0", *args.overrides], args.config)
         rows = read_log(done.paths.log)
-    train = [r for r in rows if r["kind"] == "train"]
-    evals = [r for r in rows if r["kind"] == "eval"]
+    train, evals = ([r for r in rows if r["kind"] == kind] for kind in ("train", "eval"))
     during, final = evals[:-1], evals[-1]
     elapsed = train[-1]["elapsed_s"]  # the run's clock at its last step, evals during training included
     during_s = sum(r["eval_s"] for r in during)
@@ -53,14 +51,12 @@ def main() -> int:
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
-    out.append((f"held-out evals' share of training time ({r['evals_during_training']} evals of {r['offline_max_samples']} samples x "
-                f"{r['anchors_per_sample_during_training']} anchors, every {r['every_steps']} of {r['steps']} steps)",
-                f"{r['eval_share']:.1%}", "<= 5%", f"each {', '.join(str(x) for x in r['eval_s_each'])} s; median step {r['median_step_s']:.3g} s",
-                yes(r["eval_share"] <= 0.05)))
-    out.append(("the same curve with every anchor scored (final eval's cost x evals)", f"{r['dense_curve_share_estimate']:.1%}", "",
-                f"final dense eval {r['final_dense_eval_s']} s, {r['final_dense_blocks']} blocks", ""))
-    return out
+    return [(f"held-out evals' share of training time ({r['evals_during_training']} evals of {r['offline_max_samples']} samples x "
+             f"{r['anchors_per_sample_during_training']} anchors, every {r['every_steps']} of {r['steps']} steps)",
+             f"{r['eval_share']:.1%}", "<= 5%", f"each {', '.join(str(x) for x in r['eval_s_each'])} s; median step {r['median_step_s']:.3g} s",
+             yes(r["eval_share"] <= 0.05)),
+            ("the same curve with every anchor scored (final eval's cost x evals)", f"{r['dense_curve_share_estimate']:.1%}", "",
+             f"final dense eval {r['final_dense_eval_s']} s, {r['final_dense_blocks']} blocks", "")]
 
 
 if __name__ == "__main__":

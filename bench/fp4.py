@@ -3,8 +3,6 @@ the error of each against bf16, the bytes per token, the codec's rates and rando
 (docs/benchmarks.md, `fp4`; the drafters trained from them: `run_all.py --only fp4_compare`).
 
     .venv/bin/python bench/fp4.py [--config configs/default.yaml] [--run-dir runs/fp4-default] [--json out.json]
-
-Generates the answers once (run_dir/data) and extracts the three stores when they are missing.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Row, arguments, calls_per_s, emit, fmt, relative_error, run_cli, yes  # noqa: E402
 
@@ -62,11 +59,8 @@ def main() -> int:
     errors: dict[str, list[np.ndarray]] = {"fp8": [], "fp4": [], "fp4, no exact channels": []}
     for index in range(len(exact)):
         x_TLH = exact[index]["hidden_TLH"].float()
-        decoded = {
-            "fp8": readers["fp8"][index]["hidden_TLH"],
-            "fp4": readers["fp4"][index]["hidden_TLH"],
-            "fp4, no exact channels": decode_fp4(**encode_fp4(x_TLH, none_apart)),
-        }
+        decoded = {"fp8": readers["fp8"][index]["hidden_TLH"], "fp4": readers["fp4"][index]["hidden_TLH"],
+                   "fp4, no exact channels": decode_fp4(**encode_fp4(x_TLH, none_apart))}
         for name, y_TLH in decoded.items():
             errors[name].append(relative_error(y_TLH, x_TLH, eps=1e-30).numpy())
     per_layer = {name: [round(float(v), 4) for v in np.median(np.concatenate(e), axis=0)] for name, e in errors.items()}

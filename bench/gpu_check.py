@@ -5,13 +5,8 @@ and generation, and what only a GPU measures.
     python3 bench/gpu_check.py [--phases env,device_tests,extract_8b,train,resume,...]
     .venv/bin/python bench/gpu_check.py --cpu-smoke          # every phase, tiny, on CPU (~4-6 min)
 
-Its phases, fallbacks and outputs: docs/gpu.md ("Checking a GPU node"); the phases live in
-bench/gpu_check_stage1.py and bench/gpu_check_train.py; what the GPU changes of the code's behaviour
-(host copies after their event, pinned buffers, compiled flex, packed against padded extraction,
-tensor-parallel extraction) is the test suite's, run here as `device_tests`. A phase that fell back (flash-attn or vllm
-missing) ends "fallback", never "ok". Results go to --json, else $OUT/gpu_check.json, else
-bench/results/gpu_check.json (gpu_check_smoke.json for --cpu-smoke), rewritten after every phase;
-`rows(result)` turns them into BENCHMARKS.md rows.
+Its phases (here, bench/gpu_check_stage1.py, bench/gpu_check_train.py), fallbacks and outputs:
+docs/gpu.md ("Checking a GPU node"); `rows(result)` turns them into BENCHMARKS.md rows.
 """
 
 from __future__ import annotations
@@ -47,9 +42,8 @@ OUT_OF_TIME = "out of time"
 
 
 def phase_device_tests(entry: dict[str, Any], ctx: Context) -> None:
-    """`pytest -m device --device <this device>`: the tests whose behaviour a GPU changes, run on it
-    (tests/conftest.py; the CPU smoke leaves out the slow ones, which `make test-all` runs on CPU;
-    tests/test_gpu_check.py holds the list, so none drops out of this phase unseen)."""
+    """`pytest -m device --device <this device>` (the CPU smoke leaves out the slow ones, which `make
+    test-all` runs on CPU; tests/test_gpu_check.py holds the list, so none drops out of this phase unseen)."""
     import subprocess
     from xml.etree import ElementTree
 
@@ -79,15 +73,8 @@ def phase_device_tests(entry: dict[str, Any], ctx: Context) -> None:
         raise RuntimeError(f"device tests failed: {failed or 'none ran'} (logs/device_tests.log.out)")
 
 
-PHASES = {
-    "env": phase_env,
-    "device_tests": phase_device_tests,
-    "extract_8b": phase_extract_8b,
-    "train": phase_train,
-    "resume": phase_resume,
-    "generate": phase_generate,
-    "extract_smollm2": phase_extract_smollm2,
-}
+PHASES = {"env": phase_env, "device_tests": phase_device_tests, "extract_8b": phase_extract_8b, "train": phase_train,
+          "resume": phase_resume, "generate": phase_generate, "extract_smollm2": phase_extract_smollm2}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command, for one H200 (under 8 minutes): installs what it can, then runs
-# bench/gpu_check.py (its phases, and the fallbacks it reports when flash-attn or vllm is missing: docs/gpu.md).
+# bench/gpu_check.py. Its three steps (carried wheels, the gpu extra, the check) and settings: docs/gpu.md.
 #
 #     bash bench/gpu_check.sh [gpu_check.py options]          # e.g. --phases env,train
-#
-# Its three steps (carried wheels, the gpu extra, the check) and settings: docs/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,9 +1,6 @@
 """What bench/gpu_check.py's phases share: how big each runs (`Sizes`: one H200, or tiny on CPU), the
 recorder that guards and writes each phase, the run's context (work folder, subprocesses, the targets
 and store the phases hand on), GPU memory polling, and the SmolLM2 target.
-
-    ctx.run_cli(["-m", "stage1_extract", "extract", "--json", ...], "extract_8b", timeout)
-    with gpu_memory_peak(entry, cuda): ...                     # entry["gpu_memory_peak_gib"]
 """
 
 from __future__ import annotations

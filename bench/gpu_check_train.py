@@ -24,12 +24,11 @@ CONFIG = "configs/qwen3-8b.yaml"
 
 
 def train_overrides(ctx: Context, run_dir: Path, steps: int, resume: str) -> list[str]:
-    sizes, big = ctx.sizes, ctx.big
-    return [*big["overrides"], f"run_dir={run_dir}", f"train.max_steps={steps}", f"train.epochs={steps + 1}",
-            f"train.resume={resume}", "log.every_steps=1", "log.wandb=disabled", *sizes.train_overrides]
+    return [*ctx.big["overrides"], f"run_dir={run_dir}", f"train.max_steps={steps}", f"train.epochs={steps + 1}",
+            f"train.resume={resume}", "log.every_steps=1", "log.wandb=disabled", *ctx.sizes.train_overrides]
 
 
-def ddp_run(ctx: Context, run_dir: Path, overrides: list[str], name: str) -> tuple[dict[str, Any], str | None]:
+def ddp_run(ctx: Context, overrides: list[str], name: str) -> tuple[dict[str, Any], str | None]:
     """One `stage2_train train` under torchrun (one rank, DDP-wrapped by `train_worker`); the worker's
     report, and the error when it failed or timed out."""
     report_path = ctx.work / f"{name}_ddp.json"
@@ -118,7 +117,7 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
                   "precision": "bf16 autocast" if cuda else "fp32 (CPU)", "allocator": "torch's defaults (no expandable_segments)"})
     planner = ctx.big["planner"]
     with gpu_memory_peak(entry, cuda):
-        report, error = ddp_run(ctx, run_dir, overrides, "train")
+        report, error = ddp_run(ctx, overrides, "train")
     paths = RunPaths(run_dir)
     log = read_log(paths.log) if paths.log.is_file() else []
     rows = [r for r in log if r.get("kind") == "train"]
@@ -140,6 +139,7 @@ def phase_train(entry: dict[str, Any], ctx: Context) -> None:
     check_ddp_run(entry, report, cfg, sizes.train_steps, rows, cuda)
     ctx.big["train"] = {"run_dir": run_dir, "losses": {r["step"]: r["loss"] for r in rows}}
 
+
 def check_ddp_run(entry: dict[str, Any], report: dict[str, Any], cfg: Any, steps: int, rows: list[dict], cuda: bool) -> None:
     """What the phase must show, each named when it does not hold."""
     problems = []
@@ -154,7 +154,7 @@ def check_ddp_run(entry: dict[str, Any], report: dict[str, Any], cfg: Any, steps
     plan = entry.get("plan")
     if cuda and not isinstance(plan, dict):
         problems.append(f"no memory plan to hold the measured peak against ({plan})")
-    if cuda and isinstance(plan, dict):
+    elif cuda:
         measured = entry["gpu_memory_peak_gib"] if entry["gpu_memory_peak_gib"] is not None else report.get("max_reserved_gib")
         entry["measured_over_planned"] = round(measured / plan["peak_gib"], 3)
         if measured > plan["peak_gib"]:
@@ -177,14 +177,12 @@ def phase_resume(entry: dict[str, Any], ctx: Context) -> None:
     overrides = train_overrides(ctx, run_dir, steps, "auto")
     entry["overrides"] = overrides
     started = time.perf_counter()
-    report, error = ddp_run(ctx, run_dir, overrides, "resume")
+    report, error = ddp_run(ctx, overrides, "resume")
     entry.update({"ddp": report, "seconds_to_finish": round(time.perf_counter() - started, 1)})
     if error:
         raise RuntimeError(error)
     paths = RunPaths(run_dir)
-    log = read_log(paths.log)
-    starts = [r for r in log if r.get("kind") == "event" and r.get("event") == "run_start"]
-    rows = [r for r in log if r.get("kind") == "train"]
+    starts, rows = [r for r in read_log(paths.log, "event") if r.get("event") == "run_start"], read_log(paths.log, "train")
     entry.update({"resumed_from": starts[-1].get("resumed_from") if starts else None, "steps_logged": [r["step"] for r in rows],
                   "checkpoints": [p.name for p in step_dirs(paths.checkpoints)]})
     expected = list(range(1, steps + 1))

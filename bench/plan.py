@@ -12,23 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, arguments, emit, fmt, yes  # noqa: E402
+from bench.common import REPO, Row, arguments, emit, fmt, yes  # noqa: E402
 
 
 def main() -> int:
     parser = arguments(__doc__)
     parser.add_argument("--presets", default="qwen3-8b,llama-3.1-8b")
     args = parser.parse_args()
-    results = {}
-    for preset in args.presets.split(","):
-        done = subprocess.run(
-            [sys.executable, "-m", "stage2_train", "plan", "--json", "--config", preset, "--search"],
-            cwd=REPO, capture_output=True, text=True, check=True,
-        )
-        results[preset] = json.loads(done.stdout)
+    command = [sys.executable, "-m", "stage2_train", "plan", "--json", "--search", "--config"]
+    results = {p: json.loads(subprocess.run([*command, p], cwd=REPO, capture_output=True, text=True, check=True).stdout)
+               for p in args.presets.split(",")}
     return emit({"presets": results}, args.json)
 
 

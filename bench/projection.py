@@ -11,10 +11,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Row, arguments, emit, fmt, relative_error, yes  # noqa: E402
+from bench.common import REPO, Row, arguments, emit, figure, fmt, relative_error, yes  # noqa: E402
 
 
 def main() -> int:
@@ -79,39 +78,28 @@ def main() -> int:
 
 
 def plot(energy: dict, ranks: dict, H: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for scale, style in (("none", "o-"), ("rms", "s--")):
-        xs = list(ranks.values())
-        ax.plot(xs, [energy[f"{scale} r={n}"] for n in ranks], style, label=f"scale: {scale}")
-    ax.set_xlabel(f"basis rank r (hidden size H = {H})")
-    ax.set_ylabel("second moment kept (held-out half)")
-    ax.set_title("Target features inside a fitted basis (SmolLM2, layers 1/14/27)", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, (6, 3.6)) as ax:
+        for scale, style in (("none", "o-"), ("rms", "s--")):
+            ax.plot(list(ranks.values()), [energy[f"{scale} r={n}"] for n in ranks], style, label=f"scale: {scale}")
+        ax.set_xlabel(f"basis rank r (hidden size H = {H})")
+        ax.set_ylabel("second moment kept (held-out half)")
+        ax.set_title("Target features inside a fitted basis (SmolLM2, layers 1/14/27)", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
-    for key, kept in r["energy_kept_heldout"].items():
-        out.append((f"projection {key}: second moment kept on held-out shards / median relative error",
-                    f"{kept} / {r['relative_error_median'][key]}", "", f"fp8 storage error {r['fp8_relative_error_median']}", ""))
-    b = r["bytes_per_token_qwen3_8b"]
-    out.append(("bytes/token at Qwen3-8B (5 x 4096, top-64): bf16 / fp8 / fp8 + projection r=H",
-                f"{fmt(b['bf16'])} / {fmt(b['fp8'])} / {fmt(b['fp8+projection r=H'])}", "",
-                f"fp8 {b['fp8_over_bf16']}x, projected {b['projected_over_bf16']}x of bf16", ""))
-    f = r["fold_exactness"]
-    out.append(("export folds the projection into fc: max |logit diff| / argmax agreement", f"{f['max_abs_logit_diff']:.2g} / {f['argmax_agreement']}",
-                "argmax 1.0", "", yes(f["argmax_agreement"] == 1.0)))
-    return out
+    b, f = r["bytes_per_token_qwen3_8b"], r["fold_exactness"]
+    return [
+        *((f"projection {key}: second moment kept on held-out shards / median relative error",
+           f"{kept} / {r['relative_error_median'][key]}", "", f"fp8 storage error {r['fp8_relative_error_median']}", "")
+          for key, kept in r["energy_kept_heldout"].items()),
+        ("bytes/token at Qwen3-8B (5 x 4096, top-64): bf16 / fp8 / fp8 + projection r=H",
+         f"{fmt(b['bf16'])} / {fmt(b['fp8'])} / {fmt(b['fp8+projection r=H'])}", "",
+         f"fp8 {b['fp8_over_bf16']}x, projected {b['projected_over_bf16']}x of bf16", ""),
+        ("export folds the projection into fc: max |logit diff| / argmax agreement", f"{f['max_abs_logit_diff']:.2g} / {f['argmax_agreement']}",
+         "argmax 1.0", "", yes(f["argmax_agreement"] == 1.0)),
+    ]
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Row, arguments, emit, evict, fmt, yes  # noqa: E402
 from shared.reader import StoreReader  # noqa: E402
@@ -31,16 +30,9 @@ def write_per_sample_files(reader: StoreReader, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for index in range(len(reader)):
         s = reader[index]
-        save_file(
-            {
-                "hidden": s["hidden_TLH"].view(torch.int16),
-                "input_ids": s["input_ids_T"].to(torch.int32),
-                "loss_mask": s["loss_mask_T"],
-                "topk_logprobs": s["topk_logprobs_TK"].to(torch.float16),
-                "topk_ids": s["topk_ids_TK"].to(torch.int32),
-            },
-            out / f"{index:07d}.safetensors",
-        )
+        save_file({"hidden": s["hidden_TLH"].view(torch.int16), "input_ids": s["input_ids_T"].to(torch.int32),
+                   "loss_mask": s["loss_mask_T"], "topk_logprobs": s["topk_logprobs_TK"].to(torch.float16),
+                   "topk_ids": s["topk_ids_TK"].to(torch.int32)}, out / f"{index:07d}.safetensors")
     return sum(p.stat().st_size for p in out.iterdir())
 
 
@@ -99,23 +91,13 @@ def main() -> int:
         def read_file(index: int) -> dict:
             """The sample as the loader takes it from the store reader (same dtypes)."""
             t = load_file(per_file / f"{index:07d}.safetensors")
-            return {
-                "sample_id": index,
-                "input_ids_T": t["input_ids"].long(),
-                "loss_mask_T": t["loss_mask"],
-                "hidden_TLH": t["hidden"].view(torch.bfloat16),
-                "topk_logprobs_TK": t["topk_logprobs"].float(),
-                "topk_ids_TK": t["topk_ids"].long(),
-            }
+            return {"sample_id": index, "input_ids_T": t["input_ids"].long(), "loss_mask_T": t["loss_mask"],
+                    "hidden_TLH": t["hidden"].view(torch.bfloat16), "topk_logprobs_TK": t["topk_logprobs"].float(),
+                    "topk_ids_TK": t["topk_ids"].long()}
 
-        results: dict = {
-            "store": str(store),
-            "samples": n,
-            "tokens": int(reader.lengths.sum()),
-            "store_bytes": sum(p.stat().st_size for p in store.rglob("*") if p.is_file()),
-            "per_file_bytes": file_bytes,
-            "storage": reader.manifest["storage"],
-        }
+        results: dict = {"store": str(store), "samples": n, "tokens": int(reader.lengths.sum()),
+                         "store_bytes": sum(p.stat().st_size for p in store.rglob("*") if p.is_file()),
+                         "per_file_bytes": file_bytes, "storage": reader.manifest["storage"]}
         plain = uncompressed_copy(reader, per_file.with_name(per_file.name + "_none"))
         results["uncompressed_store_bytes"] = sum(p.stat().st_size for p in plain.rglob("*") if p.is_file())
         evict(store), evict(per_file), evict(plain)
@@ -128,16 +110,9 @@ def main() -> int:
         rate(steady_reader.read, once)  # fill its chunk cache, as the first epoch does
         steady_store = rate(steady_reader.read, many)
         steady_files = rate(read_file, many)
-        results["samples_per_s"] = {
-            **measured,
-            "steady": {
-                "store": round(steady_store, 1),
-                "per_file": round(steady_files, 1),
-                "ratio": round(steady_store / steady_files, 3),
-                "chunk_cache_hits": steady_reader._chunks.hits,
-                "chunk_cache_misses": steady_reader._chunks.misses,
-            },
-        }
+        results["samples_per_s"] = {**measured, "steady": {
+            "store": round(steady_store, 1), "per_file": round(steady_files, 1), "ratio": round(steady_store / steady_files, 3),
+            "chunk_cache_hits": steady_reader._chunks.hits, "chunk_cache_misses": steady_reader._chunks.misses}}
     finally:
         shutil.rmtree(per_file, ignore_errors=True)
         shutil.rmtree(per_file.with_name(per_file.name + "_none"), ignore_errors=True)
@@ -149,11 +124,9 @@ def rows(r: dict) -> list[Row]:
     sp = r["samples_per_s"]
     for mode in ("cold", "warm"):
         m = sp[mode]
-        out.append((f"random sample reads, {mode} page cache, store as configured ({r['storage']['compression']}) / per-file safetensors",
-                    fmt(m["ratio"]), ">= 0.5", f"{m['store']} vs {m['per_file']} samples/s", yes(m["ratio"] >= 0.5)))
-        out.append((f"random sample reads, {mode} page cache, same store uncompressed / per-file safetensors",
-                    fmt(m["ratio_uncompressed"]), ">= 0.5", f"{m['store_uncompressed']} vs {m['per_file']} samples/s",
-                    yes(m["ratio_uncompressed"] >= 0.5)))
+        for store, key in ((f"store as configured ({r['storage']['compression']})", ""), ("same store uncompressed", "_uncompressed")):
+            out.append((f"random sample reads, {mode} page cache, {store} / per-file safetensors", fmt(m["ratio" + key]), ">= 0.5",
+                        f"{m['store' + key]} vs {m['per_file']} samples/s", yes(m["ratio" + key] >= 0.5)))
     m = sp["steady"]
     out.append(("1,000 random reads by one long-lived reader (its chunk cache warm) / per-file", fmt(m["ratio"]), "",
                 f"{m['store']} vs {m['per_file']} samples/s", ""))

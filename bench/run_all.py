@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PY = sys.executable
 
-from bench.common import Row  # noqa: E402
+from bench.common import REPO, Row  # noqa: E402
 
 BENCHES = {
     "data": ["bench/data.py"],
@@ -82,26 +81,24 @@ EXTRA_BENCHES = {
                      extra=("--confidence-stop", "dspark=0.5"))
        for name, label, long in (("variants", "variants-default", False), ("variants_long", "variants-cpu-long", True))},
 }
+ALL = {**BENCHES, **EXTRA_BENCHES}
 GPU_RESULT = REPO / "bench" / "results" / "gpu_check.json"  # copied here from a device run, never made by make bench
 
 
 def run(name: str, out_dir: Path) -> dict:
     out = out_dir / f"{name}.json"
-    spec = {**BENCHES, **EXTRA_BENCHES}[name]
-    command = [PY, *spec, "--json", str(out)]
+    command = [PY, *ALL[name], "--json", str(out)]
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
-    seconds = time.perf_counter() - started
+    seconds = round(time.perf_counter() - started, 1)
     if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:], "seconds": round(seconds, 1), "command": " ".join(command[1:])}
-    result = json.loads(out.read_text())
-    return {"result": result, "seconds": round(seconds, 1), "command": ".venv/bin/python " + " ".join(spec)}
+        return {"error": proc.stderr[-3000:], "seconds": seconds, "command": " ".join(command[1:])}
+    return {"result": json.loads(out.read_text()), "seconds": seconds, "command": ".venv/bin/python " + " ".join(ALL[name])}
 
 
 def rows(name: str, result: dict) -> list[Row]:
     """The benchmark's own rows for its result (each bench module's `rows`)."""
-    spec = {**BENCHES, **EXTRA_BENCHES}[name]
-    return importlib.import_module(f"bench.{Path(spec[0]).stem}").rows(result)
+    return importlib.import_module(f"bench.{Path(ALL[name][0]).stem}").rows(result)
 
 
 def main() -> None:
@@ -122,7 +119,7 @@ def main() -> None:
     for spec in args.adopt:
         name, path = spec.split("=", 1)
         result = json.loads(Path(path).read_text())
-        results[name] = {"result": result, "seconds": result.get("total_s", 0), "command": ".venv/bin/python " + " ".join({**BENCHES, **EXTRA_BENCHES}[name]),
+        results[name] = {"result": result, "seconds": result.get("total_s", 0), "command": ".venv/bin/python " + " ".join(ALL[name]),
                          "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(Path(path).stat().st_mtime))}
     for name in names:
         print(f"== {name}", flush=True)
@@ -147,9 +144,7 @@ def write_markdown(results: dict) -> None:
         "(`--only NAME` reruns one section and keeps the others).",
         "",
     ]
-    for name in [*BENCHES, *EXTRA_BENCHES]:
-        if name not in results:
-            continue
+    for name in (n for n in ALL if n in results):
         entry = results[name]
         when = f", {entry['date']}" if "date" in entry else ""
         lines += [f"## {name}", "", f"Command: `{entry['command']}` ({entry['seconds']} s{when})", ""]

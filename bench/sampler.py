@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Row, arguments, calls_per_s, emit, fmt, yes  # noqa: E402
 from stage2_train.data.config import SamplerConfig  # noqa: E402
@@ -26,10 +25,6 @@ from stage2_train.data.split import heldout_mask  # noqa: E402
 def synthetic_lengths(n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(np.log(1500), 0.75, n), 64, 8192).astype(np.int64)
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def hand_out(sampler: LengthMixedSampler, epochs: int) -> dict[str, float]:
@@ -57,14 +52,8 @@ def main() -> int:
     lengths = synthetic_lengths(args.samples)
     cfg = SamplerConfig(micro_batch_tokens=49_152, max_anchors_per_seq=512)
     grad_accum = 4
-    results: dict = {
-        "samples": args.samples,
-        "tokens": int(lengths.sum()),
-        "length_median": float(np.median(lengths)),
-        "ranks": args.ranks,
-        "micro_batch_tokens": cfg.micro_batch_tokens,
-        "grad_accum": grad_accum,
-    }
+    results: dict = {"samples": args.samples, "tokens": int(lengths.sum()), "length_median": float(np.median(lengths)),
+                     "ranks": args.ranks, "micro_batch_tokens": cfg.micro_batch_tokens, "grad_accum": grad_accum}
 
     # Start-up: split, sampler (plans epoch 0), schedule length, first micro-batch.
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -74,13 +63,8 @@ def main() -> int:
     sampler = LengthMixedSampler(cfg, train_lengths, seed=0, rank=0, world_size=args.ranks, grad_accum=grad_accum)
     total = sampler.estimated_total_steps(args.epochs)
     first = next(sampler.upcoming())
-    results["startup"] = {
-        "wall_s": round(time.perf_counter() - wall0, 3),
-        "cpu_s": round(time.process_time() - cpu0, 3),
-        "estimated_total_steps": total,
-        "steps_epoch0": first.steps_in_epoch,
-        "heldout_samples": int(held.sum()),
-    }
+    results["startup"] = {"wall_s": round(time.perf_counter() - wall0, 3), "cpu_s": round(time.process_time() - cpu0, 3),
+                          "estimated_total_steps": total, "steps_epoch0": first.steps_in_epoch, "heldout_samples": int(held.sum())}
 
     # CPU seconds per epoch plan, and the baseline float-keyed search of the old planner.
     # `upcoming()` above started planning epoch 1 in the background: let it finish, and count this
@@ -104,35 +88,30 @@ def main() -> int:
     for upto in (1, 2, 4):
         out = hand_out(sampler, upto - sampler.epoch)
         waits.append(out["max_wait_s"])
-        rss[upto] = round(peak_rss_mib(), 1)
+        rss[upto] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # MiB
     for thread in list(sampler._planning.values()):
         thread.join()
-    results["plan_builds"] = {
-        "epochs_handed_out": 4,
-        "builds": sampler.plan_builds - builds_before + 1,  # + epoch 0's, built in the constructor
-        "builds_per_epoch": round((sampler.plan_builds - builds_before + 1) / 5, 2),  # epochs 0..4 (4 = look-ahead)
-        "plans_in_memory": len(sampler._plans),
-        "max_wait_for_a_micro_batch_s": round(max(waits), 4),
-    }
+    builds = sampler.plan_builds - builds_before + 1  # + epoch 0's, built in the constructor
+    results["plan_builds"] = {"epochs_handed_out": 4, "builds": builds,
+                              "builds_per_epoch": round(builds / 5, 2),  # epochs 0..4 (4 = look-ahead)
+                              "plans_in_memory": len(sampler._plans), "max_wait_for_a_micro_batch_s": round(max(waits), 4)}
     results["peak_rss_mib_after_epochs"] = rss
     return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
     st, b = r["startup"], r["plan_builds"]
-    out.append((f"plan builds per epoch per rank ({r['samples']:,} samples, {r['ranks']} ranks, {b['epochs_handed_out']} epochs)",
-                fmt(b["builds_per_epoch"]), "1", f"plans held at once: {b['plans_in_memory']}", yes(b["builds_per_epoch"] <= 1.0)))
-    out.append(("CPU seconds per epoch plan", fmt(r["plan_cpu_s"]), "<= 1.0",
-                f"float-keyed search {r['searchsorted_us']['float_key']} us vs int key {r['searchsorted_us']['int_key']} us per call",
-                yes(r["plan_cpu_s"] <= 1.0)))
-    out.append(("sampler start-up before the first micro-batch (split, plan, schedule length)", f"{st['wall_s']} s", "<= 5 s",
-                f"planning every epoch up front: {r['baseline_plan_every_epoch_up_front_cpu_s']} CPU s", yes(st["wall_s"] <= 5)))
-    out.append(("longest wait for a micro-batch over 4 epochs (the next plan is built ahead)", f"{b['max_wait_for_a_micro_batch_s']} s",
-                "", "", ""))
-    rss = r["peak_rss_mib_after_epochs"]
-    out.append(("peak RSS MiB after 1 / 2 / 4 epochs", " / ".join(str(v) for v in rss.values()), "flat", "", ""))
-    return out
+    return [
+        (f"plan builds per epoch per rank ({r['samples']:,} samples, {r['ranks']} ranks, {b['epochs_handed_out']} epochs)",
+         fmt(b["builds_per_epoch"]), "1", f"plans held at once: {b['plans_in_memory']}", yes(b["builds_per_epoch"] <= 1.0)),
+        ("CPU seconds per epoch plan", fmt(r["plan_cpu_s"]), "<= 1.0",
+         f"float-keyed search {r['searchsorted_us']['float_key']} us vs int key {r['searchsorted_us']['int_key']} us per call",
+         yes(r["plan_cpu_s"] <= 1.0)),
+        ("sampler start-up before the first micro-batch (split, plan, schedule length)", f"{st['wall_s']} s", "<= 5 s",
+         f"planning every epoch up front: {r['baseline_plan_every_epoch_up_front_cpu_s']} CPU s", yes(st["wall_s"] <= 5)),
+        ("longest wait for a micro-batch over 4 epochs (the next plan is built ahead)", f"{b['max_wait_for_a_micro_batch_s']} s", "", "", ""),
+        ("peak RSS MiB after 1 / 2 / 4 epochs", " / ".join(str(v) for v in r["peak_rss_mib_after_epochs"].values()), "flat", "", ""),
+    ]
 
 
 if __name__ == "__main__":

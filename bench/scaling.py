@@ -14,8 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Row, arguments, emit, fmt, run_cli, run_training, steady, step_figures  # noqa: E402
 
@@ -42,18 +41,10 @@ def extract_point(root: Path, name: str, target: Path, lengths: list[int], max_l
     # (status, resume, reprocess): read the token cache, hash the settings, check each shard.
     rerun = run_cli(cmd, root / f"{name}.rerun.log", ONE_THREAD)
     return {
-        "rows": len(lengths),
-        "tokens": summary["num_tokens"],
-        "shards": summary["shards_total"],
-        "wall_s": round(first.seconds, 2),
-        "prepare_s": summary["prepare_seconds"],
-        "loop_s": summary["seconds"],
-        "forward_s": summary["forward_seconds"],
-        "merge_s": summary.get("merge_seconds"),
-        "rerun_s": round(rerun.seconds, 2),
-        "rerun_prepare_s": rerun.summary["prepare_seconds"],
-        "loop_tok_per_s": summary["tok_per_s"],
-        "peak_rss_mib": first.peak_rss_mib,
+        "rows": len(lengths), "tokens": summary["num_tokens"], "shards": summary["shards_total"], "wall_s": round(first.seconds, 2),
+        "prepare_s": summary["prepare_seconds"], "loop_s": summary["seconds"], "forward_s": summary["forward_seconds"],
+        "merge_s": summary.get("merge_seconds"), "rerun_s": round(rerun.seconds, 2), "rerun_prepare_s": rerun.summary["prepare_seconds"],
+        "loop_tok_per_s": summary["tok_per_s"], "peak_rss_mib": first.peak_rss_mib,
         "train_on": [*stage1, f"store.path={run_dir / 'store'}"],  # the settings that made the store: it is fresh
     }
 
@@ -68,15 +59,10 @@ def train_point(root: Path, name: str, store: list[str], steps: int, budget: int
     rows = run.rows
     measured, figures = steady(rows), step_figures(rows)
     start = next(r for r in read_log(run.paths.log, "event") if r["event"] == "run_start")
-    return {
-        "steps": len(rows),
-        "startup_s": round(start["time"] - run.launched, 2),
-        "step_s": round(figures["step_s_median"], 3),
-        **{k: figures[k] for k in ("tok_per_s", "blocks_per_s", "data_wait_frac")},
-        "blocks_per_token": round(sum(r["blocks"] for r in measured) / sum(r["tokens"] for r in measured), 3),
-        "wall_s": round(run.seconds, 2),
-        "peak_rss_mib": run.peak_rss_mib,
-    }
+    return {"steps": len(rows), "startup_s": round(start["time"] - run.launched, 2), "step_s": round(figures["step_s_median"], 3),
+            **{k: figures[k] for k in ("tok_per_s", "blocks_per_s", "data_wait_frac")},
+            "blocks_per_token": round(sum(r["blocks"] for r in measured) / sum(r["tokens"] for r in measured), 3),
+            "wall_s": round(run.seconds, 2), "peak_rss_mib": run.peak_rss_mib}
 
 
 def relative_to_linear(points: list[dict], size_key: str, cost_key: str) -> list[float]:
@@ -106,7 +92,7 @@ def main() -> int:
         point = {"multiple": multiple, **extract_point(root, f"n{multiple}", target, mixed_lengths(count, multiple), 1024, multiple)}
         point["train"] = train_point(root, f"n{multiple}", point.pop("train_on"), args.steps, 1024, 8)
         results["samples"].append(point)
-        print(json.dumps({k: v for k, v in point.items()}), flush=True)
+        print(json.dumps(point), flush=True)
 
     for length in (int(x) for x in args.lengths.split(",")):
         count = max(2, args.length_tokens // length)
@@ -126,38 +112,33 @@ def main() -> int:
     results["samples_vs_linear"]["train_startup_s"] = relative_to_linear(flat, "tokens", "train_startup_s")
     results["samples_peak_rss_mib"] = {"extract": [p["peak_rss_mib"] for p in s], "train": [p["train"]["peak_rss_mib"] for p in s]}
     lens = results["lengths"]
-    results["length_tok_per_s"] = {
-        "extract_loop": [p["loop_tok_per_s"] for p in lens],
-        "train": [p["train"]["tok_per_s"] for p in lens],
-        "train_blocks_per_s": [p["train"]["blocks_per_s"] for p in lens],
-    }
+    results["length_tok_per_s"] = {"extract_loop": [p["loop_tok_per_s"] for p in lens], "train": [p["train"]["tok_per_s"] for p in lens],
+                                   "train_blocks_per_s": [p["train"]["blocks_per_s"] for p in lens]}
     return emit(results, args.json)
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
-    s, lin = r["samples"], r["samples_vs_linear"]
-    sizes = " / ".join(f"{p['multiple']}x" for p in s)
-    out.append((f"extraction loop time per token, {sizes} samples (1.0 = linear)", " / ".join(fmt(x) for x in lin["loop_s"]), "~1",
-                f"{' / '.join(fmt(p['tokens']) for p in s)} tokens in {' / '.join(str(p['shards']) for p in s)} shards", ""))
-    out.append((f"extraction whole-command time per token, {sizes}", " / ".join(fmt(x) for x in lin["wall_s"]), "",
-                f"fixed start-up {s[0]['prepare_s']} s (imports, tokenizer) amortised", ""))
-    out.append((f"a later command on the done store (token cache + checks), {sizes}", " / ".join(f"{p['rerun_s']} s" for p in s), "flat",
-                f"first extraction's prepare: {' / '.join(str(p['prepare_s']) for p in s)} s", ""))
-    out.append((f"extraction peak RSS MiB, {sizes}", " / ".join(str(x) for x in r["samples_peak_rss_mib"]["extract"]), "flat", "", ""))
-    out.append((f"training blocks/s, {sizes}", " / ".join(fmt(p["train"]["blocks_per_s"]) for p in s), "flat",
-                f"tokens/s {' / '.join(fmt(p['train']['tok_per_s']) for p in s)}; start-up "
-                f"{' / '.join(str(p['train']['startup_s']) for p in s)} s", ""))
-    out.append((f"training peak RSS MiB, {sizes}", " / ".join(str(x) for x in r["samples_peak_rss_mib"]["train"]), "flat", "", ""))
-    lens = r["lengths"]
-    lengths = " / ".join(str(p["length"]) for p in lens)
-    t = r["length_tok_per_s"]
-    out.append((f"extraction tokens/s at sample length {lengths}", " / ".join(fmt(x) for x in t["extract_loop"]), "", "same total tokens per point", ""))
-    out.append((f"training tokens/s at sample length {lengths} ({lens[0]['train']['blocks_per_token']} -> "
-                f"{lens[-1]['train']['blocks_per_token']} blocks per token)", " / ".join(fmt(x) for x in t["train"]), "",
-                f"blocks/s {' / '.join(fmt(x) for x in t['train_blocks_per_s'])}", ""))
-    out.append(("training peak RSS MiB by length", " / ".join(str(p["train"]["peak_rss_mib"]) for p in lens), "", "", ""))
-    return out
+    def slash(values, show=fmt) -> str:
+        return " / ".join(show(v) for v in values)
+
+    s, lin, rss, lens, t = r["samples"], r["samples_vs_linear"], r["samples_peak_rss_mib"], r["lengths"], r["length_tok_per_s"]
+    sizes, lengths = slash(f"{p['multiple']}x" for p in s), slash((p["length"] for p in lens), str)
+    return [
+        (f"extraction loop time per token, {sizes} samples (1.0 = linear)", slash(lin["loop_s"]), "~1",
+         f"{slash(p['tokens'] for p in s)} tokens in {slash((p['shards'] for p in s), str)} shards", ""),
+        (f"extraction whole-command time per token, {sizes}", slash(lin["wall_s"]), "",
+         f"fixed start-up {s[0]['prepare_s']} s (imports, tokenizer) amortised", ""),
+        (f"a later command on the done store (token cache + checks), {sizes}", slash(f"{p['rerun_s']} s" for p in s), "flat",
+         f"first extraction's prepare: {slash((p['prepare_s'] for p in s), str)} s", ""),
+        (f"extraction peak RSS MiB, {sizes}", slash(rss["extract"], str), "flat", "", ""),
+        (f"training blocks/s, {sizes}", slash(p["train"]["blocks_per_s"] for p in s), "flat",
+         f"tokens/s {slash(p['train']['tok_per_s'] for p in s)}; start-up {slash((p['train']['startup_s'] for p in s), str)} s", ""),
+        (f"training peak RSS MiB, {sizes}", slash(rss["train"], str), "flat", "", ""),
+        (f"extraction tokens/s at sample length {lengths}", slash(t["extract_loop"]), "", "same total tokens per point", ""),
+        (f"training tokens/s at sample length {lengths} ({lens[0]['train']['blocks_per_token']} -> "
+         f"{lens[-1]['train']['blocks_per_token']} blocks per token)", slash(t["train"]), "", f"blocks/s {slash(t['train_blocks_per_s'])}", ""),
+        ("training peak RSS MiB by length", slash((p["train"]["peak_rss_mib"] for p in lens), str), "", "", ""),
+    ]
 
 
 if __name__ == "__main__":

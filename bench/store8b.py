@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Row, arguments, emit, evict, fmt, yes  # noqa: E402
 
@@ -87,12 +86,8 @@ def h200_samples_per_s(mfu: float = 0.4, peak: float = 989e12) -> dict:
 
     shape = DrafterShape.of(DrafterConfig(num_layers=5, block_size=16), KNOWN_TARGETS["qwen3-8b"], LAYERS)
     anchors = 512
-    work = StepWork(
-        context_tokens=TOKENS,
-        blocks=anchors,
-        scored_rows=anchors * 15,
-        attention_pairs=sum(16 * (a + 16) for a in np.linspace(PROMPT, TOKENS - 2, anchors).astype(int)),
-    )
+    work = StepWork(context_tokens=TOKENS, blocks=anchors, scored_rows=anchors * 15,
+                    attention_pairs=sum(16 * (a + 16) for a in np.linspace(PROMPT, TOKENS - 2, anchors).astype(int)))
     flops = train_step_flops(shape, work)["total"]
     return {"flops_per_sample": flops, "samples_per_s": round(mfu * peak / flops, 2), "mfu": mfu, "peak_tflops": peak / 1e12}
 
@@ -127,13 +122,9 @@ def main() -> int:
     zroot = root.with_name(root.name + "_zstd")
     try:
         built = build_store(root, args.samples, args.per_shard, "none")
-        results: dict = {
-            "samples": args.samples,
-            "tokens_per_sample": TOKENS,
-            "features": f"{LAYERS} x {HIDDEN} bf16, top-{TOP_K}",
-            "store_gib": round(built["bytes"] / 2**30, 2),
-            "write": {**built, "mb_per_s": round(built["bytes"] / 2**20 / built["write_s"], 1)},
-        }
+        results: dict = {"samples": args.samples, "tokens_per_sample": TOKENS, "features": f"{LAYERS} x {HIDDEN} bf16, top-{TOP_K}",
+                         "store_gib": round(built["bytes"] / 2**30, 2),
+                         "write": {**built, "mb_per_s": round(built["bytes"] / 2**20 / built["write_s"], 1)}}
         evict(root)
         cold_seq = sequential_read(root)
         warm_seq = sequential_read(root)
@@ -141,11 +132,9 @@ def main() -> int:
         cold_loader, warm_loader = loader_epochs(root, args.threads, 2)  # epoch 1 cold, epoch 2 cached
         demand = h200_samples_per_s()
         results["sequential_read_mb_per_s"] = {"cold": round(cold_seq, 1), "warm": round(warm_seq, 1)}
-        results["loader"] = {
-            "threads": args.threads,
-            "cold": {**cold_loader, "over_sequential": round(cold_loader["mb_per_s"] / cold_seq, 3)},
-            "warm": {**warm_loader, "over_sequential": round(warm_loader["mb_per_s"] / warm_seq, 3)},
-        }
+        results["loader"] = {"threads": args.threads,
+                             "cold": {**cold_loader, "over_sequential": round(cold_loader["mb_per_s"] / cold_seq, 3)},
+                             "warm": {**warm_loader, "over_sequential": round(warm_loader["mb_per_s"] / warm_seq, 3)}}
         results["h200_demand"] = demand
         results["loader_over_h200_demand"] = round(warm_loader["samples_per_s"] / demand["samples_per_s"], 3)
         build_store(zroot, min(args.per_shard, args.samples), args.per_shard, "zstd")
@@ -157,20 +146,18 @@ def main() -> int:
 
 
 def rows(r: dict) -> list[Row]:
-    out: list[Row] = []
-    seq, ld = r["sequential_read_mb_per_s"], r["loader"]
-    out.append((f"8B-shaped store ({r['features']}, {r['tokens_per_sample']} tokens/sample, {r['samples']} samples, {r['store_gib']} GiB)",
-                f"written at {r['write']['mb_per_s']} MB/s", "", "the project's writer", ""))
-    for mode in ("cold", "warm"):
-        out.append((f"loader MB/s ({ld['threads']} threads, 512 anchors x 16 slots collated) / sequential read, {mode}",
-                    fmt(ld[mode]["over_sequential"]), ">= 0.7", f"{ld[mode]['mb_per_s']} vs {seq[mode]} MB/s",
-                    yes(ld[mode]["over_sequential"] >= 0.7)))
-    d = r["h200_demand"]
-    out.append(("loader samples/s / what one H200 trains (5-layer 8B drafter, 40% MFU)", fmt(r["loader_over_h200_demand"]), ">= 1",
-                f"{ld['warm']['samples_per_s']} vs {d['samples_per_s']} samples/s ({d['flops_per_sample'] / 1e12:.0f} TFLOP per sample)",
-                yes(r["loader_over_h200_demand"] >= 1)))
-    out.append(("zstd decode MB/s per thread (real activations compress ~1.26x)", fmt(r["zstd_decode_mb_per_s"]), "", "", ""))
-    return out
+    seq, ld, d = r["sequential_read_mb_per_s"], r["loader"], r["h200_demand"]
+    return [
+        (f"8B-shaped store ({r['features']}, {r['tokens_per_sample']} tokens/sample, {r['samples']} samples, {r['store_gib']} GiB)",
+         f"written at {r['write']['mb_per_s']} MB/s", "", "the project's writer", ""),
+        *((f"loader MB/s ({ld['threads']} threads, 512 anchors x 16 slots collated) / sequential read, {mode}",
+           fmt(ld[mode]["over_sequential"]), ">= 0.7", f"{ld[mode]['mb_per_s']} vs {seq[mode]} MB/s", yes(ld[mode]["over_sequential"] >= 0.7))
+          for mode in ("cold", "warm")),
+        ("loader samples/s / what one H200 trains (5-layer 8B drafter, 40% MFU)", fmt(r["loader_over_h200_demand"]), ">= 1",
+         f"{ld['warm']['samples_per_s']} vs {d['samples_per_s']} samples/s ({d['flops_per_sample'] / 1e12:.0f} TFLOP per sample)",
+         yes(r["loader_over_h200_demand"] >= 1)),
+        ("zstd decode MB/s per thread (real activations compress ~1.26x)", fmt(r["zstd_decode_mb_per_s"]), "", "", ""),
+    ]
 
 
 if __name__ == "__main__":

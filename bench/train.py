@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import STARTED, Row, arguments, emit, fmt, run_training, steady, step_figures, yes  # noqa: E402
 
@@ -41,15 +40,10 @@ def tiny_store(root: Path) -> list[str]:
 def throughput(rows: list[dict], block_size: int) -> dict:
     figures, steady_rows = step_figures(rows), steady(rows)
     step_s = statistics.mean(r["step_s"] for r in steady_rows)
-    return {
-        **figures,
-        "scored_rows_per_s": round(figures["blocks_per_s"] * (block_size - 1), 1),
-        "tokens_per_step": round(statistics.mean(r["tokens"] for r in steady_rows), 1),
-        "blocks_per_step": round(statistics.mean(r["blocks"] for r in steady_rows), 1),
-        "step_s": round(step_s, 4),
-        "split_share": {p: round(s / step_s, 3) for p, s in figures["split_s"].items()},
-        **epoch_boundaries(rows),
-    }
+    return {**figures, "scored_rows_per_s": round(figures["blocks_per_s"] * (block_size - 1), 1),
+            "tokens_per_step": round(statistics.mean(r["tokens"] for r in steady_rows), 1),
+            "blocks_per_step": round(statistics.mean(r["blocks"] for r in steady_rows), 1), "step_s": round(step_s, 4),
+            "split_share": {p: round(s / step_s, 3) for p, s in figures["split_s"].items()}, **epoch_boundaries(rows)}
 
 
 def epoch_boundaries(rows: list[dict]) -> dict:
@@ -58,12 +52,8 @@ def epoch_boundaries(rows: list[dict]) -> dict:
     gaps = [(b["elapsed_s"] - a["elapsed_s"], b) for a, b in zip(rows, rows[1:])]
     median = statistics.median(g for g, _ in gaps)
     at_boundary = [g for g, row in gaps if row["step_in_epoch"] == 0]
-    return {
-        "epochs": rows[-1]["epoch"] + 1,
-        "median_step_gap_s": round(median, 4),
-        "boundary_step_gaps_s": [round(g, 4) for g in at_boundary],
-        "boundary_over_median_max": round(max(at_boundary) / median, 3) if at_boundary else None,
-    }
+    return {"epochs": rows[-1]["epoch"] + 1, "median_step_gap_s": round(median, 4), "boundary_step_gaps_s": [round(g, 4) for g in at_boundary],
+            "boundary_over_median_max": round(max(at_boundary) / median, 3) if at_boundary else None}
 
 
 def loader_rate(config: str, overrides: list[str], trainer_step_s: float, seconds: float = 10.0) -> dict:
@@ -81,11 +71,8 @@ def loader_rate(config: str, overrides: list[str], trainer_step_s: float, second
                 if time.perf_counter() - started >= seconds:
                     break
     rate = count / (time.perf_counter() - started)
-    return {
-        "batches_per_s": round(rate, 2),
-        "trainer_batches_per_s": round(1 / trainer_step_s, 2),
-        "loader_over_trainer": round(rate * trainer_step_s, 1),
-    }
+    return {"batches_per_s": round(rate, 2), "trainer_batches_per_s": round(1 / trainer_step_s, 2),
+            "loader_over_trainer": round(rate * trainer_step_s, 1)}
 
 
 def main() -> int:
@@ -126,14 +113,10 @@ def main() -> int:
         one, two = one_run.rows, two_run.rows
         diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]
         results["ddp"] = {
-            "steps": len(diffs),
-            "losses_1proc": [r["loss"] for r in one],
-            "losses_2proc": [r["loss"] for r in two],
-            "max_abs_loss_diff": max(diffs),
-            "max_rel_loss_diff": max(d / abs(a["loss"]) for d, a in zip(diffs, one)),
+            "steps": len(diffs), "losses_1proc": [r["loss"] for r in one], "losses_2proc": [r["loss"] for r in two],
+            "max_abs_loss_diff": max(diffs), "max_rel_loss_diff": max(d / abs(a["loss"]) for d, a in zip(diffs, one)),
             "max_rel_grad_norm_diff": max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(one, two)),
-            "wall_s_1proc": round(one_run.seconds, 1),
-            "wall_s_2proc": round(two_run.seconds, 1),
+            "wall_s_1proc": round(one_run.seconds, 1), "wall_s_2proc": round(two_run.seconds, 1),
         }
     return emit(results, args.json)
 
