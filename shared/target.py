@@ -265,8 +265,22 @@ def cached_tokenizer(target_dir: str) -> tuple[Any, dict[str, str]]:
 
 @functools.lru_cache(maxsize=4)
 def _cached_tokenizer(target_dir: str, stamp: tuple) -> tuple[Any, dict[str, str]]:
-    tokenizer = load_tokenizer(TargetConfig(path=target_dir))
-    return tokenizer, tokenizer_fingerprints(tokenizer)
+    # A copy of a folder already loaded (a Hub snapshot and the same model saved elsewhere, a job's
+    # scratch copy) is the same tokenizer: its files' content decides, hashed only on this miss.
+    folder = Path(target_dir)
+    content = hashlib.sha256()
+    for name, *_ in stamp:
+        content.update(name.encode() + b"\0" + file_sha256(folder / name).encode())
+    key = content.hexdigest()
+    if key not in _BY_CONTENT:
+        tokenizer = load_tokenizer(TargetConfig(path=target_dir))
+        _BY_CONTENT[key] = (tokenizer, tokenizer_fingerprints(tokenizer))
+        while len(_BY_CONTENT) > 4:
+            _BY_CONTENT.pop(next(iter(_BY_CONTENT)))
+    return _BY_CONTENT[key]
+
+
+_BY_CONTENT: dict[str, tuple[Any, dict[str, str]]] = {}  # the content of a folder's non-weight files -> its tokenizer
 
 
 # ---------------------------------------------------------------------------------------------

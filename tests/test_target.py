@@ -197,3 +197,21 @@ def test_a_target_without_a_known_reserved_token_is_offered_one(tiny_target_dir,
     plan = cmd_plan(load_run_config("configs/default.yaml", stage1_overrides(target, data, tmp_path / "run",
                                                                               **{"target.mask_token_id": 3})))
     assert plan["samples"] == 4
+
+
+def test_a_copy_of_a_target_folder_shares_its_tokenizer_and_an_edited_one_does_not(tiny_target_dir, tmp_path):
+    """The tokenizer (and its fingerprints) is cached per folder and, on a miss, by the content of the
+    folder's non-weight files: a copy loads nothing again; a copy whose chat template or tokenizer was
+    edited is its own tokenizer, with its own fingerprints."""
+    import shutil
+
+    from shared.target import cached_tokenizer
+
+    first, prints = cached_tokenizer(str(tiny_target_dir))
+    copy = shutil.copytree(tiny_target_dir, tmp_path / "copy")
+    assert cached_tokenizer(str(copy))[0] is first and cached_tokenizer(str(copy))[1] == prints
+    (copy / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    edited, edited_prints = cached_tokenizer(str(copy))
+    assert edited is not first and edited.chat_template == "{{ messages[0]['content'] }}"
+    assert edited_prints["chat_template_sha256"] != prints["chat_template_sha256"]
+    assert cached_tokenizer(str(tiny_target_dir))[0] is first
