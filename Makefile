@@ -64,7 +64,7 @@ eval export: setup
 doctor report: setup
 	$(PY) -m stage2_train $@ --config $(CONFIG) $(LOG) $(ARGS)
 
-# Two workers (pytest-xdist): the default run takes ~3.5 minutes on 2 cores (215 s in a fresh clone) instead of ~7 with one.
+# Two workers (pytest-xdist): the default run takes ~3.5 minutes on 2 cores (215 s in a fresh clone); one worker takes about twice as long.
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
