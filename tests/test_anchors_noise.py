@@ -159,13 +159,7 @@ def test_blocks_at_the_end_of_a_response_score_only_the_tokens_that_exist():
 
     T = 12
     mask = torch.tensor([False] * 4 + [True] * (T - 4))
-    sample = {
-        "input_ids_T": torch.arange(100, 100 + T),
-        "loss_mask_T": mask,
-        "hidden_TLH": torch.zeros(T, 1, 2),
-        "topk_logprobs_TK": torch.zeros(T, 1),
-        "topk_ids_TK": torch.zeros(T, 1, dtype=torch.long),
-    }
+    sample = tiny_sample(mask, top_k=1)
     anchors = torch.from_numpy(valid_anchor_positions(mask, BLOCK))
     assert anchors.tolist() == list(range(4, T - 1))
     batch = collate([sample], [anchors], block_size=BLOCK, mask_token_id=7, gather_topk=False)
@@ -183,14 +177,8 @@ def test_a_block_reaching_past_a_user_turn_scores_nothing_of_the_next_answer(lab
 
     # prompt 0-1 | answer 2-5 (5: end of turn) | user 6-7 | answer 8-13
     mask = torch.tensor([False] * 2 + [True] * 4 + [False] * 2 + [True] * 6)
-    T, B = len(mask), 8
-    sample = {
-        "input_ids_T": torch.arange(100, 100 + T),
-        "loss_mask_T": mask,
-        "hidden_TLH": torch.zeros(T, 1, 2),
-        "topk_logprobs_TK": torch.zeros(T, 3),
-        "topk_ids_TK": torch.zeros(T, 3, dtype=torch.long),
-    }
+    B = 8
+    sample = tiny_sample(mask, top_k=3)
     anchors = torch.tensor([3, 4])  # 4: its slot 1 (or, shifted, slot 0) is the end of the first turn
     batch = collate([sample], [anchors], block_size=B, mask_token_id=7, gather_topk=False, label_shift=label_shift)
     first = 1 - label_shift
@@ -214,3 +202,12 @@ def test_the_recipes_noise_is_speculators_noise_not_sqrt3_wider():
         ours = NoiseSchedule(cfg).apply_(torch.zeros(400, 500), 10**6, noise_generator(1, 0, 0))
         assert ours.abs().max().item() == pytest.approx(0.05, rel=0.01) and ours.abs().max().item() <= 0.0501
         assert ours.std().item() == pytest.approx(theirs.std().item(), rel=0.02)
+
+
+def tiny_sample(mask: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
+    """A store sample of len(mask) tokens (ids 100..), one layer of width 2, zero features and top-k."""
+    T = len(mask)
+    return {
+        "input_ids_T": torch.arange(100, 100 + T), "loss_mask_T": mask, "hidden_TLH": torch.zeros(T, 1, 2),
+        "topk_logprobs_TK": torch.zeros(T, top_k), "topk_ids_TK": torch.zeros(T, top_k, dtype=torch.long),
+    }
