@@ -158,3 +158,12 @@ def _download_problem(exc: Exception, repo: str, revision: str) -> str | None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"the Hub answered HTTP {status} for {repo} ({first}); {rerun} later (it resumes what was fetched)"
     return None
+
+
+def fetch_rest(folder: Path, what: str) -> str:
+    """How to complete a Hub snapshot (models--ORG--NAME/snapshots/REV: the download) or a folder (a copy)."""
+    folder = Path(folder)
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        repo = folder.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+        return f"{repo} was fetched into the Hugging Face cache in part: `{DOWNLOAD} --config ...` fetches the rest"
+    return f"copy {what} into it"

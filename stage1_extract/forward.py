@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import ConfigError
-from shared.target import LOGIT_TRANSFORMS
+from shared.fingerprints import LOGIT_TRANSFORMS
 from shared.target_model import LayerCapture
 from stage1_extract.batching import TokenizedRow
 

@@ -619,7 +619,7 @@ def test_ranks_starting_together_hash_the_target_once(tiny_target_dir, tmp_path,
     import threading
     import time
 
-    import shared.target as target_mod
+    import shared.fingerprints as target_mod
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     real, hashed = target_mod.file_sha256, []
