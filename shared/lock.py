@@ -126,16 +126,21 @@ def exclusive(url: str, command: str) -> Iterator[str]:
     try:
         yield lock.kind
     except KeyboardInterrupt:
-        lost = getattr(lock, "lost", None)  # the lease's renewer stopped this command (`LeaseLock._renew`)
-        if lost is None:
+        if getattr(lock, "lost", None) is None:  # the lease's renewer stopped this command (`LeaseLock._renew`)
             raise
-        raise BusyError(
-            f"{url}: this command's lease was taken by {_describe(lost)} while it ran (not renewed for over "
-            f"{LEASE_S:.0f} s: a stalled or suspended process); it stopped so that two writers never share the "
-            f"folder. What it finished is kept: rerun it when the other is done"
-        ) from None
+        raise _lost_lease(url, lock.lost) from None
     finally:
         lock.release()
+    if getattr(lock, "lost", None) is not None:  # taken as the block ended, before the renewer could stop it
+        raise _lost_lease(url, lock.lost)
+
+
+def _lost_lease(url: str, lost: dict[str, Any]) -> BusyError:
+    return BusyError(
+        f"{url}: this command's lease was taken by {_describe(lost)} while it ran (not renewed for over "
+        f"{LEASE_S:.0f} s: a stalled or suspended process); it stopped so that two writers never share the "
+        f"folder. What it finished is kept: rerun it when the other is done"
+    )
 
 
 @contextmanager
@@ -308,6 +313,7 @@ class LeaseLock:
         self.clock = clock  # wall clock (leases are compared across hosts); tests pass their own
         self.token = secrets.token_hex(8)
         self._stop = threading.Event()
+        self._stopping = threading.Lock()  # the renewer interrupts the command only while release() has not begun
         self._renewer: threading.Thread | None = None
         self.lost: dict[str, Any] | None = None  # the lease that replaced this one (`_renew`)
 
@@ -357,7 +363,9 @@ class LeaseLock:
                 if current and current.get("token") not in (None, self.token):
                     self.lost = current
                     log.error("%s: the lease was taken by %s; stopping this command", self.path, _describe(current))
-                    _stop_main()
+                    with self._stopping:  # an interrupt landing after the block ended would escape `exclusive`
+                        if not self._stop.is_set():
+                            _stop_main()
                     return
                 self._write(command)
                 wait = self.lease_s / 3
@@ -366,7 +374,8 @@ class LeaseLock:
                 wait = self.lease_s / 30
 
     def release(self) -> None:
-        self._stop.set()
+        with self._stopping:
+            self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
         current = self._read()

@@ -312,6 +312,36 @@ def _acquired(lease, command):
     return lease
 
 
+def test_a_lease_found_taken_as_its_command_ends_is_said_and_never_interrupts_what_follows(tmp_path, monkeypatch):
+    """The renewer found the lease taken just as the block ended (its check delayed on a loaded
+    machine): its interrupt landed after `exclusive` had left, a KeyboardInterrupt in whatever ran
+    next (it crashed a pytest worker), and the lost lease was never said. Once release has begun the
+    renewer interrupts nothing, and `exclusive` names the new holder after the block."""
+    from shared import lock as lock_mod
+
+    store = tmp_path / "store"
+    store.mkdir()
+    interrupts = []
+    monkeypatch.setattr(lock_mod, "_stop_main", lambda: interrupts.append("KeyboardInterrupt"))
+    lease = LeaseLock(str(store), lease_s=0.3)
+    monkeypatch.setattr(lock_mod, "acquire_lock", lambda url, command: _acquired(lease, command))
+    taken = {"token": "0123456789abcdef", "expires": time.time() + 100, "host": "node-7", "pid": 42, "command": "x"}
+    read = lease._read
+
+    def read_as_release_begins():
+        current = read()
+        if current and current.get("token") == taken["token"]:
+            lease._stop.set()  # the block ended and release() began while the renewer read this
+        return current
+
+    lease._read = read_as_release_begins
+    with pytest.raises(BusyError, match=r"store: this command's lease was taken by .*node-7"):
+        with lock_mod.exclusive(str(store), "stage1_extract reprocess"):
+            (store / lock_mod.LEASE_NAME).write_text(json.dumps(taken))
+            time.sleep(0.5)  # the renewer reads it within a third of the lease
+    assert interrupts == [] and json.loads((store / lock_mod.LEASE_NAME).read_text())["token"] == taken["token"]
+
+
 LOST_LEASE_IN_BACKGROUND = """
 import json, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell script's background job (`extract ... &`) starts
