@@ -271,6 +271,8 @@ def cached_tokenizer(target_dir: str) -> tuple[Any, dict[str, str]]:
         content = hashlib.sha256()
         for name, *_ in stamp:
             content.update(name.encode() + b"\0" + file_sha256(folder / name).encode())
+        if len(_CONTENT_OF) > 64:  # a long-lived process whose folders keep changing
+            _CONTENT_OF.clear()
         key = _CONTENT_OF[(target_dir, stamp)] = content.hexdigest()
     if key in _BY_CONTENT:
         _BY_CONTENT[key] = _BY_CONTENT.pop(key)  # the most recently used last

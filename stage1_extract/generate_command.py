@@ -22,16 +22,15 @@ from shared.conversation_files import read_conversations
 from shared.conversations import Conversation, ReadStats
 from shared.errors import ConfigError, DataError
 from shared.files import write_atomic
+from shared.fingerprints import config_fingerprint, weights_fingerprint
 from shared.identity import generate_settings, generation_inputs, prompt_template, prompts_path
 from shared.lock import exclusive
 from shared.paths import RunPaths
 from shared.target import (
     TargetArch,
     cached_tokenizer,
-    config_fingerprint,
     resolve_target_dir,
     stop_token_ids,
-    weights_fingerprint,
 )
 from shared.target_model import load_target_model, resolve_device, resolve_dtype
 from shared.token_cache import source_fingerprint

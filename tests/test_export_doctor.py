@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.config import build_run_config, load_run_config
-from shared.target import TargetArch, TargetConfig, weights_fingerprint
+from shared.fingerprints import weights_fingerprint
+from shared.target import TargetArch, TargetConfig
 from stage2_train.__main__ import main
 from stage2_train.commands import cmd_export
 from stage2_train.model.config import DrafterConfig

@@ -596,7 +596,8 @@ def test_pickle_only_targets_are_refused_and_the_target_folder_is_never_written(
 
     import torch
 
-    from shared.target import TargetConfig, weights_fingerprint
+    from shared.fingerprints import weights_fingerprint
+    from shared.target import TargetConfig
     from shared.target_model import load_target_model
 
     before = sorted(p.name for p in tiny_target_dir.iterdir())

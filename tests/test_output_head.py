@@ -54,7 +54,7 @@ def test_a_target_with_a_logit_transform_records_it_in_its_stores_identity(tmp_p
     store keeps the identity it had)."""
     import json
 
-    from shared.target import logit_transform
+    from shared.fingerprints import logit_transform
 
     (tmp_path / "gemma").mkdir()
     (tmp_path / "gemma" / "config.json").write_text(json.dumps({"model_type": "gemma2", "final_logit_softcapping": 30.0}))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import ConfigError
+from shared.fingerprints import weights_fingerprint
 from shared.target import (
     TargetArch,
     TargetConfig,
@@ -28,7 +29,6 @@ from shared.target import (
     default_mask_token_id,
     resolve_target_dir,
     target_source,
-    weights_fingerprint,
 )
 from stage2_train.serve.load import read_export_config
 
